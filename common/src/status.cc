@@ -5,7 +5,7 @@
 namespace ulysses {
 
 absl::Status ErrnoError(std::string_view what, int err) {
-  std::string text = absl::StrCat(what, ": ", std::strerror(err), " (errno ", err, ")");
+  std::string text = StrCat(what, ": ", std::strerror(err), " (errno ", err, ")");
   switch (err) {
     case ENOENT: return absl::NotFoundError(text);
     case EACCES:

@@ -4,7 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/str_cat.h"
+#include "ulysses/common/strings.h"
 
 #define ULY_CONCAT_INNER_(a, b) a##b
 #define ULY_CONCAT_(a, b) ULY_CONCAT_INNER_(a, b)

@@ -1,0 +1,42 @@
+// String building for messages. The distribution's absl keeps its own string_view type, so
+// absl::StrCat does not take std::string_view; ulysses::StrCat takes anything streamable,
+// std::string_view and absl::string_view alike.
+#pragma once
+
+#include <sstream>
+#include <string>
+#include <string_view>
+
+#include "absl/strings/string_view.h"
+
+namespace ulysses {
+namespace strings_internal {
+
+inline void Append(std::ostringstream& os, absl::string_view v) { os.write(v.data(), v.size()); }
+template <typename T>
+void Append(std::ostringstream& os, const T& v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    os << (v ? "true" : "false");
+  } else if constexpr (std::is_integral_v<T> && sizeof(T) == 1) {
+    os << static_cast<int>(v);
+  } else {
+    os << v;
+  }
+}
+
+}  // namespace strings_internal
+
+/// Concatenates the text of every argument (numbers in decimal).
+template <typename... Args>
+std::string StrCat(const Args&... args) {
+  std::ostringstream os;
+  (strings_internal::Append(os, args), ...);
+  return os.str();
+}
+
+/// absl::string_view of a std::string_view (the distribution's absl has its own type).
+inline absl::string_view AbslView(std::string_view v) { return absl::string_view(v.data(), v.size()); }
+/// std::string_view of an absl::string_view.
+inline std::string_view StdView(absl::string_view v) { return std::string_view(v.data(), v.size()); }
+
+}  // namespace ulysses
