@@ -1,0 +1,430 @@
+#include "ulysses/ipc/unix_socket.h"
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "test_util.h"
+#include "ulysses/ipc/shm.h"
+
+namespace ulysses::ipc {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TempDir;
+using testing::WaitChild;
+
+bool PathExists(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// Leaves a socket file at `path` that nobody listens on, as a crashed daemon would.
+void MakeStaleSocket(const std::string& path) {
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_TRUE(fd.valid());
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd.get(), 1), 0);
+}  // closed here without unlink: the file stays behind
+
+std::pair<UniqueFd, UniqueFd> SocketPair() {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return {};
+  return {UniqueFd(sv[0]), UniqueFd(sv[1])};
+}
+
+// Writes `text` at offset 0 of memfd `fd` through a fresh mapping.
+void WriteThrough(int fd, const std::string& text) {
+  auto m = Mapping::Map(fd, 4096, /*writable=*/true);
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::memcpy(m->data(), text.c_str(), text.size() + 1);
+}
+
+std::string ReadThrough(int fd) {
+  auto m = Mapping::Map(fd, 4096, /*writable=*/false);
+  if (!m.ok()) return "<map failed: " + std::string(m.status().message()) + ">";
+  return std::string(static_cast<const char*>(m->data()));
+}
+
+TEST(UnixListenerTest, ListenAcceptAndPeerCred) {
+  TempDir dir;
+  const std::string path = dir.File("gpu0.sock");
+  auto listener = UnixListener::Listen(path);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  EXPECT_EQ(listener->path(), path);
+  EXPECT_GE(listener->fd(), 0);
+
+  struct stat st {};
+  ASSERT_EQ(::lstat(path.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(st.st_mode & 07777, 0660u);
+
+  auto client = ConnectUnix(path);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto server = listener->Accept();
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_TRUE(::fcntl(server->get(), F_GETFD) & FD_CLOEXEC);
+
+  auto cred = GetPeerCred(server->get());
+  ASSERT_TRUE(cred.ok()) << cred.status();
+  EXPECT_EQ(cred->pid, ::getpid());
+  EXPECT_EQ(cred->uid, ::geteuid());
+  EXPECT_EQ(cred->gid, ::getegid());
+
+  auto client_side = GetPeerCred(client->get());
+  ASSERT_TRUE(client_side.ok()) << client_side.status();
+  EXPECT_EQ(client_side->pid, ::getpid());
+
+  // The accepted connection carries data both ways.
+  ASSERT_TRUE(SendMessage(client->get(), "hello").ok());
+  auto msg = RecvMessage(server->get());
+  ASSERT_TRUE(msg.ok()) << msg.status();
+  EXPECT_EQ(msg->payload, "hello");
+}
+
+TEST(UnixListenerTest, ModeIsApplied) {
+  TempDir dir;
+  const std::string path = dir.File("private.sock");
+  auto listener = UnixListener::Listen(path, 0600);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  struct stat st {};
+  ASSERT_EQ(::lstat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+}
+
+TEST(UnixListenerTest, DestructorUnlinksPath) {
+  TempDir dir;
+  const std::string path = dir.File("gone.sock");
+  {
+    auto listener = UnixListener::Listen(path);
+    ASSERT_TRUE(listener.ok()) << listener.status();
+    EXPECT_TRUE(PathExists(path));
+  }
+  EXPECT_FALSE(PathExists(path));
+  auto connect = ConnectUnix(path);
+  EXPECT_EQ(connect.status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(UnixListenerTest, MovedListenerKeepsPath) {
+  TempDir dir;
+  const std::string path = dir.File("moved.sock");
+  auto listener = UnixListener::Listen(path);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  UnixListener moved(*std::move(listener));
+  { UnixListener empty(std::move(*listener)); }  // moved-from: must not unlink
+  EXPECT_TRUE(PathExists(path));
+  EXPECT_EQ(moved.path(), path);
+  auto client = ConnectUnix(path);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_TRUE(moved.Accept().ok());
+}
+
+TEST(UnixListenerTest, RemovesStaleSocket) {
+  TempDir dir;
+  const std::string path = dir.File("stale.sock");
+  MakeStaleSocket(path);
+  ASSERT_TRUE(PathExists(path));
+  auto refused = ConnectUnix(path);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+
+  auto listener = UnixListener::Listen(path);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  auto client = ConnectUnix(path);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_TRUE(listener->Accept().ok());
+}
+
+TEST(UnixListenerTest, LiveSocketIsInUse) {
+  TempDir dir;
+  const std::string path = dir.File("live.sock");
+  auto first = UnixListener::Listen(path);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = UnixListener::Listen(path);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr("socket " + path + " is in use"));
+  // The failed attempt left the live socket alone.
+  auto client = ConnectUnix(path);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_TRUE(first->Accept().ok());
+}
+
+TEST(UnixListenerTest, MissingParentIsNotFound) {
+  TempDir dir;
+  const std::string path = dir.File("no-such-dir/gpu0.sock");
+  auto listener = UnixListener::Listen(path);
+  EXPECT_EQ(listener.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(listener.status().message()), HasSubstr(dir.File("no-such-dir")));
+  EXPECT_FALSE(PathExists(dir.File("no-such-dir")));
+}
+
+TEST(UnixListenerTest, RegularFileIsNotRemoved) {
+  TempDir dir;
+  const std::string path = dir.File("not-a-socket");
+  UniqueFd file(::open(path.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600));
+  ASSERT_TRUE(file.valid());
+  auto listener = UnixListener::Listen(path);
+  EXPECT_EQ(listener.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(PathExists(path));
+}
+
+TEST(UnixListenerTest, BadPathIsInvalidArgument) {
+  auto empty = UnixListener::Listen("");
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  auto too_long = UnixListener::Listen("/tmp/" + std::string(200, 'x'));
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(too_long.status().message()), HasSubstr("path"));
+  auto connect = ConnectUnix("/tmp/" + std::string(200, 'x'));
+  EXPECT_EQ(connect.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(UnixListenerTest, ShutdownWakesBlockedAccept) {
+  TempDir dir;
+  const std::string path = dir.File("shutdown.sock");
+  auto listener = UnixListener::Listen(path);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+
+  absl::Status accept_status;
+  std::thread acceptor([&] { accept_status = listener->Accept().status(); });
+  listener->Shutdown();
+  acceptor.join();
+  EXPECT_EQ(accept_status.code(), absl::StatusCode::kCancelled) << accept_status;
+  // Later calls fail the same way, and new clients are turned away.
+  EXPECT_EQ(listener->Accept().status().code(), absl::StatusCode::kCancelled);
+  EXPECT_FALSE(ConnectUnix(path).ok());
+  listener->Shutdown();  // idempotent
+}
+
+TEST(MessageTest, FramesWithZeroOneAndThreeFds) {
+  auto [a, b] = SocketPair();
+  ASSERT_TRUE(a.valid());
+  std::vector<UniqueFd> memfds;
+  for (int i = 0; i < 4; ++i) {
+    auto fd = CreateMemfd("msg-test", 4096);
+    ASSERT_TRUE(fd.ok()) << fd.status();
+    WriteThrough(fd->get(), "buffer " + std::to_string(i));
+    memfds.push_back(*std::move(fd));
+  }
+  const int one[] = {memfds[0].get()};
+  const int three[] = {memfds[1].get(), memfds[2].get(), memfds[3].get()};
+
+  // Back to back, before anything is read: the framing alone must delimit them.
+  ASSERT_TRUE(SendMessage(a.get(), "no fds").ok());
+  ASSERT_TRUE(SendMessage(a.get(), "one fd", one).ok());
+  ASSERT_TRUE(SendMessage(a.get(), "three fds", three).ok());
+  ASSERT_TRUE(SendMessage(a.get(), "").ok());
+  ASSERT_TRUE(SendMessage(a.get(), "", one).ok());
+
+  auto m0 = RecvMessage(b.get());
+  ASSERT_TRUE(m0.ok()) << m0.status();
+  EXPECT_EQ(m0->payload, "no fds");
+  EXPECT_TRUE(m0->fds.empty());
+
+  auto m1 = RecvMessage(b.get());
+  ASSERT_TRUE(m1.ok()) << m1.status();
+  EXPECT_EQ(m1->payload, "one fd");
+  ASSERT_EQ(m1->fds.size(), 1u);
+  EXPECT_EQ(ReadThrough(m1->fds[0].get()), "buffer 0");
+
+  auto m3 = RecvMessage(b.get());
+  ASSERT_TRUE(m3.ok()) << m3.status();
+  EXPECT_EQ(m3->payload, "three fds");
+  ASSERT_EQ(m3->fds.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(ReadThrough(m3->fds[i].get()), "buffer " + std::to_string(i + 1));
+    EXPECT_TRUE(::fcntl(m3->fds[i].get(), F_GETFD) & FD_CLOEXEC);
+  }
+
+  auto empty = RecvMessage(b.get());
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_EQ(empty->payload, "");
+  EXPECT_TRUE(empty->fds.empty());
+
+  auto empty_with_fd = RecvMessage(b.get());
+  ASSERT_TRUE(empty_with_fd.ok()) << empty_with_fd.status();
+  EXPECT_EQ(empty_with_fd->payload, "");
+  EXPECT_EQ(empty_with_fd->fds.size(), 1u);
+
+  // Nothing more is queued.
+  auto readable = WaitReadable(b.get(), 0);
+  ASSERT_TRUE(readable.ok());
+  EXPECT_FALSE(*readable);
+}
+
+TEST(MessageTest, ReceivedFdIsTheSameMemfd) {
+  auto [a, b] = SocketPair();
+  auto fd = CreateMemfd("same-memfd", 4096);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  const int fds[] = {fd->get()};
+  ASSERT_TRUE(SendMessage(a.get(), "buf", fds).ok());
+  auto msg = RecvMessage(b.get());
+  ASSERT_TRUE(msg.ok()) << msg.status();
+  ASSERT_EQ(msg->fds.size(), 1u);
+  const int received = msg->fds[0].get();
+  EXPECT_NE(received, fd->get());
+
+  auto size = FdSize(received);
+  ASSERT_TRUE(size.ok());
+  EXPECT_EQ(*size, 4096u);
+  WriteThrough(fd->get(), "sender wrote this");
+  EXPECT_EQ(ReadThrough(received), "sender wrote this");
+  WriteThrough(received, "receiver answered");
+  EXPECT_EQ(ReadThrough(fd->get()), "receiver answered");
+}
+
+TEST(MessageTest, LargePayloadWithFdsArrivesWhole) {
+  auto [a, b] = SocketPair();
+  auto fd = CreateMemfd("large", 4096);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  std::string big(3 << 20, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 131 + 7);
+
+  // Bigger than the socket buffer: the sender blocks in partial sends until the reader drains.
+  absl::Status send_status;
+  std::thread sender([&, sock = a.get(), memfd = fd->get()] {
+    const int fds[] = {memfd, memfd};
+    send_status = SendMessage(sock, big, fds);
+    if (send_status.ok()) send_status = SendMessage(sock, "after");
+  });
+  auto msg = RecvMessage(b.get(), big.size());
+  auto after = RecvMessage(b.get());
+  sender.join();
+  ASSERT_TRUE(send_status.ok()) << send_status;
+  ASSERT_TRUE(msg.ok()) << msg.status();
+  EXPECT_EQ(msg->payload.size(), big.size());
+  EXPECT_TRUE(msg->payload == big);
+  EXPECT_EQ(msg->fds.size(), 2u);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->payload, "after");
+}
+
+TEST(MessageTest, PeerCloseIsUnavailable) {
+  auto [a, b] = SocketPair();
+  ASSERT_TRUE(SendMessage(a.get(), "last words").ok());
+  a.reset();
+  auto msg = RecvMessage(b.get());
+  ASSERT_TRUE(msg.ok()) << msg.status();
+  EXPECT_EQ(msg->payload, "last words");
+  auto closed = RecvMessage(b.get());
+  EXPECT_EQ(closed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(closed.status().message()), HasSubstr("peer closed"));
+
+  // Sending to a closed peer fails without SIGPIPE.
+  auto send = SendMessage(b.get(), "anyone?");
+  EXPECT_EQ(send.code(), absl::StatusCode::kUnavailable) << send;
+}
+
+TEST(MessageTest, PeerCloseMidFrameIsUnavailable) {
+  auto [a, b] = SocketPair();
+  const uint32_t length = 100;
+  ASSERT_EQ(::write(a.get(), &length, sizeof(length)), 4);
+  ASSERT_EQ(::write(a.get(), "partial", 7), 7);
+  a.reset();
+  auto msg = RecvMessage(b.get());
+  EXPECT_EQ(msg.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(msg.status().message()), HasSubstr("middle of a frame"));
+}
+
+TEST(MessageTest, OversizedPayloadIsResourceExhausted) {
+  auto [a, b] = SocketPair();
+  ASSERT_TRUE(SendMessage(a.get(), std::string(100, 'x')).ok());
+  auto msg = RecvMessage(b.get(), /*max_payload=*/10);
+  EXPECT_EQ(msg.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(msg.status().message()), HasSubstr("max_payload"));
+}
+
+TEST(MessageTest, TooManyFdsIsResourceExhaustedAndStreamStaysInSync) {
+  auto [a, b] = SocketPair();
+  auto fd = CreateMemfd("too-many", 4096);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  const int three[] = {fd->get(), fd->get(), fd->get()};
+  ASSERT_TRUE(SendMessage(a.get(), "three", three).ok());
+  ASSERT_TRUE(SendMessage(a.get(), "next", three).ok());
+  auto msg = RecvMessage(b.get(), 4096, /*max_fds=*/2);
+  EXPECT_EQ(msg.status().code(), absl::StatusCode::kResourceExhausted);
+  auto next = RecvMessage(b.get(), 4096, 3);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->payload, "next");
+  EXPECT_EQ(next->fds.size(), 3u);
+}
+
+TEST(MessageTest, InvalidArguments) {
+  auto [a, b] = SocketPair();
+  const int bad[] = {-1};
+  auto send = SendMessage(a.get(), "x", bad);
+  EXPECT_EQ(send.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(send.message()), HasSubstr("fds"));
+  std::vector<int> too_many(kMaxFdsPerMessage + 1, a.get());
+  EXPECT_EQ(SendMessage(a.get(), "x", too_many).code(), absl::StatusCode::kInvalidArgument);
+  auto recv = RecvMessage(b.get(), 16, kMaxFdsPerMessage + 1);
+  EXPECT_EQ(recv.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(recv.status().message()), HasSubstr("max_fds"));
+}
+
+TEST(MessageTest, ForkedChildSendsFdToParent) {
+  auto [parent_end, child_end] = SocketPair();
+  ASSERT_TRUE(parent_end.valid());
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    parent_end.reset();
+    auto fd = CreateMemfd("from-child", 4096);
+    if (!fd.ok()) ::_exit(2);
+    auto m = Mapping::Map(fd->get(), 4096, true);
+    if (!m.ok()) ::_exit(3);
+    std::memcpy(m->data(), "written by the child", 21);
+    const int fds[] = {fd->get()};
+    if (!SendMessage(child_end.get(), "memfd", fds).ok()) ::_exit(4);
+    // Wait until the parent has written its answer into the shared memory and says so.
+    auto ack = RecvMessage(child_end.get());
+    if (!ack.ok() || ack->payload != "ack") ::_exit(5);
+    if (std::string(static_cast<const char*>(m->data())) != "answered by the parent") ::_exit(6);
+    ::_exit(0);
+  }
+  child_end.reset();
+  auto msg = RecvMessage(parent_end.get());
+  ASSERT_TRUE(msg.ok()) << msg.status();
+  EXPECT_EQ(msg->payload, "memfd");
+  ASSERT_EQ(msg->fds.size(), 1u);
+  EXPECT_EQ(ReadThrough(msg->fds[0].get()), "written by the child");
+  WriteThrough(msg->fds[0].get(), "answered by the parent");
+  ASSERT_TRUE(SendMessage(parent_end.get(), "ack").ok());
+  EXPECT_EQ(WaitChild(pid), 0);
+  // The child is gone: its end of the socket closed.
+  EXPECT_EQ(RecvMessage(parent_end.get()).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(WaitReadableTest, ReportsReadabilityAndTimeout) {
+  auto [a, b] = SocketPair();
+  auto idle = WaitReadable(b.get(), 10);
+  ASSERT_TRUE(idle.ok()) << idle.status();
+  EXPECT_FALSE(*idle);
+  ASSERT_TRUE(SendMessage(a.get(), "ping").ok());
+  auto ready = WaitReadable(b.get(), -1);
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  EXPECT_TRUE(*ready);
+
+  int closed_fd;
+  {
+    auto [c, d] = SocketPair();
+    closed_fd = c.get();
+  }
+  auto bad = WaitReadable(closed_fd, 0);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace ulysses::ipc
