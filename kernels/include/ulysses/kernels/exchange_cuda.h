@@ -1,0 +1,65 @@
+// CUDA launchers of the exchange blocks. Usable from host C++ without CUDA headers: the stream
+// type is forward-declared exactly as the CUDA runtime declares it. Built only when the
+// project has CUDA (ULYSSES_HAVE_CUDA); without it the launchers return FAILED_PRECONDITION
+// and CudaDeviceCount() returns 0.
+//
+// Every launcher has the semantics of the matching *Ref function of exchange.h, checks its
+// arguments before launching (INVALID_ARGUMENT naming the argument; nothing is enqueued),
+// enqueues asynchronously on `stream` (nullptr: the legacy default stream) and returns
+// INTERNAL if the launch fails. Pointers are device pointers valid on the current device,
+// output pointers may be a peer GPU's memory (with peer access enabled). Inputs and outputs
+// must not overlap. Loads and stores are 16-byte vectors when rows of D elements are a
+// multiple of 16 bytes and every row start is 16-byte aligned; element-wise otherwise.
+// Launchers are thread-safe; ordering is that of the stream.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "ulysses/kernels/exchange.h"
+
+struct CUstream_st;
+typedef struct CUstream_st* cudaStream_t;  // same declaration as the CUDA runtime's
+
+namespace ulysses::kernels {
+
+/// ScatterHeadsBlockRef on the GPU: one (src, dst) block into dst's [B, S_g, H_l, D] buffer.
+absl::Status LaunchScatterHeadsBlock(const ExchangeShape& shape, ConstView x_src, int src, int dst,
+                                     void* out_dst, cudaStream_t stream);
+
+/// GatherHeadsBlockRef on the GPU: one (src, dst) block into dst's [B, S_l, H, D] buffer.
+absl::Status LaunchGatherHeadsBlock(const ExchangeShape& shape, ConstView y_src, int src, int dst,
+                                    void* out_dst, cudaStream_t stream);
+
+/// ScatterQkvHeadChunkBlockRef on the GPU: one (src, dst) block into dst's [B, S_g, HC, 3D]
+/// buffer (three launches on `stream`, one per q/k/v).
+absl::Status LaunchScatterQkvHeadChunkBlock(const ExchangeShape& shape, ConstView q, ConstView k,
+                                            ConstView v, int32_t head_offset, int32_t head_count,
+                                            int src, int dst, void* out_dst, cudaStream_t stream);
+
+/// GatherOutputHeadChunkBlockRef on the GPU: one (src, dst) block into dst's staging buffer
+/// [B, S_l, W, HC, D].
+absl::Status LaunchGatherOutputHeadChunkBlock(const ExchangeShape& shape, ConstView x_src,
+                                              int32_t head_count, int src, int dst, void* stage_dst,
+                                              cudaStream_t stream);
+
+/// GatherOutputHeadChunkMergeRef on the GPU: staging buffer -> band of the [B, S_l, H, D]
+/// view `out`; other heads untouched.
+absl::Status LaunchGatherOutputHeadChunkMerge(const ExchangeShape& shape, const void* stage,
+                                              int32_t head_offset, int32_t head_count, MutView out,
+                                              cudaStream_t stream);
+
+/// CopyContiguousToViewRef on the GPU.
+absl::Status LaunchCopyContiguousToView(const void* src, const int64_t shape[4], int32_t itemsize,
+                                        MutView dst, cudaStream_t stream);
+
+/// CopyViewToContiguousRef on the GPU.
+absl::Status LaunchCopyViewToContiguous(ConstView src, const int64_t shape[4], int32_t itemsize,
+                                        void* dst, cudaStream_t stream);
+
+/// Number of CUDA devices visible to this process. 0, not an error, when there is no device or
+/// no driver (so tests can skip); INTERNAL for any other runtime failure.
+absl::StatusOr<int> CudaDeviceCount();
+
+}  // namespace ulysses::kernels

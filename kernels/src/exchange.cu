@@ -1,0 +1,133 @@
+// CUDA exchange launchers. Every block is one RowCopyPlan (exchange_plan.cc) run by
+// RowCopyKernel; the plan, not the kernel, knows which exchange it is.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda_check.h"
+#include "exchange_plan.h"
+#include "ulysses/common/status.h"
+#include "ulysses/kernels/exchange_cuda.h"
+
+namespace ulysses::kernels {
+namespace {
+
+using internal::RowCopyPlan;
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = int64_t{1} << 16;
+
+// blockDim = (plan.lanes, kThreads / plan.lanes): threadIdx.y picks a row (grid-stride over
+// all rows), threadIdx.x strides over the row's units, so consecutive lanes touch consecutive
+// units of one row and the row decomposition (64-bit div/mod) is paid once per row.
+template <typename Unit>
+__global__ void __launch_bounds__(kThreads) RowCopyKernel(const RowCopyPlan p) {
+  const auto* src = static_cast<const char*>(p.src);
+  auto* dst = static_cast<char*>(p.dst);
+  const int64_t row_step = int64_t{gridDim.x} * blockDim.y;
+  for (int64_t row = int64_t{blockIdx.x} * blockDim.y + threadIdx.y; row < p.rows;
+       row += row_step) {
+    const internal::RowOffsets o = internal::RowAt(p, row);
+    for (int64_t u = threadIdx.x; u < p.units_per_row; u += blockDim.x) {
+      const Unit value = *reinterpret_cast<const Unit*>(src + o.src + u * p.src_unit_step);
+      *reinterpret_cast<Unit*>(dst + o.dst + u * p.dst_unit_step) = value;
+    }
+  }
+}
+
+absl::Status LaunchPlan(const RowCopyPlan& p, cudaStream_t stream) {
+  const dim3 block(static_cast<unsigned>(p.lanes), static_cast<unsigned>(kThreads / p.lanes));
+  const int64_t blocks = std::min<int64_t>((p.rows + block.y - 1) / block.y, kMaxBlocks);
+  const dim3 grid(static_cast<unsigned>(blocks));
+  switch (p.unit_bytes) {
+    case 16:
+      RowCopyKernel<uint4><<<grid, block, 0, stream>>>(p);
+      break;
+    case 4:
+      RowCopyKernel<uint32_t><<<grid, block, 0, stream>>>(p);
+      break;
+    case 2:
+      RowCopyKernel<uint16_t><<<grid, block, 0, stream>>>(p);
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("no copy kernel for ", p.unit_bytes, "-byte units"));
+  }
+  ULY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LaunchScatterHeadsBlock(const ExchangeShape& shape, ConstView x_src, int src, int dst,
+                                     void* out_dst, cudaStream_t stream) {
+  ULY_ASSIGN_OR_RETURN(const RowCopyPlan plan,
+                       internal::PlanScatterHeadsBlock(shape, x_src, src, dst, out_dst));
+  return LaunchPlan(plan, stream);
+}
+
+absl::Status LaunchGatherHeadsBlock(const ExchangeShape& shape, ConstView y_src, int src, int dst,
+                                    void* out_dst, cudaStream_t stream) {
+  ULY_ASSIGN_OR_RETURN(const RowCopyPlan plan,
+                       internal::PlanGatherHeadsBlock(shape, y_src, src, dst, out_dst));
+  return LaunchPlan(plan, stream);
+}
+
+absl::Status LaunchScatterQkvHeadChunkBlock(const ExchangeShape& shape, ConstView q, ConstView k,
+                                            ConstView v, int32_t head_offset, int32_t head_count,
+                                            int src, int dst, void* out_dst, cudaStream_t stream) {
+  // Plan all three parts before launching any, so a bad argument enqueues nothing.
+  const ConstView parts[3] = {q, k, v};
+  RowCopyPlan plans[3];
+  for (int part = 0; part < 3; ++part) {
+    ULY_ASSIGN_OR_RETURN(
+        plans[part], internal::PlanScatterQkvHeadChunkPart(shape, parts[part], part, head_offset,
+                                                           head_count, src, dst, out_dst));
+  }
+  for (const RowCopyPlan& plan : plans) ULY_RETURN_IF_ERROR(LaunchPlan(plan, stream));
+  return absl::OkStatus();
+}
+
+absl::Status LaunchGatherOutputHeadChunkBlock(const ExchangeShape& shape, ConstView x_src,
+                                              int32_t head_count, int src, int dst, void* stage_dst,
+                                              cudaStream_t stream) {
+  ULY_ASSIGN_OR_RETURN(const RowCopyPlan plan, internal::PlanGatherOutputHeadChunkBlock(
+                                                   shape, x_src, head_count, src, dst, stage_dst));
+  return LaunchPlan(plan, stream);
+}
+
+absl::Status LaunchGatherOutputHeadChunkMerge(const ExchangeShape& shape, const void* stage,
+                                              int32_t head_offset, int32_t head_count, MutView out,
+                                              cudaStream_t stream) {
+  ULY_ASSIGN_OR_RETURN(const RowCopyPlan plan, internal::PlanGatherOutputHeadChunkMerge(
+                                                   shape, stage, head_offset, head_count, out));
+  return LaunchPlan(plan, stream);
+}
+
+absl::Status LaunchCopyContiguousToView(const void* src, const int64_t shape[4], int32_t itemsize,
+                                        MutView dst, cudaStream_t stream) {
+  ULY_ASSIGN_OR_RETURN(const RowCopyPlan plan,
+                       internal::PlanCopyContiguousToView(src, shape, itemsize, dst));
+  return LaunchPlan(plan, stream);
+}
+
+absl::Status LaunchCopyViewToContiguous(ConstView src, const int64_t shape[4], int32_t itemsize,
+                                        void* dst, cudaStream_t stream) {
+  ULY_ASSIGN_OR_RETURN(const RowCopyPlan plan,
+                       internal::PlanCopyViewToContiguous(src, shape, itemsize, dst));
+  return LaunchPlan(plan, stream);
+}
+
+absl::StatusOr<int> CudaDeviceCount() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
+    (void)cudaGetLastError();  // clear it, so the next launch check does not see it
+    return 0;
+  }
+  ULY_CUDA_RETURN_IF_ERROR(err);
+  return count;
+}
+
+}  // namespace ulysses::kernels
