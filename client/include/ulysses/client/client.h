@@ -1,0 +1,159 @@
+// libulysses: the client library of ulyssesd. A framework process connects to its GPU's daemon,
+// allocates (or registers) shared buffers, joins a group with the other ranks, creates a
+// session, and runs the head-exchange calls. Results land in daemon-owned receive slots that
+// are mapped into this process (zero-copy views), or are copied into a caller buffer (`out`).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "ulysses/common/geometry.h"
+
+namespace ulysses::client {
+
+class ClientImpl;
+
+/// How to reach a daemon.
+struct ConnectOptions {
+  std::string socket;             ///< control socket path, e.g. /run/ulysses/gpu0.sock
+  std::string name;               ///< shown to operators (ulyssesctl clients)
+  absl::Duration connect_timeout = absl::Seconds(10);
+};
+
+/// A shared buffer mapped into this process. Owned by the Client; valid until FreeBuffer or
+/// Close.
+struct Buffer {
+  uint64_t id = 0;
+  void* data = nullptr;
+  uint64_t size = 0;
+  /// A reference to `elements` of this buffer at `offset_bytes` (contiguous unless strides given).
+  OperandRef Ref(uint64_t offset_bytes = 0, std::array<int64_t, 4> strides = {}) const {
+    return OperandRef{id, offset_bytes, strides};
+  }
+};
+
+/// What JoinGroup needs. Every rank passes the same name, world size and members.
+struct GroupSpec {
+  std::string name;
+  int32_t world_size = 1;
+  int32_t rank = 0;
+  std::vector<std::string> members;  ///< each rank's daemon socket path, index = rank
+  std::string backend = "auto";
+  int64_t timeout_ms = 0;            ///< 0: the daemon's peer timeout
+};
+
+/// A joined group.
+struct Group {
+  uint64_t id = 0;
+  std::string name;
+  int32_t world_size = 0;
+  int32_t rank = 0;
+  std::string backend;
+  std::string backend_reason;
+};
+
+/// A session's geometry (world size and rank come from the group).
+struct SessionSpec {
+  int32_t num_heads = 0;
+  int32_t head_dim = 0;
+  DType dtype = DType::kBFloat16;
+  int64_t max_tokens = 0;
+  int32_t num_slots = 2;
+  std::vector<int32_t> schedule;
+  int64_t timeout_ms = 0;
+};
+
+/// The result of a call: a read-only view of this rank's receive slot. Valid until the
+/// session's call num_slots later (the slot is then reused), or until the session closes.
+struct Result {
+  uint64_t epoch = 0;
+  int32_t slot = 0;
+  std::array<int64_t, 4> shape{};
+  const void* data = nullptr;
+  uint64_t bytes = 0;
+  int64_t daemon_us = 0;  ///< time the daemon spent on the call
+};
+
+/// A prepared head exchange on a group. Calls are collective: every rank issues the same calls
+/// in the same order. Not thread-safe (one call at a time, like a CUDA stream's order).
+class Session {
+ public:
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  /// x[B,S_l,H,D] -> [B,S_g,H/W,D]: this rank's head band over the whole sequence.
+  absl::StatusOr<Result> ScatterHeads(const OperandRef& x, int64_t batch, int64_t seq_local,
+                                      const OperandRef& out = {});
+  /// y[B,S_g,H/W,D] -> [B,S_l,H,D]: the inverse.
+  absl::StatusOr<Result> GatherHeads(const OperandRef& y, int64_t batch, int64_t seq_global,
+                                     const OperandRef& out = {});
+  /// q,k,v[B,S_l,H,D] (strided views allowed) -> [B,S_g,HC,3D] for local heads
+  /// [head_offset, head_offset+head_count).
+  absl::StatusOr<Result> ScatterQkvHeadChunk(const OperandRef& q, const OperandRef& k,
+                                             const OperandRef& v, int64_t batch,
+                                             int64_t seq_local, int32_t head_offset,
+                                             int32_t head_count, const OperandRef& out = {});
+  /// x[B,S_g,HC,D] -> writes only the band of out[B,S_l,H,D]; other heads stay untouched.
+  absl::StatusOr<Result> GatherOutputHeadChunk(const OperandRef& x, int64_t batch,
+                                               int64_t seq_global, int32_t head_offset,
+                                               int32_t head_count, const OperandRef& out);
+  /// Any call, as CallArgs. Validated here first (the same verdict the daemon reaches).
+  absl::StatusOr<Result> Call(const CallArgs& args);
+  /// Closes the session on this rank. Idempotent.
+  absl::Status Close();
+
+  uint64_t id() const { return id_; }
+  const SessionGeometry& geometry() const { return geometry_; }
+  const std::string& backend() const { return backend_; }
+
+ private:
+  friend class Client;
+  Session() = default;
+  std::shared_ptr<ClientImpl> client_;
+  uint64_t id_ = 0;
+  SessionGeometry geometry_;
+  std::string backend_;
+  std::shared_ptr<void> segment_;  // read-only mapping of the session segment
+  const uint8_t* base_ = nullptr;
+  bool closed_ = false;
+};
+
+/// One attached client process. Thread-safe, except that each Session is used by one thread.
+class Client {
+ public:
+  /// Connects, attaches and binds the fd socket. UNAVAILABLE when no daemon answers.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ConnectOptions& options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  /// A new shared buffer of `size_bytes`, zero-filled, mapped here and in the daemon.
+  absl::StatusOr<Buffer> AllocBuffer(uint64_t size_bytes, const std::string& name = "");
+  /// Registers a memfd this process created (its size must be sealed: F_SEAL_SHRINK|GROW).
+  absl::StatusOr<Buffer> RegisterBuffer(int memfd, const std::string& name = "");
+  absl::Status FreeBuffer(uint64_t buffer_id);
+  /// Collective: joins (forms) a group with the other ranks' daemons.
+  absl::StatusOr<Group> JoinGroup(const GroupSpec& spec);
+  /// Collective over the group: every rank passes the same spec.
+  absl::StatusOr<std::unique_ptr<Session>> CreateSession(const Group& group,
+                                                         const SessionSpec& spec);
+  /// Detaches: the daemon releases everything this client holds. Idempotent.
+  absl::Status Close();
+
+  uint64_t client_id() const;
+  /// Backend the daemon runs.
+  const std::string& daemon_backend() const;
+
+ private:
+  explicit Client(std::shared_ptr<ClientImpl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<ClientImpl> impl_;
+};
+
+}  // namespace ulysses::client

@@ -1,0 +1,351 @@
+#include "ulysses/client/client.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "grpcpp/grpcpp.h"
+#include "nlohmann/json.hpp"
+#include "ulysses/common/status.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/fd.h"
+#include "ulysses/ipc/shm.h"
+#include "ulysses/ipc/unix_socket.h"
+#include "ulysses/proto/grpc_status.h"
+#include "ulysses/v1/control.grpc.pb.h"
+
+namespace ulysses::client {
+
+class ClientImpl : public BufferResolver {
+ public:
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Control::Stub> stub;
+  uint64_t client_id = 0;
+  std::string token;
+  std::string backend;
+  ipc::UniqueFd fd_socket;
+  std::mutex fd_mu;  // an RPC that answers with an fd frame and the read of that frame
+  std::mutex buf_mu;
+  std::map<uint64_t, std::pair<Buffer, std::shared_ptr<ipc::Mapping>>> buffers;
+  uint64_t next_tag = 1;
+  grpc::ClientContext watch_ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::WatchRequest, v1::WatchEvent>> watch;
+  std::thread watch_thread;
+  bool closed = false;
+
+  void Prepare(grpc::ClientContext* ctx, absl::Duration timeout = absl::Minutes(10)) const {
+    ctx->AddMetadata("ulysses-client-id", std::to_string(client_id));
+    ctx->AddMetadata("ulysses-token", token);
+    ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
+
+  // Reads the frame the daemon sent with an fd, checking that it carries `key` == `id`.
+  absl::StatusOr<ipc::UniqueFd> ReadFdFrame(const char* key, uint64_t id) {
+    ULY_ASSIGN_OR_RETURN(bool ready, ipc::WaitReadable(fd_socket.get(), 10000));
+    if (!ready) return absl::DeadlineExceededError(StrCat("fd socket: no frame for ", key, " ", id));
+    ULY_ASSIGN_OR_RETURN(ipc::ReceivedMessage m, ipc::RecvMessage(fd_socket.get()));
+    nlohmann::json j = nlohmann::json::parse(m.payload, nullptr, false);
+    if (j.is_discarded() || !j.contains(key) || j[key].get<uint64_t>() != id || m.fds.size() != 1)
+      return absl::InternalError(StrCat("fd socket: unexpected frame '", m.payload, "' for ", key,
+                                        " ", id));
+    return std::move(m.fds[0]);
+  }
+
+  absl::StatusOr<BufferInfo> Resolve(uint64_t id) const override {
+    std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(buf_mu));
+    auto it = buffers.find(id);
+    if (it == buffers.end())
+      return absl::InvalidArgumentError(StrCat("buffer ", id, " is not registered"));
+    return BufferInfo{it->second.first.size};
+  }
+
+  absl::Status AddBuffer(const v1::BufferInfo& info, ipc::UniqueFd fd, Buffer* out) {
+    ULY_ASSIGN_OR_RETURN(ipc::Mapping m, ipc::Mapping::Map(fd.get(), info.size_bytes(), true));
+    auto mapping = std::make_shared<ipc::Mapping>(std::move(m));
+    out->id = info.buffer_id();
+    out->size = info.size_bytes();
+    out->data = mapping->data();
+    std::lock_guard<std::mutex> lock(buf_mu);
+    buffers[out->id] = {*out, mapping};
+    return absl::OkStatus();
+  }
+
+  absl::Status Detach() {
+    if (closed) return absl::OkStatus();
+    closed = true;
+    v1::DetachRequest req;
+    v1::DetachResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx, absl::Seconds(10));
+    grpc::Status s = stub->Detach(&ctx, req, &resp);
+    watch_ctx.TryCancel();
+    if (watch_thread.joinable()) watch_thread.join();
+    fd_socket.reset();
+    std::lock_guard<std::mutex> lock(buf_mu);
+    buffers.clear();
+    return FromGrpcStatus(s);
+  }
+};
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& options) {
+  if (options.socket.empty()) return absl::InvalidArgumentError("socket: must not be empty");
+  auto impl = std::make_shared<ClientImpl>();
+  const std::string target =
+      options.socket.rfind("unix:", 0) == 0 ? options.socket : "unix://" + options.socket;
+  impl->channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  if (!impl->channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.connect_timeout)))
+    return absl::UnavailableError(StrCat("socket: no ulyssesd answers at ", options.socket));
+  impl->stub = v1::Control::NewStub(impl->channel);
+  v1::AttachRequest req;
+  req.set_client_name(options.name);
+  v1::AttachResponse resp;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.connect_timeout));
+    ULY_RETURN_IF_ERROR(FromGrpcStatus(impl->stub->Attach(&ctx, req, &resp)));
+  }
+  impl->client_id = resp.client_id();
+  impl->token = resp.token();
+  impl->backend = resp.backend();
+  ULY_ASSIGN_OR_RETURN(impl->fd_socket, ipc::ConnectUnix(resp.fd_socket()));
+  nlohmann::json hello = {{"client_id", impl->client_id}, {"token", impl->token}};
+  ULY_RETURN_IF_ERROR(ipc::SendMessage(impl->fd_socket.get(), hello.dump()));
+  ULY_ASSIGN_OR_RETURN(bool ready, ipc::WaitReadable(impl->fd_socket.get(), 10000));
+  if (!ready) return absl::DeadlineExceededError("fd socket: the daemon did not acknowledge");
+  ULY_ASSIGN_OR_RETURN(ipc::ReceivedMessage ack, ipc::RecvMessage(impl->fd_socket.get()));
+  nlohmann::json a = nlohmann::json::parse(ack.payload, nullptr, false);
+  if (a.is_discarded() || !a.value("ok", false))
+    return absl::PermissionDeniedError(StrCat("fd socket: refused: ", ack.payload));
+  // Liveness: the stream stays open while this process lives; the daemon reclaims on its end.
+  impl->Prepare(&impl->watch_ctx, absl::Hours(24 * 365));
+  impl->watch = impl->stub->Watch(&impl->watch_ctx);
+  ClientImpl* raw = impl.get();
+  impl->watch_thread = std::thread([raw] {
+    v1::WatchEvent ev;
+    while (raw->watch->Read(&ev)) {
+    }
+    (void)raw->watch->Finish();
+  });
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+Client::~Client() { (void)Close(); }
+
+absl::Status Client::Close() { return impl_->Detach(); }
+
+uint64_t Client::client_id() const { return impl_->client_id; }
+const std::string& Client::daemon_backend() const { return impl_->backend; }
+
+absl::StatusOr<Buffer> Client::AllocBuffer(uint64_t size_bytes, const std::string& name) {
+  if (size_bytes == 0) return absl::InvalidArgumentError("size_bytes: must be > 0");
+  v1::AllocBufferRequest req;
+  req.set_size_bytes(size_bytes);
+  req.set_name(name);
+  v1::BufferInfo info;
+  std::lock_guard<std::mutex> lock(impl_->fd_mu);
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  ULY_RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->AllocBuffer(&ctx, req, &info)));
+  ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd, impl_->ReadFdFrame("buffer_id", info.buffer_id()));
+  Buffer b;
+  ULY_RETURN_IF_ERROR(impl_->AddBuffer(info, std::move(fd), &b));
+  return b;
+}
+
+absl::StatusOr<Buffer> Client::RegisterBuffer(int memfd, const std::string& name) {
+  if (memfd < 0) return absl::InvalidArgumentError("memfd: not a valid descriptor");
+  uint64_t tag;
+  {
+    std::lock_guard<std::mutex> lock(impl_->fd_mu);
+    tag = impl_->next_tag++;
+    int fds[1] = {memfd};
+    ULY_RETURN_IF_ERROR(ipc::SendMessage(impl_->fd_socket.get(), StrCat("{\"tag\": ", tag, "}"),
+                                         std::span<const int>(fds, 1)));
+  }
+  v1::RegisterBufferRequest req;
+  req.set_tag(tag);
+  req.set_name(name);
+  v1::BufferInfo info;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  ULY_RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->RegisterBuffer(&ctx, req, &info)));
+  int dup_fd = ::fcntl(memfd, F_DUPFD_CLOEXEC, 0);
+  if (dup_fd < 0) return ErrnoError("fcntl(F_DUPFD_CLOEXEC)", errno);
+  Buffer b;
+  ULY_RETURN_IF_ERROR(impl_->AddBuffer(info, ipc::UniqueFd(dup_fd), &b));
+  return b;
+}
+
+absl::Status Client::FreeBuffer(uint64_t buffer_id) {
+  v1::FreeBufferRequest req;
+  req.set_buffer_id(buffer_id);
+  v1::FreeBufferResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  ULY_RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->FreeBuffer(&ctx, req, &resp)));
+  std::lock_guard<std::mutex> lock(impl_->buf_mu);
+  impl_->buffers.erase(buffer_id);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Group> Client::JoinGroup(const GroupSpec& spec) {
+  v1::JoinGroupRequest req;
+  req.set_name(spec.name);
+  req.set_world_size(spec.world_size);
+  req.set_rank(spec.rank);
+  for (const auto& m : spec.members) req.add_members(m);
+  req.set_backend(spec.backend);
+  req.set_timeout_ms(spec.timeout_ms);
+  v1::GroupInfo info;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  ULY_RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->JoinGroup(&ctx, req, &info)));
+  return Group{info.group_id(), info.name(), info.world_size(), info.rank(), info.backend(),
+               info.backend_reason()};
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const Group& group,
+                                                               const SessionSpec& spec) {
+  SessionGeometry g;
+  g.world_size = group.world_size;
+  g.rank = group.rank;
+  g.num_heads = spec.num_heads;
+  g.head_dim = spec.head_dim;
+  g.dtype = spec.dtype;
+  g.max_tokens = spec.max_tokens;
+  g.num_slots = spec.num_slots;
+  g.schedule = spec.schedule;
+  ULY_RETURN_IF_ERROR(ValidateSessionGeometry(g));
+  v1::CreateSessionRequest req;
+  req.set_group_id(group.id);
+  v1::SessionSpec* s = req.mutable_spec();
+  s->set_num_heads(g.num_heads);
+  s->set_head_dim(g.head_dim);
+  s->set_dtype(static_cast<v1::DType>(g.dtype));
+  s->set_max_tokens(g.max_tokens);
+  s->set_num_slots(g.num_slots);
+  for (int32_t c : g.schedule) s->add_schedule(c);
+  req.set_timeout_ms(spec.timeout_ms);
+  v1::SessionInfo info;
+  std::lock_guard<std::mutex> lock(impl_->fd_mu);
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  ULY_RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->CreateSession(&ctx, req, &info)));
+  ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd, impl_->ReadFdFrame("session_id", info.session_id()));
+  ULY_ASSIGN_OR_RETURN(ipc::Mapping m, ipc::Mapping::Map(fd.get(), info.segment_bytes(), false));
+  auto mapping = std::make_shared<ipc::Mapping>(std::move(m));
+  std::unique_ptr<Session> session(new Session());
+  session->client_ = impl_;
+  session->id_ = info.session_id();
+  session->geometry_ = g;
+  session->backend_ = info.backend();
+  session->base_ = static_cast<const uint8_t*>(mapping->data());
+  session->segment_ = mapping;
+  return session;
+}
+
+Session::~Session() { (void)Close(); }
+
+absl::Status Session::Close() {
+  if (closed_) return absl::OkStatus();
+  closed_ = true;
+  if (client_->closed) return absl::OkStatus();
+  v1::CloseSessionRequest req;
+  req.set_session_id(id_);
+  v1::CloseSessionResponse resp;
+  grpc::ClientContext ctx;
+  client_->Prepare(&ctx, absl::Seconds(30));
+  return FromGrpcStatus(client_->stub->CloseSession(&ctx, req, &resp));
+}
+
+absl::StatusOr<Result> Session::Call(const CallArgs& args) {
+  if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
+  // The same verdict the daemon reaches, before anything leaves this process.
+  ULY_RETURN_IF_ERROR(PlanCall(geometry_, args, *client_).status());
+  v1::CallRequest req;
+  req.set_session_id(id_);
+  req.set_op(static_cast<v1::OpKind>(args.op));
+  req.set_batch(args.batch);
+  req.set_seq(args.seq);
+  req.set_head_offset(args.head_offset);
+  req.set_head_count(args.head_count);
+  auto to_ref = [](const OperandRef& r, v1::TensorRef* t) {
+    t->set_buffer_id(r.buffer_id);
+    t->set_offset_bytes(r.offset_bytes);
+    if (r.strides != std::array<int64_t, 4>{})
+      for (int64_t s : r.strides) t->add_strides(s);
+  };
+  for (const OperandRef& in : args.inputs) {
+    if (!in.present()) break;
+    to_ref(in, req.add_inputs());
+  }
+  if (args.out.present()) to_ref(args.out, req.mutable_out());
+  v1::CallResponse resp;
+  grpc::ClientContext ctx;
+  client_->Prepare(&ctx);
+  ULY_RETURN_IF_ERROR(FromGrpcStatus(client_->stub->Call(&ctx, req, &resp)));
+  Result r;
+  r.epoch = resp.epoch();
+  r.slot = resp.slot();
+  for (int i = 0; i < 4 && i < resp.out_shape_size(); ++i) r.shape[i] = resp.out_shape(i);
+  r.data = base_ + resp.slot_offset_bytes();
+  r.bytes = resp.result_bytes();
+  r.daemon_us = resp.elapsed_us();
+  return r;
+}
+
+absl::StatusOr<Result> Session::ScatterHeads(const OperandRef& x, int64_t batch,
+                                             int64_t seq_local, const OperandRef& out) {
+  CallArgs a;
+  a.op = OpKind::kScatterHeads;
+  a.batch = batch;
+  a.seq = seq_local;
+  a.inputs[0] = x;
+  a.out = out;
+  return Call(a);
+}
+
+absl::StatusOr<Result> Session::GatherHeads(const OperandRef& y, int64_t batch,
+                                            int64_t seq_global, const OperandRef& out) {
+  CallArgs a;
+  a.op = OpKind::kGatherHeads;
+  a.batch = batch;
+  a.seq = seq_global;
+  a.inputs[0] = y;
+  a.out = out;
+  return Call(a);
+}
+
+absl::StatusOr<Result> Session::ScatterQkvHeadChunk(const OperandRef& q, const OperandRef& k,
+                                                    const OperandRef& v, int64_t batch,
+                                                    int64_t seq_local, int32_t head_offset,
+                                                    int32_t head_count, const OperandRef& out) {
+  CallArgs a;
+  a.op = OpKind::kScatterQkvHeadChunk;
+  a.batch = batch;
+  a.seq = seq_local;
+  a.head_offset = head_offset;
+  a.head_count = head_count;
+  a.inputs = {q, k, v};
+  a.out = out;
+  return Call(a);
+}
+
+absl::StatusOr<Result> Session::GatherOutputHeadChunk(const OperandRef& x, int64_t batch,
+                                                      int64_t seq_global, int32_t head_offset,
+                                                      int32_t head_count, const OperandRef& out) {
+  CallArgs a;
+  a.op = OpKind::kGatherOutputHeadChunk;
+  a.batch = batch;
+  a.seq = seq_global;
+  a.head_offset = head_offset;
+  a.head_count = head_count;
+  a.inputs[0] = x;
+  a.out = out;
+  return Call(a);
+}
+
+}  // namespace ulysses::client

@@ -1,0 +1,316 @@
+#include "daemon.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <random>
+
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "absl/strings/numbers.h"
+#include "nlohmann/json.hpp"
+#include "ulysses/common/logging.h"
+#include "ulysses/common/status.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/unix_socket.h"
+
+namespace ulysses::daemon {
+namespace {
+
+std::string RandomToken() {
+  std::random_device rd;
+  std::uniform_int_distribution<uint64_t> dist;
+  char buf[33];
+  snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(dist(rd)),
+           static_cast<unsigned long long>(dist(rd)));
+  return buf;
+}
+
+std::string MetadataValue(const grpc::ServerContext* ctx, const char* key) {
+  auto range = ctx->client_metadata().equal_range(key);
+  if (range.first == range.second) return "";
+  return std::string(range.first->second.data(), range.first->second.size());
+}
+
+}  // namespace
+
+Daemon::Daemon(DaemonConfig config) : config_(std::move(config)) {}
+
+Daemon::~Daemon() { Shutdown(); }
+
+absl::Status Daemon::Start() {
+  ULY_RETURN_IF_ERROR(ValidateDaemonConfig(config_));
+  // GPU backends land in later steps; a daemon asked for one refuses to start rather than
+  // pretending. `auto` resolves to what this daemon can run.
+  if (config_.backend == "nccl" || config_.backend == "nvlink")
+    return absl::FailedPreconditionError(
+        StrCat("backend: '", config_.backend, "' is not available in this build; use host or auto"));
+  backend_ = "host";
+  ULY_ASSIGN_OR_RETURN(fd_listener_, ipc::UnixListener::Listen(config_.socket + ".fd", 0660));
+  ULY_ASSIGN_OR_RETURN(ipc::EventFd wake, ipc::EventFd::Create());
+  poll_wake_ = std::make_unique<ipc::EventFd>(std::move(wake));
+
+  control_ = MakeControlService(this);
+  admin_ = MakeAdminService(this);
+  peer_ = MakePeerService(this);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  // The control socket: a stale file from a crashed daemon is removed, a live one is refused.
+  {
+    absl::StatusOr<ipc::UnixListener> probe = ipc::UnixListener::Listen(config_.socket, 0660);
+    if (!probe.ok()) return probe.status();
+    // gRPC binds the path itself; the probe only proved it is free.
+  }
+  int bound_port = 0;
+  builder.AddListeningPort("unix:" + config_.socket, grpc::InsecureServerCredentials(), &bound_port);
+  builder.RegisterService(control_.get());
+  builder.RegisterService(admin_.get());
+  builder.RegisterService(peer_.get());
+  builder.SetMaxReceiveMessageSize(16 << 20);
+  server_ = builder.BuildAndStart();
+  if (!server_) return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", config_.socket));
+  ::chmod(config_.socket.c_str(), 0660);
+  server_->GetHealthCheckService()->SetServingStatus(true);
+  started_ = absl::Now();
+  started_ok_ = true;
+  fd_accept_thread_ = std::thread([this] { FdAcceptLoop(); });
+  fd_poll_thread_ = std::thread([this] { FdPollLoop(); });
+  if (!config_.ready_file.empty()) {
+    std::string tmp = config_.ready_file + ".tmp";
+    {
+      std::ofstream f(tmp);
+      f << "{\"pid\": " << ::getpid() << ", \"socket\": \"" << config_.socket << "\"}\n";
+    }
+    if (::rename(tmp.c_str(), config_.ready_file.c_str()) != 0)
+      return ErrnoError(StrCat("rename ", tmp), errno);
+  }
+  Logger("main")->info("ulyssesd {} serving device {} on {} (backend {})", ULYSSES_VERSION,
+                       config_.device, config_.socket, backend_);
+  return absl::OkStatus();
+}
+
+void Daemon::Shutdown() {
+  if (stopping_.exchange(true)) return;
+  if (!started_ok_) return;
+  if (server_) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    // Abort every session first so calls blocked on peers end now instead of at their timeout.
+    for (auto& c : Clients()) {
+      std::lock_guard<std::mutex> lock(c->mu);
+      for (auto& [id, s] : c->sessions) s->Abort(kAbortClosed);
+    }
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  }
+  fd_listener_.Shutdown();
+  if (poll_wake_) (void)poll_wake_->Signal();
+  if (fd_accept_thread_.joinable()) fd_accept_thread_.join();
+  if (fd_poll_thread_.joinable()) fd_poll_thread_.join();
+  for (auto& c : Clients()) Reclaim(c->id, "daemon shutting down");
+  if (server_) server_->Wait();
+  ::unlink(config_.socket.c_str());
+  if (!config_.ready_file.empty()) ::unlink(config_.ready_file.c_str());
+  Logger("main")->info("ulyssesd stopped");
+}
+
+absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::string& name) {
+  auto c = std::make_shared<ClientRecord>();
+  c->id = NextId();
+  c->token = RandomToken();
+  c->name = name;
+  c->since = absl::Now();
+  std::lock_guard<std::mutex> lock(mu_);
+  clients_[c->id] = c;
+  return c;
+}
+
+absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::Authenticate(const grpc::ServerContext* ctx) {
+  const std::string id_text = MetadataValue(ctx, "ulysses-client-id");
+  const std::string token = MetadataValue(ctx, "ulysses-token");
+  uint64_t id = 0;
+  if (id_text.empty() || !absl::SimpleAtoi(AbslView(id_text), &id))
+    return absl::UnauthenticatedError("ulysses-client-id: missing; call Attach first");
+  std::shared_ptr<ClientRecord> c;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = clients_.find(id);
+    if (it != clients_.end()) c = it->second;
+  }
+  if (!c) return absl::UnauthenticatedError(StrCat("client ", id, " is not attached"));
+  if (c->token != token) return absl::UnauthenticatedError(StrCat("client ", id, ": bad token"));
+  return c;
+}
+
+std::vector<std::shared_ptr<ClientRecord>> Daemon::Clients() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<ClientRecord>> out;
+  for (auto& [id, c] : clients_) out.push_back(c);
+  return out;
+}
+
+void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
+  std::shared_ptr<ClientRecord> c;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = clients_.find(client_id);
+    if (it == clients_.end()) return;
+    c = it->second;
+    clients_.erase(it);
+  }
+  std::map<uint64_t, std::shared_ptr<Session>> sessions;
+  std::map<uint64_t, std::shared_ptr<Buffer>> buffers;
+  std::map<uint64_t, std::shared_ptr<Group>> groups;
+  {
+    std::lock_guard<std::mutex> lock(c->mu);
+    sessions.swap(c->sessions);
+    buffers.swap(c->buffers);
+    groups.swap(c->groups);
+    c->incoming_fds.clear();
+    if (c->fd_socket.valid()) ::shutdown(c->fd_socket.get(), SHUT_RDWR);
+  }
+  // Abort first: a call of this client blocked on peers ends now, and peers waiting on this
+  // rank see ABORTED instead of timing out. The session itself goes when its last in-flight
+  // call drops its reference.
+  uint64_t slot_bytes = 0;
+  for (auto& [id, s] : sessions) {
+    s->Abort(kAbortClientGone);
+    slot_bytes += s->layout().total_bytes;
+  }
+  ReleaseSlotMemory(slot_bytes);
+  if (poll_wake_) (void)poll_wake_->Signal();
+  Logger("main")->info("client {} ({}, pid {}) gone: {}; released {} session(s), {} buffer(s)",
+                       c->id, c->name, c->pid, reason, sessions.size(), buffers.size());
+}
+
+absl::Status Daemon::SendToClient(ClientRecord& c, const std::string& header, int fd) {
+  std::lock_guard<std::mutex> send_lock(c.send_mu);
+  int sock = -1;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    if (!c.fd_socket.valid())
+      return absl::FailedPreconditionError(
+          StrCat("client ", c.id, ": fd socket not connected; connect it right after Attach"));
+    sock = c.fd_socket.get();
+  }
+  int fds[1] = {fd};
+  return ipc::SendMessage(sock, header, fd >= 0 ? std::span<const int>(fds, 1) : std::span<const int>());
+}
+
+absl::StatusOr<ipc::UniqueFd> Daemon::TakeIncomingFd(ClientRecord& c, uint64_t tag) {
+  std::unique_lock<std::mutex> lock(c.mu);
+  const bool arrived = c.fd_cv.wait_for(lock, std::chrono::seconds(10), [&] {
+    return c.incoming_fds.count(tag) > 0 || !c.fd_socket.valid();
+  });
+  auto it = c.incoming_fds.find(tag);
+  if (!arrived || it == c.incoming_fds.end())
+    return absl::InvalidArgumentError(
+        StrCat("tag: no fd arrived on the fd socket under tag ", tag));
+  ipc::UniqueFd fd = std::move(it->second);
+  c.incoming_fds.erase(it);
+  return fd;
+}
+
+absl::Status Daemon::ReserveSlotMemory(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (slot_bytes_reserved_ + bytes > config_.slot_memory_budget_bytes)
+    return absl::ResourceExhaustedError(StrCat(
+        "slot memory: session needs ", bytes, " bytes, ", slot_bytes_reserved_, " of the budget ",
+        config_.slot_memory_budget_bytes, " are in use (slots.memory_budget_bytes)"));
+  slot_bytes_reserved_ += bytes;
+  return absl::OkStatus();
+}
+
+void Daemon::ReleaseSlotMemory(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  slot_bytes_reserved_ -= std::min(bytes, slot_bytes_reserved_);
+}
+
+// The fd socket: a client connects right after Attach and sends {"client_id", "token"}. The
+// kernel's SO_PEERCRED on this connection is what identifies the client's process.
+void Daemon::FdAcceptLoop() {
+  for (;;) {
+    absl::StatusOr<ipc::UniqueFd> sock = fd_listener_.Accept();
+    if (!sock.ok()) {
+      if (stopping_.load()) return;
+      Logger("ipc")->warn("fd socket accept: {}", std::string(sock.status().message()));
+      continue;
+    }
+    BindFdSocket(std::move(*sock));
+  }
+}
+
+void Daemon::BindFdSocket(ipc::UniqueFd sock) {
+  auto log = Logger("ipc");
+  absl::StatusOr<bool> ready = ipc::WaitReadable(sock.get(), 5000);
+  if (!ready.ok() || !*ready) {
+    log->warn("fd socket: no hello within 5 s; closing");
+    return;
+  }
+  absl::StatusOr<ipc::ReceivedMessage> hello = ipc::RecvMessage(sock.get());
+  absl::StatusOr<ipc::PeerCred> cred = ipc::GetPeerCred(sock.get());
+  if (!hello.ok() || !cred.ok()) return;
+  nlohmann::json j = nlohmann::json::parse(hello->payload, nullptr, false);
+  if (j.is_discarded() || !j.contains("client_id") || !j.contains("token")) return;
+  std::shared_ptr<ClientRecord> c;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = clients_.find(j["client_id"].get<uint64_t>());
+    if (it != clients_.end() && it->second->token == j["token"].get<std::string>()) c = it->second;
+  }
+  if (!c) {
+    (void)ipc::SendMessage(sock.get(), R"({"ok": false, "error": "unknown client or bad token"})");
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(c->mu);
+    if (c->fd_socket.valid()) return;  // bound already: a second hello is ignored
+    c->pid = cred->pid;
+    c->uid = cred->uid;
+    c->fd_socket = std::move(sock);
+  }
+  (void)SendToClient(*c, R"({"ok": true})", -1);
+  (void)poll_wake_->Signal();
+  log->debug("client {} bound its fd socket (pid {}, uid {})", c->id, c->pid, c->uid);
+}
+
+// Watches every bound fd socket: frames carrying fds from clients, and hang-ups (the client
+// process is gone).
+void Daemon::FdPollLoop() {
+  while (!stopping_.load()) {
+    std::vector<std::shared_ptr<ClientRecord>> clients = Clients();
+    std::vector<pollfd> fds;
+    std::vector<std::shared_ptr<ClientRecord>> owners;
+    fds.push_back(pollfd{poll_wake_->fd(), POLLIN, 0});
+    for (auto& c : clients) {
+      std::lock_guard<std::mutex> lock(c->mu);
+      if (!c->fd_socket.valid()) continue;
+      fds.push_back(pollfd{c->fd_socket.get(), POLLIN, 0});
+      owners.push_back(c);
+    }
+    int n = ::poll(fds.data(), fds.size(), 1000);
+    if (n <= 0) continue;
+    if (fds[0].revents) (void)poll_wake_->Wait(0);
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (!fds[i].revents) continue;
+      ClientRecord& c = *owners[i - 1];
+      absl::StatusOr<ipc::ReceivedMessage> m = ipc::RecvMessage(fds[i].fd);
+      if (!m.ok()) {
+        Reclaim(c.id, "fd socket closed");
+        continue;
+      }
+      nlohmann::json j = nlohmann::json::parse(m->payload, nullptr, false);
+      if (j.is_discarded() || !j.contains("tag") || m->fds.size() != 1) {
+        Logger("ipc")->warn("client {}: malformed fd frame ignored", c.id);
+        continue;
+      }
+      std::lock_guard<std::mutex> lock(c.mu);
+      c.incoming_fds[j["tag"].get<uint64_t>()] = std::move(m->fds[0]);
+      c.fd_cv.notify_all();
+    }
+  }
+}
+
+}  // namespace ulysses::daemon

@@ -1,0 +1,141 @@
+// ulyssesd: the per-GPU daemon. Serves Control (clients), Admin (operators) and Peer (other
+// daemons) over gRPC on a unix socket, and passes file descriptors on a second socket.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "ulysses/common/config.h"
+#include "ulysses/common/geometry.h"
+#include "ulysses/ipc/eventfd.h"
+#include "ulysses/ipc/fd.h"
+#include "ulysses/ipc/shm.h"
+#include "ulysses/ipc/unix_socket.h"
+#include "rendezvous.h"
+#include "session.h"
+
+namespace ulysses::daemon {
+
+/// A buffer a client allocated or registered: a memfd mapped into the daemon.
+struct Buffer {
+  uint64_t id = 0;
+  std::string name;
+  uint64_t size = 0;
+  ipc::UniqueFd fd;
+  ipc::Mapping mapping;
+};
+
+/// A group as one client of this daemon joined it.
+struct Group {
+  uint64_t id = 0;
+  std::string name;
+  int32_t world_size = 0;
+  int32_t rank = 0;
+  std::vector<std::string> members;
+  std::string backend;
+  std::string backend_reason;
+  uint64_t owner_client = 0;
+  std::atomic<uint64_t> sessions_created{0};  // collective counter: same on every rank
+};
+
+/// One attached client process.
+struct ClientRecord {
+  uint64_t id = 0;
+  std::string token;
+  std::string name;
+  pid_t pid = 0;  // from SO_PEERCRED of the fd socket
+  uid_t uid = 0;
+  absl::Time since;
+  std::atomic<uint64_t> calls{0};
+
+  std::mutex mu;  // guards everything below
+  std::condition_variable fd_cv;
+  ipc::UniqueFd fd_socket;  // bound once the client's hello arrives
+  std::map<uint64_t, ipc::UniqueFd> incoming_fds;  // tag -> fd, sent by the client
+  std::map<uint64_t, std::shared_ptr<Buffer>> buffers;
+  std::map<uint64_t, std::shared_ptr<Group>> groups;
+  std::map<uint64_t, std::shared_ptr<Session>> sessions;
+  std::mutex send_mu;  // serializes frames sent to the client
+};
+
+class Daemon {
+ public:
+  explicit Daemon(DaemonConfig config);
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  /// Binds the sockets, starts the gRPC server and the fd-socket threads, writes the ready file.
+  absl::Status Start();
+  /// Stops serving, reclaims every client, removes the sockets and the ready file. Idempotent.
+  void Shutdown();
+
+  const DaemonConfig& config() const { return config_; }
+  const std::string& backend() const { return backend_; }
+
+  // --- used by the services ---
+  absl::StatusOr<std::shared_ptr<ClientRecord>> Authenticate(const grpc::ServerContext* ctx);
+  absl::StatusOr<std::shared_ptr<ClientRecord>> AttachClient(const std::string& name);
+  /// Forgets a client and releases everything it held. Idempotent; logs one line.
+  void Reclaim(uint64_t client_id, const std::string& reason);
+  /// Sends a frame (JSON header + optional fd) to the client over its fd socket.
+  absl::Status SendToClient(ClientRecord& c, const std::string& header, int fd);
+  /// Waits (bounded) for the fd the client sent under `tag`.
+  absl::StatusOr<ipc::UniqueFd> TakeIncomingFd(ClientRecord& c, uint64_t tag);
+  uint64_t NextId() { return next_id_.fetch_add(1); }
+  RendezvousTable& rendezvous_table() { return rendezvous_table_; }
+  RendezvousClient& rendezvous_client() { return rendezvous_client_; }
+  std::vector<std::shared_ptr<ClientRecord>> Clients();
+  /// Reserves receive-slot memory against the budget; RESOURCE_EXHAUSTED when over.
+  absl::Status ReserveSlotMemory(uint64_t bytes);
+  void ReleaseSlotMemory(uint64_t bytes);
+  absl::Time started() const { return started_; }
+  bool draining() const { return draining_.load(); }
+  std::atomic<uint64_t> calls_total{0};
+  std::atomic<uint64_t> calls_failed{0};
+
+ private:
+  void FdAcceptLoop();
+  void FdPollLoop();
+  void BindFdSocket(ipc::UniqueFd sock);
+
+  DaemonConfig config_;
+  std::string backend_;
+  absl::Time started_;
+  std::atomic<uint64_t> next_id_{1};
+  std::atomic<bool> draining_{false};
+  std::atomic<bool> stopping_{false};
+  bool started_ok_ = false;
+
+  std::unique_ptr<grpc::Service> control_, admin_, peer_;
+  std::unique_ptr<grpc::Server> server_;
+  ipc::UnixListener fd_listener_;
+  std::thread fd_accept_thread_;
+  std::thread fd_poll_thread_;
+  std::unique_ptr<ipc::EventFd> poll_wake_;
+
+  std::mutex mu_;
+  std::map<uint64_t, std::shared_ptr<ClientRecord>> clients_;
+  uint64_t slot_bytes_reserved_ = 0;
+
+  RendezvousTable rendezvous_table_;
+  RendezvousClient rendezvous_client_;
+};
+
+/// Services, defined in services.cc.
+std::unique_ptr<grpc::Service> MakeControlService(Daemon* d);
+std::unique_ptr<grpc::Service> MakeAdminService(Daemon* d);
+std::unique_ptr<grpc::Service> MakePeerService(Daemon* d);
+
+}  // namespace ulysses::daemon

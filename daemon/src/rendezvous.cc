@@ -1,0 +1,131 @@
+#include "rendezvous.h"
+
+#include "ulysses/proto/grpc_status.h"
+#include "ulysses/common/strings.h"
+
+namespace ulysses::daemon {
+
+absl::StatusOr<std::vector<std::string>> RendezvousTable::Arrive(
+    const std::string& key, int world_size, int rank, const std::string& agreement,
+    const std::string& payload, absl::Time deadline) {
+  if (world_size < 1) return absl::InvalidArgumentError("world_size: must be >= 1");
+  if (rank < 0 || rank >= world_size)
+    return absl::InvalidArgumentError(StrCat("rank: ", rank, " is not in [0, ", world_size, ")"));
+  std::unique_lock<std::mutex> lock(mu_);
+  std::shared_ptr<Entry>& slot = entries_[key];
+  if (!slot) {
+    slot = std::make_shared<Entry>();
+    slot->world_size = world_size;
+    slot->payloads.resize(world_size);
+    slot->agreements.resize(world_size);
+  }
+  std::shared_ptr<Entry> e = slot;
+  if (!e->finished) {
+    if (e->world_size != world_size) {
+      Finish(*e, absl::InvalidArgumentError(StrCat(
+                     "rendezvous ", key, ": world_size mismatch (", e->world_size, " vs ",
+                     world_size, " from rank ", rank, ")")));
+    } else if (e->payloads[rank].has_value()) {
+      Finish(*e, absl::InvalidArgumentError(
+                     StrCat("rendezvous ", key, ": rank ", rank, " arrived twice")));
+    } else {
+      e->payloads[rank] = payload;
+      e->agreements[rank] = agreement;
+      if (++e->arrived == e->world_size) {
+        absl::Status verdict;
+        for (int r = 1; r < e->world_size && verdict.ok(); ++r) {
+          if (e->agreements[r] != e->agreements[0])
+            verdict = absl::InvalidArgumentError(
+                StrCat("mismatch between ranks in ", key, ": rank 0 has {", e->agreements[0],
+                       "}, rank ", r, " has {", e->agreements[r], "}"));
+        }
+        Finish(*e, verdict);
+      }
+    }
+  }
+  auto to_chrono = absl::ToChronoTime(deadline);
+  while (!e->finished) {
+    if (cv_.wait_until(lock, to_chrono) == std::cv_status::timeout && !e->finished) {
+      std::string missing;
+      for (int r = 0; r < e->world_size; ++r)
+        if (!e->payloads[r].has_value()) missing += (missing.empty() ? "" : ",") + std::to_string(r);
+      Finish(*e, absl::DeadlineExceededError(
+                     StrCat("rendezvous ", key, ": ranks [", missing,
+                            "] did not arrive before the deadline")));
+    }
+  }
+  // Every rank that took part reads the verdict once; the last one removes the entry so the
+  // key can be used again.
+  const int participants = e->arrived;
+  if (++e->leaving >= participants) {
+    auto it = entries_.find(key);
+    if (it != entries_.end() && it->second == e) entries_.erase(it);
+  }
+  if (!e->verdict.ok()) return e->verdict;
+  std::vector<std::string> out;
+  out.reserve(e->world_size);
+  for (auto& p : e->payloads) out.push_back(*p);
+  return out;
+}
+
+void RendezvousTable::Finish(Entry& e, absl::Status verdict) {
+  e.finished = true;
+  e.verdict = std::move(verdict);
+  cv_.notify_all();
+}
+
+void RendezvousTable::Abort(const std::string& key, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(key);
+  if (it == entries_.end() || it->second->finished) return;
+  Finish(*it->second, absl::AbortedError(StrCat("rendezvous ", key, " aborted: ", reason)));
+}
+
+size_t RendezvousTable::pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return entries_.size();
+}
+
+std::string GrpcTarget(const std::string& address) {
+  if (address.rfind("unix:", 0) == 0) return address;
+  if (!address.empty() && address[0] == '/') return "unix://" + address;
+  return address;
+}
+
+std::shared_ptr<grpc::Channel> RendezvousClient::ChannelFor(const std::string& address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& ch = channels_[address];
+  if (!ch) ch = grpc::CreateChannel(GrpcTarget(address), grpc::InsecureChannelCredentials());
+  return ch;
+}
+
+absl::StatusOr<std::vector<std::string>> RendezvousClient::Rendezvous(
+    const std::string& address, const std::string& key, int world_size, int rank,
+    const std::string& agreement, const std::string& payload, absl::Duration timeout) {
+  auto stub = v1::Peer::NewStub(ChannelFor(address));
+  v1::RendezvousRequest req;
+  req.set_key(key);
+  req.set_world_size(world_size);
+  req.set_rank(rank);
+  req.set_agreement(agreement);
+  req.set_payload(payload);
+  req.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
+  v1::RendezvousResponse resp;
+  grpc::ClientContext ctx;
+  // The server enforces the timeout; the channel gets a little more so that the server's verdict
+  // (the same on every rank) arrives rather than a local deadline.
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout + absl::Seconds(5)));
+  ctx.set_wait_for_ready(true);
+  grpc::Status s = stub->Rendezvous(&ctx, req, &resp);
+  if (!s.ok()) {
+    absl::Status st = FromGrpcStatus(s);
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+        s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+      return absl::Status(st.code(), StrCat("rendezvous with rank 0 at ", address, ": ",
+                                            st.message()));
+    return st;
+  }
+  return std::vector<std::string>(resp.payloads().begin(), resp.payloads().end());
+}
+
+}  // namespace ulysses::daemon

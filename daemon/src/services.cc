@@ -1,0 +1,594 @@
+// The gRPC services. Each handler authenticates, converts the request, calls into the daemon
+// and converts absl::Status to grpc::Status at the edge.
+#include <unistd.h>
+
+#include "daemon.h"
+#include "nlohmann/json.hpp"
+#include "ulysses/common/logging.h"
+#include "ulysses/common/status.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/shm.h"
+#include "ulysses/proto/grpc_status.h"
+#include "ulysses/v1/admin.grpc.pb.h"
+#include "ulysses/v1/control.grpc.pb.h"
+#include "ulysses/v1/peer.grpc.pb.h"
+
+namespace ulysses::daemon {
+namespace {
+
+constexpr uint64_t kMaxBufferBytes = 1ull << 40;
+
+// Resolves buffer ids against one client's buffers; another client's id is PERMISSION_DENIED.
+class ClientBuffers : public BufferResolver {
+ public:
+  ClientBuffers(Daemon* d, ClientRecord* c) : d_(d), c_(c) {}
+  absl::StatusOr<BufferInfo> Resolve(uint64_t id) const override {
+    std::shared_ptr<Buffer> b = Find(id);
+    if (b) return BufferInfo{b->size};
+    for (auto& other : d_->Clients()) {
+      if (other.get() == c_) continue;
+      std::lock_guard<std::mutex> lock(other->mu);
+      if (other->buffers.count(id))
+        return absl::PermissionDeniedError(StrCat("buffer ", id, " belongs to another client"));
+    }
+    return absl::InvalidArgumentError(StrCat("buffer ", id, " is not registered"));
+  }
+  std::shared_ptr<Buffer> Find(uint64_t id) const {
+    std::lock_guard<std::mutex> lock(c_->mu);
+    auto it = c_->buffers.find(id);
+    return it == c_->buffers.end() ? nullptr : it->second;
+  }
+
+ private:
+  Daemon* d_;
+  ClientRecord* c_;
+};
+
+void FillGroupInfo(const Group& g, v1::GroupInfo* out) {
+  out->set_group_id(g.id);
+  out->set_name(g.name);
+  out->set_world_size(g.world_size);
+  out->set_rank(g.rank);
+  out->set_backend(g.backend);
+  out->set_backend_reason(g.backend_reason);
+  for (const auto& m : g.members) out->add_members(m);
+}
+
+void FillSpec(const SessionGeometry& g, v1::SessionSpec* spec) {
+  spec->set_num_heads(g.num_heads);
+  spec->set_head_dim(g.head_dim);
+  spec->set_dtype(static_cast<v1::DType>(g.dtype));
+  spec->set_max_tokens(g.max_tokens);
+  spec->set_num_slots(g.num_slots);
+  for (int32_t c : g.schedule) spec->add_schedule(c);
+}
+
+void FillSessionInfo(const Session& s, const Group& g, v1::SessionInfo* out) {
+  out->set_session_id(s.id());
+  out->set_group_id(s.group_id());
+  FillSpec(s.geometry(), out->mutable_spec());
+  out->set_world_size(s.geometry().world_size);
+  out->set_rank(s.geometry().rank);
+  out->set_slot_bytes(s.layout().slot_bytes);
+  out->set_slot_stride_bytes(s.layout().slot_stride_bytes);
+  out->set_slot_offset_bytes(s.layout().slots_offset_bytes);
+  out->set_segment_bytes(s.layout().total_bytes);
+  out->set_backend(g.backend);
+  out->set_backend_reason(g.backend_reason);
+}
+
+// Canonical rendering of what every rank of a session must agree on.
+std::string SpecAgreement(const SessionGeometry& g) {
+  std::string sched;
+  for (int32_t c : g.schedule) sched += StrCat(sched.empty() ? "" : ",", c);
+  return StrCat("num_heads=", g.num_heads, " head_dim=", g.head_dim, " dtype=", DTypeName(g.dtype),
+                " max_tokens=", g.max_tokens, " num_slots=", g.num_slots, " schedule=[", sched, "]");
+}
+
+OperandRef ToOperand(const v1::TensorRef& t) {
+  OperandRef r;
+  r.buffer_id = t.buffer_id();
+  r.offset_bytes = t.offset_bytes();
+  for (int i = 0; i < t.strides_size() && i < 4; ++i) r.strides[i] = t.strides(i);
+  return r;
+}
+
+class ControlService final : public v1::Control::Service {
+ public:
+  explicit ControlService(Daemon* d) : d_(d) {}
+
+  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest* req,
+                      v1::AttachResponse* resp) override {
+    if (d_->draining()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon is draining");
+    absl::StatusOr<std::shared_ptr<ClientRecord>> c = d_->AttachClient(req->client_name());
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    resp->set_client_id((*c)->id);
+    resp->set_token((*c)->token);
+    resp->set_fd_socket(d_->config().socket + ".fd");
+    resp->set_daemon_version(ULYSSES_VERSION);
+    resp->set_device(d_->config().device);
+    resp->set_backend(d_->backend());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Detach(grpc::ServerContext* ctx, const v1::DetachRequest*,
+                      v1::DetachResponse*) override {
+    auto c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    d_->Reclaim((*c)->id, "detached");
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Watch(grpc::ServerContext* ctx,
+                     grpc::ServerReaderWriter<v1::WatchEvent, v1::WatchRequest>* stream) override {
+    auto c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    v1::WatchRequest req;
+    while (stream->Read(&req)) {
+    }
+    // The stream ends when the client closes it or its process (and connection) is gone.
+    d_->Reclaim((*c)->id, "liveness stream ended");
+    return grpc::Status::OK;
+  }
+
+  grpc::Status AllocBuffer(grpc::ServerContext* ctx, const v1::AllocBufferRequest* req,
+                           v1::BufferInfo* resp) override {
+    auto c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    return ToGrpcStatus(DoAlloc(**c, *req, resp));
+  }
+
+  grpc::Status RegisterBuffer(grpc::ServerContext* ctx, const v1::RegisterBufferRequest* req,
+                              v1::BufferInfo* resp) override {
+    auto c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    return ToGrpcStatus(DoRegister(**c, *req, resp));
+  }
+
+  grpc::Status FreeBuffer(grpc::ServerContext* ctx, const v1::FreeBufferRequest* req,
+                          v1::FreeBufferResponse*) override {
+    auto c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    std::lock_guard<std::mutex> lock((*c)->mu);
+    if ((*c)->buffers.erase(req->buffer_id()) == 0)
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          StrCat("buffer_id: ", req->buffer_id(), " is not registered"));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status JoinGroup(grpc::ServerContext* ctx, const v1::JoinGroupRequest* req,
+                         v1::GroupInfo* resp) override {
+    auto c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    return ToGrpcStatus(DoJoin(**c, *req, resp));
+  }
+
+  grpc::Status LeaveGroup(grpc::ServerContext* ctx, const v1::LeaveGroupRequest* req,
+                          v1::LeaveGroupResponse*) override {
+    auto c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    std::lock_guard<std::mutex> lock((*c)->mu);
+    for (auto& [id, s] : (*c)->sessions)
+      if (s->group_id() == req->group_id())
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            StrCat("group_id: group ", req->group_id(), " still has session ", id));
+    if ((*c)->groups.erase(req->group_id()) == 0)
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          StrCat("group_id: ", req->group_id(), " not joined by this client"));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status CreateSession(grpc::ServerContext* ctx, const v1::CreateSessionRequest* req,
+                             v1::SessionInfo* resp) override {
+    auto c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    if (d_->draining())
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon is draining; no new sessions");
+    return ToGrpcStatus(DoCreateSession(**c, *req, resp));
+  }
+
+  grpc::Status Call(grpc::ServerContext* ctx, const v1::CallRequest* req,
+                    v1::CallResponse* resp) override {
+    auto c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    absl::Status s = DoCall(**c, *req, resp);
+    d_->calls_total.fetch_add(1);
+    if (!s.ok()) d_->calls_failed.fetch_add(1);
+    return ToGrpcStatus(s);
+  }
+
+  grpc::Status CloseSession(grpc::ServerContext* ctx, const v1::CloseSessionRequest* req,
+                            v1::CloseSessionResponse*) override {
+    auto c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    std::shared_ptr<Session> s;
+    {
+      std::lock_guard<std::mutex> lock((*c)->mu);
+      auto it = (*c)->sessions.find(req->session_id());
+      if (it == (*c)->sessions.end())
+        return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                            StrCat("session_id: ", req->session_id(), " is not open"));
+      s = it->second;
+      (*c)->sessions.erase(it);
+    }
+    s->Abort(kAbortClosed);
+    d_->ReleaseSlotMemory(s->layout().total_bytes);
+    return grpc::Status::OK;
+  }
+
+ private:
+  absl::Status DoAlloc(ClientRecord& c, const v1::AllocBufferRequest& req, v1::BufferInfo* resp) {
+    if (req.size_bytes() == 0 || req.size_bytes() > kMaxBufferBytes)
+      return absl::InvalidArgumentError(
+          StrCat("size_bytes: ", req.size_bytes(), " is not in [1, ", kMaxBufferBytes, "]"));
+    auto b = std::make_shared<Buffer>();
+    b->id = d_->NextId();
+    b->name = req.name();
+    b->size = req.size_bytes();
+    ULY_ASSIGN_OR_RETURN(b->fd, ipc::CreateMemfd(StrCat("ulysses-buf-", b->id), b->size));
+    ULY_RETURN_IF_ERROR(ipc::SealSize(b->fd.get()));
+    ULY_ASSIGN_OR_RETURN(b->mapping, ipc::Mapping::Map(b->fd.get(), b->size, /*writable=*/true));
+    ULY_RETURN_IF_ERROR(d_->SendToClient(c, StrCat("{\"buffer_id\": ", b->id, "}"), b->fd.get()));
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      c.buffers[b->id] = b;
+    }
+    resp->set_buffer_id(b->id);
+    resp->set_size_bytes(b->size);
+    resp->set_name(b->name);
+    return absl::OkStatus();
+  }
+
+  absl::Status DoRegister(ClientRecord& c, const v1::RegisterBufferRequest& req,
+                          v1::BufferInfo* resp) {
+    ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd, d_->TakeIncomingFd(c, req.tag()));
+    // A client could shrink an unsealed memfd under the daemon's mapping (SIGBUS): refuse it.
+    ULY_RETURN_IF_ERROR(ipc::CheckSizeSealed(fd.get()));
+    ULY_ASSIGN_OR_RETURN(size_t size, ipc::FdSize(fd.get()));
+    if (size == 0) return absl::InvalidArgumentError("fd: the buffer is empty");
+    auto b = std::make_shared<Buffer>();
+    b->id = d_->NextId();
+    b->name = req.name();
+    b->size = size;
+    b->fd = std::move(fd);
+    ULY_ASSIGN_OR_RETURN(b->mapping, ipc::Mapping::Map(b->fd.get(), size, /*writable=*/true));
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      c.buffers[b->id] = b;
+    }
+    resp->set_buffer_id(b->id);
+    resp->set_size_bytes(b->size);
+    resp->set_name(b->name);
+    return absl::OkStatus();
+  }
+
+  absl::Status DoJoin(ClientRecord& c, const v1::JoinGroupRequest& req, v1::GroupInfo* resp) {
+    if (req.name().empty()) return absl::InvalidArgumentError("name: must not be empty");
+    if (req.world_size() < 1 || req.world_size() > kMaxWorldSize)
+      return absl::InvalidArgumentError(
+          StrCat("world_size: ", req.world_size(), " is not in [1, ", kMaxWorldSize, "]"));
+    if (req.rank() < 0 || req.rank() >= req.world_size())
+      return absl::InvalidArgumentError(
+          StrCat("rank: ", req.rank(), " is not in [0, world_size=", req.world_size(), ")"));
+    if (req.members_size() != req.world_size())
+      return absl::InvalidArgumentError(StrCat("members: expected ", req.world_size(),
+                                               " addresses (one per rank), got ",
+                                               req.members_size()));
+    for (int i = 0; i < req.members_size(); ++i)
+      if (req.members(i).empty())
+        return absl::InvalidArgumentError(StrCat("members[", i, "]: empty address"));
+    const std::string requested = req.backend().empty() ? "auto" : req.backend();
+    if (requested != "auto" && requested != "host" && requested != "nccl" && requested != "nvlink")
+      return absl::InvalidArgumentError(
+          StrCat("backend: '", requested, "' is not one of auto, host, nccl, nvlink"));
+    if (requested != "auto" && requested != d_->backend())
+      return absl::FailedPreconditionError(StrCat("backend: '", requested,
+                                                  "' is not available: this daemon runs the ",
+                                                  d_->backend(), " backend"));
+    std::string members;
+    for (const auto& m : req.members()) members += m + ",";
+    const std::string agreement = StrCat("name=", req.name(), " world_size=", req.world_size(),
+                                         " members=[", members, "] backend=", requested);
+    const absl::Duration timeout =
+        absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : d_->config().peer_timeout_ms);
+    ULY_ASSIGN_OR_RETURN(std::vector<std::string> payloads,
+                         d_->rendezvous_client().Rendezvous(
+                             req.members(0), StrCat("join/", req.name()), req.world_size(),
+                             req.rank(), agreement, d_->backend(), timeout));
+    // Every rank resolved the same backend, or the group cannot form.
+    for (size_t r = 0; r < payloads.size(); ++r)
+      if (payloads[r] != d_->backend())
+        return absl::FailedPreconditionError(StrCat("backend: rank ", r, " runs '", payloads[r],
+                                                    "', this rank '", d_->backend(), "'"));
+    auto g = std::make_shared<Group>();
+    g->id = d_->NextId();
+    g->name = req.name();
+    g->world_size = req.world_size();
+    g->rank = req.rank();
+    g->members.assign(req.members().begin(), req.members().end());
+    g->backend = d_->backend();
+    g->backend_reason = requested == "auto"
+                            ? "auto: every rank's daemon runs the host backend (no GPU backend here)"
+                            : "requested host";
+    g->owner_client = c.id;
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      c.groups[g->id] = g;
+    }
+    FillGroupInfo(*g, resp);
+    return absl::OkStatus();
+  }
+
+  absl::Status DoCreateSession(ClientRecord& c, const v1::CreateSessionRequest& req,
+                               v1::SessionInfo* resp) {
+    std::shared_ptr<Group> g;
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      auto it = c.groups.find(req.group_id());
+      if (it != c.groups.end()) g = it->second;
+    }
+    if (!g) return absl::NotFoundError(StrCat("group_id: ", req.group_id(), " not joined by this client"));
+    SessionGeometry geo;
+    geo.world_size = g->world_size;
+    geo.rank = g->rank;
+    geo.num_heads = req.spec().num_heads();
+    geo.head_dim = req.spec().head_dim();
+    geo.dtype = static_cast<DType>(req.spec().dtype());
+    geo.max_tokens = req.spec().max_tokens();
+    geo.num_slots = req.spec().num_slots() == 0 ? 2 : req.spec().num_slots();
+    geo.schedule.assign(req.spec().schedule().begin(), req.spec().schedule().end());
+    ULY_RETURN_IF_ERROR(ValidateSessionGeometry(geo));
+    const uint64_t id = d_->NextId();
+    const uint64_t seq = g->sessions_created.fetch_add(1);
+    const SegmentLayout layout = SegmentLayout::For(geo.SlotBytes(), geo.num_slots);
+    const absl::Duration timeout =
+        absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : d_->config().peer_timeout_ms);
+    const std::string key = StrCat("session/", g->name, "/", seq);
+    // A rank that cannot take part still arrives, with a failure payload, so that every rank
+    // gets the same verdict instead of waiting out the timeout.
+    absl::Status local = d_->ReserveSlotMemory(layout.total_bytes);
+    std::unique_ptr<Session> session;
+    if (local.ok()) {
+      absl::StatusOr<std::unique_ptr<Session>> created = Session::Create(
+          id, g->id, c.id, geo, StrCat("/ulysses-", ::getpid(), "-", id));
+      if (created.ok()) session = std::move(*created);
+      else {
+        local = created.status();
+        d_->ReleaseSlotMemory(layout.total_bytes);
+      }
+    }
+    const std::string payload =
+        local.ok() ? StrCat("ok:", session->segment_name()) : StrCat("error:", local.message());
+    absl::StatusOr<std::vector<std::string>> names = d_->rendezvous_client().Rendezvous(
+        g->members[0], key, g->world_size, g->rank, SpecAgreement(geo), payload, timeout);
+    absl::Status status = names.status();
+    if (status.ok() && !local.ok()) status = local;
+    if (status.ok()) {
+      std::vector<std::string> segs;
+      for (size_t r = 0; r < names->size() && status.ok(); ++r) {
+        const std::string& p = (*names)[r];
+        if (p.rfind("ok:", 0) == 0) segs.push_back(p.substr(3));
+        else status = absl::FailedPreconditionError(StrCat("rank ", r, " could not create its session: ", p.substr(6)));
+      }
+      if (status.ok()) status = session->ConnectPeers(segs);
+    }
+    if (status.ok()) {
+      status = d_->SendToClient(c, StrCat("{\"session_id\": ", id, "}"), session->segment_fd());
+    }
+    if (!status.ok()) {
+      if (session) d_->ReleaseSlotMemory(layout.total_bytes);
+      return status;
+    }
+    std::shared_ptr<Session> shared(std::move(session));
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      c.sessions[id] = shared;
+    }
+    FillSessionInfo(*shared, *g, resp);
+    Logger("exec")->debug("client {}: session {} on group {} ({})", c.id, id, g->name,
+                          SpecAgreement(geo));
+    return absl::OkStatus();
+  }
+
+  absl::Status DoCall(ClientRecord& c, const v1::CallRequest& req, v1::CallResponse* resp) {
+    const absl::Time t0 = absl::Now();
+    std::shared_ptr<Session> s;
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      auto it = c.sessions.find(req.session_id());
+      if (it != c.sessions.end()) s = it->second;
+    }
+    if (!s) {
+      for (auto& other : d_->Clients()) {
+        if (other.get() == &c) continue;
+        std::lock_guard<std::mutex> lock(other->mu);
+        if (other->sessions.count(req.session_id()))
+          return absl::PermissionDeniedError(
+              StrCat("session_id: ", req.session_id(), " belongs to another client"));
+      }
+      return absl::NotFoundError(StrCat("session_id: ", req.session_id(), " is not open"));
+    }
+    CallArgs args;
+    args.op = static_cast<OpKind>(req.op());
+    args.batch = req.batch();
+    args.seq = req.seq();
+    args.head_offset = req.head_offset();
+    args.head_count = req.head_count();
+    if (req.inputs_size() > 3)
+      return absl::InvalidArgumentError(StrCat("inputs: at most 3, got ", req.inputs_size()));
+    for (int i = 0; i < req.inputs_size(); ++i) args.inputs[i] = ToOperand(req.inputs(i));
+    if (req.has_out()) args.out = ToOperand(req.out());
+    ClientBuffers buffers(d_, &c);
+    ULY_ASSIGN_OR_RETURN(CallPlan plan, PlanCall(s->geometry(), args, buffers));
+    // Hold the buffers for the call: a concurrent FreeBuffer cannot unmap them underneath.
+    std::shared_ptr<Buffer> held[4];
+    CallOperands ops;
+    for (int i = 0; i < plan.num_inputs; ++i) {
+      held[i] = buffers.Find(plan.inputs[i].buffer_id);
+      if (!held[i]) return absl::InvalidArgumentError(StrCat("inputs[", i, "]: buffer freed"));
+      ops.inputs[i] = static_cast<const uint8_t*>(held[i]->mapping.data()) + plan.inputs[i].offset_bytes;
+    }
+    if (plan.has_out) {
+      held[3] = buffers.Find(plan.out.buffer_id);
+      if (!held[3]) return absl::InvalidArgumentError("out: buffer freed");
+      ops.out = static_cast<uint8_t*>(held[3]->mapping.data()) + plan.out.offset_bytes;
+    }
+    ULY_ASSIGN_OR_RETURN(CallOutcome outcome,
+                         s->Execute(plan, ops, absl::Milliseconds(d_->config().call_timeout_ms)));
+    c.calls.fetch_add(1);
+    resp->set_epoch(outcome.epoch);
+    resp->set_slot(outcome.slot);
+    for (int64_t d : plan.out_shape) resp->add_out_shape(d);
+    resp->set_slot_offset_bytes(outcome.slot_offset_bytes);
+    resp->set_result_bytes(outcome.result_bytes);
+    resp->set_elapsed_us(absl::ToInt64Microseconds(absl::Now() - t0));
+    return absl::OkStatus();
+  }
+
+  Daemon* d_;
+};
+
+class AdminService final : public v1::Admin::Service {
+ public:
+  explicit AdminService(Daemon* d) : d_(d) {}
+
+  grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
+                        v1::DaemonState* resp) override {
+    resp->set_version(ULYSSES_VERSION);
+    resp->set_device(d_->config().device);
+    resp->set_backend(d_->backend());
+    resp->set_pid(::getpid());
+    resp->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - d_->started()));
+    resp->set_draining(d_->draining());
+    resp->set_health(d_->draining() ? "NOT_SERVING" : "SERVING");
+    resp->set_socket(d_->config().socket);
+    int groups = 0, sessions = 0;
+    auto clients = d_->Clients();
+    for (auto& c : clients) {
+      std::lock_guard<std::mutex> lock(c->mu);
+      groups += static_cast<int>(c->groups.size());
+      sessions += static_cast<int>(c->sessions.size());
+    }
+    resp->set_num_clients(static_cast<int>(clients.size()));
+    resp->set_num_groups(groups);
+    resp->set_num_sessions(sessions);
+    resp->set_calls_total(d_->calls_total.load());
+    resp->set_calls_failed(d_->calls_failed.load());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListClients(grpc::ServerContext*, const v1::ListClientsRequest*,
+                           v1::ListClientsResponse* resp) override {
+    for (auto& c : d_->Clients()) {
+      std::lock_guard<std::mutex> lock(c->mu);
+      v1::ClientState* s = resp->add_clients();
+      s->set_client_id(c->id);
+      s->set_name(c->name);
+      s->set_pid(c->pid);
+      s->set_uid(c->uid);
+      s->set_since_unix_ms(absl::ToUnixMillis(c->since));
+      s->set_num_buffers(static_cast<int>(c->buffers.size()));
+      uint64_t bytes = 0;
+      for (auto& [id, b] : c->buffers) bytes += b->size;
+      s->set_buffer_bytes(bytes);
+      s->set_num_sessions(static_cast<int>(c->sessions.size()));
+      s->set_calls(c->calls.load());
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListGroups(grpc::ServerContext*, const v1::ListGroupsRequest*,
+                          v1::ListGroupsResponse* resp) override {
+    for (auto& c : d_->Clients()) {
+      std::lock_guard<std::mutex> lock(c->mu);
+      for (auto& [id, g] : c->groups) {
+        v1::GroupState* gs = resp->add_groups();
+        FillGroupInfo(*g, gs->mutable_info());
+        gs->add_client_ids(c->id);
+      }
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
+                            v1::ListSessionsResponse* resp) override {
+    for (auto& c : d_->Clients()) {
+      std::lock_guard<std::mutex> lock(c->mu);
+      for (auto& [id, s] : c->sessions) {
+        v1::SessionState* ss = resp->add_sessions();
+        auto git = c->groups.find(s->group_id());
+        if (git != c->groups.end()) FillSessionInfo(*s, *git->second, ss->mutable_info());
+        ss->set_owner_client_id(c->id);
+        ss->set_kind("head_exchange");
+        ss->set_calls(s->calls());
+        ss->set_last_epoch(s->last_epoch());
+      }
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListSlots(grpc::ServerContext*, const v1::ListSlotsRequest*,
+                         v1::ListSlotsResponse* resp) override {
+    const absl::Time now = absl::Now();
+    for (auto& c : d_->Clients()) {
+      std::lock_guard<std::mutex> lock(c->mu);
+      for (auto& [id, s] : c->sessions) {
+        for (const Session::SlotView& v : s->Slots()) {
+          v1::SlotState* st = resp->add_slots();
+          st->set_session_id(id);
+          st->set_slot(v.slot);
+          // Without the slot protocol's explicit release, a completed slot is "ready" (its
+          // result readable) until the call num_slots later reopens it.
+          st->set_state(v.open_epoch == 0 ? "free"
+                                          : (v.done_epoch >= v.open_epoch ? "ready" : "writing"));
+          st->set_owner_client_id(c->id);
+          st->set_epoch(v.open_epoch);
+          st->set_age_ms(absl::ToInt64Milliseconds(now - v.since));
+        }
+      }
+    }
+    return grpc::Status::OK;
+  }
+
+ private:
+  Daemon* d_;
+};
+
+class PeerService final : public v1::Peer::Service {
+ public:
+  explicit PeerService(Daemon* d) : d_(d) {}
+
+  grpc::Status Rendezvous(grpc::ServerContext*, const v1::RendezvousRequest* req,
+                          v1::RendezvousResponse* resp) override {
+    const int64_t ms = req->timeout_ms() > 0 ? req->timeout_ms() : d_->config().peer_timeout_ms;
+    absl::StatusOr<std::vector<std::string>> out = d_->rendezvous_table().Arrive(
+        req->key(), req->world_size(), req->rank(), req->agreement(), req->payload(),
+        absl::Now() + absl::Milliseconds(ms));
+    if (!out.ok()) return ToGrpcStatus(out.status());
+    for (auto& p : *out) resp->add_payloads(p);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status AbortRendezvous(grpc::ServerContext*, const v1::AbortRendezvousRequest* req,
+                               v1::AbortRendezvousResponse*) override {
+    d_->rendezvous_table().Abort(req->key(), req->reason());
+    return grpc::Status::OK;
+  }
+
+ private:
+  Daemon* d_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::Service> MakeControlService(Daemon* d) {
+  return std::make_unique<ControlService>(d);
+}
+std::unique_ptr<grpc::Service> MakeAdminService(Daemon* d) {
+  return std::make_unique<AdminService>(d);
+}
+std::unique_ptr<grpc::Service> MakePeerService(Daemon* d) {
+  return std::make_unique<PeerService>(d);
+}
+
+}  // namespace ulysses::daemon

@@ -1,0 +1,205 @@
+#include "session.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "ulysses/common/logging.h"
+#include "ulysses/common/status.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/wait.h"
+#include "ulysses/kernels/exchange.h"
+
+namespace ulysses::daemon {
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(uint64_t id, uint64_t group_id,
+                                                         uint64_t owner_client,
+                                                         const SessionGeometry& g,
+                                                         std::string segment_name) {
+  SegmentLayout layout = SegmentLayout::For(static_cast<uint64_t>(g.SlotBytes()), g.num_slots);
+  ipc::NamedSegment::UnlinkIfExists(segment_name);  // a stale name from a crashed daemon
+  ULY_ASSIGN_OR_RETURN(ipc::NamedSegment seg,
+                       ipc::NamedSegment::Create(std::move(segment_name), layout.total_bytes));
+  // A fresh segment is zero-filled: every word starts at epoch 0, abort 0.
+  auto* cb = static_cast<SessionControlBlock*>(seg.data());
+  cb->magic = kSessionMagic;
+  cb->version = kSessionLayoutVersion;
+  cb->world_size = static_cast<uint32_t>(g.world_size);
+  cb->rank = static_cast<uint32_t>(g.rank);
+  cb->num_slots = static_cast<uint32_t>(g.num_slots);
+  cb->slot_bytes = layout.slot_bytes;
+  cb->slot_stride_bytes = layout.slot_stride_bytes;
+  cb->slots_offset_bytes = layout.slots_offset_bytes;
+  return std::unique_ptr<Session>(
+      new Session(id, group_id, owner_client, g, layout, std::move(seg)));
+}
+
+Session::Session(uint64_t id, uint64_t group_id, uint64_t owner, SessionGeometry g,
+                 SegmentLayout l, ipc::NamedSegment seg)
+    : id_(id),
+      group_id_(group_id),
+      owner_client_(owner),
+      geometry_(std::move(g)),
+      layout_(l),
+      segment_(std::move(seg)),
+      slot_since_(geometry_.num_slots, absl::Now()) {}
+
+Session::~Session() {
+  Abort(kAbortClosed);
+  // The name goes now; the memory stays mapped in peers until they close their sessions.
+  (void)segment_.Unlink();
+}
+
+absl::Status Session::ConnectPeers(const std::vector<std::string>& names) {
+  if (static_cast<int>(names.size()) != geometry_.world_size)
+    return absl::InternalError(StrCat("session ", id_, ": expected ", geometry_.world_size,
+                                      " peer segments, got ", names.size()));
+  std::vector<ipc::NamedSegment> peers(names.size());
+  for (int r = 0; r < geometry_.world_size; ++r) {
+    if (r == geometry_.rank) continue;
+    ULY_ASSIGN_OR_RETURN(peers[r], ipc::NamedSegment::Open(names[r], layout_.total_bytes));
+    auto* cb = static_cast<const SessionControlBlock*>(peers[r].data());
+    if (cb->magic != kSessionMagic || cb->version != kSessionLayoutVersion ||
+        cb->rank != static_cast<uint32_t>(r) || cb->slot_bytes != layout_.slot_bytes)
+      return absl::FailedPreconditionError(
+          StrCat("session ", id_, ": segment ", names[r], " of rank ", r,
+                 " does not match this session's layout"));
+  }
+  peers_ = std::move(peers);
+  return absl::OkStatus();
+}
+
+SessionControlBlock* Session::Control(int rank) const {
+  void* base = rank == geometry_.rank ? segment_.data() : peers_[rank].data();
+  return static_cast<SessionControlBlock*>(base);
+}
+
+uint8_t* Session::SlotData(int rank, int slot) const {
+  auto* base = reinterpret_cast<uint8_t*>(Control(rank));
+  return base + layout_.slots_offset_bytes + layout_.slot_stride_bytes * slot;
+}
+
+absl::Status Session::WaitWord(const std::atomic<uint64_t>& word, uint64_t target, int peer,
+                               absl::Time deadline, const char* what) const {
+  const std::atomic<uint64_t>& own_abort = Control(geometry_.rank)->abort;
+  const std::atomic<uint64_t>& peer_abort = Control(peer)->abort;
+  // Slices, so that this session's own abort (its client is gone) also ends the wait.
+  for (;;) {
+    const absl::Time slice = std::min(deadline, absl::Now() + absl::Milliseconds(20));
+    absl::Status s = ipc::WaitAtLeast(word, target, slice, &peer_abort,
+                                      StrCat("session ", id_, " rank ", peer, " ", what));
+    if (s.ok()) return s;
+    if (s.code() == absl::StatusCode::kAborted)
+      return absl::AbortedError(StrCat("session ", id_, ": rank ", peer,
+                                       " aborted the group (its session is gone or broken)"));
+    if (own_abort.load(std::memory_order_acquire) != 0)
+      return absl::AbortedError(StrCat("session ", id_, ": closed while a call waited"));
+    if (absl::Now() >= deadline)
+      return absl::DeadlineExceededError(StrCat("session ", id_, ": timed out waiting for rank ",
+                                                peer, " (", what, ", epoch ", target, ")"));
+  }
+}
+
+absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOperands& ops,
+                                             absl::Duration timeout) {
+  std::lock_guard<std::mutex> lock(call_mu_);
+  if (broken_.load())
+    return absl::FailedPreconditionError(
+        StrCat("session ", id_, " is broken by an earlier failed call; close it and create a new one"));
+  if (peers_.empty() && geometry_.world_size > 1)
+    return absl::FailedPreconditionError(StrCat("session ", id_, " is not connected to its peers"));
+  const uint64_t e = ++epoch_;
+  const int s = static_cast<int>((e - 1) % geometry_.num_slots);
+  const int W = geometry_.world_size;
+  const int me = geometry_.rank;
+  const absl::Time deadline = absl::Now() + timeout;
+  {
+    std::lock_guard<std::mutex> sl(slot_mu_);
+    slot_since_[s] = absl::Now();
+  }
+  SessionControlBlock* mine = Control(me);
+  // Open: peers may now overwrite slot s (its previous result, epoch e - num_slots, is given up).
+  mine->slots[s].open.store(e, std::memory_order_release);
+
+  kernels::ExchangeShape shape{W, plan.batch, plan.seq_local, geometry_.num_heads,
+                               geometry_.head_dim, geometry_.itemsize()};
+  auto view = [&](int i) {
+    const ResolvedOperand& r = plan.inputs[i];
+    return kernels::ConstView{ops.inputs[i], {r.strides[0], r.strides[1], r.strides[2], r.strides[3]}};
+  };
+  absl::Status status;
+  // Destinations in rotated order starting after this rank, so ranks do not all hit rank 0.
+  for (int k = 1; k <= W && status.ok(); ++k) {
+    const int dst = (me + k) % W;
+    SessionControlBlock* theirs = Control(dst);
+    status = WaitWord(theirs->slots[s].open, e, dst, deadline, "opening its receive slot");
+    if (!status.ok()) break;
+    uint8_t* dst_slot = SlotData(dst, s);
+    switch (plan.op) {
+      case OpKind::kScatterHeads:
+        kernels::ScatterHeadsBlockRef(shape, view(0), me, dst, dst_slot);
+        break;
+      case OpKind::kGatherHeads:
+        kernels::GatherHeadsBlockRef(shape, view(0), me, dst, dst_slot);
+        break;
+      case OpKind::kScatterQkvHeadChunk:
+        kernels::ScatterQkvHeadChunkBlockRef(shape, view(0), view(1), view(2), plan.head_offset,
+                                             plan.head_count, me, dst, dst_slot);
+        break;
+      case OpKind::kGatherOutputHeadChunk:
+        kernels::GatherOutputHeadChunkBlockRef(shape, view(0), plan.head_count, me, dst, dst_slot);
+        break;
+      default:
+        status = absl::InvalidArgumentError("op: unknown operation");
+    }
+    // Release: the block's bytes are visible before the arrival word that announces them.
+    if (status.ok()) theirs->slots[s].arrive[me].store(e, std::memory_order_release);
+  }
+  for (int src = 0; src < W && status.ok(); ++src)
+    status = WaitWord(mine->slots[s].arrive[src], e, src, deadline, "writing its block");
+  if (status.ok()) {
+    uint8_t* slot = SlotData(me, s);
+    const int32_t itemsize = geometry_.itemsize();
+    if (plan.op == OpKind::kGatherOutputHeadChunk) {
+      const auto& o = plan.out.strides;
+      kernels::GatherOutputHeadChunkMergeRef(shape, slot, plan.head_offset, plan.head_count,
+                                             kernels::MutView{ops.out, {o[0], o[1], o[2], o[3]}});
+    } else if (plan.has_out) {
+      const auto& o = plan.out.strides;
+      kernels::CopyContiguousToViewRef(slot, plan.out_shape.data(), itemsize,
+                                       kernels::MutView{ops.out, {o[0], o[1], o[2], o[3]}});
+    }
+    mine->slots[s].done.store(e, std::memory_order_release);
+    calls_.fetch_add(1);
+    last_epoch_.store(e);
+    CallOutcome out;
+    out.epoch = e;
+    out.slot = s;
+    out.slot_offset_bytes = layout_.slots_offset_bytes + layout_.slot_stride_bytes * s;
+    out.result_bytes = static_cast<uint64_t>(plan.slot_elems) * itemsize;
+    return out;
+  }
+  // The ranks' epochs no longer line up: fail this session and tell the peers at once.
+  mine->slots[s].error.store(e, std::memory_order_release);
+  mine->slots[s].done.store(e, std::memory_order_release);
+  broken_.store(true);
+  Abort(kAbortCallFailed);
+  Logger("exec")->warn("session {} epoch {}: call failed: {}", id_, e, std::string(status.message()));
+  return status;
+}
+
+void Session::Abort(uint64_t code) {
+  auto* cb = Control(geometry_.rank);
+  uint64_t expected = 0;
+  cb->abort.compare_exchange_strong(expected, code, std::memory_order_acq_rel);
+}
+
+std::vector<Session::SlotView> Session::Slots() const {
+  std::vector<SlotView> out;
+  const SessionControlBlock* cb = Control(geometry_.rank);
+  std::lock_guard<std::mutex> sl(slot_mu_);
+  for (int i = 0; i < geometry_.num_slots; ++i)
+    out.push_back(SlotView{i, cb->slots[i].open.load(), cb->slots[i].done.load(), slot_since_[i]});
+  return out;
+}
+
+}  // namespace ulysses::daemon

@@ -1,0 +1,104 @@
+// A session: one prepared head-exchange operation on a group, on this rank. Owns this rank's
+// session segment (control block + receive slots) and maps the segments of the other ranks, so
+// that each call writes its blocks straight into the peers' receive slots (host backend; the
+// NVLink backend does the same with symmetric device memory).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "ulysses/common/geometry.h"
+#include "ulysses/common/session_layout.h"
+#include "ulysses/ipc/shm.h"
+
+namespace ulysses::daemon {
+
+/// Pointers of a planned call's operands in this daemon's address space.
+struct CallOperands {
+  const void* inputs[3] = {nullptr, nullptr, nullptr};
+  void* out = nullptr;
+};
+
+/// Outcome of one call.
+struct CallOutcome {
+  uint64_t epoch = 0;
+  int32_t slot = 0;
+  uint64_t slot_offset_bytes = 0;  ///< offset of the result in the session segment
+  uint64_t result_bytes = 0;
+};
+
+class Session {
+ public:
+  /// Creates this rank's segment under `segment_name`. Does not touch peers yet.
+  static absl::StatusOr<std::unique_ptr<Session>> Create(uint64_t id, uint64_t group_id,
+                                                         uint64_t owner_client,
+                                                         const SessionGeometry& geometry,
+                                                         std::string segment_name);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  /// Maps the other ranks' segments (names in rank order, from the rendezvous).
+  absl::Status ConnectPeers(const std::vector<std::string>& names);
+
+  /// Runs one planned call: opens this rank's slot for the next epoch, writes this rank's block
+  /// into every destination's slot once that destination opened it, waits for every source's
+  /// block, then finishes (copy to `out`, head-chunk merge). Calls on one session are serialized.
+  /// Waits are bounded by `timeout` and end early with ABORTED when a peer's session is gone.
+  /// A failed call breaks the session (its epochs would no longer line up across ranks).
+  absl::StatusOr<CallOutcome> Execute(const CallPlan& plan, const CallOperands& ops,
+                                      absl::Duration timeout);
+
+  /// Marks the session gone: peers waiting on it end with ABORTED. Idempotent.
+  void Abort(uint64_t code);
+
+  uint64_t id() const { return id_; }
+  uint64_t group_id() const { return group_id_; }
+  uint64_t owner_client() const { return owner_client_; }
+  const SessionGeometry& geometry() const { return geometry_; }
+  const SegmentLayout& layout() const { return layout_; }
+  int segment_fd() const { return segment_.fd(); }
+  const std::string& segment_name() const { return segment_.name(); }
+  uint64_t calls() const { return calls_.load(); }
+  uint64_t last_epoch() const { return last_epoch_.load(); }
+  bool broken() const { return broken_.load(); }
+  /// The epoch and state of each slot for Admin.ListSlots.
+  struct SlotView {
+    int32_t slot;
+    uint64_t open_epoch;
+    uint64_t done_epoch;
+    absl::Time since;
+  };
+  std::vector<SlotView> Slots() const;
+
+ private:
+  Session(uint64_t id, uint64_t group_id, uint64_t owner, SessionGeometry g, SegmentLayout l,
+          ipc::NamedSegment seg);
+  SessionControlBlock* Control(int rank) const;
+  uint8_t* SlotData(int rank, int slot) const;
+  absl::Status WaitWord(const std::atomic<uint64_t>& word, uint64_t target, int peer,
+                        absl::Time deadline, const char* what) const;
+
+  const uint64_t id_;
+  const uint64_t group_id_;
+  const uint64_t owner_client_;
+  const SessionGeometry geometry_;
+  const SegmentLayout layout_;
+  ipc::NamedSegment segment_;
+  std::vector<ipc::NamedSegment> peers_;  // index = rank; this rank's entry is empty
+  std::mutex call_mu_;                    // one call in flight per session
+  uint64_t epoch_ = 0;
+  std::atomic<uint64_t> calls_{0};
+  std::atomic<uint64_t> last_epoch_{0};
+  std::atomic<bool> broken_{false};
+  mutable std::mutex slot_mu_;
+  std::vector<absl::Time> slot_since_;
+};
+
+}  // namespace ulysses::daemon
