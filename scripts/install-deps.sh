@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what ulyssesd builds with, from the distribution (Debian 12 / Ubuntu 24.04 or newer).
+# The CUDA toolkit (nvcc, cuBLAS, NCCL) is optional: without it the host backend alone is built.
+set -euo pipefail
+packages=(
+  build-essential cmake ninja-build pkg-config git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libboost-dev libspdlog-dev libgtest-dev libgmock-dev
+  libcli11-dev nlohmann-json3-dev libcpp-httplib-dev
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all packages present"
+  exit 0
+fi
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+echo "install-deps: installing ${missing[*]}"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "install-deps: done"
