@@ -103,7 +103,7 @@ void Daemon::Shutdown() {
       std::lock_guard<std::mutex> lock(c->mu);
       for (auto& [id, s] : c->sessions) s->Abort(kAbortClosed);
     }
-    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   }
   fd_listener_.Shutdown();
   if (poll_wake_) (void)poll_wake_->Signal();

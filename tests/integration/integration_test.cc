@@ -1,0 +1,333 @@
+// Real daemons as separate processes, real clients over real unix sockets (host backend).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "demo_lib.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "ulysses/client/client.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/shm.h"
+#include "ulysses/ipc/unix_socket.h"
+#include "ulysses/v1/admin.grpc.pb.h"
+#include "ulysses/v1/control.grpc.pb.h"
+
+namespace ulysses {
+namespace {
+
+using ::testing::HasSubstr;
+
+class Cluster : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    daemons_.clear();  // SIGTERM each daemon
+    if (!dir_.empty()) demo::RemoveRunDir(dir_);
+  }
+
+  void Start(int n, std::vector<std::string> extra = {}) {
+    auto dir = demo::MakeRunDir();
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = *dir;
+    for (int r = 0; r < n; ++r) {
+      auto d = demo::StartDaemon(ULYSSESD_PATH, dir_, r, "host", extra);
+      ASSERT_TRUE(d.ok()) << d.status();
+      daemons_.push_back(std::move(*d));
+    }
+  }
+
+  std::vector<std::string> Members(int n) const {
+    std::vector<std::string> m;
+    for (int r = 0; r < n; ++r) m.push_back(daemons_[r].socket());
+    return m;
+  }
+
+  std::unique_ptr<v1::Admin::Stub> Admin(int r) {
+    auto ch = grpc::CreateChannel("unix://" + daemons_[r].socket(), grpc::InsecureChannelCredentials());
+    return v1::Admin::NewStub(ch);
+  }
+
+  std::vector<v1::ClientState> ListClients(int r) {
+    v1::ListClientsResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(Admin(r)->ListClients(&ctx, {}, &resp).ok());
+    return {resp.clients().begin(), resp.clients().end()};
+  }
+
+  int NumSessions(int r) {
+    v1::ListSessionsResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(Admin(r)->ListSessions(&ctx, {}, &resp).ok());
+    return resp.sessions_size();
+  }
+
+  // Polls an Admin condition until it holds or 20 s pass (the daemon reclaims asynchronously).
+  template <typename F>
+  bool Eventually(F cond) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < deadline) {
+      if (cond()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return cond();
+  }
+
+  std::unique_ptr<client::Client> Connect(int r, const std::string& name) {
+    auto c = client::Client::Connect({daemons_[r].socket(), name, absl::Seconds(10)});
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  std::string dir_;
+  std::vector<demo::DaemonProcess> daemons_;
+};
+
+demo::Workload MakeWorkload(const std::vector<std::string>& members, int rank,
+                            const std::string& group) {
+  demo::Workload w;
+  w.members = members;
+  w.socket = members[rank];
+  w.world_size = static_cast<int32_t>(members.size());
+  w.rank = rank;
+  w.group = group;
+  w.batch = 2;
+  w.seq_local = 7;
+  w.num_heads = 14 * w.world_size;
+  w.head_dim = 32;
+  w.schedule = {3, 8, 3};
+  w.iterations = 2;
+  return w;
+}
+
+TEST_F(Cluster, FourRanksBitExactFromClientThreads) {
+  Start(4);
+  std::vector<demo::RankReport> reports(4);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r)
+    threads.emplace_back([&, r] { reports[r] = demo::RunRank(MakeWorkload(Members(4), r, "g4")); });
+  for (auto& t : threads) t.join();
+  for (auto& rep : reports) {
+    EXPECT_TRUE(rep.ok) << "rank " << rep.rank << ": " << rep.error;
+    EXPECT_GT(rep.checks, 0);
+    EXPECT_EQ(rep.backend, "host");
+  }
+}
+
+TEST_F(Cluster, TwoClientsShareEachDaemonWithSeparateGroups) {
+  Start(2);
+  std::vector<demo::RankReport> reports(4);
+  std::vector<std::thread> threads;
+  for (int g = 0; g < 2; ++g)
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([&, g, r] {
+        demo::Workload w = MakeWorkload(Members(2), r, StrCat("replica-", g));
+        w.dtype = g == 0 ? DType::kBFloat16 : DType::kFloat32;  // different sessions, geometries
+        reports[g * 2 + r] = demo::RunRank(w);
+      });
+  for (auto& t : threads) t.join();
+  for (auto& rep : reports) EXPECT_TRUE(rep.ok) << rep.error;
+}
+
+TEST_F(Cluster, AdminListsClientsWithTheirProcessAndSessions) {
+  Start(1);
+  auto c = Connect(0, "lister");
+  ASSERT_NE(c, nullptr);
+  auto buf = c->AllocBuffer(4096, "x");
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  auto g = c->JoinGroup({"solo", 1, 0, Members(1), "auto", 0});
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->backend, "host");
+  auto s = c->CreateSession(*g, {8, 16, DType::kBFloat16, 32, 2, {}, 0});
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto clients = ListClients(0);
+  ASSERT_EQ(clients.size(), 1u);
+  EXPECT_EQ(clients[0].name(), "lister");
+  EXPECT_EQ(clients[0].pid(), ::getpid());
+  EXPECT_EQ(clients[0].uid(), static_cast<int64_t>(::getuid()));
+  EXPECT_EQ(clients[0].num_buffers(), 1);
+  EXPECT_EQ(clients[0].buffer_bytes(), 4096u);
+  EXPECT_EQ(clients[0].num_sessions(), 1);
+  EXPECT_EQ(NumSessions(0), 1);
+  ASSERT_TRUE((*s)->Close().ok());
+  EXPECT_EQ(NumSessions(0), 0);
+  ASSERT_TRUE(c->Close().ok());
+  EXPECT_TRUE(Eventually([&] { return ListClients(0).empty(); }));
+}
+
+TEST_F(Cluster, KilledClientProcessIsForgottenAndItsSessionReleased) {
+  Start(1);
+  // A real client process (the demo's rank program) that holds its session open.
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::execl(ULYSSES_DEMO_PATH, ULYSSES_DEMO_PATH, "--client-rank", "0", "--ranks", "1",
+            "--run-dir", dir_.c_str(), "--hold-seconds", "120", "--iterations", "1",
+            static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ASSERT_TRUE(Eventually([&] { return NumSessions(0) == 1; }));
+  auto clients = ListClients(0);
+  ASSERT_EQ(clients.size(), 1u);
+  EXPECT_EQ(clients[0].pid(), pid);
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  EXPECT_TRUE(Eventually([&] { return ListClients(0).empty() && NumSessions(0) == 0; }));
+  // The daemon still serves new clients.
+  auto c = Connect(0, "after");
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(ListClients(0).size(), 1u);
+}
+
+TEST_F(Cluster, ClientsCannotUseEachOthersSessionsOrBuffers) {
+  Start(1);
+  auto a = Connect(0, "a");
+  auto b = Connect(0, "b");
+  ASSERT_TRUE(a && b);
+  auto ga = a->JoinGroup({"ga", 1, 0, Members(1), "host", 0});
+  ASSERT_TRUE(ga.ok()) << ga.status();
+  auto sa = a->CreateSession(*ga, {4, 8, DType::kFloat32, 16, 2, {}, 0});
+  ASSERT_TRUE(sa.ok()) << sa.status();
+  auto xb = b->AllocBuffer(4 * 16 * 4 * 8, "b's");
+  ASSERT_TRUE(xb.ok());
+
+  // b's buffer through a's session: the client library does not know that id.
+  auto r1 = (*sa)->ScatterHeads(xb->Ref(), 1, 16);
+  EXPECT_EQ(r1.status().code(), absl::StatusCode::kInvalidArgument);
+  // The daemon never trusts a client: a raw call with b's buffer id is refused with
+  // PERMISSION_DENIED naming the operand, and a's session id from b likewise.
+  auto ch = grpc::CreateChannel("unix://" + daemons_[0].socket(), grpc::InsecureChannelCredentials());
+  auto stub = v1::Control::NewStub(ch);
+  v1::AttachRequest areq;
+  v1::AttachResponse ares;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->Attach(&ctx, areq, &ares).ok());
+  }
+  v1::CallRequest call;
+  call.set_session_id((*sa)->id());
+  call.set_op(v1::OP_KIND_SCATTER_HEADS);
+  call.set_batch(1);
+  call.set_seq(16);
+  call.add_inputs()->set_buffer_id(xb->id);
+  v1::CallResponse cresp;
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("ulysses-client-id", std::to_string(ares.client_id()));
+  ctx.AddMetadata("ulysses-token", ares.token());
+  grpc::Status st = stub->Call(&ctx, call, &cresp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(st.error_message(), HasSubstr("session_id"));
+  // A forged token is refused.
+  grpc::ClientContext ctx2;
+  ctx2.AddMetadata("ulysses-client-id", std::to_string(a->client_id()));
+  ctx2.AddMetadata("ulysses-token", "forged");
+  st = stub->Call(&ctx2, call, &cresp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+}
+
+TEST_F(Cluster, DaemonRevalidatesAndWritesNothingOnBadCalls) {
+  Start(1);
+  auto a = Connect(0, "a");
+  ASSERT_NE(a, nullptr);
+  auto g = a->JoinGroup({"v", 1, 0, Members(1), "auto", 0});
+  ASSERT_TRUE(g.ok());
+  auto s = a->CreateSession(*g, {4, 8, DType::kBFloat16, 16, 2, {}, 0});
+  ASSERT_TRUE(s.ok());
+  auto x = a->AllocBuffer(16 * 4 * 8 * 2, "x");
+  ASSERT_TRUE(x.ok());
+  // Client-side verdicts, same codes and argument names as the daemon's.
+  auto r = (*s)->ScatterHeads(x->Ref(), 1, 17);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("max_tokens"));
+  r = (*s)->ScatterHeads(x->Ref(2), 1, 16);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("x: bytes"));
+  r = (*s)->ScatterQkvHeadChunk(x->Ref(), x->Ref(), x->Ref(), 1, 4, 3, 2);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("exceeds local_heads"));
+  // A good call afterwards is epoch 1: nothing was submitted before it.
+  r = (*s)->ScatterHeads(x->Ref(), 1, 16);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->epoch, 1u);
+}
+
+TEST_F(Cluster, MismatchedGroupOrSessionArgumentsFailOnEveryRank) {
+  Start(2);
+  auto c0 = Connect(0, "r0");
+  auto c1 = Connect(1, "r1");
+  ASSERT_TRUE(c0 && c1);
+  absl::StatusOr<client::Group> g0, g1;
+  std::thread t([&] { g0 = c0->JoinGroup({"m", 2, 0, Members(2), "auto", 5000}); });
+  g1 = c1->JoinGroup({"m", 2, 1, Members(2), "host", 5000});
+  t.join();
+  EXPECT_EQ(g0.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(g1.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(g0.status().message()), HasSubstr("mismatch"));
+
+  std::thread t2([&] { g0 = c0->JoinGroup({"m2", 2, 0, Members(2), "auto", 5000}); });
+  g1 = c1->JoinGroup({"m2", 2, 1, Members(2), "auto", 5000});
+  t2.join();
+  ASSERT_TRUE(g0.ok() && g1.ok()) << g0.status() << g1.status();
+  absl::StatusOr<std::unique_ptr<client::Session>> s0, s1;
+  std::thread t3([&] { s0 = c0->CreateSession(*g0, {8, 16, DType::kBFloat16, 32, 2, {}, 5000}); });
+  s1 = c1->CreateSession(*g1, {8, 16, DType::kBFloat16, 64, 2, {}, 5000});
+  t3.join();
+  EXPECT_EQ(s0.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s1.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s1.status().message()), HasSubstr("max_tokens=32"));
+  EXPECT_EQ(NumSessions(0), 0);
+  EXPECT_EQ(NumSessions(1), 0);
+}
+
+TEST_F(Cluster, MissingPeerTimesOutAndClosedPeerAborts) {
+  Start(2, {"--call-timeout-ms", "1500"});
+  auto c0 = Connect(0, "r0");
+  auto c1 = Connect(1, "r1");
+  ASSERT_TRUE(c0 && c1);
+  absl::StatusOr<client::Group> g0, g1;
+  std::thread t([&] { g0 = c0->JoinGroup({"p", 2, 0, Members(2), "auto", 5000}); });
+  g1 = c1->JoinGroup({"p", 2, 1, Members(2), "auto", 5000});
+  t.join();
+  ASSERT_TRUE(g0.ok() && g1.ok());
+  absl::StatusOr<std::unique_ptr<client::Session>> s0, s1;
+  std::thread t2([&] { s0 = c0->CreateSession(*g0, {4, 8, DType::kFloat32, 8, 2, {}, 5000}); });
+  s1 = c1->CreateSession(*g1, {4, 8, DType::kFloat32, 8, 2, {}, 5000});
+  t2.join();
+  ASSERT_TRUE(s0.ok() && s1.ok());
+  auto x0 = c0->AllocBuffer(8 * 4 * 8 * 4);
+  ASSERT_TRUE(x0.ok());
+  // Rank 1 never calls: rank 0's call ends with DEADLINE_EXCEEDED, and the session is broken.
+  auto r = (*s0)->ScatterHeads(x0->Ref(), 1, 8);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+  r = (*s0)->ScatterHeads(x0->Ref(), 1, 8);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  // Rank 1's next call sees rank 0's abort at once instead of waiting out its timeout.
+  auto x1 = c1->AllocBuffer(8 * 4 * 8 * 4);
+  ASSERT_TRUE(x1.ok());
+  r = (*s1)->ScatterHeads(x1->Ref(), 1, 8);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted);
+}
+
+TEST_F(Cluster, UnavailableDaemonIsAClearError) {
+  auto c = client::Client::Connect({"/tmp/ulysses-no-such-daemon.sock", "x", absl::Milliseconds(200)});
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("no ulyssesd answers"));
+}
+
+TEST_F(Cluster, SigtermStopsTheDaemonCleanly) {
+  Start(1);
+  auto c = Connect(0, "c");
+  ASSERT_NE(c, nullptr);
+  const std::string sock = daemons_[0].socket();
+  auto st = daemons_[0].Stop();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(WIFEXITED(*st));
+  EXPECT_EQ(WEXITSTATUS(*st), 0);
+  EXPECT_NE(::access(sock.c_str(), F_OK), 0) << "socket left behind";
+}
+
+}  // namespace
+}  // namespace ulysses
