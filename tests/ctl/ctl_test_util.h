@@ -1,0 +1,121 @@
+// Admin messages with every field set, shared by the formatting tests and the fake daemon.
+#pragma once
+
+#include <cstdint>
+
+#include "ulysses/v1/admin.pb.h"
+
+namespace ulysses::ctl::testing {
+
+/// Unix time (ms) the sample clients are rendered against.
+inline constexpr std::int64_t kNowUnixMs = 1'700'000'000'000;
+
+inline v1::DaemonState SampleState() {
+  v1::DaemonState s;
+  s.set_version("0.1.0");
+  s.set_device(3);
+  s.set_backend("host");
+  s.set_pid(4242);
+  s.set_uptime_s(3725.0);
+  s.set_draining(true);
+  s.set_health("SERVING");
+  s.set_num_clients(2);
+  s.set_num_groups(1);
+  s.set_num_sessions(1);
+  s.set_socket("/run/ulysses/gpu3.sock");
+  s.set_calls_total(9'000'000'000ULL);  // above 2^32: 64-bit values must survive
+  s.set_calls_failed(7);
+  return s;
+}
+
+inline v1::ListClientsResponse SampleClients() {
+  v1::ListClientsResponse r;
+  auto* a = r.add_clients();
+  a->set_client_id(1);
+  a->set_name("trainer-rank0");
+  a->set_pid(1001);
+  a->set_uid(1000);
+  a->set_since_unix_ms(kNowUnixMs - 3200);
+  a->set_num_buffers(4);
+  a->set_buffer_bytes(13107200);  // 12.5 MiB
+  a->set_num_sessions(1);
+  a->set_calls(123);
+  auto* b = r.add_clients();
+  b->set_client_id(22);
+  b->set_name("x");
+  b->set_pid(99999);
+  b->set_uid(0);
+  b->set_since_unix_ms(kNowUnixMs - 90'000);
+  b->set_num_buffers(0);
+  b->set_buffer_bytes(0);
+  b->set_num_sessions(0);
+  b->set_calls(18'446'744'073'709'551'615ULL);
+  return r;
+}
+
+inline v1::ListGroupsResponse SampleGroups() {
+  v1::ListGroupsResponse r;
+  auto* g = r.add_groups();
+  auto* i = g->mutable_info();
+  i->set_group_id(7);
+  i->set_name("tp0");
+  i->set_world_size(2);
+  i->set_rank(1);
+  i->set_backend("host");
+  i->set_backend_reason("no CUDA device");
+  i->add_members("unix:///run/ulysses/gpu0.sock");
+  i->add_members("unix:///run/ulysses/gpu1.sock");
+  g->add_client_ids(1);
+  g->add_client_ids(22);
+  return r;
+}
+
+inline v1::ListSessionsResponse SampleSessions() {
+  v1::ListSessionsResponse r;
+  auto* s = r.add_sessions();
+  auto* i = s->mutable_info();
+  i->set_session_id(5);
+  i->set_group_id(7);
+  auto* spec = i->mutable_spec();
+  spec->set_num_heads(32);
+  spec->set_head_dim(128);
+  spec->set_dtype(v1::DTYPE_BFLOAT16);
+  spec->set_max_tokens(8192);
+  spec->set_num_slots(2);
+  spec->add_schedule(7);
+  spec->add_schedule(9);
+  i->set_world_size(2);
+  i->set_rank(1);
+  i->set_slot_bytes(33554432);  // 32.0 MiB
+  i->set_slot_stride_bytes(33558528);
+  i->set_slot_offset_bytes(4096);
+  i->set_segment_bytes(67121152);
+  i->set_backend("host");
+  i->set_backend_reason("no CUDA device");
+  s->set_owner_client_id(1);
+  s->set_kind("head_exchange");
+  s->set_calls(40);
+  s->set_last_epoch(41);
+  return r;
+}
+
+inline v1::ListSlotsResponse SampleSlots() {
+  v1::ListSlotsResponse r;
+  auto* a = r.add_slots();
+  a->set_session_id(5);
+  a->set_slot(0);
+  a->set_state("ready");
+  a->set_owner_client_id(1);
+  a->set_epoch(41);
+  a->set_age_ms(3200);
+  auto* b = r.add_slots();
+  b->set_session_id(5);
+  b->set_slot(1);
+  b->set_state("free");
+  b->set_owner_client_id(0);
+  b->set_epoch(40);
+  b->set_age_ms(250);
+  return r;
+}
+
+}  // namespace ulysses::ctl::testing

@@ -1,0 +1,356 @@
+#include "ulyssesctl/format.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ctl_test_util.h"
+#include "google/protobuf/descriptor.h"
+#include "gtest/gtest.h"
+
+namespace ulysses::ctl {
+namespace {
+
+using nlohmann::json;
+using testing::kNowUnixMs;
+
+std::vector<std::string> Lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// Column of `header` in the header line, and the checks that every row's cell of that column
+// starts (left) or ends (right) exactly where the header does.
+void ExpectAligned(const std::string& table, const std::string& header, Align align) {
+  const auto lines = Lines(table);
+  ASSERT_FALSE(lines.empty());
+  const std::string padded = " " + lines[0] + " ";
+  const auto at = padded.find(" " + header + " ");
+  ASSERT_NE(at, std::string::npos) << header << " not in header: " << lines[0];
+  const std::size_t start = at;  // index in lines[0]
+  const std::size_t end = start + header.size();
+  for (std::size_t i = 1; i < lines.size(); ++i) {
+    const std::string& row = lines[i];
+    SCOPED_TRACE(row);
+    if (align == Align::kLeft) {
+      ASSERT_GT(row.size(), start);
+      EXPECT_NE(row[start], ' ');
+      if (start > 0) {
+        EXPECT_EQ(row[start - 1], ' ');
+      }
+    } else {
+      ASSERT_GE(row.size(), end);
+      EXPECT_NE(row[end - 1], ' ');
+      if (end < row.size()) {
+        EXPECT_EQ(row[end], ' ');
+      }
+    }
+  }
+}
+
+TEST(TableTest, PadsColumnsToTheWidestCellAndPrintsTheHeaderFirst) {
+  Table t({{"NAME"}, {"COUNT", Align::kRight}, {"NOTE"}});
+  t.AddRow({"a", "1", "x"});
+  t.AddRow({"longer-name", "12345", "y z"});
+  EXPECT_EQ(t.Render(),
+            "NAME         COUNT  NOTE\n"
+            "a                1  x\n"
+            "longer-name  12345  y z\n");
+  EXPECT_EQ(t.num_rows(), 2u);
+}
+
+TEST(TableTest, RightAlignedHeaderFollowsItsCells) {
+  Table t({{"ID", Align::kRight}, {"NAME"}});
+  t.AddRow({"1234", "n"});
+  EXPECT_EQ(t.Render(),
+            "  ID  NAME\n"
+            "1234  n\n");
+}
+
+TEST(TableTest, EmptyCellsPrintDashAndCellsStayOnOneLine) {
+  Table t({{"A"}, {"B"}, {"C"}});
+  t.AddRow({"", "two\nlines", "\ttab "});
+  t.AddRow({"x"});  // missing cells
+  const std::string out = t.Render();
+  EXPECT_EQ(out,
+            "A  B          C\n"
+            "-  two lines  tab\n"
+            "x  -          -\n");
+  for (const auto& line : Lines(out)) EXPECT_NE(line.back(), ' ') << "trailing blank: " << line;
+}
+
+TEST(TableTest, HeaderOnlyWithoutRows) {
+  Table t({{"SESSION", Align::kRight}, {"STATE"}});
+  EXPECT_EQ(t.Render(), "SESSION  STATE\n");
+}
+
+TEST(TableTest, MultiByteCharactersCountAsOneColumn) {
+  Table t({{"NAME"}, {"X"}});
+  t.AddRow({"h\xC3\xA9llo", "1"});  // "héllo": 5 columns, 6 bytes
+  t.AddRow({"hello", "2"});
+  const auto lines = Lines(t.Render());
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_EQ(lines[1], "h\xC3\xA9llo  1");
+  EXPECT_EQ(lines[2], "hello  2");
+}
+
+TEST(TableTest, KeyValuesAlignValues) {
+  EXPECT_EQ(RenderKeyValues({{"a", "1"}, {"longer", "two words"}, {"empty", ""}}),
+            "a:       1\n"
+            "longer:  two words\n"
+            "empty:   -\n");
+}
+
+TEST(UnitsTest, FormatBytes) {
+  EXPECT_EQ(FormatBytes(0), "0 B");
+  EXPECT_EQ(FormatBytes(1023), "1023 B");
+  EXPECT_EQ(FormatBytes(1024), "1.0 KiB");
+  EXPECT_EQ(FormatBytes(1536), "1.5 KiB");
+  EXPECT_EQ(FormatBytes(13107200), "12.5 MiB");
+  EXPECT_EQ(FormatBytes(1048575), "1.0 MiB");  // 1023.999 KiB does not print as "1024.0 KiB"
+  EXPECT_EQ(FormatBytes(3ULL << 30), "3.0 GiB");
+  EXPECT_EQ(FormatBytes(5ULL << 40), "5.0 TiB");
+  EXPECT_EQ(FormatBytes(std::numeric_limits<std::uint64_t>::max()), "16384.0 PiB");
+}
+
+TEST(UnitsTest, FormatDuration) {
+  EXPECT_EQ(FormatDuration(-1.0), "0ms");
+  EXPECT_EQ(FormatDuration(0.0), "0ms");
+  EXPECT_EQ(FormatDuration(std::nan("")), "0ms");
+  EXPECT_EQ(FormatDuration(0.0004), "0ms");
+  EXPECT_EQ(FormatDuration(0.85), "850ms");
+  EXPECT_EQ(FormatDuration(0.9996), "1.0s");
+  EXPECT_EQ(FormatDuration(3.2), "3.2s");
+  EXPECT_EQ(FormatDuration(59.94), "59.9s");
+  EXPECT_EQ(FormatDuration(59.96), "1m00s");
+  EXPECT_EQ(FormatDuration(312.0), "5m12s");
+  EXPECT_EQ(FormatDuration(3725.0), "1h02m");
+  EXPECT_EQ(FormatDuration(11100.0), "3h05m");
+  EXPECT_EQ(FormatDuration(2 * 86400.0 + 3 * 3600.0 + 59.0), "2d03h");
+}
+
+TEST(UnitsTest, FormatAgeMs) {
+  EXPECT_EQ(FormatAgeMs(250), "250ms");
+  EXPECT_EQ(FormatAgeMs(3200), "3.2s");
+  EXPECT_EQ(FormatAgeMs(90'000), "1m30s");
+  EXPECT_EQ(FormatAgeMs(-5), "0ms");
+}
+
+TEST(UnitsTest, DTypeName) {
+  EXPECT_EQ(DTypeName(v1::DTYPE_UNSPECIFIED), "-");
+  EXPECT_EQ(DTypeName(v1::DTYPE_FLOAT16), "float16");
+  EXPECT_EQ(DTypeName(v1::DTYPE_BFLOAT16), "bfloat16");
+  EXPECT_EQ(DTypeName(v1::DTYPE_FLOAT32), "float32");
+  EXPECT_EQ(DTypeName(99), "dtype(99)");
+}
+
+// Every field of `descriptor` (and of nested messages, in their first element for repeated
+// ones) is a key of `j`.
+void ExpectEveryField(const json& j, const google::protobuf::Descriptor& descriptor,
+                      const std::string& where) {
+  ASSERT_TRUE(j.is_object()) << where;
+  EXPECT_EQ(j.size(), static_cast<std::size_t>(descriptor.field_count())) << where;
+  for (int i = 0; i < descriptor.field_count(); ++i) {
+    const auto& f = *descriptor.field(i);
+    const std::string path = where + "." + f.name();
+    ASSERT_TRUE(j.contains(f.name())) << path << " missing";
+    const json& v = j.at(f.name());
+    if (f.is_repeated()) {
+      ASSERT_TRUE(v.is_array()) << path;
+      if (f.message_type() != nullptr && !v.empty()) ExpectEveryField(v[0], *f.message_type(), path);
+    } else if (f.message_type() != nullptr) {
+      ExpectEveryField(v, *f.message_type(), path);
+    }
+  }
+}
+
+TEST(JsonTest, StateHasEveryFieldWithItsValue) {
+  const json j = StateToJson(testing::SampleState());
+  ExpectEveryField(j, *v1::DaemonState::descriptor(), "state");
+  EXPECT_EQ(j["version"], "0.1.0");
+  EXPECT_EQ(j["device"], 3);
+  EXPECT_EQ(j["backend"], "host");
+  EXPECT_EQ(j["pid"], 4242);
+  EXPECT_DOUBLE_EQ(j["uptime_s"].get<double>(), 3725.0);
+  EXPECT_EQ(j["draining"], true);
+  EXPECT_EQ(j["health"], "SERVING");
+  EXPECT_EQ(j["num_clients"], 2);
+  EXPECT_EQ(j["num_groups"], 1);
+  EXPECT_EQ(j["num_sessions"], 1);
+  EXPECT_EQ(j["socket"], "/run/ulysses/gpu3.sock");
+  ASSERT_TRUE(j["calls_total"].is_number_unsigned());  // a number, not proto3-JSON's string
+  EXPECT_EQ(j["calls_total"].get<std::uint64_t>(), 9'000'000'000ULL);
+  EXPECT_EQ(j["calls_failed"], 7);
+}
+
+TEST(JsonTest, DefaultValuesArePrinted) {
+  const json j = StateToJson(v1::DaemonState());
+  ExpectEveryField(j, *v1::DaemonState::descriptor(), "state");
+  EXPECT_EQ(j["version"], "");
+  EXPECT_EQ(j["draining"], false);
+  EXPECT_EQ(j["calls_total"], 0);
+  EXPECT_EQ(ClientsToJson(v1::ListClientsResponse()), json::parse(R"({"clients":[]})"));
+}
+
+TEST(JsonTest, ClientsIsAnObjectWithAnArray) {
+  const json j = ClientsToJson(testing::SampleClients());
+  ExpectEveryField(j, *v1::ListClientsResponse::descriptor(), "clients");
+  ASSERT_EQ(j["clients"].size(), 2u);
+  const json& a = j["clients"][0];
+  EXPECT_EQ(a["client_id"], 1);
+  EXPECT_EQ(a["name"], "trainer-rank0");
+  EXPECT_EQ(a["pid"], 1001);
+  EXPECT_EQ(a["uid"], 1000);
+  EXPECT_EQ(a["since_unix_ms"].get<std::int64_t>(), kNowUnixMs - 3200);
+  EXPECT_EQ(a["num_buffers"], 4);
+  EXPECT_EQ(a["buffer_bytes"], 13107200);
+  EXPECT_EQ(a["num_sessions"], 1);
+  EXPECT_EQ(a["calls"], 123);
+  EXPECT_EQ(j["clients"][1]["client_id"], 22);
+  EXPECT_EQ(j["clients"][1]["calls"].get<std::uint64_t>(), 18'446'744'073'709'551'615ULL);
+}
+
+TEST(JsonTest, GroupsNestInfoAndListMembers) {
+  const json j = GroupsToJson(testing::SampleGroups());
+  ExpectEveryField(j, *v1::ListGroupsResponse::descriptor(), "groups");
+  ASSERT_EQ(j["groups"].size(), 1u);
+  const json& g = j["groups"][0];
+  EXPECT_EQ(g["client_ids"], json::parse("[1,22]"));
+  const json& i = g["info"];
+  EXPECT_EQ(i["group_id"], 7);
+  EXPECT_EQ(i["name"], "tp0");
+  EXPECT_EQ(i["world_size"], 2);
+  EXPECT_EQ(i["rank"], 1);
+  EXPECT_EQ(i["backend"], "host");
+  EXPECT_EQ(i["backend_reason"], "no CUDA device");
+  EXPECT_EQ(i["members"],
+            json::parse(R"(["unix:///run/ulysses/gpu0.sock","unix:///run/ulysses/gpu1.sock"])"));
+}
+
+TEST(JsonTest, SessionsNestSpecWithEnumNames) {
+  const json j = SessionsToJson(testing::SampleSessions());
+  ExpectEveryField(j, *v1::ListSessionsResponse::descriptor(), "sessions");
+  ASSERT_EQ(j["sessions"].size(), 1u);
+  const json& s = j["sessions"][0];
+  EXPECT_EQ(s["owner_client_id"], 1);
+  EXPECT_EQ(s["kind"], "head_exchange");
+  EXPECT_EQ(s["calls"], 40);
+  EXPECT_EQ(s["last_epoch"], 41);
+  const json& i = s["info"];
+  EXPECT_EQ(i["session_id"], 5);
+  EXPECT_EQ(i["group_id"], 7);
+  EXPECT_EQ(i["world_size"], 2);
+  EXPECT_EQ(i["rank"], 1);
+  EXPECT_EQ(i["slot_bytes"], 33554432);
+  EXPECT_EQ(i["slot_stride_bytes"], 33558528);
+  EXPECT_EQ(i["slot_offset_bytes"], 4096);
+  EXPECT_EQ(i["segment_bytes"], 67121152);
+  EXPECT_EQ(i["backend"], "host");
+  EXPECT_EQ(i["backend_reason"], "no CUDA device");
+  const json& spec = i["spec"];
+  EXPECT_EQ(spec["num_heads"], 32);
+  EXPECT_EQ(spec["head_dim"], 128);
+  EXPECT_EQ(spec["dtype"], "DTYPE_BFLOAT16");
+  EXPECT_EQ(spec["max_tokens"], 8192);
+  EXPECT_EQ(spec["num_slots"], 2);
+  EXPECT_EQ(spec["schedule"], json::parse("[7,9]"));
+}
+
+TEST(JsonTest, UnknownEnumNumberPrintsAsNumber) {
+  v1::SessionSpec spec;
+  spec.set_dtype(static_cast<v1::DType>(42));
+  EXPECT_EQ(MessageToJson(spec)["dtype"], 42);
+}
+
+TEST(JsonTest, Slots) {
+  const json j = SlotsToJson(testing::SampleSlots());
+  ExpectEveryField(j, *v1::ListSlotsResponse::descriptor(), "slots");
+  ASSERT_EQ(j["slots"].size(), 2u);
+  const json& a = j["slots"][0];
+  EXPECT_EQ(a["session_id"], 5);
+  EXPECT_EQ(a["slot"], 0);
+  EXPECT_EQ(a["state"], "ready");
+  EXPECT_EQ(a["owner_client_id"], 1);
+  EXPECT_EQ(a["epoch"], 41);
+  EXPECT_EQ(a["age_ms"], 3200);
+  EXPECT_EQ(j["slots"][1]["state"], "free");
+}
+
+TEST(JsonTest, Health) {
+  EXPECT_EQ(HealthToJson("SERVING"), json::parse(R"({"status":"SERVING"})"));
+}
+
+TEST(RenderTest, State) {
+  const auto lines = Lines(RenderState(testing::SampleState()));
+  const std::vector<std::string> want = {
+      "version:   0.1.0",
+      "device:    3",
+      "pid:       4242",
+      "socket:    /run/ulysses/gpu3.sock",
+      "backend:   host",
+      "health:    SERVING",
+      "draining:  yes",
+      "uptime:    1h02m",
+      "clients:   2",
+      "groups:    1",
+      "sessions:  1",
+      "calls:     9000000000 (7 failed)",
+  };
+  EXPECT_EQ(lines, want);
+}
+
+TEST(RenderTest, ClientsShowAgesAndHumanSizes) {
+  const std::string out = RenderClients(testing::SampleClients(), kNowUnixMs);
+  const auto lines = Lines(out);
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_EQ(lines[0].substr(0, lines[0].find("NAME")), "ID  ");
+  EXPECT_NE(lines[1].find("trainer-rank0"), std::string::npos);
+  EXPECT_NE(lines[1].find("3.2s"), std::string::npos);
+  EXPECT_NE(lines[1].find("12.5 MiB"), std::string::npos);
+  EXPECT_NE(lines[2].find("1m30s"), std::string::npos);
+  EXPECT_NE(lines[2].find("0 B"), std::string::npos);
+  EXPECT_NE(lines[2].find("18446744073709551615"), std::string::npos);
+  for (const char* h : {"ID", "PID", "UID", "AGE", "BUFFERS", "MEMORY", "SESSIONS", "CALLS"}) {
+    ExpectAligned(out, h, Align::kRight);
+  }
+  ExpectAligned(out, "NAME", Align::kLeft);
+}
+
+TEST(RenderTest, Groups) {
+  const std::string out = RenderGroups(testing::SampleGroups());
+  const auto lines = Lines(out);
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[0], "ID  NAME  RANK  WORLD  BACKEND  CLIENTS  REASON");
+  EXPECT_EQ(lines[1], " 7  tp0      1      2  host     1,22     no CUDA device");
+}
+
+TEST(RenderTest, Sessions) {
+  const std::string out = RenderSessions(testing::SampleSessions());
+  const auto lines = Lines(out);
+  ASSERT_EQ(lines.size(), 2u);
+  for (const char* h : {"ID", "GROUP", "OWNER", "HEADS", "HEAD_DIM", "MAX_TOKENS", "SLOTS",
+                        "SLOT_SIZE", "SEGMENT", "CALLS", "EPOCH"}) {
+    ExpectAligned(out, h, Align::kRight);
+  }
+  for (const char* h : {"KIND", "DTYPE", "BACKEND"}) ExpectAligned(out, h, Align::kLeft);
+  EXPECT_NE(lines[1].find("head_exchange"), std::string::npos);
+  EXPECT_NE(lines[1].find("bfloat16"), std::string::npos);
+  EXPECT_NE(lines[1].find("32.0 MiB"), std::string::npos);
+  EXPECT_NE(lines[1].find("64.0 MiB"), std::string::npos);
+}
+
+TEST(RenderTest, SlotsShowDashForNoOwner) {
+  const std::string out = RenderSlots(testing::SampleSlots());
+  EXPECT_EQ(out,
+            "SESSION  SLOT  STATE  OWNER  EPOCH    AGE\n"
+            "      5     0  ready      1     41   3.2s\n"
+            "      5     1  free       -     40  250ms\n");
+}
+
+}  // namespace
+}  // namespace ulysses::ctl
