@@ -182,6 +182,71 @@ TEST_F(Cluster, KilledClientProcessIsForgottenAndItsSessionReleased) {
   EXPECT_EQ(ListClients(0).size(), 1u);
 }
 
+std::string RunCtl(const std::string& socket, const std::string& args, int* exit_code) {
+  const std::string cmd = StrCat(ULYSSESCTL_PATH, " --socket ", socket, " ", args, " 2>&1");
+  FILE* p = ::popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = ::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int st = ::pclose(p);
+  *exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return out;
+}
+
+TEST_F(Cluster, UlyssesctlShowsTheClientsAndSessionsOfARunningDemo) {
+  Start(2);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < 2; ++r) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      const std::string rank = std::to_string(r);
+      ::execl(ULYSSES_DEMO_PATH, ULYSSES_DEMO_PATH, "--client-rank", rank.c_str(), "--ranks", "2",
+              "--run-dir", dir_.c_str(), "--hold-seconds", "120", "--iterations", "1",
+              static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  ASSERT_TRUE(Eventually([&] { return NumSessions(0) == 1 && NumSessions(1) == 1; }));
+  for (int r = 0; r < 2; ++r) {
+    int rc = -1;
+    auto clients = nlohmann::json::parse(RunCtl(daemons_[r].socket(), "--json clients", &rc));
+    EXPECT_EQ(rc, 0);
+    ASSERT_EQ(clients["clients"].size(), 1u);
+    EXPECT_EQ(clients["clients"][0]["pid"].get<int64_t>(), pids[r]);
+    EXPECT_EQ(clients["clients"][0]["name"].get<std::string>(), StrCat("demo-rank-", r));
+    EXPECT_EQ(clients["clients"][0]["num_sessions"].get<int>(), 1);
+    auto sessions = nlohmann::json::parse(RunCtl(daemons_[r].socket(), "--json sessions", &rc));
+    EXPECT_EQ(rc, 0);
+    ASSERT_EQ(sessions["sessions"].size(), 1u);
+    EXPECT_EQ(sessions["sessions"][0]["info"]["world_size"].get<int>(), 2);
+    EXPECT_EQ(sessions["sessions"][0]["info"]["rank"].get<int>(), r);
+    EXPECT_EQ(sessions["sessions"][0]["info"]["backend"].get<std::string>(), "host");
+    EXPECT_GT(sessions["sessions"][0]["calls"].get<int>(), 0);
+    auto groups = nlohmann::json::parse(RunCtl(daemons_[r].socket(), "--json groups", &rc));
+    EXPECT_EQ(rc, 0);
+    ASSERT_EQ(groups["groups"].size(), 1u);
+    EXPECT_EQ(groups["groups"][0]["info"]["name"].get<std::string>(), "demo");
+    auto status = nlohmann::json::parse(RunCtl(daemons_[r].socket(), "--json status", &rc));
+    EXPECT_EQ(rc, 0);
+    EXPECT_EQ(status["num_clients"].get<int>(), 1);
+    EXPECT_EQ(status["num_sessions"].get<int>(), 1);
+    EXPECT_EQ(status["backend"].get<std::string>(), "host");
+    const std::string table = RunCtl(daemons_[r].socket(), "sessions", &rc);
+    EXPECT_EQ(rc, 0);
+    EXPECT_THAT(table, HasSubstr("host"));
+    RunCtl(daemons_[r].socket(), "health", &rc);
+    EXPECT_EQ(rc, 0);
+  }
+  for (pid_t pid : pids) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+  }
+  EXPECT_TRUE(Eventually([&] { return ListClients(0).empty() && ListClients(1).empty(); }));
+}
+
 TEST_F(Cluster, ClientsCannotUseEachOthersSessionsOrBuffers) {
   Start(1);
   auto a = Connect(0, "a");
