@@ -1,6 +1,7 @@
 #include "ulysses/common/config.h"
 
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -38,8 +39,17 @@ absl::Status Read(const json& obj, const std::string& key, std::string_view wher
     if (!v.is_number_integer())
       return absl::InvalidArgumentError(StrCat(name, ": expected an integer"));
     if constexpr (std::is_unsigned_v<T>) {
-      if (v.get<int64_t>() < 0)
+      if (v.is_number_unsigned()) {
+        if (v.get<uint64_t>() > std::numeric_limits<T>::max())
+          return absl::InvalidArgumentError(StrCat(name, ": out of range"));
+      } else if (v.get<int64_t>() < 0) {
         return absl::InvalidArgumentError(StrCat(name, ": must not be negative"));
+      }
+    } else {
+      if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<T>::max())
+                                 : (v.get<int64_t>() > static_cast<int64_t>(std::numeric_limits<T>::max()) ||
+                                    v.get<int64_t>() < static_cast<int64_t>(std::numeric_limits<T>::min())))
+        return absl::InvalidArgumentError(StrCat(name, ": out of range"));
     }
   }
   *out = v.get<T>();

@@ -45,8 +45,8 @@ absl::StatusOr<ResolvedOperand> ResolveOperand(std::string_view name, const Oper
         __builtin_add_overflow(max_off, term, &max_off))
       return Invalid(name, "element offsets overflow 64 bits");
   }
-  int64_t span = 0;
-  if (MulOverflow(max_off + 1, itemsize, &span))
+  int64_t span = 0, count = 0;
+  if (__builtin_add_overflow(max_off, int64_t{1}, &count) || MulOverflow(count, itemsize, &span))
     return Invalid(name, "byte span overflows 64 bits");
   r.span_bytes = static_cast<uint64_t>(span);
   if (ref.offset_bytes % static_cast<uint64_t>(itemsize) != 0)
@@ -111,10 +111,10 @@ absl::StatusOr<CallPlan> PlanCall(const SessionGeometry& g, const CallArgs& args
       return Invalid("head_count", StrCat("must be > 0, got ", args.head_count));
     if (args.head_offset < 0)
       return Invalid("head_offset", StrCat("must be >= 0, got ", args.head_offset));
-    if (static_cast<int64_t>(args.head_offset) + args.head_count > HL)
-      return Invalid("head_count", StrCat("head_offset+head_count=",
-                                                args.head_offset + args.head_count,
-                                                " exceeds local_heads H/W=", HL));
+    const int64_t band_end = static_cast<int64_t>(args.head_offset) + args.head_count;
+    if (band_end > HL)
+      return Invalid("head_count", StrCat("head_offset+head_count=", band_end,
+                                          " exceeds local_heads H/W=", HL));
     p.head_offset = args.head_offset;
     p.head_count = args.head_count;
     HC = args.head_count;

@@ -227,3 +227,25 @@ TEST(LoadDaemonConfigTest, ErrorsKeepCodeAndNameTheFileAndKey) {
 
 }  // namespace
 }  // namespace ulysses
+
+namespace ulysses {
+namespace {
+
+TEST(DaemonConfigRangeTest, IntegersOutOfTheirFieldsRangeAreRefused) {
+  // A device index beyond int32 must not wrap around to another device.
+  EXPECT_EQ(ParseDaemonConfig(R"({"devices": [{"index": 4294967297, "socket": "/a"}]})", 1)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::Status s =
+      ParseDaemonConfig(R"({"slots": {"memory_budget_bytes": 18446744073709551615}})", 0).status();
+  EXPECT_TRUE(s.ok()) << s;  // the largest uint64 is a valid (unbounded) budget
+  s = ParseDaemonConfig(R"({"timeouts": {"call_ms": 9223372036854775808}})", 0).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("timeouts.call_ms: out of range"), std::string::npos) << s;
+  s = ParseDaemonConfig(R"({"slots": {"memory_budget_bytes": -1}})", 0).status();
+  EXPECT_NE(std::string(s.message()).find("must not be negative"), std::string::npos) << s;
+}
+
+}  // namespace
+}  // namespace ulysses
