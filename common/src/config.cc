@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "ulysses/common/strings.h"
+#include "absl/strings/numbers.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
@@ -70,15 +71,18 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
     return absl::InvalidArgumentError(StrCat("config: not valid JSON: ", e.what()));
   }
   ULY_RETURN_IF_ERROR(CheckKeys(root, "", {"log_level", "backend", "timeouts", "slots",
-                                           "metrics", "ready_file", "devices"}));
+                                           "metrics", "ready_file", "devices",
+                                           "flight_recorder_size"}));
   DaemonConfig c;
   c.device = device;
+  ULY_RETURN_IF_ERROR(Read(root, "flight_recorder_size", "", &c.flight_recorder_size));
   ULY_RETURN_IF_ERROR(Read(root, "log_level", "", &c.log_level));
   ULY_RETURN_IF_ERROR(Read(root, "backend", "", &c.backend));
   ULY_RETURN_IF_ERROR(Read(root, "ready_file", "", &c.ready_file));
   if (root.contains("timeouts")) {
     const json& t = root["timeouts"];
-    ULY_RETURN_IF_ERROR(CheckKeys(t, "timeouts", {"call_ms", "peer_ms"}));
+    ULY_RETURN_IF_ERROR(CheckKeys(t, "timeouts", {"call_ms", "peer_ms", "drain_ms"}));
+    ULY_RETURN_IF_ERROR(Read(t, "drain_ms", "timeouts", &c.drain_timeout_ms));
     ULY_RETURN_IF_ERROR(Read(t, "call_ms", "timeouts", &c.call_timeout_ms));
     ULY_RETURN_IF_ERROR(Read(t, "peer_ms", "timeouts", &c.peer_timeout_ms));
   }
@@ -135,6 +139,19 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
     return absl::InvalidArgumentError("timeouts.call_ms: must be > 0");
   if (c.peer_timeout_ms <= 0)
     return absl::InvalidArgumentError("timeouts.peer_ms: must be > 0");
+  if (c.drain_timeout_ms < 0)
+    return absl::InvalidArgumentError("timeouts.drain_ms: must be >= 0");
+  if (c.flight_recorder_size < 1 || c.flight_recorder_size > 1000000)
+    return absl::InvalidArgumentError("flight_recorder_size: must be in [1, 1000000]");
+  if (!c.metrics_address.empty()) {
+    const size_t colon = c.metrics_address.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || colon == 0 ||
+        !absl::SimpleAtoi(AbslView(std::string_view(c.metrics_address).substr(colon + 1)), &port) ||
+        port < 0 || port > 65535)
+      return absl::InvalidArgumentError(StrCat("metrics.address: '", c.metrics_address,
+                                               "' is not host:port"));
+  }
   if (c.socket.empty() || c.socket.size() > 100)
     return absl::InvalidArgumentError(
         StrCat("socket: path must be 1..100 characters, got ", c.socket.size()));

@@ -9,6 +9,7 @@
 #include <random>
 
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "httplib.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "absl/strings/numbers.h"
 #include "nlohmann/json.hpp"
@@ -37,7 +38,10 @@ std::string MetadataValue(const grpc::ServerContext* ctx, const char* key) {
 
 }  // namespace
 
-Daemon::Daemon(DaemonConfig config) : config_(std::move(config)) {}
+Daemon::Daemon(DaemonConfig config)
+    : config_(std::move(config)),
+      recorder_(std::make_unique<FlightRecorder>(static_cast<size_t>(
+          std::max<int32_t>(1, config_.flight_recorder_size)))) {}
 
 Daemon::~Daemon() { Shutdown(); }
 
@@ -77,13 +81,17 @@ absl::Status Daemon::Start() {
   server_->GetHealthCheckService()->SetServingStatus(true);
   started_ = absl::Now();
   started_ok_ = true;
+  if (absl::Status m = StartMetricsServer(); !m.ok()) return m;
   fd_accept_thread_ = std::thread([this] { FdAcceptLoop(); });
   fd_poll_thread_ = std::thread([this] { FdPollLoop(); });
   if (!config_.ready_file.empty()) {
     std::string tmp = config_.ready_file + ".tmp";
     {
       std::ofstream f(tmp);
-      f << "{\"pid\": " << ::getpid() << ", \"socket\": \"" << config_.socket << "\"}\n";
+      nlohmann::json ready = {{"pid", ::getpid()},
+                              {"socket", config_.socket},
+                              {"metrics_address", metrics_bound_}};
+      f << ready.dump() << "\n";
     }
     if (::rename(tmp.c_str(), config_.ready_file.c_str()) != 0)
       return ErrnoError(StrCat("rename ", tmp), errno);
@@ -106,6 +114,8 @@ void Daemon::Shutdown() {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   }
   fd_listener_.Shutdown();
+  if (metrics_http_) metrics_http_->stop();
+  if (metrics_thread_.joinable()) metrics_thread_.join();
   if (poll_wake_) (void)poll_wake_->Signal();
   if (fd_accept_thread_.joinable()) fd_accept_thread_.join();
   if (fd_poll_thread_.joinable()) fd_poll_thread_.join();
@@ -114,6 +124,90 @@ void Daemon::Shutdown() {
   ::unlink(config_.socket.c_str());
   if (!config_.ready_file.empty()) ::unlink(config_.ready_file.c_str());
   Logger("main")->info("ulyssesd stopped");
+}
+
+absl::Status Daemon::StartMetricsServer() {
+  if (config_.metrics_address.empty()) return absl::OkStatus();
+  const size_t colon = config_.metrics_address.rfind(':');
+  const std::string host = config_.metrics_address.substr(0, colon);
+  const int port = std::stoi(config_.metrics_address.substr(colon + 1));
+  metrics_http_ = std::make_unique<httplib::Server>();
+  metrics_http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(RenderMetrics(), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  metrics_http_->Get("/healthz", [this](const httplib::Request&, httplib::Response& res) {
+    res.status = draining() ? 503 : 200;
+    res.set_content(draining() ? "draining\n" : "serving\n", "text/plain");
+  });
+  int bound = port;
+  if (port == 0) {
+    bound = metrics_http_->bind_to_any_port(host);
+    if (bound <= 0)
+      return absl::UnavailableError(StrCat("metrics.address: cannot listen on ", host, ":0"));
+  } else if (!metrics_http_->bind_to_port(host, port)) {
+    return absl::UnavailableError(
+        StrCat("metrics.address: cannot listen on ", config_.metrics_address));
+  }
+  metrics_bound_ = StrCat(host, ":", bound);
+  metrics_thread_ = std::thread([this] { metrics_http_->listen_after_bind(); });
+  Logger("main")->info("metrics on http://{}/metrics", metrics_bound_);
+  return absl::OkStatus();
+}
+
+void Daemon::Drain() {
+  if (draining_.exchange(true)) return;
+  if (server_) server_->GetHealthCheckService()->SetServingStatus(false);
+  Logger("main")->info("draining: new clients and sessions are refused; {} call(s) running",
+                       active_calls_.load());
+}
+
+void Daemon::Undrain() {
+  if (!draining_.exchange(false)) return;
+  if (server_ && !stopping_.load()) server_->GetHealthCheckService()->SetServingStatus(true);
+  Logger("main")->info("serving again");
+}
+
+bool Daemon::WaitIdle(absl::Duration timeout) {
+  std::unique_lock<std::mutex> lock(idle_mu_);
+  return idle_cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
+                           [this] { return active_calls_.load() == 0; });
+}
+
+void Daemon::CallStarted() { active_calls_.fetch_add(1); }
+
+void Daemon::CallFinished(CallRecord record) {
+  metrics_.RecordCall(record.op, record.code, record.done - record.queued, record.bytes_sent);
+  recorder_->Add(std::move(record));
+  if (active_calls_.fetch_sub(1) == 1) {
+    std::lock_guard<std::mutex> lock(idle_mu_);
+    idle_cv_.notify_all();
+    if (draining_.load()) Logger("main")->info("drained: idle");
+  }
+}
+
+GaugeSnapshot Daemon::Gauges() {
+  GaugeSnapshot g;
+  auto clients = Clients();
+  g.clients = static_cast<int64_t>(clients.size());
+  for (auto& c : clients) {
+    std::lock_guard<std::mutex> lock(c->mu);
+    g.sessions += static_cast<int64_t>(c->sessions.size());
+    for (auto& [id, s] : c->sessions)
+      for (const Session::SlotView& v : s->Slots()) {
+        const std::string state = v.state;
+        const int i = state == "free" ? 0 : state == "writing" ? 1 : state == "ready" ? 2 : 3;
+        ++g.slots_by_state[i];
+      }
+  }
+  g.active_calls = active_calls_.load();
+  g.draining = draining_.load();
+  g.mps = mps_mode_ == "mps";
+  g.uptime_s = absl::ToDoubleSeconds(absl::Now() - started_);
+  return g;
+}
+
+std::string Daemon::RenderMetrics() {
+  return metrics_.Render(ULYSSES_VERSION, config_.device, backend_, Gauges());
 }
 
 absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::string& name) {

@@ -24,6 +24,11 @@
 #include "ulysses/ipc/unix_socket.h"
 #include "rendezvous.h"
 #include "session.h"
+#include "telemetry.h"
+
+namespace httplib {
+class Server;
+}
 
 namespace ulysses::daemon {
 
@@ -102,19 +107,46 @@ class Daemon {
   void ReleaseSlotMemory(uint64_t bytes);
   absl::Time started() const { return started_; }
   bool draining() const { return draining_.load(); }
-  std::atomic<uint64_t> calls_total{0};
-  std::atomic<uint64_t> calls_failed{0};
+  /// Refuses new clients and sessions from now on and turns health to NOT_SERVING.
+  void Drain();
+  /// Takes new clients and sessions again.
+  void Undrain();
+  /// Waits until no call runs (or `timeout`); true when idle.
+  bool WaitIdle(absl::Duration timeout);
+  int active_calls() const { return active_calls_.load(); }
+  /// "mps", "no-mps" or "none" (host backend).
+  const std::string& mps_mode() const { return mps_mode_; }
+  /// host:port the metrics endpoint listens on (the resolved port), empty when off.
+  const std::string& metrics_address() const { return metrics_bound_; }
+
+  /// Brackets a call for drain accounting and telemetry.
+  void CallStarted();
+  void CallFinished(CallRecord record);
+  Metrics& metrics() { return metrics_; }
+  FlightRecorder& recorder() { return *recorder_; }
+  GaugeSnapshot Gauges();
+  std::string RenderMetrics();
 
  private:
   void FdAcceptLoop();
   void FdPollLoop();
   void BindFdSocket(ipc::UniqueFd sock);
+  absl::Status StartMetricsServer();
 
   DaemonConfig config_;
   std::string backend_;
   absl::Time started_;
   std::atomic<uint64_t> next_id_{1};
   std::atomic<bool> draining_{false};
+  std::atomic<int> active_calls_{0};
+  std::mutex idle_mu_;
+  std::condition_variable idle_cv_;
+  std::string mps_mode_ = "none";
+  Metrics metrics_;
+  std::unique_ptr<FlightRecorder> recorder_;
+  std::unique_ptr<httplib::Server> metrics_http_;
+  std::thread metrics_thread_;
+  std::string metrics_bound_;
   std::atomic<bool> stopping_{false};
   bool started_ok_ = false;
 

@@ -13,7 +13,8 @@ int main(int argc, char** argv) {
   CLI::App app{"ulyssesd: communication daemon for Ulysses sequence parallelism"};
   int device = 0;
   std::string socket, backend, config_path, log_level, ready_file, check_config;
-  int64_t call_timeout_ms = 0, peer_timeout_ms = 0;
+  int64_t call_timeout_ms = 0, peer_timeout_ms = 0, drain_timeout_ms = -1;
+  std::string metrics_address;
   app.add_option("--device", device, "Device index this daemon serves")->check(CLI::NonNegativeNumber);
   app.add_option("--socket", socket, "Control socket path (default /run/ulysses/gpu<N>.sock)");
   app.add_option("--backend", backend, "host | nccl | nvlink | auto");
@@ -22,6 +23,10 @@ int main(int argc, char** argv) {
   app.add_option("--ready-file", ready_file, "File written once the daemon serves");
   app.add_option("--call-timeout-ms", call_timeout_ms, "Bound on every wait inside a call");
   app.add_option("--peer-timeout-ms", peer_timeout_ms, "Bound on group and session rendezvous");
+  app.add_option("--drain-timeout-ms", drain_timeout_ms,
+                 "On SIGTERM, how long running calls may take to finish");
+  app.add_option("--metrics-address", metrics_address,
+                 "Serve Prometheus metrics on host:port (e.g. 127.0.0.1:9400; port 0 picks one)");
   app.add_option("--check-config", check_config, "Validate a config file and exit");
   app.add_flag_callback("--version", [] {
     std::cout << "ulyssesd " << ULYSSES_VERSION << "\n";
@@ -56,6 +61,8 @@ int main(int argc, char** argv) {
   if (!ready_file.empty()) config.ready_file = ready_file;
   if (call_timeout_ms > 0) config.call_timeout_ms = call_timeout_ms;
   if (peer_timeout_ms > 0) config.peer_timeout_ms = peer_timeout_ms;
+  if (drain_timeout_ms >= 0) config.drain_timeout_ms = drain_timeout_ms;
+  if (!metrics_address.empty()) config.metrics_address = metrics_address;
   if (absl::Status s = ulysses::ValidateDaemonConfig(config); !s.ok()) {
     std::cerr << "ulyssesd: " << s.message() << "\n";
     return 1;
@@ -78,7 +85,18 @@ int main(int argc, char** argv) {
   }
   int sig = 0;
   sigwait(&set, &sig);
-  ulysses::Logger("main")->info("signal {}: shutting down", sig);
+  // Drain: refuse new clients and sessions, let running calls finish (bounded), then stop. A
+  // second signal stops at once.
+  ulysses::Logger("main")->info("signal {}: draining before shutdown", sig);
+  daemon.Drain();
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(config.drain_timeout_ms);
+  bool idle = false;
+  while (!(idle = daemon.WaitIdle(absl::Milliseconds(100))) && absl::Now() < deadline) {
+    timespec zero{0, 0};
+    if (sigtimedwait(&set, nullptr, &zero) > 0) break;
+  }
+  if (!idle)
+    ulysses::Logger("main")->warn("stopping with {} call(s) still running", daemon.active_calls());
   daemon.Shutdown();
   return 0;
 }

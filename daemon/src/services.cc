@@ -191,9 +191,23 @@ class ControlService final : public v1::Control::Service {
                     v1::CallResponse* resp) override {
     auto c = d_->Authenticate(ctx);
     if (!c.ok()) return ToGrpcStatus(c.status());
-    absl::Status s = DoCall(**c, *req, resp);
-    d_->calls_total.fetch_add(1);
-    if (!s.ok()) d_->calls_failed.fetch_add(1);
+    CallRecord rec;
+    rec.client_id = (*c)->id;
+    rec.session_id = req->session_id();
+    rec.op = static_cast<OpKind>(req->op());
+    rec.batch = req->batch();
+    rec.seq = req->seq();
+    rec.queued = absl::Now();
+    d_->CallStarted();
+    absl::Status s = DoCall(**c, *req, resp, &rec);
+    rec.done = absl::Now();
+    if (rec.started == absl::Time()) rec.started = rec.done;
+    rec.code = s.code();
+    rec.message = std::string(s.message());
+    if (!s.ok())
+      Logger("exec")->debug("client {} session {} epoch {}: {}", rec.client_id, rec.session_id,
+                            rec.epoch, s.ToString());
+    d_->CallFinished(std::move(rec));
     return ToGrpcStatus(s);
   }
 
@@ -390,7 +404,8 @@ class ControlService final : public v1::Control::Service {
     return absl::OkStatus();
   }
 
-  absl::Status DoCall(ClientRecord& c, const v1::CallRequest& req, v1::CallResponse* resp) {
+  absl::Status DoCall(ClientRecord& c, const v1::CallRequest& req, v1::CallResponse* resp,
+                      CallRecord* rec) {
     const absl::Time t0 = absl::Now();
     std::shared_ptr<Session> s;
     {
@@ -433,8 +448,11 @@ class ControlService final : public v1::Control::Service {
       if (!held[3]) return absl::InvalidArgumentError("out: buffer freed");
       ops.out = static_cast<uint8_t*>(held[3]->mapping.data()) + plan.out.offset_bytes;
     }
+    rec->started = absl::Now();
     ULY_ASSIGN_OR_RETURN(CallOutcome outcome,
                          s->Execute(plan, ops, absl::Milliseconds(d_->config().call_timeout_ms)));
+    rec->epoch = outcome.epoch;
+    rec->bytes_sent = outcome.bytes_sent;
     c.calls.fetch_add(1);
     resp->set_epoch(outcome.epoch);
     resp->set_slot(outcome.slot);
@@ -461,6 +479,10 @@ class AdminService final : public v1::Admin::Service {
     resp->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - d_->started()));
     resp->set_draining(d_->draining());
     resp->set_health(d_->draining() ? "NOT_SERVING" : "SERVING");
+    resp->set_mps_mode(d_->mps_mode());
+    resp->set_active_calls(d_->active_calls());
+    resp->set_idle(d_->active_calls() == 0);
+    resp->set_metrics_address(d_->metrics_address());
     resp->set_socket(d_->config().socket);
     int groups = 0, sessions = 0;
     auto clients = d_->Clients();
@@ -472,8 +494,8 @@ class AdminService final : public v1::Admin::Service {
     resp->set_num_clients(static_cast<int>(clients.size()));
     resp->set_num_groups(groups);
     resp->set_num_sessions(sessions);
-    resp->set_calls_total(d_->calls_total.load());
-    resp->set_calls_failed(d_->calls_failed.load());
+    resp->set_calls_total(d_->metrics().calls_total());
+    resp->set_calls_failed(d_->metrics().calls_failed());
     return grpc::Status::OK;
   }
 
@@ -537,16 +559,56 @@ class AdminService final : public v1::Admin::Service {
           v1::SlotState* st = resp->add_slots();
           st->set_session_id(id);
           st->set_slot(v.slot);
-          // Without the slot protocol's explicit release, a completed slot is "ready" (its
-          // result readable) until the call num_slots later reopens it.
-          st->set_state(v.open_epoch == 0 ? "free"
-                                          : (v.done_epoch >= v.open_epoch ? "ready" : "writing"));
+          st->set_state(v.state);
           st->set_owner_client_id(c->id);
           st->set_epoch(v.open_epoch);
           st->set_age_ms(absl::ToInt64Milliseconds(now - v.since));
         }
       }
     }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListRecentCalls(grpc::ServerContext*, const v1::ListRecentCallsRequest* req,
+                               v1::ListRecentCallsResponse* resp) override {
+    for (const CallRecord& r : d_->recorder().Recent(req->limit() > 0 ? req->limit() : 0)) {
+      v1::CallRecord* out = resp->add_calls();
+      out->set_client_id(r.client_id);
+      out->set_session_id(r.session_id);
+      out->set_epoch(r.epoch);
+      out->set_op(std::string(OpName(r.op)));
+      out->set_batch(r.batch);
+      out->set_seq(r.seq);
+      out->set_queued_unix_us(absl::ToUnixMicros(r.queued));
+      out->set_started_unix_us(absl::ToUnixMicros(r.started));
+      out->set_done_unix_us(absl::ToUnixMicros(r.done));
+      out->set_status(absl::StatusCodeToString(r.code));
+      out->set_message(r.message);
+      out->set_bytes_sent(r.bytes_sent);
+    }
+    resp->set_capacity(static_cast<int32_t>(d_->recorder().capacity()));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Drain(grpc::ServerContext*, const v1::DrainRequest*,
+                     v1::DrainResponse* resp) override {
+    d_->Drain();
+    resp->set_draining(true);
+    resp->set_active_calls(d_->active_calls());
+    resp->set_idle(d_->active_calls() == 0);
+    resp->set_num_sessions(static_cast<int32_t>(d_->Gauges().sessions));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Undrain(grpc::ServerContext*, const v1::UndrainRequest*,
+                       v1::UndrainResponse*) override {
+    d_->Undrain();
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetMetrics(grpc::ServerContext*, const v1::GetMetricsRequest*,
+                          v1::GetMetricsResponse* resp) override {
+    resp->set_text(d_->RenderMetrics());
     return grpc::Status::OK;
   }
 

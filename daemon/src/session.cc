@@ -117,7 +117,14 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
     slot_since_[s] = absl::Now();
   }
   SessionControlBlock* mine = Control(me);
-  // Open: peers may now overwrite slot s (its previous result, epoch e - num_slots, is given up).
+  const uint64_t call_shape = static_cast<uint64_t>(plan.batch) << 32 | static_cast<uint64_t>(plan.seq_local);
+  const uint64_t call_op = static_cast<uint64_t>(plan.op) << 48 |
+                           static_cast<uint64_t>(plan.head_offset) << 24 |
+                           static_cast<uint64_t>(plan.head_count);
+  mine->slots[s].call_shape.store(call_shape, std::memory_order_relaxed);
+  mine->slots[s].call_op.store(call_op, std::memory_order_relaxed);
+  // Open (release: the call words above are visible to whoever sees the epoch): peers may now
+  // overwrite slot s; its previous result, epoch e - num_slots, is given up.
   mine->slots[s].open.store(e, std::memory_order_release);
 
   kernels::ExchangeShape shape{W, plan.batch, plan.seq_local, geometry_.num_heads,
@@ -133,6 +140,17 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
     SessionControlBlock* theirs = Control(dst);
     status = WaitWord(theirs->slots[s].open, e, dst, deadline, "opening its receive slot");
     if (!status.ok()) break;
+    const uint64_t their_shape = theirs->slots[s].call_shape.load(std::memory_order_relaxed);
+    const uint64_t their_op = theirs->slots[s].call_op.load(std::memory_order_relaxed);
+    if (their_shape != call_shape || their_op != call_op) {
+      status = absl::InvalidArgumentError(StrCat(
+          "session ", id_, " epoch ", e, ": ranks issued different calls (rank ", dst, ": ",
+          OpName(static_cast<OpKind>(their_op >> 48)), " B=", their_shape >> 32,
+          " S_l=", their_shape & 0xffffffffu, " band ", (their_op >> 24) & 0xffffffu, "+",
+          their_op & 0xffffffu, "; rank ", me, ": ", OpName(plan.op), " B=", plan.batch,
+          " S_l=", plan.seq_local, " band ", plan.head_offset, "+", plan.head_count, ")"));
+      break;
+    }
     uint8_t* dst_slot = SlotData(dst, s);
     switch (plan.op) {
       case OpKind::kScatterHeads:
@@ -176,6 +194,8 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
     out.slot = s;
     out.slot_offset_bytes = layout_.slots_offset_bytes + layout_.slot_stride_bytes * s;
     out.result_bytes = static_cast<uint64_t>(plan.slot_elems) * itemsize;
+    // Every op moves exactly what this rank's inputs hold for the exchanged heads.
+    out.bytes_sent = out.result_bytes;
     return out;
   }
   // The ranks' epochs no longer line up: fail this session and tell the peers at once.
@@ -197,8 +217,11 @@ std::vector<Session::SlotView> Session::Slots() const {
   std::vector<SlotView> out;
   const SessionControlBlock* cb = Control(geometry_.rank);
   std::lock_guard<std::mutex> sl(slot_mu_);
-  for (int i = 0; i < geometry_.num_slots; ++i)
-    out.push_back(SlotView{i, cb->slots[i].open.load(), cb->slots[i].done.load(), slot_since_[i]});
+  for (int i = 0; i < geometry_.num_slots; ++i) {
+    const uint64_t open = cb->slots[i].open.load(), done = cb->slots[i].done.load();
+    out.push_back(SlotView{i, open, done, slot_since_[i],
+                           open == 0 ? "free" : (done >= open ? "ready" : "writing")});
+  }
   return out;
 }
 

@@ -31,6 +31,7 @@ struct CallOutcome {
   int32_t slot = 0;
   uint64_t slot_offset_bytes = 0;  ///< offset of the result in the session segment
   uint64_t result_bytes = 0;
+  uint64_t bytes_sent = 0;  ///< bytes this rank wrote into receive slots (its own included)
 };
 
 class Session {
@@ -74,6 +75,9 @@ class Session {
     uint64_t open_epoch;
     uint64_t done_epoch;
     absl::Time since;
+    /// "free" (never used), "writing" (a call is filling it) or "ready" (its result readable
+    /// until the call num_slots later reopens it).
+    const char* state;
   };
   std::vector<SlotView> Slots() const;
 

@@ -12,7 +12,7 @@
 namespace ulysses {
 
 inline constexpr uint64_t kSessionMagic = 0x554c595353455331ull;  // "ULYSSES1"
-inline constexpr uint32_t kSessionLayoutVersion = 1;
+inline constexpr uint32_t kSessionLayoutVersion = 2;
 inline constexpr uint64_t kSegmentAlign = 4096;
 
 /// Words of one receive slot. Epochs are per-session call numbers (1, 2, ...); slot s serves
@@ -28,11 +28,16 @@ struct SlotWords {
   std::atomic<uint64_t> released;
   /// Epoch of the last failed call on this slot (0: none).
   std::atomic<uint64_t> error;
+  /// The call the owner issued for epoch `open`, written before `open`: (batch << 32 | seq_local)
+  /// and (op << 48 | head_offset << 24 | head_count). Writers compare it with their own call,
+  /// so ranks that issue different calls at one epoch fail instead of mixing data.
+  std::atomic<uint64_t> call_shape;
+  std::atomic<uint64_t> call_op;
   /// arrive[j] = e: source rank j finished writing its block of epoch e into this slot.
   std::atomic<uint64_t> arrive[kMaxWorldSize];
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
-static_assert(sizeof(SlotWords) == 8 * (4 + kMaxWorldSize));
+static_assert(sizeof(SlotWords) == 8 * (6 + kMaxWorldSize));
 
 /// Header of a session segment.
 struct SessionControlBlock {

@@ -1,0 +1,122 @@
+#include "telemetry.h"
+
+#include <cstdio>
+
+#include "ulysses/common/strings.h"
+
+namespace ulysses::daemon {
+
+void FlightRecorder::Add(CallRecord record) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ring_[next_] = std::move(record);
+  next_ = (next_ + 1) % ring_.size();
+  if (count_ < ring_.size()) ++count_;
+}
+
+std::vector<CallRecord> FlightRecorder::Recent(size_t limit) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t n = limit == 0 ? count_ : std::min(limit, count_);
+  std::vector<CallRecord> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) out.push_back(ring_[(next_ + ring_.size() - 1 - i) % ring_.size()]);
+  return out;
+}
+
+void Metrics::RecordCall(OpKind op, absl::StatusCode code, absl::Duration elapsed,
+                         uint64_t bytes_sent) {
+  const int op_index = static_cast<int>(op);
+  calls_by_op_[op_index >= 0 && op_index < 5 ? op_index : 0].fetch_add(1, std::memory_order_relaxed);
+  const int code_index = static_cast<int>(code);
+  if (code != absl::StatusCode::kOk)
+    errors_by_code_[code_index > 0 && code_index < 17 ? code_index : 2].fetch_add(1, std::memory_order_relaxed);
+  bytes_sent_.fetch_add(bytes_sent, std::memory_order_relaxed);
+  const double s = absl::ToDoubleSeconds(elapsed);
+  size_t b = 0;
+  while (b < kBuckets.size() && s > kBuckets[b]) ++b;
+  buckets_[b].fetch_add(1, std::memory_order_relaxed);
+  duration_ns_sum_.fetch_add(static_cast<uint64_t>(absl::ToInt64Nanoseconds(elapsed)),
+                             std::memory_order_relaxed);
+}
+
+uint64_t Metrics::calls_total() const {
+  uint64_t n = 0;
+  for (auto& c : calls_by_op_) n += c.load(std::memory_order_relaxed);
+  return n;
+}
+
+uint64_t Metrics::calls_failed() const {
+  uint64_t n = 0;
+  for (auto& c : errors_by_code_) n += c.load(std::memory_order_relaxed);
+  return n;
+}
+
+namespace {
+
+std::string Num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  return buf;
+}
+
+void Header(std::string& out, const char* name, const char* type, const char* help) {
+  out += StrCat("# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+}
+
+}  // namespace
+
+std::string Metrics::Render(const std::string& version, int device, const std::string& backend,
+                            const GaugeSnapshot& g) const {
+  std::string out;
+  Header(out, "ulyssesd_info", "gauge", "Version, device and backend of this daemon (value 1).");
+  out += StrCat("ulyssesd_info{version=\"", version, "\",device=\"", device, "\",backend=\"",
+                backend, "\"} 1\n");
+  Header(out, "ulyssesd_up", "gauge", "1 while the daemon serves.");
+  out += "ulyssesd_up 1\n";
+  Header(out, "ulyssesd_uptime_seconds", "gauge", "Seconds since the daemon started serving.");
+  out += StrCat("ulyssesd_uptime_seconds ", Num(g.uptime_s), "\n");
+  Header(out, "ulyssesd_calls_total", "counter", "Calls completed (successfully or not), by op.");
+  for (int op = 1; op <= 4; ++op)
+    out += StrCat("ulyssesd_calls_total{op=\"", OpName(static_cast<OpKind>(op)), "\"} ",
+                  calls_by_op_[op].load(std::memory_order_relaxed), "\n");
+  Header(out, "ulyssesd_call_errors_total", "counter", "Calls that failed, by status code.");
+  for (int code = 1; code < 17; ++code) {
+    const uint64_t n = errors_by_code_[code].load(std::memory_order_relaxed);
+    out += StrCat("ulyssesd_call_errors_total{code=\"",
+                  absl::StatusCodeToString(static_cast<absl::StatusCode>(code)), "\"} ", n, "\n");
+  }
+  Header(out, "ulyssesd_bytes_sent_total", "counter",
+         "Bytes this rank wrote into its peers' (and its own) receive slots.");
+  out += StrCat("ulyssesd_bytes_sent_total ", bytes_sent_.load(std::memory_order_relaxed), "\n");
+  Header(out, "ulyssesd_call_duration_seconds", "histogram",
+         "Daemon-side duration of a call, from request to result.");
+  uint64_t cumulative = 0;
+  for (size_t b = 0; b < kBuckets.size(); ++b) {
+    cumulative += buckets_[b].load(std::memory_order_relaxed);
+    out += StrCat("ulyssesd_call_duration_seconds_bucket{le=\"", Num(kBuckets[b]), "\"} ",
+                  cumulative, "\n");
+  }
+  cumulative += buckets_[kBuckets.size()].load(std::memory_order_relaxed);
+  out += StrCat("ulyssesd_call_duration_seconds_bucket{le=\"+Inf\"} ", cumulative, "\n");
+  out += StrCat("ulyssesd_call_duration_seconds_sum ",
+                Num(static_cast<double>(duration_ns_sum_.load(std::memory_order_relaxed)) * 1e-9),
+                "\n");
+  out += StrCat("ulyssesd_call_duration_seconds_count ", cumulative, "\n");
+  Header(out, "ulyssesd_slots", "gauge", "Receive slots by state.");
+  const char* states[4] = {"free", "writing", "ready", "held"};
+  for (int i = 0; i < 4; ++i)
+    out += StrCat("ulyssesd_slots{state=\"", states[i], "\"} ", g.slots_by_state[i], "\n");
+  Header(out, "ulyssesd_clients", "gauge", "Attached clients.");
+  out += StrCat("ulyssesd_clients ", g.clients, "\n");
+  Header(out, "ulyssesd_sessions", "gauge", "Open sessions.");
+  out += StrCat("ulyssesd_sessions ", g.sessions, "\n");
+  Header(out, "ulyssesd_active_calls", "gauge", "Calls running now.");
+  out += StrCat("ulyssesd_active_calls ", g.active_calls, "\n");
+  Header(out, "ulyssesd_draining", "gauge", "1 while the daemon drains (refuses new sessions).");
+  out += StrCat("ulyssesd_draining ", g.draining ? 1 : 0, "\n");
+  Header(out, "ulyssesd_mps_enabled", "gauge",
+         "1 when the daemon and its clients share the GPU through MPS.");
+  out += StrCat("ulyssesd_mps_enabled ", g.mps ? 1 : 0, "\n");
+  return out;
+}
+
+}  // namespace ulysses::daemon

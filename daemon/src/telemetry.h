@@ -1,0 +1,84 @@
+// What the daemon counts and remembers about its calls: the metrics (Prometheus text) and the
+// flight recorder (the last N calls). Both are cheap enough for every call: atomics for the
+// counters, one short mutex-protected ring write per call.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "ulysses/common/geometry.h"
+
+namespace ulysses::daemon {
+
+/// One call as the flight recorder keeps it.
+struct CallRecord {
+  uint64_t client_id = 0;
+  uint64_t session_id = 0;
+  uint64_t epoch = 0;
+  OpKind op = OpKind::kUnspecified;
+  int64_t batch = 0;
+  int64_t seq = 0;
+  absl::Time queued;
+  absl::Time started;
+  absl::Time done;
+  absl::StatusCode code = absl::StatusCode::kOk;
+  std::string message;
+  uint64_t bytes_sent = 0;
+};
+
+/// Ring of the most recent calls. Thread-safe.
+class FlightRecorder {
+ public:
+  explicit FlightRecorder(size_t capacity) : ring_(capacity) {}
+  void Add(CallRecord record);
+  /// Newest first, at most `limit` (0: all).
+  std::vector<CallRecord> Recent(size_t limit) const;
+  size_t capacity() const { return ring_.size(); }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<CallRecord> ring_;
+  size_t next_ = 0;
+  size_t count_ = 0;
+};
+
+/// Gauges sampled when the metrics are rendered.
+struct GaugeSnapshot {
+  int64_t clients = 0;
+  int64_t sessions = 0;
+  int64_t active_calls = 0;
+  bool draining = false;
+  bool mps = false;
+  double uptime_s = 0;
+  std::array<int64_t, 4> slots_by_state{};  // free, writing, ready, held
+};
+
+/// Counters of the daemon's calls. Thread-safe, lock-free on the call path.
+class Metrics {
+ public:
+  /// Upper bounds (seconds) of the call-duration histogram buckets.
+  static constexpr std::array<double, 14> kBuckets = {
+      25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 1.0, 10.0};
+
+  void RecordCall(OpKind op, absl::StatusCode code, absl::Duration elapsed, uint64_t bytes_sent);
+  /// Prometheus text exposition format 0.0.4.
+  std::string Render(const std::string& version, int device, const std::string& backend,
+                     const GaugeSnapshot& g) const;
+  uint64_t calls_total() const;
+  uint64_t calls_failed() const;
+
+ private:
+  std::array<std::atomic<uint64_t>, 5> calls_by_op_{};
+  std::array<std::atomic<uint64_t>, 17> errors_by_code_{};
+  std::atomic<uint64_t> bytes_sent_{0};
+  std::array<std::atomic<uint64_t>, kBuckets.size() + 1> buckets_{};  // last: +Inf
+  std::atomic<uint64_t> duration_ns_sum_{0};
+};
+
+}  // namespace ulysses::daemon
