@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 
 #include "google/protobuf/descriptor.h"
 #include "ulysses/common/strings.h"
@@ -172,6 +173,32 @@ std::string FormatDuration(double seconds) {
 
 std::string FormatAgeMs(std::int64_t ms) { return FormatDuration(static_cast<double>(ms) / 1000.0); }
 
+std::string FormatDurationUs(std::int64_t us) {
+  if (us < 1000) return StrCat(std::max<std::int64_t>(us, 0), "us");
+  return FormatDuration(static_cast<double>(us) / 1e6);
+}
+
+std::string FormatLocalTimeUs(std::int64_t unix_us) {
+  if (unix_us == 0) return "-";
+  // Floor division, so that times before 1970 keep a 0..999 millisecond part.
+  std::int64_t ms = unix_us / 1000;
+  if (unix_us % 1000 < 0) --ms;
+  std::int64_t secs = ms / 1000;
+  if (ms % 1000 < 0) --secs;
+  const auto millis = static_cast<int>(ms - secs * 1000);
+  const auto t = static_cast<std::time_t>(secs);
+  ::tzset();  // localtime_r need not read $TZ itself
+  std::tm tm{};
+  if (::localtime_r(&t, &tm) == nullptr) return StrCat(unix_us, "us");
+  char date[64];
+  if (std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%S", &tm) == 0) {
+    return StrCat(unix_us, "us");
+  }
+  char buf[80];
+  std::snprintf(buf, sizeof(buf), "%s.%03d", date, millis);
+  return buf;
+}
+
 std::string DTypeName(int dtype) {
   if (dtype == v1::DTYPE_UNSPECIFIED) return "-";
   if (!v1::DType_IsValid(dtype)) return StrCat("dtype(", dtype, ")");
@@ -206,7 +233,21 @@ json ClientsToJson(const v1::ListClientsResponse& response) { return MessageToJs
 json GroupsToJson(const v1::ListGroupsResponse& response) { return MessageToJson(response); }
 json SessionsToJson(const v1::ListSessionsResponse& response) { return MessageToJson(response); }
 json SlotsToJson(const v1::ListSlotsResponse& response) { return MessageToJson(response); }
+json RecentCallsToJson(const v1::ListRecentCallsResponse& response) {
+  return MessageToJson(response);
+}
+json DrainToJson(const v1::DrainResponse& response) { return MessageToJson(response); }
+json UndrainToJson(const v1::UndrainResponse& response) { return MessageToJson(response); }
 json HealthToJson(std::string_view status) { return json{{"status", std::string(status)}}; }
+
+v1::DrainResponse DrainFromState(const v1::DaemonState& state) {
+  v1::DrainResponse r;
+  r.set_draining(state.draining());
+  r.set_idle(state.idle());
+  r.set_active_calls(state.active_calls());
+  r.set_num_sessions(state.num_sessions());
+  return r;
+}
 
 std::string RenderState(const v1::DaemonState& s) {
   std::string calls = Str(s.calls_total());
@@ -217,13 +258,17 @@ std::string RenderState(const v1::DaemonState& s) {
       {"pid", Str(s.pid())},
       {"socket", s.socket()},
       {"backend", s.backend()},
+      {"mps mode", s.mps_mode()},
       {"health", s.health()},
       {"draining", s.draining() ? "yes" : "no"},
+      {"idle", s.idle() ? "yes" : "no"},
       {"uptime", FormatDuration(s.uptime_s())},
       {"clients", Str(s.num_clients())},
       {"groups", Str(s.num_groups())},
       {"sessions", Str(s.num_sessions())},
       {"calls", calls},
+      {"active calls", Str(s.active_calls())},
+      {"metrics", s.metrics_address().empty() ? "off" : s.metrics_address()},
   });
 }
 
@@ -304,5 +349,39 @@ std::string RenderSlots(const v1::ListSlotsResponse& response) {
   }
   return t.Render();
 }
+
+std::string RenderRecentCalls(const v1::ListRecentCallsResponse& response) {
+  Table t({{"CLIENT", Align::kRight},
+           {"SESSION", Align::kRight},
+           {"EPOCH", Align::kRight},
+           {"OP"},
+           {"B", Align::kRight},
+           {"SEQ", Align::kRight},
+           {"QUEUED"},
+           {"DURATION", Align::kRight},
+           {"STATUS"},
+           {"MESSAGE"}});
+  for (const auto& c : response.calls()) {
+    const bool timed = c.queued_unix_us() != 0 && c.done_unix_us() != 0;
+    t.AddRow({ClientOrDash(c.client_id()), Str(c.session_id()), Str(c.epoch()), c.op(),
+              Str(c.batch()), Str(c.seq()), FormatLocalTimeUs(c.queued_unix_us()),
+              timed ? FormatDurationUs(c.done_unix_us() - c.queued_unix_us()) : "-", c.status(),
+              c.message()});
+  }
+  return t.Render();
+}
+
+std::string RenderDrain(const v1::DrainResponse& r) {
+  std::string out = r.draining() ? "draining" : "serving";
+  if (r.idle()) {
+    out += "; idle";
+  } else {
+    out += StrCat("; ", r.active_calls(), " call(s) running, ", r.num_sessions(),
+                  " session(s) open");
+  }
+  return out + '\n';
+}
+
+std::string RenderUndrain(const v1::UndrainResponse&) { return "serving\n"; }
 
 }  // namespace ulysses::ctl

@@ -55,6 +55,12 @@ std::string FormatBytes(std::uint64_t bytes);
 std::string FormatDuration(double seconds);
 /// FormatDuration of a count of milliseconds.
 std::string FormatAgeMs(std::int64_t ms);
+/// A duration in microseconds: "0us" to "999us" below a millisecond, else FormatDuration.
+/// Negative values (clock skew) print as "0us".
+std::string FormatDurationUs(std::int64_t us);
+/// A Unix time in microseconds as local ISO 8601 time with milliseconds (truncated):
+/// "2023-11-14T23:13:20.123". 0 (not set) prints as "-".
+std::string FormatLocalTimeUs(std::int64_t unix_us);
 /// Short lower-case name of a dtype: "float16", "bfloat16", "float32"; "-" when unspecified.
 std::string DTypeName(int dtype);
 
@@ -69,8 +75,14 @@ nlohmann::json ClientsToJson(const v1::ListClientsResponse& response);    // {"c
 nlohmann::json GroupsToJson(const v1::ListGroupsResponse& response);      // {"groups":[...]}
 nlohmann::json SessionsToJson(const v1::ListSessionsResponse& response);  // {"sessions":[...]}
 nlohmann::json SlotsToJson(const v1::ListSlotsResponse& response);        // {"slots":[...]}
+nlohmann::json RecentCallsToJson(const v1::ListRecentCallsResponse& response);  // {"calls":[...],
+                                                                                 // "capacity":N}
+nlohmann::json DrainToJson(const v1::DrainResponse& response);
+nlohmann::json UndrainToJson(const v1::UndrainResponse& response);  // {}
 /// {"status": "SERVING"} for the health command.
 nlohmann::json HealthToJson(std::string_view status);
+/// The DrainResponse that a state reports (what `drain --wait` prints once it has waited).
+v1::DrainResponse DrainFromState(const v1::DaemonState& state);
 
 /// The text printed by `ulyssesctl COMMAND`. `now_unix_ms` is the current Unix time in
 /// milliseconds, from which the clients' ages are computed.
@@ -79,5 +91,11 @@ std::string RenderClients(const v1::ListClientsResponse& response, std::int64_t 
 std::string RenderGroups(const v1::ListGroupsResponse& response);
 std::string RenderSessions(const v1::ListSessionsResponse& response);
 std::string RenderSlots(const v1::ListSlotsResponse& response);
+/// Times print as local time (FormatLocalTimeUs), durations as done - queued.
+std::string RenderRecentCalls(const v1::ListRecentCallsResponse& response);
+/// "draining; idle" or "draining; N call(s) running, M session(s) open" (one line).
+std::string RenderDrain(const v1::DrainResponse& response);
+/// "serving" (one line).
+std::string RenderUndrain(const v1::UndrainResponse& response);
 
 }  // namespace ulysses::ctl

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "ulysses/v1/admin.pb.h"
 
@@ -25,6 +26,10 @@ inline v1::DaemonState SampleState() {
   s.set_socket("/run/ulysses/gpu3.sock");
   s.set_calls_total(9'000'000'000ULL);  // above 2^32: 64-bit values must survive
   s.set_calls_failed(7);
+  s.set_mps_mode("no-mps");
+  s.set_active_calls(2);
+  s.set_idle(false);
+  s.set_metrics_address("127.0.0.1:9464");
   return s;
 }
 
@@ -116,6 +121,75 @@ inline v1::ListSlotsResponse SampleSlots() {
   b->set_epoch(40);
   b->set_age_ms(250);
   return r;
+}
+
+/// Unix time (us) of the newest sample call: 2023-11-14T22:13:20.123456Z.
+inline constexpr std::int64_t kCallUnixUs = 1'700'000'000'123'456;
+
+inline v1::ListRecentCallsResponse SampleRecentCalls() {
+  v1::ListRecentCallsResponse r;
+  r.set_capacity(256);
+  auto* a = r.add_calls();  // newest first
+  a->set_client_id(1);
+  a->set_session_id(5);
+  a->set_epoch(41);
+  a->set_op("scatter_heads");
+  a->set_batch(2);
+  a->set_seq(8192);
+  a->set_queued_unix_us(kCallUnixUs);
+  a->set_started_unix_us(kCallUnixUs + 40);
+  a->set_done_unix_us(kCallUnixUs + 850);  // 850us
+  a->set_status("OK");
+  a->set_message("");
+  a->set_bytes_sent(16'777'216);
+  auto* b = r.add_calls();
+  b->set_client_id(22);
+  b->set_session_id(6);
+  b->set_epoch(7);
+  b->set_op("scatter_qkv_head_chunk");
+  b->set_batch(1);
+  b->set_seq(9'000'000'000LL);  // above 2^32
+  b->set_queued_unix_us(kCallUnixUs - 1'500'000);
+  b->set_started_unix_us(kCallUnixUs - 1'499'000);
+  b->set_done_unix_us(kCallUnixUs - 1'488'000);  // 12ms
+  b->set_status("OK");
+  b->set_message("");
+  b->set_bytes_sent(5'000'000'000ULL);
+  auto* c = r.add_calls();
+  c->set_client_id(1);
+  c->set_session_id(5);
+  c->set_epoch(40);
+  c->set_op("gather_heads");
+  c->set_batch(2);
+  c->set_seq(8192);
+  c->set_queued_unix_us(kCallUnixUs - 5'000'000);
+  c->set_started_unix_us(kCallUnixUs - 4'999'900);
+  c->set_done_unix_us(kCallUnixUs - 1'800'000);  // 3.2s
+  c->set_status("DEADLINE_EXCEEDED");
+  c->set_message("peer rank 0 did not answer");
+  c->set_bytes_sent(0);
+  return r;
+}
+
+/// An exposition with HELP/TYPE comments, labels, a histogram, a timestamp and escapes.
+inline const char* SampleMetricsText() {
+  return "# HELP ulysses_calls_total Calls completed.\n"
+         "# TYPE ulysses_calls_total counter\n"
+         "ulysses_calls_total{op=\"scatter_heads\",status=\"OK\"} 40\n"
+         "ulysses_calls_total{op=\"gather_heads\",status=\"DEADLINE_EXCEEDED\"} 1\n"
+         "# HELP ulysses_call_seconds Call latency, queued to done.\n"
+         "# TYPE ulysses_call_seconds histogram\n"
+         "ulysses_call_seconds_bucket{op=\"scatter_heads\",le=\"0.001\"} 30\n"
+         "ulysses_call_seconds_bucket{op=\"scatter_heads\",le=\"0.01\"} 39\n"
+         "ulysses_call_seconds_bucket{op=\"scatter_heads\",le=\"+Inf\"} 40\n"
+         "ulysses_call_seconds_sum{op=\"scatter_heads\"} 0.123\n"
+         "ulysses_call_seconds_count{op=\"scatter_heads\"} 40\n"
+         "\n"
+         "# HELP ulysses_draining 1 while the daemon drains.\n"
+         "# TYPE ulysses_draining gauge\n"
+         "ulysses_draining 1\n"
+         "ulysses_last_call_unix_seconds 1.7e9 1700000000123\n"
+         "ulysses_client_info{name=\"say \\\"hi\\\"\",path=\"C:\\\\tmp\",note=\"a\\nb\"} 1\n";
 }
 
 }  // namespace ulysses::ctl::testing

@@ -2,7 +2,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <ctime>
+#include <iterator>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -16,6 +20,29 @@ namespace {
 
 using nlohmann::json;
 using testing::kNowUnixMs;
+
+// Sets $TZ for the scope (and back after).
+class ScopedTz {
+ public:
+  explicit ScopedTz(const char* tz) {
+    if (const char* old = std::getenv("TZ"); old != nullptr) old_ = old;
+    ::setenv("TZ", tz, 1);
+    ::tzset();
+  }
+  ~ScopedTz() {
+    if (old_) {
+      ::setenv("TZ", old_->c_str(), 1);
+    } else {
+      ::unsetenv("TZ");
+    }
+    ::tzset();
+  }
+  ScopedTz(const ScopedTz&) = delete;
+  ScopedTz& operator=(const ScopedTz&) = delete;
+
+ private:
+  std::optional<std::string> old_;
+};
 
 std::vector<std::string> Lines(const std::string& text) {
   std::vector<std::string> lines;
@@ -139,6 +166,30 @@ TEST(UnitsTest, FormatAgeMs) {
   EXPECT_EQ(FormatAgeMs(3200), "3.2s");
   EXPECT_EQ(FormatAgeMs(90'000), "1m30s");
   EXPECT_EQ(FormatAgeMs(-5), "0ms");
+}
+
+TEST(UnitsTest, FormatDurationUs) {
+  EXPECT_EQ(FormatDurationUs(-3), "0us");
+  EXPECT_EQ(FormatDurationUs(0), "0us");
+  EXPECT_EQ(FormatDurationUs(850), "850us");
+  EXPECT_EQ(FormatDurationUs(999), "999us");
+  EXPECT_EQ(FormatDurationUs(1000), "1ms");
+  EXPECT_EQ(FormatDurationUs(12'000), "12ms");
+  EXPECT_EQ(FormatDurationUs(3'200'000), "3.2s");
+  EXPECT_EQ(FormatDurationUs(312'000'000), "5m12s");
+}
+
+TEST(UnitsTest, FormatLocalTimeUsInUtc) {
+  ScopedTz tz("UTC");
+  EXPECT_EQ(FormatLocalTimeUs(0), "-");
+  EXPECT_EQ(FormatLocalTimeUs(testing::kCallUnixUs), "2023-11-14T22:13:20.123");
+  EXPECT_EQ(FormatLocalTimeUs(1'000'999), "1970-01-01T00:00:01.000");  // truncated, not rounded
+  EXPECT_EQ(FormatLocalTimeUs(-1), "1969-12-31T23:59:59.999");
+}
+
+TEST(UnitsTest, FormatLocalTimeUsFollowsTheTimeZone) {
+  ScopedTz tz("XYZ-2");  // POSIX: two hours east of UTC
+  EXPECT_EQ(FormatLocalTimeUs(testing::kCallUnixUs), "2023-11-15T00:13:20.123");
 }
 
 TEST(UnitsTest, DTypeName) {
@@ -281,6 +332,53 @@ TEST(JsonTest, Slots) {
   EXPECT_EQ(j["slots"][1]["state"], "free");
 }
 
+TEST(JsonTest, StateHasTheDrainAndMpsFields) {
+  const json j = StateToJson(testing::SampleState());
+  EXPECT_EQ(j["mps_mode"], "no-mps");
+  EXPECT_EQ(j["active_calls"], 2);
+  EXPECT_EQ(j["idle"], false);
+  EXPECT_EQ(j["metrics_address"], "127.0.0.1:9464");
+}
+
+TEST(JsonTest, RecentCallsHaveEveryField) {
+  const json j = RecentCallsToJson(testing::SampleRecentCalls());
+  ExpectEveryField(j, *v1::ListRecentCallsResponse::descriptor(), "recent");
+  EXPECT_EQ(j["capacity"], 256);
+  ASSERT_EQ(j["calls"].size(), 3u);
+  for (const auto& call : j["calls"]) {
+    ExpectEveryField(call, *v1::CallRecord::descriptor(), "recent.calls[]");
+  }
+  const json& a = j["calls"][0];
+  EXPECT_EQ(a["client_id"], 1);
+  EXPECT_EQ(a["session_id"], 5);
+  EXPECT_EQ(a["epoch"], 41);
+  EXPECT_EQ(a["op"], "scatter_heads");
+  EXPECT_EQ(a["batch"], 2);
+  EXPECT_EQ(a["seq"], 8192);
+  EXPECT_EQ(a["queued_unix_us"].get<std::int64_t>(), testing::kCallUnixUs);
+  EXPECT_EQ(a["started_unix_us"].get<std::int64_t>(), testing::kCallUnixUs + 40);
+  EXPECT_EQ(a["done_unix_us"].get<std::int64_t>(), testing::kCallUnixUs + 850);
+  EXPECT_EQ(a["status"], "OK");
+  EXPECT_EQ(a["message"], "");
+  EXPECT_EQ(a["bytes_sent"], 16'777'216);
+  EXPECT_EQ(j["calls"][2]["message"], "peer rank 0 did not answer");
+  EXPECT_EQ(RecentCallsToJson(v1::ListRecentCallsResponse()),
+            json::parse(R"({"calls":[],"capacity":0})"));
+}
+
+TEST(JsonTest, DrainAndUndrain) {
+  v1::DrainResponse r;
+  r.set_draining(true);
+  r.set_active_calls(4);
+  r.set_num_sessions(2);
+  const json j = DrainToJson(r);
+  ExpectEveryField(j, *v1::DrainResponse::descriptor(), "drain");
+  EXPECT_EQ(j, json::parse(R"({"draining":true,"idle":false,"active_calls":4,"num_sessions":2})"));
+  const json u = UndrainToJson(v1::UndrainResponse());
+  ExpectEveryField(u, *v1::UndrainResponse::descriptor(), "undrain");
+  EXPECT_EQ(u, json::object());
+}
+
 TEST(JsonTest, Health) {
   EXPECT_EQ(HealthToJson("SERVING"), json::parse(R"({"status":"SERVING"})"));
 }
@@ -288,20 +386,92 @@ TEST(JsonTest, Health) {
 TEST(RenderTest, State) {
   const auto lines = Lines(RenderState(testing::SampleState()));
   const std::vector<std::string> want = {
-      "version:   0.1.0",
-      "device:    3",
-      "pid:       4242",
-      "socket:    /run/ulysses/gpu3.sock",
-      "backend:   host",
-      "health:    SERVING",
-      "draining:  yes",
-      "uptime:    1h02m",
-      "clients:   2",
-      "groups:    1",
-      "sessions:  1",
-      "calls:     9000000000 (7 failed)",
+      "version:       0.1.0",
+      "device:        3",
+      "pid:           4242",
+      "socket:        /run/ulysses/gpu3.sock",
+      "backend:       host",
+      "mps mode:      no-mps",
+      "health:        SERVING",
+      "draining:      yes",
+      "idle:          no",
+      "uptime:        1h02m",
+      "clients:       2",
+      "groups:        1",
+      "sessions:      1",
+      "calls:         9000000000 (7 failed)",
+      "active calls:  2",
+      "metrics:       127.0.0.1:9464",
   };
   EXPECT_EQ(lines, want);
+}
+
+TEST(RenderTest, StateWithoutMetricsEndpointSaysOff) {
+  v1::DaemonState s = testing::SampleState();
+  s.set_metrics_address("");
+  s.set_idle(true);
+  s.set_active_calls(0);
+  const std::string out = RenderState(s);
+  EXPECT_NE(out.find("\nmetrics:       off\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("\nidle:          yes\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("\nactive calls:  0\n"), std::string::npos) << out;
+}
+
+TEST(RenderTest, RecentCallsShowLocalTimesAndDurations) {
+  ScopedTz tz("UTC");
+  const std::string out = RenderRecentCalls(testing::SampleRecentCalls());
+  EXPECT_EQ(out,
+            "CLIENT  SESSION  EPOCH  OP                      B         SEQ  "
+            "QUEUED                   DURATION  STATUS             MESSAGE\n"
+            "     1        5     41  scatter_heads           2        8192  "
+            "2023-11-14T22:13:20.123     850us  OK                 -\n"
+            "    22        6      7  scatter_qkv_head_chunk  1  9000000000  "
+            "2023-11-14T22:13:18.623      12ms  OK                 -\n"
+            "     1        5     40  gather_heads            2        8192  "
+            "2023-11-14T22:13:15.123      3.2s  DEADLINE_EXCEEDED  peer rank 0 did not answer\n");
+  for (const char* h : {"CLIENT", "SESSION", "EPOCH", "B", "SEQ", "DURATION"}) {
+    ExpectAligned(out, h, Align::kRight);
+  }
+  for (const char* h : {"OP", "QUEUED", "STATUS", "MESSAGE"}) ExpectAligned(out, h, Align::kLeft);
+}
+
+TEST(RenderTest, RecentCallsWithoutTimesOrClient) {
+  ScopedTz tz("UTC");
+  v1::ListRecentCallsResponse r;
+  auto* c = r.add_calls();
+  c->set_session_id(5);
+  c->set_op("gather_heads");
+  c->set_status("CANCELLED");
+  const auto lines = Lines(RenderRecentCalls(r));
+  ASSERT_EQ(lines.size(), 2u);
+  std::istringstream row(lines[1]);
+  const std::vector<std::string> words{std::istream_iterator<std::string>(row),
+                                       std::istream_iterator<std::string>()};
+  const std::vector<std::string> want = {"-", "5", "0", "gather_heads", "0",
+                                         "0", "-", "-", "CANCELLED",   "-"};
+  EXPECT_EQ(words, want);
+  EXPECT_EQ(RenderRecentCalls(v1::ListRecentCallsResponse()),
+            "CLIENT  SESSION  EPOCH  OP  B  SEQ  QUEUED  DURATION  STATUS  MESSAGE\n");
+}
+
+TEST(RenderTest, Drain) {
+  v1::DrainResponse r;
+  r.set_draining(true);
+  r.set_idle(true);
+  r.set_num_sessions(3);
+  EXPECT_EQ(RenderDrain(r), "draining; idle\n");
+  r.set_idle(false);
+  r.set_active_calls(2);
+  EXPECT_EQ(RenderDrain(r), "draining; 2 call(s) running, 3 session(s) open\n");
+  EXPECT_EQ(RenderUndrain(v1::UndrainResponse()), "serving\n");
+}
+
+TEST(RenderTest, DrainFromState) {
+  const v1::DrainResponse r = DrainFromState(testing::SampleState());
+  EXPECT_TRUE(r.draining());
+  EXPECT_FALSE(r.idle());
+  EXPECT_EQ(r.active_calls(), 2);
+  EXPECT_EQ(r.num_sessions(), 1);
 }
 
 TEST(RenderTest, ClientsShowAgesAndHumanSizes) {

@@ -27,6 +27,7 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
+#include "ulysses/common/strings.h"
 #include "ulysses/v1/admin.grpc.pb.h"
 #include "ulyssesctl/format.h"
 
@@ -95,11 +96,22 @@ Result RunCtl(const std::filesystem::path& dir, const std::vector<std::string>& 
 
 class FakeAdmin final : public v1::Admin::Service {
  public:
+  // SampleState() until Drain is called; from then on the drain simulation's state (see
+  // SimulateBusy).
   grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
                         v1::DaemonState* out) override {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return !hang_; });
+    ++get_state_calls_;
     *out = testing::SampleState();
+    if (drain_calls_ > 0) {
+      ++polls_;
+      if (polls_until_idle_ >= 0 && polls_ >= polls_until_idle_) active_calls_ = 0;
+      if (polls_until_undrained_ >= 0 && polls_ >= polls_until_undrained_) draining_ = false;
+      out->set_draining(draining_);
+      out->set_active_calls(active_calls_);
+      out->set_idle(draining_ && active_calls_ == 0);
+    }
     return grpc::Status::OK;
   }
   grpc::Status ListClients(grpc::ServerContext*, const v1::ListClientsRequest*,
@@ -124,7 +136,76 @@ class FakeAdmin final : public v1::Admin::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status ListRecentCalls(grpc::ServerContext*, const v1::ListRecentCallsRequest* request,
+                               v1::ListRecentCallsResponse* out) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_limit_ = request->limit();
+    *out = testing::SampleRecentCalls();
+    if (request->limit() > 0 && out->calls_size() > request->limit()) {
+      out->mutable_calls()->DeleteSubrange(request->limit(), out->calls_size() - request->limit());
+    }
+    return grpc::Status::OK;
+  }
+  grpc::Status Drain(grpc::ServerContext*, const v1::DrainRequest*,
+                     v1::DrainResponse* out) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++drain_calls_;
+    draining_ = true;
+    out->set_draining(true);
+    out->set_idle(active_calls_ == 0);
+    out->set_active_calls(active_calls_);
+    out->set_num_sessions(testing::SampleState().num_sessions());
+    return grpc::Status::OK;
+  }
+  grpc::Status Undrain(grpc::ServerContext*, const v1::UndrainRequest*,
+                       v1::UndrainResponse*) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++undrain_calls_;
+    draining_ = false;
+    return grpc::Status::OK;
+  }
+  grpc::Status GetMetrics(grpc::ServerContext*, const v1::GetMetricsRequest*,
+                          v1::GetMetricsResponse* out) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    out->set_text(metrics_text_);
+    return grpc::Status::OK;
+  }
+
   void set_fail_slots(bool v) { fail_slots_ = v; }
+  // Drain simulation: Drain answers with `active_calls` running; GetState, from its
+  // `polls_until_idle`-th answer after Drain on, reports none running (idle); negative: never.
+  // From its `polls_until_undrained`-th answer on it reports the daemon not draining.
+  void SimulateBusy(int active_calls, int polls_until_idle, int polls_until_undrained = -1) {
+    std::lock_guard<std::mutex> lock(mu_);
+    active_calls_ = active_calls;
+    polls_until_idle_ = polls_until_idle;
+    polls_until_undrained_ = polls_until_undrained;
+    polls_ = 0;
+  }
+  void set_metrics_text(std::string text) {
+    std::lock_guard<std::mutex> lock(mu_);
+    metrics_text_ = std::move(text);
+  }
+  int get_state_calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return get_state_calls_;
+  }
+  int drain_calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return drain_calls_;
+  }
+  int undrain_calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return undrain_calls_;
+  }
+  bool draining() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return draining_;
+  }
+  int last_limit() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_limit_;
+  }
   // While hanging, GetState blocks until Release().
   void Hang() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -143,6 +224,16 @@ class FakeAdmin final : public v1::Admin::Service {
   std::mutex mu_;
   std::condition_variable cv_;
   bool hang_ = false;
+  int get_state_calls_ = 0;
+  int drain_calls_ = 0;
+  int undrain_calls_ = 0;
+  bool draining_ = false;
+  int active_calls_ = 0;
+  int polls_ = 0;
+  int polls_until_idle_ = 0;
+  int polls_until_undrained_ = -1;
+  int last_limit_ = -1;
+  std::string metrics_text_ = testing::SampleMetricsText();
 };
 
 // Serves FakeAdmin (and, when `with_health`, grpc's default health service) on `socket`;
@@ -191,8 +282,10 @@ class UlyssesctlTest : public ::testing::Test {
     args.insert(args.begin(), {"--socket", socket_});
     return RunCtl(dir_, args);
   }
-  json RunJson(const std::string& command) {
-    const Result r = Run({"--json", command});
+  json RunJson(const std::string& command, std::vector<std::string> more = {}) {
+    std::vector<std::string> args = {"--json", command};
+    args.insert(args.end(), more.begin(), more.end());
+    const Result r = Run(args);
     EXPECT_EQ(r.exit_code, 0) << r.err;
     EXPECT_EQ(r.err, "");
     return json::parse(r.out, nullptr, /*allow_exceptions=*/false);
@@ -213,7 +306,8 @@ TEST_F(UlyssesctlTest, MissingSocketExitsTwoWithCannotReach) {
 }
 
 TEST_F(UlyssesctlTest, EveryCommandExitsTwoWithoutADaemon) {
-  for (const char* command : {"status", "clients", "groups", "sessions", "slots", "health"}) {
+  for (const char* command : {"status", "clients", "groups", "sessions", "slots", "recent",
+                              "drain", "undrain", "metrics", "health"}) {
     for (const bool as_json : {false, true}) {
       std::vector<std::string> args = {"--socket", socket_, command};
       if (as_json) args.push_back("--json");
@@ -266,6 +360,14 @@ TEST_F(UlyssesctlTest, Status) {
   EXPECT_EQ(j["draining"], true);
   EXPECT_EQ(j["calls_total"].get<std::uint64_t>(), 9'000'000'000ULL);
   EXPECT_EQ(j["socket"], "/run/ulysses/gpu3.sock");
+  EXPECT_EQ(j["mps_mode"], "no-mps");
+  EXPECT_EQ(j["active_calls"], 2);
+  EXPECT_EQ(j["idle"], false);
+  EXPECT_EQ(j["metrics_address"], "127.0.0.1:9464");
+  for (const char* line : {"\nmps mode:      no-mps\n", "\nidle:          no\n",
+                           "\nactive calls:  2\n", "\nmetrics:       127.0.0.1:9464\n"}) {
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << " not in\n" << r.out;
+  }
 }
 
 TEST_F(UlyssesctlTest, Clients) {
@@ -328,6 +430,173 @@ TEST_F(UlyssesctlTest, Slots) {
   EXPECT_EQ(j["slots"][1]["age_ms"], 250);
 }
 
+TEST_F(UlyssesctlTest, Recent) {
+  StartDaemon();
+  const Result r = Run({"recent"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  // The child inherits $TZ, so in-process rendering shows the same local times.
+  EXPECT_EQ(r.out, RenderRecentCalls(testing::SampleRecentCalls()));
+  std::istringstream header(r.out.substr(0, r.out.find('\n')));
+  const std::vector<std::string> words{std::istream_iterator<std::string>(header),
+                                       std::istream_iterator<std::string>()};
+  const std::vector<std::string> want = {"CLIENT", "SESSION",  "EPOCH",  "OP",     "B",
+                                         "SEQ",    "QUEUED",   "DURATION", "STATUS", "MESSAGE"};
+  EXPECT_EQ(words, want);
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 4);
+  EXPECT_NE(r.out.find("850us"), std::string::npos);
+  EXPECT_NE(r.out.find("peer rank 0 did not answer"), std::string::npos);
+  EXPECT_EQ(daemon_->admin().last_limit(), 0);
+
+  const json j = RunJson("recent");
+  EXPECT_EQ(j, RecentCallsToJson(testing::SampleRecentCalls()));
+  EXPECT_EQ(j["capacity"], 256);
+  ASSERT_EQ(j["calls"].size(), 3u);
+  EXPECT_EQ(j["calls"][0]["op"], "scatter_heads");
+  EXPECT_EQ(j["calls"][0]["queued_unix_us"].get<std::int64_t>(), testing::kCallUnixUs);
+  EXPECT_EQ(j["calls"][0]["done_unix_us"].get<std::int64_t>(), testing::kCallUnixUs + 850);
+  EXPECT_EQ(j["calls"][1]["seq"].get<std::int64_t>(), 9'000'000'000LL);
+  EXPECT_EQ(j["calls"][1]["bytes_sent"].get<std::uint64_t>(), 5'000'000'000ULL);
+  EXPECT_EQ(j["calls"][2]["status"], "DEADLINE_EXCEEDED");
+  EXPECT_EQ(j["calls"][2]["message"], "peer rank 0 did not answer");
+}
+
+TEST_F(UlyssesctlTest, RecentLimit) {
+  StartDaemon();
+  const json j = RunJson("recent", {"--limit", "1"});
+  EXPECT_EQ(daemon_->admin().last_limit(), 1);
+  ASSERT_EQ(j["calls"].size(), 1u);
+  EXPECT_EQ(j["calls"][0]["epoch"], 41);
+  EXPECT_EQ(j["capacity"], 256);
+  const Result r = Run({"recent", "--limit", "2"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(daemon_->admin().last_limit(), 2);
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 3);
+}
+
+TEST_F(UlyssesctlTest, DrainIdle) {
+  StartDaemon();
+  Result r = Run({"drain"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "draining; idle\n");
+  EXPECT_TRUE(daemon_->admin().draining());
+  const json j = RunJson("drain");
+  EXPECT_EQ(j, json::parse(R"({"draining":true,"idle":true,"active_calls":0,"num_sessions":1})"));
+  // Already idle: --wait has nothing to wait for.
+  r = Run({"drain", "--wait"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "draining; idle\n");
+  EXPECT_EQ(daemon_->admin().drain_calls(), 3);
+  EXPECT_EQ(daemon_->admin().get_state_calls(), 0);
+}
+
+TEST_F(UlyssesctlTest, DrainBusyWithoutWait) {
+  StartDaemon();
+  daemon_->admin().SimulateBusy(2, -1);
+  const Result r = Run({"drain"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "draining; 2 call(s) running, 1 session(s) open\n");
+  const json j = RunJson("drain");
+  EXPECT_EQ(j["draining"], true);
+  EXPECT_EQ(j["idle"], false);
+  EXPECT_EQ(j["active_calls"], 2);
+  EXPECT_EQ(j["num_sessions"], 1);
+  EXPECT_EQ(daemon_->admin().get_state_calls(), 0);
+}
+
+TEST_F(UlyssesctlTest, DrainWaitSucceedsOnceIdle) {
+  StartDaemon();
+  daemon_->admin().SimulateBusy(2, /*polls_until_idle=*/2);
+  Result r = Run({"drain", "--wait"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_EQ(r.out,
+            "draining; 2 call(s) running, 1 session(s) open\n"
+            "draining; idle\n");
+  EXPECT_EQ(daemon_->admin().get_state_calls(), 2);
+
+  daemon_->admin().SimulateBusy(3, /*polls_until_idle=*/2);
+  r = Run({"--json", "drain", "--wait", "--wait-timeout-ms", "60000"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(json::parse(r.out, nullptr, false),
+            json::parse(R"({"draining":true,"idle":true,"active_calls":0,"num_sessions":1})"));
+  EXPECT_EQ(daemon_->admin().get_state_calls(), 4);
+}
+
+TEST_F(UlyssesctlTest, DrainWaitTimesOutExitsOne) {
+  StartDaemon();
+  daemon_->admin().SimulateBusy(2, /*polls_until_idle=*/-1);
+  Result r = Run({"drain", "--wait", "--wait-timeout-ms", "250"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.out, "draining; 2 call(s) running, 1 session(s) open\n");
+  EXPECT_EQ(r.err,
+            "ulyssesctl: drain: not idle after 250 ms: draining; 2 call(s) running, 1 "
+            "session(s) open\n");
+  EXPECT_GE(daemon_->admin().get_state_calls(), 1);
+  r = Run({"drain", "--json", "--wait", "--wait-timeout-ms", "150"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err.rfind("ulyssesctl: drain: not idle after 150 ms: ", 0), 0u) << r.err;
+}
+
+TEST_F(UlyssesctlTest, DrainWaitGivesUpWhenUndrained) {
+  StartDaemon();
+  daemon_->admin().SimulateBusy(2, /*polls_until_idle=*/-1, /*polls_until_undrained=*/1);
+  const Result r = Run({"drain", "--wait"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err.rfind("ulyssesctl: drain: the daemon stopped draining", 0), 0u) << r.err;
+  EXPECT_EQ(daemon_->admin().get_state_calls(), 1);
+}
+
+TEST_F(UlyssesctlTest, Undrain) {
+  StartDaemon();
+  ASSERT_EQ(Run({"drain"}).exit_code, 0);
+  ASSERT_TRUE(daemon_->admin().draining());
+  const Result r = Run({"undrain"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "serving\n");
+  EXPECT_FALSE(daemon_->admin().draining());
+  EXPECT_EQ(RunJson("undrain"), json::object());
+  EXPECT_EQ(daemon_->admin().undrain_calls(), 2);
+}
+
+TEST_F(UlyssesctlTest, Metrics) {
+  StartDaemon();
+  const Result r = Run({"metrics"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, testing::SampleMetricsText());
+
+  const json j = RunJson("metrics");
+  ASSERT_TRUE(j.contains("metrics")) << j;
+  const json& m = j["metrics"];
+  ASSERT_EQ(m.size(), 10u) << m;  // comment and blank lines skipped
+  EXPECT_EQ(m[0], json::parse(R"({"name":"ulysses_calls_total",
+                                   "labels":{"op":"scatter_heads","status":"OK"},"value":40})"));
+  EXPECT_EQ(m[4]["name"], "ulysses_call_seconds_bucket");
+  EXPECT_EQ(m[4]["labels"], json::parse(R"({"op":"scatter_heads","le":"+Inf"})"));
+  EXPECT_EQ(m[4]["value"], 40);
+  EXPECT_DOUBLE_EQ(m[5]["value"].get<double>(), 0.123);
+  EXPECT_EQ(m[7]["labels"], json::object());
+  EXPECT_EQ(m[8]["timestamp_ms"].get<std::int64_t>(), 1'700'000'000'123LL);
+  EXPECT_EQ(m[9]["labels"]["name"], "say \"hi\"");
+  for (const auto& sample : m) {
+    EXPECT_EQ(sample["name"].get<std::string>().find('#'), std::string::npos);
+  }
+}
+
+TEST_F(UlyssesctlTest, MalformedMetricsFailOnlyAsJson) {
+  StartDaemon();
+  daemon_->admin().set_metrics_text("ok 1\nbroken{a=\"x\" 2\n");
+  Result r = Run({"metrics"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "ok 1\nbroken{a=\"x\" 2\n");
+  r = Run({"--json", "metrics"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err.rfind("ulyssesctl: GetMetrics: cannot parse the daemon's metrics: line 2: ", 0),
+            0u)
+      << r.err;
+}
+
 TEST_F(UlyssesctlTest, HealthServing) {
   StartDaemon();
   const Result r = Run({"health"});
@@ -378,11 +647,21 @@ TEST_F(UlyssesctlTest, UsageErrorsExitSixtyFour) {
   EXPECT_EQ(RunCtl(dir_, {"frobnicate"}).exit_code, 64);
   EXPECT_EQ(RunCtl(dir_, {"status", "clients"}).exit_code, 64);
   EXPECT_EQ(RunCtl(dir_, {"--timeout-ms", "0", "status"}).exit_code, 64);
+  EXPECT_EQ(RunCtl(dir_, {"recent", "--limit", "-1"}).exit_code, 64);
+  EXPECT_EQ(RunCtl(dir_, {"recent", "--limit", "x"}).exit_code, 64);
+  EXPECT_EQ(RunCtl(dir_, {"drain", "--wait-timeout-ms", "100"}).exit_code, 64);  // needs --wait
+  EXPECT_EQ(RunCtl(dir_, {"drain", "--wait", "--wait-timeout-ms", "0"}).exit_code, 64);
+  EXPECT_EQ(RunCtl(dir_, {"status", "--limit", "1"}).exit_code, 64);
   const Result help = RunCtl(dir_, {"--help"});
   EXPECT_EQ(help.exit_code, 0);
-  for (const char* command : {"status", "clients", "groups", "sessions", "slots", "health"}) {
-    EXPECT_NE(help.out.find(command), std::string::npos) << command;
+  for (const char* command : {"status", "clients", "groups", "sessions", "slots", "recent",
+                              "drain", "undrain", "metrics", "health"}) {
+    EXPECT_NE(help.out.find(StrCat("\n  ", command, " ")), std::string::npos) << command;
   }
+  EXPECT_NE(help.out.find("Commands: status, clients, groups, sessions, slots, recent [--limit N], "
+                          "drain [--wait [--wait-timeout-ms N]], undrain, metrics, health."),
+            std::string::npos)
+      << help.out;
 }
 
 }  // namespace
