@@ -236,6 +236,7 @@ class Runner {
             }
       // 2. identity attention, 3. gather_heads back into this rank's tokens, all heads.
       std::memcpy(y.data, sc.data, B * SG * HL * D * es);
+      ULY_RETURN_IF_ERROR(sc.Release());  // the band is copied: give the slot back
       ULY_ASSIGN_OR_RETURN(client::Result ga, ULY_DEMO_TIMED(session->GatherHeads(y.Ref(), B, SG, gout.Ref())));
       (void)ga;
       for (uint64_t i = 0; i < n_x; ++i)

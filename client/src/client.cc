@@ -90,6 +90,45 @@ class ClientImpl : public BufferResolver {
   }
 };
 
+// Holds a receive slot for the result of one epoch; the last copy's destruction releases it.
+class SlotHold {
+ public:
+  SlotHold(std::shared_ptr<ClientImpl> client, uint64_t session, uint64_t epoch)
+      : client_(std::move(client)), session_(session), epoch_(epoch) {}
+  ~SlotHold() { (void)Release(); }
+  absl::Status Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (released_) return absl::OkStatus();
+    released_ = true;
+    if (client_->closed) return absl::OkStatus();  // Detach released everything
+    v1::ReleaseRequest req;
+    req.set_session_id(session_);
+    req.set_epoch(epoch_);
+    v1::ReleaseResponse resp;
+    grpc::ClientContext ctx;
+    client_->Prepare(&ctx, absl::Seconds(30));
+    absl::Status s = FromGrpcStatus(client_->stub->Release(&ctx, req, &resp));
+    // A closed session has no slots left to release.
+    if (s.code() == absl::StatusCode::kNotFound) return absl::OkStatus();
+    return s;
+  }
+
+ private:
+  std::shared_ptr<ClientImpl> client_;
+  const uint64_t session_;
+  const uint64_t epoch_;
+  std::mutex mu_;
+  bool released_ = false;
+};
+
+absl::Status Result::Release() {
+  if (!hold_) return absl::OkStatus();
+  absl::Status s = hold_->Release();
+  hold_.reset();
+  data = nullptr;
+  return s;
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& options) {
   if (options.socket.empty()) return absl::InvalidArgumentError("socket: must not be empty");
   auto impl = std::make_shared<ClientImpl>();
@@ -261,6 +300,17 @@ absl::Status Session::Close() {
   return FromGrpcStatus(client_->stub->CloseSession(&ctx, req, &resp));
 }
 
+absl::StatusOr<int> Session::PoisonSlots() {
+  if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
+  v1::PoisonSlotsRequest req;
+  req.set_session_id(id_);
+  v1::PoisonSlotsResponse resp;
+  grpc::ClientContext ctx;
+  client_->Prepare(&ctx, absl::Seconds(30));
+  ULY_RETURN_IF_ERROR(FromGrpcStatus(client_->stub->PoisonSlots(&ctx, req, &resp)));
+  return resp.poisoned();
+}
+
 absl::StatusOr<Result> Session::Call(const CallArgs& args) {
   if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
   // The same verdict the daemon reaches, before anything leaves this process.
@@ -294,6 +344,7 @@ absl::StatusOr<Result> Session::Call(const CallArgs& args) {
   r.data = base_ + resp.slot_offset_bytes();
   r.bytes = resp.result_bytes();
   r.daemon_us = resp.elapsed_us();
+  if (!args.out.present()) r.hold_ = std::make_shared<SlotHold>(client_, id_, r.epoch);
   return r;
 }
 

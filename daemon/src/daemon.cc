@@ -16,6 +16,7 @@
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
+#include "ulysses/ipc/pidfd.h"
 #include "ulysses/ipc/unix_socket.h"
 
 namespace ulysses::daemon {
@@ -193,11 +194,7 @@ GaugeSnapshot Daemon::Gauges() {
     std::lock_guard<std::mutex> lock(c->mu);
     g.sessions += static_cast<int64_t>(c->sessions.size());
     for (auto& [id, s] : c->sessions)
-      for (const Session::SlotView& v : s->Slots()) {
-        const std::string state = v.state;
-        const int i = state == "free" ? 0 : state == "writing" ? 1 : state == "ready" ? 2 : 3;
-        ++g.slots_by_state[i];
-      }
+      for (const Session::SlotView& v : s->Slots()) ++g.slots_by_state[static_cast<int>(v.state)];
   }
   g.active_calls = active_calls_.load();
   g.draining = draining_.load();
@@ -264,6 +261,7 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
     groups.swap(c->groups);
     c->incoming_fds.clear();
     if (c->fd_socket.valid()) ::shutdown(c->fd_socket.get(), SHUT_RDWR);
+    c->pidfd.reset();
   }
   // Abort first: a call of this client blocked on peers ends now, and peers waiting on this
   // rank see ABORTED instead of timing out. The session itself goes when its last in-flight
@@ -364,6 +362,11 @@ void Daemon::BindFdSocket(ipc::UniqueFd sock) {
     c->pid = cred->pid;
     c->uid = cred->uid;
     c->fd_socket = std::move(sock);
+    // A process in another pid namespace may show as pid 0: then the sockets alone tell.
+    if (c->pid > 0) {
+      absl::StatusOr<ipc::UniqueFd> pidfd = ipc::PidfdOpen(c->pid);
+      if (pidfd.ok()) c->pidfd = std::move(*pidfd);
+    }
   }
   (void)SendToClient(*c, R"({"ok": true})", -1);
   (void)poll_wake_->Signal();
@@ -377,12 +380,19 @@ void Daemon::FdPollLoop() {
     std::vector<std::shared_ptr<ClientRecord>> clients = Clients();
     std::vector<pollfd> fds;
     std::vector<std::shared_ptr<ClientRecord>> owners;
+    std::vector<bool> is_pidfd;
     fds.push_back(pollfd{poll_wake_->fd(), POLLIN, 0});
     for (auto& c : clients) {
       std::lock_guard<std::mutex> lock(c->mu);
       if (!c->fd_socket.valid()) continue;
       fds.push_back(pollfd{c->fd_socket.get(), POLLIN, 0});
       owners.push_back(c);
+      is_pidfd.push_back(false);
+      if (c->pidfd.valid()) {
+        fds.push_back(pollfd{c->pidfd.get(), POLLIN, 0});
+        owners.push_back(c);
+        is_pidfd.push_back(true);
+      }
     }
     int n = ::poll(fds.data(), fds.size(), 1000);
     if (n <= 0) continue;
@@ -390,6 +400,10 @@ void Daemon::FdPollLoop() {
     for (size_t i = 1; i < fds.size(); ++i) {
       if (!fds[i].revents) continue;
       ClientRecord& c = *owners[i - 1];
+      if (is_pidfd[i - 1]) {
+        Reclaim(c.id, "process exited");
+        continue;
+      }
       absl::StatusOr<ipc::ReceivedMessage> m = ipc::RecvMessage(fds[i].fd);
       if (!m.ok()) {
         Reclaim(c.id, "fd socket closed");

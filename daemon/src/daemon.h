@@ -67,6 +67,7 @@ struct ClientRecord {
   std::mutex mu;  // guards everything below
   std::condition_variable fd_cv;
   ipc::UniqueFd fd_socket;  // bound once the client's hello arrives
+  ipc::UniqueFd pidfd;      // readable once the client's process has exited
   std::map<uint64_t, ipc::UniqueFd> incoming_fds;  // tag -> fd, sent by the client
   std::map<uint64_t, std::shared_ptr<Buffer>> buffers;
   std::map<uint64_t, std::shared_ptr<Group>> groups;

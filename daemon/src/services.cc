@@ -230,7 +230,42 @@ class ControlService final : public v1::Control::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status Release(grpc::ServerContext* ctx, const v1::ReleaseRequest* req,
+                       v1::ReleaseResponse*) override {
+    auto c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    auto s = FindSession(**c, req->session_id());
+    if (!s.ok()) return ToGrpcStatus(s.status());
+    return ToGrpcStatus((*s)->Release(req->epoch()));
+  }
+
+  grpc::Status PoisonSlots(grpc::ServerContext* ctx, const v1::PoisonSlotsRequest* req,
+                           v1::PoisonSlotsResponse* resp) override {
+    auto c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    auto s = FindSession(**c, req->session_id());
+    if (!s.ok()) return ToGrpcStatus(s.status());
+    resp->set_poisoned((*s)->Poison());
+    return grpc::Status::OK;
+  }
+
  private:
+  // The caller's session; another client's id is PERMISSION_DENIED, an unknown one NOT_FOUND.
+  absl::StatusOr<std::shared_ptr<Session>> FindSession(ClientRecord& c, uint64_t id) {
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      auto it = c.sessions.find(id);
+      if (it != c.sessions.end()) return it->second;
+    }
+    for (auto& other : d_->Clients()) {
+      if (other.get() == &c) continue;
+      std::lock_guard<std::mutex> lock(other->mu);
+      if (other->sessions.count(id))
+        return absl::PermissionDeniedError(StrCat("session_id: ", id, " belongs to another client"));
+    }
+    return absl::NotFoundError(StrCat("session_id: ", id, " is not open"));
+  }
+
   absl::Status DoAlloc(ClientRecord& c, const v1::AllocBufferRequest& req, v1::BufferInfo* resp) {
     if (req.size_bytes() == 0 || req.size_bytes() > kMaxBufferBytes)
       return absl::InvalidArgumentError(
@@ -407,22 +442,7 @@ class ControlService final : public v1::Control::Service {
   absl::Status DoCall(ClientRecord& c, const v1::CallRequest& req, v1::CallResponse* resp,
                       CallRecord* rec) {
     const absl::Time t0 = absl::Now();
-    std::shared_ptr<Session> s;
-    {
-      std::lock_guard<std::mutex> lock(c.mu);
-      auto it = c.sessions.find(req.session_id());
-      if (it != c.sessions.end()) s = it->second;
-    }
-    if (!s) {
-      for (auto& other : d_->Clients()) {
-        if (other.get() == &c) continue;
-        std::lock_guard<std::mutex> lock(other->mu);
-        if (other->sessions.count(req.session_id()))
-          return absl::PermissionDeniedError(
-              StrCat("session_id: ", req.session_id(), " belongs to another client"));
-      }
-      return absl::NotFoundError(StrCat("session_id: ", req.session_id(), " is not open"));
-    }
+    ULY_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, FindSession(c, req.session_id()));
     CallArgs args;
     args.op = static_cast<OpKind>(req.op());
     args.batch = req.batch();
@@ -559,9 +579,9 @@ class AdminService final : public v1::Admin::Service {
           v1::SlotState* st = resp->add_slots();
           st->set_session_id(id);
           st->set_slot(v.slot);
-          st->set_state(v.state);
+          st->set_state(Session::SlotStateName(v.state));
           st->set_owner_client_id(c->id);
-          st->set_epoch(v.open_epoch);
+          st->set_epoch(v.epoch);
           st->set_age_ms(absl::ToInt64Milliseconds(now - v.since));
         }
       }

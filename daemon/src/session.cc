@@ -41,7 +41,53 @@ Session::Session(uint64_t id, uint64_t group_id, uint64_t owner, SessionGeometry
       geometry_(std::move(g)),
       layout_(l),
       segment_(std::move(seg)),
-      slot_since_(geometry_.num_slots, absl::Now()) {}
+      slots_(geometry_.num_slots, SlotEntry{SlotState::kFree, 0, absl::Now()}) {}
+
+const char* Session::SlotStateName(SlotState s) {
+  switch (s) {
+    case SlotState::kFree: return "free";
+    case SlotState::kWriting: return "writing";
+    case SlotState::kReady: return "ready";
+    case SlotState::kHeld: return "held";
+  }
+  return "unknown";
+}
+
+void Session::SetSlot(int slot, SlotState state, uint64_t epoch) {
+  {
+    std::lock_guard<std::mutex> lock(slot_mu_);
+    slots_[slot] = SlotEntry{state, epoch, absl::Now()};
+  }
+  slot_cv_.notify_all();
+}
+
+absl::Status Session::Release(uint64_t epoch) {
+  if (epoch == 0) return absl::InvalidArgumentError("epoch: must be > 0");
+  const int s = static_cast<int>((epoch - 1) % geometry_.num_slots);
+  {
+    std::lock_guard<std::mutex> lock(slot_mu_);
+    SlotEntry& e = slots_[s];
+    if (e.state != SlotState::kHeld || e.epoch != epoch)
+      return absl::FailedPreconditionError(StrCat("epoch: session ", id_, " holds no result of epoch ",
+                                                  epoch, " (released already, copied out, or never issued)"));
+    e = SlotEntry{SlotState::kFree, epoch, absl::Now()};
+  }
+  Control(geometry_.rank)->slots[s].released.store(epoch, std::memory_order_release);
+  slot_cv_.notify_all();
+  return absl::OkStatus();
+}
+
+int Session::Poison() {
+  std::lock_guard<std::mutex> call_lock(call_mu_);
+  int n = 0;
+  for (int s = 0; s < geometry_.num_slots; ++s) {
+    std::lock_guard<std::mutex> lock(slot_mu_);
+    if (slots_[s].state == SlotState::kHeld) continue;
+    std::memset(SlotData(geometry_.rank, s), 0xff, layout_.slot_bytes);
+    ++n;
+  }
+  return n;
+}
 
 Session::~Session() {
   Abort(kAbortClosed);
@@ -112,11 +158,27 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
   const int W = geometry_.world_size;
   const int me = geometry_.rank;
   const absl::Time deadline = absl::Now() + timeout;
-  {
-    std::lock_guard<std::mutex> sl(slot_mu_);
-    slot_since_[s] = absl::Now();
-  }
   SessionControlBlock* mine = Control(me);
+  {
+    // A held slot is never overwritten: wait for the client to release the result it holds.
+    std::unique_lock<std::mutex> lock(slot_mu_);
+    while (slots_[s].state == SlotState::kHeld) {
+      if (mine->abort.load(std::memory_order_acquire) != 0) {
+        --epoch_;
+        return absl::AbortedError(StrCat("session ", id_, ": closed while a call waited for slot ", s));
+      }
+      if (slot_cv_.wait_until(lock, absl::ToChronoTime(std::min(deadline, absl::Now() + absl::Milliseconds(20)))) ==
+              std::cv_status::timeout &&
+          absl::Now() >= deadline && slots_[s].state == SlotState::kHeld) {
+        // Nothing was opened or written: the epoch is not consumed and the session stays usable.
+        --epoch_;
+        return absl::DeadlineExceededError(StrCat(
+            "session ", id_, ": receive slot ", s, " still holds the result of epoch ",
+            slots_[s].epoch, "; release it before the call that needs the slot"));
+      }
+    }
+    slots_[s] = SlotEntry{SlotState::kWriting, e, absl::Now()};
+  }
   const uint64_t call_shape = static_cast<uint64_t>(plan.batch) << 32 | static_cast<uint64_t>(plan.seq_local);
   const uint64_t call_op = static_cast<uint64_t>(plan.op) << 48 |
                            static_cast<uint64_t>(plan.head_offset) << 24 |
@@ -187,6 +249,10 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
                                        kernels::MutView{ops.out, {o[0], o[1], o[2], o[3]}});
     }
     mine->slots[s].done.store(e, std::memory_order_release);
+    // The result is the client's view until it releases it, unless it was copied out.
+    const bool copied_out = plan.has_out;
+    SetSlot(s, copied_out ? SlotState::kFree : SlotState::kHeld, e);
+    if (copied_out) mine->slots[s].released.store(e, std::memory_order_release);
     calls_.fetch_add(1);
     last_epoch_.store(e);
     CallOutcome out;
@@ -201,6 +267,7 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
   // The ranks' epochs no longer line up: fail this session and tell the peers at once.
   mine->slots[s].error.store(e, std::memory_order_release);
   mine->slots[s].done.store(e, std::memory_order_release);
+  SetSlot(s, SlotState::kFree, e);
   broken_.store(true);
   Abort(kAbortCallFailed);
   Logger("exec")->warn("session {} epoch {}: call failed: {}", id_, e, std::string(status.message()));
@@ -211,17 +278,14 @@ void Session::Abort(uint64_t code) {
   auto* cb = Control(geometry_.rank);
   uint64_t expected = 0;
   cb->abort.compare_exchange_strong(expected, code, std::memory_order_acq_rel);
+  slot_cv_.notify_all();
 }
 
 std::vector<Session::SlotView> Session::Slots() const {
   std::vector<SlotView> out;
-  const SessionControlBlock* cb = Control(geometry_.rank);
-  std::lock_guard<std::mutex> sl(slot_mu_);
-  for (int i = 0; i < geometry_.num_slots; ++i) {
-    const uint64_t open = cb->slots[i].open.load(), done = cb->slots[i].done.load();
-    out.push_back(SlotView{i, open, done, slot_since_[i],
-                           open == 0 ? "free" : (done >= open ? "ready" : "writing")});
-  }
+  std::lock_guard<std::mutex> lock(slot_mu_);
+  for (int i = 0; i < geometry_.num_slots; ++i)
+    out.push_back(SlotView{i, slots_[i].state, slots_[i].epoch, slots_[i].since});
   return out;
 }
 

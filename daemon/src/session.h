@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -56,8 +57,16 @@ class Session {
   absl::StatusOr<CallOutcome> Execute(const CallPlan& plan, const CallOperands& ops,
                                       absl::Duration timeout);
 
-  /// Marks the session gone: peers waiting on it end with ABORTED. Idempotent.
+  /// Marks the session gone: peers waiting on it end with ABORTED, and a call waiting for a held
+  /// slot ends too. Idempotent.
   void Abort(uint64_t code);
+
+  /// Gives back the slot holding the result of `epoch`. FAILED_PRECONDITION when no slot holds
+  /// that epoch (never issued, copied out, or released already).
+  absl::Status Release(uint64_t epoch);
+  /// Fills the slots that are not held with all-ones bytes (NaN in every supported dtype).
+  /// Returns how many slots were filled. Waits for a running call to finish first.
+  int Poison();
 
   uint64_t id() const { return id_; }
   uint64_t group_id() const { return group_id_; }
@@ -70,14 +79,16 @@ class Session {
   uint64_t last_epoch() const { return last_epoch_.load(); }
   bool broken() const { return broken_.load(); }
   /// The epoch and state of each slot for Admin.ListSlots.
+  /// The slot state machine: free -> writing (a call fills it) -> held (the client has a view of
+  /// the result) -> free (released, or copied out at once). A held slot is never overwritten:
+  /// the call that needs it next waits for its release.
+  enum class SlotState { kFree = 0, kWriting = 1, kReady = 2, kHeld = 3 };
+  static const char* SlotStateName(SlotState s);
   struct SlotView {
     int32_t slot;
-    uint64_t open_epoch;
-    uint64_t done_epoch;
+    SlotState state;
+    uint64_t epoch;  ///< the epoch last written into the slot (0: never)
     absl::Time since;
-    /// "free" (never used), "writing" (a call is filling it) or "ready" (its result readable
-    /// until the call num_slots later reopens it).
-    const char* state;
   };
   std::vector<SlotView> Slots() const;
 
@@ -101,8 +112,15 @@ class Session {
   std::atomic<uint64_t> calls_{0};
   std::atomic<uint64_t> last_epoch_{0};
   std::atomic<bool> broken_{false};
+  struct SlotEntry {
+    SlotState state = SlotState::kFree;
+    uint64_t epoch = 0;
+    absl::Time since;
+  };
+  void SetSlot(int slot, SlotState state, uint64_t epoch);
   mutable std::mutex slot_mu_;
-  std::vector<absl::Time> slot_since_;
+  std::condition_variable slot_cv_;
+  std::vector<SlotEntry> slots_;
 };
 
 }  // namespace ulysses::daemon

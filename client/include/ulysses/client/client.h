@@ -69,8 +69,12 @@ struct SessionSpec {
   int64_t timeout_ms = 0;
 };
 
-/// The result of a call: a read-only view of this rank's receive slot. Valid until the
-/// session's call num_slots later (the slot is then reused), or until the session closes.
+class SlotHold;
+
+/// The result of a call: a read-only view of this rank's receive slot. The slot stays held
+/// (the daemon never overwrites it) while any copy of this Result lives or until Release(); the
+/// session's call that needs the slot next waits for that. A result copied to `out` holds
+/// nothing.
 struct Result {
   uint64_t epoch = 0;
   int32_t slot = 0;
@@ -78,6 +82,14 @@ struct Result {
   const void* data = nullptr;
   uint64_t bytes = 0;
   int64_t daemon_us = 0;  ///< time the daemon spent on the call
+  /// Gives the slot back now; `data` must not be read afterwards. Idempotent.
+  absl::Status Release();
+  /// Whether this result still holds its slot.
+  bool held() const { return hold_ != nullptr; }
+
+ private:
+  friend class Session;
+  std::shared_ptr<SlotHold> hold_;
 };
 
 /// A prepared head exchange on a group. Calls are collective: every rank issues the same calls
@@ -108,6 +120,9 @@ class Session {
   absl::StatusOr<Result> Call(const CallArgs& args);
   /// Closes the session on this rank. Idempotent.
   absl::Status Close();
+  /// Fills this rank's receive slots that are not held with NaN (all bits set); for tests.
+  /// Returns how many slots were filled.
+  absl::StatusOr<int> PoisonSlots();
 
   uint64_t id() const { return id_; }
   const SessionGeometry& geometry() const { return geometry_; }

@@ -1,0 +1,180 @@
+// Receive-slot lifetimes against a real daemon: a held slot is never overwritten, the call that
+// needs it waits for its release, results copied out release at once.
+#include <cstring>
+#include <thread>
+
+#include "demo_lib.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "ulysses/client/client.h"
+#include "ulysses/v1/admin.grpc.pb.h"
+
+namespace ulysses {
+namespace {
+
+using ::testing::HasSubstr;
+
+class Slots : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto dir = demo::MakeRunDir();
+    ASSERT_TRUE(dir.ok());
+    dir_ = *dir;
+    auto d = demo::StartDaemon(ULYSSESD_PATH, dir_, 0, "host",
+                               {"--call-timeout-ms", std::to_string(call_timeout_ms_)});
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = std::move(*d);
+    auto c = client::Client::Connect({daemon_.socket(), "slots"});
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+    auto g = client_->JoinGroup({"slots", 1, 0, {daemon_.socket()}, "auto", 0});
+    ASSERT_TRUE(g.ok()) << g.status();
+    auto s = client_->CreateSession(*g, {kH, kD, DType::kFloat32, kTokens, 2, {}, 0});
+    ASSERT_TRUE(s.ok()) << s.status();
+    session_ = std::move(*s);
+    for (int i = 0; i < 4; ++i) {
+      auto b = client_->AllocBuffer(kBytes);
+      ASSERT_TRUE(b.ok());
+      // Distinct content per buffer: with W=1, scatter_heads returns its input unchanged.
+      for (uint64_t e = 0; e < kBytes / 4; ++e) {
+        const float v = static_cast<float>(i * 1000000 + e);
+        std::memcpy(static_cast<uint8_t*>(b->data) + e * 4, &v, 4);
+      }
+      x_.push_back(*b);
+    }
+  }
+  void TearDown() override {
+    session_.reset();
+    client_.reset();
+    daemon_ = demo::DaemonProcess();
+    demo::RemoveRunDir(dir_);
+  }
+
+  bool Same(const client::Result& r, int buffer) const {
+    return r.data != nullptr && std::memcmp(r.data, x_[buffer].data, kBytes) == 0;
+  }
+  std::vector<v1::SlotState> ListSlots() {
+    auto stub = v1::Admin::NewStub(
+        grpc::CreateChannel("unix://" + daemon_.socket(), grpc::InsecureChannelCredentials()));
+    v1::ListSlotsResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(stub->ListSlots(&ctx, {}, &resp).ok());
+    return {resp.slots().begin(), resp.slots().end()};
+  }
+
+  int call_timeout_ms_ = 300;
+  static constexpr int32_t kH = 4, kD = 8;
+  static constexpr int64_t kTokens = 16;
+  static constexpr uint64_t kBytes = kTokens * kH * kD * 4;
+  std::string dir_;
+  demo::DaemonProcess daemon_;
+  std::unique_ptr<client::Client> client_;
+  std::unique_ptr<client::Session> session_;
+  std::vector<client::Buffer> x_;
+};
+
+TEST_F(Slots, HeldSlotBlocksReuseAndIsNeverOverwritten) {
+  auto poisoned = session_->PoisonSlots();
+  ASSERT_TRUE(poisoned.ok());
+  EXPECT_EQ(*poisoned, 2);
+  auto r1 = session_->ScatterHeads(x_[0].Ref(), 1, kTokens);
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  auto r2 = session_->ScatterHeads(x_[1].Ref(), 1, kTokens);
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  EXPECT_EQ(r1->slot, 0);
+  EXPECT_EQ(r2->slot, 1);
+  EXPECT_TRUE(Same(*r1, 0));
+  EXPECT_TRUE(Same(*r2, 1));
+  auto slots = ListSlots();
+  ASSERT_EQ(slots.size(), 2u);
+  for (const auto& s : slots) {
+    EXPECT_EQ(s.state(), "held");
+    EXPECT_EQ(s.owner_client_id(), client_->client_id());
+    EXPECT_EQ(s.session_id(), session_->id());
+    EXPECT_EQ(s.epoch(), static_cast<uint64_t>(s.slot() + 1));
+  }
+  // Poison leaves held slots alone.
+  poisoned = session_->PoisonSlots();
+  ASSERT_TRUE(poisoned.ok());
+  EXPECT_EQ(*poisoned, 0);
+  // Call 3 needs slot 0, which r1 holds: it waits (bounded by the call timeout) and fails
+  // without writing anything.
+  auto r3 = session_->ScatterHeads(x_[2].Ref(), 1, kTokens);
+  EXPECT_EQ(r3.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(r3.status().message()), HasSubstr("release it"));
+  EXPECT_TRUE(Same(*r1, 0)) << "a held slot was overwritten";
+  EXPECT_TRUE(Same(*r2, 1));
+  // Released, the slot serves call 3; r2 is intact.
+  ASSERT_TRUE(r1->Release().ok());
+  EXPECT_FALSE(r1->held());
+  r3 = session_->ScatterHeads(x_[2].Ref(), 1, kTokens);
+  ASSERT_TRUE(r3.ok()) << r3.status();
+  EXPECT_EQ(r3->epoch, 3u);  // the refused call consumed no epoch
+  EXPECT_EQ(r3->slot, 0);
+  EXPECT_TRUE(Same(*r3, 2));
+  EXPECT_TRUE(Same(*r2, 1));
+}
+
+class SlotsPatient : public Slots {
+ protected:
+  SlotsPatient() { call_timeout_ms_ = 60000; }
+  int ActiveCalls() {
+    auto stub = v1::Admin::NewStub(
+        grpc::CreateChannel("unix://" + daemon_.socket(), grpc::InsecureChannelCredentials()));
+    v1::DaemonState st;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(stub->GetState(&ctx, {}, &st).ok());
+    return st.active_calls();
+  }
+};
+
+TEST_F(SlotsPatient, CallWaitingForAHeldSlotProceedsOnceReleased) {
+  auto r1 = session_->ScatterHeads(x_[0].Ref(), 1, kTokens);
+  auto r2 = session_->ScatterHeads(x_[1].Ref(), 1, kTokens);
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  // Call 3 needs slot 0 and waits in the daemon while r1 holds it.
+  absl::StatusOr<client::Result> r3;
+  std::thread caller([&] { r3 = session_->ScatterHeads(x_[2].Ref(), 1, kTokens); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (ActiveCalls() == 0 && absl::Now() < deadline) {
+  }
+  ASSERT_EQ(ActiveCalls(), 1);
+  EXPECT_TRUE(Same(*r1, 0));  // still intact while the call waits
+  EXPECT_TRUE(r1->Release().ok());
+  caller.join();
+  ASSERT_TRUE(r3.ok()) << r3.status();
+  EXPECT_EQ(r3->slot, 0);
+  EXPECT_TRUE(Same(*r3, 2));
+  EXPECT_TRUE(Same(*r2, 1));
+}
+
+TEST_F(Slots, DroppingTheResultReleasesAndOutCopiesHoldNothing) {
+  {
+    auto r1 = session_->ScatterHeads(x_[0].Ref(), 1, kTokens);
+    ASSERT_TRUE(r1.ok());
+    EXPECT_TRUE(r1->held());
+  }  // dropped: released
+  EXPECT_EQ(ListSlots()[0].state(), "free");
+  auto r2 = session_->ScatterHeads(x_[1].Ref(), 1, kTokens, x_[3].Ref());
+  ASSERT_TRUE(r2.ok());
+  EXPECT_FALSE(r2->held());
+  EXPECT_EQ(std::memcmp(x_[3].data, x_[1].data, kBytes), 0);
+  EXPECT_EQ(ListSlots()[1].state(), "free");
+  // Both slots free: two more calls need no release.
+  auto r3 = session_->ScatterHeads(x_[2].Ref(), 1, kTokens);
+  ASSERT_TRUE(r3.ok());
+  auto r4 = session_->ScatterHeads(x_[0].Ref(), 1, kTokens, x_[3].Ref());
+  ASSERT_TRUE(r4.ok());
+  EXPECT_TRUE(Same(*r3, 2));
+  // Releasing twice is harmless for the client; the slot is free once.
+  EXPECT_TRUE(r3->Release().ok());
+  EXPECT_TRUE(r3->Release().ok());
+  // Poison now fills both (none held).
+  auto poisoned = session_->PoisonSlots();
+  ASSERT_TRUE(poisoned.ok());
+  EXPECT_EQ(*poisoned, 2);
+}
+
+}  // namespace
+}  // namespace ulysses
