@@ -7,6 +7,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libboost-dev libspdlog-dev libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libcpp-httplib-dev
+  patchelf python3-venv systemd  # the deploy tests: tarball RUNPATH, Python venv, systemd-analyze
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Checks deploy/config.schema.json and `ulyssesd --check-config` against each other.
+
+    check_config.py --ulyssesd BIN --deploy DEPLOY_DIR
+
+- The schema is a valid draft 2020-12 schema with additionalProperties false on every object.
+- Good configs (deploy/ulyssesd.example.json, the ConfigMap's ulyssesd.json, a config with
+  every key, {}) pass the schema and `ulyssesd --check-config` (exit 0).
+- Bad configs (unknown keys at every level, wrong types, out-of-range values) fail both:
+  the schema rejects them, and ulyssesd exits 1 naming the key on stderr.
+Needs jsonschema and PyYAML (tests/deploy/requirements.txt).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import jsonschema
+import yaml
+
+FULL = {
+    "log_level": "debug",
+    "backend": "host",
+    "timeouts": {"call_ms": 20000, "peer_ms": 40000, "drain_ms": 0},
+    "slots": {"memory_budget_bytes": 1 << 30},
+    "metrics": {"address": "127.0.0.1:9500"},
+    "ready_file": "/run/ulysses/gpu0.ready",
+    "flight_recorder_size": 64,
+    "devices": [{"index": 0, "socket": "/run/ulysses/gpu0.sock"}, {"index": 1}],
+}
+
+# (name, config, the key ulyssesd must name on stderr)
+BAD = [
+    ("unknown top-level key", {"log_level": "info", "bogus": 1}, "bogus"),
+    ("unknown key in timeouts", {"timeouts": {"call_ms": 10, "drain": 5}}, "timeouts.drain"),
+    ("unknown key in slots", {"slots": {"budget": 5}}, "slots.budget"),
+    ("unknown key in metrics", {"metrics": {"addr": "127.0.0.1:1"}}, "metrics.addr"),
+    ("unknown key in devices[]", {"devices": [{"index": 0, "sockett": "/x"}]}, "devices[0].sockett"),
+    ("device without index", {"devices": [{"socket": "/x"}]}, "devices[0].index"),
+    ("unknown backend", {"backend": "gpu"}, "backend"),
+    ("unknown log level", {"log_level": "loud"}, "log_level"),
+    ("string timeout", {"timeouts": {"call_ms": "10"}}, "timeouts.call_ms"),
+    ("zero call timeout", {"timeouts": {"call_ms": 0}}, "timeouts.call_ms"),
+    ("negative drain timeout", {"timeouts": {"drain_ms": -1}}, "timeouts.drain_ms"),
+    ("negative budget", {"slots": {"memory_budget_bytes": -1}}, "slots.memory_budget_bytes"),
+    ("metrics address without port", {"metrics": {"address": "localhost"}}, "metrics.address"),
+    ("recorder of size 0", {"flight_recorder_size": 0}, "flight_recorder_size"),
+    ("devices not an array", {"devices": {"index": 0}}, "devices"),
+    ("socket path too long", {"devices": [{"index": 0, "socket": "/" + "s" * 120}]}, "socket"),
+]
+
+
+def check_strict_schema(node: object, where: str, problems: list[str]) -> None:
+    """Every object schema with properties must say additionalProperties: false."""
+    if isinstance(node, dict):
+        if node.get("type") == "object" or "properties" in node:
+            if node.get("additionalProperties") is not False:
+                problems.append(f"schema {where or '/'}: additionalProperties is not false")
+        for key, value in node.items():
+            check_strict_schema(value, f"{where}/{key}", problems)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            check_strict_schema(value, f"{where}/{i}", problems)
+
+
+def write(tmp: str, name: str, config: object) -> str:
+    path = os.path.join(tmp, name)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return path
+
+
+def run_check(ulyssesd: str, config: object, tmp: str, name: str) -> subprocess.CompletedProcess:
+    path = write(tmp, "bad-" + name.replace(" ", "_").replace("/", "_") + ".json", config)
+    return subprocess.run([ulyssesd, "--check-config", path], capture_output=True, text=True,
+                          timeout=30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ulyssesd", required=True)
+    ap.add_argument("--deploy", required=True, help="the deploy/ folder")
+    args = ap.parse_args()
+
+    with open(os.path.join(args.deploy, "config.schema.json"), encoding="utf-8") as f:
+        schema = json.load(f)
+    failures: list[str] = []
+
+    if schema.get("$schema") != "https://json-schema.org/draft/2020-12/schema":
+        failures.append("schema: $schema is not draft 2020-12")
+    jsonschema.Draft202012Validator.check_schema(schema)
+    check_strict_schema(schema, "", failures)
+    validator = jsonschema.Draft202012Validator(schema)
+
+    good: list[tuple[str, object]] = []
+    example_path = os.path.join(args.deploy, "ulyssesd.example.json")
+    with open(example_path, encoding="utf-8") as f:
+        good.append(("deploy/ulyssesd.example.json", json.load(f)))
+    with open(os.path.join(args.deploy, "kubernetes", "configmap.yaml"), encoding="utf-8") as f:
+        configmap = yaml.safe_load(f)
+    good.append(("ConfigMap ulyssesd-config", json.loads(configmap["data"]["ulyssesd.json"])))
+    good.append(("every key", FULL))
+    good.append(("empty", {}))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # The example file itself, as shipped.
+        r = subprocess.run([args.ulyssesd, "--check-config", example_path], capture_output=True,
+                           text=True, timeout=30)
+        if r.returncode != 0:
+            failures.append(f"ulyssesd --check-config {example_path}: exit {r.returncode}: {r.stderr.strip()}")
+        good_seen: list[str] = []
+        for name, config in good:
+            good_seen.append(name)
+            errors = [e.message for e in validator.iter_errors(config)]
+            if errors:
+                failures.append(f"good config {name!r}: schema rejects it: {errors}")
+            for device in sorted({d["index"] for d in config.get("devices", [])} or {0}):
+                path = write(tmp, f"good-{len(good_seen)}-{device}.json", config)
+                r = subprocess.run([args.ulyssesd, "--device", str(device), "--check-config", path],
+                                   capture_output=True, text=True, timeout=30)
+                if r.returncode != 0:
+                    failures.append(f"good config {name!r} (device {device}): ulyssesd exits "
+                                    f"{r.returncode}: {r.stderr.strip()}")
+            print(f"ok   good config {name!r}")
+        for name, config, key in BAD:
+            if validator.is_valid(config):
+                failures.append(f"bad config {name!r}: the schema accepts it")
+            r = run_check(args.ulyssesd, config, tmp, name)
+            if r.returncode != 1:
+                failures.append(f"bad config {name!r}: ulyssesd exits {r.returncode}, want 1 "
+                                f"(stderr: {r.stderr.strip()!r})")
+            elif key not in r.stderr:
+                failures.append(f"bad config {name!r}: stderr does not name {key!r}: {r.stderr.strip()!r}")
+            else:
+                print(f"ok   bad config {name!r}: {r.stderr.strip()}")
+
+    for f in failures:
+        print(f"FAIL {f}")
+    print(f"check_config: {len(good) + len(BAD)} configs, {len(failures)} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
