@@ -11,6 +11,8 @@
 #include "nlohmann/json.hpp"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
+#include "ulysses/ipc/client_segment.h"
+#include "ulysses/ipc/eventfd.h"
 #include "ulysses/ipc/fd.h"
 #include "ulysses/ipc/shm.h"
 #include "ulysses/ipc/unix_socket.h"
@@ -35,6 +37,86 @@ class ClientImpl : public BufferResolver {
   std::unique_ptr<grpc::ClientReaderWriter<v1::WatchRequest, v1::WatchEvent>> watch;
   std::thread watch_thread;
   bool closed = false;
+
+  // The call fast path (absent when the daemon offered none or the caller opted out).
+  ipc::Mapping segment;
+  ipc::ClientSegmentHeader* header = nullptr;
+  ipc::SubmitRing* submit = nullptr;
+  ipc::CompletionRing* complete = nullptr;
+  ipc::EventFd submit_bell, complete_bell;
+  std::mutex submit_mu, complete_mu;
+  std::map<std::pair<uint64_t, uint64_t>, ipc::Completion> pending;  // (session, epoch)
+
+  bool has_rings() const { return submit != nullptr; }
+
+  absl::Status AttachRings(ipc::ReceivedMessage& ack) {
+    if (ack.fds.size() != 3) return absl::OkStatus();  // the daemon offers no rings
+    ULY_ASSIGN_OR_RETURN(segment, ipc::Mapping::Map(ack.fds[0].get(),
+                                                    ipc::ClientSegmentLayout::kTotal, true));
+    auto* base = static_cast<uint8_t*>(segment.data());
+    header = reinterpret_cast<ipc::ClientSegmentHeader*>(base);
+    if (header->magic != ipc::kClientSegmentMagic || header->version != ipc::kClientSegmentVersion)
+      return absl::FailedPreconditionError("client segment: layout version mismatch with the daemon");
+    ULY_ASSIGN_OR_RETURN(submit, ipc::SubmitRing::Attach(base + ipc::ClientSegmentLayout::kSubmit,
+                                                         sizeof(ipc::SubmitRing)));
+    ULY_ASSIGN_OR_RETURN(complete,
+                         ipc::CompletionRing::Attach(base + ipc::ClientSegmentLayout::kComplete,
+                                                     sizeof(ipc::CompletionRing)));
+    ULY_ASSIGN_OR_RETURN(submit_bell, ipc::EventFd::Adopt(std::move(ack.fds[1])));
+    ULY_ASSIGN_OR_RETURN(complete_bell, ipc::EventFd::Adopt(std::move(ack.fds[2])));
+    return absl::OkStatus();
+  }
+
+  // Moves every posted completion into `pending`. Caller holds complete_mu.
+  absl::Status DrainCompletions() {
+    for (;;) {
+      ipc::Completion c;
+      ULY_ASSIGN_OR_RETURN(bool got, complete->TryPop(&c));
+      if (!got) return absl::OkStatus();
+      pending[{c.session_id, c.epoch}] = c;
+    }
+  }
+
+  absl::Status Push(const ipc::CallDescriptor& d, absl::Time deadline) {
+    std::lock_guard<std::mutex> lock(submit_mu);
+    for (;;) {
+      ULY_ASSIGN_OR_RETURN(bool pushed, submit->TryPush(d));
+      if (pushed) break;
+      // Full: the daemon may be waiting for room on the completion ring; make some.
+      {
+        std::lock_guard<std::mutex> clock(complete_mu);
+        ULY_RETURN_IF_ERROR(DrainCompletions());
+      }
+      if (header->abort.load(std::memory_order_acquire) != 0)
+        return absl::AbortedError("the daemon dropped this client");
+      if (absl::Now() > deadline) return absl::DeadlineExceededError("submit ring: full");
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    return submit_bell.Signal();
+  }
+
+  absl::StatusOr<ipc::Completion> Await(uint64_t session, uint64_t epoch, absl::Time deadline) {
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(complete_mu);
+        ULY_RETURN_IF_ERROR(DrainCompletions());
+        auto it = pending.find({session, epoch});
+        if (it != pending.end()) {
+          ipc::Completion c = it->second;
+          pending.erase(it);
+          return c;
+        }
+      }
+      if (header->abort.load(std::memory_order_acquire) != 0)
+        return absl::AbortedError("the daemon dropped this client");
+      const absl::Time now = absl::Now();
+      if (now >= deadline)
+        return absl::DeadlineExceededError(StrCat("no completion for session ", session,
+                                                  " epoch ", epoch));
+      const int ms = static_cast<int>(std::min<int64_t>(20, absl::ToInt64Milliseconds(deadline - now) + 1));
+      ULY_RETURN_IF_ERROR(complete_bell.Wait(ms).status());
+    }
+  }
 
   void Prepare(grpc::ClientContext* ctx, absl::Duration timeout = absl::Minutes(10)) const {
     ctx->AddMetadata("ulysses-client-id", std::to_string(client_id));
@@ -158,6 +240,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
   nlohmann::json a = nlohmann::json::parse(ack.payload, nullptr, false);
   if (a.is_discarded() || !a.value("ok", false))
     return absl::PermissionDeniedError(StrCat("fd socket: refused: ", ack.payload));
+  if (options.use_rings) ULY_RETURN_IF_ERROR(impl->AttachRings(ack));
   // Liveness: the stream stays open while this process lives; the daemon reclaims on its end.
   impl->Prepare(&impl->watch_ctx, absl::Hours(24 * 365));
   impl->watch = impl->stub->Watch(&impl->watch_ctx);
@@ -176,6 +259,7 @@ Client::~Client() { (void)Close(); }
 absl::Status Client::Close() { return impl_->Detach(); }
 
 uint64_t Client::client_id() const { return impl_->client_id; }
+bool Client::uses_rings() const { return impl_->has_rings(); }
 const std::string& Client::daemon_backend() const { return impl_->backend; }
 
 absl::StatusOr<Buffer> Client::AllocBuffer(uint64_t size_bytes, const std::string& name) {
@@ -311,7 +395,63 @@ absl::StatusOr<int> Session::PoisonSlots() {
   return resp.poisoned();
 }
 
+absl::StatusOr<uint64_t> Session::Submit(const CallArgs& args) {
+  if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
+  if (!client_->has_rings())
+    return absl::UnimplementedError("Submit needs the call rings (ConnectOptions::use_rings)");
+  // The same verdict the daemon reaches, before anything leaves this process.
+  ULY_RETURN_IF_ERROR(PlanCall(geometry_, args, *client_).status());
+  ipc::CallDescriptor d{};
+  d.session_id = id_;
+  d.epoch = next_epoch_;
+  d.op = static_cast<uint32_t>(args.op);
+  d.head_offset = args.head_offset;
+  d.head_count = args.head_count;
+  d.batch = args.batch;
+  d.seq = args.seq;
+  auto put = [](const OperandRef& r, ipc::OperandDescriptor* o) {
+    o->buffer_id = r.buffer_id;
+    o->offset_bytes = r.offset_bytes;
+    for (int i = 0; i < 4; ++i) o->strides[i] = r.strides[i];
+  };
+  for (int i = 0; i < 3 && args.inputs[i].present(); ++i) {
+    put(args.inputs[i], &d.inputs[i]);
+    d.num_inputs = i + 1;
+  }
+  put(args.out, &d.out);
+  has_out_[d.epoch] = args.out.present();
+  ULY_RETURN_IF_ERROR(client_->Push(d, absl::Now() + absl::Minutes(1)));
+  return next_epoch_++;
+}
+
+absl::StatusOr<Result> Session::Wait(uint64_t epoch, absl::Duration timeout) {
+  if (!client_->has_rings())
+    return absl::UnimplementedError("Wait needs the call rings (ConnectOptions::use_rings)");
+  ULY_ASSIGN_OR_RETURN(ipc::Completion c, client_->Await(id_, epoch, absl::Now() + timeout));
+  auto out_it = has_out_.find(epoch);
+  const bool copied_out = out_it != has_out_.end() && out_it->second;
+  if (out_it != has_out_.end()) has_out_.erase(out_it);
+  if (c.code != 0) {
+    // A refused call may not have consumed its epoch: continue from the daemon's count.
+    if (c.next_epoch != 0) next_epoch_ = c.next_epoch;
+    return absl::Status(static_cast<absl::StatusCode>(c.code), c.message);
+  }
+  Result r;
+  r.epoch = c.epoch;
+  r.slot = c.slot;
+  for (int i = 0; i < 4; ++i) r.shape[i] = c.out_shape[i];
+  r.data = base_ + c.slot_offset_bytes;
+  r.bytes = c.result_bytes;
+  r.daemon_us = c.elapsed_us;
+  if (!copied_out) r.hold_ = std::make_shared<SlotHold>(client_, id_, r.epoch);
+  return r;
+}
+
 absl::StatusOr<Result> Session::Call(const CallArgs& args) {
+  if (client_->has_rings()) {
+    ULY_ASSIGN_OR_RETURN(uint64_t epoch, Submit(args));
+    return Wait(epoch);
+  }
   if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
   // The same verdict the daemon reaches, before anything leaves this process.
   ULY_RETURN_IF_ERROR(PlanCall(geometry_, args, *client_).status());

@@ -121,6 +121,10 @@ void Daemon::Shutdown() {
   if (fd_accept_thread_.joinable()) fd_accept_thread_.join();
   if (fd_poll_thread_.joinable()) fd_poll_thread_.join();
   for (auto& c : Clients()) Reclaim(c->id, "daemon shutting down");
+  {
+    std::unique_lock<std::mutex> lock(workers_mu_);
+    workers_cv_.wait_for(lock, std::chrono::seconds(5), [this] { return workers_ == 0; });
+  }
   if (server_) server_->Wait();
   ::unlink(config_.socket.c_str());
   if (!config_.ready_file.empty()) ::unlink(config_.ready_file.c_str());
@@ -262,6 +266,12 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
     c->incoming_fds.clear();
     if (c->fd_socket.valid()) ::shutdown(c->fd_socket.get(), SHUT_RDWR);
     c->pidfd.reset();
+    if (c->rings) {
+      // Ends the ring worker and any client wait on the segment.
+      c->rings->header->abort.store(1, std::memory_order_release);
+      (void)c->rings->submit_bell.Signal();
+      (void)c->rings->complete_bell.Signal();
+    }
   }
   // Abort first: a call of this client blocked on peers ends now, and peers waiting on this
   // rank see ABORTED instead of timing out. The session itself goes when its last in-flight
@@ -368,7 +378,27 @@ void Daemon::BindFdSocket(ipc::UniqueFd sock) {
       if (pidfd.ok()) c->pidfd = std::move(*pidfd);
     }
   }
-  (void)SendToClient(*c, R"({"ok": true})", -1);
+  // The ack carries the call fast path: the client segment and the two doorbells.
+  absl::StatusOr<std::shared_ptr<ClientRings>> rings = CreateRings(c);
+  if (!rings.ok()) {
+    log->warn("client {}: no call rings: {}", c->id, std::string(rings.status().message()));
+    (void)SendToClient(*c, R"({"ok": true})", -1);
+  } else {
+    {
+      std::lock_guard<std::mutex> lock(c->mu);
+      c->rings = *rings;
+    }
+    std::lock_guard<std::mutex> send_lock(c->send_mu);
+    int fds[3] = {(*rings)->memfd.get(), (*rings)->submit_bell.fd(), (*rings)->complete_bell.fd()};
+    int sock;
+    {
+      std::lock_guard<std::mutex> lock(c->mu);
+      sock = c->fd_socket.get();
+    }
+    (void)ipc::SendMessage(sock, StrCat("{\"ok\": true, \"client_segment_bytes\": ",
+                                        ipc::ClientSegmentLayout::kTotal, "}"),
+                           std::span<const int>(fds, 3));
+  }
   (void)poll_wake_->Signal();
   log->debug("client {} bound its fd socket (pid {}, uid {})", c->id, c->pid, c->uid);
 }

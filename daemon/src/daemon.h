@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <array>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -18,6 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "ulysses/common/config.h"
 #include "ulysses/common/geometry.h"
+#include "ulysses/ipc/client_segment.h"
 #include "ulysses/ipc/eventfd.h"
 #include "ulysses/ipc/fd.h"
 #include "ulysses/ipc/shm.h"
@@ -54,6 +56,17 @@ struct Group {
   std::atomic<uint64_t> sessions_created{0};  // collective counter: same on every rank
 };
 
+/// The call fast path of one client: its shared segment, rings and doorbells.
+struct ClientRings {
+  ipc::UniqueFd memfd;
+  ipc::Mapping mapping;
+  ipc::ClientSegmentHeader* header = nullptr;
+  ipc::SubmitRing* submit = nullptr;
+  ipc::CompletionRing* complete = nullptr;
+  ipc::EventFd submit_bell;    // the client rings it after pushing a descriptor
+  ipc::EventFd complete_bell;  // the daemon rings it after posting a completion
+};
+
 /// One attached client process.
 struct ClientRecord {
   uint64_t id = 0;
@@ -73,6 +86,14 @@ struct ClientRecord {
   std::map<uint64_t, std::shared_ptr<Group>> groups;
   std::map<uint64_t, std::shared_ptr<Session>> sessions;
   std::mutex send_mu;  // serializes frames sent to the client
+  std::shared_ptr<ClientRings> rings;  // set once the fd socket is bound
+};
+
+/// What a call produced, for either path (RPC or ring).
+struct CallResult {
+  CallOutcome outcome;
+  std::array<int64_t, 4> out_shape{};
+  int64_t elapsed_us = 0;
 };
 
 class Daemon {
@@ -120,6 +141,13 @@ class Daemon {
   /// host:port the metrics endpoint listens on (the resolved port), empty when off.
   const std::string& metrics_address() const { return metrics_bound_; }
 
+  /// The caller's session; another client's id is PERMISSION_DENIED, an unknown one NOT_FOUND.
+  absl::StatusOr<std::shared_ptr<Session>> FindSession(ClientRecord& c, uint64_t session_id);
+  /// Runs one call of client `c` (validation, execution, accounting, flight recorder). Used by
+  /// the Call RPC (`expected_epoch` 0) and by the ring worker (the descriptor's epoch).
+  absl::StatusOr<CallResult> Call(ClientRecord& c, uint64_t session_id, const CallArgs& args,
+                                  uint64_t expected_epoch);
+
   /// Brackets a call for drain accounting and telemetry.
   void CallStarted();
   void CallFinished(CallRecord record);
@@ -133,6 +161,11 @@ class Daemon {
   void FdPollLoop();
   void BindFdSocket(ipc::UniqueFd sock);
   absl::Status StartMetricsServer();
+  absl::StatusOr<CallResult> RunCall(ClientRecord& c, uint64_t session_id, const CallArgs& args,
+                                     uint64_t expected_epoch, CallRecord* rec);
+  /// Creates the client's segment and starts its ring worker.
+  absl::StatusOr<std::shared_ptr<ClientRings>> CreateRings(const std::shared_ptr<ClientRecord>& c);
+  void RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientRings> rings);
 
   DaemonConfig config_;
   std::string backend_;
@@ -148,6 +181,9 @@ class Daemon {
   std::unique_ptr<httplib::Server> metrics_http_;
   std::thread metrics_thread_;
   std::string metrics_bound_;
+  std::mutex workers_mu_;
+  std::condition_variable workers_cv_;
+  int workers_ = 0;  // ring workers still running
   std::atomic<bool> stopping_{false};
   bool started_ok_ = false;
 

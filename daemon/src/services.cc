@@ -18,32 +18,6 @@ namespace {
 
 constexpr uint64_t kMaxBufferBytes = 1ull << 40;
 
-// Resolves buffer ids against one client's buffers; another client's id is PERMISSION_DENIED.
-class ClientBuffers : public BufferResolver {
- public:
-  ClientBuffers(Daemon* d, ClientRecord* c) : d_(d), c_(c) {}
-  absl::StatusOr<BufferInfo> Resolve(uint64_t id) const override {
-    std::shared_ptr<Buffer> b = Find(id);
-    if (b) return BufferInfo{b->size};
-    for (auto& other : d_->Clients()) {
-      if (other.get() == c_) continue;
-      std::lock_guard<std::mutex> lock(other->mu);
-      if (other->buffers.count(id))
-        return absl::PermissionDeniedError(StrCat("buffer ", id, " belongs to another client"));
-    }
-    return absl::InvalidArgumentError(StrCat("buffer ", id, " is not registered"));
-  }
-  std::shared_ptr<Buffer> Find(uint64_t id) const {
-    std::lock_guard<std::mutex> lock(c_->mu);
-    auto it = c_->buffers.find(id);
-    return it == c_->buffers.end() ? nullptr : it->second;
-  }
-
- private:
-  Daemon* d_;
-  ClientRecord* c_;
-};
-
 void FillGroupInfo(const Group& g, v1::GroupInfo* out) {
   out->set_group_id(g.id);
   out->set_name(g.name);
@@ -191,24 +165,26 @@ class ControlService final : public v1::Control::Service {
                     v1::CallResponse* resp) override {
     auto c = d_->Authenticate(ctx);
     if (!c.ok()) return ToGrpcStatus(c.status());
-    CallRecord rec;
-    rec.client_id = (*c)->id;
-    rec.session_id = req->session_id();
-    rec.op = static_cast<OpKind>(req->op());
-    rec.batch = req->batch();
-    rec.seq = req->seq();
-    rec.queued = absl::Now();
-    d_->CallStarted();
-    absl::Status s = DoCall(**c, *req, resp, &rec);
-    rec.done = absl::Now();
-    if (rec.started == absl::Time()) rec.started = rec.done;
-    rec.code = s.code();
-    rec.message = std::string(s.message());
-    if (!s.ok())
-      Logger("exec")->debug("client {} session {} epoch {}: {}", rec.client_id, rec.session_id,
-                            rec.epoch, s.ToString());
-    d_->CallFinished(std::move(rec));
-    return ToGrpcStatus(s);
+    CallArgs args;
+    args.op = static_cast<OpKind>(req->op());
+    args.batch = req->batch();
+    args.seq = req->seq();
+    args.head_offset = req->head_offset();
+    args.head_count = req->head_count();
+    if (req->inputs_size() > 3)
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          StrCat("inputs: at most 3, got ", req->inputs_size()));
+    for (int i = 0; i < req->inputs_size(); ++i) args.inputs[i] = ToOperand(req->inputs(i));
+    if (req->has_out()) args.out = ToOperand(req->out());
+    absl::StatusOr<CallResult> r = d_->Call(**c, req->session_id(), args, /*expected_epoch=*/0);
+    if (!r.ok()) return ToGrpcStatus(r.status());
+    resp->set_epoch(r->outcome.epoch);
+    resp->set_slot(r->outcome.slot);
+    for (int64_t d : r->out_shape) resp->add_out_shape(d);
+    resp->set_slot_offset_bytes(r->outcome.slot_offset_bytes);
+    resp->set_result_bytes(r->outcome.result_bytes);
+    resp->set_elapsed_us(r->elapsed_us);
+    return grpc::Status::OK;
   }
 
   grpc::Status CloseSession(grpc::ServerContext* ctx, const v1::CloseSessionRequest* req,
@@ -234,7 +210,7 @@ class ControlService final : public v1::Control::Service {
                        v1::ReleaseResponse*) override {
     auto c = d_->Authenticate(ctx);
     if (!c.ok()) return ToGrpcStatus(c.status());
-    auto s = FindSession(**c, req->session_id());
+    auto s = d_->FindSession(**c, req->session_id());
     if (!s.ok()) return ToGrpcStatus(s.status());
     return ToGrpcStatus((*s)->Release(req->epoch()));
   }
@@ -243,29 +219,13 @@ class ControlService final : public v1::Control::Service {
                            v1::PoisonSlotsResponse* resp) override {
     auto c = d_->Authenticate(ctx);
     if (!c.ok()) return ToGrpcStatus(c.status());
-    auto s = FindSession(**c, req->session_id());
+    auto s = d_->FindSession(**c, req->session_id());
     if (!s.ok()) return ToGrpcStatus(s.status());
     resp->set_poisoned((*s)->Poison());
     return grpc::Status::OK;
   }
 
  private:
-  // The caller's session; another client's id is PERMISSION_DENIED, an unknown one NOT_FOUND.
-  absl::StatusOr<std::shared_ptr<Session>> FindSession(ClientRecord& c, uint64_t id) {
-    {
-      std::lock_guard<std::mutex> lock(c.mu);
-      auto it = c.sessions.find(id);
-      if (it != c.sessions.end()) return it->second;
-    }
-    for (auto& other : d_->Clients()) {
-      if (other.get() == &c) continue;
-      std::lock_guard<std::mutex> lock(other->mu);
-      if (other->sessions.count(id))
-        return absl::PermissionDeniedError(StrCat("session_id: ", id, " belongs to another client"));
-    }
-    return absl::NotFoundError(StrCat("session_id: ", id, " is not open"));
-  }
-
   absl::Status DoAlloc(ClientRecord& c, const v1::AllocBufferRequest& req, v1::BufferInfo* resp) {
     if (req.size_bytes() == 0 || req.size_bytes() > kMaxBufferBytes)
       return absl::InvalidArgumentError(
@@ -436,50 +396,6 @@ class ControlService final : public v1::Control::Service {
     FillSessionInfo(*shared, *g, resp);
     Logger("exec")->debug("client {}: session {} on group {} ({})", c.id, id, g->name,
                           SpecAgreement(geo));
-    return absl::OkStatus();
-  }
-
-  absl::Status DoCall(ClientRecord& c, const v1::CallRequest& req, v1::CallResponse* resp,
-                      CallRecord* rec) {
-    const absl::Time t0 = absl::Now();
-    ULY_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, FindSession(c, req.session_id()));
-    CallArgs args;
-    args.op = static_cast<OpKind>(req.op());
-    args.batch = req.batch();
-    args.seq = req.seq();
-    args.head_offset = req.head_offset();
-    args.head_count = req.head_count();
-    if (req.inputs_size() > 3)
-      return absl::InvalidArgumentError(StrCat("inputs: at most 3, got ", req.inputs_size()));
-    for (int i = 0; i < req.inputs_size(); ++i) args.inputs[i] = ToOperand(req.inputs(i));
-    if (req.has_out()) args.out = ToOperand(req.out());
-    ClientBuffers buffers(d_, &c);
-    ULY_ASSIGN_OR_RETURN(CallPlan plan, PlanCall(s->geometry(), args, buffers));
-    // Hold the buffers for the call: a concurrent FreeBuffer cannot unmap them underneath.
-    std::shared_ptr<Buffer> held[4];
-    CallOperands ops;
-    for (int i = 0; i < plan.num_inputs; ++i) {
-      held[i] = buffers.Find(plan.inputs[i].buffer_id);
-      if (!held[i]) return absl::InvalidArgumentError(StrCat("inputs[", i, "]: buffer freed"));
-      ops.inputs[i] = static_cast<const uint8_t*>(held[i]->mapping.data()) + plan.inputs[i].offset_bytes;
-    }
-    if (plan.has_out) {
-      held[3] = buffers.Find(plan.out.buffer_id);
-      if (!held[3]) return absl::InvalidArgumentError("out: buffer freed");
-      ops.out = static_cast<uint8_t*>(held[3]->mapping.data()) + plan.out.offset_bytes;
-    }
-    rec->started = absl::Now();
-    ULY_ASSIGN_OR_RETURN(CallOutcome outcome,
-                         s->Execute(plan, ops, absl::Milliseconds(d_->config().call_timeout_ms)));
-    rec->epoch = outcome.epoch;
-    rec->bytes_sent = outcome.bytes_sent;
-    c.calls.fetch_add(1);
-    resp->set_epoch(outcome.epoch);
-    resp->set_slot(outcome.slot);
-    for (int64_t d : plan.out_shape) resp->add_out_shape(d);
-    resp->set_slot_offset_bytes(outcome.slot_offset_bytes);
-    resp->set_result_bytes(outcome.result_bytes);
-    resp->set_elapsed_us(absl::ToInt64Microseconds(absl::Now() - t0));
     return absl::OkStatus();
   }
 

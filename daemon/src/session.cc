@@ -145,9 +145,32 @@ absl::Status Session::WaitWord(const std::atomic<uint64_t>& word, uint64_t targe
   }
 }
 
-absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOperands& ops,
-                                             absl::Duration timeout) {
+uint64_t Session::next_epoch() const {
+  std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(call_mu_));
+  return epoch_ + 1;
+}
+
+absl::Status Session::Refuse(uint64_t expected_epoch, absl::Status why) {
   std::lock_guard<std::mutex> lock(call_mu_);
+  if (expected_epoch != epoch_ + 1) return why;  // not this session's next call: touch nothing
+  const uint64_t e = ++epoch_;
+  const int s = static_cast<int>((e - 1) % geometry_.num_slots);
+  SessionControlBlock* mine = Control(geometry_.rank);
+  mine->slots[s].error.store(e, std::memory_order_release);
+  mine->slots[s].done.store(e, std::memory_order_release);
+  broken_.store(true);
+  Abort(kAbortCallFailed);
+  Logger("exec")->warn("session {} epoch {}: descriptor refused: {}", id_, e, std::string(why.message()));
+  return why;
+}
+
+absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOperands& ops,
+                                             absl::Duration timeout, uint64_t expected_epoch) {
+  std::lock_guard<std::mutex> lock(call_mu_);
+  if (expected_epoch != 0 && expected_epoch != epoch_ + 1)
+    return absl::FailedPreconditionError(StrCat("epoch: descriptor for epoch ", expected_epoch,
+                                                ", session ", id_, " expects epoch ", epoch_ + 1,
+                                                " (replayed or out of order)"));
   if (broken_.load())
     return absl::FailedPreconditionError(
         StrCat("session ", id_, " is broken by an earlier failed call; close it and create a new one"));

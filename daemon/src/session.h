@@ -54,8 +54,16 @@ class Session {
   /// block, then finishes (copy to `out`, head-chunk merge). Calls on one session are serialized.
   /// Waits are bounded by `timeout` and end early with ABORTED when a peer's session is gone.
   /// A failed call breaks the session (its epochs would no longer line up across ranks).
+  /// `expected_epoch` (0: any) is the epoch the caller believes comes next (the ring path's
+  /// descriptors carry it); a mismatch is FAILED_PRECONDITION and consumes nothing.
   absl::StatusOr<CallOutcome> Execute(const CallPlan& plan, const CallOperands& ops,
-                                      absl::Duration timeout);
+                                      absl::Duration timeout, uint64_t expected_epoch = 0);
+  /// A descriptor for `expected_epoch` that the daemon refused before running it: when it is
+  /// the next epoch, the epoch is consumed (done and error words set, so no waiter hangs) and
+  /// the session breaks, since its peers expect this rank's block. Returns the status to report.
+  absl::Status Refuse(uint64_t expected_epoch, absl::Status why);
+  /// The epoch the next call gets.
+  uint64_t next_epoch() const;
 
   /// Marks the session gone: peers waiting on it end with ABORTED, and a call waiting for a held
   /// slot ends too. Idempotent.

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <map>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -24,6 +25,9 @@ struct ConnectOptions {
   std::string socket;             ///< control socket path, e.g. /run/ulysses/gpu0.sock
   std::string name;               ///< shown to operators (ulyssesctl clients)
   absl::Duration connect_timeout = absl::Seconds(10);
+  /// Submit calls through the shared-memory rings (no RPC per call). When false, or when the
+  /// daemon offers no rings, every call is a Call RPC; results are the same.
+  bool use_rings = true;
 };
 
 /// A shared buffer mapped into this process. Owned by the Client; valid until FreeBuffer or
@@ -118,6 +122,12 @@ class Session {
                                                int32_t head_count, const OperandRef& out);
   /// Any call, as CallArgs. Validated here first (the same verdict the daemon reaches).
   absl::StatusOr<Result> Call(const CallArgs& args);
+  /// Submits a call through the ring and returns its epoch at once; Wait(epoch) gives its
+  /// result. Calls complete in submission order. UNIMPLEMENTED without rings.
+  absl::StatusOr<uint64_t> Submit(const CallArgs& args);
+  /// Waits for the result of a submitted call. An error the daemon found after submission
+  /// (the asynchronous kind) is returned here with its code and message.
+  absl::StatusOr<Result> Wait(uint64_t epoch, absl::Duration timeout = absl::Minutes(5));
   /// Closes the session on this rank. Idempotent.
   absl::Status Close();
   /// Fills this rank's receive slots that are not held with NaN (all bits set); for tests.
@@ -138,6 +148,8 @@ class Session {
   std::shared_ptr<void> segment_;  // read-only mapping of the session segment
   const uint8_t* base_ = nullptr;
   bool closed_ = false;
+  uint64_t next_epoch_ = 1;  // ring path: the epoch the next submitted call gets
+  std::map<uint64_t, bool> has_out_;  // ring path: submitted epochs -> whether out= was given
 };
 
 /// One attached client process. Thread-safe, except that each Session is used by one thread.
@@ -165,6 +177,8 @@ class Client {
   uint64_t client_id() const;
   /// Backend the daemon runs.
   const std::string& daemon_backend() const;
+  /// Whether calls go through the shared-memory rings.
+  bool uses_rings() const;
 
  private:
   explicit Client(std::shared_ptr<ClientImpl> impl) : impl_(std::move(impl)) {}

@@ -1,0 +1,210 @@
+// The call path shared by the Call RPC and the shared-memory rings: find the session, validate
+// against the caller's buffers (never trusting the client), run, account.
+#include <cstring>
+
+#include "daemon.h"
+#include "ulysses/common/logging.h"
+#include "ulysses/common/status.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/shm.h"
+
+namespace ulysses::daemon {
+namespace {
+
+// Resolves buffer ids against one client's buffers; another client's id is PERMISSION_DENIED.
+class ClientBuffers : public BufferResolver {
+ public:
+  ClientBuffers(Daemon* d, ClientRecord* c) : d_(d), c_(c) {}
+  absl::StatusOr<BufferInfo> Resolve(uint64_t id) const override {
+    if (std::shared_ptr<Buffer> b = Find(id)) return BufferInfo{b->size};
+    for (auto& other : d_->Clients()) {
+      if (other.get() == c_) continue;
+      std::lock_guard<std::mutex> lock(other->mu);
+      if (other->buffers.count(id))
+        return absl::PermissionDeniedError(StrCat("buffer ", id, " belongs to another client"));
+    }
+    return absl::InvalidArgumentError(StrCat("buffer ", id, " is not registered"));
+  }
+  std::shared_ptr<Buffer> Find(uint64_t id) const {
+    std::lock_guard<std::mutex> lock(c_->mu);
+    auto it = c_->buffers.find(id);
+    return it == c_->buffers.end() ? nullptr : it->second;
+  }
+
+ private:
+  Daemon* d_;
+  ClientRecord* c_;
+};
+
+OperandRef FromDescriptor(const ipc::OperandDescriptor& d) {
+  OperandRef r;
+  r.buffer_id = d.buffer_id;
+  r.offset_bytes = d.offset_bytes;
+  for (int i = 0; i < 4; ++i) r.strides[i] = d.strides[i];
+  return r;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Session>> Daemon::FindSession(ClientRecord& c, uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    auto it = c.sessions.find(id);
+    if (it != c.sessions.end()) return it->second;
+  }
+  for (auto& other : Clients()) {
+    if (other.get() == &c) continue;
+    std::lock_guard<std::mutex> lock(other->mu);
+    if (other->sessions.count(id))
+      return absl::PermissionDeniedError(StrCat("session_id: ", id, " belongs to another client"));
+  }
+  return absl::NotFoundError(StrCat("session_id: ", id, " is not open"));
+}
+
+absl::StatusOr<CallResult> Daemon::RunCall(ClientRecord& c, uint64_t session_id,
+                                           const CallArgs& args, uint64_t expected_epoch,
+                                           CallRecord* rec) {
+  ULY_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, FindSession(c, session_id));
+  ClientBuffers buffers(this, &c);
+  absl::StatusOr<CallPlan> plan = PlanCall(s->geometry(), args, buffers);
+  if (!plan.ok()) {
+    // A descriptor already counted on its epoch: the epoch is spent and the session breaks.
+    if (expected_epoch != 0) return s->Refuse(expected_epoch, plan.status());
+    return plan.status();
+  }
+  // Hold the buffers for the call: a concurrent FreeBuffer cannot unmap them underneath.
+  std::shared_ptr<Buffer> held[4];
+  CallOperands ops;
+  for (int i = 0; i < plan->num_inputs; ++i) {
+    held[i] = buffers.Find(plan->inputs[i].buffer_id);
+    if (!held[i]) return absl::InvalidArgumentError(StrCat("inputs[", i, "]: buffer freed"));
+    ops.inputs[i] = static_cast<const uint8_t*>(held[i]->mapping.data()) + plan->inputs[i].offset_bytes;
+  }
+  if (plan->has_out) {
+    held[3] = buffers.Find(plan->out.buffer_id);
+    if (!held[3]) return absl::InvalidArgumentError("out: buffer freed");
+    ops.out = static_cast<uint8_t*>(held[3]->mapping.data()) + plan->out.offset_bytes;
+  }
+  rec->started = absl::Now();
+  CallResult r;
+  ULY_ASSIGN_OR_RETURN(r.outcome, s->Execute(*plan, ops, absl::Milliseconds(config_.call_timeout_ms),
+                                             expected_epoch));
+  r.out_shape = plan->out_shape;
+  rec->epoch = r.outcome.epoch;
+  rec->bytes_sent = r.outcome.bytes_sent;
+  c.calls.fetch_add(1);
+  return r;
+}
+
+absl::StatusOr<CallResult> Daemon::Call(ClientRecord& c, uint64_t session_id, const CallArgs& args,
+                                        uint64_t expected_epoch) {
+  CallRecord rec;
+  rec.client_id = c.id;
+  rec.session_id = session_id;
+  rec.op = args.op;
+  rec.batch = args.batch;
+  rec.seq = args.seq;
+  rec.epoch = expected_epoch;
+  rec.queued = absl::Now();
+  CallStarted();
+  absl::StatusOr<CallResult> r = RunCall(c, session_id, args, expected_epoch, &rec);
+  rec.done = absl::Now();
+  if (rec.started == absl::Time()) rec.started = rec.done;
+  rec.code = r.status().code();
+  rec.message = std::string(r.status().message());
+  if (r.ok()) r->elapsed_us = absl::ToInt64Microseconds(rec.done - rec.queued);
+  else
+    Logger("exec")->debug("client {} session {} epoch {}: {}", c.id, session_id, rec.epoch,
+                          r.status().ToString());
+  CallFinished(std::move(rec));
+  return r;
+}
+
+absl::StatusOr<std::shared_ptr<ClientRings>> Daemon::CreateRings(
+    const std::shared_ptr<ClientRecord>& c) {
+  auto rings = std::make_shared<ClientRings>();
+  ULY_ASSIGN_OR_RETURN(rings->memfd, ipc::CreateMemfd(StrCat("ulysses-client-", c->id),
+                                                      ipc::ClientSegmentLayout::kTotal));
+  ULY_RETURN_IF_ERROR(ipc::SealSize(rings->memfd.get()));
+  ULY_ASSIGN_OR_RETURN(rings->mapping, ipc::Mapping::Map(rings->memfd.get(),
+                                                         ipc::ClientSegmentLayout::kTotal, true));
+  auto* base = static_cast<uint8_t*>(rings->mapping.data());
+  rings->header = reinterpret_cast<ipc::ClientSegmentHeader*>(base + ipc::ClientSegmentLayout::kHeader);
+  rings->header->magic = ipc::kClientSegmentMagic;
+  rings->header->version = ipc::kClientSegmentVersion;
+  rings->header->ring_capacity = ipc::kRingCapacity;
+  rings->header->client_id = c->id;
+  ULY_ASSIGN_OR_RETURN(rings->submit, ipc::SubmitRing::Create(base + ipc::ClientSegmentLayout::kSubmit,
+                                                              sizeof(ipc::SubmitRing)));
+  ULY_ASSIGN_OR_RETURN(rings->complete,
+                       ipc::CompletionRing::Create(base + ipc::ClientSegmentLayout::kComplete,
+                                                   sizeof(ipc::CompletionRing)));
+  ULY_ASSIGN_OR_RETURN(rings->submit_bell, ipc::EventFd::Create());
+  ULY_ASSIGN_OR_RETURN(rings->complete_bell, ipc::EventFd::Create());
+  {
+    std::lock_guard<std::mutex> lock(workers_mu_);
+    ++workers_;
+  }
+  std::thread([this, c, rings] { RingWorker(c, rings); }).detach();
+  return rings;
+}
+
+// One thread per client drains its submit ring in order and posts one completion per
+// descriptor. It ends when the client is reclaimed (the header's abort word).
+void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientRings> rings) {
+  auto log = Logger("exec");
+  for (;;) {
+    ipc::CallDescriptor d;
+    absl::StatusOr<bool> got = ipc::PopWait(*rings->submit, &d, rings->submit_bell,
+                                            absl::Now() + absl::Seconds(1), &rings->header->abort);
+    if (!got.ok()) {
+      if (got.status().code() != absl::StatusCode::kAborted)
+        log->warn("client {}: submit ring: {}; dropping the client", c->id,
+                  std::string(got.status().message()));
+      break;
+    }
+    if (!*got) continue;
+    CallArgs args;
+    args.op = static_cast<OpKind>(d.op);
+    args.batch = d.batch;
+    args.seq = d.seq;
+    args.head_offset = d.head_offset;
+    args.head_count = d.head_count;
+    for (int i = 0; i < 3 && i < static_cast<int>(d.num_inputs); ++i)
+      args.inputs[i] = FromDescriptor(d.inputs[i]);
+    args.out = FromDescriptor(d.out);
+    absl::StatusOr<CallResult> r = Call(*c, d.session_id, args, d.epoch);
+    ipc::Completion done{};
+    done.session_id = d.session_id;
+    done.epoch = d.epoch;
+    done.code = static_cast<int32_t>(r.status().code());
+    if (r.ok()) {
+      done.slot = r->outcome.slot;
+      done.slot_offset_bytes = r->outcome.slot_offset_bytes;
+      done.result_bytes = r->outcome.result_bytes;
+      done.elapsed_us = r->elapsed_us;
+      for (int i = 0; i < 4; ++i) done.out_shape[i] = r->out_shape[i];
+    } else {
+      const std::string msg(r.status().message());
+      std::strncpy(done.message, msg.c_str(), sizeof done.message - 1);
+    }
+    absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*c, d.session_id);
+    done.next_epoch = s.ok() ? (*s)->next_epoch() : 0;
+    // The client drains completions while it submits or waits; a client that stops doing so
+    // only stalls itself. Give up when it is reclaimed.
+    bool posted = false;
+    while (!posted && rings->header->abort.load(std::memory_order_acquire) == 0) {
+      absl::StatusOr<bool> pushed = rings->complete->TryPush(done);
+      if (!pushed.ok()) break;
+      posted = *pushed;
+      if (!posted) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    if (!posted) break;
+    (void)rings->complete_bell.Signal();
+  }
+  std::lock_guard<std::mutex> lock(workers_mu_);
+  --workers_;
+  workers_cv_.notify_all();
+}
+
+}  // namespace ulysses::daemon
