@@ -158,9 +158,12 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     absl::StatusOr<bool> got = ipc::PopWait(*rings->submit, &d, rings->submit_bell,
                                             absl::Now() + absl::Seconds(1), &rings->header->abort);
     if (!got.ok()) {
-      if (got.status().code() != absl::StatusCode::kAborted)
+      if (got.status().code() != absl::StatusCode::kAborted) {
+        // The client corrupted its own ring: it cannot be served any more.
         log->warn("client {}: submit ring: {}; dropping the client", c->id,
                   std::string(got.status().message()));
+        Reclaim(c->id, StrCat("corrupted submit ring: ", got.status().message()));
+      }
       break;
     }
     if (!*got) continue;
