@@ -1,0 +1,213 @@
+// SIGKILL of a client at each phase: its daemon reclaims everything (clients, sessions, slots,
+// buffers, shared segments, descriptors), peers waiting on it get ABORTED rather than time
+// out, and the other clients' results stay exact.
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+#include "demo_lib.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "ulysses/client/client.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/v1/admin.grpc.pb.h"
+
+namespace ulysses {
+namespace {
+
+int CountEntries(const std::string& dir, const std::string& prefix) {
+  int n = 0;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d))
+      if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) ++n;
+    ::closedir(d);
+  }
+  return n;
+}
+
+template <typename F>
+bool Eventually(F cond) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < deadline) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return cond();
+}
+
+class KillAtPhase : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    auto dir = demo::MakeRunDir();
+    ASSERT_TRUE(dir.ok());
+    dir_ = *dir;
+    for (int r = 0; r < 2; ++r) {
+      auto d = demo::StartDaemon(ULYSSESD_PATH, dir_, r, "host", {"--call-timeout-ms", "30000"});
+      ASSERT_TRUE(d.ok()) << d.status();
+      daemons_.push_back(std::move(*d));
+    }
+    // Warm up the daemons' channels to each other with a group that comes and goes, so the
+    // descriptor baseline below counts only per-client resources.
+    {
+      auto c0 = Connect(0, "warm0");
+      auto c1 = Connect(1, "warm1");
+      absl::StatusOr<client::Group> g0, g1;
+      std::thread t([&] { g0 = c0->JoinGroup({"warm", 2, 0, Members(), "auto", 10000}); });
+      g1 = c1->JoinGroup({"warm", 2, 1, Members(), "auto", 10000});
+      t.join();
+      ASSERT_TRUE(g0.ok() && g1.ok());
+    }
+    ASSERT_TRUE(Eventually([&] { return Clients(1) == 0; }));
+    // A bystander on daemon 1 with its own one-rank session.
+    bystander_ = Connect(1, "bystander");
+    auto g = bystander_->JoinGroup({"bystander", 1, 0, {daemons_[1].socket()}, "auto", 0});
+    ASSERT_TRUE(g.ok());
+    auto s = bystander_->CreateSession(*g, {4, 8, DType::kFloat32, 16, 2, {}, 0});
+    ASSERT_TRUE(s.ok());
+    bystander_session_ = std::move(*s);
+    auto x = bystander_->AllocBuffer(16 * 4 * 8 * 4);
+    ASSERT_TRUE(x.ok());
+    bx_ = *x;
+    for (int i = 0; i < 16 * 4 * 8; ++i) static_cast<float*>(bx_.data)[i] = static_cast<float>(i);
+    ASSERT_TRUE(BystanderExact());
+    baseline_fds_ = CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "");
+    baseline_shm_ = CountEntries("/dev/shm", StrCat("ulysses-", daemons_[1].pid(), "-"));
+    EXPECT_EQ(baseline_shm_, 1);  // the bystander's session
+  }
+  void TearDown() override {
+    bystander_session_.reset();
+    bystander_.reset();
+    daemons_.clear();
+    demo::RemoveRunDir(dir_);
+  }
+
+  std::vector<std::string> Members() const { return {daemons_[0].socket(), daemons_[1].socket()}; }
+  std::unique_ptr<client::Client> Connect(int r, const std::string& name) {
+    auto c = client::Client::Connect({daemons_[r].socket(), name});
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  std::unique_ptr<v1::Admin::Stub> Admin(int r) {
+    return v1::Admin::NewStub(
+        grpc::CreateChannel("unix://" + daemons_[r].socket(), grpc::InsecureChannelCredentials()));
+  }
+  int Clients(int r) {
+    v1::ListClientsResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(Admin(r)->ListClients(&ctx, {}, &resp).ok());
+    return resp.clients_size();
+  }
+  int Slots(int r) {
+    v1::ListSlotsResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(Admin(r)->ListSlots(&ctx, {}, &resp).ok());
+    return resp.slots_size();
+  }
+  bool BystanderExact() {
+    auto r = bystander_session_->ScatterHeads(bx_.Ref(), 1, 16);
+    return r.ok() && std::memcmp(r->data, bx_.data, 16 * 4 * 8 * 4) == 0;
+  }
+  pid_t SpawnPhaseClient(const std::string& phase, const std::vector<std::string>& members,
+                         int rank, const std::string& ready) {
+    std::string m = members[0];
+    for (size_t i = 1; i < members.size(); ++i) m += "," + members[i];
+    const std::string rank_text = std::to_string(rank);
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::execl(PHASE_CLIENT_PATH, PHASE_CLIENT_PATH, "--socket", daemons_[1].socket().c_str(),
+              "--members", m.c_str(), "--rank", rank_text.c_str(), "--phase", phase.c_str(),
+              "--ready", ready.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    return pid;
+  }
+
+  std::string dir_;
+  std::vector<demo::DaemonProcess> daemons_;
+  std::unique_ptr<client::Client> bystander_;
+  std::unique_ptr<client::Session> bystander_session_;
+  client::Buffer bx_;
+  int baseline_fds_ = 0, baseline_shm_ = 0;
+};
+
+TEST_P(KillAtPhase, DaemonReclaimsEverythingAndPeersAbort) {
+  const std::string phase = GetParam();
+  const bool two_ranks = phase == "session" || phase == "queued" || phase == "exchange";
+  const std::string ready = StrCat(dir_, "/phase.ready");
+  // Rank 0 of the two-rank group lives in this process, on daemon 0.
+  std::unique_ptr<client::Client> peer;
+  absl::StatusOr<client::Group> pg;
+  absl::StatusOr<std::unique_ptr<client::Session>> ps;
+  std::thread peer_setup;
+  if (two_ranks) {
+    peer = Connect(0, "peer");
+    peer_setup = std::thread([&] {
+      pg = peer->JoinGroup({"phase", 2, 0, Members(), "auto", 20000});
+      if (pg.ok()) ps = peer->CreateSession(*pg, {4, 8, DType::kFloat32, 16, 2, {}, 20000});
+    });
+  }
+  const pid_t pid = SpawnPhaseClient(
+      phase, two_ranks ? Members() : std::vector<std::string>{daemons_[1].socket()},
+      two_ranks ? 1 : 0, ready);
+  if (peer_setup.joinable()) peer_setup.join();
+  if (two_ranks) {
+    ASSERT_TRUE(pg.ok()) << pg.status();
+    ASSERT_TRUE(ps.ok()) << ps.status();
+  }
+  ASSERT_TRUE(Eventually([&] { return ::access(ready.c_str(), F_OK) == 0; })) << "phase client not ready";
+  EXPECT_EQ(Clients(1), 2);
+
+  // In the exchange phase, rank 0 calls and waits for rank 1, which never comes.
+  absl::StatusOr<client::Result> peer_call;
+  std::thread caller;
+  client::Buffer px;
+  if (phase == "exchange") {
+    auto x = peer->AllocBuffer(16 * 4 * 8 * 4);
+    ASSERT_TRUE(x.ok());
+    px = *x;
+    caller = std::thread([&] { peer_call = (*ps)->ScatterHeads(px.Ref(), 1, 16); });
+    ASSERT_TRUE(Eventually([&] {
+      v1::DaemonState st;
+      grpc::ClientContext ctx;
+      return Admin(0)->GetState(&ctx, {}, &st).ok() && st.active_calls() == 1;
+    }));
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+
+  // Daemon 1 is back to its baseline: only the bystander and its two slots remain.
+  EXPECT_TRUE(Eventually([&] { return Clients(1) == 1; }));
+  EXPECT_TRUE(Eventually([&] { return Slots(1) == 2; }));
+  EXPECT_TRUE(Eventually([&] {
+    return CountEntries("/dev/shm", StrCat("ulysses-", daemons_[1].pid(), "-")) == baseline_shm_;
+  })) << "a shared segment of the killed client is still linked";
+  EXPECT_TRUE(Eventually([&] {
+    return CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") == baseline_fds_;
+  })) << "descriptors: " << CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "")
+      << " vs baseline " << baseline_fds_;
+  if (phase == "exchange") {
+    caller.join();
+    // Ended by rank 1's abort, not by the 30 s call timeout.
+    EXPECT_EQ(peer_call.status().code(), absl::StatusCode::kAborted) << peer_call.status();
+  }
+  if (two_ranks && phase != "exchange") {
+    // The surviving rank's next call learns of the abort at once.
+    auto x = peer->AllocBuffer(16 * 4 * 8 * 4);
+    ASSERT_TRUE(x.ok());
+    auto r = (*ps)->ScatterHeads(x->Ref(), 1, 16);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted) << r.status();
+  }
+  EXPECT_TRUE(BystanderExact());
+}
+
+INSTANTIATE_TEST_SUITE_P(Phases, KillAtPhase,
+                         ::testing::Values("attach", "buffer", "session", "held", "queued",
+                                           "exchange"));
+
+}  // namespace
+}  // namespace ulysses
