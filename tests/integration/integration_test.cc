@@ -239,7 +239,43 @@ TEST_F(Cluster, UlyssesctlShowsTheClientsAndSessionsOfARunningDemo) {
     EXPECT_THAT(table, HasSubstr("host"));
     RunCtl(daemons_[r].socket(), "health", &rc);
     EXPECT_EQ(rc, 0);
+    // Slots: the demo's session has two, owned by its client, with the epochs it reached.
+    auto slots = nlohmann::json::parse(RunCtl(daemons_[r].socket(), "--json slots", &rc));
+    EXPECT_EQ(rc, 0);
+    ASSERT_EQ(slots["slots"].size(), 2u);
+    for (const auto& s : slots["slots"]) {
+      EXPECT_EQ(s["owner_client_id"], clients["clients"][0]["client_id"]);
+      EXPECT_GT(s["epoch"].get<uint64_t>(), 0u);
+    }
+    EXPECT_THAT(RunCtl(daemons_[r].socket(), "slots", &rc), HasSubstr("OWNER"));
+    // The flight recorder holds the demo's calls.
+    auto recent = nlohmann::json::parse(RunCtl(daemons_[r].socket(), "--json recent --limit 3", &rc));
+    EXPECT_EQ(rc, 0);
+    ASSERT_EQ(recent["calls"].size(), 3u);
+    EXPECT_EQ(recent["calls"][0]["status"], "OK");
+    EXPECT_THAT(RunCtl(daemons_[r].socket(), "recent", &rc), HasSubstr("scatter_qkv_head_chunk"));
+    // Metrics, parsed by ulyssesctl from the daemon's exposition.
+    auto metrics = nlohmann::json::parse(RunCtl(daemons_[r].socket(), "--json metrics", &rc));
+    EXPECT_EQ(rc, 0);
+    double scatter_calls = -1;
+    for (const auto& m : metrics["metrics"])
+      if (m["name"] == "ulyssesd_calls_total" && m["labels"]["op"] == "scatter_heads")
+        scatter_calls = m["value"].get<double>();
+    EXPECT_EQ(scatter_calls, 1);
+    EXPECT_THAT(RunCtl(daemons_[r].socket(), "metrics", &rc), HasSubstr("ulyssesd_clients 1"));
   }
+  // Drain and undrain flip health; drain --wait returns once idle.
+  int rc = -1;
+  auto drained = nlohmann::json::parse(RunCtl(daemons_[0].socket(), "--json drain --wait", &rc));
+  EXPECT_EQ(rc, 0);
+  EXPECT_TRUE(drained["draining"].get<bool>());
+  EXPECT_TRUE(drained["idle"].get<bool>());
+  RunCtl(daemons_[0].socket(), "health", &rc);
+  EXPECT_EQ(rc, 1);
+  EXPECT_THAT(RunCtl(daemons_[0].socket(), "undrain", &rc), HasSubstr("serving"));
+  EXPECT_EQ(rc, 0);
+  RunCtl(daemons_[0].socket(), "health", &rc);
+  EXPECT_EQ(rc, 0);
   for (pid_t pid : pids) {
     ::kill(pid, SIGKILL);
     ::waitpid(pid, nullptr, 0);
