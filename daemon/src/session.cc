@@ -47,7 +47,6 @@ const char* Session::SlotStateName(SlotState s) {
   switch (s) {
     case SlotState::kFree: return "free";
     case SlotState::kWriting: return "writing";
-    case SlotState::kReady: return "ready";
     case SlotState::kHeld: return "held";
   }
   return "unknown";

@@ -90,7 +90,7 @@ class Session {
   /// The slot state machine: free -> writing (a call fills it) -> held (the client has a view of
   /// the result) -> free (released, or copied out at once). A held slot is never overwritten:
   /// the call that needs it next waits for its release.
-  enum class SlotState { kFree = 0, kWriting = 1, kReady = 2, kHeld = 3 };
+  enum class SlotState { kFree = 0, kWriting = 1, kHeld = 2 };
   static const char* SlotStateName(SlotState s);
   struct SlotView {
     int32_t slot;

@@ -102,8 +102,8 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
                 "\n");
   out += StrCat("ulyssesd_call_duration_seconds_count ", cumulative, "\n");
   Header(out, "ulyssesd_slots", "gauge", "Receive slots by state.");
-  const char* states[4] = {"free", "writing", "ready", "held"};
-  for (int i = 0; i < 4; ++i)
+  const char* states[3] = {"free", "writing", "held"};
+  for (int i = 0; i < 3; ++i)
     out += StrCat("ulyssesd_slots{state=\"", states[i], "\"} ", g.slots_by_state[i], "\n");
   Header(out, "ulyssesd_clients", "gauge", "Attached clients.");
   out += StrCat("ulyssesd_clients ", g.clients, "\n");

@@ -56,7 +56,7 @@ struct GaugeSnapshot {
   bool draining = false;
   bool mps = false;
   double uptime_s = 0;
-  std::array<int64_t, 4> slots_by_state{};  // free, writing, ready, held
+  std::array<int64_t, 3> slots_by_state{};  // free, writing, held
 };
 
 /// Counters of the daemon's calls. Thread-safe, lock-free on the call path.
