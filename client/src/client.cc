@@ -4,6 +4,8 @@
 #include <sys/mman.h>
 
 #include <map>
+#include <optional>
+#include <set>
 #include <mutex>
 #include <thread>
 
@@ -46,6 +48,7 @@ class ClientImpl : public BufferResolver {
   ipc::EventFd submit_bell, complete_bell;
   std::mutex submit_mu, complete_mu;
   std::map<std::pair<uint64_t, uint64_t>, ipc::Completion> pending;  // (session, epoch)
+  std::set<std::pair<uint64_t, uint64_t>> raised;  // failed completions raised at a Submit
 
   bool has_rings() const { return submit != nullptr; }
 
@@ -95,6 +98,18 @@ class ClientImpl : public BufferResolver {
     return submit_bell.Signal();
   }
 
+  // The first failed completion of `session` not raised yet; it stays pending for its Wait.
+  absl::StatusOr<std::optional<ipc::Completion>> TakeUnraisedError(uint64_t session) {
+    std::lock_guard<std::mutex> lock(complete_mu);
+    ULY_RETURN_IF_ERROR(DrainCompletions());
+    for (auto& [key, c] : pending) {
+      if (key.first != session || c.code == 0 || raised.count(key)) continue;
+      raised.insert(key);
+      return std::optional<ipc::Completion>(c);
+    }
+    return std::optional<ipc::Completion>();
+  }
+
   absl::StatusOr<ipc::Completion> Await(uint64_t session, uint64_t epoch, absl::Time deadline) {
     for (;;) {
       {
@@ -104,6 +119,7 @@ class ClientImpl : public BufferResolver {
         if (it != pending.end()) {
           ipc::Completion c = it->second;
           pending.erase(it);
+          raised.erase({session, epoch});
           return c;
         }
       }
@@ -403,7 +419,6 @@ absl::StatusOr<uint64_t> Session::Submit(const CallArgs& args) {
   ULY_RETURN_IF_ERROR(PlanCall(geometry_, args, *client_).status());
   ipc::CallDescriptor d{};
   d.session_id = id_;
-  d.epoch = next_epoch_;
   d.op = static_cast<uint32_t>(args.op);
   d.head_offset = args.head_offset;
   d.head_count = args.head_count;
@@ -419,6 +434,15 @@ absl::StatusOr<uint64_t> Session::Submit(const CallArgs& args) {
     d.num_inputs = i + 1;
   }
   put(args.out, &d.out);
+  // An error the daemon found on an earlier submitted call that nobody waited for yet is
+  // raised here, at the next call, like CUDA's asynchronous errors (Wait still reports it).
+  ULY_ASSIGN_OR_RETURN(std::optional<ipc::Completion> failed, client_->TakeUnraisedError(id_));
+  if (failed) {
+    if (failed->next_epoch != 0) next_epoch_ = failed->next_epoch;
+    return absl::Status(static_cast<absl::StatusCode>(failed->code),
+                        StrCat("an earlier call (epoch ", failed->epoch, ") failed: ", failed->message));
+  }
+  d.epoch = next_epoch_;
   has_out_[d.epoch] = args.out.present();
   ULY_RETURN_IF_ERROR(client_->Push(d, absl::Now() + absl::Minutes(1)));
   return next_epoch_++;

@@ -178,3 +178,51 @@ TEST_F(Slots, DroppingTheResultReleasesAndOutCopiesHoldNothing) {
 
 }  // namespace
 }  // namespace ulysses
+
+namespace ulysses {
+namespace {
+
+TEST_F(Slots, AsynchronousErrorIsRaisedAtTheNextCallAndAtWait) {
+  ASSERT_TRUE(client_->uses_rings());
+  auto r1 = session_->ScatterHeads(x_[0].Ref(), 1, kTokens);
+  auto r2 = session_->ScatterHeads(x_[1].Ref(), 1, kTokens);
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  CallArgs a;
+  a.op = OpKind::kScatterHeads;
+  a.batch = 1;
+  a.seq = kTokens;
+  a.inputs[0] = x_[2].Ref();
+  // Epoch 3 needs slot 0, which r1 holds: the daemon gives up after the call timeout, after
+  // Submit has returned.
+  auto e3 = session_->Submit(a);
+  ASSERT_TRUE(e3.ok());
+  EXPECT_EQ(*e3, 3u);
+  auto stub = v1::Admin::NewStub(
+      grpc::CreateChannel("unix://" + daemon_.socket(), grpc::InsecureChannelCredentials()));
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  bool failed = false;
+  while (!failed && absl::Now() < deadline) {
+    v1::ListRecentCallsResponse recent;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->ListRecentCalls(&ctx, {}, &recent).ok());
+    failed = recent.calls_size() > 0 && recent.calls(0).status() == "DEADLINE_EXCEEDED";
+  }
+  ASSERT_TRUE(failed);
+  ASSERT_TRUE(r1->Release().ok());
+  // The next call raises the earlier failure with its code and message...
+  auto next = session_->Submit(a);
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(next.status().message()), HasSubstr("earlier call (epoch 3)"));
+  EXPECT_THAT(std::string(next.status().message()), HasSubstr("release it"));
+  // ...and so does waiting for that call.
+  auto w3 = session_->Wait(3);
+  EXPECT_EQ(w3.status().code(), absl::StatusCode::kDeadlineExceeded);
+  // The refused call used no epoch: the session goes on at epoch 3.
+  auto ok = session_->Call(a);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->epoch, 3u);
+  EXPECT_TRUE(Same(*ok, 2));
+}
+
+}  // namespace
+}  // namespace ulysses
