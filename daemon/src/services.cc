@@ -87,145 +87,142 @@ class ControlService final : public v1::Control::Service {
 
   grpc::Status Detach(grpc::ServerContext* ctx, const v1::DetachRequest*,
                       v1::DetachResponse*) override {
-    auto c = d_->Authenticate(ctx);
-    if (!c.ok()) return ToGrpcStatus(c.status());
-    d_->Reclaim((*c)->id, "detached");
-    return grpc::Status::OK;
+    return AsClient(ctx, [&](ClientRecord& c) {
+      d_->Reclaim(c.id, "detached");
+      return absl::OkStatus();
+    });
   }
 
   grpc::Status Watch(grpc::ServerContext* ctx,
                      grpc::ServerReaderWriter<v1::WatchEvent, v1::WatchRequest>* stream) override {
-    auto c = d_->Authenticate(ctx);
-    if (!c.ok()) return ToGrpcStatus(c.status());
-    v1::WatchRequest req;
-    while (stream->Read(&req)) {
-    }
-    // The stream ends when the client closes it or its process (and connection) is gone.
-    d_->Reclaim((*c)->id, "liveness stream ended");
-    return grpc::Status::OK;
+    return AsClient(ctx, [&](ClientRecord& c) {
+      v1::WatchRequest req;
+      while (stream->Read(&req)) {
+      }
+      // The stream ends when the client closes it or its process (and connection) is gone.
+      d_->Reclaim(c.id, "liveness stream ended");
+      return absl::OkStatus();
+    });
   }
 
   grpc::Status AllocBuffer(grpc::ServerContext* ctx, const v1::AllocBufferRequest* req,
                            v1::BufferInfo* resp) override {
-    auto c = d_->Authenticate(ctx);
-    if (!c.ok()) return ToGrpcStatus(c.status());
-    return ToGrpcStatus(DoAlloc(**c, *req, resp));
+    return AsClient(ctx, [&](ClientRecord& c) { return DoAlloc(c, *req, resp); });
   }
 
   grpc::Status RegisterBuffer(grpc::ServerContext* ctx, const v1::RegisterBufferRequest* req,
                               v1::BufferInfo* resp) override {
-    auto c = d_->Authenticate(ctx);
-    if (!c.ok()) return ToGrpcStatus(c.status());
-    return ToGrpcStatus(DoRegister(**c, *req, resp));
+    return AsClient(ctx, [&](ClientRecord& c) { return DoRegister(c, *req, resp); });
   }
 
   grpc::Status FreeBuffer(grpc::ServerContext* ctx, const v1::FreeBufferRequest* req,
                           v1::FreeBufferResponse*) override {
-    auto c = d_->Authenticate(ctx);
-    if (!c.ok()) return ToGrpcStatus(c.status());
-    std::lock_guard<std::mutex> lock((*c)->mu);
-    if ((*c)->buffers.erase(req->buffer_id()) == 0)
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          StrCat("buffer_id: ", req->buffer_id(), " is not registered"));
-    return grpc::Status::OK;
+    return AsClient(ctx, [&](ClientRecord& c) {
+      std::lock_guard<std::mutex> lock(c.mu);
+      if (c.buffers.erase(req->buffer_id()) == 0)
+        return absl::InvalidArgumentError(
+            StrCat("buffer_id: ", req->buffer_id(), " is not registered"));
+      return absl::OkStatus();
+    });
   }
 
   grpc::Status JoinGroup(grpc::ServerContext* ctx, const v1::JoinGroupRequest* req,
                          v1::GroupInfo* resp) override {
-    auto c = d_->Authenticate(ctx);
-    if (!c.ok()) return ToGrpcStatus(c.status());
-    return ToGrpcStatus(DoJoin(**c, *req, resp));
+    return AsClient(ctx, [&](ClientRecord& c) { return DoJoin(c, *req, resp); });
   }
 
   grpc::Status LeaveGroup(grpc::ServerContext* ctx, const v1::LeaveGroupRequest* req,
                           v1::LeaveGroupResponse*) override {
-    auto c = d_->Authenticate(ctx);
-    if (!c.ok()) return ToGrpcStatus(c.status());
-    std::lock_guard<std::mutex> lock((*c)->mu);
-    for (auto& [id, s] : (*c)->sessions)
-      if (s->group_id() == req->group_id())
-        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                            StrCat("group_id: group ", req->group_id(), " still has session ", id));
-    if ((*c)->groups.erase(req->group_id()) == 0)
-      return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                          StrCat("group_id: ", req->group_id(), " not joined by this client"));
-    return grpc::Status::OK;
+    return AsClient(ctx, [&](ClientRecord& c) {
+      std::lock_guard<std::mutex> lock(c.mu);
+      for (auto& [id, s] : c.sessions)
+        if (s->group_id() == req->group_id())
+          return absl::FailedPreconditionError(
+              StrCat("group_id: group ", req->group_id(), " still has session ", id));
+      if (c.groups.erase(req->group_id()) == 0)
+        return absl::NotFoundError(
+            StrCat("group_id: ", req->group_id(), " not joined by this client"));
+      return absl::OkStatus();
+    });
   }
 
   grpc::Status CreateSession(grpc::ServerContext* ctx, const v1::CreateSessionRequest* req,
                              v1::SessionInfo* resp) override {
-    auto c = d_->Authenticate(ctx);
-    if (!c.ok()) return ToGrpcStatus(c.status());
-    if (d_->draining())
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon is draining; no new sessions");
-    return ToGrpcStatus(DoCreateSession(**c, *req, resp));
+    return AsClient(ctx, [&](ClientRecord& c) {
+      if (d_->draining()) return absl::UnavailableError("daemon is draining; no new sessions");
+      return DoCreateSession(c, *req, resp);
+    });
   }
 
   grpc::Status Call(grpc::ServerContext* ctx, const v1::CallRequest* req,
                     v1::CallResponse* resp) override {
-    auto c = d_->Authenticate(ctx);
-    if (!c.ok()) return ToGrpcStatus(c.status());
-    CallArgs args;
-    args.op = static_cast<OpKind>(req->op());
-    args.batch = req->batch();
-    args.seq = req->seq();
-    args.head_offset = req->head_offset();
-    args.head_count = req->head_count();
-    if (req->inputs_size() > 3)
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          StrCat("inputs: at most 3, got ", req->inputs_size()));
-    for (int i = 0; i < req->inputs_size(); ++i) args.inputs[i] = ToOperand(req->inputs(i));
-    if (req->has_out()) args.out = ToOperand(req->out());
-    absl::StatusOr<CallResult> r = d_->Call(**c, req->session_id(), args, /*expected_epoch=*/0);
-    if (!r.ok()) return ToGrpcStatus(r.status());
-    resp->set_epoch(r->outcome.epoch);
-    resp->set_slot(r->outcome.slot);
-    for (int64_t d : r->out_shape) resp->add_out_shape(d);
-    resp->set_slot_offset_bytes(r->outcome.slot_offset_bytes);
-    resp->set_result_bytes(r->outcome.result_bytes);
-    resp->set_elapsed_us(r->elapsed_us);
-    return grpc::Status::OK;
+    return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
+      CallArgs args;
+      args.op = static_cast<OpKind>(req->op());
+      args.batch = req->batch();
+      args.seq = req->seq();
+      args.head_offset = req->head_offset();
+      args.head_count = req->head_count();
+      if (req->inputs_size() > 3)
+        return absl::InvalidArgumentError(StrCat("inputs: at most 3, got ", req->inputs_size()));
+      for (int i = 0; i < req->inputs_size(); ++i) args.inputs[i] = ToOperand(req->inputs(i));
+      if (req->has_out()) args.out = ToOperand(req->out());
+      ULY_ASSIGN_OR_RETURN(CallResult r, d_->Call(c, req->session_id(), args, /*expected_epoch=*/0));
+      resp->set_epoch(r.outcome.epoch);
+      resp->set_slot(r.outcome.slot);
+      for (int64_t d : r.out_shape) resp->add_out_shape(d);
+      resp->set_slot_offset_bytes(r.outcome.slot_offset_bytes);
+      resp->set_result_bytes(r.outcome.result_bytes);
+      resp->set_elapsed_us(r.elapsed_us);
+      return absl::OkStatus();
+    });
   }
 
   grpc::Status CloseSession(grpc::ServerContext* ctx, const v1::CloseSessionRequest* req,
                             v1::CloseSessionResponse*) override {
-    auto c = d_->Authenticate(ctx);
-    if (!c.ok()) return ToGrpcStatus(c.status());
-    std::shared_ptr<Session> s;
-    {
-      std::lock_guard<std::mutex> lock((*c)->mu);
-      auto it = (*c)->sessions.find(req->session_id());
-      if (it == (*c)->sessions.end())
-        return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                            StrCat("session_id: ", req->session_id(), " is not open"));
-      s = it->second;
-      (*c)->sessions.erase(it);
-    }
-    s->Abort(kAbortClosed);
-    d_->ReleaseSlotMemory(s->layout().total_bytes);
-    return grpc::Status::OK;
+    return AsClient(ctx, [&](ClientRecord& c) {
+      std::shared_ptr<Session> s;
+      {
+        std::lock_guard<std::mutex> lock(c.mu);
+        auto it = c.sessions.find(req->session_id());
+        if (it == c.sessions.end())
+          return absl::NotFoundError(StrCat("session_id: ", req->session_id(), " is not open"));
+        s = it->second;
+        c.sessions.erase(it);
+      }
+      s->Abort(kAbortClosed);
+      d_->ReleaseSlotMemory(s->layout().total_bytes);
+      return absl::OkStatus();
+    });
   }
 
   grpc::Status Release(grpc::ServerContext* ctx, const v1::ReleaseRequest* req,
                        v1::ReleaseResponse*) override {
-    auto c = d_->Authenticate(ctx);
-    if (!c.ok()) return ToGrpcStatus(c.status());
-    auto s = d_->FindSession(**c, req->session_id());
-    if (!s.ok()) return ToGrpcStatus(s.status());
-    return ToGrpcStatus((*s)->Release(req->epoch()));
+    return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
+      ULY_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, d_->FindSession(c, req->session_id()));
+      return s->Release(req->epoch());
+    });
   }
 
   grpc::Status PoisonSlots(grpc::ServerContext* ctx, const v1::PoisonSlotsRequest* req,
                            v1::PoisonSlotsResponse* resp) override {
-    auto c = d_->Authenticate(ctx);
-    if (!c.ok()) return ToGrpcStatus(c.status());
-    auto s = d_->FindSession(**c, req->session_id());
-    if (!s.ok()) return ToGrpcStatus(s.status());
-    resp->set_poisoned((*s)->Poison());
-    return grpc::Status::OK;
+    return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
+      ULY_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, d_->FindSession(c, req->session_id()));
+      resp->set_poisoned(s->Poison());
+      return absl::OkStatus();
+    });
   }
 
  private:
+  // Authenticates the caller, runs `f(ClientRecord&) -> absl::Status`, and converts the status
+  // at the edge.
+  template <typename F>
+  grpc::Status AsClient(grpc::ServerContext* ctx, F&& f) {
+    absl::StatusOr<std::shared_ptr<ClientRecord>> c = d_->Authenticate(ctx);
+    if (!c.ok()) return ToGrpcStatus(c.status());
+    return ToGrpcStatus(f(**c));
+  }
+
   absl::Status DoAlloc(ClientRecord& c, const v1::AllocBufferRequest& req, v1::BufferInfo* resp) {
     if (req.size_bytes() == 0 || req.size_bytes() > kMaxBufferBytes)
       return absl::InvalidArgumentError(

@@ -5,6 +5,7 @@
 
 #include <thread>
 
+#include "cluster_util.h"
 #include "demo_lib.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -19,6 +20,8 @@
 
 namespace ulysses {
 namespace {
+
+using testing_util::Eventually;
 
 using ::testing::HasSubstr;
 
@@ -47,8 +50,7 @@ class Cluster : public ::testing::Test {
   }
 
   std::unique_ptr<v1::Admin::Stub> Admin(int r) {
-    auto ch = grpc::CreateChannel("unix://" + daemons_[r].socket(), grpc::InsecureChannelCredentials());
-    return v1::Admin::NewStub(ch);
+    return testing_util::AdminStub(daemons_[r].socket());
   }
 
   std::vector<v1::ClientState> ListClients(int r) {
@@ -65,16 +67,6 @@ class Cluster : public ::testing::Test {
     return resp.sessions_size();
   }
 
-  // Polls an Admin condition until it holds or 20 s pass (the daemon reclaims asynchronously).
-  template <typename F>
-  bool Eventually(F cond) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    while (absl::Now() < deadline) {
-      if (cond()) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return cond();
-  }
 
   std::unique_ptr<client::Client> Connect(int r, const std::string& name) {
     auto c = client::Client::Connect({daemons_[r].socket(), name, absl::Seconds(10)});
@@ -300,8 +292,7 @@ TEST_F(Cluster, ClientsCannotUseEachOthersSessionsOrBuffers) {
   EXPECT_EQ(r1.status().code(), absl::StatusCode::kInvalidArgument);
   // The daemon never trusts a client: a raw call with b's buffer id is refused with
   // PERMISSION_DENIED naming the operand, and a's session id from b likewise.
-  auto ch = grpc::CreateChannel("unix://" + daemons_[0].socket(), grpc::InsecureChannelCredentials());
-  auto stub = v1::Control::NewStub(ch);
+  auto stub = testing_util::ControlStub(daemons_[0].socket());
   v1::AttachRequest areq;
   v1::AttachResponse ares;
   {

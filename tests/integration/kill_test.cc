@@ -9,6 +9,7 @@
 #include <cstring>
 #include <thread>
 
+#include "cluster_util.h"
 #include "demo_lib.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -20,6 +21,8 @@
 namespace ulysses {
 namespace {
 
+using testing_util::Eventually;
+
 int CountEntries(const std::string& dir, const std::string& prefix) {
   int n = 0;
   if (DIR* d = ::opendir(dir.c_str())) {
@@ -30,15 +33,6 @@ int CountEntries(const std::string& dir, const std::string& prefix) {
   return n;
 }
 
-template <typename F>
-bool Eventually(F cond) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (absl::Now() < deadline) {
-    if (cond()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return cond();
-}
 
 class KillAtPhase : public ::testing::TestWithParam<std::string> {
  protected:
@@ -93,8 +87,7 @@ class KillAtPhase : public ::testing::TestWithParam<std::string> {
     return c.ok() ? std::move(*c) : nullptr;
   }
   std::unique_ptr<v1::Admin::Stub> Admin(int r) {
-    return v1::Admin::NewStub(
-        grpc::CreateChannel("unix://" + daemons_[r].socket(), grpc::InsecureChannelCredentials()));
+    return testing_util::AdminStub(daemons_[r].socket());
   }
   int Clients(int r) {
     v1::ListClientsResponse resp;

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cluster_util.h"
 #include "demo_lib.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -60,8 +61,7 @@ class Ops : public ::testing::Test {
     return m;
   }
   std::unique_ptr<v1::Admin::Stub> Admin(int r) {
-    return v1::Admin::NewStub(
-        grpc::CreateChannel("unix://" + daemons_[r].socket(), grpc::InsecureChannelCredentials()));
+    return testing_util::AdminStub(daemons_[r].socket());
   }
   v1::DaemonState State(int r) {
     v1::DaemonState st;
@@ -150,8 +150,7 @@ TEST_F(Ops, FailedCallsAreCountedByCodeAndRecorded) {
   ASSERT_TRUE((*s)->ScatterHeads(x->Ref(), 1, 8).ok());
   ASSERT_TRUE((*s)->GatherHeads(x->Ref(), 1, 8).ok());
   // A call the daemon refuses: another process's session id, through the raw Control service.
-  auto control = v1::Control::NewStub(
-      grpc::CreateChannel("unix://" + daemons_[0].socket(), grpc::InsecureChannelCredentials()));
+  auto control = testing_util::ControlStub(daemons_[0].socket());
   v1::AttachResponse att;
   {
     grpc::ClientContext actx;

@@ -4,6 +4,7 @@
 #include <random>
 #include <thread>
 
+#include "cluster_util.h"
 #include "demo_lib.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -39,8 +40,7 @@ class RingTest : public ::testing::Test {
     demo::RemoveRunDir(dir_);
   }
   int NumClients() {
-    auto stub = v1::Admin::NewStub(
-        grpc::CreateChannel("unix://" + daemon_.socket(), grpc::InsecureChannelCredentials()));
+    auto stub = testing_util::AdminStub(daemon_.socket());
     v1::ListClientsResponse resp;
     grpc::ClientContext ctx;
     EXPECT_TRUE(stub->ListClients(&ctx, {}, &resp).ok());
@@ -160,7 +160,7 @@ struct RawClient {
     ctx->AddMetadata("ulysses-token", token);
   }
   absl::Status Connect(const std::string& socket) {
-    stub = v1::Control::NewStub(grpc::CreateChannel("unix://" + socket, grpc::InsecureChannelCredentials()));
+    stub = testing_util::ControlStub(socket);
     v1::AttachResponse a;
     grpc::ClientContext ctx;
     if (!stub->Attach(&ctx, {}, &a).ok()) return absl::UnavailableError("attach");

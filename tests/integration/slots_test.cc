@@ -3,6 +3,7 @@
 #include <cstring>
 #include <thread>
 
+#include "cluster_util.h"
 #include "demo_lib.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -55,8 +56,7 @@ class Slots : public ::testing::Test {
     return r.data != nullptr && std::memcmp(r.data, x_[buffer].data, kBytes) == 0;
   }
   std::vector<v1::SlotState> ListSlots() {
-    auto stub = v1::Admin::NewStub(
-        grpc::CreateChannel("unix://" + daemon_.socket(), grpc::InsecureChannelCredentials()));
+    auto stub = testing_util::AdminStub(daemon_.socket());
     v1::ListSlotsResponse resp;
     grpc::ClientContext ctx;
     EXPECT_TRUE(stub->ListSlots(&ctx, {}, &resp).ok());
@@ -120,8 +120,7 @@ class SlotsPatient : public Slots {
  protected:
   SlotsPatient() { call_timeout_ms_ = 60000; }
   int ActiveCalls() {
-    auto stub = v1::Admin::NewStub(
-        grpc::CreateChannel("unix://" + daemon_.socket(), grpc::InsecureChannelCredentials()));
+    auto stub = testing_util::AdminStub(daemon_.socket());
     v1::DaemonState st;
     grpc::ClientContext ctx;
     EXPECT_TRUE(stub->GetState(&ctx, {}, &st).ok());
@@ -197,8 +196,7 @@ TEST_F(Slots, AsynchronousErrorIsRaisedAtTheNextCallAndAtWait) {
   auto e3 = session_->Submit(a);
   ASSERT_TRUE(e3.ok());
   EXPECT_EQ(*e3, 3u);
-  auto stub = v1::Admin::NewStub(
-      grpc::CreateChannel("unix://" + daemon_.socket(), grpc::InsecureChannelCredentials()));
+  auto stub = testing_util::AdminStub(daemon_.socket());
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   bool failed = false;
   while (!failed && absl::Now() < deadline) {
