@@ -6,11 +6,15 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "ulysses/v1/admin.grpc.pb.h"
 #include "ulysses/v1/control.grpc.pb.h"
+#include "demo_lib.h"
+#include "gtest/gtest.h"
+#include "ulysses/client/client.h"
 
 namespace ulysses::testing_util {
 
@@ -35,5 +39,63 @@ bool Eventually(F cond) {
   }
   return cond();
 }
+
+/// Fixture: n real daemons (host backend) in a fresh run directory, stopped in TearDown.
+class ClusterTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    daemons_.clear();  // SIGTERM each daemon
+    if (!dir_.empty()) demo::RemoveRunDir(dir_);
+  }
+
+  void Start(int n, std::vector<std::string> extra = {}) {
+    auto dir = demo::MakeRunDir();
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    dir_ = *dir;
+    for (int r = 0; r < n; ++r) {
+      auto d = demo::StartDaemon(ULYSSESD_PATH, dir_, r, "host", extra);
+      ASSERT_TRUE(d.ok()) << d.status();
+      daemons_.push_back(std::move(*d));
+    }
+  }
+
+  std::vector<std::string> Members(int n) const {
+    std::vector<std::string> m;
+    for (int r = 0; r < n; ++r) m.push_back(daemons_[r].socket());
+    return m;
+  }
+
+  std::unique_ptr<v1::Admin::Stub> Admin(int r) { return AdminStub(daemons_[r].socket()); }
+
+  v1::DaemonState State(int r) {
+    v1::DaemonState st;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(Admin(r)->GetState(&ctx, {}, &st).ok());
+    return st;
+  }
+
+  std::vector<v1::ClientState> ListClients(int r) {
+    v1::ListClientsResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(Admin(r)->ListClients(&ctx, {}, &resp).ok());
+    return {resp.clients().begin(), resp.clients().end()};
+  }
+
+  int NumSessions(int r) {
+    v1::ListSessionsResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(Admin(r)->ListSessions(&ctx, {}, &resp).ok());
+    return resp.sessions_size();
+  }
+
+  std::unique_ptr<client::Client> Connect(int r, const std::string& name) {
+    auto c = client::Client::Connect({daemons_[r].socket(), name, absl::Seconds(10)});
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  std::string dir_;
+  std::vector<demo::DaemonProcess> daemons_;
+};
 
 }  // namespace ulysses::testing_util

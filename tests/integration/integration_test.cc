@@ -25,58 +25,7 @@ using testing_util::Eventually;
 
 using ::testing::HasSubstr;
 
-class Cluster : public ::testing::Test {
- protected:
-  void TearDown() override {
-    daemons_.clear();  // SIGTERM each daemon
-    if (!dir_.empty()) demo::RemoveRunDir(dir_);
-  }
-
-  void Start(int n, std::vector<std::string> extra = {}) {
-    auto dir = demo::MakeRunDir();
-    ASSERT_TRUE(dir.ok()) << dir.status();
-    dir_ = *dir;
-    for (int r = 0; r < n; ++r) {
-      auto d = demo::StartDaemon(ULYSSESD_PATH, dir_, r, "host", extra);
-      ASSERT_TRUE(d.ok()) << d.status();
-      daemons_.push_back(std::move(*d));
-    }
-  }
-
-  std::vector<std::string> Members(int n) const {
-    std::vector<std::string> m;
-    for (int r = 0; r < n; ++r) m.push_back(daemons_[r].socket());
-    return m;
-  }
-
-  std::unique_ptr<v1::Admin::Stub> Admin(int r) {
-    return testing_util::AdminStub(daemons_[r].socket());
-  }
-
-  std::vector<v1::ClientState> ListClients(int r) {
-    v1::ListClientsResponse resp;
-    grpc::ClientContext ctx;
-    EXPECT_TRUE(Admin(r)->ListClients(&ctx, {}, &resp).ok());
-    return {resp.clients().begin(), resp.clients().end()};
-  }
-
-  int NumSessions(int r) {
-    v1::ListSessionsResponse resp;
-    grpc::ClientContext ctx;
-    EXPECT_TRUE(Admin(r)->ListSessions(&ctx, {}, &resp).ok());
-    return resp.sessions_size();
-  }
-
-
-  std::unique_ptr<client::Client> Connect(int r, const std::string& name) {
-    auto c = client::Client::Connect({daemons_[r].socket(), name, absl::Seconds(10)});
-    EXPECT_TRUE(c.ok()) << c.status();
-    return c.ok() ? std::move(*c) : nullptr;
-  }
-
-  std::string dir_;
-  std::vector<demo::DaemonProcess> daemons_;
-};
+using Cluster = testing_util::ClusterTest;
 
 demo::Workload MakeWorkload(const std::vector<std::string>& members, int rank,
                             const std::string& group) {

@@ -39,36 +39,8 @@ std::map<std::string, double> ParseMetrics(const std::string& text) {
   return out;
 }
 
-class Ops : public ::testing::Test {
+class Ops : public testing_util::ClusterTest {
  protected:
-  void TearDown() override {
-    daemons_.clear();
-    if (!dir_.empty()) demo::RemoveRunDir(dir_);
-  }
-  void Start(int n, std::vector<std::string> extra = {}) {
-    auto dir = demo::MakeRunDir();
-    ASSERT_TRUE(dir.ok());
-    dir_ = *dir;
-    for (int r = 0; r < n; ++r) {
-      auto d = demo::StartDaemon(ULYSSESD_PATH, dir_, r, "host", extra);
-      ASSERT_TRUE(d.ok()) << d.status();
-      daemons_.push_back(std::move(*d));
-    }
-  }
-  std::vector<std::string> Members(int n) const {
-    std::vector<std::string> m;
-    for (int r = 0; r < n; ++r) m.push_back(daemons_[r].socket());
-    return m;
-  }
-  std::unique_ptr<v1::Admin::Stub> Admin(int r) {
-    return testing_util::AdminStub(daemons_[r].socket());
-  }
-  v1::DaemonState State(int r) {
-    v1::DaemonState st;
-    grpc::ClientContext ctx;
-    EXPECT_TRUE(Admin(r)->GetState(&ctx, {}, &st).ok());
-    return st;
-  }
   std::string ReadyFile(int r) {
     std::ifstream in(StrCat(dir_, "/gpu", r, ".ready"));
     std::stringstream ss;
@@ -96,9 +68,6 @@ class Ops : public ::testing::Test {
     for (auto& t : ts) t.join();
     for (auto& rep : reps) ASSERT_TRUE(rep.ok) << rep.error;
   }
-
-  std::string dir_;
-  std::vector<demo::DaemonProcess> daemons_;
 };
 
 TEST_F(Ops, MetricsAreScrapedOverHttpAndCountersMoveAfterCalls) {
