@@ -5,7 +5,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libboost-dev libspdlog-dev libgtest-dev libgmock-dev
+  libspdlog-dev libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libcpp-httplib-dev
   patchelf python3-venv systemd  # the deploy tests: tarball RUNPATH, Python venv, systemd-analyze
 )
