@@ -191,14 +191,23 @@ class ClientImpl : public BufferResolver {
 // Holds a receive slot for the result of one epoch; the last copy's destruction releases it.
 class SlotHold {
  public:
-  SlotHold(std::shared_ptr<ClientImpl> client, uint64_t session, uint64_t epoch)
-      : client_(std::move(client)), session_(session), epoch_(epoch) {}
+  // `word`: this slot's release word in the client segment, or null (release by RPC).
+  SlotHold(std::shared_ptr<ClientImpl> client, uint64_t session, uint64_t epoch,
+           std::atomic<uint64_t>* word)
+      : client_(std::move(client)), session_(session), epoch_(epoch), word_(word) {}
   ~SlotHold() { (void)Release(); }
   absl::Status Release() {
     std::lock_guard<std::mutex> lock(mu_);
     if (released_) return absl::OkStatus();
     released_ = true;
     if (client_->closed) return absl::OkStatus();  // Detach released everything
+    if (word_ != nullptr) {
+      // The fast path: one store in shared memory, read by the daemon before it reuses the
+      // slot. This client is the word's only writer; epochs of a slot only grow.
+      if (word_->load(std::memory_order_relaxed) < epoch_)
+        word_->store(epoch_, std::memory_order_release);
+      return absl::OkStatus();
+    }
     v1::ReleaseRequest req;
     req.set_session_id(session_);
     req.set_epoch(epoch_);
@@ -215,6 +224,7 @@ class SlotHold {
   std::shared_ptr<ClientImpl> client_;
   const uint64_t session_;
   const uint64_t epoch_;
+  std::atomic<uint64_t>* const word_;
   std::mutex mu_;
   bool released_ = false;
 };
@@ -383,6 +393,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const Group& grou
   session->backend_ = info.backend();
   session->base_ = static_cast<const uint8_t*>(mapping->data());
   session->segment_ = mapping;
+  session->release_index_ = info.release_index();
   return session;
 }
 
@@ -398,6 +409,14 @@ absl::Status Session::Close() {
   grpc::ClientContext ctx;
   client_->Prepare(&ctx, absl::Seconds(30));
   return FromGrpcStatus(client_->stub->CloseSession(&ctx, req, &resp));
+}
+
+std::atomic<uint64_t>* Session::ReleaseWord(int32_t slot) const {
+  if (!client_->has_rings() || release_index_ < 0 ||
+      release_index_ >= static_cast<int32_t>(ipc::kMaxReleaseSessions) || slot < 0 ||
+      slot >= static_cast<int32_t>(ipc::kMaxReleaseSlots))
+    return nullptr;
+  return &client_->header->released[release_index_][slot];
 }
 
 absl::StatusOr<int> Session::PoisonSlots() {
@@ -467,7 +486,7 @@ absl::StatusOr<Result> Session::Wait(uint64_t epoch, absl::Duration timeout) {
   r.data = base_ + c.slot_offset_bytes;
   r.bytes = c.result_bytes;
   r.daemon_us = c.elapsed_us;
-  if (!copied_out) r.hold_ = std::make_shared<SlotHold>(client_, id_, r.epoch);
+  if (!copied_out) r.hold_ = std::make_shared<SlotHold>(client_, id_, r.epoch, ReleaseWord(r.slot));
   return r;
 }
 
@@ -508,7 +527,8 @@ absl::StatusOr<Result> Session::Call(const CallArgs& args) {
   r.data = base_ + resp.slot_offset_bytes();
   r.bytes = resp.result_bytes();
   r.daemon_us = resp.elapsed_us();
-  if (!args.out.present()) r.hold_ = std::make_shared<SlotHold>(client_, id_, r.epoch);
+  if (!args.out.present())
+    r.hold_ = std::make_shared<SlotHold>(client_, id_, r.epoch, ReleaseWord(r.slot));
   return r;
 }
 

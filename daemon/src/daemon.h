@@ -87,6 +87,9 @@ struct ClientRecord {
   std::map<uint64_t, std::shared_ptr<Session>> sessions;
   std::mutex send_mu;  // serializes frames sent to the client
   std::shared_ptr<ClientRings> rings;  // set once the fd socket is bound
+  // Rows of the segment's release words handed out so far; rows are never reused, so a late
+  // write for a closed session cannot release a slot of a newer one.
+  int32_t release_rows_used = 0;
 };
 
 /// What a call produced, for either path (RPC or ring).

@@ -49,6 +49,7 @@ void FillSessionInfo(const Session& s, const Group& g, v1::SessionInfo* out) {
   out->set_segment_bytes(s.layout().total_bytes);
   out->set_backend(g.backend);
   out->set_backend_reason(g.backend_reason);
+  out->set_release_index(s.release_index());
 }
 
 // Canonical rendering of what every rank of a session must agree on.
@@ -384,6 +385,14 @@ class ControlService final : public v1::Control::Service {
     if (!status.ok()) {
       if (session) d_->ReleaseSlotMemory(layout.total_bytes);
       return status;
+    }
+    {
+      // Ring clients release held slots through their segment instead of an RPC.
+      std::lock_guard<std::mutex> lock(c.mu);
+      if (c.rings && c.release_rows_used < static_cast<int32_t>(ipc::kMaxReleaseSessions)) {
+        const int32_t row = c.release_rows_used++;
+        session->UseClientReleaseWords(row, &c.rings->header->released[row][0], c.rings);
+      }
     }
     std::shared_ptr<Session> shared(std::move(session));
     {

@@ -60,13 +60,33 @@ void Session::SetSlot(int slot, SlotState state, uint64_t epoch) {
   slot_cv_.notify_all();
 }
 
+void Session::UseClientReleaseWords(int32_t index, const std::atomic<uint64_t>* words,
+                                    std::shared_ptr<const void> keepalive) {
+  release_index_ = index;
+  client_released_ = words;
+  client_words_keepalive_ = std::move(keepalive);
+}
+
+bool Session::NotHeldLocked(int s) {
+  SlotEntry& e = slots_[s];
+  if (e.state != SlotState::kHeld) return true;
+  // The word is the client's: it is only a hint that this epoch's result was given back, and
+  // only an exact-or-later epoch of this slot counts.
+  if (client_released_ == nullptr ||
+      client_released_[s].load(std::memory_order_acquire) < e.epoch)
+    return false;
+  e = SlotEntry{SlotState::kFree, e.epoch, absl::Now()};
+  Control(geometry_.rank)->slots[s].released.store(e.epoch, std::memory_order_release);
+  return true;
+}
+
 absl::Status Session::Release(uint64_t epoch) {
   if (epoch == 0) return absl::InvalidArgumentError("epoch: must be > 0");
   const int s = static_cast<int>((epoch - 1) % geometry_.num_slots);
   {
     std::lock_guard<std::mutex> lock(slot_mu_);
     SlotEntry& e = slots_[s];
-    if (e.state != SlotState::kHeld || e.epoch != epoch)
+    if (NotHeldLocked(s) || e.epoch != epoch)
       return absl::FailedPreconditionError(StrCat("epoch: session ", id_, " holds no result of epoch ",
                                                   epoch, " (released already, copied out, or never issued)"));
     e = SlotEntry{SlotState::kFree, epoch, absl::Now()};
@@ -81,7 +101,7 @@ int Session::Poison() {
   int n = 0;
   for (int s = 0; s < geometry_.num_slots; ++s) {
     std::lock_guard<std::mutex> lock(slot_mu_);
-    if (slots_[s].state == SlotState::kHeld) continue;
+    if (!NotHeldLocked(s)) continue;
     std::memset(SlotData(geometry_.rank, s), 0xff, layout_.slot_bytes);
     ++n;
   }
@@ -184,14 +204,15 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
   {
     // A held slot is never overwritten: wait for the client to release the result it holds.
     std::unique_lock<std::mutex> lock(slot_mu_);
-    while (slots_[s].state == SlotState::kHeld) {
+    const absl::Duration poll = client_released_ ? absl::Milliseconds(1) : absl::Milliseconds(20);
+    while (!NotHeldLocked(s)) {
       if (mine->abort.load(std::memory_order_acquire) != 0) {
         --epoch_;
         return absl::AbortedError(StrCat("session ", id_, ": closed while a call waited for slot ", s));
       }
-      if (slot_cv_.wait_until(lock, absl::ToChronoTime(std::min(deadline, absl::Now() + absl::Milliseconds(20)))) ==
+      if (slot_cv_.wait_until(lock, absl::ToChronoTime(std::min(deadline, absl::Now() + poll))) ==
               std::cv_status::timeout &&
-          absl::Now() >= deadline && slots_[s].state == SlotState::kHeld) {
+          absl::Now() >= deadline && !NotHeldLocked(s)) {
         // Nothing was opened or written: the epoch is not consumed and the session stays usable.
         --epoch_;
         return absl::DeadlineExceededError(StrCat(
@@ -303,11 +324,13 @@ void Session::Abort(uint64_t code) {
   slot_cv_.notify_all();
 }
 
-std::vector<Session::SlotView> Session::Slots() const {
+std::vector<Session::SlotView> Session::Slots() {
   std::vector<SlotView> out;
   std::lock_guard<std::mutex> lock(slot_mu_);
-  for (int i = 0; i < geometry_.num_slots; ++i)
+  for (int i = 0; i < geometry_.num_slots; ++i) {
+    NotHeldLocked(i);
     out.push_back(SlotView{i, slots_[i].state, slots_[i].epoch, slots_[i].since});
+  }
   return out;
 }
 

@@ -72,6 +72,13 @@ class Session {
   /// Gives back the slot holding the result of `epoch`. FAILED_PRECONDITION when no slot holds
   /// that epoch (never issued, copied out, or released already).
   absl::Status Release(uint64_t epoch);
+  /// Lets the owner release held slots by writing `words[slot] = epoch` in its client segment
+  /// (kept mapped by `keepalive`). `index` is the row reported to the client.
+  void UseClientReleaseWords(int32_t index, const std::atomic<uint64_t>* words,
+                             std::shared_ptr<const void> keepalive);
+  /// Row of the client's release words, or -1 (release through the RPC).
+  int32_t release_index() const { return release_index_; }
+
   /// Fills the slots that are not held with all-ones bytes (NaN in every supported dtype).
   /// Returns how many slots were filled. Waits for a running call to finish first.
   int Poison();
@@ -98,7 +105,7 @@ class Session {
     uint64_t epoch;  ///< the epoch last written into the slot (0: never)
     absl::Time since;
   };
-  std::vector<SlotView> Slots() const;
+  std::vector<SlotView> Slots();
 
  private:
   Session(uint64_t id, uint64_t group_id, uint64_t owner, SessionGeometry g, SegmentLayout l,
@@ -126,9 +133,15 @@ class Session {
     absl::Time since;
   };
   void SetSlot(int slot, SlotState state, uint64_t epoch);
+  // A held slot whose result the client released through its word becomes free. Caller holds
+  // slot_mu_. Returns whether the slot is (now) not held.
+  bool NotHeldLocked(int slot);
   mutable std::mutex slot_mu_;
   std::condition_variable slot_cv_;
   std::vector<SlotEntry> slots_;
+  int32_t release_index_ = -1;
+  const std::atomic<uint64_t>* client_released_ = nullptr;  // [num_slots], client-written
+  std::shared_ptr<const void> client_words_keepalive_;
 };
 
 }  // namespace ulysses::daemon

@@ -26,7 +26,9 @@ class Slots : public ::testing::Test {
                                {"--call-timeout-ms", std::to_string(call_timeout_ms_)});
     ASSERT_TRUE(d.ok()) << d.status();
     daemon_ = std::move(*d);
-    auto c = client::Client::Connect({daemon_.socket(), "slots"});
+    client::ConnectOptions options{daemon_.socket(), "slots"};
+    options.use_rings = use_rings_;
+    auto c = client::Client::Connect(options);
     ASSERT_TRUE(c.ok()) << c.status();
     client_ = std::move(*c);
     auto g = client_->JoinGroup({"slots", 1, 0, {daemon_.socket()}, "auto", 0});
@@ -64,6 +66,7 @@ class Slots : public ::testing::Test {
   }
 
   int call_timeout_ms_ = 300;
+  bool use_rings_ = true;  // ring clients release through their segment, others by RPC
   static constexpr int32_t kH = 4, kD = 8;
   static constexpr int64_t kTokens = 16;
   static constexpr uint64_t kBytes = kTokens * kH * kD * 4;
@@ -220,6 +223,33 @@ TEST_F(Slots, AsynchronousErrorIsRaisedAtTheNextCallAndAtWait) {
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(ok->epoch, 3u);
   EXPECT_TRUE(Same(*ok, 2));
+}
+
+}  // namespace
+}  // namespace ulysses
+
+namespace ulysses {
+namespace {
+
+class SlotsRpc : public Slots {
+ protected:
+  SlotsRpc() { use_rings_ = false; }
+};
+
+TEST_F(SlotsRpc, WithoutRingsHeldSlotsAreReleasedByRpc) {
+  EXPECT_FALSE(client_->uses_rings());
+  auto r1 = session_->ScatterHeads(x_[0].Ref(), 1, kTokens);
+  auto r2 = session_->ScatterHeads(x_[1].Ref(), 1, kTokens);
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  auto r3 = session_->ScatterHeads(x_[2].Ref(), 1, kTokens);
+  EXPECT_EQ(r3.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(Same(*r1, 0));
+  ASSERT_TRUE(r1->Release().ok());
+  EXPECT_EQ(ListSlots()[0].state(), "free");
+  r3 = session_->ScatterHeads(x_[2].Ref(), 1, kTokens);
+  ASSERT_TRUE(r3.ok()) << r3.status();
+  EXPECT_TRUE(Same(*r3, 2));
+  EXPECT_TRUE(Same(*r2, 1));
 }
 
 }  // namespace

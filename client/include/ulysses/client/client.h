@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <map>
 #include <cstdint>
 #include <memory>
@@ -148,6 +149,9 @@ class Session {
   std::shared_ptr<void> segment_;  // read-only mapping of the session segment
   const uint8_t* base_ = nullptr;
   bool closed_ = false;
+  // The client-segment word that releases `slot`, or null (release through the RPC).
+  std::atomic<uint64_t>* ReleaseWord(int32_t slot) const;
+  int32_t release_index_ = -1;
   uint64_t next_epoch_ = 1;  // ring path: the epoch the next submitted call gets
   std::map<uint64_t, bool> has_out_;  // ring path: submitted epochs -> whether out= was given
 };

@@ -7,7 +7,8 @@
 // eventfds: the submit doorbell (client rings after pushing a descriptor) and the completion
 // doorbell (daemon rings after posting a completion). Writers: the client writes only the
 // submit ring's records and tail and the completion ring's head; the daemon writes everything
-// else. No lock lives here, so a dead client cannot leave anything locked.
+// else, plus its release words. No lock lives here, so a dead client cannot leave anything
+// locked.
 #pragma once
 
 #include <atomic>
@@ -20,8 +21,12 @@
 namespace ulysses::ipc {
 
 inline constexpr uint64_t kClientSegmentMagic = 0x554c5953434c4931ull;  // "ULYSCLI1"
-inline constexpr uint32_t kClientSegmentVersion = 1;
+inline constexpr uint32_t kClientSegmentVersion = 2;
 inline constexpr uint32_t kRingCapacity = 64;
+/// Sessions per client that can release slots through the segment (more use the RPC).
+inline constexpr uint32_t kMaxReleaseSessions = 64;
+/// Slots per session (matches kMaxSlots of the session geometry).
+inline constexpr uint32_t kMaxReleaseSlots = 8;
 
 /// One operand of a call: a strided view into one of the client's buffers (0 = absent).
 struct OperandDescriptor {
@@ -71,7 +76,13 @@ struct ClientSegmentHeader {
   uint64_t client_id;
   /// Nonzero once the daemon has dropped this client; waits on the segment end.
   std::atomic<uint64_t> abort;
+  uint64_t reserved[3];
+  /// released[i][s] = e: the client gave back the result of epoch e in slot s of the session
+  /// whose release index is i (SessionInfo.release_index). Written only by the client, with
+  /// release order, epochs only growing; the daemon reads it before it reuses a held slot.
+  alignas(64) std::atomic<uint64_t> released[kMaxReleaseSessions][kMaxReleaseSlots];
 };
+static_assert(offsetof(ClientSegmentHeader, released) == 64);
 
 using SubmitRing = SpscRing<CallDescriptor, kRingCapacity>;
 using CompletionRing = SpscRing<Completion, kRingCapacity>;
@@ -79,7 +90,7 @@ using CompletionRing = SpscRing<Completion, kRingCapacity>;
 /// Byte offsets of the parts of a client segment.
 struct ClientSegmentLayout {
   static constexpr size_t kHeader = 0;
-  static constexpr size_t kSubmit = 64;
+  static constexpr size_t kSubmit = ((sizeof(ClientSegmentHeader) + 63) / 64) * 64;
   static constexpr size_t kComplete = kSubmit + ((sizeof(SubmitRing) + 63) / 64) * 64;
   static constexpr size_t kTotal = kComplete + ((sizeof(CompletionRing) + 63) / 64) * 64;
 };
