@@ -32,7 +32,7 @@ class ClientImpl : public BufferResolver {
   std::string backend;
   ipc::UniqueFd fd_socket;
   std::mutex fd_mu;  // an RPC that answers with an fd frame and the read of that frame
-  std::mutex buf_mu;
+  mutable std::mutex buf_mu;
   std::map<uint64_t, std::pair<Buffer, std::shared_ptr<ipc::Mapping>>> buffers;
   uint64_t next_tag = 1;
   grpc::ClientContext watch_ctx;
@@ -153,7 +153,7 @@ class ClientImpl : public BufferResolver {
   }
 
   absl::StatusOr<BufferInfo> Resolve(uint64_t id) const override {
-    std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(buf_mu));
+    std::lock_guard<std::mutex> lock(buf_mu);
     auto it = buffers.find(id);
     if (it == buffers.end())
       return absl::InvalidArgumentError(StrCat("buffer ", id, " is not registered"));

@@ -165,7 +165,7 @@ absl::Status Session::WaitWord(const std::atomic<uint64_t>& word, uint64_t targe
 }
 
 uint64_t Session::next_epoch() const {
-  std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(call_mu_));
+  std::lock_guard<std::mutex> lock(call_mu_);
   return epoch_ + 1;
 }
 

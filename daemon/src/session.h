@@ -122,7 +122,7 @@ class Session {
   const SegmentLayout layout_;
   ipc::NamedSegment segment_;
   std::vector<ipc::NamedSegment> peers_;  // index = rank; this rank's entry is empty
-  std::mutex call_mu_;                    // one call in flight per session
+  mutable std::mutex call_mu_;            // one call in flight per session
   uint64_t epoch_ = 0;
   std::atomic<uint64_t> calls_{0};
   std::atomic<uint64_t> last_epoch_{0};
