@@ -1,0 +1,241 @@
+// The CPU reference of the fused QKV op: hand-checked small cases of each step, and the
+// properties that tie the block functions to the plain op (W = 1 is the plain op; the blocks
+// of all (src, dst) pairs redistribute it exactly, each block touching only its own region).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "qkv_test_util.h"
+#include "ulysses/kernels/qkv_norm_rope.h"
+
+namespace ulysses::kernels {
+namespace {
+
+using testing::MakeQkvProblem;
+using testing::QkvProblem;
+
+std::vector<uint16_t> Bf16s(std::initializer_list<float> values) {
+  std::vector<uint16_t> out;
+  for (float v : values) out.push_back(FloatToBf16(v));
+  return out;
+}
+
+std::vector<float> Floats(const std::vector<uint16_t>& bits) {
+  std::vector<float> out;
+  for (uint16_t b : bits) out.push_back(Bf16ToFloat(b));
+  return out;
+}
+
+TEST(Bf16Test, RoundsToNearestEven) {
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
+  EXPECT_EQ(FloatToBf16(-2.0f), 0xc000);
+  // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even pattern (1.0).
+  EXPECT_EQ(FloatToBf16(1.00390625f), 0x3f80);
+  // 1 + 3*2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: the even one is 1 + 2^-6.
+  EXPECT_EQ(FloatToBf16(1.01171875f), 0x3f82);
+  EXPECT_EQ(FloatToBf16(1.0f + 1.0f / 128 + 1.0f / 1024), 0x3f81);
+  EXPECT_EQ(Bf16ToFloat(0x3f81), 1.0078125f);
+  EXPECT_NE(FloatToBf16(NAN) & 0x7f80, 0);
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(NAN))));
+}
+
+TEST(QkvNormRopeRefTest, ProjectionIsXTimesWTransposedRoundedToBf16) {
+  // hidden 2, 3 features, 2 rows: qkv[t, n] = sum_k x[t, k] * w[n, k].
+  const std::vector<uint16_t> x = Bf16s({1, 2, -3, 0.5f});
+  const std::vector<uint16_t> w = Bf16s({1, 1, 0.25f, -1, 3, 1.0f / 3});
+  std::vector<uint16_t> qkv(6, 0xffff);
+  QkvProjectRef(x.data(), w.data(), 2, 3, 0, 2, qkv.data());
+  const float third = Bf16ToFloat(FloatToBf16(1.0f / 3));
+  EXPECT_EQ(Floats(qkv),
+            (std::vector<float>{3, -1.75f, Bf16ToFloat(FloatToBf16(3 + 2 * third)), -2.5f, -1.25f,
+                                Bf16ToFloat(FloatToBf16(-9 + third / 2))}));
+  // A row range writes only its rows.
+  std::vector<uint16_t> part(6, 0xffff);
+  QkvProjectRef(x.data(), w.data(), 2, 3, 1, 2, part.data());
+  EXPECT_EQ(std::vector<uint16_t>(part.begin(), part.begin() + 3),
+            std::vector<uint16_t>(3, 0xffff));
+  EXPECT_EQ(std::vector<uint16_t>(part.begin() + 3, part.end()),
+            std::vector<uint16_t>(qkv.begin() + 3, qkv.end()));
+}
+
+TEST(QkvNormRopeRefTest, NormThenWeightThenRotateByHand) {
+  // One token, H = 1, D = 2: q = [3, 4], k = [3, 4], v = [5, 6]; position 1.
+  const QkvNormRopeShape shape{1, 1, 2, 2, 1, 1};
+  std::vector<uint16_t> qkv = Bf16s({3, 4, 3, 4, 5, 6});
+  const std::vector<uint16_t> q_norm = Bf16s({1, 2}), k_norm = Bf16s({1, 1});
+  // Row 0 would be the identity rotation; row 1 has c = s = 0.5 (cos first, sin second).
+  const std::vector<float> cos_sin = {1, 0, 0.5f, 0.5f};
+  const int32_t position = 1;
+  NormRopeRef(shape, QkvWeights{nullptr, q_norm.data(), k_norm.data(), cos_sin.data()}, &position,
+              0, 1, qkv.data());
+  // rms: mean(9, 16) = 12.5; 3 / sqrt(12.5) = 0.8485 -> bf16 0.84765625 and 4 / sqrt(12.5) =
+  // 1.1314 -> bf16 1.1328125. Q: a = 0.84765625, b = 2.265625 (times w = [1, 2]);
+  // o0 = 0.5a - 0.5b = -0.708984375, halfway: even -> -0.7109375; o1 = 0.5(a + b) =
+  // 1.556640625 -> 1.5546875. K: b = 1.1328125; o0 = -0.142578125 -> -0.142578125 (exact in
+  // bf16), o1 = 0.990234375 -> 0.9921875 (halfway, even).
+  EXPECT_EQ(Floats(qkv),
+            (std::vector<float>{-0.7109375f, 1.5546875f, -0.142578125f, 0.9921875f, 5, 6}));
+}
+
+TEST(QkvNormRopeRefTest, PositionZeroIsPureNormAndVIsTheProjection) {
+  const QkvNormRopeShape shape{1, 2, 8, 1, 1, 3};
+  QkvProblem p = MakeQkvProblem(shape, 7);
+  std::fill(p.positions[0].begin(), p.positions[0].end(), 0);
+  std::vector<uint16_t> qkv(static_cast<size_t>(QkvRows(shape) * QkvFeatures(shape)));
+  std::vector<uint16_t> proj(qkv.size());
+  QkvNormRopeRef(shape, p.weights(), p.x[0].data(), p.positions[0].data(), qkv.data());
+  QkvProjectRef(p.x[0].data(), p.w_qkv.data(), QkvHidden(shape), QkvFeatures(shape), 0,
+                QkvRows(shape), proj.data());
+  const int64_t hd = QkvHidden(shape);
+  for (int64_t t = 0; t < QkvRows(shape); ++t) {
+    const uint16_t* got = qkv.data() + t * QkvFeatures(shape);
+    const uint16_t* y = proj.data() + t * QkvFeatures(shape);
+    for (int plane = 0; plane < 2; ++plane) {
+      const std::vector<uint16_t>& w = plane == 0 ? p.q_norm : p.k_norm;
+      for (int64_t h = 0; h < shape.heads; ++h) {
+        const uint16_t* head = y + plane * hd + h * shape.head_dim;
+        float sum_sq = 0;
+        for (int d = 0; d < shape.head_dim; ++d)
+          sum_sq += Bf16ToFloat(head[d]) * Bf16ToFloat(head[d]);
+        const float inv = 1.0f / std::sqrt(sum_sq / shape.head_dim + 1e-6f);
+        for (int d = 0; d < shape.head_dim; ++d) {
+          const float t_val = Bf16ToFloat(FloatToBf16(Bf16ToFloat(head[d]) * inv));
+          EXPECT_EQ(got[plane * hd + h * shape.head_dim + d],
+                    FloatToBf16(t_val * Bf16ToFloat(w[d])))
+              << "t " << t << " plane " << plane << " head " << h << " d " << d;
+        }
+      }
+    }
+    EXPECT_EQ(0, std::memcmp(got + 2 * hd, y + 2 * hd, hd * sizeof(uint16_t))) << "V of row " << t;
+  }
+}
+
+struct Case {
+  int32_t world, heads, head_dim;
+  int64_t batch, seq_local;
+};
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "W" << c.world << " H" << c.heads << " D" << c.head_dim << " B" << c.batch << " S_l"
+      << c.seq_local;
+}
+using Param = std::tuple<Case, QkvLayout>;
+
+class QkvBlockRefTest : public ::testing::TestWithParam<Param> {
+ protected:
+  QkvNormRopeShape Shape() const {
+    const Case& c = std::get<0>(GetParam());
+    return QkvNormRopeShape{c.world, c.heads, c.head_dim, 37, c.batch, c.seq_local};
+  }
+  QkvLayout Layout() const { return std::get<1>(GetParam()); }
+  // Every rank's plain (pre-exchange) result.
+  std::vector<std::vector<uint16_t>> Plain(const QkvProblem& p) const {
+    const QkvNormRopeShape sh = p.shape;
+    std::vector<std::vector<uint16_t>> out;
+    for (int r = 0; r < sh.world; ++r) {
+      out.emplace_back(static_cast<size_t>(QkvRows(sh) * QkvFeatures(sh)));
+      QkvNormRopeRef(sh, p.weights(), p.x[r].data(), p.positions[r].data(), out.back().data());
+    }
+    return out;
+  }
+  static constexpr uint16_t kPoison = 0x7fc1;  // a NaN pattern
+};
+
+TEST_P(QkvBlockRefTest, WorldOneBlockIsThePlainOp) {
+  QkvNormRopeShape sh = Shape();
+  sh.world = 1;
+  const QkvProblem p = MakeQkvProblem(sh, 11);
+  const std::vector<uint16_t> plain = Plain(p)[0];
+  std::vector<uint16_t> out(static_cast<size_t>(3 * QkvPlaneElems(sh)), kPoison);
+  QkvNormRopeBlockRef(sh, Layout(), p.weights(), p.x[0].data(), p.positions[0].data(), 0, 0,
+                      out.data());
+  const int64_t hd = QkvHidden(sh), dim = sh.head_dim;
+  for (int64_t t = 0; t < QkvRows(sh); ++t) {
+    for (int plane = 0; plane < 3; ++plane) {
+      for (int64_t h = 0; h < sh.heads; ++h) {
+        // bshd: plane-major [3][B*S][H][D]; fused: [B*S][H][3][D].
+        const int64_t at = Layout() == QkvLayout::kBshd
+                               ? plane * QkvRows(sh) * hd + t * hd + h * dim
+                               : (t * sh.heads + h) * 3 * dim + plane * dim;
+        ASSERT_EQ(0, std::memcmp(out.data() + at, plain.data() + t * 3 * hd + plane * hd + h * dim,
+                                 dim * sizeof(uint16_t)))
+            << "t " << t << " plane " << plane << " head " << h;
+      }
+    }
+  }
+}
+
+TEST_P(QkvBlockRefTest, BlocksRedistributeThePlainOp) {
+  const QkvNormRopeShape sh = Shape();
+  const QkvProblem p = MakeQkvProblem(sh, 23 + sh.world);
+  const std::vector<std::vector<uint16_t>> plain = Plain(p);
+  const int64_t hl = QkvLocalHeads(sh), dim = sh.head_dim, hd = QkvHidden(sh);
+  const int64_t sg = QkvGlobalSeq(sh);
+  for (int dst = 0; dst < sh.world; ++dst) {
+    std::vector<uint16_t> fused(static_cast<size_t>(3 * QkvPlaneElems(sh)), kPoison);
+    std::vector<uint16_t> copied = fused;
+    for (int src = sh.world - 1; src >= 0; --src) {  // any order
+      QkvNormRopeBlockRef(sh, Layout(), p.weights(), p.x[src].data(), p.positions[src].data(), src,
+                          dst, fused.data());
+      ScatterQkvBlockRef(sh, Layout(), plain[src].data(), src, dst, copied.data());
+    }
+    EXPECT_EQ(fused, copied) << "dst " << dst;
+    // The formula of DESIGN.md section 4, element by element: rank dst holds heads
+    // [dst*H_l, (dst+1)*H_l) of every token, sequence blocks in source-rank order.
+    for (int64_t b = 0; b < sh.batch; ++b) {
+      for (int64_t g = 0; g < sg; ++g) {
+        const int64_t src = g / sh.seq_local, s = g % sh.seq_local;
+        const uint16_t* row = plain[src].data() + (b * sh.seq_local + s) * 3 * hd;
+        for (int plane = 0; plane < 3; ++plane) {
+          for (int64_t h = 0; h < hl; ++h) {
+            const int64_t at =
+                Layout() == QkvLayout::kBshd
+                    ? plane * (sh.batch * sg * hl * dim) + ((b * sg + g) * hl + h) * dim
+                    : ((b * sg + g) * hl + h) * 3 * dim + plane * dim;
+            ASSERT_EQ(0, std::memcmp(fused.data() + at, row + plane * hd + (dst * hl + h) * dim,
+                                     dim * sizeof(uint16_t)))
+                << "dst " << dst << " b " << b << " g " << g << " plane " << plane << " h " << h;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(QkvBlockRefTest, BlockWritesOnlyItsRegion) {
+  const QkvNormRopeShape sh = Shape();
+  const QkvProblem p = MakeQkvProblem(sh, 5);
+  const int src = sh.world > 1 ? 1 : 0, dst = sh.world - 1;
+  std::vector<uint16_t> out(static_cast<size_t>(3 * QkvPlaneElems(sh)), kPoison);
+  QkvNormRopeBlockRef(sh, Layout(), p.weights(), p.x[src].data(), p.positions[src].data(), src, dst,
+                      out.data());
+  const int64_t hl = QkvLocalHeads(sh), dim = sh.head_dim;
+  int64_t written = 0;
+  for (int64_t b = 0; b < sh.batch; ++b)
+    for (int64_t g = 0; g < QkvGlobalSeq(sh); ++g)
+      for (int plane = 0; plane < 3; ++plane)
+        for (int64_t h = 0; h < hl; ++h)
+          for (int64_t d = 0; d < dim; ++d) {
+            const bool mine = g / sh.seq_local == src;
+            const uint16_t v = out[QkvDestOffset(sh, Layout(), b, g, h, plane, d)];
+            if (mine) {
+              ++written;
+            } else {
+              ASSERT_EQ(v, kPoison) << "wrote outside its block at b " << b << " g " << g;
+            }
+          }
+  EXPECT_EQ(written, QkvPlaneElems(sh) * 3 / sh.world);
+}
+
+const Case kCases[] = {
+    {1, 3, 4, 2, 3}, {2, 2, 8, 1, 5},  {2, 4, 6, 2, 3},
+    {3, 6, 4, 1, 4}, {4, 8, 16, 2, 7}, {4, 4, 2, 1, 2},
+};
+INSTANTIATE_TEST_SUITE_P(Cases, QkvBlockRefTest,
+                         ::testing::Combine(::testing::ValuesIn(kCases),
+                                            ::testing::Values(QkvLayout::kBshd,
+                                                              QkvLayout::kFused)));
+
+}  // namespace
+}  // namespace ulysses::kernels
