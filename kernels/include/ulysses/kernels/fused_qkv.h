@@ -1,0 +1,95 @@
+// A prepared fused QKV call on one source rank (DESIGN.md section 4): the projection, QK-RMSNorm
+// + RoPE and the stores into the W destinations' receive buffers, on two paths:
+//   per-operator  GEMM (cuBLASLt) -> norm+RoPE in place -> scatter, all on the caller's stream;
+//   chunked       the GEMM split by token block on the caller's stream, and for each block, as
+//                 soon as its GEMM is done, the fused norm+RoPE+store on a second stream (so it
+//                 runs while the GEMM of the next block does), each block publishing its
+//                 readiness words.
+// Usable from host C++ without CUDA headers. Without CUDA, Create returns FAILED_PRECONDITION.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "ulysses/kernels/qkv_norm_rope.h"
+#include "ulysses/kernels/qkv_norm_rope_cuda.h"
+
+namespace ulysses::kernels {
+
+/// Most chunks a chunked call is split into.
+inline constexpr int32_t kMaxFusedChunks = 32;
+
+/// What a plan is made for. The weights are device pointers the caller keeps alive and
+/// unchanged for the plan's lifetime.
+struct FusedQkvConfig {
+  int32_t world = 0;  ///< W
+  int32_t rank = 0;   ///< this (source) rank
+  int32_t heads = 0;  ///< H
+  int32_t head_dim = kFusedGpuHeadDim;
+  int32_t max_pos = 0;  ///< rows of the cos/sin table
+  QkvLayout layout = QkvLayout::kUnspecified;
+  int64_t max_tokens = 0;  ///< largest B * S_l of a call
+  QkvWeights weights{};
+  /// Rows per chunk of the chunked path (rounded up to a multiple of 128); 0: chosen per call
+  /// by DefaultChunkRows.
+  int64_t chunk_rows = 0;
+  /// Grid cap of the chunked path's norm+RoPE+store kernel (0: no cap).
+  int32_t push_blocks = 0;
+};
+
+/// The chunked path's default: about four chunks of at least 512 rows, multiples of 128 rows.
+int64_t DefaultChunkRows(int64_t rows);
+
+/// Owns everything a call needs: the GEMM (descriptors, workspace), the [max_tokens, 3*H*D]
+/// projection buffer, the second stream, the events and the block counters. Create allocates;
+/// a call of a prepared row count allocates nothing. Not thread-safe: calls are issued by one
+/// thread, and a plan's calls must be ordered on one caller stream (each call waits for its
+/// own second-stream work before it returns control to the stream). Destroy only after the
+/// enqueued work has completed.
+class FusedQkvPlan {
+ public:
+  /// Validates the config (the rules of ValidateFusedGeometry for FusedImpl::kCuda, weights
+  /// non-null and 16-byte aligned) and allocates on the current device.
+  static absl::StatusOr<std::unique_ptr<FusedQkvPlan>> Create(const FusedQkvConfig& config);
+  ~FusedQkvPlan();
+  FusedQkvPlan(const FusedQkvPlan&) = delete;
+  FusedQkvPlan& operator=(const FusedQkvPlan&) = delete;
+
+  /// Prepares the GEMMs of a call of B * S_l = `rows` on both paths (host work only).
+  absl::Status Prepare(int64_t rows);
+
+  /// The per-operator path. `x` is this rank's [batch, seq_local, hidden] bf16 input,
+  /// `positions` its int32 [batch, seq_local] positions (device pointers); `dests` as for
+  /// LaunchQkvScatter (one readiness word per destination, dests.ready[dst][0]).
+  absl::Status RunPerOperator(const void* x, const int32_t* positions, int64_t batch,
+                              int64_t seq_local, const QkvDestinations& dests, cudaStream_t stream);
+
+  /// The chunked path; same result as RunPerOperator within the GEMM's rounding. Chunk i
+  /// publishes dests.ready[dst][i] for every dst (NumChunks words per destination).
+  absl::Status RunChunked(const void* x, const int32_t* positions, int64_t batch, int64_t seq_local,
+                          const QkvDestinations& dests, cudaStream_t stream);
+
+  /// The projection alone, into the plan's projection buffer (the benchmark's floor).
+  absl::Status RunProjection(const void* x, int64_t rows, cudaStream_t stream);
+
+  /// Rows per chunk and chunks of a call of `rows` rows on the chunked path.
+  int64_t ChunkRows(int64_t rows) const;
+  int64_t NumChunks(int64_t rows) const;
+
+  /// The projection buffer [max_tokens, 3*H*D] bf16 (the last call's raw projection on the
+  /// chunked path, its normalized one on the per-operator path).
+  const void* projection() const;
+
+  /// One line per path: the launch sequence, chunking and GEMM algorithms for `rows` rows.
+  std::string Describe(int64_t rows) const;
+
+ private:
+  struct Impl;
+  explicit FusedQkvPlan(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ulysses::kernels

@@ -1,0 +1,58 @@
+// A prepared bf16 GEMM on cuBLASLt for the QKV projection: out[m, n] = x[m, k] @ w[n, k]^T,
+// all row-major, fp32 accumulation, bf16 output. Usable from host C++ without CUDA headers.
+// Without CUDA, Create returns FAILED_PRECONDITION.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+struct CUstream_st;
+typedef struct CUstream_st* cudaStream_t;  // same declaration as the CUDA runtime's
+
+namespace ulysses::kernels {
+
+/// One (n, k) projection. Owns its cuBLASLt handle, descriptors and a device workspace, all
+/// made by Create and Prepare; Run allocates nothing once the row count and the pointer
+/// alignment class have been prepared. Not thread-safe: one caller (and one stream at a time).
+/// Destroy only after the work it enqueued has completed (the workspace is freed).
+class Bf16Gemm {
+ public:
+  /// Default device workspace of cuBLASLt (Hopper kernels use up to 32 MiB).
+  static constexpr size_t kDefaultWorkspaceBytes = size_t{32} << 20;
+
+  /// A GEMM with `n` output features and `k` input features (both positive, k a multiple of 8)
+  /// on the current device.
+  static absl::StatusOr<std::unique_ptr<Bf16Gemm>> Create(
+      int64_t n, int64_t k, size_t workspace_bytes = kDefaultWorkspaceBytes);
+  ~Bf16Gemm();
+  Bf16Gemm(const Bf16Gemm&) = delete;
+  Bf16Gemm& operator=(const Bf16Gemm&) = delete;
+
+  /// Builds the descriptors and picks the algorithm for `m` rows with pointers aligned to
+  /// 256 bytes (host work only; allocates host memory). Idempotent.
+  absl::Status Prepare(int64_t m);
+
+  /// Enqueues out = x @ w^T for `m` rows on `stream`. x [m, k], w [n, k], out [m, n], device
+  /// pointers, 16-byte aligned at least. A row count (or a pointer alignment below 256 bytes)
+  /// seen for the first time is prepared here first. INVALID_ARGUMENT for bad arguments,
+  /// INTERNAL for a cuBLASLt failure.
+  absl::Status Run(const void* x, const void* w, void* out, int64_t m, cudaStream_t stream);
+
+  int64_t n() const;
+  int64_t k() const;
+  /// Name of the algorithm cuBLASLt picked for `m` rows at 256-byte alignment (after Prepare),
+  /// for describe(); empty when not prepared.
+  std::string AlgoDescription(int64_t m) const;
+
+ private:
+  struct Impl;
+  explicit Bf16Gemm(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ulysses::kernels

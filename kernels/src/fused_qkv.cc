@@ -1,0 +1,260 @@
+// FusedQkvPlan: the per-operator and the chunked path of the fused QKV op on one source rank.
+#include "ulysses/kernels/fused_qkv.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "cuda_check.h"
+#include "ulysses/common/status.h"
+#include "ulysses/kernels/gemm.h"
+
+namespace ulysses::kernels {
+namespace {
+
+constexpr int64_t kChunkAlignRows = 128;  // GEMM tile height: chunk boundaries fall on tiles
+
+// Owners of CUDA runtime objects; each frees on destruction and is neither copied nor moved.
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  ~DeviceMemory() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  absl::Status Allocate(size_t bytes) {
+    ULY_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes));
+    return absl::OkStatus();
+  }
+  void* get() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+class Stream {
+ public:
+  Stream() = default;
+  ~Stream() {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  // Non-blocking, at the device's greatest priority: the store kernel's blocks get SMs as the
+  // GEMM's blocks retire, instead of queueing behind the next GEMM.
+  absl::Status Create() {
+    int least = 0, greatest = 0;
+    ULY_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    ULY_CUDA_RETURN_IF_ERROR(
+        cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
+    return absl::OkStatus();
+  }
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+class Event {
+ public:
+  Event() = default;
+  ~Event() {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  absl::Status Create() {
+    ULY_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    return absl::OkStatus();
+  }
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+int64_t DefaultChunkRows(int64_t rows) {
+  const int64_t quarter = (rows + 3) / 4;
+  const int64_t aligned = (quarter + kChunkAlignRows - 1) / kChunkAlignRows * kChunkAlignRows;
+  return std::max<int64_t>(512, aligned);
+}
+
+struct FusedQkvPlan::Impl {
+  FusedQkvConfig config;
+  std::unique_ptr<Bf16Gemm> gemm;
+  DeviceMemory projection;  // [max_tokens, 3*H*D] bf16
+  DeviceMemory counters;    // [2] block counters: 0 main stream, 1 second stream
+  Stream side;
+  Event start, done;
+  Event chunk_done[kMaxFusedChunks];
+
+  int64_t hidden() const { return int64_t{config.heads} * config.head_dim; }
+  int64_t features() const { return 3 * hidden(); }
+  unsigned int* counter(int i) const { return static_cast<unsigned int*>(counters.get()) + i; }
+  uint16_t* qkv() const { return static_cast<uint16_t*>(projection.get()); }
+
+  int64_t ChunkRows(int64_t rows) const {
+    int64_t chunk = config.chunk_rows > 0 ? (config.chunk_rows + kChunkAlignRows - 1) /
+                                                kChunkAlignRows * kChunkAlignRows
+                                          : DefaultChunkRows(rows);
+    // Never more than kMaxFusedChunks chunks.
+    const int64_t min_chunk = (rows + kMaxFusedChunks - 1) / kMaxFusedChunks;
+    chunk = std::max(chunk, (min_chunk + kChunkAlignRows - 1) / kChunkAlignRows * kChunkAlignRows);
+    return std::min(chunk, rows);
+  }
+
+  absl::StatusOr<QkvNormRopeShape> CallShape(const void* x, const int32_t* positions, int64_t batch,
+                                             int64_t seq_local) const {
+    if (batch <= 0 || seq_local <= 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("batch and seq_local must be positive, got ", batch, ", ", seq_local));
+    if (batch * seq_local > config.max_tokens)
+      return absl::ResourceExhaustedError(
+          absl::StrCat("capacity: batch*seq_local = ", batch * seq_local, " exceeds max_tokens ",
+                       config.max_tokens));
+    if (x == nullptr || !Aligned16(x))
+      return absl::InvalidArgumentError("x is null or not 16-byte aligned");
+    if (positions == nullptr) return absl::InvalidArgumentError("positions is null");
+    return QkvNormRopeShape{config.world,   config.heads, config.head_dim,
+                            config.max_pos, batch,        seq_local};
+  }
+};
+
+FusedQkvPlan::FusedQkvPlan(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+FusedQkvPlan::~FusedQkvPlan() = default;
+
+absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQkvConfig& config) {
+  FusedGeometry g;
+  g.world_size = config.world;
+  g.rank = config.rank;
+  g.hidden = config.heads * config.head_dim;
+  g.num_heads = config.heads;
+  g.head_dim = config.head_dim;
+  g.layout = config.layout;
+  g.max_tokens = config.max_tokens;
+  g.max_pos = config.max_pos;
+  ULY_RETURN_IF_ERROR(ValidateFusedGeometry(g, FusedImpl::kCuda));
+  const QkvWeights& w = config.weights;
+  for (auto [name, ptr] : {std::pair<const char*, const void*>{"weights.w_qkv", w.w_qkv},
+                           {"weights.q_norm", w.q_norm},
+                           {"weights.k_norm", w.k_norm},
+                           {"weights.cos_sin", w.cos_sin}}) {
+    if (ptr == nullptr || !Aligned16(ptr))
+      return absl::InvalidArgumentError(absl::StrCat(name, " is null or not 16-byte aligned"));
+  }
+  if (config.chunk_rows < 0 || config.push_blocks < 0)
+    return absl::InvalidArgumentError("chunk_rows and push_blocks must be >= 0");
+  auto impl = std::make_unique<Impl>();
+  impl->config = config;
+  ULY_ASSIGN_OR_RETURN(impl->gemm, Bf16Gemm::Create(impl->features(), impl->hidden()));
+  ULY_RETURN_IF_ERROR(impl->projection.Allocate(
+      static_cast<size_t>(config.max_tokens * impl->features()) * sizeof(uint16_t)));
+  ULY_RETURN_IF_ERROR(impl->counters.Allocate(2 * sizeof(unsigned int)));
+  ULY_CUDA_RETURN_IF_ERROR(cudaMemset(impl->counters.get(), 0, 2 * sizeof(unsigned int)));
+  ULY_RETURN_IF_ERROR(impl->side.Create());
+  ULY_RETURN_IF_ERROR(impl->start.Create());
+  ULY_RETURN_IF_ERROR(impl->done.Create());
+  for (Event& e : impl->chunk_done) ULY_RETURN_IF_ERROR(e.Create());
+  // The counters' memset must be complete before any launch on another stream reads them.
+  ULY_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return std::unique_ptr<FusedQkvPlan>(new FusedQkvPlan(std::move(impl)));
+}
+
+absl::Status FusedQkvPlan::Prepare(int64_t rows) {
+  if (rows <= 0 || rows > impl_->config.max_tokens)
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows ", rows, " is not in [1, max_tokens=", impl_->config.max_tokens, "]"));
+  ULY_RETURN_IF_ERROR(impl_->gemm->Prepare(rows));
+  const int64_t chunk = impl_->ChunkRows(rows);
+  ULY_RETURN_IF_ERROR(impl_->gemm->Prepare(chunk));
+  if (rows % chunk != 0) ULY_RETURN_IF_ERROR(impl_->gemm->Prepare(rows % chunk));
+  return absl::OkStatus();
+}
+
+absl::Status FusedQkvPlan::RunProjection(const void* x, int64_t rows, cudaStream_t stream) {
+  if (rows <= 0 || rows > impl_->config.max_tokens)
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows ", rows, " is not in [1, max_tokens=", impl_->config.max_tokens, "]"));
+  return impl_->gemm->Run(x, impl_->config.weights.w_qkv, impl_->qkv(), rows, stream);
+}
+
+absl::Status FusedQkvPlan::RunPerOperator(const void* x, const int32_t* positions, int64_t batch,
+                                          int64_t seq_local, const QkvDestinations& dests,
+                                          cudaStream_t stream) {
+  ULY_ASSIGN_OR_RETURN(const QkvNormRopeShape shape,
+                       impl_->CallShape(x, positions, batch, seq_local));
+  const int64_t rows = QkvRows(shape);
+  const FusedQkvConfig& c = impl_->config;
+  ULY_RETURN_IF_ERROR(impl_->gemm->Run(x, c.weights.w_qkv, impl_->qkv(), rows, stream));
+  ULY_RETURN_IF_ERROR(LaunchNormRope(shape, c.weights, positions, 0, rows, impl_->qkv(), stream));
+  return LaunchQkvScatter(shape, c.layout, impl_->qkv(), c.rank, 0, rows, dests, impl_->counter(0),
+                          stream);
+}
+
+absl::Status FusedQkvPlan::RunChunked(const void* x, const int32_t* positions, int64_t batch,
+                                      int64_t seq_local, const QkvDestinations& dests,
+                                      cudaStream_t stream) {
+  ULY_ASSIGN_OR_RETURN(const QkvNormRopeShape shape,
+                       impl_->CallShape(x, positions, batch, seq_local));
+  const FusedQkvConfig& c = impl_->config;
+  if (dests.out == nullptr) return absl::InvalidArgumentError("dests.out is null");
+  const int64_t rows = QkvRows(shape), chunk = impl_->ChunkRows(rows);
+  const int64_t hidden = impl_->hidden(), features = impl_->features();
+  cudaStream_t side = impl_->side.get();
+  // The second stream's stores must follow whatever the caller's stream did before the call
+  // (for instance the wait for the destination slots to be free).
+  ULY_CUDA_RETURN_IF_ERROR(cudaEventRecord(impl_->start.get(), stream));
+  ULY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, impl_->start.get(), 0));
+  uint64_t* ready[kMaxWorldSize] = {};
+  for (int64_t i = 0, row = 0; row < rows; ++i, row += chunk) {
+    const int64_t end = std::min(rows, row + chunk);
+    const auto* x_rows = static_cast<const uint16_t*>(x) + row * hidden;
+    ULY_RETURN_IF_ERROR(impl_->gemm->Run(x_rows, c.weights.w_qkv, impl_->qkv() + row * features,
+                                         end - row, stream));
+    ULY_CUDA_RETURN_IF_ERROR(cudaEventRecord(impl_->chunk_done[i].get(), stream));
+    ULY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, impl_->chunk_done[i].get(), 0));
+    QkvDestinations chunk_dests{dests.out, nullptr, dests.epoch};
+    if (dests.ready != nullptr) {
+      for (int d = 0; d < shape.world; ++d) {
+        ready[d] = dests.ready[d] != nullptr ? dests.ready[d] + i : nullptr;
+      }
+      chunk_dests.ready = ready;
+    }
+    ULY_RETURN_IF_ERROR(LaunchNormRopeScatter(shape, c.layout, c.weights, positions, impl_->qkv(),
+                                              c.rank, row, end, chunk_dests, impl_->counter(1),
+                                              side, QkvLaunchOptions{c.push_blocks}));
+  }
+  ULY_CUDA_RETURN_IF_ERROR(cudaEventRecord(impl_->done.get(), side));
+  ULY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, impl_->done.get(), 0));
+  return absl::OkStatus();
+}
+
+int64_t FusedQkvPlan::ChunkRows(int64_t rows) const { return impl_->ChunkRows(rows); }
+
+int64_t FusedQkvPlan::NumChunks(int64_t rows) const {
+  const int64_t chunk = impl_->ChunkRows(rows);
+  return (rows + chunk - 1) / chunk;
+}
+
+const void* FusedQkvPlan::projection() const { return impl_->projection.get(); }
+
+std::string FusedQkvPlan::Describe(int64_t rows) const {
+  const int64_t chunk = ChunkRows(rows);
+  return absl::StrCat(
+      "per_operator: gemm[", rows, "] (", impl_->gemm->AlgoDescription(rows),
+      ") -> norm_rope -> scatter x", impl_->config.world, "\n", "chunked: ", NumChunks(rows),
+      " x gemm[", chunk, "] (", impl_->gemm->AlgoDescription(chunk),
+      ") on the caller's stream, each followed on a second stream by norm_rope_scatter",
+      impl_->config.push_blocks > 0 ? absl::StrCat(" (", impl_->config.push_blocks, " blocks)")
+                                    : std::string(),
+      " and its readiness words");
+}
+
+}  // namespace ulysses::kernels

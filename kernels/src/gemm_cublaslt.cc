@@ -1,0 +1,151 @@
+// Bf16Gemm on cuBLASLt. cuBLASLt is column-major: the row-major product out[m, n] =
+// x[m, k] @ w[n, k]^T is computed as the column-major out^T[n, m] = (w^T)^T[n, k] @ x^T[k, m],
+// i.e. A = w (column-major [k, n], ld k, transposed), B = x (column-major [k, m], ld k), and
+// C = D = out (column-major [n, m], ld n): the "TN" bf16 GEMM.
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "cuda_check.h"
+#include "gemm_check.h"
+#include "ulysses/common/status.h"
+#include "ulysses/kernels/gemm.h"
+
+namespace ulysses::kernels {
+namespace {
+
+using internal::LtHandle;
+
+// Alignment classes an algorithm is chosen for: the largest of these dividing every pointer.
+constexpr uint32_t kAlignments[] = {256, 128, 64, 32, 16};
+
+uint32_t AlignmentOf(const void* x, const void* w, const void* out) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w) |
+                         reinterpret_cast<uintptr_t>(out);
+  for (uint32_t a : kAlignments) {
+    if (bits % a == 0) return a;
+  }
+  return 0;
+}
+
+}  // namespace
+
+struct Bf16Gemm::Impl {
+  // Descriptors and algorithm of one (m, alignment).
+  struct Shape {
+    internal::LtLayout x;    // B: [k, m] column-major
+    internal::LtLayout out;  // C and D: [n, m] column-major
+    cublasLtMatmulAlgo_t algo{};
+  };
+
+  int64_t n = 0, k = 0;
+  LtHandle handle;
+  internal::LtMatmulDesc desc;
+  internal::LtLayout w;  // A: [k, n] column-major, transposed by the op
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  std::map<std::pair<int64_t, uint32_t>, Shape> shapes;
+
+  ~Impl() {
+    if (workspace != nullptr) cudaFree(workspace);
+  }
+
+  absl::StatusOr<const Shape*> Get(int64_t m, uint32_t alignment) {
+    auto it = shapes.find({m, alignment});
+    if (it != shapes.end()) return &it->second;
+    Shape s;
+    ULY_ASSIGN_OR_RETURN(s.x, internal::LtLayout::Create(k, m, k));
+    ULY_ASSIGN_OR_RETURN(s.out, internal::LtLayout::Create(n, m, n));
+    internal::LtPreference pref;
+    ULY_RETURN_IF_ERROR(pref.Init());
+    const uint64_t ws = workspace_bytes;
+    ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+        pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    for (auto attr :
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+      ULY_CUBLAS_RETURN_IF_ERROR(
+          cublasLtMatmulPreferenceSetAttribute(pref.get(), attr, &alignment, sizeof alignment));
+    }
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(handle.get(), desc.get(), w.get(),
+                                                              s.x.get(), s.out.get(), s.out.get(),
+                                                              pref.get(), 1, &result, &found));
+    if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
+      return absl::InternalError(absl::StrCat("cuBLASLt has no bf16 algorithm for m=", m, " n=", n,
+                                              " k=", k, " alignment ", alignment));
+    s.algo = result.algo;
+    return &shapes.emplace(std::make_pair(m, alignment), std::move(s)).first->second;
+  }
+};
+
+Bf16Gemm::Bf16Gemm(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Bf16Gemm::~Bf16Gemm() = default;
+
+absl::StatusOr<std::unique_ptr<Bf16Gemm>> Bf16Gemm::Create(int64_t n, int64_t k,
+                                                           size_t workspace_bytes) {
+  if (n <= 0) return absl::InvalidArgumentError(absl::StrCat("n must be positive, got ", n));
+  if (k <= 0 || k % 8 != 0)
+    return absl::InvalidArgumentError(absl::StrCat("k must be a positive multiple of 8, got ", k));
+  auto impl = std::make_unique<Impl>();
+  impl->n = n;
+  impl->k = k;
+  ULY_RETURN_IF_ERROR(impl->handle.Init());
+  ULY_RETURN_IF_ERROR(impl->desc.Init(CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+  ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+      impl->desc.get(), CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof trans_a));
+  ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+      impl->desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof trans_b));
+  ULY_ASSIGN_OR_RETURN(impl->w, internal::LtLayout::Create(k, n, k));
+  impl->workspace_bytes = workspace_bytes;
+  if (workspace_bytes > 0) ULY_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->workspace, workspace_bytes));
+  return std::unique_ptr<Bf16Gemm>(new Bf16Gemm(std::move(impl)));
+}
+
+absl::Status Bf16Gemm::Prepare(int64_t m) {
+  if (m <= 0) return absl::InvalidArgumentError(absl::StrCat("m must be positive, got ", m));
+  return impl_->Get(m, 256).status();
+}
+
+absl::Status Bf16Gemm::Run(const void* x, const void* w, void* out, int64_t m,
+                           cudaStream_t stream) {
+  if (m <= 0) return absl::InvalidArgumentError(absl::StrCat("m must be positive, got ", m));
+  if (x == nullptr || w == nullptr || out == nullptr)
+    return absl::InvalidArgumentError("x, w and out must be non-null");
+  const uint32_t alignment = AlignmentOf(x, w, out);
+  if (alignment == 0) return absl::InvalidArgumentError("x, w and out must be 16-byte aligned");
+  ULY_ASSIGN_OR_RETURN(const Impl::Shape* s, impl_->Get(m, alignment));
+  const float alpha = 1.0f, beta = 0.0f;
+  ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(
+      impl_->handle.get(), impl_->desc.get(), &alpha, w, impl_->w.get(), x, s->x.get(), &beta, out,
+      s->out.get(), out, s->out.get(), &s->algo, impl_->workspace, impl_->workspace_bytes, stream));
+  return absl::OkStatus();
+}
+
+int64_t Bf16Gemm::n() const { return impl_->n; }
+int64_t Bf16Gemm::k() const { return impl_->k; }
+
+std::string Bf16Gemm::AlgoDescription(int64_t m) const {
+  auto it = impl_->shapes.find({m, 256});
+  if (it == impl_->shapes.end()) return "";
+  const cublasLtMatmulAlgo_t& algo = it->second.algo;
+  int32_t id = 0, splitk = 0;
+  uint32_t tile = 0, stages = 0;
+  size_t written = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, &written);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile,
+                                       &written);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages,
+                                       sizeof stages, &written);
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk,
+                                       sizeof splitk, &written);
+  return absl::StrCat("cublasLt algo ", id, " tile ", tile, " stages ", stages, " split_k ",
+                      splitk);
+}
+
+}  // namespace ulysses::kernels

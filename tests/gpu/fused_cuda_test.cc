@@ -1,0 +1,385 @@
+// The fused QKV op's CUDA kernels against the CPU reference (qkv_norm_rope.h), at
+// atol = rtol = 1e-2 with one-ulp bf16 flips counted and printed:
+//  - the cuBLASLt projection against the fp32 reference GEMM;
+//  - the norm+RoPE kernel on the reference projection against the reference step;
+//  - the per-operator and the chunked path, W source ranks sharing this GPU and writing into W
+//    destination slots on it, for both layouts: against the reference chain run on the GPU's
+//    own projection (what the kernels after the GEMM must reproduce), and reported against the
+//    pure reference (differences there are GEMM rounding carried through the norm);
+//  - the chunked path against the per-operator path, and its readiness words.
+// Shapes: B = 2, S_l = 200 (chunks of 128 rows leave a tail), hidden in {3072, 4096, 6144,
+// 8192} (D = 128), W in {1, 2, 4}.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "qkv_test_util.h"
+#include "ulysses/kernels/exchange_cuda.h"
+#include "ulysses/kernels/fused_qkv.h"
+#include "ulysses/kernels/qkv_norm_rope.h"
+#include "ulysses/kernels/qkv_norm_rope_cuda.h"
+
+namespace ulysses::kernels {
+namespace {
+
+using testing::Bf16Diff;
+using testing::CompareBf16;
+using testing::QkvProblem;
+
+#define ASSERT_CUDA_OK(call)                                          \
+  do {                                                                \
+    const cudaError_t uly_err_ = (call);                              \
+    ASSERT_EQ(uly_err_, cudaSuccess) << cudaGetErrorString(uly_err_); \
+  } while (0)
+
+constexpr int64_t kBatch = 2, kSeqLocal = 200;
+constexpr int32_t kMaxPos = 4096;
+constexpr uint16_t kPoison = 0x7fc1;  // NaN: an element never written fails every comparison
+constexpr uint64_t kEpoch = 0x1234567890ull;
+
+// Device memory freed on destruction.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    EXPECT_EQ(cudaMalloc(&data_, bytes_), cudaSuccess);
+  }
+  template <typename T>
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
+    Upload(host);
+  }
+  ~DeviceBuffer() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  template <typename T>
+  void Upload(const std::vector<T>& host) {
+    EXPECT_EQ(cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  template <typename T>
+  std::vector<T> Download(size_t count) const {
+    std::vector<T> host(count);
+    EXPECT_EQ(cudaMemcpy(host.data(), data_, count * sizeof(T), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return host;
+  }
+
+ private:
+  size_t bytes_;
+  void* data_ = nullptr;
+};
+
+// Runs fn(begin, end) over [0, n) split across the machine's cores.
+template <typename Fn>
+void ParallelRanges(int64_t n, Fn fn) {
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(n, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] { fn(n * t / threads, n * (t + 1) / threads); });
+  }
+  for (auto& th : pool) th.join();
+}
+
+using Param = std::tuple<int32_t, int32_t>;  // hidden, world
+
+class GpuFusedQkvTest : public ::testing::TestWithParam<Param> {
+ protected:
+  using Refs = std::vector<std::vector<uint16_t>>;
+
+  void SetUp() override {
+    const absl::StatusOr<int> devices = CudaDeviceCount();
+    ASSERT_TRUE(devices.ok()) << devices.status();
+    if (*devices == 0) GTEST_SKIP() << "no CUDA device";
+    const auto [hidden, world] = GetParam();
+    shape_ = QkvNormRopeShape{
+        world, hidden / kFusedGpuHeadDim, kFusedGpuHeadDim, kMaxPos, kBatch, kSeqLocal};
+    problem_ = testing::MakeQkvProblem(shape_, 1000 + hidden + world);
+    ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    w_qkv_ = std::make_unique<DeviceBuffer>(problem_.w_qkv);
+    q_norm_ = std::make_unique<DeviceBuffer>(problem_.q_norm);
+    k_norm_ = std::make_unique<DeviceBuffer>(problem_.k_norm);
+    cos_sin_ = std::make_unique<DeviceBuffer>(problem_.cos_sin);
+    for (int r = 0; r < world; ++r) {
+      x_.push_back(std::make_unique<DeviceBuffer>(problem_.x[r]));
+      positions_.push_back(std::make_unique<DeviceBuffer>(problem_.positions[r]));
+    }
+    // The reference, one rank at a time, rows across threads; computed once per shape.
+    static std::map<Param, std::pair<Refs, Refs>> cache;
+    auto it = cache.find(GetParam());
+    if (it == cache.end()) {
+      const int64_t rows = QkvRows(shape_), features = QkvFeatures(shape_);
+      Refs proj, plain;
+      for (int r = 0; r < world; ++r) {
+        proj.emplace_back(static_cast<size_t>(rows * features));
+        ParallelRanges(rows, [&](int64_t begin, int64_t end) {
+          QkvProjectRef(problem_.x[r].data(), problem_.w_qkv.data(), QkvHidden(shape_), features,
+                        begin, end, proj[r].data());
+        });
+        plain.push_back(NormRope(proj[r], r));
+      }
+      cache.clear();  // one shape at a time: the tests of a shape run together
+      it = cache.emplace(GetParam(), std::make_pair(std::move(proj), std::move(plain))).first;
+    }
+    proj_ref_ = it->second.first;
+    plain_ref_ = it->second.second;
+  }
+  void TearDown() override {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  int64_t Rows() const { return QkvRows(shape_); }
+  int64_t Elems() const { return Rows() * QkvFeatures(shape_); }
+  int64_t SlotElems() const { return 3 * QkvPlaneElems(shape_); }
+  QkvWeights DeviceWeights() const {
+    return {w_qkv_->as<void>(), q_norm_->as<void>(), k_norm_->as<void>(), cos_sin_->as<float>()};
+  }
+
+  // Reference steps 2 and 3 on a projection of rank r.
+  std::vector<uint16_t> NormRope(std::vector<uint16_t> proj, int r) const {
+    ParallelRanges(Rows(), [&](int64_t begin, int64_t end) {
+      NormRopeRef(shape_, problem_.weights(), problem_.positions[r].data(), begin, end,
+                  proj.data());
+    });
+    return proj;
+  }
+
+  // Destination slots as the reference exchange fills them from every rank's result.
+  std::vector<std::vector<uint16_t>> Scatter(const std::vector<std::vector<uint16_t>>& results,
+                                             QkvLayout layout) const {
+    std::vector<std::vector<uint16_t>> slots;
+    for (int dst = 0; dst < shape_.world; ++dst) {
+      slots.emplace_back(static_cast<size_t>(SlotElems()), kPoison);
+      for (int src = 0; src < shape_.world; ++src) {
+        ScatterQkvBlockRef(shape_, layout, results[src].data(), src, dst, slots[dst].data());
+      }
+    }
+    return slots;
+  }
+
+  std::unique_ptr<FusedQkvPlan> MakePlan(int rank, QkvLayout layout, int64_t chunk_rows) const {
+    FusedQkvConfig c;
+    c.world = shape_.world;
+    c.rank = rank;
+    c.heads = shape_.heads;
+    c.max_pos = kMaxPos;
+    c.layout = layout;
+    c.max_tokens = Rows();
+    c.weights = DeviceWeights();
+    c.chunk_rows = chunk_rows;
+    absl::StatusOr<std::unique_ptr<FusedQkvPlan>> plan = FusedQkvPlan::Create(c);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    return plan.ok() ? std::move(*plan) : nullptr;
+  }
+
+  // Runs every rank's call (chunked or per-operator) into W poisoned slots; returns the slots,
+  // each rank's raw projection as the path computed it, and checks the readiness words.
+  struct PathResult {
+    std::vector<std::vector<uint16_t>> slots;
+    std::vector<std::vector<uint16_t>> proj;
+  };
+  PathResult RunPath(QkvLayout layout, bool chunked) {
+    const int world = shape_.world;
+    PathResult out;
+    std::vector<std::unique_ptr<DeviceBuffer>> slots;
+    std::vector<void*> slot_ptrs;
+    for (int d = 0; d < world; ++d) {
+      slots.push_back(std::make_unique<DeviceBuffer>(
+          std::vector<uint16_t>(static_cast<size_t>(SlotElems()), kPoison)));
+      slot_ptrs.push_back(slots.back()->as<void>());
+    }
+    // words[dst][src][chunk]
+    DeviceBuffer words(std::vector<uint64_t>(world * world * kMaxFusedChunks, 0));
+    int64_t chunks = 1;
+    for (int r = 0; r < world; ++r) {
+      std::unique_ptr<FusedQkvPlan> plan = MakePlan(r, layout, chunked ? 128 : 0);
+      if (plan == nullptr) return out;
+      std::vector<uint64_t*> ready;
+      for (int d = 0; d < world; ++d) {
+        ready.push_back(words.as<uint64_t>() + (d * world + r) * kMaxFusedChunks);
+      }
+      const QkvDestinations dests{slot_ptrs.data(), ready.data(), kEpoch};
+      EXPECT_TRUE(plan->Prepare(Rows()).ok());
+      std::vector<uint16_t> proj;
+      if (chunked) {
+        chunks = plan->NumChunks(Rows());
+        const absl::Status s = plan->RunChunked(x_[r]->as<void>(), positions_[r]->as<int32_t>(),
+                                                kBatch, kSeqLocal, dests, stream_);
+        EXPECT_TRUE(s.ok()) << s;
+        EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+      } else {
+        // The same GEMM (same rows, same algorithm) as the call makes, for the chain check.
+        EXPECT_TRUE(plan->RunProjection(x_[r]->as<void>(), Rows(), stream_).ok());
+        EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+        proj = DownloadProjection(*plan);
+        const absl::Status s = plan->RunPerOperator(x_[r]->as<void>(), positions_[r]->as<int32_t>(),
+                                                    kBatch, kSeqLocal, dests, stream_);
+        EXPECT_TRUE(s.ok()) << s;
+        EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+      }
+      if (chunked) proj = DownloadProjection(*plan);  // the chunked path leaves it raw
+      out.proj.push_back(std::move(proj));
+      if (r == 0) std::cout << plan->Describe(Rows()) << "\n";
+    }
+    for (int d = 0; d < world; ++d) out.slots.push_back(slots[d]->Download<uint16_t>(SlotElems()));
+    const std::vector<uint64_t> w = words.Download<uint64_t>(world * world * kMaxFusedChunks);
+    for (int d = 0; d < world; ++d)
+      for (int s = 0; s < world; ++s)
+        for (int64_t c = 0; c < kMaxFusedChunks; ++c)
+          EXPECT_EQ(w[(d * world + s) * kMaxFusedChunks + c], c < chunks ? kEpoch : 0)
+              << "ready word dst " << d << " src " << s << " chunk " << c;
+    if (chunked) {
+      EXPECT_EQ(chunks, (Rows() + 127) / 128);
+    }
+    return out;
+  }
+
+  std::vector<uint16_t> DownloadProjection(const FusedQkvPlan& plan) const {
+    std::vector<uint16_t> host(static_cast<size_t>(Elems()));
+    EXPECT_EQ(cudaMemcpy(host.data(), plan.projection(), host.size() * 2, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return host;
+  }
+
+  // The path's slots against (1) the reference chain on the path's own projection: no
+  // mismatch allowed; (2) the pure reference: reported, mismatches must stay isolated.
+  void CheckPath(const char* name, QkvLayout layout, const PathResult& got) {
+    ASSERT_EQ(got.slots.size(), static_cast<size_t>(shape_.world));
+    std::vector<std::vector<uint16_t>> own_results;
+    for (int r = 0; r < shape_.world; ++r) own_results.push_back(NormRope(got.proj[r], r));
+    const auto own = Scatter(own_results, layout);
+    const auto pure = Scatter(plain_ref_, layout);
+    for (int d = 0; d < shape_.world; ++d) {
+      const Bf16Diff chain = CompareBf16(got.slots[d].data(), own[d].data(), SlotElems());
+      const Bf16Diff whole = CompareBf16(got.slots[d].data(), pure[d].data(), SlotElems());
+      std::cout << name << " " << QkvLayoutName(layout) << " dst " << d << " vs reference on its "
+                << "own projection: " << chain << "\n  vs the fp32 reference: " << whole << "\n";
+      EXPECT_EQ(chain.mismatches, 0) << name << " dst " << d;
+      EXPECT_LE(chain.flips, chain.elements / 100) << name << " dst " << d;
+      EXPECT_LE(whole.mismatches, whole.elements / 10000) << name << " dst " << d;
+      EXPECT_LE(whole.flips, whole.elements / 100) << name << " dst " << d;
+    }
+  }
+
+  QkvNormRopeShape shape_{};
+  QkvProblem problem_;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<DeviceBuffer> w_qkv_, q_norm_, k_norm_, cos_sin_;
+  std::vector<std::unique_ptr<DeviceBuffer>> x_, positions_;
+  std::vector<std::vector<uint16_t>> proj_ref_, plain_ref_;
+};
+
+TEST_P(GpuFusedQkvTest, ProjectionMatchesReferenceGemm) {
+  for (int r = 0; r < shape_.world; ++r) {
+    std::unique_ptr<FusedQkvPlan> plan = MakePlan(r, QkvLayout::kBshd, 0);
+    ASSERT_NE(plan, nullptr);
+    ASSERT_TRUE(plan->RunProjection(x_[r]->as<void>(), Rows(), stream_).ok());
+    ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+    const Bf16Diff d = CompareBf16(DownloadProjection(*plan).data(), proj_ref_[r].data(), Elems());
+    std::cout << "gemm rank " << r << ": " << d << "\n";
+    EXPECT_EQ(d.mismatches, 0);
+    EXPECT_LE(d.flips, d.elements / 100);
+  }
+}
+
+TEST_P(GpuFusedQkvTest, NormRopeKernelMatchesReferenceStep) {
+  for (int r = 0; r < shape_.world; ++r) {
+    DeviceBuffer qkv(proj_ref_[r]);
+    const absl::Status s = LaunchNormRope(shape_, DeviceWeights(), positions_[r]->as<int32_t>(), 0,
+                                          Rows(), qkv.as<void>(), stream_);
+    ASSERT_TRUE(s.ok()) << s;
+    ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+    const Bf16Diff d =
+        CompareBf16(qkv.Download<uint16_t>(Elems()).data(), plain_ref_[r].data(), Elems());
+    std::cout << "norm_rope rank " << r << ": " << d << "\n";
+    EXPECT_EQ(d.mismatches, 0);
+    EXPECT_LE(d.flips, d.elements / 1000);
+  }
+}
+
+TEST_P(GpuFusedQkvTest, PathsMatchReferenceAndEachOther) {
+  for (QkvLayout layout : {QkvLayout::kBshd, QkvLayout::kFused}) {
+    SCOPED_TRACE(std::string(QkvLayoutName(layout)));
+    const PathResult per_op = RunPath(layout, /*chunked=*/false);
+    CheckPath("per_operator", layout, per_op);
+    const PathResult chunked = RunPath(layout, /*chunked=*/true);
+    CheckPath("chunked", layout, chunked);
+    ASSERT_EQ(per_op.slots.size(), chunked.slots.size());
+    for (size_t d = 0; d < per_op.slots.size(); ++d) {
+      const Bf16Diff diff =
+          CompareBf16(chunked.slots[d].data(), per_op.slots[d].data(), SlotElems());
+      std::cout << "chunked vs per_operator dst " << d << ": " << diff << "\n";
+      EXPECT_LE(diff.mismatches, diff.elements / 10000);
+      // With bit-equal projections the kernels after the GEMM must agree bit for bit.
+      if (per_op.proj == chunked.proj) {
+        EXPECT_EQ(chunked.slots[d], per_op.slots[d]);
+      }
+    }
+  }
+}
+
+TEST_P(GpuFusedQkvTest, LaunchersRejectBadArgumentsAndEnqueueNothing) {
+  DeviceBuffer qkv(static_cast<size_t>(Elems()) * 2);
+  QkvNormRopeShape bad = shape_;
+  bad.head_dim = 64;
+  EXPECT_EQ(LaunchNormRope(bad, DeviceWeights(), positions_[0]->as<int32_t>(), 0, Rows(),
+                           qkv.as<void>(), stream_)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LaunchNormRope(shape_, DeviceWeights(), positions_[0]->as<int32_t>(), 0, Rows() + 1,
+                           qkv.as<void>(), stream_)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LaunchNormRope(shape_, DeviceWeights(), positions_[0]->as<int32_t>(), 0, Rows(),
+                           qkv.as<uint8_t>() + 2, stream_)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<void*> outs(shape_.world, qkv.as<void>());
+  uint64_t* words[kMaxWorldSize] = {};
+  const QkvDestinations no_counter{outs.data(), words, 1};
+  EXPECT_EQ(LaunchQkvScatter(shape_, QkvLayout::kFused, qkv.as<void>(), 0, 0, Rows(), no_counter,
+                             nullptr, stream_)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  const QkvDestinations plain{outs.data(), nullptr, 0};
+  EXPECT_EQ(LaunchQkvScatter(shape_, QkvLayout::kFused, qkv.as<void>(), shape_.world, 0, Rows(),
+                             plain, nullptr, stream_)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0);
+  ASSERT_NE(plan, nullptr);
+  EXPECT_EQ(plan->RunPerOperator(x_[0]->as<void>(), positions_[0]->as<int32_t>(), kBatch,
+                                 kSeqLocal + 1, plain, stream_)
+                .code(),
+            absl::StatusCode::kResourceExhausted);
+  ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+}
+
+std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
+  return "hidden" + std::to_string(std::get<0>(info.param)) + "_W" +
+         std::to_string(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GpuFusedQkvTest,
+                         ::testing::Combine(::testing::Values(3072, 4096, 6144, 8192),
+                                            ::testing::Values(1, 2, 4)),
+                         ParamName);
+
+}  // namespace
+}  // namespace ulysses::kernels
