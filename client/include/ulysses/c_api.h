@@ -1,0 +1,300 @@
+/* The stable C ABI of libulysses_client.so.
+ *
+ * Everything crossing it is a C type: opaque handles, fixed-width integers, C strings and
+ * structs whose first member is their own size (`struct_size`), so that fields can be
+ * appended in later versions without breaking callers compiled against this one. Every
+ * fallible function returns a uly_status (ULY_OK = 0); on failure, uly_last_error() gives
+ * the message of the last failed call on the calling thread (the daemon's message when the
+ * daemon refused).
+ *
+ * Versioning: ULY_ABI_VERSION = major << 16 | minor. A caller compiled with major M and
+ * minor m works with any library of major M and minor >= m; uly_connect checks the version
+ * the caller passes and refuses another major (ULY_FAILED_PRECONDITION).
+ *
+ * Thread-safety: a uly_client may be used from several threads at once; each uly_session
+ * from one thread at a time (calls on a session are ordered, like work on a CUDA stream).
+ * uly_result handles may be released and freed from any thread.
+ *
+ * docs/api.md section 2 describes every function; section 4 of that document lists when
+ * each status code is returned.
+ */
+#ifndef ULYSSES_C_API_H_
+#define ULYSSES_C_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define ULY_API __attribute__((visibility("default")))
+#else
+#define ULY_API
+#endif
+
+/** The ABI version of this header: major << 16 | minor. */
+#define ULY_ABI_VERSION_MAJOR 1
+#define ULY_ABI_VERSION_MINOR 0
+#define ULY_ABI_VERSION ((ULY_ABI_VERSION_MAJOR << 16) | ULY_ABI_VERSION_MINOR)
+
+/** Most dimensions a uly_tensor describes. The head-exchange ops take 4. */
+#define ULY_MAX_DIMS 8
+
+/** Status codes. The values are those of absl::StatusCode and grpc::StatusCode. */
+typedef enum uly_status {
+  ULY_OK = 0,
+  ULY_CANCELLED = 1,
+  ULY_UNKNOWN = 2,
+  ULY_INVALID_ARGUMENT = 3,    /**< bad shape, stride, band, dtype, handle; names the argument */
+  ULY_DEADLINE_EXCEEDED = 4,   /**< missing ranks, peer or slot waits past their bound */
+  ULY_NOT_FOUND = 5,
+  ULY_ALREADY_EXISTS = 6,
+  ULY_PERMISSION_DENIED = 7,
+  ULY_RESOURCE_EXHAUSTED = 8,  /**< capacity (max_tokens), slot memory */
+  ULY_FAILED_PRECONDITION = 9, /**< session or slot state, ABI version, backend */
+  ULY_ABORTED = 10,            /**< a peer failed, closed or died during a call */
+  ULY_OUT_OF_RANGE = 11,
+  ULY_UNIMPLEMENTED = 12,      /**< device tensors and streams until the GPU data plane */
+  ULY_INTERNAL = 13,
+  ULY_UNAVAILABLE = 14,        /**< no daemon, daemon gone or draining */
+  ULY_DATA_LOSS = 15,
+  ULY_UNAUTHENTICATED = 16
+} uly_status;
+
+/** Element types. The values match ulysses.v1.DType. */
+typedef enum uly_dtype {
+  ULY_DTYPE_UNSPECIFIED = 0,
+  ULY_DTYPE_FLOAT16 = 1,
+  ULY_DTYPE_BFLOAT16 = 2,
+  ULY_DTYPE_FLOAT32 = 3
+} uly_dtype;
+
+/** Where a tensor's memory lives. */
+typedef enum uly_device_kind {
+  ULY_DEVICE_UNSPECIFIED = 0,
+  /** A shared host buffer of this client (uly_buffer_alloc): buffer_id + byte_offset, or a
+   *  `data` pointer into such a buffer. */
+  ULY_DEVICE_HOST = 1,
+  /** CUDA device memory (`data` is the device pointer). Reserved: answered with
+   *  ULY_UNIMPLEMENTED until the GPU data plane lands. */
+  ULY_DEVICE_CUDA = 2
+} uly_device_kind;
+
+/** The operations of a head-exchange session. The values match ulysses.v1.OpKind. */
+typedef enum uly_op {
+  ULY_OP_UNSPECIFIED = 0,
+  ULY_OP_SCATTER_HEADS = 1,            /**< x[B,S_l,H,D] -> [B,S_g,H_l,D] */
+  ULY_OP_GATHER_HEADS = 2,             /**< y[B,S_g,H_l,D] -> [B,S_l,H,D] */
+  ULY_OP_SCATTER_QKV_HEAD_CHUNK = 3,   /**< q,k,v[B,S_l,H,D] -> [B,S_g,HC,3D] */
+  ULY_OP_GATHER_OUTPUT_HEAD_CHUNK = 4  /**< x[B,S_g,HC,D] -> band of out[B,S_l,H,D] */
+} uly_op;
+
+typedef struct uly_client uly_client;
+typedef struct uly_buffer uly_buffer;
+typedef struct uly_group uly_group;
+typedef struct uly_session uly_session;
+typedef struct uly_result uly_result;
+
+/* ---------------------------------------------------------------------------------------- */
+/* Library and errors                                                                        */
+
+/** The ABI version the library implements (ULY_ABI_VERSION of the header it was built with). */
+ULY_API uint32_t uly_abi_version(void);
+/** The library's release version, e.g. "0.1.0". Static storage. */
+ULY_API const char* uly_version(void);
+/** The message of the last call on this thread that did not return ULY_OK ("" if none).
+ *  Valid until the thread's next failing call. */
+ULY_API const char* uly_last_error(void);
+/** "OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for a value outside the enum. Static storage. */
+ULY_API const char* uly_status_name(int32_t status);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Client                                                                                    */
+
+/** How to reach a daemon. Zero-initialise, then set struct_size and abi_version. */
+typedef struct uly_connect_options {
+  uint32_t struct_size;  /**< sizeof(uly_connect_options) */
+  uint32_t abi_version;  /**< ULY_ABI_VERSION; checked against the library's */
+  /** Control socket path (or a "unix:" target). NULL or "": $ULYSSES_SOCKET if set, else
+   *  /run/ulysses/gpu<device>.sock. */
+  const char* socket;
+  const char* name;            /**< shown to operators; NULL: "" */
+  int32_t device;              /**< device index for the default socket; < 0: 0 */
+  /** 0 (default): calls go through the shared-memory rings; 1: every call is an RPC.
+   *  Results are the same either way. */
+  int32_t disable_rings;
+  int64_t connect_timeout_ms;  /**< 0: 10000 */
+} uly_connect_options;
+
+/** Connects, attaches, binds the fd socket and maps the call rings. ULY_UNAVAILABLE when no
+ *  daemon answers in time; ULY_FAILED_PRECONDITION when options->abi_version has another
+ *  major version than the library (or a newer minor). On success *out owns the client. */
+ULY_API uly_status uly_connect(const uly_connect_options* options, uly_client** out);
+/** Detaches: the daemon releases every buffer, session and slot of this client. Handles made
+ *  from it stay valid to free, but their calls fail. Idempotent. */
+ULY_API uly_status uly_client_close(uly_client* client);
+/** Closes (if open) and frees the handle. NULL is ignored. */
+ULY_API void uly_client_free(uly_client* client);
+/** The daemon's id for this client. */
+ULY_API uint64_t uly_client_id(const uly_client* client);
+/** The backend the daemon runs ("host", ...); valid while the handle lives. */
+ULY_API const char* uly_client_backend(const uly_client* client);
+/** The control socket this client connected to (after the defaults of uly_connect_options
+ *  were applied); valid while the handle lives. Other ranks join a group through it. */
+ULY_API const char* uly_client_socket(const uly_client* client);
+/** 1 if calls go through the shared-memory rings, 0 if through RPCs. */
+ULY_API int32_t uly_client_uses_rings(const uly_client* client);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Shared buffers                                                                            */
+
+/** A new zero-filled shared host buffer of size_bytes, mapped read-write here and in the
+ *  daemon. The mapping stays valid until uly_buffer_free, even after the client closes. */
+ULY_API uly_status uly_buffer_alloc(uly_client* client, uint64_t size_bytes, const char* name,
+                                    uly_buffer** out);
+/** Gives the buffer back to the daemon and unmaps it. NULL is ignored. */
+ULY_API uly_status uly_buffer_free(uly_buffer* buffer);
+ULY_API uint64_t uly_buffer_id(const uly_buffer* buffer);
+ULY_API void* uly_buffer_data(const uly_buffer* buffer);
+ULY_API uint64_t uly_buffer_size(const uly_buffer* buffer);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Groups                                                                                    */
+
+/** What uly_join_group needs. Every rank passes the same name, world size and members. */
+typedef struct uly_group_spec {
+  uint32_t struct_size;         /**< sizeof(uly_group_spec) */
+  int32_t world_size;           /**< W */
+  int32_t rank;                 /**< this rank, in [0, W) */
+  int32_t num_members;          /**< W, or 0 when world_size is 1 and members is NULL */
+  const char* name;             /**< the group's name, the same on every rank */
+  const char* const* members;   /**< members[r] = rank r's daemon socket */
+  const char* backend;          /**< "auto" (NULL) or "host" in this build */
+  int64_t timeout_ms;           /**< 0: the daemon's peer timeout */
+} uly_group_spec;
+
+/** Collective: joins (forms) the group with the other ranks' daemons. */
+ULY_API uly_status uly_join_group(uly_client* client, const uly_group_spec* spec, uly_group** out);
+/** Frees the handle (the group stays joined until the client detaches). NULL is ignored. */
+ULY_API void uly_group_free(uly_group* group);
+ULY_API uint64_t uly_group_id(const uly_group* group);
+ULY_API int32_t uly_group_rank(const uly_group* group);
+ULY_API int32_t uly_group_world_size(const uly_group* group);
+/** The resolved backend and why it was chosen; valid while the handle lives. */
+ULY_API const char* uly_group_backend(const uly_group* group);
+ULY_API const char* uly_group_backend_reason(const uly_group* group);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Sessions                                                                                  */
+
+/** A head-exchange session's geometry (world size and rank come from the group). */
+typedef struct uly_session_spec {
+  uint32_t struct_size;      /**< sizeof(uly_session_spec) */
+  int32_t num_heads;         /**< H */
+  int32_t head_dim;          /**< D */
+  int32_t dtype;             /**< uly_dtype */
+  int64_t max_tokens;        /**< bound on B*S_l of every call */
+  int32_t num_slots;         /**< receive slots, 1..8; 0: 2 */
+  int32_t schedule_length;   /**< entries in schedule; 0: none */
+  const int32_t* schedule;   /**< optional head-chunk schedule summing to H/W */
+  int64_t timeout_ms;        /**< 0: the daemon's peer timeout */
+} uly_session_spec;
+
+/** Collective over the group: every rank passes the same spec. */
+ULY_API uly_status uly_session_create(uly_client* client, const uly_group* group,
+                                      const uly_session_spec* spec, uly_session** out);
+/** Closes the session on this rank. Results still alive keep the receive slots mapped (their
+ *  data stays readable) until they are freed. Idempotent. */
+ULY_API uly_status uly_session_close(uly_session* session);
+/** Closes (if open) and frees the handle. NULL is ignored. */
+ULY_API void uly_session_free(uly_session* session);
+ULY_API uint64_t uly_session_id(const uly_session* session);
+/** The session's resolved backend; valid while the handle lives. */
+ULY_API const char* uly_session_backend(const uly_session* session);
+/** Fills this rank's receive slots that are not held with NaN; *poisoned (may be NULL) gets
+ *  how many. Not collective. For tests. */
+ULY_API uly_status uly_session_poison_slots(uly_session* session, int32_t* poisoned);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Tensors and calls                                                                         */
+
+/** A strided tensor. Zero-initialise, then set struct_size.
+ *  Host tensors (device_kind ULY_DEVICE_HOST) name a shared buffer of this client: either
+ *  buffer_id + byte_offset, or buffer_id 0 and `data` pointing into a buffer mapping that
+ *  uly_buffer_alloc returned (the library finds the buffer). CUDA tensors (reserved) give the
+ *  device pointer in `data` and the device in device_index. */
+typedef struct uly_tensor {
+  uint32_t struct_size;    /**< sizeof(uly_tensor) */
+  int32_t device_kind;     /**< uly_device_kind */
+  int32_t dtype;           /**< uly_dtype; must equal the session's */
+  int32_t ndim;            /**< dimensions in shape/strides (4 for the head-exchange ops) */
+  uint64_t buffer_id;      /**< host: the shared buffer, or 0 to locate `data` */
+  uint64_t byte_offset;    /**< host: offset of element [0,...,0] in the buffer */
+  void* data;              /**< host: a pointer into a buffer (buffer_id 0); CUDA: device pointer */
+  int32_t device_index;    /**< CUDA: the device ordinal (reserved) */
+  int32_t reserved;        /**< must be 0 */
+  int64_t shape[ULY_MAX_DIMS];
+  int64_t strides[ULY_MAX_DIMS];  /**< in elements; all zero: contiguous (row-major) */
+} uly_tensor;
+
+/** One call of a head-exchange session. Zero-initialise, then set struct_size. */
+typedef struct uly_call_args {
+  uint32_t struct_size;       /**< sizeof(uly_call_args) */
+  int32_t op;                 /**< uly_op */
+  int32_t head_offset;        /**< head-chunk ops: first local head of the band */
+  int32_t head_count;         /**< head-chunk ops: heads in the band (HC) */
+  /** x | y | q,k,v | x, by op; the unused ones NULL. B and the sequence extent are taken
+   *  from inputs[0]'s shape, and every input's shape is checked against the op. */
+  const uly_tensor* inputs[3];
+  /** Optional for ops 1-3 (the result is copied there and the slot released at once),
+   *  required for op 4. */
+  const uly_tensor* out;
+  /** Reserved for the GPU data plane: a cudaStream_t ordering the call. Must be NULL for
+   *  host tensors; ULY_UNIMPLEMENTED otherwise in this build. */
+  void* stream;
+  int64_t timeout_ms;         /**< uly_session_wait only: 0 = 5 minutes */
+} uly_call_args;
+
+/** What a result describes. */
+typedef struct uly_result_info {
+  uint32_t struct_size;   /**< set by the caller: sizeof(uly_result_info) */
+  int32_t slot;           /**< receive slot, (epoch-1) % num_slots */
+  uint64_t epoch;         /**< the session's call counter, from 1, the same on every rank */
+  int32_t device_kind;    /**< uly_device_kind of `data` */
+  int32_t dtype;          /**< uly_dtype */
+  int32_t ndim;           /**< 4 */
+  int32_t held;           /**< 1 while the result holds its slot */
+  int64_t shape[ULY_MAX_DIMS];    /**< the result's shape */
+  int64_t strides[ULY_MAX_DIMS];  /**< element strides of `data` (contiguous) */
+  const void* data;       /**< the result in the receive slot, read-only; NULL unless held */
+  uint64_t bytes;         /**< bytes at `data` */
+  int64_t daemon_us;      /**< time the daemon spent on the call */
+} uly_result_info;
+
+/** Runs one call (collective: every rank issues the same calls in the same order) and
+ *  returns when this rank's result is complete. *result (may be NULL when out is given)
+ *  gets a handle on the result; free it with uly_result_free. */
+ULY_API uly_status uly_session_call(uly_session* session, const uly_call_args* args,
+                                    uly_result** result);
+/** Queues a call through the rings and returns its epoch at once; uly_session_wait gives
+ *  its result. ULY_UNIMPLEMENTED without rings. */
+ULY_API uly_status uly_session_submit(uly_session* session, const uly_call_args* args,
+                                      uint64_t* epoch);
+/** Waits (timeout_ms; 0 = 5 minutes) for the result of a submitted call. */
+ULY_API uly_status uly_session_wait(uly_session* session, uint64_t epoch, int64_t timeout_ms,
+                                    uly_result** result);
+
+/** Fills *info (info->struct_size set by the caller). */
+ULY_API uly_status uly_result_get_info(const uly_result* result, uly_result_info* info);
+/** Gives the receive slot back now; the data must not be read afterwards. Idempotent. */
+ULY_API uly_status uly_result_release(uly_result* result);
+/** Releases (if still held) and frees the handle. NULL is ignored. */
+ULY_API void uly_result_free(uly_result* result);
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif
+
+#endif /* ULYSSES_C_API_H_ */

@@ -1,0 +1,561 @@
+// The C ABI (ulysses/c_api.h) over the C++ client. Handles share the state they need through
+// shared_ptr, so that a handle freed before the ones made from it leaves those usable to free:
+// a result keeps its session's segment mapped, a buffer keeps its own mapping, and every handle
+// keeps the client it came from. No C++ exception crosses this boundary.
+#include "ulysses/c_api.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "ulysses/client/client.h"
+#include "ulysses/common/status.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/shm.h"
+
+namespace {
+
+namespace uc = ulysses::client;
+using ulysses::StrCat;
+
+thread_local std::string g_last_error;
+
+uly_status Fail(const absl::Status& s) {
+  g_last_error = std::string(s.message());
+  const int code = static_cast<int>(s.code());
+  return code >= ULY_CANCELLED && code <= ULY_UNAUTHENTICATED ? static_cast<uly_status>(code)
+                                                              : ULY_UNKNOWN;
+}
+
+uly_status Done(const absl::Status& s) { return s.ok() ? ULY_OK : Fail(s); }
+
+// Runs `f` (returning absl::Status) with every C++ exception turned into a status.
+template <typename F>
+uly_status Guard(F&& f) {
+  try {
+    return Done(f());
+  } catch (const std::bad_alloc&) {
+    return Fail(absl::ResourceExhaustedError("out of memory"));
+  } catch (const std::exception& e) {
+    return Fail(absl::InternalError(StrCat("unexpected exception: ", e.what())));
+  } catch (...) {
+    return Fail(absl::InternalError("unexpected exception"));
+  }
+}
+
+absl::Status NotNull(const void* p, const char* name) {
+  if (p == nullptr) return absl::InvalidArgumentError(StrCat(name, ": must not be NULL"));
+  return absl::OkStatus();
+}
+
+// A caller's struct is at least as large as this library's version 1 of it; fields appended
+// later are ignored by a library that predates them.
+absl::Status CheckStructSize(uint32_t struct_size, size_t v1_size, const char* name) {
+  if (struct_size < v1_size)
+    return absl::InvalidArgumentError(StrCat(name, ": struct_size ", struct_size,
+                                             " is smaller than this ABI's ", v1_size));
+  return absl::OkStatus();
+}
+
+std::string Dims(const int64_t* v, int n) {
+  std::string s = "[";
+  for (int i = 0; i < n; ++i) s += StrCat(i ? ", " : "", v[i]);
+  return s + "]";
+}
+
+// A buffer's own read-write mapping of the memfd it shares with the daemon.
+struct BufferEntry {
+  uint64_t id = 0;
+  uint64_t size = 0;
+};
+
+struct ClientState : ulysses::BufferResolver {
+  std::unique_ptr<uc::Client> client;
+  std::string backend;
+  std::string socket;
+  mutable std::mutex mu;
+  std::map<uintptr_t, BufferEntry> by_address;  // buffer start -> entry
+  std::map<uint64_t, uint64_t> sizes;           // buffer id -> size
+
+  absl::StatusOr<ulysses::BufferInfo> Resolve(uint64_t id) const override {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = sizes.find(id);
+    if (it == sizes.end())
+      return absl::InvalidArgumentError(StrCat("buffer ", id, " is not a buffer of this client"));
+    return ulysses::BufferInfo{it->second};
+  }
+
+  // The buffer holding `p`, and p's offset in it.
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> Locate(const void* p, const char* name) const {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = by_address.upper_bound(a);
+    if (it != by_address.begin()) {
+      --it;
+      if (a - it->first < it->second.size) return std::make_pair(it->second.id, a - it->first);
+    }
+    return absl::InvalidArgumentError(
+        StrCat(name, ": data does not point into a shared buffer of this client"));
+  }
+};
+
+struct SessionState {
+  std::shared_ptr<ClientState> client;
+  std::unique_ptr<uc::Session> session;
+};
+
+}  // namespace
+
+struct uly_client {
+  std::shared_ptr<ClientState> state;
+};
+
+struct uly_buffer {
+  std::shared_ptr<ClientState> client;
+  ulysses::ipc::Mapping mapping;
+  uint64_t id = 0;
+};
+
+struct uly_group {
+  std::shared_ptr<ClientState> client;
+  uc::Group group;
+};
+
+struct uly_session {
+  std::shared_ptr<SessionState> state;
+};
+
+struct uly_result {
+  std::shared_ptr<SessionState> session;  // keeps the segment holding `result.data` mapped
+  mutable std::mutex mu;
+  uc::Result result;
+};
+
+namespace {
+
+// Converts the tensor `t` named `name` into an operand of this client's buffers; `shape`
+// receives its shape.
+absl::Status ToOperand(const ClientState& client, const ulysses::SessionGeometry& g,
+                       const uly_tensor* t, const char* name, ulysses::OperandRef* ref,
+                       std::array<int64_t, 4>* shape) {
+  ULY_RETURN_IF_ERROR(NotNull(t, name));
+  ULY_RETURN_IF_ERROR(CheckStructSize(t->struct_size, sizeof(uly_tensor), name));
+  if (t->device_kind == ULY_DEVICE_CUDA)
+    return absl::UnimplementedError(StrCat(
+        name, ": CUDA tensors need the GPU data plane, which this build does not have yet; "
+              "use shared host buffers (ULY_DEVICE_HOST)"));
+  if (t->device_kind != ULY_DEVICE_HOST)
+    return absl::InvalidArgumentError(StrCat(name, ": unknown device_kind ", t->device_kind));
+  if (t->dtype != static_cast<int32_t>(g.dtype))
+    return absl::InvalidArgumentError(
+        StrCat(name, ": dtype ", t->dtype, " is not the session's ", static_cast<int>(g.dtype),
+               " (", ulysses::DTypeName(g.dtype), ")"));
+  if (t->ndim != 4)
+    return absl::InvalidArgumentError(StrCat(name, ": ndim ", t->ndim, ", this op takes 4-D tensors"));
+  if (t->reserved != 0) return absl::InvalidArgumentError(StrCat(name, ": reserved must be 0"));
+  if (t->buffer_id != 0) {
+    if (t->data != nullptr)
+      return absl::InvalidArgumentError(StrCat(name, ": give buffer_id or data, not both"));
+    ref->buffer_id = t->buffer_id;
+    ref->offset_bytes = t->byte_offset;
+  } else {
+    if (t->data == nullptr)
+      return absl::InvalidArgumentError(StrCat(name, ": neither buffer_id nor data is set"));
+    ULY_ASSIGN_OR_RETURN(auto where,
+                         client.Locate(static_cast<const uint8_t*>(t->data) + t->byte_offset, name));
+    ref->buffer_id = where.first;
+    ref->offset_bytes = where.second;
+  }
+  for (int i = 0; i < 4; ++i) {
+    ref->strides[i] = t->strides[i];
+    (*shape)[i] = t->shape[i];
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckShape(const std::array<int64_t, 4>& got, const std::array<int64_t, 4>& want,
+                        const char* name) {
+  if (got != want)
+    return absl::InvalidArgumentError(StrCat(name, ": shape ", Dims(got.data(), 4),
+                                             " does not match the op's ", Dims(want.data(), 4)));
+  return absl::OkStatus();
+}
+
+// Builds the C++ call from the C one: batch and sequence extent from inputs[0], then every
+// tensor's shape checked against the plan that the shared validator makes of the call.
+absl::StatusOr<ulysses::CallArgs> ToCallArgs(const SessionState& s, const uly_call_args* a) {
+  ULY_RETURN_IF_ERROR(NotNull(a, "args"));
+  ULY_RETURN_IF_ERROR(CheckStructSize(a->struct_size, sizeof(uly_call_args), "args"));
+  if (a->stream != nullptr)
+    return absl::UnimplementedError(
+        "stream: streams order device tensors, which need the GPU data plane; pass NULL");
+  if (a->op < ULY_OP_SCATTER_HEADS || a->op > ULY_OP_GATHER_OUTPUT_HEAD_CHUNK)
+    return absl::InvalidArgumentError(StrCat("op: unknown op ", a->op));
+  const auto op = static_cast<ulysses::OpKind>(a->op);
+  const std::vector<std::string_view> names = ulysses::InputNames(op);
+  const ulysses::SessionGeometry& g = s.session->geometry();
+  ulysses::CallArgs args;
+  args.op = op;
+  args.head_offset = a->head_offset;
+  args.head_count = a->head_count;
+  std::array<std::array<int64_t, 4>, 3> in_shapes{};
+  for (size_t i = 0; i < 3; ++i) {
+    if (i >= names.size()) {
+      if (a->inputs[i] != nullptr)
+        return absl::InvalidArgumentError(
+            StrCat("inputs[", i, "]: ", ulysses::OpName(op), " takes ", names.size(), " input(s)"));
+      continue;
+    }
+    const std::string name(names[i]);
+    ULY_RETURN_IF_ERROR(
+        ToOperand(*s.client, g, a->inputs[i], name.c_str(), &args.inputs[i], &in_shapes[i]));
+  }
+  std::array<int64_t, 4> out_shape{};
+  if (a->out != nullptr)
+    ULY_RETURN_IF_ERROR(ToOperand(*s.client, g, a->out, "out", &args.out, &out_shape));
+  args.batch = in_shapes[0][0];
+  args.seq = in_shapes[0][1];
+  ULY_ASSIGN_OR_RETURN(ulysses::CallPlan plan, ulysses::PlanCall(g, args, *s.client));
+  for (size_t i = 0; i < names.size(); ++i)
+    ULY_RETURN_IF_ERROR(CheckShape(in_shapes[i], plan.inputs[i].shape, std::string(names[i]).c_str()));
+  if (plan.has_out) ULY_RETURN_IF_ERROR(CheckShape(out_shape, plan.out.shape, "out"));
+  return args;
+}
+
+uly_result* NewResult(const std::shared_ptr<SessionState>& s, uc::Result r) {
+  auto* h = new uly_result;
+  h->session = s;
+  h->result = std::move(r);
+  return h;
+}
+
+}  // namespace
+
+extern "C" {
+
+uint32_t uly_abi_version(void) { return ULY_ABI_VERSION; }
+
+const char* uly_version(void) { return ULYSSES_VERSION; }
+
+const char* uly_last_error(void) { return g_last_error.c_str(); }
+
+const char* uly_status_name(int32_t status) {
+  static const char* const kNames[] = {
+      "OK",      "CANCELLED",         "UNKNOWN",   "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
+      "NOT_FOUND", "ALREADY_EXISTS",  "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
+      "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
+      "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  return status >= 0 && status <= ULY_UNAUTHENTICATED ? kNames[status] : "UNKNOWN";
+}
+
+uly_status uly_connect(const uly_connect_options* options, uly_client** out) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(options, "options"));
+    ULY_RETURN_IF_ERROR(NotNull(out, "out"));
+    *out = nullptr;
+    ULY_RETURN_IF_ERROR(
+        CheckStructSize(options->struct_size, sizeof(uly_connect_options), "options"));
+    const uint32_t v = options->abi_version;
+    if ((v >> 16) != ULY_ABI_VERSION_MAJOR || (v & 0xffff) > ULY_ABI_VERSION_MINOR)
+      return absl::FailedPreconditionError(
+          StrCat("abi_version: the caller was built for ABI ", v >> 16, ".", v & 0xffff,
+                 ", this library implements ", ULY_ABI_VERSION_MAJOR, ".", ULY_ABI_VERSION_MINOR));
+    uc::ConnectOptions o;
+    if (options->socket != nullptr && options->socket[0] != '\0') {
+      o.socket = options->socket;
+    } else if (const char* env = std::getenv("ULYSSES_SOCKET"); env != nullptr && env[0] != '\0') {
+      o.socket = env;
+    } else {
+      o.socket = StrCat("/run/ulysses/gpu", options->device < 0 ? 0 : options->device, ".sock");
+    }
+    if (options->name != nullptr) o.name = options->name;
+    if (options->connect_timeout_ms < 0)
+      return absl::InvalidArgumentError("connect_timeout_ms: must be >= 0");
+    if (options->connect_timeout_ms > 0) o.connect_timeout = absl::Milliseconds(options->connect_timeout_ms);
+    o.use_rings = options->disable_rings == 0;
+    ULY_ASSIGN_OR_RETURN(std::unique_ptr<uc::Client> c, uc::Client::Connect(o));
+    auto state = std::make_shared<ClientState>();
+    state->backend = c->daemon_backend();
+    state->socket = o.socket;
+    state->client = std::move(c);
+    *out = new uly_client{std::move(state)};
+    return absl::OkStatus();
+  });
+}
+
+uly_status uly_client_close(uly_client* client) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(client, "client"));
+    return client->state->client->Close();
+  });
+}
+
+void uly_client_free(uly_client* client) {
+  if (client == nullptr) return;
+  (void)uly_client_close(client);
+  delete client;
+}
+
+uint64_t uly_client_id(const uly_client* client) {
+  return client != nullptr ? client->state->client->client_id() : 0;
+}
+
+const char* uly_client_backend(const uly_client* client) {
+  return client != nullptr ? client->state->backend.c_str() : "";
+}
+
+const char* uly_client_socket(const uly_client* client) {
+  return client != nullptr ? client->state->socket.c_str() : "";
+}
+
+int32_t uly_client_uses_rings(const uly_client* client) {
+  return client != nullptr && client->state->client->uses_rings() ? 1 : 0;
+}
+
+uly_status uly_buffer_alloc(uly_client* client, uint64_t size_bytes, const char* name,
+                            uly_buffer** out) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(client, "client"));
+    ULY_RETURN_IF_ERROR(NotNull(out, "out"));
+    *out = nullptr;
+    if (size_bytes == 0) return absl::InvalidArgumentError("size_bytes: must be > 0");
+    const std::string label = name != nullptr ? name : "";
+    // This library makes the memfd and keeps its own mapping, so that the memory stays valid
+    // for as long as the handle, whatever happens to the client.
+    ULY_ASSIGN_OR_RETURN(ulysses::ipc::UniqueFd fd,
+                         ulysses::ipc::CreateMemfd("ulysses-buffer", size_bytes));
+    ULY_RETURN_IF_ERROR(ulysses::ipc::SealSize(fd.get()));
+    ULY_ASSIGN_OR_RETURN(ulysses::ipc::Mapping m, ulysses::ipc::Mapping::Map(fd.get(), size_bytes, true));
+    ClientState& st = *client->state;
+    ULY_ASSIGN_OR_RETURN(uc::Buffer b, st.client->RegisterBuffer(fd.get(), label));
+    auto h = std::make_unique<uly_buffer>();
+    h->client = client->state;
+    h->id = b.id;
+    h->mapping = std::move(m);
+    {
+      std::lock_guard<std::mutex> lock(st.mu);
+      st.by_address[reinterpret_cast<uintptr_t>(h->mapping.data())] = {b.id, size_bytes};
+      st.sizes[b.id] = size_bytes;
+    }
+    *out = h.release();
+    return absl::OkStatus();
+  });
+}
+
+uly_status uly_buffer_free(uly_buffer* buffer) {
+  if (buffer == nullptr) return ULY_OK;
+  std::unique_ptr<uly_buffer> h(buffer);
+  return Guard([&]() -> absl::Status {
+    ClientState& st = *h->client;
+    {
+      std::lock_guard<std::mutex> lock(st.mu);
+      st.by_address.erase(reinterpret_cast<uintptr_t>(h->mapping.data()));
+      st.sizes.erase(h->id);
+    }
+    absl::Status s = st.client->FreeBuffer(h->id);
+    // After Close the daemon has released every buffer already.
+    if (s.code() == absl::StatusCode::kUnauthenticated) return absl::OkStatus();
+    return s;
+  });
+}
+
+uint64_t uly_buffer_id(const uly_buffer* buffer) { return buffer != nullptr ? buffer->id : 0; }
+void* uly_buffer_data(const uly_buffer* buffer) {
+  return buffer != nullptr ? buffer->mapping.data() : nullptr;
+}
+uint64_t uly_buffer_size(const uly_buffer* buffer) {
+  return buffer != nullptr ? buffer->mapping.size() : 0;
+}
+
+uly_status uly_join_group(uly_client* client, const uly_group_spec* spec, uly_group** out) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(client, "client"));
+    ULY_RETURN_IF_ERROR(NotNull(spec, "spec"));
+    ULY_RETURN_IF_ERROR(NotNull(out, "out"));
+    *out = nullptr;
+    ULY_RETURN_IF_ERROR(CheckStructSize(spec->struct_size, sizeof(uly_group_spec), "spec"));
+    if (spec->name == nullptr || spec->name[0] == '\0')
+      return absl::InvalidArgumentError("name: must not be empty");
+    if (spec->num_members < 0) return absl::InvalidArgumentError("num_members: must be >= 0");
+    if (spec->num_members > 0 && spec->members == nullptr)
+      return absl::InvalidArgumentError("members: NULL with num_members > 0");
+    uc::GroupSpec g;
+    g.name = spec->name;
+    g.world_size = spec->world_size;
+    g.rank = spec->rank;
+    for (int32_t i = 0; i < spec->num_members; ++i) {
+      if (spec->members[i] == nullptr)
+        return absl::InvalidArgumentError(StrCat("members[", i, "]: NULL"));
+      g.members.emplace_back(spec->members[i]);
+    }
+    if (spec->backend != nullptr && spec->backend[0] != '\0') g.backend = spec->backend;
+    g.timeout_ms = spec->timeout_ms;
+    ULY_ASSIGN_OR_RETURN(uc::Group group, client->state->client->JoinGroup(g));
+    *out = new uly_group{client->state, std::move(group)};
+    return absl::OkStatus();
+  });
+}
+
+void uly_group_free(uly_group* group) { delete group; }
+uint64_t uly_group_id(const uly_group* group) { return group != nullptr ? group->group.id : 0; }
+int32_t uly_group_rank(const uly_group* group) { return group != nullptr ? group->group.rank : 0; }
+int32_t uly_group_world_size(const uly_group* group) {
+  return group != nullptr ? group->group.world_size : 0;
+}
+const char* uly_group_backend(const uly_group* group) {
+  return group != nullptr ? group->group.backend.c_str() : "";
+}
+const char* uly_group_backend_reason(const uly_group* group) {
+  return group != nullptr ? group->group.backend_reason.c_str() : "";
+}
+
+uly_status uly_session_create(uly_client* client, const uly_group* group,
+                              const uly_session_spec* spec, uly_session** out) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(client, "client"));
+    ULY_RETURN_IF_ERROR(NotNull(group, "group"));
+    ULY_RETURN_IF_ERROR(NotNull(spec, "spec"));
+    ULY_RETURN_IF_ERROR(NotNull(out, "out"));
+    *out = nullptr;
+    ULY_RETURN_IF_ERROR(CheckStructSize(spec->struct_size, sizeof(uly_session_spec), "spec"));
+    if (group->client != client->state)
+      return absl::InvalidArgumentError("group: joined by another client");
+    if (spec->schedule_length < 0) return absl::InvalidArgumentError("schedule_length: must be >= 0");
+    if (spec->schedule_length > 0 && spec->schedule == nullptr)
+      return absl::InvalidArgumentError("schedule: NULL with schedule_length > 0");
+    uc::SessionSpec s;
+    s.num_heads = spec->num_heads;
+    s.head_dim = spec->head_dim;
+    s.dtype = static_cast<ulysses::DType>(spec->dtype);
+    s.max_tokens = spec->max_tokens;
+    s.num_slots = spec->num_slots == 0 ? 2 : spec->num_slots;
+    s.schedule.assign(spec->schedule, spec->schedule + spec->schedule_length);
+    s.timeout_ms = spec->timeout_ms;
+    ULY_ASSIGN_OR_RETURN(std::unique_ptr<uc::Session> session,
+                         client->state->client->CreateSession(group->group, s));
+    auto state = std::make_shared<SessionState>();
+    state->client = client->state;
+    state->session = std::move(session);
+    *out = new uly_session{std::move(state)};
+    return absl::OkStatus();
+  });
+}
+
+uly_status uly_session_close(uly_session* session) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(session, "session"));
+    return session->state->session->Close();
+  });
+}
+
+void uly_session_free(uly_session* session) {
+  if (session == nullptr) return;
+  (void)uly_session_close(session);
+  delete session;
+}
+
+uint64_t uly_session_id(const uly_session* session) {
+  return session != nullptr ? session->state->session->id() : 0;
+}
+
+const char* uly_session_backend(const uly_session* session) {
+  return session != nullptr ? session->state->session->backend().c_str() : "";
+}
+
+uly_status uly_session_poison_slots(uly_session* session, int32_t* poisoned) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(session, "session"));
+    ULY_ASSIGN_OR_RETURN(int n, session->state->session->PoisonSlots());
+    if (poisoned != nullptr) *poisoned = n;
+    return absl::OkStatus();
+  });
+}
+
+uly_status uly_session_call(uly_session* session, const uly_call_args* args, uly_result** result) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(session, "session"));
+    if (result != nullptr) *result = nullptr;
+    ULY_ASSIGN_OR_RETURN(ulysses::CallArgs a, ToCallArgs(*session->state, args));
+    if (result == nullptr && !a.out.present())
+      return absl::InvalidArgumentError("result: NULL, but the call has no out");
+    ULY_ASSIGN_OR_RETURN(uc::Result r, session->state->session->Call(a));
+    if (result != nullptr) *result = NewResult(session->state, std::move(r));
+    return absl::OkStatus();
+  });
+}
+
+uly_status uly_session_submit(uly_session* session, const uly_call_args* args, uint64_t* epoch) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(session, "session"));
+    ULY_RETURN_IF_ERROR(NotNull(epoch, "epoch"));
+    ULY_ASSIGN_OR_RETURN(ulysses::CallArgs a, ToCallArgs(*session->state, args));
+    ULY_ASSIGN_OR_RETURN(*epoch, session->state->session->Submit(a));
+    return absl::OkStatus();
+  });
+}
+
+uly_status uly_session_wait(uly_session* session, uint64_t epoch, int64_t timeout_ms,
+                            uly_result** result) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(session, "session"));
+    ULY_RETURN_IF_ERROR(NotNull(result, "result"));
+    *result = nullptr;
+    if (timeout_ms < 0) return absl::InvalidArgumentError("timeout_ms: must be >= 0");
+    const absl::Duration timeout =
+        timeout_ms == 0 ? absl::Minutes(5) : absl::Milliseconds(timeout_ms);
+    ULY_ASSIGN_OR_RETURN(uc::Result r, session->state->session->Wait(epoch, timeout));
+    *result = NewResult(session->state, std::move(r));
+    return absl::OkStatus();
+  });
+}
+
+uly_status uly_result_get_info(const uly_result* result, uly_result_info* info) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(result, "result"));
+    ULY_RETURN_IF_ERROR(NotNull(info, "info"));
+    ULY_RETURN_IF_ERROR(CheckStructSize(info->struct_size, sizeof(uly_result_info), "info"));
+    const uint32_t size = info->struct_size;
+    std::memset(info, 0, sizeof(uly_result_info));
+    info->struct_size = size;
+    std::lock_guard<std::mutex> lock(result->mu);
+    const uc::Result& res = result->result;
+    info->slot = res.slot;
+    info->epoch = res.epoch;
+    info->device_kind = ULY_DEVICE_HOST;
+    info->dtype = static_cast<int32_t>(result->session->session->geometry().dtype);
+    info->ndim = 4;
+    info->held = res.held() ? 1 : 0;
+    int64_t stride = 1;
+    for (int i = 3; i >= 0; --i) {
+      info->shape[i] = res.shape[i];
+      info->strides[i] = stride;
+      stride *= res.shape[i];
+    }
+    // A result copied to `out` (or released) describes no readable data.
+    info->data = res.held() ? res.data : nullptr;
+    info->bytes = res.held() ? res.bytes : 0;
+    info->daemon_us = res.daemon_us;
+    return absl::OkStatus();
+  });
+}
+
+uly_status uly_result_release(uly_result* result) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(result, "result"));
+    std::lock_guard<std::mutex> lock(result->mu);
+    return result->result.Release();
+  });
+}
+
+void uly_result_free(uly_result* result) {
+  if (result == nullptr) return;
+  (void)uly_result_release(result);
+  delete result;
+}
+
+}  // extern "C"
