@@ -8,6 +8,10 @@
 #     bin/       ulyssesd ulyssesctl ulysses-demo ulyssesd-node.sh
 #     lib/       the shared libraries the programs need beyond the base system (gRPC,
 #                protobuf, absl, spdlog, fmt, c-ares, re2, OpenSSL, ...), found with ldd
+#     lib/       libulysses_client.so* (the client library: C ABI and C++ API), its CMake
+#                package (lib/cmake/ulysses) and pkg-config files (lib/pkgconfig)
+#     include/   ulysses/c_api.h, ulysses/client/client.h and the headers they include
+#     python/    the Python package's source: pip install <root>/python
 #     etc/       ulyssesd.example.json config.schema.json
 #     systemd/   ulyssesd@.service nvidia-mps.service
 #     share/doc/ulyssesd/  operations.md README.md
@@ -16,9 +20,10 @@
 # libstdc++ and libgcc_s, the NVIDIA driver (libcuda, libnvidia-*) and the CUDA toolkit's
 # libraries (cudart, cuBLAS, NCCL, ...), which a GPU build takes from the CUDA installation.
 #
-# The programs find lib/ through RUNPATH $ORIGIN/../lib (and each bundled library through
-# RUNPATH $ORIGIN), set with patchelf. Without patchelf the programs go to libexec/ and bin/
-# holds wrapper scripts that set LD_LIBRARY_PATH.
+# The programs find lib/ through RUNPATH $ORIGIN/../lib (and each bundled library, the client
+# library included, through RUNPATH $ORIGIN), set with patchelf. Without patchelf the programs
+# go to libexec/ and bin/ holds wrapper scripts that set LD_LIBRARY_PATH (a program linking the
+# client library then needs LD_LIBRARY_PATH=<root>/lib too).
 #
 # Prints the tarball's path on its last line.
 set -euo pipefail
@@ -68,17 +73,35 @@ install -m 0644 "$src/deploy/ulyssesd.example.json" "$src/deploy/config.schema.j
 install -m 0644 "$src/deploy/systemd/ulyssesd@.service" "$src/deploy/systemd/nvidia-mps.service" \
   "$root/systemd/"
 install -m 0644 "$src/docs/operations.md" "$src/README.md" "$root/share/doc/ulyssesd/"
+install -m 0644 "$src/docs/api.md" "$root/share/doc/ulyssesd/"
+
+# The client library with its headers, CMake package and pkg-config files.
+if ! cmake --install "$build" --prefix "$root" --component client >/dev/null; then
+  log "cmake --install $1 --component client failed: build first (cmake --build $1)"
+  exit 1
+fi
+client_lib=$(find "$root/lib" -maxdepth 1 -name 'libulysses_client.so.*.*' -type f | head -n 1)
+if [ -z "$client_lib" ]; then
+  log "the client install put no libulysses_client.so.X.Y.Z into lib/"
+  exit 1
+fi
+mkdir -p "$root/python/ulysses"
+install -m 0644 "$src/client/python/pyproject.toml" "$src/client/python/README.md" "$root/python/"
+install -m 0644 "$src/client/python/ulysses/"*.py "$src/client/python/ulysses/py.typed" \
+  "$root/python/ulysses/"
 
 # Libraries the target system provides (matched on the soname).
 system_lib='^(linux-vdso|linux-gate|ld-linux|libc\.so|libm\.so|libmvec\.so|libpthread\.so|libdl\.so|librt\.so|libresolv\.so|libutil\.so|libanl\.so|libnsl\.so|libBrokenLocale\.so|libstdc\+\+\.so|libgcc_s\.so|libcuda\.so|libnvidia-|libcudart\.so|libcublas\.so|libcublasLt\.so|libnccl\.so|libnvrtc|libnvJitLink|libcufft|libcurand|libcusparse|libcusolver|libcupti|libnvToolsExt)'
 
 # ldd lists the whole closure; an unresolved library is an error.
 declare -A bundled=()
-for name_ in "${!programs[@]}"; do
+closure=("$client_lib")
+for name_ in "${!programs[@]}"; do closure+=("$root/bin/$name_"); done
+for file_ in "${closure[@]}"; do
   while read -r soname arrow path _; do
     [ "$arrow" = "=>" ] || continue
     if [ "$path" = "not" ]; then
-      log "bin/$name_: $soname not found"
+      log "$(basename "$file_"): $soname not found"
       exit 1
     fi
     [[ "$soname" =~ $system_lib ]] && continue
@@ -87,7 +110,7 @@ for name_ in "${!programs[@]}"; do
       chmod 0644 "$root/lib/$soname"
       bundled[$soname]=$path
     fi
-  done < <(ldd "$root/bin/$name_")
+  done < <(ldd "$file_")
 done
 log "bundled ${#bundled[@]} libraries"
 
@@ -97,7 +120,7 @@ if command -v patchelf >/dev/null 2>&1; then
     patchelf --set-rpath '$ORIGIN/../lib' "$root/bin/$name_"
   done
   for lib in "$root"/lib/*; do
-    [ -e "$lib" ] || continue
+    { [ -f "$lib" ] && [ ! -L "$lib" ]; } || continue
     # shellcheck disable=SC2016
     patchelf --set-rpath '$ORIGIN' "$lib"
   done

@@ -31,6 +31,13 @@ for f in bin/ulyssesd bin/ulyssesctl bin/ulysses-demo bin/ulyssesd-node.sh \
          share/doc/ulyssesd/operations.md; do
   [ -e "$root/$f" ] || fail "$f is missing from the tarball"
 done
+# The client library for programs outside the tree, with headers, CMake package, pkg-config
+# and the Python package's source.
+for f in lib/libulysses_client.so lib/libulysses_client.so.1 include/ulysses/c_api.h \
+         include/ulysses/client/client.h lib/cmake/ulysses/ulyssesConfig.cmake \
+         lib/pkgconfig/ulysses.pc python/pyproject.toml python/ulysses/__init__.py; do
+  [ -e "$root/$f" ] || fail "$f is missing from the tarball"
+done
 nlibs=$(find "$root/lib" -name '*.so*' | wc -l)
 [ "$nlibs" -gt 0 ] || fail "lib/ is empty"
 compgen -G "$root/lib/libgrpc++.so*" >/dev/null || fail "lib/ has no libgrpc++"
@@ -68,6 +75,11 @@ for p in "${progs[@]}"; do
     fi
   done <<<"$deps"
 done
+if [ ! -d "$root/libexec" ]; then
+  client_deps=$(run ldd "$root/lib/libulysses_client.so.1")
+  grep -q 'not found' <<<"$client_deps" && { echo "$client_deps"; fail "libulysses_client.so.1: unresolved libraries"; }
+  grep -q "$root/lib/libgrpc++" <<<"$client_deps" || fail "libulysses_client.so.1 does not load the bundled gRPC"
+fi
 echo "libraries: every bundled library is the one loaded"
 
 version=$(run "$root/bin/ulyssesd" --version)
