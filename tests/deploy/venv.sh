@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# venv.sh VENV_DIR: creates (once) a Python venv with tests/deploy/requirements.txt.
-# Re-creates it when the requirements change. Fails when PyPI cannot be reached: the deploy
-# tests need these packages and must not pass without them.
+# venv.sh VENV_DIR [REQUIREMENTS]: creates (once) a Python venv with REQUIREMENTS (default:
+# tests/deploy/requirements.txt). Re-creates it when the requirements change. Fails when PyPI
+# cannot be reached: the tests need these packages and must not pass without them.
 set -euo pipefail
 venv=$1
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-req="$here/requirements.txt"
+req=${2:-"$here/requirements.txt"}
 python=${PYTHON:-python3}
 mkdir -p "$(dirname "$venv")"
 exec 9>"$venv.lock"

@@ -1,0 +1,637 @@
+"""Client, groups, head-exchange sessions and the arrays that view receive slots."""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+import sys
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _capi
+from . import _torch
+from ._errors import InvalidArgumentError, error_for
+
+#: Session dtypes by name (and the aliases ParseDType accepts).
+_DTYPE_CODES = {
+    "float16": _capi.DTYPE_FLOAT16, "fp16": _capi.DTYPE_FLOAT16, "half": _capi.DTYPE_FLOAT16,
+    "bfloat16": _capi.DTYPE_BFLOAT16, "bf16": _capi.DTYPE_BFLOAT16,
+    "float32": _capi.DTYPE_FLOAT32, "fp32": _capi.DTYPE_FLOAT32, "float": _capi.DTYPE_FLOAT32,
+}
+_DTYPE_NAMES = {_capi.DTYPE_FLOAT16: "float16", _capi.DTYPE_BFLOAT16: "bfloat16",
+                _capi.DTYPE_FLOAT32: "float32"}
+#: The numpy dtype of a result (bfloat16 travels as raw uint16 bits in numpy).
+_NUMPY_DTYPES = {_capi.DTYPE_FLOAT16: np.dtype(np.float16),
+                 _capi.DTYPE_BFLOAT16: np.dtype(np.uint16),
+                 _capi.DTYPE_FLOAT32: np.dtype(np.float32)}
+
+DTypeLike = Union[str, np.dtype, type, Any]
+ArrayLike = Any  # numpy.ndarray or torch.Tensor
+
+
+def _check(status: int) -> None:
+    if status != _capi.OK:
+        lib = _capi.library()
+        raise error_for(status, lib.uly_last_error().decode("utf-8", "replace"))
+
+
+def _dtype_code(dtype: DTypeLike) -> int:
+    """The uly_dtype of a name, numpy dtype or torch dtype."""
+    if isinstance(dtype, str):
+        name = dtype
+    elif _torch.is_dtype(dtype):
+        name = str(dtype).replace("torch.", "")
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            raise InvalidArgumentError("dtype: %r is not a dtype" % (dtype,)) from None
+    code = _DTYPE_CODES.get(name.lower())
+    if code is None:
+        raise InvalidArgumentError("dtype: %r is not float16, bfloat16 or float32" % (dtype,))
+    return code
+
+
+def _array_dtype_matches(dt: np.dtype, code: int) -> bool:
+    if code == _capi.DTYPE_BFLOAT16:
+        # Raw bits, or a bfloat16 dtype such as ml_dtypes' (itemsize 2, named bfloat16).
+        return dt in (np.dtype(np.uint16), np.dtype(np.int16)) or (
+            dt.name == "bfloat16" and dt.itemsize == 2)
+    return dt == _NUMPY_DTYPES[code]
+
+
+def _default_device() -> int:
+    env = os.environ.get("ULYSSES_DEVICE")
+    if env:
+        return int(env)
+    device = _torch.current_cuda_device()
+    if device is not None:
+        return device
+    local_rank = os.environ.get("LOCAL_RANK")
+    return int(local_rank) if local_rank else 0
+
+
+class _Handle:
+    """Owns one C handle and frees it once, with the C function `free_name`."""
+
+    __slots__ = ("_ptr", "_free_name", "__weakref__")
+
+    def __init__(self, ptr: int, free_name: str):
+        self._ptr = ptr
+        self._free_name = free_name
+
+    @property
+    def ptr(self) -> int:
+        if not self._ptr:
+            raise InvalidArgumentError("handle: already freed")
+        return self._ptr
+
+    def free(self) -> None:
+        ptr, self._ptr = self._ptr, None
+        if ptr:
+            getattr(_capi.library(), self._free_name)(ptr)
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
+
+
+class _Memory:
+    """Exposes `size` bytes at `address` to numpy (``__array_interface__``) and keeps `owner`
+    alive for as long as any array viewing them lives."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, address: int, size: int, readonly: bool, owner: Any):
+        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "version": 3,
+                                    "data": (address, readonly)}
+        self.owner = owner
+
+
+class _SharedBuffer:
+    """A shared host buffer of the client (uly_buffer); freed when the last view is gone."""
+
+    def __init__(self, client: "Client", size: int, name: str):
+        lib = _capi.library()
+        out = ctypes.c_void_p()
+        _check(lib.uly_buffer_alloc(client._handle.ptr, size, name.encode(), ctypes.byref(out)))
+        self._handle = _Handle(out.value, "uly_buffer_free")
+        self.client = client  # the client outlives its buffers' handles
+        self.id = lib.uly_buffer_id(out.value)
+        self.address = lib.uly_buffer_data(out.value)
+        self.size = lib.uly_buffer_size(out.value)
+        client._add_buffer(self)
+
+    def array(self, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A writable C-contiguous array of `shape` at the start of the buffer."""
+        raw = np.asarray(_Memory(self.address, self.size, False, self))
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return raw[:n].view(dtype).reshape(shape)
+
+
+class _Slot:
+    """Holds one call's result (a uly_result) and the receive slot it occupies."""
+
+    def __init__(self, ptr: int, session: "HeadExchange"):
+        self._handle = _Handle(ptr, "uly_result_free")
+        self.session = session  # its segment stays mapped while this lives
+        info = _capi.new(_capi.ResultInfo)
+        _check(_capi.library().uly_result_get_info(ptr, ctypes.byref(info)))
+        self.epoch = int(info.epoch)
+        self.slot = int(info.slot)
+        self.shape = tuple(int(info.shape[i]) for i in range(info.ndim))
+        self.data = info.data
+        self.bytes = int(info.bytes)
+        self.daemon_us = int(info.daemon_us)
+        self._held = bool(info.held)
+        session._held.add(self)
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        self.session._held.discard(self)
+        _check(_capi.library().uly_result_release(self._handle.ptr))
+
+
+class SlotArray(np.ndarray):
+    """A read-only numpy view of this rank's receive slot, as the head-exchange calls return it.
+
+    The slot stays held (the daemon never overwrites it) until :meth:`release` is called or
+    the last array viewing it is dropped. The session's call that needs the slot next waits for
+    that, so release results as soon as they have been read. bfloat16 results are uint16 arrays
+    of raw bits unless the input had a bfloat16 numpy dtype.
+    """
+
+    _slot: Optional[_Slot] = None
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self._slot = getattr(obj, "_slot", None)
+
+    def release(self) -> None:
+        """Gives the receive slot back now. The data must not be read afterwards. Idempotent."""
+        if self._slot is not None:
+            self._slot.release()
+
+    @property
+    def held(self) -> bool:
+        """Whether the result still holds its slot."""
+        return self._slot is not None and self._slot.held
+
+    @property
+    def epoch(self) -> int:
+        """The session's call counter of this result (from 1, the same on every rank)."""
+        return self._slot.epoch if self._slot is not None else 0
+
+
+def release(result: Any) -> None:
+    """Releases the receive slot of a result (a :class:`SlotArray` or a torch tensor that a
+    call returned, or any view of one). Idempotent."""
+    slot = getattr(result, "_slot", None) or getattr(result, "_ulysses_slot", None)
+    if slot is not None:
+        slot.release()
+
+
+class Group:
+    """A joined group of W ranks, one daemon each."""
+
+    def __init__(self, client: "Client", ptr: int, name: str):
+        lib = _capi.library()
+        self._handle = _Handle(ptr, "uly_group_free")
+        self.client = client
+        self.name = name
+        self.id: int = lib.uly_group_id(ptr)
+        self.rank: int = lib.uly_group_rank(ptr)
+        self.world_size: int = lib.uly_group_world_size(ptr)
+        self.backend: str = lib.uly_group_backend(ptr).decode()
+        self.backend_reason: str = lib.uly_group_backend_reason(ptr).decode()
+
+    def __repr__(self) -> str:
+        return "Group(%r, rank=%d, world_size=%d, backend=%r)" % (
+            self.name, self.rank, self.world_size, self.backend)
+
+
+class _Operand:
+    """How one argument reaches the library: a uly_tensor over shared memory (the caller's,
+    when the array lies in a buffer of this client, or a staging buffer's)."""
+
+    def __init__(self, tensor: _capi.Tensor, array: np.ndarray, staged: Optional[np.ndarray]):
+        self.tensor = tensor
+        self.array = array    # the caller's array (numpy view of it)
+        self.staged = staged  # the staging copy the call reads or writes, if any
+
+
+class HeadExchange:
+    """A prepared head exchange on a group (a session). Every call is collective: each rank
+    issues the same calls, with the same arguments, in the same order. Use from one thread
+    at a time.
+
+    Arguments are numpy arrays or CPU torch tensors of shape ``[B, S, heads, D]`` in the
+    session's dtype, any positive strides. Arrays inside shared buffers of this client
+    (:meth:`Client.empty`) are passed as they are; others are copied into shared staging
+    buffers that the session allocates once and reuses.
+    """
+
+    def __init__(self, client: "Client", group: Group, ptr: int, num_heads: int, head_dim: int,
+                 dtype_code: int, max_tokens: int, num_slots: int, schedule: List[int]):
+        lib = _capi.library()
+        self._handle = _Handle(ptr, "uly_session_free")
+        self.client = client
+        self.group = group
+        self.id: int = lib.uly_session_id(ptr)
+        self.backend: str = lib.uly_session_backend(ptr).decode()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.dtype: str = _DTYPE_NAMES[dtype_code]
+        self.max_tokens = max_tokens
+        self.num_slots = num_slots
+        self.schedule: List[int] = list(schedule)
+        self._dtype_code = dtype_code
+        self._staging: Dict[str, _SharedBuffer] = {}
+        self._held: "weakref.WeakSet[_Slot]" = weakref.WeakSet()
+        self._closed = False
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def local_heads(self) -> int:
+        """H/W: the heads each rank owns."""
+        return self.num_heads // self.group.world_size
+
+    def head_chunks(self) -> List[Tuple[int, int]]:
+        """(head_offset, head_count) of each band of the schedule (the whole band without)."""
+        counts = self.schedule or [self.local_heads]
+        offsets = np.cumsum([0] + counts[:-1]).tolist()
+        return list(zip(offsets, counts))
+
+    # -- the four ops ------------------------------------------------------------------------
+
+    def scatter_heads(self, x: ArrayLike, out: Optional[ArrayLike] = None) -> ArrayLike:
+        """``x[B,S_l,H,D] -> [B,S_g,H/W,D]``: this rank's head band of every rank's tokens,
+        ``out[b, j*S_l+s, h, d] = x_j[b, s, rank*H_l+h, d]``. Returns a view of the receive
+        slot, or `out` when given (the slot is then released at once)."""
+        return self._call(_capi.OP_SCATTER_HEADS, [("x", x)], out)
+
+    def gather_heads(self, y: ArrayLike, out: Optional[ArrayLike] = None) -> ArrayLike:
+        """``y[B,S_g,H/W,D] -> [B,S_l,H,D]``, the inverse of :meth:`scatter_heads`."""
+        return self._call(_capi.OP_GATHER_HEADS, [("y", y)], out)
+
+    def scatter_qkv_head_chunk(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, head_offset: int,
+                               head_count: int, out: Optional[ArrayLike] = None) -> ArrayLike:
+        """``q,k,v[B,S_l,H,D] -> [B,S_g,HC,3D]`` for local heads ``[head_offset,
+        head_offset+HC)``, Q in ``[0,D)``, K in ``[D,2D)``, V in ``[2D,3D)`` of the last axis."""
+        return self._call(_capi.OP_SCATTER_QKV_HEAD_CHUNK, [("q", q), ("k", k), ("v", v)], out,
+                          head_offset, head_count)
+
+    def gather_output_head_chunk(self, x: ArrayLike, head_offset: int, head_count: int,
+                                 out: ArrayLike) -> ArrayLike:
+        """``x[B,S_g,HC,D]`` -> writes heads ``p*H_l + head_offset + [0, HC)`` of
+        ``out[B,S_l,H,D]`` for every source rank p; the other heads of `out` stay untouched.
+        Returns `out`."""
+        if out is None:
+            raise InvalidArgumentError("out: gather_output_head_chunk needs out")
+        return self._call(_capi.OP_GATHER_OUTPUT_HEAD_CHUNK, [("x", x)], out, head_offset,
+                          head_count)
+
+    # -- slots and lifetime ------------------------------------------------------------------
+
+    def release(self, result: Any) -> None:
+        """Releases the slot of `result` (same as :func:`ulysses.release`)."""
+        release(result)
+
+    def release_all(self) -> None:
+        """Releases every slot a result of this session still holds."""
+        for slot in list(self._held):
+            slot.release()
+
+    def poison_slots(self) -> int:
+        """Fills this rank's receive slots that are not held with NaN (all bits set); returns
+        how many. Not collective. For tests telling fresh results from stale ones."""
+        n = ctypes.c_int32()
+        _check(_capi.library().uly_session_poison_slots(self._handle.ptr, ctypes.byref(n)))
+        return n.value
+
+    def close(self) -> None:
+        """Closes the session on this rank (results still alive stay readable). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            _check(_capi.library().uly_session_close(self._handle.ptr))
+
+    def __enter__(self) -> "HeadExchange":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return ("HeadExchange(id=%d, rank=%d/%d, heads=%d, head_dim=%d, dtype=%s, "
+                "max_tokens=%d, slots=%d)" % (self.id, self.rank, self.world_size,
+                                              self.num_heads, self.head_dim, self.dtype,
+                                              self.max_tokens, self.num_slots))
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _staging_buffer(self, role: str, nbytes: int) -> _SharedBuffer:
+        buf = self._staging.get(role)
+        if buf is None or buf.size < nbytes:
+            size = max(nbytes, 2 * buf.size if buf is not None else 0, 4096)
+            buf = _SharedBuffer(self.client, size, "staging-" + role)
+            self._staging[role] = buf
+        return buf
+
+    def _operand(self, name: str, value: Any, is_torch: List[bool], is_out: bool = False,
+                 copy_in: bool = True) -> _Operand:
+        """Describes `value` for the library; `copy_in`: a staging copy starts as `value`."""
+        if value is None:
+            raise InvalidArgumentError("%s: must not be None" % name)
+        t = _capi.new(_capi.Tensor)
+        t.dtype = self._dtype_code
+        if _torch.is_tensor(value):
+            is_torch.append(True)
+            if _torch.is_device_tensor(value):
+                # The C ABI answers UNIMPLEMENTED until the GPU data plane lands.
+                t.device_kind = _capi.DEVICE_CUDA
+                t.ndim = min(value.dim(), _capi.MAX_DIMS)
+                for i in range(t.ndim):
+                    t.shape[i] = value.shape[i]
+                    t.strides[i] = value.stride(i)
+                t.data = value.data_ptr()
+                t.device_index = value.device.index or 0
+                return _Operand(t, None, None)
+            value = _torch.to_numpy(value)
+        elif isinstance(value, np.ndarray):
+            is_torch.append(False)
+        else:
+            raise TypeError("%s: expected a numpy array or a torch tensor, got %s"
+                            % (name, type(value).__name__))
+        a = value
+        if not _array_dtype_matches(a.dtype, self._dtype_code):
+            raise InvalidArgumentError("%s: dtype %s is not the session's %s"
+                                       % (name, a.dtype, self.dtype))
+        if a.ndim > _capi.MAX_DIMS:
+            raise InvalidArgumentError("%s: ndim %d, this op takes 4-D tensors" % (name, a.ndim))
+        if is_out and not a.flags.writeable:
+            raise InvalidArgumentError("%s: the array is read-only" % name)
+        t.device_kind = _capi.DEVICE_HOST
+        t.ndim = a.ndim
+        for i in range(a.ndim):
+            t.shape[i] = a.shape[i]
+        strides = self.client._shared_strides(a)
+        if strides is not None:
+            t.data = a.ctypes.data
+            for i, s in enumerate(strides):
+                t.strides[i] = s
+            return _Operand(t, a, None)
+        buf = self._staging_buffer(name, max(a.nbytes, 1))
+        staged = buf.array(a.shape, a.dtype)
+        if copy_in:
+            np.copyto(staged, a)
+        t.data = buf.address
+        return _Operand(t, a, staged)
+
+    def _call(self, op: int, inputs: Sequence[Tuple[str, Any]], out: Optional[ArrayLike],
+              head_offset: int = 0, head_count: int = 0) -> ArrayLike:
+        lib = _capi.library()
+        is_torch: List[bool] = []
+        operands = [self._operand(n, v, is_torch) for n, v in inputs]
+        args = _capi.new(_capi.CallArgs)
+        args.op = op
+        args.head_offset = head_offset
+        args.head_count = head_count
+        for i, o in enumerate(operands):
+            args.inputs[i] = ctypes.pointer(o.tensor)
+        out_op: Optional[_Operand] = None
+        copy_out_later = False
+        if out is not None:
+            # gather_output_head_chunk writes a band only: a staged out starts as the caller's.
+            out_op = self._operand("out", out, [], is_out=True,
+                                   copy_in=op == _capi.OP_GATHER_OUTPUT_HEAD_CHUNK)
+            if out_op.staged is not None and op != _capi.OP_GATHER_OUTPUT_HEAD_CHUNK:
+                # Not in a shared buffer: take the result from the slot and copy it over.
+                copy_out_later = True
+            else:
+                args.out = ctypes.pointer(out_op.tensor)
+        result = ctypes.c_void_p()
+        want_result = out is None or copy_out_later
+        _check(lib.uly_session_call(self._handle.ptr, ctypes.byref(args),
+                                    ctypes.byref(result) if want_result else None))
+        if out is not None:
+            if copy_out_later:
+                slot = _Slot(result.value, self)
+                try:
+                    view = self._slot_array(slot, out_op.array.dtype)
+                    if view.shape != out_op.array.shape:
+                        raise InvalidArgumentError("out: shape %s does not match the op's %s" % (
+                            list(out_op.array.shape), list(view.shape)))
+                    np.copyto(out_op.array, view)
+                finally:
+                    slot.release()
+            elif out_op.staged is not None:
+                np.copyto(out_op.array, out_op.staged)
+            return out
+        slot = _Slot(result.value, self)
+        like = operands[0].array.dtype if operands[0].array is not None else None
+        view = self._slot_array(slot, like)
+        if is_torch and is_torch[0]:
+            return _torch.slot_tensor(view, self._dtype_code == _capi.DTYPE_BFLOAT16, slot)
+        return view
+
+    def _slot_array(self, slot: _Slot, like: Optional[np.dtype]) -> SlotArray:
+        dtype = _NUMPY_DTYPES[self._dtype_code]
+        if like is not None and like.itemsize == dtype.itemsize and _array_dtype_matches(
+                like, self._dtype_code):
+            dtype = like
+        raw = np.asarray(_Memory(slot.data, slot.bytes, True, slot))
+        arr = raw.view(dtype).reshape(slot.shape).view(SlotArray)
+        arr._slot = slot
+        return arr
+
+
+class Client:
+    """A connection to one ulyssesd (one GPU's daemon). Use :func:`connect`.
+
+    Closing the client (or dropping it) detaches it: the daemon releases every buffer,
+    session and slot the client holds. Arrays viewing its buffers and results stay readable.
+    """
+
+    def __init__(self, ptr: int):
+        lib = _capi.library()
+        self._handle = _Handle(ptr, "uly_client_free")
+        self.id: int = lib.uly_client_id(ptr)
+        self.backend: str = lib.uly_client_backend(ptr).decode()
+        self.socket: str = lib.uly_client_socket(ptr).decode()
+        self.uses_rings: bool = bool(lib.uly_client_uses_rings(ptr))
+        self._starts: List[int] = []
+        self._buffers: Dict[int, "weakref.ReferenceType[_SharedBuffer]"] = {}
+        self._closed = False
+
+    # -- buffers -----------------------------------------------------------------------------
+
+    def _add_buffer(self, buf: _SharedBuffer) -> None:
+        bisect.insort(self._starts, buf.address)
+        start = buf.address
+
+        def gone(_: Any) -> None:
+            self._buffers.pop(start, None)
+            i = bisect.bisect_left(self._starts, start)
+            if i < len(self._starts) and self._starts[i] == start:
+                del self._starts[i]
+
+        self._buffers[start] = weakref.ref(buf, gone)
+
+    def _shared_strides(self, a: np.ndarray) -> Optional[List[int]]:
+        """Element strides of `a` when it lies wholly inside one shared buffer of this client
+        with positive strides (size-1 dimensions count as stride 1); None otherwise."""
+        if a.size == 0:
+            return None
+        start = a.ctypes.data
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0:
+            return None
+        ref = self._buffers.get(self._starts[i])
+        buf = ref() if ref is not None else None
+        if buf is None:
+            return None
+        item = a.dtype.itemsize
+        strides, last = [], start
+        for n, s in zip(a.shape, a.strides):
+            if n == 1:
+                strides.append(1)
+                continue
+            if s <= 0 or s % item:
+                return None
+            strides.append(s // item)
+            last += (n - 1) * s
+        if last + item > buf.address + buf.size:
+            return None
+        return strides
+
+    def empty(self, shape: Sequence[int], dtype: DTypeLike, name: str = "") -> ArrayLike:
+        """A new zero-filled C-contiguous array in a shared buffer of this client: passing it
+        (or a view of it) to a call costs no copy. A torch dtype gives a CPU torch tensor,
+        anything else a numpy array (bfloat16 as uint16 bits). The buffer is freed when the
+        last view of it is gone."""
+        code = _dtype_code(dtype)
+        np_dtype = _NUMPY_DTYPES[code]
+        shape = tuple(int(n) for n in shape)
+        if any(n < 0 for n in shape):
+            raise InvalidArgumentError("shape: negative extent in %s" % (shape,))
+        nbytes = max(int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize, 1)
+        arr = _SharedBuffer(self, nbytes, name).array(shape, np_dtype)
+        if _torch.is_dtype(dtype):
+            return _torch.from_numpy(arr, code == _capi.DTYPE_BFLOAT16)
+        return arr
+
+    # -- groups and sessions -----------------------------------------------------------------
+
+    def join_group(self, name: str, rank: int, world_size: int,
+                   members: Optional[Sequence[str]] = None, backend: str = "auto",
+                   timeout: Optional[float] = None) -> Group:
+        """Collective: joins (forms) the group `name` of `world_size` ranks. Every rank passes
+        the same name, world size and members; ``members[r]`` is rank r's daemon socket
+        (None: this client's socket, for a group of one). `timeout` in seconds (None: the
+        daemon's peer timeout)."""
+        if members is None:
+            if world_size != 1:
+                raise InvalidArgumentError("members: needed when world_size is not 1")
+            members = [self.socket]
+        encoded = [str(m).encode() for m in members]
+        arr = (ctypes.c_char_p * max(len(encoded), 1))(*encoded)
+        spec = _capi.new(_capi.GroupSpec)
+        spec.world_size = world_size
+        spec.rank = rank
+        spec.num_members = len(encoded)
+        spec.name = name.encode()
+        spec.members = arr
+        spec.backend = backend.encode()
+        spec.timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
+        out = ctypes.c_void_p()
+        _check(_capi.library().uly_join_group(self._handle.ptr, ctypes.byref(spec),
+                                              ctypes.byref(out)))
+        return Group(self, out.value, name)
+
+    def join_torch_group(self, process_group: Any = None, name: Optional[str] = None,
+                         backend: str = "auto", timeout: Optional[float] = None) -> Group:
+        """Collective over a torch.distributed process group (default: the world): forms the
+        ulysses group of its ranks, each rank's daemon socket exchanged through it, so that a
+        torchrun script needs no member list. `name` defaults to one that rank 0 picks."""
+        return _torch.join_group(self, process_group, name, backend, timeout)
+
+    def head_exchange(self, group: Group, num_heads: int, head_dim: int, dtype: DTypeLike,
+                      max_tokens: int, num_slots: int = 2,
+                      schedule: Optional[Sequence[int]] = None,
+                      timeout: Optional[float] = None) -> HeadExchange:
+        """Collective over `group`: creates a head-exchange session. Every rank passes the same
+        arguments. `max_tokens` bounds B*S_l of every call; `num_slots` (1..8) receive slots
+        are cycled by consecutive calls; `schedule` is an optional head-chunk schedule summing
+        to H/W (e.g. [7, 14, 7])."""
+        code = _dtype_code(dtype)
+        sched = [int(c) for c in (schedule or [])]
+        arr = (ctypes.c_int32 * max(len(sched), 1))(*sched)
+        spec = _capi.new(_capi.SessionSpec)
+        spec.num_heads = num_heads
+        spec.head_dim = head_dim
+        spec.dtype = code
+        spec.max_tokens = max_tokens
+        spec.num_slots = num_slots
+        spec.schedule_length = len(sched)
+        spec.schedule = arr
+        spec.timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
+        out = ctypes.c_void_p()
+        _check(_capi.library().uly_session_create(self._handle.ptr, group._handle.ptr,
+                                                  ctypes.byref(spec), ctypes.byref(out)))
+        return HeadExchange(self, group, out.value, num_heads, head_dim, code, max_tokens,
+                            num_slots, sched)
+
+    def close(self) -> None:
+        """Detaches from the daemon, which releases everything this client holds. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            _check(_capi.library().uly_client_close(self._handle.ptr))
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return "Client(id=%d, socket=%r, backend=%r)" % (self.id, self.socket, self.backend)
+
+
+def connect(socket: Optional[str] = None, *, device: Optional[int] = None, name: str = "",
+            use_rings: bool = True, timeout: float = 10.0) -> Client:
+    """Connects to a daemon.
+
+    `socket`: its control socket. None: ``$ULYSSES_SOCKET`` if set, else
+    ``/run/ulysses/gpu<device>.sock``, where `device` defaults to ``$ULYSSES_DEVICE``, else
+    torch's current CUDA device (when torch is imported and has initialised CUDA), else
+    ``$LOCAL_RANK``, else 0. `name` is shown to operators. `use_rings`: calls through the
+    shared-memory rings (else one RPC per call; results are the same). Raises
+    :class:`UnavailableError` when no daemon answers within `timeout` seconds.
+    """
+    lib = _capi.library()
+    opts = _capi.new(_capi.ConnectOptions)
+    opts.abi_version = _capi.ABI_VERSION
+    opts.socket = os.fspath(socket).encode() if socket else None
+    opts.name = (name or os.path.basename(sys.argv[0]) or "python").encode()
+    opts.device = _default_device() if device is None else int(device)
+    opts.disable_rings = 0 if use_rings else 1
+    opts.connect_timeout_ms = max(1, int(timeout * 1000))
+    out = ctypes.c_void_p()
+    _check(lib.uly_connect(ctypes.byref(opts), ctypes.byref(out)))
+    return Client(out.value)

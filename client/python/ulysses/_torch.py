@@ -1,0 +1,125 @@
+"""torch support, without importing torch: every helper looks torch up in sys.modules (a
+caller that passes a tensor has imported it) or imports it only when asked for a torch-only
+feature."""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any, Optional
+
+import numpy as np
+
+_slot_tensor_type: Any = None
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def is_tensor(obj: Any) -> bool:
+    t = _torch()
+    return t is not None and isinstance(obj, t.Tensor)
+
+
+def is_dtype(obj: Any) -> bool:
+    t = _torch()
+    return t is not None and isinstance(obj, t.dtype)
+
+
+def is_device_tensor(t: Any) -> bool:
+    return t.device.type != "cpu"
+
+
+def current_cuda_device() -> Optional[int]:
+    """torch's current CUDA device, if torch is imported and has initialised CUDA."""
+    t = _torch()
+    if t is None or not hasattr(t, "cuda"):
+        return None
+    try:
+        if t.cuda.is_initialized():
+            return int(t.cuda.current_device())
+    except Exception:
+        return None
+    return None
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    """A numpy view (no copy) of a CPU tensor; bfloat16 as uint16 bits."""
+    torch = _torch()
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def from_numpy(a: np.ndarray, bfloat16: bool) -> Any:
+    """A CPU tensor viewing `a` (no copy); uint16 bits become bfloat16 when `bfloat16`."""
+    torch = _torch()
+    with warnings.catch_warnings():
+        # Receive slots are mapped read-only; torch has no read-only tensors and says so.
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(a.view(np.int16) if bfloat16 else a)
+    return t.view(torch.bfloat16) if bfloat16 else t
+
+
+def _slot_tensor_class() -> Any:
+    global _slot_tensor_type
+    if _slot_tensor_type is None:
+        torch = _torch()
+
+        class SlotTensor(torch.Tensor):
+            """A CPU tensor viewing a receive slot. Read-only: do not write into it (the slot is
+            mapped read-only); clone() it to get a tensor of your own. The slot is released by
+            release() or when the last view is dropped. Operations on it return plain tensors."""
+
+            __torch_function__ = torch._C._disabled_torch_function_impl
+
+            def release(self) -> None:
+                """Gives the receive slot back now; do not read the tensor afterwards."""
+                slot = getattr(self, "_ulysses_slot", None)
+                if slot is not None:
+                    slot.release()
+
+            @property
+            def held(self) -> bool:
+                slot = getattr(self, "_ulysses_slot", None)
+                return slot is not None and slot.held
+
+        _slot_tensor_type = SlotTensor
+    return _slot_tensor_type
+
+
+def slot_tensor(view: np.ndarray, bfloat16: bool, slot: Any) -> Any:
+    """A SlotTensor over the numpy view of a slot; it keeps the view (and so the slot) alive."""
+    t = from_numpy(view, bfloat16).as_subclass(_slot_tensor_class())
+    t._ulysses_slot = slot
+    return t
+
+
+def join_group(client: Any, process_group: Any, name: Optional[str], backend: str,
+               timeout: Optional[float]) -> Any:
+    import torch.distributed as dist  # only this helper needs torch.distributed
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("join_torch_group: torch.distributed is not initialised "
+                           "(call torch.distributed.init_process_group first)")
+    rank = dist.get_rank(process_group)
+    world = dist.get_world_size(process_group)
+    socket = os.path.abspath(client.socket)
+    members: list = [None] * world
+    dist.all_gather_object(members, socket, group=process_group)
+    if name is None:
+        # Rank 0 names the group, unique per process and call, so that two groups formed from
+        # the same ranks do not collide in their daemons.
+        global _groups_formed
+        _groups_formed += 1
+        pick = ["torch-%d-%d" % (os.getpid(), _groups_formed)]
+        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        dist.broadcast_object_list(pick, src=src, group=process_group)
+        name = pick[0]
+    return client.join_group(name, rank, world, members=members, backend=backend,
+                             timeout=timeout)
+
+
+_groups_formed = 0

@@ -1,0 +1,138 @@
+"""Results hold their receive slot until released or dropped; several client processes share
+one daemon."""
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import ulysses
+from helpers import unique
+
+X = np.arange(16, dtype=np.float32).reshape(1, 4, 2, 2)
+
+
+@pytest.fixture
+def one_slot(cluster):
+    """A session with a single receive slot on a daemon whose calls wait at most 300 ms for a
+    held slot: a call while the last result is still held fails with DEADLINE_EXCEEDED."""
+    sock, = cluster.start(1, ["--call-timeout-ms", "300"])
+    c = ulysses.connect(sock)
+    g = c.join_group(unique(), 0, 1)
+    hx = c.head_exchange(g, 2, 2, "float32", 4, num_slots=1)
+    yield hx
+    hx.close()
+    c.close()
+
+
+def test_a_held_result_blocks_its_slot_until_released(one_slot):
+    hx = one_slot
+    r = hx.scatter_heads(X)
+    assert r.held
+    with pytest.raises(ulysses.DeadlineExceededError, match="release it"):
+        hx.scatter_heads(X)
+    r.release()
+    r.release()  # idempotent
+    assert not r.held
+    r2 = hx.scatter_heads(X)  # the refused call used no epoch
+    assert r2.epoch == 2 and np.array_equal(r2, X)
+    ulysses.release(r2)
+    assert not r2.held
+
+
+def test_dropping_the_last_view_releases_the_slot(one_slot):
+    hx = one_slot
+    r = hx.scatter_heads(X)
+    view = r[0, 1:]  # a view keeps the result alive
+    assert isinstance(view, ulysses.SlotArray) and view.held
+    del r
+    gc.collect()
+    with pytest.raises(ulysses.DeadlineExceededError):
+        hx.scatter_heads(X)
+    assert np.array_equal(view, X[0, 1:])
+    del view
+    gc.collect()
+    assert np.array_equal(hx.scatter_heads(X), X)  # dropped at once: released again
+
+
+def test_out_holds_no_slot(one_slot):
+    hx = one_slot
+    out = np.empty_like(X)
+    for _ in range(3):
+        assert hx.scatter_heads(X, out=out) is out
+    assert np.array_equal(out, X)
+
+
+def test_release_all_and_session_close(one_slot):
+    hx = one_slot
+    r = hx.scatter_heads(X)
+    hx.release_all()
+    assert not r.held
+    kept = hx.scatter_heads(X)
+    hx.close()
+    assert np.array_equal(kept, X)  # a live result stays readable after its session closed
+    with pytest.raises(ulysses.FailedPreconditionError, match="closed"):
+        hx.scatter_heads(X)
+
+
+def test_results_are_read_only(one_slot):
+    r = one_slot.scatter_heads(X)
+    with pytest.raises(ValueError):
+        r[0, 0, 0, 0] = 1.0
+
+
+CHILD = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import ulysses
+    sock, name, seed, group_size, rank = sys.argv[1], sys.argv[2], int(sys.argv[3]), \\
+        int(sys.argv[4]), int(sys.argv[5])
+    rng = np.random.default_rng(seed)
+    with ulysses.connect(sock, name="child%d" % seed) as c:
+        g = c.join_group(name, rank, group_size, members=[sock] * group_size)
+        hx = c.head_exchange(g, 2 * group_size, 3, "float32", 8)
+        for i in range(20):
+            x = rng.standard_normal((2, 4, 2 * group_size, 3)).astype(np.float32)
+            band = hx.scatter_heads(x)
+            back = hx.gather_heads(np.array(band))
+            band.release()
+            assert np.array_equal(back, x), "round trip differs at call %d" % i
+            assert back.epoch == 2 * i + 2
+            back.release()  # the next gather_heads needs its slot
+    print("child ok", c.id)
+""")
+
+
+def spawn(args):
+    env = dict(os.environ)
+    return subprocess.Popen([sys.executable, "-c", CHILD, *map(str, args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(procs):
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(out)
+    return outs
+
+
+def test_two_client_processes_share_one_daemon(sockets):
+    # Each process has its own group of one on the same daemon; their calls interleave.
+    procs = [spawn([sockets[2], unique(), seed, 1, 0]) for seed in (1, 2)]
+    outs = finish(procs)
+    ids = {o.split()[-1] for o in outs}
+    assert len(ids) == 2 and all(o.startswith("child ok") for o in outs)
+
+
+def test_two_processes_form_one_group_on_one_daemon(sockets):
+    # Two ranks of one group whose members are the same daemon (ranks sharing a GPU).
+    name = unique()
+    procs = [spawn([sockets[2], name, 3 + r, 2, r]) for r in (0, 1)]
+    finish(procs)
