@@ -107,7 +107,10 @@ absl::StatusOr<DaemonProcess> StartDaemon(const std::string& ulyssesd, const std
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
     ::execv(argv[0], argv.data());
-    ::execvp(argv[0], argv.data());
+    if (std::strchr(argv[0], '/') == nullptr) ::execvp(argv[0], argv.data());
+    // Into the log, which the parent shows: why the program did not start.
+    const std::string why = StrCat("cannot run ", args[0], ": ", std::strerror(errno), "\n");
+    (void)!::write(2, why.data(), why.size());
     _exit(127);
   }
   DaemonProcess proc(pid, socket);
@@ -125,7 +128,11 @@ absl::StatusOr<DaemonProcess> StartDaemon(const std::string& ulyssesd, const std
         ::fclose(f);
       }
       proc = DaemonProcess();
-      return absl::UnavailableError(StrCat("ulyssesd (device ", device, ") exited before serving: ", tail));
+      while (!tail.empty() && (tail.back() == '\n' || tail.back() == ' ')) tail.pop_back();
+      const std::string how = WIFSIGNALED(status) ? StrCat("killed by signal ", WTERMSIG(status))
+                                                  : StrCat("exit status ", WEXITSTATUS(status));
+      return absl::UnavailableError(StrCat("ulyssesd (device ", device, ") exited before serving (",
+                                           how, "): ", tail.empty() ? "no output" : tail));
     }
     if (absl::Now() > deadline) {
       proc.Kill();
@@ -277,8 +284,17 @@ class Runner {
     }
     if (w_.hold_seconds > 0)
       std::this_thread::sleep_for(std::chrono::duration<double>(w_.hold_seconds));
-    ULY_RETURN_IF_ERROR(session->Close());
-    ULY_RETURN_IF_ERROR(client_->Close());
+    if (absl::Status s = session->Close(); !s.ok())
+      return absl::Status(s.code(), StrCat("after every call was verified, closing the session: ",
+                                           s.message()));
+    if (absl::Status s = client_->Close(); !s.ok())
+      return absl::Status(s.code(), StrCat("after every call was verified, closing the client: ",
+                                           s.message()));
+    return absl::OkStatus();
+  }
+
+  // What the rank did, whether or not it got to the end.
+  void Summarize(RankReport* report) {
     std::sort(times_.begin(), times_.end());
     report->calls = static_cast<int64_t>(times_.size());
     if (!times_.empty()) {
@@ -286,7 +302,6 @@ class Runner {
       report->max_us = times_.back();
     }
     report->checks = checks_;
-    return absl::OkStatus();
   }
 
  private:
@@ -320,6 +335,7 @@ RankReport RunRank(const Workload& w) {
   report.rank = w.rank;
   Runner runner(w);
   absl::Status s = runner.Run(&report);
+  runner.Summarize(&report);
   report.ok = s.ok();
   if (!s.ok()) report.error = StrCat(absl::StatusCodeToString(s.code()), ": ", s.message());
   return report;

@@ -5,18 +5,25 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <cstdio>
+#include <limits>
+#include <optional>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 
 #include "CLI/CLI.hpp"
 #include "demo_lib.h"
+#include "ulysses/common/cli.h"
+#include "ulysses/common/config.h"
 #include "ulysses/common/strings.h"
 
 using ulysses::demo::Workload;
 
 namespace {
+
+constexpr const char* kProgram = "ulysses-demo";
 
 int Fail(const std::string& why) {
   nlohmann::json j = {{"error", why}};
@@ -24,38 +31,107 @@ int Fail(const std::string& why) {
   return 1;
 }
 
+// "1,4,1" -> {1, 4, 1}: positive head counts, nothing else.
+std::optional<std::vector<int32_t>> ParseSchedule(const std::string& text) {
+  std::vector<int32_t> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    int32_t v = 0;
+    const char* end = item.data() + item.size();
+    const auto [ptr, ec] = std::from_chars(item.data(), end, v);
+    if (item.empty() || ec != std::errc() || ptr != end || v <= 0) return std::nullopt;
+    out.push_back(v);
+  }
+  if (out.empty() || text.back() == ',') return std::nullopt;
+  return out;
+}
+
+// The option of ulysses-demo that sets the geometry field a validation message starts with.
+std::string OptionOf(std::string_view message) {
+  static constexpr std::pair<std::string_view, std::string_view> kFields[] = {
+      {"world_size", "--ranks"},   {"num_heads", "--heads"},    {"head_dim", "--head-dim"},
+      {"dtype", "--dtype"},        {"schedule", "--schedule"},
+      {"max_tokens", "--batch/--seq-local"}};
+  for (const auto& [field, option] : kFields)
+    if (message.rfind(field, 0) == 0) return std::string(option);
+  return "geometry";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"ulysses-demo: W daemons and W clients doing a layer's head exchanges"};
+  ulysses::cli::Setup(app);
   int ranks = 4;
-  std::string backend = "auto", dtype = "bf16", ulyssesd, run_dir, schedule_text;
+  std::string backend = "auto", dtype = "bfloat16", ulyssesd, run_dir, schedule_text;
   int64_t batch = 2, seq_local = 64;
   int heads = 0, head_dim = 64, iterations = 3, client_rank = -1;
   double hold = 0;
+  std::string backends;
+  for (std::string_view b : ulysses::kRunnableBackends)
+    backends += (backends.empty() ? "" : " | ") + std::string(b);
   app.add_option("--ranks", ranks, "Sequence-parallel degree W (one daemon per rank)")
-      ->check(CLI::Range(1, 64));
-  app.add_option("--backend", backend, "host | auto (auto picks the GPUs when this build can)");
-  app.add_option("--batch", batch, "B")->check(CLI::PositiveNumber);
-  app.add_option("--seq-local", seq_local, "S_l: tokens per rank")->check(CLI::PositiveNumber);
-  app.add_option("--heads", heads, "H (default 6*W)");
-  app.add_option("--head-dim", head_dim, "D")->check(CLI::PositiveNumber);
-  app.add_option("--dtype", dtype, "bf16 | fp16 | fp32");
-  app.add_option("--iterations", iterations, "Layers to run")->check(CLI::PositiveNumber);
-  app.add_option("--hold-seconds", hold, "Keep the sessions open this long (to inspect with ulyssesctl)");
-  app.add_option("--ulyssesd", ulyssesd, "Path of ulyssesd (default: next to this program)");
-  app.add_option("--run-dir", run_dir, "Socket folder (default: a fresh temporary one)");
-  app.add_option("--schedule", schedule_text, "Head-chunk schedule, e.g. 1,4,1");
+      ->check(ulysses::cli::IntIn(1, ulysses::kMaxWorldSize));
+  app.add_option("--backend", backend, backends + " (auto picks the best this build runs)")
+      ->check(CLI::Validator(
+          [](std::string& b) -> std::string {
+            for (std::string_view r : ulysses::kRunnableBackends)
+              if (b == r) return {};
+            return "'" + b + "' is not a backend this build runs";
+          },
+          ""));
+  app.add_option("--batch", batch, "B")->check(ulysses::cli::IntIn(1));
+  app.add_option("--seq-local", seq_local, "S_l: tokens per rank")->check(ulysses::cli::IntIn(1));
+  app.add_option("--heads", heads, "H, a multiple of W")
+      ->check(ulysses::cli::IntIn(1, std::numeric_limits<int32_t>::max()))
+      ->default_str("6*W");
+  app.add_option("--head-dim", head_dim, "D")
+      ->check(ulysses::cli::IntIn(1, std::numeric_limits<int32_t>::max()));
+  app.add_option("--dtype", dtype, "bfloat16 | float16 | float32 (bf16, fp16, fp32 also read)")
+      ->check(CLI::Validator(
+          [](std::string& d) -> std::string {
+            return ulysses::ParseDType(d).ok() ? std::string()
+                                               : "'" + d + "' is not bfloat16, float16 or float32";
+          },
+          ""));
+  app.add_option("--iterations", iterations, "Layers to run")
+      ->check(ulysses::cli::IntIn(1, std::numeric_limits<int32_t>::max()));
+  app.add_option("--hold-seconds", hold,
+                 "Keep the sessions open this long (to inspect with ulyssesctl)")
+      ->check(ulysses::cli::NumberAtLeast(0));
+  app.add_option("--ulyssesd", ulyssesd, "Path of ulyssesd")->default_str("next to this program");
+  app.add_option("--run-dir", run_dir, "Socket folder")->default_str("a fresh temporary one");
+  app.add_option("--schedule", schedule_text,
+                 "Head-chunk schedule: positive head counts summing to H/W, e.g. 1,4,1")
+      ->default_str("(l, H/W-2l, l)");
   app.add_option("--client-rank", client_rank, "(internal) run one rank's client")->group("");
-  CLI11_PARSE(app, argc, argv);
+  if (std::optional<int> rc = ulysses::cli::Parse(app, argc, argv, kProgram)) return *rc;
   if (heads == 0) heads = 6 * ranks;
-  auto dt = ulysses::ParseDType(dtype);
-  if (!dt.ok()) return Fail(std::string(dt.status().message()));
+  const ulysses::DType dt = *ulysses::ParseDType(dtype);  // checked by the option's validator
   std::vector<int32_t> schedule;
   if (!schedule_text.empty()) {
-    std::stringstream ss(schedule_text);
-    std::string item;
-    while (std::getline(ss, item, ',')) schedule.push_back(std::stoi(item));
+    std::optional<std::vector<int32_t>> parsed = ParseSchedule(schedule_text);
+    if (!parsed)
+      return ulysses::cli::UsageError(
+          kProgram, "--schedule: must be positive head counts separated by commas, got '" +
+                        schedule_text + "'");
+    schedule = std::move(*parsed);
+  }
+  // The whole geometry, once, before any daemon starts: the verdict every rank would get.
+  {
+    ulysses::SessionGeometry g;
+    g.world_size = ranks;
+    g.num_heads = heads;
+    g.head_dim = head_dim;
+    g.dtype = dt;
+    g.max_tokens = batch * seq_local;
+    g.schedule = schedule.empty() ? ulysses::demo::DefaultSchedule(heads / ranks) : schedule;
+    if (batch > std::numeric_limits<int64_t>::max() / seq_local) g.max_tokens = -1;
+    if (absl::Status s = ulysses::ValidateSessionGeometry(g); !s.ok())
+      return ulysses::cli::UsageError(kProgram,
+                                      OptionOf(ulysses::StdView(s.message())) + ": " +
+                                          std::string(s.message()));
   }
 
   Workload w;
@@ -64,7 +140,7 @@ int main(int argc, char** argv) {
   w.seq_local = seq_local;
   w.num_heads = heads;
   w.head_dim = head_dim;
-  w.dtype = *dt;
+  w.dtype = dt;
   w.schedule = schedule;
   w.iterations = iterations;
   w.hold_seconds = hold;
@@ -87,13 +163,19 @@ int main(int argc, char** argv) {
     run_dir = *d;
   }
   std::cout << "ulysses-demo: W=" << ranks << " B=" << batch << " S_l=" << seq_local << " H=" << heads
-            << " D=" << head_dim << " dtype=" << ulysses::DTypeName(*dt) << " backend=" << backend
+            << " D=" << head_dim << " dtype=" << ulysses::DTypeName(dt) << " backend=" << backend
             << "\n  sockets in " << run_dir << std::endl;
   const std::string daemon_backend = backend == "auto" ? "auto" : backend;
+  // A failed run keeps its folder (daemon logs gpuN.log, rank reports rankN.json) and says so.
+  const std::string kept = ulysses::StrCat("logs kept in ", run_dir);
   std::vector<ulysses::demo::DaemonProcess> daemons;
   for (int r = 0; r < ranks; ++r) {
     auto d = ulysses::demo::StartDaemon(ulyssesd, run_dir, r, daemon_backend);
-    if (!d.ok()) return Fail(std::string(d.status().message()));
+    if (!d.ok()) {
+      daemons.clear();
+      std::cout << "  " << kept << std::endl;
+      return Fail(std::string(d.status().message()));
+    }
     daemons.push_back(std::move(*d));
   }
   std::cout << "  " << ranks << " daemons serving" << std::endl;
@@ -117,10 +199,14 @@ int main(int argc, char** argv) {
     clients.push_back(pid);
   }
   int failed_clients = 0;
-  for (pid_t pid : clients) {
+  std::vector<std::string> client_exit(ranks);
+  for (int r = 0; r < ranks; ++r) {
     int st = 0;
-    waitpid(pid, &st, 0);
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) ++failed_clients;
+    waitpid(clients[r], &st, 0);
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 0) continue;
+    ++failed_clients;
+    client_exit[r] = WIFSIGNALED(st) ? ulysses::StrCat("killed by signal ", WTERMSIG(st))
+                                     : ulysses::StrCat("exited with status ", WEXITSTATUS(st));
   }
   nlohmann::json ranks_json = nlohmann::json::array();
   bool ok = failed_clients == 0;
@@ -134,7 +220,11 @@ int main(int argc, char** argv) {
     nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
     if (j.is_discarded()) {
       ok = false;
-      error = ulysses::StrCat("rank ", r, " reported nothing");
+      const std::string why = ulysses::StrCat(
+          "rank ", r, ": its client ", client_exit[r].empty() ? "exited" : client_exit[r],
+          " without a report");
+      if (error.empty()) error = why;
+      std::printf("  %-5d %-4s %s\n", r, "NO", why.c_str());
       continue;
     }
     ranks_json.push_back(j);
@@ -161,10 +251,11 @@ int main(int argc, char** argv) {
   nlohmann::json summary = {{"ranks", ranks},     {"backend", resolved},
                             {"checks", checks},  {"calls", calls},     {"p50_us_worst_rank", worst_p50},
                             {"batch", batch},    {"seq_local", seq_local}, {"heads", heads},
-                            {"head_dim", head_dim}, {"dtype", std::string(ulysses::DTypeName(*dt))}};
+                            {"head_dim", head_dim}, {"dtype", std::string(ulysses::DTypeName(dt))}};
   if (!ok) summary["error"] = error;
   if (own_dir && ok) ulysses::demo::RemoveRunDir(run_dir);
-  std::cout << (ok ? "  all results bit-exact against the reference" : "  FAILED") << "\n";
+  std::cout << (ok ? "  all results bit-exact against the reference" : "  FAILED; " + kept)
+            << "\n";
   // "ok" first, in the spelling scripts grep for: {"ok": true, ...}
   std::cout << "{\"ok\": " << (ok ? "true" : "false") << ", " << summary.dump().substr(1) << std::endl;
   return ok ? 0 : 1;

@@ -1,12 +1,13 @@
 #include "ulysses/common/config.h"
 
+#include <algorithm>
 #include <fstream>
 #include <limits>
 #include <set>
+#include <span>
 #include <sstream>
 
 #include "ulysses/common/strings.h"
-#include "absl/strings/numbers.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
@@ -129,41 +130,133 @@ absl::StatusOr<DaemonConfig> LoadDaemonConfig(const std::string& path, int32_t d
   return c;
 }
 
+namespace {
+
+struct KeyFlag {
+  std::string_view key, flag;
+};
+constexpr KeyFlag kKeyFlags[] = {
+    {"device", "--device"},
+    {"socket", "--socket"},
+    {"backend", "--backend"},
+    {"log_level", "--log-level"},
+    {"ready_file", "--ready-file"},
+    {"timeouts.call_ms", "--call-timeout-ms"},
+    {"timeouts.peer_ms", "--peer-timeout-ms"},
+    {"timeouts.drain_ms", "--drain-timeout-ms"},
+    {"metrics.address", "--metrics-address"},
+};
+
+absl::Status Invalid(std::string_view key, std::string_view rule) {
+  const std::string_view flag = FlagOfKey(key);
+  if (flag.empty()) return absl::InvalidArgumentError(StrCat(key, ": ", rule));
+  return absl::InvalidArgumentError(StrCat(key, " (", flag, "): ", rule));
+}
+
+std::string JoinNames(std::span<const std::string_view> names) {
+  std::string out;
+  for (std::string_view n : names) out += StrCat(out.empty() ? "" : ", ", n);
+  return out;
+}
+
+absl::Status CheckSocketPath(std::string_view key, const std::string& path) {
+  if (path.empty() || path.size() > 100)
+    return Invalid(key, StrCat("path must be 1..100 characters, got ", path.size()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string_view FlagOfKey(std::string_view key) {
+  for (const KeyFlag& kf : kKeyFlags)
+    if (kf.key == key) return kf.flag;
+  return {};
+}
+
+std::string HostPort::ToString() const { return WithPort(port); }
+
+std::string HostPort::WithPort(int bound_port) const {
+  if (host.find(':') != std::string::npos) return StrCat("[", host, "]:", bound_port);
+  return StrCat(host, ":", bound_port);
+}
+
+absl::StatusOr<HostPort> ParseHostPort(std::string_view text) {
+  // The same rules as the metrics.address pattern of deploy/config.schema.json.
+  const std::string quoted = StrCat("'", text, "'");
+  const size_t colon = text.rfind(':');
+  if (colon == std::string_view::npos)
+    return absl::InvalidArgumentError(StrCat(quoted, " is not HOST:PORT (no port)"));
+  std::string_view host = text.substr(0, colon);
+  const std::string_view port_text = text.substr(colon + 1);
+  HostPort out;
+  if (!host.empty() && host.front() == '[') {
+    const bool closed = host.size() >= 3 && host.back() == ']';
+    const std::string_view inner = closed ? host.substr(1, host.size() - 2) : std::string_view();
+    const bool hex = closed && inner.find(':') != std::string_view::npos &&
+                     inner.find_first_not_of("0123456789abcdefABCDEF:.") == std::string_view::npos;
+    if (!hex)
+      return absl::InvalidArgumentError(
+          StrCat(quoted, ": an IPv6 host is hex digits, ':' and '.' inside brackets"));
+    out.host = std::string(inner);
+  } else {
+    if (host.empty())
+      return absl::InvalidArgumentError(StrCat(quoted, " is not HOST:PORT (empty host)"));
+    if (host.find(':') != std::string_view::npos)
+      return absl::InvalidArgumentError(
+          StrCat(quoted, ": an IPv6 host needs brackets, as in [::1]:9500"));
+    if (host.find_first_of("[] \t\n\r\f\v") != std::string_view::npos)
+      return absl::InvalidArgumentError(
+          StrCat(quoted, ": the host has a bracket or blank in it"));
+    out.host = std::string(host);
+  }
+  const bool digits = !port_text.empty() && port_text.size() <= 5 &&
+                      port_text.find_first_not_of("0123456789") == std::string_view::npos &&
+                      (port_text.size() == 1 || port_text.front() != '0');
+  int port = -1;
+  if (digits) port = std::stoi(std::string(port_text));  // at most 5 digits: cannot throw
+  if (port < 0 || port > 65535)
+    return absl::InvalidArgumentError(
+        StrCat(quoted, ": port '", port_text, "' is not a number in 0..65535"));
+  out.port = port;
+  return out;
+}
+
 absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
-  static const std::set<std::string> kBackends = {"auto", "host", "nccl", "nvlink"};
-  if (!kBackends.count(c.backend))
-    return absl::InvalidArgumentError(
-        StrCat("backend: '", c.backend, "' is not one of auto, host, nccl, nvlink"));
-  if (c.device < 0) return absl::InvalidArgumentError("device: must be >= 0");
+  const auto known = std::find(kBackendNames.begin(), kBackendNames.end(), c.backend);
+  if (known == kBackendNames.end())
+    return Invalid("backend", StrCat("'", c.backend, "' is not one of ", JoinNames(kBackendNames)));
+  if (std::find(kRunnableBackends.begin(), kRunnableBackends.end(), c.backend) ==
+      kRunnableBackends.end())
+    return Invalid("backend", StrCat("'", c.backend, "' is not available in this build; use ",
+                                     JoinNames(kRunnableBackends)));
+  if (c.device < 0) return Invalid("device", StrCat("must be >= 0, got ", c.device));
   if (c.call_timeout_ms <= 0)
-    return absl::InvalidArgumentError("timeouts.call_ms: must be > 0");
+    return Invalid("timeouts.call_ms", StrCat("must be > 0, got ", c.call_timeout_ms));
   if (c.peer_timeout_ms <= 0)
-    return absl::InvalidArgumentError("timeouts.peer_ms: must be > 0");
+    return Invalid("timeouts.peer_ms", StrCat("must be > 0, got ", c.peer_timeout_ms));
   if (c.drain_timeout_ms < 0)
-    return absl::InvalidArgumentError("timeouts.drain_ms: must be >= 0");
+    return Invalid("timeouts.drain_ms", StrCat("must be >= 0, got ", c.drain_timeout_ms));
   if (c.flight_recorder_size < 1 || c.flight_recorder_size > 1000000)
-    return absl::InvalidArgumentError("flight_recorder_size: must be in [1, 1000000]");
+    return Invalid("flight_recorder_size",
+                   StrCat("must be in [1, 1000000], got ", c.flight_recorder_size));
   if (!c.metrics_address.empty()) {
-    const size_t colon = c.metrics_address.rfind(':');
-    int port = 0;
-    if (colon == std::string::npos || colon == 0 ||
-        !absl::SimpleAtoi(AbslView(std::string_view(c.metrics_address).substr(colon + 1)), &port) ||
-        port < 0 || port > 65535)
-      return absl::InvalidArgumentError(StrCat("metrics.address: '", c.metrics_address,
-                                               "' is not host:port"));
+    absl::StatusOr<HostPort> hp = ParseHostPort(c.metrics_address);
+    if (!hp.ok()) return Invalid("metrics.address", StdView(hp.status().message()));
   }
-  if (c.socket.empty() || c.socket.size() > 100)
-    return absl::InvalidArgumentError(
-        StrCat("socket: path must be 1..100 characters, got ", c.socket.size()));
   std::set<int32_t> seen;
-  for (const DeviceEntry& e : c.devices) {
+  for (size_t i = 0; i < c.devices.size(); ++i) {
+    const DeviceEntry& e = c.devices[i];
+    const std::string where = StrCat("devices[", i, "]");
+    if (e.index < 0) return Invalid(StrCat(where, ".index"), StrCat("must be >= 0, got ", e.index));
     if (!seen.insert(e.index).second)
-      return absl::InvalidArgumentError(StrCat("devices: index ", e.index, " is listed twice"));
+      return Invalid(StrCat(where, ".index"), StrCat(e.index, " is listed twice"));
+    ULY_RETURN_IF_ERROR(CheckSocketPath(StrCat(where, ".socket"), e.socket));
   }
+  ULY_RETURN_IF_ERROR(CheckSocketPath("socket", c.socket));
   // The level is checked by the logging setup, which knows the names.
   spdlog::level::level_enum lvl = spdlog::level::from_str(c.log_level);
   if (lvl == spdlog::level::off && c.log_level != "off")
-    return absl::InvalidArgumentError(StrCat("log_level: '", c.log_level, "' is unknown"));
+    return Invalid("log_level", StrCat("'", c.log_level, "' is unknown"));
   return absl::OkStatus();
 }
 

@@ -6,8 +6,12 @@
 - The schema is a valid draft 2020-12 schema with additionalProperties false on every object.
 - Good configs (deploy/ulyssesd.example.json, the ConfigMap's ulyssesd.json, a config with
   every key, {}) pass the schema and `ulyssesd --check-config` (exit 0).
-- Bad configs (unknown keys at every level, wrong types, out-of-range values) fail both:
-  the schema rejects them, and ulyssesd exits 1 naming the key on stderr.
+- Bad configs (unknown keys at every level, wrong types, out-of-range values, backends this
+  build does not run, addresses that cannot be bound as written) fail both: the schema
+  rejects them, and ulyssesd exits 1 naming the key on stderr. Every example gets the same
+  verdict from the schema and from ulyssesd.
+- Flags go through the same validation: a bad value exits 64 (bad usage) naming the flag, a
+  good one passes, with the same rule as the key it overrides.
 Needs jsonschema and PyYAML (tests/deploy/requirements.txt).
 """
 from __future__ import annotations
@@ -51,6 +55,48 @@ BAD = [
     ("recorder of size 0", {"flight_recorder_size": 0}, "flight_recorder_size"),
     ("devices not an array", {"devices": {"index": 0}}, "devices"),
     ("socket path too long", {"devices": [{"index": 0, "socket": "/" + "s" * 120}]}, "socket"),
+    ("empty socket of another device", {"devices": [{"index": 0}, {"index": 1, "socket": ""}]},
+     "devices[1].socket"),
+    ("negative device index", {"devices": [{"index": -1}]}, "devices[0].index"),
+    ("backend nccl (not in this build)", {"backend": "nccl"}, "backend"),
+    ("backend nvlink (not in this build)", {"backend": "nvlink"}, "backend"),
+    ("port 99999", {"metrics": {"address": "127.0.0.1:99999"}}, "metrics.address"),
+    ("port with a leading zero", {"metrics": {"address": "127.0.0.1:0080"}}, "metrics.address"),
+    ("IPv6 host without brackets", {"metrics": {"address": "::1:0"}}, "metrics.address"),
+    ("empty metrics host", {"metrics": {"address": ":9500"}}, "metrics.address"),
+    ("flight recorder too large", {"flight_recorder_size": 1000001}, "flight_recorder_size"),
+    ("peer timeout 0", {"timeouts": {"peer_ms": 0}}, "timeouts.peer_ms"),
+]
+
+# Good configs beyond the shipped ones: edge values both must accept.
+GOOD_EDGES = [
+    ("IPv6 metrics address", {"metrics": {"address": "[::1]:0"}}),
+    ("metrics off (empty address)", {"metrics": {"address": ""}}),
+    ("largest port and a host name", {"metrics": {"address": "node-1.example:65535"}}),
+    ("backend auto", {"backend": "auto"}),
+    ("drain timeout 0", {"timeouts": {"drain_ms": 0}}),
+    ("recorder of size 1000000", {"flight_recorder_size": 1000000}),
+]
+
+# (flag, value, ok?, what stderr names): ulyssesd --check-config {} FLAG VALUE.
+FLAGS = [
+    ("--call-timeout-ms", "0", False, "--call-timeout-ms"),
+    ("--call-timeout-ms", "-5", False, "--call-timeout-ms"),
+    ("--call-timeout-ms", "abc", False, "--call-timeout-ms"),
+    ("--call-timeout-ms", "1", True, ""),
+    ("--peer-timeout-ms", "0", False, "--peer-timeout-ms"),
+    ("--drain-timeout-ms", "-1", False, "--drain-timeout-ms"),
+    ("--drain-timeout-ms", "0", True, ""),
+    ("--backend", "nccl", False, "--backend"),
+    ("--backend", "gpu", False, "--backend"),
+    ("--backend", "host", True, ""),
+    ("--metrics-address", "::1:0", False, "--metrics-address"),
+    ("--metrics-address", "127.0.0.1:99999", False, "--metrics-address"),
+    ("--metrics-address", "[::1]:0", True, ""),
+    ("--log-level", "loud", False, "--log-level"),
+    ("--socket", "/" + "s" * 120, False, "--socket"),
+    ("--device", "-1", False, "--device"),
+    ("--device", "99999999999", False, "--device"),
 ]
 
 
@@ -105,6 +151,7 @@ def main() -> int:
     good.append(("ConfigMap ulyssesd-config", json.loads(configmap["data"]["ulyssesd.json"])))
     good.append(("every key", FULL))
     good.append(("empty", {}))
+    good.extend(GOOD_EDGES)
 
     with tempfile.TemporaryDirectory() as tmp:
         # The example file itself, as shipped.
@@ -138,9 +185,24 @@ def main() -> int:
             else:
                 print(f"ok   bad config {name!r}: {r.stderr.strip()}")
 
+        empty = write(tmp, "empty.json", {})
+        for flag, value, ok, named in FLAGS:
+            r = subprocess.run([args.ulyssesd, "--check-config", empty, flag, value],
+                               capture_output=True, text=True, timeout=30)
+            want = 0 if ok else 64
+            if r.returncode != want:
+                failures.append(f"flag {flag} {value}: ulyssesd exits {r.returncode}, want {want} "
+                                f"(stderr: {r.stderr.strip()!r})")
+            elif not ok and (named not in r.stderr or len(r.stderr.strip().splitlines()) != 1):
+                failures.append(f"flag {flag} {value}: stderr is not one line naming {named!r}: "
+                                f"{r.stderr.strip()!r}")
+            else:
+                print(f"ok   flag {flag} {value}: exit {r.returncode} {r.stderr.strip()}")
+
     for f in failures:
         print(f"FAIL {f}")
-    print(f"check_config: {len(good) + len(BAD)} configs, {len(failures)} failure(s)")
+    print(f"check_config: {len(good) + len(BAD)} configs, {len(FLAGS)} flags, "
+          f"{len(failures)} failure(s)")
     return 1 if failures else 0
 
 

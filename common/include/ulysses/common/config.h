@@ -1,8 +1,10 @@
 // The daemon's configuration: one JSON file per node, overridden by command-line flags.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -31,6 +33,33 @@ struct DaemonConfig {
   std::vector<DeviceEntry> devices;   ///< the node's daemons, for node-local rendezvous
 };
 
+/// Every backend name a config or flag may give.
+inline constexpr std::array<std::string_view, 4> kBackendNames = {"auto", "host", "nccl",
+                                                                  "nvlink"};
+/// The backends this build's daemon runs (`auto` resolves among them). A name in
+/// kBackendNames but not here is refused by ValidateDaemonConfig, so that --check-config,
+/// the flags and start-up give one verdict. A backend joins this list when it lands.
+inline constexpr std::array<std::string_view, 2> kRunnableBackends = {"auto", "host"};
+
+/// A TCP endpoint as the config writes it: `HOST:PORT`, HOST a name or an IPv4 address, or an
+/// IPv6 address in brackets (`[::1]:9500`).
+struct HostPort {
+  std::string host;  ///< without the brackets of an IPv6 address
+  int port = 0;      ///< 0..65535; 0 asks for any free port
+  /// `HOST:PORT`, brackets around an IPv6 host.
+  std::string ToString() const;
+  /// `host:port` with `port` instead of this->port (the bound port of a port-0 request).
+  std::string WithPort(int bound_port) const;
+};
+
+/// Parses `HOST:PORT`. INVALID_ARGUMENT with a message that states the rule (no key prefix):
+/// an empty host, an unbracketed IPv6 address, a port that is not 0..65535 in decimal.
+absl::StatusOr<HostPort> ParseHostPort(std::string_view text);
+
+/// The command-line flag that sets config `key` ("timeouts.call_ms" -> "--call-timeout-ms"),
+/// empty when none does. Errors about such a key name both.
+std::string_view FlagOfKey(std::string_view key);
+
 /// Default control socket path of device `index`.
 std::string DefaultSocketPath(int32_t index);
 
@@ -41,8 +70,12 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
 /// Reads and parses `path`; NOT_FOUND when it cannot be read.
 absl::StatusOr<DaemonConfig> LoadDaemonConfig(const std::string& path, int32_t device);
 
-/// Checks the values of a config (after flags are applied): backend name, positive timeouts,
-/// socket path length. INVALID_ARGUMENT names the key.
+/// Checks the values of a config, after flags are applied: the one validation of the config
+/// file (ParseDaemonConfig calls it), the flags and start-up (Daemon::Start calls it). Backend
+/// known and runnable in this build, device and indexes >= 0, positive timeouts, metrics
+/// address, socket path lengths of every devices[] entry, log level. INVALID_ARGUMENT whose
+/// message starts with the key and, when a flag sets it, the flag:
+/// "timeouts.call_ms (--call-timeout-ms): must be > 0, got 0".
 absl::Status ValidateDaemonConfig(const DaemonConfig& config);
 
 }  // namespace ulysses
