@@ -15,7 +15,7 @@
  * from one thread at a time (calls on a session are ordered, like work on a CUDA stream).
  * uly_result handles may be released and freed from any thread.
  *
- * docs/api.md section 2 describes every function; section 4 of that document lists when
+ * docs/api.md section 9 describes every function; section 4 of that document lists when
  * each status code is returned.
  */
 #ifndef ULYSSES_C_API_H_
