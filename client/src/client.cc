@@ -11,9 +11,11 @@
 
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
+#include "ulysses/common/session_layout.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/client_segment.h"
+#include "ulysses/ipc/cuda_memory.h"
 #include "ulysses/ipc/eventfd.h"
 #include "ulysses/ipc/fd.h"
 #include "ulysses/ipc/shm.h"
@@ -33,7 +35,7 @@ class ClientImpl : public BufferResolver {
   ipc::UniqueFd fd_socket;
   std::mutex fd_mu;  // an RPC that answers with an fd frame and the read of that frame
   mutable std::mutex buf_mu;
-  std::map<uint64_t, std::pair<Buffer, std::shared_ptr<ipc::Mapping>>> buffers;
+  std::map<uint64_t, std::pair<Buffer, std::shared_ptr<void>>> buffers;
   uint64_t next_tag = 1;
   grpc::ClientContext watch_ctx;
   std::unique_ptr<grpc::ClientReaderWriter<v1::WatchRequest, v1::WatchEvent>> watch;
@@ -140,17 +142,30 @@ class ClientImpl : public BufferResolver {
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   }
 
-  // Reads the frame the daemon sent with an fd, checking that it carries `key` == `id`.
-  absl::StatusOr<ipc::UniqueFd> ReadFdFrame(const char* key, uint64_t id) {
+  // Reads the frame the daemon sent with `fds` descriptors, checking that it carries `key` == `id`.
+  absl::StatusOr<std::vector<ipc::UniqueFd>> ReadFdFrames(const char* key, uint64_t id, size_t fds) {
     ULY_ASSIGN_OR_RETURN(bool ready, ipc::WaitReadable(fd_socket.get(), 10000));
     if (!ready) return absl::DeadlineExceededError(StrCat("fd socket: no frame for ", key, " ", id));
     ULY_ASSIGN_OR_RETURN(ipc::ReceivedMessage m, ipc::RecvMessage(fd_socket.get()));
     nlohmann::json j = nlohmann::json::parse(m.payload, nullptr, false);
-    if (j.is_discarded() || !j.contains(key) || j[key].get<uint64_t>() != id || m.fds.size() != 1)
+    if (j.is_discarded() || !j.is_object() || !j.contains(key) || !j[key].is_number_unsigned() ||
+        j[key].get<uint64_t>() != id || m.fds.size() != fds)
       return absl::InternalError(StrCat("fd socket: unexpected frame '", m.payload, "' for ", key,
                                         " ", id));
-    return std::move(m.fds[0]);
+    return std::move(m.fds);
   }
+  absl::StatusOr<ipc::UniqueFd> ReadFdFrame(const char* key, uint64_t id) {
+    ULY_ASSIGN_OR_RETURN(std::vector<ipc::UniqueFd> fds, ReadFdFrames(key, id, 1));
+    return std::move(fds[0]);
+  }
+
+  // Device allocations registered through their IPC handle: CUDA buffer id -> registration.
+  struct DeviceRegistration {
+    uint64_t buffer_id = 0;  // the daemon's id
+    void* base = nullptr;
+    uint64_t size = 0;
+  };
+  std::map<uint64_t, DeviceRegistration> device_regs;  // guarded by buf_mu
 
   absl::StatusOr<BufferInfo> Resolve(uint64_t id) const override {
     std::lock_guard<std::mutex> lock(buf_mu);
@@ -161,13 +176,28 @@ class ClientImpl : public BufferResolver {
   }
 
   absl::Status AddBuffer(const v1::BufferInfo& info, ipc::UniqueFd fd, Buffer* out) {
-    ULY_ASSIGN_OR_RETURN(ipc::Mapping m, ipc::Mapping::Map(fd.get(), info.size_bytes(), true));
-    auto mapping = std::make_shared<ipc::Mapping>(std::move(m));
+    std::shared_ptr<void> keep;
+    if (info.device()) {
+      // Daemon-allocated device memory: a VMM handle, mapped on this process's current device.
+      ULY_ASSIGN_OR_RETURN(int device, ipc::cuda::CurrentDevice());
+      ULY_ASSIGN_OR_RETURN(uint64_t g, ipc::cuda::VmmMapping::Granularity(device));
+      ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping m,
+                           ipc::cuda::VmmMapping::Import(device, fd.get(),
+                                                         AlignUp(info.size_bytes(), g), true));
+      auto vmm = std::make_shared<ipc::cuda::VmmMapping>(std::move(m));
+      out->data = vmm->data();
+      keep = vmm;
+    } else {
+      ULY_ASSIGN_OR_RETURN(ipc::Mapping m, ipc::Mapping::Map(fd.get(), info.size_bytes(), true));
+      auto mapping = std::make_shared<ipc::Mapping>(std::move(m));
+      out->data = mapping->data();
+      keep = mapping;
+    }
     out->id = info.buffer_id();
     out->size = info.size_bytes();
-    out->data = mapping->data();
+    out->device = info.device();
     std::lock_guard<std::mutex> lock(buf_mu);
-    buffers[out->id] = {*out, mapping};
+    buffers[out->id] = {*out, keep};
     return absl::OkStatus();
   }
 
@@ -184,6 +214,7 @@ class ClientImpl : public BufferResolver {
     fd_socket.reset();
     std::lock_guard<std::mutex> lock(buf_mu);
     buffers.clear();
+    device_regs.clear();
     return FromGrpcStatus(s);
   }
 };
@@ -337,7 +368,74 @@ absl::Status Client::FreeBuffer(uint64_t buffer_id) {
   ULY_RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->FreeBuffer(&ctx, req, &resp)));
   std::lock_guard<std::mutex> lock(impl_->buf_mu);
   impl_->buffers.erase(buffer_id);
+  for (auto it = impl_->device_regs.begin(); it != impl_->device_regs.end();)
+    it = it->second.buffer_id == buffer_id ? impl_->device_regs.erase(it) : std::next(it);
   return absl::OkStatus();
+}
+
+absl::StatusOr<Buffer> Client::RegisterDeviceBuffer(void* ptr, uint64_t bytes,
+                                                    const std::string& name) {
+  if (bytes == 0) return absl::InvalidArgumentError("bytes: must be > 0");
+  ULY_ASSIGN_OR_RETURN(ipc::cuda::AllocationInfo a, ipc::cuda::QueryAllocation(ptr));
+  const uint64_t offset = static_cast<uint64_t>(static_cast<uint8_t*>(ptr) - static_cast<uint8_t*>(a.base));
+  if (offset + bytes > a.size)
+    return absl::InvalidArgumentError(StrCat("bytes: ", bytes, " at offset ", offset,
+                                             " run past the end of the ", a.size,
+                                             "-byte allocation"));
+  Buffer b;
+  b.data = ptr;
+  b.size = bytes;
+  b.device = true;
+  b.base_offset = offset;
+  {
+    std::lock_guard<std::mutex> lock(impl_->buf_mu);
+    auto it = impl_->device_regs.find(a.buffer_id);
+    if (it != impl_->device_regs.end()) {
+      b.id = it->second.buffer_id;
+      return b;
+    }
+  }
+  if (a.vmm)
+    return absl::UnimplementedError(
+        "ptr: a CUDA VMM allocation (cuMemCreate) has no legacy IPC handle; allocate it with "
+        "cudaMalloc, or use AllocBuffer");
+  // An allocation at the same base made earlier and since freed: its registration is stale.
+  std::vector<uint64_t> stale;
+  {
+    std::lock_guard<std::mutex> lock(impl_->buf_mu);
+    for (auto it = impl_->device_regs.begin(); it != impl_->device_regs.end();) {
+      const auto* lo = static_cast<uint8_t*>(it->second.base);
+      const bool overlaps = lo < static_cast<uint8_t*>(a.base) + a.size &&
+                            static_cast<uint8_t*>(a.base) < lo + it->second.size;
+      if (overlaps) {
+        stale.push_back(it->second.buffer_id);
+        it = impl_->device_regs.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (uint64_t id : stale) (void)FreeBuffer(id);
+  ULY_ASSIGN_OR_RETURN(std::string handle, ipc::cuda::IpcHandle(a.base));
+  v1::RegisterBufferRequest req;
+  req.set_name(name);
+  req.set_cuda_ipc_handle(handle);
+  req.set_size_bytes(a.size);
+  req.set_allocation_id(a.buffer_id);
+  v1::BufferInfo info;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  ULY_RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->RegisterBuffer(&ctx, req, &info)));
+  b.id = info.buffer_id();
+  Buffer whole;
+  whole.id = info.buffer_id();
+  whole.data = a.base;
+  whole.size = info.size_bytes();
+  whole.device = true;
+  std::lock_guard<std::mutex> lock(impl_->buf_mu);
+  impl_->buffers[whole.id] = {whole, nullptr};
+  impl_->device_regs[a.buffer_id] = ClientImpl::DeviceRegistration{whole.id, a.base, a.size};
+  return b;
 }
 
 absl::StatusOr<Group> Client::JoinGroup(const GroupSpec& spec) {
@@ -383,8 +481,10 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const Group& grou
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx);
   ULY_RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->CreateSession(&ctx, req, &info)));
-  ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd, impl_->ReadFdFrame("session_id", info.session_id()));
-  ULY_ASSIGN_OR_RETURN(ipc::Mapping m, ipc::Mapping::Map(fd.get(), info.segment_bytes(), false));
+  const bool device = info.device_slots_bytes() > 0;
+  ULY_ASSIGN_OR_RETURN(std::vector<ipc::UniqueFd> fds,
+                       impl_->ReadFdFrames("session_id", info.session_id(), device ? 2 : 1));
+  ULY_ASSIGN_OR_RETURN(ipc::Mapping m, ipc::Mapping::Map(fds[0].get(), info.segment_bytes(), false));
   auto mapping = std::make_shared<ipc::Mapping>(std::move(m));
   std::unique_ptr<Session> session(new Session());
   session->client_ = impl_;
@@ -393,6 +493,17 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const Group& grou
   session->backend_ = info.backend();
   session->base_ = static_cast<const uint8_t*>(mapping->data());
   session->segment_ = mapping;
+  if (device) {
+    // The receive slots: device memory of the daemon, mapped read-only here (zero-copy results).
+    ULY_ASSIGN_OR_RETURN(int dev, ipc::cuda::CurrentDevice());
+    ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping slots,
+                         ipc::cuda::VmmMapping::Import(dev, fds[1].get(), info.device_slots_bytes(),
+                                                       /*writable=*/false));
+    auto vmm = std::make_shared<ipc::cuda::VmmMapping>(std::move(slots));
+    session->base_ = static_cast<const uint8_t*>(vmm->data());
+    session->device_slots_ = vmm;
+    session->device_ = true;
+  }
   session->release_index_ = info.release_index();
   return session;
 }
@@ -430,6 +541,14 @@ absl::StatusOr<int> Session::PoisonSlots() {
   return resp.poisoned();
 }
 
+// The daemon reads the inputs from its own stream: the work this process enqueued before the
+// call must be complete first. (The stream-ordered protocol, where the daemon's stream waits on
+// a word the client's stream writes, replaces this host-side wait; docs/protocol.md.)
+absl::Status Session::OrderAfterStream() const {
+  if (!device_) return absl::OkStatus();
+  return ipc::cuda::SyncStream(stream_);
+}
+
 absl::StatusOr<uint64_t> Session::Submit(const CallArgs& args) {
   if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
   if (!client_->has_rings())
@@ -461,6 +580,7 @@ absl::StatusOr<uint64_t> Session::Submit(const CallArgs& args) {
     return absl::Status(static_cast<absl::StatusCode>(failed->code),
                         StrCat("an earlier call (epoch ", failed->epoch, ") failed: ", failed->message));
   }
+  ULY_RETURN_IF_ERROR(OrderAfterStream());
   d.epoch = next_epoch_;
   has_out_[d.epoch] = args.out.present();
   ULY_RETURN_IF_ERROR(client_->Push(d, absl::Now() + absl::Minutes(1)));
@@ -484,6 +604,7 @@ absl::StatusOr<Result> Session::Wait(uint64_t epoch, absl::Duration timeout) {
   r.slot = c.slot;
   for (int i = 0; i < 4; ++i) r.shape[i] = c.out_shape[i];
   r.data = base_ + c.slot_offset_bytes;
+  r.device = device_;
   r.bytes = c.result_bytes;
   r.daemon_us = c.elapsed_us;
   if (!copied_out) r.hold_ = std::make_shared<SlotHold>(client_, id_, r.epoch, ReleaseWord(r.slot));
@@ -516,6 +637,7 @@ absl::StatusOr<Result> Session::Call(const CallArgs& args) {
     to_ref(in, req.add_inputs());
   }
   if (args.out.present()) to_ref(args.out, req.mutable_out());
+  ULY_RETURN_IF_ERROR(OrderAfterStream());
   v1::CallResponse resp;
   grpc::ClientContext ctx;
   client_->Prepare(&ctx);
@@ -525,6 +647,7 @@ absl::StatusOr<Result> Session::Call(const CallArgs& args) {
   r.slot = resp.slot();
   for (int i = 0; i < 4 && i < resp.out_shape_size(); ++i) r.shape[i] = resp.out_shape(i);
   r.data = base_ + resp.slot_offset_bytes();
+  r.device = device_;
   r.bytes = resp.result_bytes();
   r.daemon_us = resp.elapsed_us();
   if (!args.out.present())

@@ -78,12 +78,26 @@ absl::StatusOr<CallResult> Daemon::RunCall(ClientRecord& c, uint64_t session_id,
   for (int i = 0; i < plan->num_inputs; ++i) {
     held[i] = buffers.Find(plan->inputs[i].buffer_id);
     if (!held[i]) return absl::InvalidArgumentError(StrCat("inputs[", i, "]: buffer freed"));
-    ops.inputs[i] = static_cast<const uint8_t*>(held[i]->mapping.data()) + plan->inputs[i].offset_bytes;
+    ops.inputs[i] = static_cast<const uint8_t*>(held[i]->data) + plan->inputs[i].offset_bytes;
   }
   if (plan->has_out) {
     held[3] = buffers.Find(plan->out.buffer_id);
     if (!held[3]) return absl::InvalidArgumentError("out: buffer freed");
-    ops.out = static_cast<uint8_t*>(held[3]->mapping.data()) + plan->out.offset_bytes;
+  }
+  // The backend's kernels address one kind of memory; the other kind would fault (a GPU
+  // backend) or read garbage, so refuse it before anything runs.
+  const bool wants_device = !backend_impl().slots_in_segment();
+  for (int i = 0; i < 4; ++i) {
+    if (!held[i] || held[i]->device == wants_device) continue;
+    const std::string what = i == 3 ? std::string("out") : StrCat("inputs[", i, "]");
+    absl::Status bad = absl::InvalidArgumentError(StrCat(
+        what, ": buffer ", held[i]->id, " is ", held[i]->device ? "device" : "host",
+        " memory; the ", backend(), " backend needs ", wants_device ? "device" : "host", " memory"));
+    if (expected_epoch != 0) return s->Refuse(expected_epoch, bad);
+    return bad;
+  }
+  if (plan->has_out) {
+    ops.out = static_cast<uint8_t*>(held[3]->data) + plan->out.offset_bytes;
   }
   rec->started = absl::Now();
   CallResult r;

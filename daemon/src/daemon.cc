@@ -16,6 +16,7 @@
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
+#include "ulysses/ipc/cuda_memory.h"
 #include "ulysses/ipc/pidfd.h"
 #include "ulysses/ipc/unix_socket.h"
 
@@ -48,12 +49,7 @@ Daemon::~Daemon() { Shutdown(); }
 
 absl::Status Daemon::Start() {
   ULY_RETURN_IF_ERROR(ValidateDaemonConfig(config_));
-  // GPU backends land in later steps; a daemon asked for one refuses to start rather than
-  // pretending. `auto` resolves to what this daemon can run.
-  if (config_.backend == "nccl" || config_.backend == "nvlink")
-    return absl::FailedPreconditionError(
-        StrCat("backend: '", config_.backend, "' is not available in this build; use host or auto"));
-  backend_ = "host";
+  ULY_RETURN_IF_ERROR(ChooseBackend());
   ULY_ASSIGN_OR_RETURN(fd_listener_, ipc::UnixListener::Listen(config_.socket + ".fd", 0660));
   ULY_ASSIGN_OR_RETURN(ipc::EventFd wake, ipc::EventFd::Create());
   poll_wake_ = std::make_unique<ipc::EventFd>(std::move(wake));
@@ -102,6 +98,50 @@ absl::Status Daemon::Start() {
   return absl::OkStatus();
 }
 
+// `auto` takes the GPU backend when this build has CUDA and the device works, else the host
+// backend; a forced backend that cannot run refuses to start, naming why.
+absl::Status Daemon::ChooseBackend() {
+  const std::string& want = config_.backend;
+  if (want == "nccl")
+    return absl::FailedPreconditionError(
+        "backend: 'nccl' is not available in this build yet; use nvlink, host or auto");
+  if (want == "host") {
+    backend_impl_ = MakeHostBackend();
+    backend_reason_ = "requested host";
+  } else {
+    absl::Status cuda = absl::OkStatus();
+    if (ipc::cuda::DeviceCount() == 0)
+      cuda = absl::FailedPreconditionError(ipc::cuda::Built() ? "no CUDA device is visible"
+                                                              : "this build has no CUDA support");
+    if (cuda.ok()) cuda = peer_exports_.Start(config_.socket + ".peer");
+    if (cuda.ok()) {
+      absl::StatusOr<std::unique_ptr<Backend>> gpu = MakeCudaBackend(config_.device, &peer_exports_);
+      if (gpu.ok()) backend_impl_ = std::move(*gpu);
+      else cuda = gpu.status();
+    }
+    if (!cuda.ok()) {
+      peer_exports_.Stop();
+      if (want == "nvlink")
+        return absl::FailedPreconditionError(
+            StrCat("backend: 'nvlink' cannot run: ", cuda.message()));
+      backend_impl_ = MakeHostBackend();
+      backend_reason_ = StrCat("auto: no GPU backend (", cuda.message(), ")");
+    } else {
+      backend_reason_ = StrCat(want == "auto" ? "auto" : "requested nvlink",
+                               ": device memory shared through CUDA VMM fds on device ",
+                               config_.device);
+    }
+  }
+  backend_ = std::string(backend_impl_->name());
+  mps_mode_ = std::string(backend_impl_->mps_mode());
+  if (mps_mode_ == "no-mps")
+    Logger("main")->warn(
+        "device {} is not under MPS: every hand-off between this daemon and its clients is "
+        "time-sliced (slow); run nvidia-cuda-mps-control -d first (docs/operations.md)",
+        config_.device);
+  return absl::OkStatus();
+}
+
 void Daemon::Shutdown() {
   if (stopping_.exchange(true)) return;
   if (!started_ok_) return;
@@ -121,6 +161,7 @@ void Daemon::Shutdown() {
   if (fd_accept_thread_.joinable()) fd_accept_thread_.join();
   if (fd_poll_thread_.joinable()) fd_poll_thread_.join();
   for (auto& c : Clients()) Reclaim(c->id, "daemon shutting down");
+  peer_exports_.Stop();
   {
     std::unique_lock<std::mutex> lock(workers_mu_);
     workers_cv_.wait_for(lock, std::chrono::seconds(5), [this] { return workers_ == 0; });
@@ -279,7 +320,7 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
   uint64_t slot_bytes = 0;
   for (auto& [id, s] : sessions) {
     s->Abort(kAbortClientGone);
-    slot_bytes += s->layout().total_bytes;
+    slot_bytes += s->reserved_bytes();
   }
   ReleaseSlotMemory(slot_bytes);
   if (poll_wake_) (void)poll_wake_->Signal();
@@ -288,6 +329,12 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
 }
 
 absl::Status Daemon::SendToClient(ClientRecord& c, const std::string& header, int fd) {
+  int fds[1] = {fd};
+  return SendToClient(c, header, fd >= 0 ? std::span<const int>(fds, 1) : std::span<const int>());
+}
+
+absl::Status Daemon::SendToClient(ClientRecord& c, const std::string& header,
+                                  std::span<const int> fds) {
   std::lock_guard<std::mutex> send_lock(c.send_mu);
   int sock = -1;
   {
@@ -297,8 +344,7 @@ absl::Status Daemon::SendToClient(ClientRecord& c, const std::string& header, in
           StrCat("client ", c.id, ": fd socket not connected; connect it right after Attach"));
     sock = c.fd_socket.get();
   }
-  int fds[1] = {fd};
-  return ipc::SendMessage(sock, header, fd >= 0 ? std::span<const int>(fds, 1) : std::span<const int>());
+  return ipc::SendMessage(sock, header, fds);
 }
 
 absl::StatusOr<ipc::UniqueFd> Daemon::TakeIncomingFd(ClientRecord& c, uint64_t tag) {

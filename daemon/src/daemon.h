@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <array>
 #include <map>
+#include <span>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -24,6 +25,7 @@
 #include "ulysses/ipc/fd.h"
 #include "ulysses/ipc/shm.h"
 #include "ulysses/ipc/unix_socket.h"
+#include "fd_exports.h"
 #include "rendezvous.h"
 #include "session.h"
 #include "telemetry.h"
@@ -33,15 +35,6 @@ class Server;
 }
 
 namespace ulysses::daemon {
-
-/// A buffer a client allocated or registered: a memfd mapped into the daemon.
-struct Buffer {
-  uint64_t id = 0;
-  std::string name;
-  uint64_t size = 0;
-  ipc::UniqueFd fd;
-  ipc::Mapping mapping;
-};
 
 /// A group as one client of this daemon joined it.
 struct Group {
@@ -113,6 +106,9 @@ class Daemon {
 
   const DaemonConfig& config() const { return config_; }
   const std::string& backend() const { return backend_; }
+  /// Why this backend runs (the probe's verdict, or the flag that forced it).
+  const std::string& backend_reason() const { return backend_reason_; }
+  Backend& backend_impl() { return *backend_impl_; }
 
   // --- used by the services ---
   absl::StatusOr<std::shared_ptr<ClientRecord>> Authenticate(const grpc::ServerContext* ctx);
@@ -121,6 +117,7 @@ class Daemon {
   void Reclaim(uint64_t client_id, const std::string& reason);
   /// Sends a frame (JSON header + optional fd) to the client over its fd socket.
   absl::Status SendToClient(ClientRecord& c, const std::string& header, int fd);
+  absl::Status SendToClient(ClientRecord& c, const std::string& header, std::span<const int> fds);
   /// Waits (bounded) for the fd the client sent under `tag`.
   absl::StatusOr<ipc::UniqueFd> TakeIncomingFd(ClientRecord& c, uint64_t tag);
   uint64_t NextId() { return next_id_.fetch_add(1); }
@@ -164,6 +161,7 @@ class Daemon {
   void FdPollLoop();
   void BindFdSocket(ipc::UniqueFd sock);
   absl::Status StartMetricsServer();
+  absl::Status ChooseBackend();
   absl::StatusOr<CallResult> RunCall(ClientRecord& c, uint64_t session_id, const CallArgs& args,
                                      uint64_t expected_epoch, CallRecord* rec);
   /// Creates the client's segment and starts its ring worker.
@@ -172,6 +170,9 @@ class Daemon {
 
   DaemonConfig config_;
   std::string backend_;
+  std::string backend_reason_;
+  FdExports peer_exports_;  // declared before backend_impl_: the backend lends through it
+  std::unique_ptr<Backend> backend_impl_;
   absl::Time started_;
   std::atomic<uint64_t> next_id_{1};
   std::atomic<bool> draining_{false};

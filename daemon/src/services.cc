@@ -50,6 +50,12 @@ void FillSessionInfo(const Session& s, const Group& g, v1::SessionInfo* out) {
   out->set_backend(g.backend);
   out->set_backend_reason(g.backend_reason);
   out->set_release_index(s.release_index());
+  const ClientSlotMapping slots = s.transport().ClientMapping();
+  if (slots.device) {
+    out->set_device_slots_bytes(slots.bytes);
+    out->set_slot_stride_bytes(s.transport().SlotOffset(1) - s.transport().SlotOffset(0));
+    out->set_slot_offset_bytes(0);
+  }
 }
 
 // Canonical rendering of what every rank of a session must agree on.
@@ -192,7 +198,7 @@ class ControlService final : public v1::Control::Service {
         c.sessions.erase(it);
       }
       s->Abort(kAbortClosed);
-      d_->ReleaseSlotMemory(s->layout().total_bytes);
+      d_->ReleaseSlotMemory(s->reserved_bytes());
       return absl::OkStatus();
     });
   }
@@ -228,14 +234,12 @@ class ControlService final : public v1::Control::Service {
     if (req.size_bytes() == 0 || req.size_bytes() > kMaxBufferBytes)
       return absl::InvalidArgumentError(
           StrCat("size_bytes: ", req.size_bytes(), " is not in [1, ", kMaxBufferBytes, "]"));
-    auto b = std::make_shared<Buffer>();
+    ULY_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> b, d_->backend_impl().AllocBuffer(req.size_bytes()));
     b->id = d_->NextId();
     b->name = req.name();
-    b->size = req.size_bytes();
-    ULY_ASSIGN_OR_RETURN(b->fd, ipc::CreateMemfd(StrCat("ulysses-buf-", b->id), b->size));
-    ULY_RETURN_IF_ERROR(ipc::SealSize(b->fd.get()));
-    ULY_ASSIGN_OR_RETURN(b->mapping, ipc::Mapping::Map(b->fd.get(), b->size, /*writable=*/true));
-    ULY_RETURN_IF_ERROR(d_->SendToClient(c, StrCat("{\"buffer_id\": ", b->id, "}"), b->fd.get()));
+    ULY_RETURN_IF_ERROR(d_->SendToClient(
+        c, StrCat("{\"buffer_id\": ", b->id, ", \"device\": ", b->device ? "true" : "false", "}"),
+        b->fd.get()));
     {
       std::lock_guard<std::mutex> lock(c.mu);
       c.buffers[b->id] = b;
@@ -243,22 +247,32 @@ class ControlService final : public v1::Control::Service {
     resp->set_buffer_id(b->id);
     resp->set_size_bytes(b->size);
     resp->set_name(b->name);
+    resp->set_device(b->device);
     return absl::OkStatus();
   }
 
   absl::Status DoRegister(ClientRecord& c, const v1::RegisterBufferRequest& req,
                           v1::BufferInfo* resp) {
-    ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd, d_->TakeIncomingFd(c, req.tag()));
-    // A client could shrink an unsealed memfd under the daemon's mapping (SIGBUS): refuse it.
-    ULY_RETURN_IF_ERROR(ipc::CheckSizeSealed(fd.get()));
-    ULY_ASSIGN_OR_RETURN(size_t size, ipc::FdSize(fd.get()));
-    if (size == 0) return absl::InvalidArgumentError("fd: the buffer is empty");
     auto b = std::make_shared<Buffer>();
+    if (!req.cuda_ipc_handle().empty()) {
+      ULY_ASSIGN_OR_RETURN(b, d_->backend_impl().ImportIpcBuffer(req.cuda_ipc_handle(),
+                                                                  req.size_bytes()));
+      b->allocation_id = req.allocation_id();
+    } else {
+      ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd, d_->TakeIncomingFd(c, req.tag()));
+      // A client could shrink an unsealed memfd under the daemon's mapping (SIGBUS): refuse it.
+      ULY_RETURN_IF_ERROR(ipc::CheckSizeSealed(fd.get()));
+      ULY_ASSIGN_OR_RETURN(size_t size, ipc::FdSize(fd.get()));
+      if (size == 0) return absl::InvalidArgumentError("fd: the buffer is empty");
+      b->size = size;
+      b->fd = std::move(fd);
+      ULY_ASSIGN_OR_RETURN(ipc::Mapping m, ipc::Mapping::Map(b->fd.get(), size, /*writable=*/true));
+      auto mapping = std::make_shared<ipc::Mapping>(std::move(m));
+      b->data = mapping->data();
+      b->keep = mapping;
+    }
     b->id = d_->NextId();
     b->name = req.name();
-    b->size = size;
-    b->fd = std::move(fd);
-    ULY_ASSIGN_OR_RETURN(b->mapping, ipc::Mapping::Map(b->fd.get(), size, /*writable=*/true));
     {
       std::lock_guard<std::mutex> lock(c.mu);
       c.buffers[b->id] = b;
@@ -266,6 +280,7 @@ class ControlService final : public v1::Control::Service {
     resp->set_buffer_id(b->id);
     resp->set_size_bytes(b->size);
     resp->set_name(b->name);
+    resp->set_device(b->device);
     return absl::OkStatus();
   }
 
@@ -291,22 +306,38 @@ class ControlService final : public v1::Control::Service {
     if (requested != "auto" && requested != d_->backend())
       return absl::FailedPreconditionError(StrCat("backend: '", requested,
                                                   "' is not available: this daemon runs the ",
-                                                  d_->backend(), " backend"));
+                                                  d_->backend(), " backend (",
+                                                  d_->backend_reason(), ")"));
     std::string members;
     for (const auto& m : req.members()) members += m + ",";
     const std::string agreement = StrCat("name=", req.name(), " world_size=", req.world_size(),
                                          " members=[", members, "] backend=", requested);
     const absl::Duration timeout =
         absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : d_->config().peer_timeout_ms);
+    // Payload: this daemon's backend and device, so that every rank can check it reaches
+    // every other rank's device.
+    const std::string mine = StrCat(d_->backend(), ":", d_->config().device);
     ULY_ASSIGN_OR_RETURN(std::vector<std::string> payloads,
                          d_->rendezvous_client().Rendezvous(
                              req.members(0), StrCat("join/", req.name()), req.world_size(),
-                             req.rank(), agreement, d_->backend(), timeout));
+                             req.rank(), agreement, mine, timeout));
     // Every rank resolved the same backend, or the group cannot form.
-    for (size_t r = 0; r < payloads.size(); ++r)
-      if (payloads[r] != d_->backend())
-        return absl::FailedPreconditionError(StrCat("backend: rank ", r, " runs '", payloads[r],
+    std::string reason;
+    for (size_t r = 0; r < payloads.size(); ++r) {
+      const size_t colon = payloads[r].rfind(':');
+      const std::string backend = payloads[r].substr(0, colon);
+      if (backend != d_->backend())
+        return absl::FailedPreconditionError(StrCat("backend: rank ", r, " runs '", backend,
                                                     "', this rank '", d_->backend(), "'"));
+      int device = -1;
+      if (colon == std::string::npos || !absl::SimpleAtoi(payloads[r].substr(colon + 1), &device))
+        return absl::FailedPreconditionError(StrCat("rank ", r, " sent a malformed join payload"));
+      ULY_ASSIGN_OR_RETURN(bool reach, d_->backend_impl().CanReach(device));
+      if (!reach)
+        return absl::FailedPreconditionError(StrCat(
+            "backend: ", d_->backend(), " cannot reach rank ", r, "'s device ", device,
+            " from device ", d_->config().device, " (no peer access)"));
+    }
     auto g = std::make_shared<Group>();
     g->id = d_->NextId();
     g->name = req.name();
@@ -314,9 +345,9 @@ class ControlService final : public v1::Control::Service {
     g->rank = req.rank();
     g->members.assign(req.members().begin(), req.members().end());
     g->backend = d_->backend();
-    g->backend_reason = requested == "auto"
-                            ? "auto: every rank's daemon runs the host backend (no GPU backend here)"
-                            : "requested host";
+    g->backend_reason = StrCat(requested == "auto" ? "auto: " : "requested: ",
+                               "every rank's daemon runs ", d_->backend(), " (",
+                               d_->backend_reason(), ")");
     g->owner_client = c.id;
     {
       std::lock_guard<std::mutex> lock(c.mu);
@@ -347,25 +378,25 @@ class ControlService final : public v1::Control::Service {
     ULY_RETURN_IF_ERROR(ValidateSessionGeometry(geo));
     const uint64_t id = d_->NextId();
     const uint64_t seq = g->sessions_created.fetch_add(1);
-    const SegmentLayout layout = SegmentLayout::For(geo.SlotBytes(), geo.num_slots);
+    const uint64_t needed = Session::BytesNeeded(geo, d_->backend_impl());
     const absl::Duration timeout =
         absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : d_->config().peer_timeout_ms);
     const std::string key = StrCat("session/", g->name, "/", seq);
     // A rank that cannot take part still arrives, with a failure payload, so that every rank
     // gets the same verdict instead of waiting out the timeout.
-    absl::Status local = d_->ReserveSlotMemory(layout.total_bytes);
+    absl::Status local = d_->ReserveSlotMemory(needed);
     std::unique_ptr<Session> session;
     if (local.ok()) {
       absl::StatusOr<std::unique_ptr<Session>> created = Session::Create(
-          id, g->id, c.id, geo, StrCat("/ulysses-", ::getpid(), "-", id));
+          id, g->id, c.id, geo, StrCat("/ulysses-", ::getpid(), "-", id), d_->backend_impl());
       if (created.ok()) session = std::move(*created);
       else {
         local = created.status();
-        d_->ReleaseSlotMemory(layout.total_bytes);
+        d_->ReleaseSlotMemory(needed);
       }
     }
-    const std::string payload =
-        local.ok() ? StrCat("ok:", session->segment_name()) : StrCat("error:", local.message());
+    const std::string payload = local.ok() ? StrCat("ok:", session->RendezvousPayload())
+                                           : StrCat("error:", local.message());
     absl::StatusOr<std::vector<std::string>> names = d_->rendezvous_client().Rendezvous(
         g->members[0], key, g->world_size, g->rank, SpecAgreement(geo), payload, timeout);
     absl::Status status = names.status();
@@ -377,13 +408,19 @@ class ControlService final : public v1::Control::Service {
         if (p.rfind("ok:", 0) == 0) segs.push_back(p.substr(3));
         else status = absl::FailedPreconditionError(StrCat("rank ", r, " could not create its session: ", p.substr(6)));
       }
-      if (status.ok()) status = session->ConnectPeers(segs);
+      if (status.ok()) status = session->ConnectPeers(segs, timeout);
     }
     if (status.ok()) {
-      status = d_->SendToClient(c, StrCat("{\"session_id\": ", id, "}"), session->segment_fd());
+      const ClientSlotMapping slots = session->transport().ClientMapping();
+      if (slots.device) {
+        int fds[2] = {session->segment_fd(), slots.fd};
+        status = d_->SendToClient(c, StrCat("{\"session_id\": ", id, "}"), std::span<const int>(fds, 2));
+      } else {
+        status = d_->SendToClient(c, StrCat("{\"session_id\": ", id, "}"), session->segment_fd());
+      }
     }
     if (!status.ok()) {
-      if (session) d_->ReleaseSlotMemory(layout.total_bytes);
+      if (session) d_->ReleaseSlotMemory(needed);
       return status;
     }
     {

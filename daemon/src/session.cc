@@ -7,15 +7,30 @@
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/wait.h"
-#include "ulysses/kernels/exchange.h"
 
 namespace ulysses::daemon {
+
+namespace {
+// The control segment holds the slots too when the backend keeps them in host memory.
+SegmentLayout ControlLayout(const SessionGeometry& g, const Backend& backend) {
+  return SegmentLayout::For(backend.slots_in_segment() ? static_cast<uint64_t>(g.SlotBytes()) : 0,
+                            g.num_slots);
+}
+}  // namespace
+
+uint64_t Session::BytesNeeded(const SessionGeometry& g, const Backend& backend) {
+  uint64_t bytes = ControlLayout(g, backend).total_bytes;
+  if (!backend.slots_in_segment())
+    bytes += AlignUp(static_cast<uint64_t>(g.SlotBytes()), kSegmentAlign) * g.num_slots;
+  return bytes;
+}
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(uint64_t id, uint64_t group_id,
                                                          uint64_t owner_client,
                                                          const SessionGeometry& g,
-                                                         std::string segment_name) {
-  SegmentLayout layout = SegmentLayout::For(static_cast<uint64_t>(g.SlotBytes()), g.num_slots);
+                                                         std::string segment_name,
+                                                         Backend& backend) {
+  SegmentLayout layout = ControlLayout(g, backend);
   ipc::NamedSegment::UnlinkIfExists(segment_name);  // a stale name from a crashed daemon
   ULY_ASSIGN_OR_RETURN(ipc::NamedSegment seg,
                        ipc::NamedSegment::Create(std::move(segment_name), layout.total_bytes));
@@ -29,8 +44,22 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(uint64_t id, uint64_t g
   cb->slot_bytes = layout.slot_bytes;
   cb->slot_stride_bytes = layout.slot_stride_bytes;
   cb->slots_offset_bytes = layout.slots_offset_bytes;
-  return std::unique_ptr<Session>(
-      new Session(id, group_id, owner_client, g, layout, std::move(seg)));
+  TransportSetup setup;
+  setup.geometry = g;
+  setup.slot_bytes = static_cast<uint64_t>(g.SlotBytes());
+  setup.own_segment = static_cast<uint8_t*>(seg.data());
+  setup.slots_offset_bytes = layout.slots_offset_bytes;
+  setup.slot_stride_bytes = layout.slot_stride_bytes;
+  setup.segment_fd = seg.fd();
+  setup.segment_bytes = layout.total_bytes;
+  ULY_ASSIGN_OR_RETURN(std::unique_ptr<Transport> transport, backend.MakeTransport(setup));
+  std::unique_ptr<Session> session(new Session(id, group_id, owner_client, g, layout, std::move(seg)));
+  session->transport_ = std::move(transport);
+  return session;
+}
+
+std::string Session::RendezvousPayload() const {
+  return StrCat(segment_.name(), "\n", transport_->LocalHandle());
 }
 
 Session::Session(uint64_t id, uint64_t group_id, uint64_t owner, SessionGeometry g,
@@ -102,7 +131,10 @@ int Session::Poison() {
   for (int s = 0; s < geometry_.num_slots; ++s) {
     std::lock_guard<std::mutex> lock(slot_mu_);
     if (!NotHeldLocked(s)) continue;
-    std::memset(SlotData(geometry_.rank, s), 0xff, layout_.slot_bytes);
+    if (absl::Status st = transport_->Poison(s); !st.ok()) {
+      Logger("exec")->warn("session {}: poison slot {}: {}", id_, s, std::string(st.message()));
+      continue;
+    }
     ++n;
   }
   return n;
@@ -114,21 +146,32 @@ Session::~Session() {
   (void)segment_.Unlink();
 }
 
-absl::Status Session::ConnectPeers(const std::vector<std::string>& names) {
-  if (static_cast<int>(names.size()) != geometry_.world_size)
+absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
+                                   absl::Duration timeout) {
+  if (static_cast<int>(payloads.size()) != geometry_.world_size)
     return absl::InternalError(StrCat("session ", id_, ": expected ", geometry_.world_size,
-                                      " peer segments, got ", names.size()));
-  std::vector<ipc::NamedSegment> peers(names.size());
+                                      " peer segments, got ", payloads.size()));
+  std::vector<ipc::NamedSegment> peers(payloads.size());
+  std::vector<std::string> handles(payloads.size());
+  std::vector<uint8_t*> bases(payloads.size(), nullptr);
   for (int r = 0; r < geometry_.world_size; ++r) {
     if (r == geometry_.rank) continue;
-    ULY_ASSIGN_OR_RETURN(peers[r], ipc::NamedSegment::Open(names[r], layout_.total_bytes));
+    const size_t nl = payloads[r].find('\n');
+    if (nl == std::string::npos)
+      return absl::FailedPreconditionError(
+          StrCat("session ", id_, ": rank ", r, " sent a malformed session handle"));
+    const std::string name = payloads[r].substr(0, nl);
+    handles[r] = payloads[r].substr(nl + 1);
+    ULY_ASSIGN_OR_RETURN(peers[r], ipc::NamedSegment::Open(name, layout_.total_bytes));
     auto* cb = static_cast<const SessionControlBlock*>(peers[r].data());
     if (cb->magic != kSessionMagic || cb->version != kSessionLayoutVersion ||
         cb->rank != static_cast<uint32_t>(r) || cb->slot_bytes != layout_.slot_bytes)
       return absl::FailedPreconditionError(
-          StrCat("session ", id_, ": segment ", names[r], " of rank ", r,
+          StrCat("session ", id_, ": segment ", name, " of rank ", r,
                  " does not match this session's layout"));
+    bases[r] = static_cast<uint8_t*>(peers[r].data());
   }
+  ULY_RETURN_IF_ERROR(transport_->Connect(handles, bases, timeout));
   peers_ = std::move(peers);
   return absl::OkStatus();
 }
@@ -136,11 +179,6 @@ absl::Status Session::ConnectPeers(const std::vector<std::string>& names) {
 SessionControlBlock* Session::Control(int rank) const {
   void* base = rank == geometry_.rank ? segment_.data() : peers_[rank].data();
   return static_cast<SessionControlBlock*>(base);
-}
-
-uint8_t* Session::SlotData(int rank, int slot) const {
-  auto* base = reinterpret_cast<uint8_t*>(Control(rank));
-  return base + layout_.slots_offset_bytes + layout_.slot_stride_bytes * slot;
 }
 
 absl::Status Session::WaitWord(const std::atomic<uint64_t>& word, uint64_t target, int peer,
@@ -232,12 +270,6 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
   // overwrite slot s; its previous result, epoch e - num_slots, is given up.
   mine->slots[s].open.store(e, std::memory_order_release);
 
-  kernels::ExchangeShape shape{W, plan.batch, plan.seq_local, geometry_.num_heads,
-                               geometry_.head_dim, geometry_.itemsize()};
-  auto view = [&](int i) {
-    const ResolvedOperand& r = plan.inputs[i];
-    return kernels::ConstView{ops.inputs[i], {r.strides[0], r.strides[1], r.strides[2], r.strides[3]}};
-  };
   absl::Status status;
   // Destinations in rotated order starting after this rank, so ranks do not all hit rank 0.
   for (int k = 1; k <= W && status.ok(); ++k) {
@@ -256,41 +288,18 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
           " S_l=", plan.seq_local, " band ", plan.head_offset, "+", plan.head_count, ")"));
       break;
     }
-    uint8_t* dst_slot = SlotData(dst, s);
-    switch (plan.op) {
-      case OpKind::kScatterHeads:
-        kernels::ScatterHeadsBlockRef(shape, view(0), me, dst, dst_slot);
-        break;
-      case OpKind::kGatherHeads:
-        kernels::GatherHeadsBlockRef(shape, view(0), me, dst, dst_slot);
-        break;
-      case OpKind::kScatterQkvHeadChunk:
-        kernels::ScatterQkvHeadChunkBlockRef(shape, view(0), view(1), view(2), plan.head_offset,
-                                             plan.head_count, me, dst, dst_slot);
-        break;
-      case OpKind::kGatherOutputHeadChunk:
-        kernels::GatherOutputHeadChunkBlockRef(shape, view(0), plan.head_count, me, dst, dst_slot);
-        break;
-      default:
-        status = absl::InvalidArgumentError("op: unknown operation");
-    }
-    // Release: the block's bytes are visible before the arrival word that announces them.
-    if (status.ok()) theirs->slots[s].arrive[me].store(e, std::memory_order_release);
+    status = transport_->Push(plan, ops, dst, s);
   }
+  // Every block must be in place (a GPU backend's kernels finished) before the arrival words
+  // announce them; release order makes the bytes visible before the word.
+  if (status.ok()) status = transport_->Flush();
+  for (int dst = 0; dst < W && status.ok(); ++dst)
+    Control(dst)->slots[s].arrive[me].store(e, std::memory_order_release);
   for (int src = 0; src < W && status.ok(); ++src)
     status = WaitWord(mine->slots[s].arrive[src], e, src, deadline, "writing its block");
+  if (status.ok()) status = transport_->Finish(plan, ops, s);
   if (status.ok()) {
-    uint8_t* slot = SlotData(me, s);
     const int32_t itemsize = geometry_.itemsize();
-    if (plan.op == OpKind::kGatherOutputHeadChunk) {
-      const auto& o = plan.out.strides;
-      kernels::GatherOutputHeadChunkMergeRef(shape, slot, plan.head_offset, plan.head_count,
-                                             kernels::MutView{ops.out, {o[0], o[1], o[2], o[3]}});
-    } else if (plan.has_out) {
-      const auto& o = plan.out.strides;
-      kernels::CopyContiguousToViewRef(slot, plan.out_shape.data(), itemsize,
-                                       kernels::MutView{ops.out, {o[0], o[1], o[2], o[3]}});
-    }
     mine->slots[s].done.store(e, std::memory_order_release);
     // The result is the client's view until it releases it, unless it was copied out.
     const bool copied_out = plan.has_out;
@@ -301,7 +310,7 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
     CallOutcome out;
     out.epoch = e;
     out.slot = s;
-    out.slot_offset_bytes = layout_.slots_offset_bytes + layout_.slot_stride_bytes * s;
+    out.slot_offset_bytes = transport_->SlotOffset(s);
     out.result_bytes = static_cast<uint64_t>(plan.slot_elems) * itemsize;
     // Every op moves exactly what this rank's inputs hold for the exchanged heads.
     out.bytes_sent = out.result_bytes;

@@ -17,14 +17,9 @@
 #include "ulysses/common/geometry.h"
 #include "ulysses/common/session_layout.h"
 #include "ulysses/ipc/shm.h"
+#include "transport.h"
 
 namespace ulysses::daemon {
-
-/// Pointers of a planned call's operands in this daemon's address space.
-struct CallOperands {
-  const void* inputs[3] = {nullptr, nullptr, nullptr};
-  void* out = nullptr;
-};
 
 /// Outcome of one call.
 struct CallOutcome {
@@ -37,17 +32,21 @@ struct CallOutcome {
 
 class Session {
  public:
-  /// Creates this rank's segment under `segment_name`. Does not touch peers yet.
+  /// Creates this rank's control segment under `segment_name` and its receive slots through
+  /// `backend`. Does not touch peers yet.
   static absl::StatusOr<std::unique_ptr<Session>> Create(uint64_t id, uint64_t group_id,
                                                          uint64_t owner_client,
                                                          const SessionGeometry& geometry,
-                                                         std::string segment_name);
+                                                         std::string segment_name,
+                                                         Backend& backend);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
-  /// Maps the other ranks' segments (names in rank order, from the rendezvous).
-  absl::Status ConnectPeers(const std::vector<std::string>& names);
+  /// What this rank contributes to the session rendezvous: its segment name and slot handle.
+  std::string RendezvousPayload() const;
+  /// Maps the other ranks' segments and slots from their rendezvous payloads (rank order).
+  absl::Status ConnectPeers(const std::vector<std::string>& payloads, absl::Duration timeout);
 
   /// Runs one planned call: opens this rank's slot for the next epoch, writes this rank's block
   /// into every destination's slot once that destination opened it, waits for every source's
@@ -88,7 +87,12 @@ class Session {
   uint64_t owner_client() const { return owner_client_; }
   const SessionGeometry& geometry() const { return geometry_; }
   const SegmentLayout& layout() const { return layout_; }
+  /// Bytes this session holds against the daemon's slot budget (segment and device slots).
+  uint64_t reserved_bytes() const { return layout_.total_bytes + transport_->DeviceBytes(); }
+  /// Slot bytes a session of `g` needs on `backend`, for the budget check before Create.
+  static uint64_t BytesNeeded(const SessionGeometry& g, const Backend& backend);
   int segment_fd() const { return segment_.fd(); }
+  Transport& transport() const { return *transport_; }
   const std::string& segment_name() const { return segment_.name(); }
   uint64_t calls() const { return calls_.load(); }
   uint64_t last_epoch() const { return last_epoch_.load(); }
@@ -111,7 +115,6 @@ class Session {
   Session(uint64_t id, uint64_t group_id, uint64_t owner, SessionGeometry g, SegmentLayout l,
           ipc::NamedSegment seg);
   SessionControlBlock* Control(int rank) const;
-  uint8_t* SlotData(int rank, int slot) const;
   absl::Status WaitWord(const std::atomic<uint64_t>& word, uint64_t target, int peer,
                         absl::Time deadline, const char* what) const;
 
@@ -122,6 +125,7 @@ class Session {
   const SegmentLayout layout_;
   ipc::NamedSegment segment_;
   std::vector<ipc::NamedSegment> peers_;  // index = rank; this rank's entry is empty
+  std::unique_ptr<Transport> transport_;
   mutable std::mutex call_mu_;            // one call in flight per session
   uint64_t epoch_ = 0;
   std::atomic<uint64_t> calls_{0};

@@ -35,11 +35,18 @@ struct ConnectOptions {
 /// Close.
 struct Buffer {
   uint64_t id = 0;
+  /// Host memory (host backend), or a device pointer (GPU backends: AllocBuffer's device memory,
+  /// or the pointer given to RegisterDeviceBuffer).
   void* data = nullptr;
   uint64_t size = 0;
-  /// A reference to `elements` of this buffer at `offset_bytes` (contiguous unless strides given).
+  /// Whether `data` is device memory.
+  bool device = false;
+  /// Offset of `data` inside the registration `id` names (a device pointer registered inside a
+  /// larger allocation shares the allocation's registration).
+  uint64_t base_offset = 0;
+  /// A reference to this buffer at `offset_bytes` from `data` (contiguous unless strides given).
   OperandRef Ref(uint64_t offset_bytes = 0, std::array<int64_t, 4> strides = {}) const {
-    return OperandRef{id, offset_bytes, strides};
+    return OperandRef{id, base_offset + offset_bytes, strides};
   }
 };
 
@@ -84,7 +91,9 @@ struct Result {
   uint64_t epoch = 0;
   int32_t slot = 0;
   std::array<int64_t, 4> shape{};
+  /// The result in the receive slot: host memory, or device memory (read-only) when `device`.
   const void* data = nullptr;
+  bool device = false;
   uint64_t bytes = 0;
   int64_t daemon_us = 0;  ///< time the daemon spent on the call
   /// Gives the slot back now; `data` must not be read afterwards. Idempotent.
@@ -138,6 +147,12 @@ class Session {
   uint64_t id() const { return id_; }
   const SessionGeometry& geometry() const { return geometry_; }
   const std::string& backend() const { return backend_; }
+  /// GPU backends: the CUDA stream (a cudaStream_t; nullptr, the default, is the legacy default
+  /// stream) whose work produces this session's inputs and consumes its results. A call is
+  /// ordered after the work already enqueued on it, and its result is complete when the call
+  /// returns.
+  void set_stream(void* stream) { stream_ = stream; }
+  void* stream() const { return stream_; }
 
  private:
   friend class Client;
@@ -147,6 +162,10 @@ class Session {
   SessionGeometry geometry_;
   std::string backend_;
   std::shared_ptr<void> segment_;  // read-only mapping of the session segment
+  std::shared_ptr<void> device_slots_;  // GPU backends: read-only mapping of the device slots
+  bool device_ = false;
+  void* stream_ = nullptr;
+  absl::Status OrderAfterStream() const;
   const uint8_t* base_ = nullptr;
   bool closed_ = false;
   // The client-segment word that releases `slot`, or null (release through the RPC).
@@ -169,6 +188,12 @@ class Client {
   absl::StatusOr<Buffer> AllocBuffer(uint64_t size_bytes, const std::string& name = "");
   /// Registers a memfd this process created (its size must be sealed: F_SEAL_SHRINK|GROW).
   absl::StatusOr<Buffer> RegisterBuffer(int memfd, const std::string& name = "");
+  /// GPU backends: registers `bytes` of device memory at `ptr` (e.g. a tensor from a caching
+  /// allocator). The allocation containing it is handed to the daemon through its CUDA IPC
+  /// handle once and cached (keyed by the allocation's CUDA buffer id, so a freed and re-made
+  /// allocation at the same address is registered afresh); later calls for the same allocation
+  /// cost no RPC. The returned Buffer's Ref() addresses `ptr`.
+  absl::StatusOr<Buffer> RegisterDeviceBuffer(void* ptr, uint64_t bytes, const std::string& name = "");
   absl::Status FreeBuffer(uint64_t buffer_id);
   /// Collective: joins (forms) a group with the other ranks' daemons.
   absl::StatusOr<Group> JoinGroup(const GroupSpec& spec);

@@ -1,0 +1,256 @@
+// The GPU backend ("nvlink"): each rank's receive slots are one CUDA VMM allocation on its GPU
+// with a POSIX-fd handle. The node's daemons lend each other these fds (FdExports) and map every
+// peer's slots, so the exchange kernels store straight into the destination's slot, over NVLink
+// between GPUs or within one GPU when several ranks share it. Client tensors come through CUDA
+// IPC handles or daemon-allocated VMM buffers. Built only with CUDA.
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <mutex>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "call_views.h"
+#include "fd_exports.h"
+#include "transport.h"
+#include "ulysses/common/logging.h"
+#include "ulysses/common/session_layout.h"
+#include "ulysses/common/status.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/cuda_memory.h"
+#include "ulysses/kernels/exchange_cuda.h"
+
+namespace ulysses::daemon {
+namespace {
+
+absl::Status CudaStatus(const char* what, cudaError_t err) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(
+      StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+}
+
+// CUDA's current device is per thread, and calls arrive on gRPC and ring-worker threads.
+absl::Status UseDevice(int device) { return CudaStatus("cudaSetDevice", cudaSetDevice(device)); }
+
+// Slots are 256-byte aligned inside the allocation (16-byte vector stores need 16).
+constexpr uint64_t kSlotAlign = 256;
+
+class CudaTransport final : public Transport {
+ public:
+  static absl::StatusOr<std::unique_ptr<Transport>> Create(int device, FdExports* exports,
+                                                           const TransportSetup& setup) {
+    ULY_RETURN_IF_ERROR(UseDevice(device));
+    std::unique_ptr<CudaTransport> t(new CudaTransport(device, exports, setup));
+    t->stride_ = AlignUp(setup.slot_bytes, kSlotAlign);
+    ULY_ASSIGN_OR_RETURN(t->slots_, ipc::cuda::VmmMapping::Create(
+                                        device, t->stride_ * setup.geometry.num_slots));
+    ULY_ASSIGN_OR_RETURN(t->client_fd_, t->slots_.Export());
+    ULY_ASSIGN_OR_RETURN(t->ticket_, exports->Lend(t->client_fd_.get()));
+    cudaStream_t stream = nullptr;
+    ULY_RETURN_IF_ERROR(
+        CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)));
+    t->stream_ = stream;
+    return std::unique_ptr<Transport>(std::move(t));
+  }
+
+  ~CudaTransport() override {
+    if (ticket_.id != 0) exports_->Withdraw(ticket_.id);
+    (void)UseDevice(device_);
+    if (stream_ != nullptr) {
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
+  }
+
+  std::string LocalHandle() const override {
+    return StrCat("cuda|", device_, "|", slots_.size(), "|", ticket_.id, "|", ticket_.secret, "|",
+                  ticket_.socket);
+  }
+
+  absl::Status Connect(const std::vector<std::string>& handles, const std::vector<uint8_t*>&,
+                       absl::Duration timeout) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    const int W = setup_.geometry.world_size;
+    peers_.resize(W);
+    slot_base_.assign(W, nullptr);
+    slot_base_[setup_.geometry.rank] = static_cast<uint8_t*>(slots_.data());
+    for (int r = 0; r < W; ++r) {
+      if (r == setup_.geometry.rank) continue;
+      // cuda|device|bytes|id|secret|socket (the socket path may hold '|': split 5 times).
+      std::vector<std::string> f = absl::StrSplit(handles[r], absl::MaxSplits('|', 5));
+      uint64_t bytes = 0, id = 0;
+      int device = -1;
+      if (f.size() != 6 || f[0] != "cuda" || !absl::SimpleAtoi(f[1], &device) ||
+          !absl::SimpleAtoi(f[2], &bytes) || !absl::SimpleAtoi(f[3], &id) ||
+          bytes != slots_.size())
+        return absl::FailedPreconditionError(
+            StrCat("rank ", r, " sent a slot handle this backend cannot use ('",
+                   handles[r].substr(0, 64), "')"));
+      ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd,
+                           FdExports::Fetch(ExportTicket{f[5], id, f[4]}, timeout));
+      ULY_ASSIGN_OR_RETURN(peers_[r],
+                           ipc::cuda::VmmMapping::Import(device_, fd.get(), bytes, true));
+      slot_base_[r] = static_cast<uint8_t*>(peers_[r].data());
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Push(const CallPlan& plan, const CallOperands& ops, int dst, int slot) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    const kernels::ExchangeShape shape = ShapeOf(setup_.geometry, plan);
+    const int me = setup_.geometry.rank;
+    void* out = slot_base_[dst] + SlotOffset(slot);
+    switch (plan.op) {
+      case OpKind::kScatterHeads:
+        return kernels::LaunchScatterHeadsBlock(shape, InputView(plan, ops, 0), me, dst, out, stream_);
+      case OpKind::kGatherHeads:
+        return kernels::LaunchGatherHeadsBlock(shape, InputView(plan, ops, 0), me, dst, out, stream_);
+      case OpKind::kScatterQkvHeadChunk:
+        return kernels::LaunchScatterQkvHeadChunkBlock(
+            shape, InputView(plan, ops, 0), InputView(plan, ops, 1), InputView(plan, ops, 2),
+            plan.head_offset, plan.head_count, me, dst, out, stream_);
+      case OpKind::kGatherOutputHeadChunk:
+        return kernels::LaunchGatherOutputHeadChunkBlock(shape, InputView(plan, ops, 0),
+                                                         plan.head_count, me, dst, out, stream_);
+      default:
+        return absl::InvalidArgumentError("op: unknown operation");
+    }
+  }
+
+  absl::Status Flush() override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    return CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(stream_));
+  }
+
+  absl::Status Finish(const CallPlan& plan, const CallOperands& ops, int slot) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    const uint8_t* data = slot_base_[setup_.geometry.rank] + SlotOffset(slot);
+    if (plan.op == OpKind::kGatherOutputHeadChunk) {
+      ULY_RETURN_IF_ERROR(kernels::LaunchGatherOutputHeadChunkMerge(
+          ShapeOf(setup_.geometry, plan), data, plan.head_offset, plan.head_count,
+          OutView(plan, ops), stream_));
+    } else if (plan.has_out) {
+      ULY_RETURN_IF_ERROR(kernels::LaunchCopyContiguousToView(
+          data, plan.out_shape.data(), setup_.geometry.itemsize(), OutView(plan, ops), stream_));
+    } else {
+      return absl::OkStatus();
+    }
+    return Flush();
+  }
+
+  absl::Status Poison(int slot) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    ULY_RETURN_IF_ERROR(CudaStatus(
+        "cudaMemsetAsync",
+        cudaMemsetAsync(static_cast<uint8_t*>(slots_.data()) + SlotOffset(slot), 0xff,
+                        setup_.slot_bytes, stream_)));
+    return Flush();
+  }
+
+  uint64_t SlotOffset(int slot) const override { return stride_ * static_cast<uint64_t>(slot); }
+  ClientSlotMapping ClientMapping() const override {
+    return ClientSlotMapping{client_fd_.get(), slots_.size(), true};
+  }
+  uint64_t DeviceBytes() const override { return slots_.size(); }
+
+ private:
+  CudaTransport(int device, FdExports* exports, const TransportSetup& setup)
+      : device_(device), exports_(exports), setup_(setup) {}
+
+  const int device_;
+  FdExports* const exports_;
+  const TransportSetup setup_;
+  uint64_t stride_ = 0;
+  ipc::cuda::VmmMapping slots_;            // this rank's slots
+  ipc::UniqueFd client_fd_;                // its exported handle (client and peers map it)
+  ExportTicket ticket_;
+  std::vector<ipc::cuda::VmmMapping> peers_;  // index = rank; this rank's entry is empty
+  std::vector<uint8_t*> slot_base_;            // every rank's slots as mapped here
+  cudaStream_t stream_ = nullptr;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, FdExports* exports, ipc::cuda::DeviceInfo info)
+      : device_(device), exports_(exports), info_(std::move(info)) {}
+
+  std::string_view name() const override { return "nvlink"; }
+  bool slots_in_segment() const override { return false; }
+
+  absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransportSetup& setup) override {
+    return CudaTransport::Create(device_, exports_, setup);
+  }
+
+  absl::StatusOr<std::shared_ptr<Buffer>> AllocBuffer(uint64_t bytes) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping m, ipc::cuda::VmmMapping::Create(device_, bytes));
+    auto b = std::make_shared<Buffer>();
+    b->size = bytes;
+    b->device = true;
+    ULY_ASSIGN_OR_RETURN(b->fd, m.Export());
+    auto keep = std::make_shared<ipc::cuda::VmmMapping>(std::move(m));
+    b->data = keep->data();
+    b->keep = keep;
+    return b;
+  }
+
+  absl::StatusOr<std::shared_ptr<Buffer>> ImportIpcBuffer(const std::string& handle,
+                                                          uint64_t size_bytes) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    if (size_bytes == 0) return absl::InvalidArgumentError("size_bytes: must be > 0");
+    std::shared_ptr<ipc::cuda::IpcMapping> m;
+    {
+      // One open per allocation: a handle already open here is shared, not opened again.
+      std::lock_guard<std::mutex> lock(ipc_mu_);
+      for (auto it = ipc_open_.begin(); it != ipc_open_.end();)
+        it = it->second.expired() ? ipc_open_.erase(it) : std::next(it);
+      auto it = ipc_open_.find(handle);
+      if (it != ipc_open_.end()) m = it->second.lock();
+      if (!m) {
+        ULY_ASSIGN_OR_RETURN(ipc::cuda::IpcMapping opened, ipc::cuda::IpcMapping::Open(handle));
+        m = std::make_shared<ipc::cuda::IpcMapping>(std::move(opened));
+        ipc_open_[handle] = m;
+      }
+    }
+    ULY_ASSIGN_OR_RETURN(ipc::cuda::AllocationInfo info, ipc::cuda::QueryAllocation(m->data()));
+    if (size_bytes > info.size)
+      return absl::InvalidArgumentError(StrCat("size_bytes: ", size_bytes,
+                                               " exceeds the allocation's ", info.size, " bytes"));
+    auto b = std::make_shared<Buffer>();
+    b->size = size_bytes;
+    b->device = true;
+    b->data = m->data();
+    b->keep = m;
+    return b;
+  }
+
+  absl::StatusOr<bool> CanReach(int peer_device) const override {
+    if (peer_device == device_) return true;
+    if (peer_device < 0 || peer_device >= ipc::cuda::DeviceCount()) return false;
+    return ipc::cuda::CanAccessPeer(device_, peer_device);
+  }
+
+  std::string_view mps_mode() const override { return info_.mps ? "mps" : "no-mps"; }
+
+ private:
+  const int device_;
+  FdExports* const exports_;
+  const ipc::cuda::DeviceInfo info_;
+  std::mutex ipc_mu_;
+  std::map<std::string, std::weak_ptr<ipc::cuda::IpcMapping>> ipc_open_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* exports) {
+  ULY_RETURN_IF_ERROR(ipc::cuda::SetDevice(device));
+  ULY_ASSIGN_OR_RETURN(ipc::cuda::DeviceInfo info, ipc::cuda::Describe(device));
+  // Probe the VMM path once: a device or driver without POSIX-fd VMM cannot serve sessions.
+  ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping probe, ipc::cuda::VmmMapping::Create(device, 1));
+  ULY_ASSIGN_OR_RETURN(ipc::UniqueFd probe_fd, probe.Export());
+  Logger("main")->info("device {}: {} ({}, {}), MPS {}", device, info.name, info.uuid,
+                       info.pci_bus_id, info.mps ? "on" : "off");
+  return std::unique_ptr<Backend>(new CudaBackend(device, exports, std::move(info)));
+}
+
+}  // namespace ulysses::daemon

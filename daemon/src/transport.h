@@ -1,0 +1,122 @@
+// The backend seam. A Backend is what one daemon runs (host memory and CPU references, or its
+// GPU with symmetric device memory): it probes its device, imports client buffers and makes one
+// Transport per session. A Transport owns one rank's receive slots and moves a call's blocks
+// into the destinations' slots. Everything else about a call (epochs, the control words and
+// their waits, the slot table, call agreement between ranks, release, poison bookkeeping,
+// metrics, the flight recorder) is backend-neutral and lives in Session and Daemon.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "ulysses/common/geometry.h"
+#include "ulysses/ipc/fd.h"
+
+namespace ulysses::daemon {
+
+/// Pointers of a planned call's operands in this daemon's address space (host memory on the
+/// host backend, device memory on a GPU backend).
+struct CallOperands {
+  const void* inputs[3] = {nullptr, nullptr, nullptr};
+  void* out = nullptr;
+};
+
+/// What the owning client maps to read its results: the fd and its byte size. `device` is
+/// true when the fd is a VMM handle of device memory (else a memfd / shm fd mapped with mmap).
+struct ClientSlotMapping {
+  int fd = -1;
+  uint64_t bytes = 0;
+  bool device = false;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  /// What the peers need to reach this rank's slots; travels in the session rendezvous. Opaque
+  /// to everyone but the same backend's Connect.
+  virtual std::string LocalHandle() const = 0;
+  /// Maps every peer's slots from their handles (index = rank; this rank's own is ignored).
+  /// `peer_segments[r]` is rank r's session control segment mapped here (host backend slots
+  /// live in it).
+  virtual absl::Status Connect(const std::vector<std::string>& handles,
+                               const std::vector<uint8_t*>& peer_segments,
+                               absl::Duration timeout) = 0;
+
+  /// Writes this rank's block of `plan` into destination `dst`'s slot `slot`. May complete
+  /// asynchronously; Flush() makes every push issued so far visible to the destinations.
+  virtual absl::Status Push(const CallPlan& plan, const CallOperands& ops, int dst, int slot) = 0;
+  virtual absl::Status Flush() = 0;
+  /// The local end of a call once every source's block is in `slot`: the `out=` copy or the
+  /// head-chunk merge. Complete (visible to the client) when it returns.
+  virtual absl::Status Finish(const CallPlan& plan, const CallOperands& ops, int slot) = 0;
+  /// Fills `slot` with all-ones bytes (NaN in every supported dtype).
+  virtual absl::Status Poison(int slot) = 0;
+
+  /// Byte offset of `slot` inside the client's mapping.
+  virtual uint64_t SlotOffset(int slot) const = 0;
+  virtual ClientSlotMapping ClientMapping() const = 0;
+  /// Device memory (bytes) this transport allocated: 0 on the host backend.
+  virtual uint64_t DeviceBytes() const = 0;
+};
+
+/// A client buffer as the daemon holds it.
+struct Buffer {
+  uint64_t id = 0;
+  std::string name;
+  uint64_t size = 0;
+  bool device = false;  ///< device memory (CUDA IPC or VMM), else a memfd mapping
+  void* data = nullptr; ///< where the daemon addresses it
+  /// Keeps the memory mapped (the memfd mapping, the IPC or VMM mapping).
+  std::shared_ptr<void> keep;
+  ipc::UniqueFd fd;     ///< memfd / VMM fd when there is one
+  uint64_t allocation_id = 0;  ///< CUDA buffer id of a registered allocation (0: none)
+};
+
+/// How a session's rank addresses its own control segment and slots; filled by Session.
+struct TransportSetup {
+  SessionGeometry geometry;
+  uint64_t slot_bytes = 0;
+  uint8_t* own_segment = nullptr;  ///< this rank's control segment
+  uint64_t slots_offset_bytes = 0; ///< host backend: slots start here in every rank's segment
+  uint64_t slot_stride_bytes = 0;
+  int segment_fd = -1;             ///< this rank's control segment fd
+  uint64_t segment_bytes = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  /// "host" or "nvlink".
+  virtual std::string_view name() const = 0;
+  /// Whether receive slots live in the control segment (host) or apart (device memory).
+  virtual bool slots_in_segment() const = 0;
+  /// A new Transport for one session on this rank.
+  virtual absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransportSetup& setup) = 0;
+  /// A zero-filled buffer the daemon allocates for a client; its `fd` is what the client maps.
+  virtual absl::StatusOr<std::shared_ptr<Buffer>> AllocBuffer(uint64_t bytes) = 0;
+  /// A client's device allocation opened from its cudaIpcMemHandle_t bytes; `size_bytes` is the
+  /// size the client claims, checked against the allocation. FAILED_PRECONDITION on the host.
+  virtual absl::StatusOr<std::shared_ptr<Buffer>> ImportIpcBuffer(const std::string& handle,
+                                                                  uint64_t size_bytes) = 0;
+  /// Whether `peer_device` can exchange with this daemon's device through this backend.
+  virtual absl::StatusOr<bool> CanReach(int peer_device) const = 0;
+  /// MPS mode: "mps", "no-mps" or "none".
+  virtual std::string_view mps_mode() const = 0;
+};
+
+/// The host backend: buffers are memfds, slots live in the session segments, the CPU
+/// references move the data.
+std::unique_ptr<Backend> MakeHostBackend();
+
+class FdExports;
+/// The GPU backend on `device` (symmetric device memory shared through VMM fds, the CUDA
+/// exchange kernels). FAILED_PRECONDITION when this build or machine has no usable GPU.
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* exports);
+
+}  // namespace ulysses::daemon

@@ -1,0 +1,122 @@
+// Device memory shared between processes: CUDA VMM allocations with POSIX-fd handles (the
+// daemons' receive slots, daemon-allocated client buffers) and legacy CUDA IPC handles (client
+// tensors from a caching allocator). Usable from host C++ without CUDA headers. Built for real
+// only when the project has CUDA (ULYSSES_HAVE_CUDA); otherwise every function returns
+// FAILED_PRECONDITION and DeviceCount() returns 0. Driver functions are resolved at run time
+// through cudaGetDriverEntryPointByVersion, so programs start on machines without a driver.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "ulysses/ipc/fd.h"
+
+namespace ulysses::ipc::cuda {
+
+/// Whether this build has CUDA support at all.
+bool Built();
+/// Devices visible to this process; 0 without a driver or a device (never an error for that).
+int DeviceCount();
+/// The calling thread's current device.
+absl::StatusOr<int> CurrentDevice();
+/// Makes `device` current for the calling thread (and creates its primary context).
+absl::Status SetDevice(int device);
+
+/// What the daemon reports about its GPU.
+struct DeviceInfo {
+  std::string name;
+  std::string uuid;        ///< "GPU-xxxxxxxx-xxxx-..."
+  std::string pci_bus_id;  ///< "0000:1b:00.0"
+  int numa_node = -1;      ///< -1 when unknown
+  bool mps = false;        ///< contexts on this device are MPS clients
+  uint64_t total_bytes = 0;
+};
+absl::StatusOr<DeviceInfo> Describe(int device);
+/// Free and total device memory of the current device, in bytes.
+absl::Status MemInfo(uint64_t* free_bytes, uint64_t* total_bytes);
+
+/// Whether processes can map each other's memory between `a` and `b` (same device, or P2P).
+absl::StatusOr<bool> CanAccessPeer(int a, int b);
+
+/// A CUDA VMM allocation (cuMemCreate with a POSIX-fd handle) mapped into this process on one
+/// device, read-write or read-only. Created here (exportable) or imported from a peer's fd. The
+/// size is rounded up to the allocation granularity. Unmapped and released on destruction.
+class VmmMapping {
+ public:
+  VmmMapping() = default;
+  ~VmmMapping();
+  VmmMapping(VmmMapping&& o) noexcept { *this = std::move(o); }
+  VmmMapping& operator=(VmmMapping&& o) noexcept;
+  VmmMapping(const VmmMapping&) = delete;
+  VmmMapping& operator=(const VmmMapping&) = delete;
+
+  /// A new zero-filled allocation of at least `bytes` on `device`, mapped read-write here.
+  static absl::StatusOr<VmmMapping> Create(int device, uint64_t bytes);
+  /// Maps an allocation exported by another process (`fd` from Export; the fd is not kept).
+  /// `bytes` must equal the exporter's size(). `writable` false maps it read-only.
+  static absl::StatusOr<VmmMapping> Import(int device, int fd, uint64_t bytes, bool writable);
+  /// A POSIX fd for the allocation, to pass over SCM_RIGHTS. Only for allocations created
+  /// here (an imported handle cannot be exported again).
+  absl::StatusOr<UniqueFd> Export() const;
+
+  void* data() const { return reinterpret_cast<void*>(ptr_); }
+  uint64_t size() const { return size_; }
+  bool valid() const { return ptr_ != 0; }
+  /// Allocation granularity (bytes) of `device`.
+  static absl::StatusOr<uint64_t> Granularity(int device);
+
+ private:
+  void Reset() noexcept;
+  uint64_t ptr_ = 0;     // CUdeviceptr
+  uint64_t handle_ = 0;  // CUmemGenericAllocationHandle
+  uint64_t size_ = 0;
+  bool exportable_ = false;
+};
+
+/// Size of a legacy CUDA IPC memory handle (cudaIpcMemHandle_t).
+inline constexpr size_t kIpcHandleBytes = 64;
+
+/// A peer process's allocation opened through its cudaIpcMemHandle_t bytes. Closed on
+/// destruction.
+class IpcMapping {
+ public:
+  IpcMapping() = default;
+  ~IpcMapping();
+  IpcMapping(IpcMapping&& o) noexcept : ptr_(o.ptr_) { o.ptr_ = nullptr; }
+  IpcMapping& operator=(IpcMapping&& o) noexcept;
+  IpcMapping(const IpcMapping&) = delete;
+  IpcMapping& operator=(const IpcMapping&) = delete;
+  /// Opens `handle` (kIpcHandleBytes bytes) on the current device.
+  static absl::StatusOr<IpcMapping> Open(const std::string& handle);
+  void* data() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+/// The allocation a device pointer lies in, as the driver knows it.
+struct AllocationInfo {
+  void* base = nullptr;       ///< CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
+  uint64_t size = 0;          ///< CU_POINTER_ATTRIBUTE_RANGE_SIZE
+  uint64_t buffer_id = 0;     ///< CU_POINTER_ATTRIBUTE_BUFFER_ID: unique per allocation
+  int device = -1;
+  bool vmm = false;           ///< made by cuMemCreate (no legacy IPC handle)
+};
+/// INVALID_ARGUMENT when `ptr` is not device memory.
+absl::StatusOr<AllocationInfo> QueryAllocation(const void* ptr);
+/// The cudaIpcMemHandle_t bytes of the allocation starting at `base`.
+absl::StatusOr<std::string> IpcHandle(void* base);
+
+/// Whether `ptr` is device memory (false for host pointers, also without CUDA).
+bool IsDevicePointer(const void* ptr);
+/// cudaMemcpy with cudaMemcpyDefault (any of host/device on either side), synchronous.
+absl::Status Copy(void* dst, const void* src, size_t bytes);
+/// cudaMemset on device memory, synchronous.
+absl::Status Fill(void* dst, int value, size_t bytes);
+/// cudaStreamSynchronize (`stream` a cudaStream_t; nullptr: the legacy default stream).
+absl::Status SyncStream(void* stream);
+
+}  // namespace ulysses::ipc::cuda

@@ -1,0 +1,367 @@
+// CUDA VMM and IPC sharing. The runtime is linked statically; driver functions come from
+// cudaGetDriverEntryPointByVersion, resolved once.
+#include "ulysses/ipc/cuda_memory.h"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ulysses/common/status.h"
+
+namespace ulysses::ipc::cuda {
+namespace {
+
+absl::Status RtError(const char* call, cudaError_t err) {
+  return absl::InternalError(
+      absl::StrCat(call, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+}
+
+#define ULY_CUDART(call)                                        \
+  do {                                                          \
+    const cudaError_t uly_err_ = (call);                        \
+    if (uly_err_ != cudaSuccess) return RtError(#call, uly_err_); \
+  } while (0)
+
+struct Driver {
+  decltype(&::cuMemCreate) MemCreate = nullptr;
+  decltype(&::cuMemRelease) MemRelease = nullptr;
+  decltype(&::cuMemExportToShareableHandle) MemExport = nullptr;
+  decltype(&::cuMemImportFromShareableHandle) MemImport = nullptr;
+  decltype(&::cuMemAddressReserve) AddressReserve = nullptr;
+  decltype(&::cuMemAddressFree) AddressFree = nullptr;
+  decltype(&::cuMemMap) Map = nullptr;
+  decltype(&::cuMemUnmap) Unmap = nullptr;
+  decltype(&::cuMemSetAccess) SetAccess = nullptr;
+  decltype(&::cuMemGetAllocationGranularity) Granularity = nullptr;
+  decltype(&::cuPointerGetAttribute) PointerAttribute = nullptr;
+  decltype(&::cuGetErrorName) ErrorName = nullptr;
+  absl::Status status;
+};
+
+template <typename F>
+absl::Status Resolve(const char* name, F* fn) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  const cudaError_t err = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q);
+  if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || p == nullptr)
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA driver entry point ", name, " is not available"));
+  *fn = reinterpret_cast<F>(p);
+  return absl::OkStatus();
+}
+
+const Driver& Drv() {
+  static Driver d;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    absl::Status s;
+    auto r = [&](const char* n, auto* f) {
+      if (s.ok()) s = Resolve(n, f);
+    };
+    r("cuMemCreate", &d.MemCreate);
+    r("cuMemRelease", &d.MemRelease);
+    r("cuMemExportToShareableHandle", &d.MemExport);
+    r("cuMemImportFromShareableHandle", &d.MemImport);
+    r("cuMemAddressReserve", &d.AddressReserve);
+    r("cuMemAddressFree", &d.AddressFree);
+    r("cuMemMap", &d.Map);
+    r("cuMemUnmap", &d.Unmap);
+    r("cuMemSetAccess", &d.SetAccess);
+    r("cuMemGetAllocationGranularity", &d.Granularity);
+    r("cuPointerGetAttribute", &d.PointerAttribute);
+    r("cuGetErrorName", &d.ErrorName);
+    d.status = s;
+  });
+  return d;
+}
+
+absl::Status DrvError(const char* call, CUresult r) {
+  const char* name = "CUDA_ERROR";
+  if (Drv().ErrorName) Drv().ErrorName(r, &name);
+  return absl::InternalError(absl::StrCat(call, ": ", name, " (", static_cast<int>(r), ")"));
+}
+
+#define ULY_CU(call)                                           \
+  do {                                                         \
+    const CUresult uly_res_ = (call);                          \
+    if (uly_res_ != CUDA_SUCCESS) return DrvError(#call, uly_res_); \
+  } while (0)
+
+CUmemAllocationProp Prop(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return prop;
+}
+
+// Reserves an address range, maps `handle` there and grants this process access. Every process
+// that maps the allocation must set access itself.
+absl::StatusOr<CUdeviceptr> MapHandle(int device, CUmemGenericAllocationHandle handle, size_t size,
+                                      bool writable) {
+  const Driver& d = Drv();
+  CUdeviceptr ptr = 0;
+  ULY_CU(d.AddressReserve(&ptr, size, 0, 0, 0));
+  CUresult r = d.Map(ptr, size, 0, handle, 0);
+  if (r != CUDA_SUCCESS) {
+    d.AddressFree(ptr, size);
+    return DrvError("cuMemMap", r);
+  }
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = writable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_READ;
+  r = d.SetAccess(ptr, size, &access, 1);
+  if (r != CUDA_SUCCESS) {
+    d.Unmap(ptr, size);
+    d.AddressFree(ptr, size);
+    return DrvError("cuMemSetAccess", r);
+  }
+  return ptr;
+}
+
+}  // namespace
+
+bool Built() { return true; }
+
+int DeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+absl::StatusOr<int> CurrentDevice() {
+  int d = 0;
+  ULY_CUDART(cudaGetDevice(&d));
+  return d;
+}
+
+absl::Status SetDevice(int device) {
+  const int n = DeviceCount();
+  if (device < 0 || device >= n)
+    return absl::InvalidArgumentError(
+        absl::StrCat("device: ", device, " is not one of the ", n, " CUDA device(s) here"));
+  ULY_CUDART(cudaSetDevice(device));
+  ULY_CUDART(cudaFree(nullptr));  // creates the primary context now, not inside a call
+  return Drv().status;
+}
+
+absl::StatusOr<DeviceInfo> Describe(int device) {
+  DeviceInfo info;
+  cudaDeviceProp prop{};
+  ULY_CUDART(cudaGetDeviceProperties(&prop, device));
+  info.name = prop.name;
+  const auto* u = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
+  info.uuid = absl::StrFormat(
+      "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2],
+      u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+  char bus[32] = {};
+  if (cudaDeviceGetPCIBusId(bus, sizeof bus, device) == cudaSuccess) info.pci_bus_id = bus;
+  int numa = -1;
+  if (cudaDeviceGetAttribute(&numa, cudaDevAttrNumaId, device) == cudaSuccess) info.numa_node = numa;
+  else (void)cudaGetLastError();
+  int mps = 0;
+  if (cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, device) == cudaSuccess) info.mps = mps != 0;
+  else (void)cudaGetLastError();
+  info.total_bytes = prop.totalGlobalMem;
+  return info;
+}
+
+absl::Status MemInfo(uint64_t* free_bytes, uint64_t* total_bytes) {
+  size_t f = 0, t = 0;
+  ULY_CUDART(cudaMemGetInfo(&f, &t));
+  *free_bytes = f;
+  *total_bytes = t;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> CanAccessPeer(int a, int b) {
+  if (a == b) return true;
+  int ok = 0;
+  ULY_CUDART(cudaDeviceCanAccessPeer(&ok, a, b));
+  return ok != 0;
+}
+
+VmmMapping::~VmmMapping() { Reset(); }
+
+VmmMapping& VmmMapping::operator=(VmmMapping&& o) noexcept {
+  if (this != &o) {
+    Reset();
+    ptr_ = o.ptr_;
+    handle_ = o.handle_;
+    size_ = o.size_;
+    exportable_ = o.exportable_;
+    o.ptr_ = 0;
+    o.handle_ = 0;
+    o.size_ = 0;
+  }
+  return *this;
+}
+
+void VmmMapping::Reset() noexcept {
+  const Driver& d = Drv();
+  if (ptr_ != 0) {
+    d.Unmap(ptr_, size_);
+    d.AddressFree(ptr_, size_);
+  }
+  if (handle_ != 0) d.MemRelease(handle_);
+  ptr_ = 0;
+  handle_ = 0;
+  size_ = 0;
+}
+
+absl::StatusOr<uint64_t> VmmMapping::Granularity(int device) {
+  ULY_RETURN_IF_ERROR(Drv().status);
+  CUmemAllocationProp prop = Prop(device);
+  size_t g = 0;
+  ULY_CU(Drv().Granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  return static_cast<uint64_t>(g);
+}
+
+absl::StatusOr<VmmMapping> VmmMapping::Create(int device, uint64_t bytes) {
+  ULY_RETURN_IF_ERROR(Drv().status);
+  if (bytes == 0) return absl::InvalidArgumentError("bytes: must be > 0");
+  ULY_ASSIGN_OR_RETURN(const uint64_t g, Granularity(device));
+  const uint64_t size = (bytes + g - 1) / g * g;
+  CUmemAllocationProp prop = Prop(device);
+  VmmMapping m;
+  CUmemGenericAllocationHandle h = 0;
+  const CUresult r = Drv().MemCreate(&h, size, &prop, 0);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY)
+    return absl::ResourceExhaustedError(
+        absl::StrCat("device memory: cannot allocate ", size, " bytes on device ", device));
+  if (r != CUDA_SUCCESS) return DrvError("cuMemCreate", r);
+  m.handle_ = h;
+  m.size_ = size;
+  m.exportable_ = true;
+  ULY_ASSIGN_OR_RETURN(CUdeviceptr p, MapHandle(device, h, size, true));
+  m.ptr_ = p;
+  ULY_CUDART(cudaMemset(m.data(), 0, size));
+  return m;
+}
+
+absl::StatusOr<VmmMapping> VmmMapping::Import(int device, int fd, uint64_t bytes, bool writable) {
+  ULY_RETURN_IF_ERROR(Drv().status);
+  if (bytes == 0) return absl::InvalidArgumentError("bytes: must be > 0");
+  ULY_ASSIGN_OR_RETURN(const uint64_t g, Granularity(device));
+  if (bytes % g != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("bytes: ", bytes, " is not a multiple of the granularity ", g));
+  VmmMapping m;
+  CUmemGenericAllocationHandle h = 0;
+  ULY_CU(Drv().MemImport(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
+                         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+  m.handle_ = h;
+  m.size_ = bytes;
+  ULY_ASSIGN_OR_RETURN(CUdeviceptr p, MapHandle(device, h, bytes, writable));
+  m.ptr_ = p;
+  return m;
+}
+
+absl::StatusOr<UniqueFd> VmmMapping::Export() const {
+  if (!exportable_ || handle_ == 0)
+    return absl::FailedPreconditionError("VMM allocation: only a created allocation can be exported");
+  int fd = -1;
+  ULY_CU(Drv().MemExport(&fd, handle_, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  return UniqueFd(fd);
+}
+
+IpcMapping::~IpcMapping() {
+  if (ptr_ != nullptr) cudaIpcCloseMemHandle(ptr_);
+}
+
+IpcMapping& IpcMapping::operator=(IpcMapping&& o) noexcept {
+  if (this != &o) {
+    if (ptr_ != nullptr) cudaIpcCloseMemHandle(ptr_);
+    ptr_ = o.ptr_;
+    o.ptr_ = nullptr;
+  }
+  return *this;
+}
+
+absl::StatusOr<IpcMapping> IpcMapping::Open(const std::string& handle) {
+  if (handle.size() != kIpcHandleBytes)
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc_handle: expected ", kIpcHandleBytes,
+                                                   " bytes, got ", handle.size()));
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof h);
+  IpcMapping m;
+  const cudaError_t err = cudaIpcOpenMemHandle(&m.ptr_, h, cudaIpcMemLazyEnablePeerAccess);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    m.ptr_ = nullptr;
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc_handle: cannot be opened: ",
+                                                   cudaGetErrorName(err), " (",
+                                                   cudaGetErrorString(err), ")"));
+  }
+  return m;
+}
+
+absl::StatusOr<AllocationInfo> QueryAllocation(const void* ptr) {
+  ULY_RETURN_IF_ERROR(Drv().status);
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess || attr.type != cudaMemoryTypeDevice) {
+    (void)cudaGetLastError();
+    return absl::InvalidArgumentError("ptr: not device memory");
+  }
+  AllocationInfo info;
+  info.device = attr.device;
+  const auto p = reinterpret_cast<CUdeviceptr>(ptr);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  unsigned long long id = 0;
+  ULY_CU(Drv().PointerAttribute(&base, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p));
+  ULY_CU(Drv().PointerAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p));
+  ULY_CU(Drv().PointerAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, p));
+  int legacy_ok = 0;
+  if (Drv().PointerAttribute(&legacy_ok, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p) !=
+      CUDA_SUCCESS)
+    legacy_ok = 1;
+  info.base = reinterpret_cast<void*>(base);
+  info.size = size;
+  info.buffer_id = id;
+  info.vmm = legacy_ok == 0;
+  return info;
+}
+
+absl::StatusOr<std::string> IpcHandle(void* base) {
+  cudaIpcMemHandle_t h;
+  ULY_CUDART(cudaIpcGetMemHandle(&h, base));
+  return std::string(reinterpret_cast<const char*>(&h), sizeof h);
+}
+
+bool IsDevicePointer(const void* ptr) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeDevice;
+}
+
+absl::Status Copy(void* dst, const void* src, size_t bytes) {
+  ULY_CUDART(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+  return absl::OkStatus();
+}
+
+absl::Status Fill(void* dst, int value, size_t bytes) {
+  ULY_CUDART(cudaMemset(dst, value, bytes));
+  ULY_CUDART(cudaDeviceSynchronize());
+  return absl::OkStatus();
+}
+
+absl::Status SyncStream(void* stream) {
+  ULY_CUDART(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+}  // namespace ulysses::ipc::cuda
