@@ -1,5 +1,7 @@
 #include "demo_lib.h"
 
+#include "ulysses/ipc/cuda_memory.h"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -92,7 +94,11 @@ absl::StatusOr<DaemonProcess> StartDaemon(const std::string& ulyssesd, const std
   const std::string socket = StrCat(dir, "/gpu", device, ".sock");
   const std::string ready = StrCat(dir, "/gpu", device, ".ready");
   const std::string log = StrCat(dir, "/gpu", device, ".log");
-  std::vector<std::string> args = {ulyssesd, "--device", std::to_string(device), "--socket",
+  // On a machine with GPUs, ranks go round the GPUs present (several ranks share a GPU when
+  // there are more ranks than GPUs); `device` also names the rank's socket.
+  const int gpus = ipc::cuda::DeviceCount();
+  const int cuda_device = gpus > 0 && backend != "host" ? device % gpus : device;
+  std::vector<std::string> args = {ulyssesd, "--device", std::to_string(cuda_device), "--socket",
                                    socket, "--backend", backend, "--ready-file", ready};
   args.insert(args.end(), extra_args.begin(), extra_args.end());
   pid_t pid = ::fork();
@@ -193,6 +199,38 @@ uint32_t Load(const void* base, uint64_t elem, int itemsize) {
   return v;
 }
 
+// A buffer and a host copy of it: on a GPU backend the buffer is device memory, so the
+// workload fills and checks the host copy and moves it with Upload/Download.
+class Staged {
+ public:
+  explicit Staged(client::Buffer b) : b_(b) {
+    if (b_.device) host_.resize(b_.size);
+  }
+  void* host() { return b_.device ? host_.data() : b_.data; }
+  absl::Status Upload() { return b_.device ? ipc::cuda::Copy(b_.data, host_.data(), b_.size) : absl::OkStatus(); }
+  absl::Status Download() { return b_.device ? ipc::cuda::Copy(host_.data(), b_.data, b_.size) : absl::OkStatus(); }
+  const client::Buffer& buffer() const { return b_; }
+
+ private:
+  client::Buffer b_;
+  std::vector<uint8_t> host_;
+};
+
+// A host-readable copy of a result (itself on a host backend).
+absl::StatusOr<const void*> HostCopy(const client::Result& r, std::vector<uint8_t>* scratch) {
+  if (!r.device) return r.data;
+  scratch->resize(r.bytes);
+  ULY_RETURN_IF_ERROR(ipc::cuda::Copy(scratch->data(), r.data, r.bytes));
+  return static_cast<const void*>(scratch->data());
+}
+
+// Bytes between two buffers of either kind.
+absl::Status CopyBytes(void* dst, const void* src, size_t n, bool device) {
+  if (device) return ipc::cuda::Copy(dst, src, n);
+  std::memcpy(dst, src, n);
+  return absl::OkStatus();
+}
+
 #define ULY_DEMO_TIMED(expr) Timed([&] { return expr; })
 
 class Runner {
@@ -214,23 +252,28 @@ class Runner {
     ULY_ASSIGN_OR_RETURN(auto session, client_->CreateSession(group, spec));
 
     const uint64_t n_x = B * SL * H * D;
-    ULY_ASSIGN_OR_RETURN(client::Buffer x, client_->AllocBuffer(n_x * es, "x"));
+    ULY_ASSIGN_OR_RETURN(client::Buffer xb, client_->AllocBuffer(n_x * es, "x"));
     ULY_ASSIGN_OR_RETURN(client::Buffer y, client_->AllocBuffer(B * SG * HL * D * es, "y"));
-    ULY_ASSIGN_OR_RETURN(client::Buffer gout, client_->AllocBuffer(n_x * es, "gathered"));
-    ULY_ASSIGN_OR_RETURN(client::Buffer qkv, client_->AllocBuffer(3 * n_x * es, "qkv"));
-    ULY_ASSIGN_OR_RETURN(client::Buffer chunk, client_->AllocBuffer(B * SG * HL * D * es, "chunk"));
-    ULY_ASSIGN_OR_RETURN(client::Buffer o, client_->AllocBuffer(n_x * es, "o"));
-    for (uint64_t i = 0; i < n_x; ++i) Store(x.data, i, es, PatternBits(r, 0, i, es));
-    for (uint64_t i = 0; i < 3 * n_x; ++i) Store(qkv.data, i, es, PatternBits(r, 1, i, es));
+    ULY_ASSIGN_OR_RETURN(client::Buffer goutb, client_->AllocBuffer(n_x * es, "gathered"));
+    ULY_ASSIGN_OR_RETURN(client::Buffer qkvb, client_->AllocBuffer(3 * n_x * es, "qkv"));
+    ULY_ASSIGN_OR_RETURN(client::Buffer chunkb, client_->AllocBuffer(B * SG * HL * D * es, "chunk"));
+    ULY_ASSIGN_OR_RETURN(client::Buffer ob, client_->AllocBuffer(n_x * es, "o"));
+    Staged x(xb), gout(goutb), qkv(qkvb), chunk(chunkb), o(ob);
+    for (uint64_t i = 0; i < n_x; ++i) Store(x.host(), i, es, PatternBits(r, 0, i, es));
+    for (uint64_t i = 0; i < 3 * n_x; ++i) Store(qkv.host(), i, es, PatternBits(r, 1, i, es));
+    ULY_RETURN_IF_ERROR(x.Upload());
+    ULY_RETURN_IF_ERROR(qkv.Upload());
     // q, k, v: non-contiguous views of one [B,S_l,H,3,D] buffer.
     const std::array<int64_t, 4> qkv_strides{SL * H * 3 * D, H * 3 * D, 3 * D, 1};
-    const OperandRef q = qkv.Ref(0, qkv_strides), k = qkv.Ref(D * es, qkv_strides),
-                     v = qkv.Ref(2 * D * es, qkv_strides);
+    const OperandRef q = qkvb.Ref(0, qkv_strides), k = qkvb.Ref(D * es, qkv_strides),
+                     v = qkvb.Ref(2 * D * es, qkv_strides);
     const uint32_t nan_bits = es == 2 ? 0x7FC1u : 0x7FC00001u;
+    std::vector<uint8_t> scratch;
 
     for (int it = 0; it < w_.iterations; ++it) {
       // 1. scatter_heads: rank r gets heads [r*H_l, (r+1)*H_l) of every rank's tokens.
-      ULY_ASSIGN_OR_RETURN(client::Result sc, ULY_DEMO_TIMED(session->ScatterHeads(x.Ref(), B, SL)));
+      ULY_ASSIGN_OR_RETURN(client::Result sc, ULY_DEMO_TIMED(session->ScatterHeads(xb.Ref(), B, SL)));
+      ULY_ASSIGN_OR_RETURN(const void* sc_host, HostCopy(sc, &scratch));
       for (int64_t b = 0; b < B; ++b)
         for (int64_t g = 0; g < SG; ++g)
           for (int64_t h = 0; h < HL; ++h)
@@ -238,22 +281,25 @@ class Runner {
               const int64_t j = g / SL, s = g % SL;
               const uint64_t src = ((b * SL + s) * H + r * HL + h) * D + d;
               const uint64_t dst = ((b * SG + g) * HL + h) * D + d;
-              ULY_RETURN_IF_ERROR(Check(Load(sc.data, dst, es), PatternBits(j, 0, src, es),
+              ULY_RETURN_IF_ERROR(Check(Load(sc_host, dst, es), PatternBits(j, 0, src, es),
                                         "scatter_heads", dst));
             }
       // 2. identity attention, 3. gather_heads back into this rank's tokens, all heads.
-      std::memcpy(y.data, sc.data, B * SG * HL * D * es);
+      ULY_RETURN_IF_ERROR(CopyBytes(y.data, sc.data, B * SG * HL * D * es, y.device));
       ULY_RETURN_IF_ERROR(sc.Release());  // the band is copied: give the slot back
-      ULY_ASSIGN_OR_RETURN(client::Result ga, ULY_DEMO_TIMED(session->GatherHeads(y.Ref(), B, SG, gout.Ref())));
+      ULY_ASSIGN_OR_RETURN(client::Result ga, ULY_DEMO_TIMED(session->GatherHeads(y.Ref(), B, SG, goutb.Ref())));
       (void)ga;
+      ULY_RETURN_IF_ERROR(gout.Download());
       for (uint64_t i = 0; i < n_x; ++i)
-        ULY_RETURN_IF_ERROR(Check(Load(gout.data, i, es), Load(x.data, i, es), "gather_heads", i));
+        ULY_RETURN_IF_ERROR(Check(Load(gout.host(), i, es), Load(x.host(), i, es), "gather_heads", i));
       // 4. head-chunk path over the schedule, merged into a NaN-filled output.
-      for (uint64_t i = 0; i < n_x; ++i) Store(o.data, i, es, nan_bits);
+      for (uint64_t i = 0; i < n_x; ++i) Store(o.host(), i, es, nan_bits);
+      ULY_RETURN_IF_ERROR(o.Upload());
       int32_t offset = 0;
       for (int32_t hc : schedule) {
         ULY_ASSIGN_OR_RETURN(client::Result qc,
                              ULY_DEMO_TIMED(session->ScatterQkvHeadChunk(q, k, v, B, SL, offset, hc)));
+        ULY_ASSIGN_OR_RETURN(const void* qc_host, HostCopy(qc, &scratch));
         for (int64_t b = 0; b < B; ++b)
           for (int64_t g = 0; g < SG; ++g)
             for (int64_t c = 0; c < hc; ++c)
@@ -262,23 +308,25 @@ class Runner {
                   const int64_t j = g / SL, s = g % SL;
                   const uint64_t src = (((b * SL + s) * H + r * HL + offset + c) * 3 + part) * D + d;
                   const uint64_t dst = ((b * SG + g) * hc + c) * 3 * D + part * D + d;
-                  ULY_RETURN_IF_ERROR(Check(Load(qc.data, dst, es), PatternBits(j, 1, src, es),
+                  ULY_RETURN_IF_ERROR(Check(Load(qc_host, dst, es), PatternBits(j, 1, src, es),
                                             "scatter_qkv_head_chunk", dst));
                   if (part == 0)  // identity attention: the output is the query
-                    Store(chunk.data, ((b * SG + g) * hc + c) * D + d, es, Load(qc.data, dst, es));
+                    Store(chunk.host(), ((b * SG + g) * hc + c) * D + d, es, Load(qc_host, dst, es));
                 }
+        ULY_RETURN_IF_ERROR(chunk.Upload());
         ULY_ASSIGN_OR_RETURN(client::Result gc, ULY_DEMO_TIMED(session->GatherOutputHeadChunk(
-                                                    chunk.Ref(), B, SG, offset, hc, o.Ref())));
+                                                    chunkb.Ref(), B, SG, offset, hc, ob.Ref())));
         (void)gc;
         offset += hc;
       }
+      ULY_RETURN_IF_ERROR(o.Download());
       for (int64_t b = 0; b < B; ++b)
         for (int64_t s = 0; s < SL; ++s)
           for (int64_t h = 0; h < H; ++h)
             for (int64_t d = 0; d < D; ++d) {
               const uint64_t oi = ((b * SL + s) * H + h) * D + d;
               const uint64_t qi = (((b * SL + s) * H + h) * 3 + 0) * D + d;
-              ULY_RETURN_IF_ERROR(Check(Load(o.data, oi, es), Load(qkv.data, qi, es),
+              ULY_RETURN_IF_ERROR(Check(Load(o.host(), oi, es), Load(qkv.host(), qi, es),
                                         "gather_output_head_chunk", oi));
             }
     }

@@ -53,7 +53,7 @@ class ClusterTest : public ::testing::Test {
     ASSERT_TRUE(dir.ok()) << dir.status();
     dir_ = *dir;
     for (int r = 0; r < n; ++r) {
-      auto d = demo::StartDaemon(ULYSSESD_PATH, dir_, r, "host", extra);
+      auto d = demo::StartDaemon(ULYSSESD_PATH, dir_, r, backend_, extra);
       ASSERT_TRUE(d.ok()) << d.status();
       daemons_.push_back(std::move(*d));
     }
@@ -66,6 +66,8 @@ class ClusterTest : public ::testing::Test {
   }
 
   std::unique_ptr<v1::Admin::Stub> Admin(int r) { return AdminStub(daemons_[r].socket()); }
+
+  std::string backend_ = "host";  // what Start asks every daemon for
 
   v1::DaemonState State(int r) {
     v1::DaemonState st;

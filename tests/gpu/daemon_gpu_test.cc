@@ -1,0 +1,197 @@
+// The daemon's GPU backend end to end: W ulyssesd processes on the GPUs present (sharing one GPU
+// when W exceeds them) and real clients, every result checked bit for bit against the index
+// semantics. Skips without a CUDA device.
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <thread>
+
+#include "cluster_util.h"
+#include "demo_lib.h"
+#include "gtest/gtest.h"
+#include "ulysses/client/client.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/cuda_memory.h"
+#include "ulysses/ipc/shm.h"
+
+namespace ulysses {
+namespace {
+
+class GpuCluster : public testing_util::ClusterTest {
+ protected:
+  void SetUp() override {
+    if (ipc::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    backend_ = "nvlink";
+  }
+};
+
+struct Shape {
+  int world;
+  int batch;
+  int seq_local;
+  int heads_per_rank;
+  int head_dim;
+  DType dtype;
+  std::vector<int32_t> schedule;
+};
+
+std::string Name(const testing::TestParamInfo<Shape>& p) {
+  const Shape& s = p.param;
+  return StrCat("W", s.world, "_B", s.batch, "_S", s.seq_local, "_Hl", s.heads_per_rank, "_D",
+                s.head_dim, "_", DTypeName(s.dtype));
+}
+
+class GpuSemantics : public GpuCluster, public testing::WithParamInterface<Shape> {};
+
+// The demo's workload on device memory: scatter_heads, gather_heads (out=), the head-chunk
+// path over an uneven schedule with strided q/k/v views, merged into a NaN-filled output.
+TEST_P(GpuSemantics, EveryOpBitExact) {
+  const Shape& sh = GetParam();
+  Start(sh.world);
+  std::vector<demo::RankReport> reports(sh.world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < sh.world; ++r) {
+    threads.emplace_back([&, r] {
+      demo::Workload w;
+      w.members = Members(sh.world);
+      w.socket = w.members[r];
+      w.world_size = sh.world;
+      w.rank = r;
+      w.group = "gpu";
+      w.backend = "nvlink";
+      w.batch = sh.batch;
+      w.seq_local = sh.seq_local;
+      w.num_heads = sh.heads_per_rank * sh.world;
+      w.head_dim = sh.head_dim;
+      w.dtype = sh.dtype;
+      w.schedule = sh.schedule;
+      w.iterations = 2;
+      reports[r] = demo::RunRank(w);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& rep : reports) {
+    EXPECT_TRUE(rep.ok) << "rank " << rep.rank << ": " << rep.error;
+    EXPECT_EQ(rep.backend, "nvlink");
+    EXPECT_GT(rep.checks, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GpuSemantics,
+    testing::Values(Shape{1, 1, 64, 8, 128, DType::kBFloat16, {}},
+                    Shape{2, 2, 200, 14, 128, DType::kBFloat16, {2, 10, 2}},
+                    Shape{2, 1, 33, 6, 64, DType::kFloat16, {1, 4, 1}},
+                    Shape{4, 2, 17, 28, 128, DType::kBFloat16, {7, 14, 7}},
+                    Shape{4, 1, 9, 3, 3, DType::kFloat32, {1, 1, 1}},   // scalar path, odd D
+                    Shape{8, 1, 16, 4, 128, DType::kBFloat16, {1, 2, 1}},
+                    Shape{8, 2, 5, 2, 96, DType::kFloat32, {2}}),
+    Name);
+
+// Device tensors from cudaMalloc handed over by CUDA IPC; a freed and re-made allocation at the
+// same address must be registered afresh, never confused with the old one.
+TEST_F(GpuCluster, IpcTensorsAndReallocationAtTheSameAddress) {
+  Start(1);
+  auto client = client::Client::Connect({Members(1)[0], "ipc"});
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto group = (*client)->JoinGroup({"ipc", 1, 0, Members(1), "nvlink", 0});
+  ASSERT_TRUE(group.ok()) << group.status();
+  const int H = 8, D = 64, S = 32;
+  auto session = (*client)->CreateSession(*group, {H, D, DType::kFloat32, S, 2, {}, 0});
+  ASSERT_TRUE(session.ok()) << session.status();
+  const size_t n = static_cast<size_t>(S) * H * D;
+  std::vector<float> host(n), got(n);
+  for (int round = 0; round < 3; ++round) {
+    void* dev = nullptr;
+    ASSERT_EQ(cudaMalloc(&dev, n * sizeof(float)), cudaSuccess);
+    for (size_t i = 0; i < n; ++i) host[i] = static_cast<float>(round * 1000003 + i);
+    ASSERT_EQ(cudaMemcpy(dev, host.data(), n * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    auto buf = (*client)->RegisterDeviceBuffer(dev, n * sizeof(float), "x");
+    ASSERT_TRUE(buf.ok()) << buf.status();
+    auto res = (*session)->ScatterHeads(buf->Ref(), 1, S);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_TRUE(res->device);
+    ASSERT_EQ(cudaMemcpy(got.data(), res->data, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    // W = 1: the scatter is the identity on [B, S, H, D].
+    EXPECT_EQ(std::memcmp(got.data(), host.data(), n * sizeof(float)), 0) << "round " << round;
+    ASSERT_TRUE(res->Release().ok());
+    ASSERT_EQ(cudaFree(dev), cudaSuccess);  // the next round's cudaMalloc may reuse the address
+  }
+}
+
+// A held result is never overwritten: poison fills only free slots, and the next call that
+// needs the held slot waits for its release.
+TEST_F(GpuCluster, HeldSlotIsNeverOverwrittenAndOutCopiesToStridedView) {
+  Start(2);
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(2);
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto fail = [&](const std::string& e) { errors[r] = e; };
+      auto client = client::Client::Connect({Members(2)[r], "held"});
+      if (!client.ok()) return fail(client.status().ToString());
+      auto group = (*client)->JoinGroup({"held", 2, r, Members(2), "nvlink", 0});
+      if (!group.ok()) return fail(group.status().ToString());
+      const int H = 4, D = 32, S = 8, HL = H / 2;
+      auto session = (*client)->CreateSession(*group, {H, D, DType::kFloat32, S, 2, {}, 0});
+      if (!session.ok()) return fail(session.status().ToString());
+      const size_t n = static_cast<size_t>(S) * H * D;
+      auto x = (*client)->AllocBuffer(n * 4, "x");
+      auto out = (*client)->AllocBuffer(2 * n * 4, "out");  // room for a strided view
+      if (!x.ok() || !out.ok()) return fail("alloc");
+      std::vector<float> xh(n);
+      for (size_t i = 0; i < n; ++i) xh[i] = static_cast<float>(r * 100000 + i);
+      if (!ipc::cuda::Copy(x->data, xh.data(), n * 4).ok()) return fail("upload");
+      auto first = (*session)->ScatterHeads(x->Ref(), 1, S);  // held in slot 0
+      if (!first.ok()) return fail(first.status().ToString());
+      std::vector<float> before(first->bytes / 4), after(first->bytes / 4);
+      if (!ipc::cuda::Copy(before.data(), first->data, first->bytes).ok()) return fail("read");
+      auto poisoned = (*session)->PoisonSlots();
+      if (!poisoned.ok() || *poisoned != 1) return fail("poison did not fill exactly the free slot");
+      // out= into a strided view [1, 2S, HL, D] with the token stride doubled.
+      const std::array<int64_t, 4> strides{2 * S * HL * D * 2, HL * D * 2, D, 1};
+      auto second = (*session)->ScatterHeads(x->Ref(), 1, S, out->Ref(0, strides));
+      if (!second.ok()) return fail(second.status().ToString());
+      if (!ipc::cuda::Copy(after.data(), first->data, first->bytes).ok()) return fail("read");
+      if (std::memcmp(before.data(), after.data(), first->bytes) != 0)
+        return fail("the held slot changed");
+      std::vector<float> outh(2 * n);
+      if (!ipc::cuda::Copy(outh.data(), out->data, 2 * n * 4).ok()) return fail("read out");
+      for (int g = 0; g < 2 * S; ++g)
+        for (int h = 0; h < HL; ++h)
+          for (int d = 0; d < D; ++d) {
+            const int src = g / S, s = g % S;
+            const float want = static_cast<float>(src * 100000 + (s * H + r * HL + h) * D + d);
+            const float have = outh[static_cast<size_t>(g) * HL * D * 2 + h * D * 2 + d];
+            if (have != want) return fail(StrCat("out[", g, ",", h, ",", d, "] = ", have));
+          }
+      if (!first->Release().ok()) return fail("release");
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
+// Host memory handed to a GPU session is refused before anything runs, naming the operand.
+TEST_F(GpuCluster, HostBufferOnGpuBackendIsInvalidArgument) {
+  Start(1);
+  auto client = client::Client::Connect({Members(1)[0], "kind", absl::Seconds(10), false});
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto group = (*client)->JoinGroup({"kind", 1, 0, Members(1), "nvlink", 0});
+  ASSERT_TRUE(group.ok()) << group.status();
+  auto session = (*client)->CreateSession(*group, {4, 32, DType::kFloat32, 8, 2, {}, 0});
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto fd = ipc::CreateMemfd("host-x", 4 * 32 * 8 * 4);
+  ASSERT_TRUE(fd.ok());
+  ASSERT_TRUE(ipc::SealSize(fd->get()).ok());
+  auto buf = (*client)->RegisterBuffer(fd->get(), "host-x");
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  auto res = (*session)->ScatterHeads(buf->Ref(), 1, 8);
+  ASSERT_FALSE(res.ok());
+  EXPECT_EQ(res.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(res.status().message().find("inputs[0]"), std::string::npos) << res.status();
+}
+
+}  // namespace
+}  // namespace ulysses
