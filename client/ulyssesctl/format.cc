@@ -40,6 +40,49 @@ std::string Printf(const char* format, double value, const char* unit) {
   return buf;
 }
 
+// "DTYPE_BFLOAT16" -> "bfloat16": the value name less the prefix its enum's *_UNSPECIFIED
+// value has ("DTYPE_"), in lower case.
+std::string EnumValueName(const google::protobuf::EnumValueDescriptor& value) {
+  std::string name = value.name();
+  const auto* zero = value.type()->FindValueByNumber(0);
+  constexpr std::string_view kUnspecified = "UNSPECIFIED";
+  if (zero != nullptr && zero->name().size() > kUnspecified.size() &&
+      zero->name().compare(zero->name().size() - kUnspecified.size(), kUnspecified.size(),
+                           kUnspecified) == 0) {
+    const std::string prefix = zero->name().substr(0, zero->name().size() - kUnspecified.size());
+    if (name.rfind(prefix, 0) == 0) name.erase(0, prefix.size());
+  }
+  std::transform(name.begin(), name.end(), name.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return name;
+}
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() > suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// The JSON key and value of a scalar field under the naming scheme of MessageToJson.
+std::pair<std::string, json> Normalized(const FieldDescriptor& f, json value) {
+  const std::string& name = f.name();
+  const bool integer = value.is_number_integer();
+  auto base = [&](std::string_view suffix) { return name.substr(0, name.size() - suffix.size()); };
+  if (integer && EndsWith(name, "_unix_ms")) {
+    const std::int64_t ms = value.get<std::int64_t>();
+    return {base("_unix_ms") + "_time", ms == 0 ? json() : json(FormatUtcTimeUs(ms * 1000))};
+  }
+  if (integer && EndsWith(name, "_unix_us")) {
+    const std::int64_t us = value.get<std::int64_t>();
+    return {base("_unix_us") + "_time", us == 0 ? json() : json(FormatUtcTimeUs(us))};
+  }
+  if (value.is_number() && EndsWith(name, "_ms"))
+    return {base("_ms") + "_seconds", value.get<double>() / 1e3};
+  if (value.is_number() && EndsWith(name, "_us"))
+    return {base("_us") + "_seconds", value.get<double>() / 1e6};
+  if (value.is_number() && EndsWith(name, "_s"))
+    return {base("_s") + "_seconds", value.get<double>()};
+  return {name, std::move(value)};
+}
+
 // index < 0: the singular field; otherwise element `index` of the repeated field.
 json FieldToJson(const Message& m, const Reflection& r, const FieldDescriptor& f, int index) {
   const bool rep = index >= 0;
@@ -65,7 +108,7 @@ json FieldToJson(const Message& m, const Reflection& r, const FieldDescriptor& f
       const int number = rep ? r.GetRepeatedEnumValue(m, &f, index) : r.GetEnumValue(m, &f);
       const auto* value = f.enum_type()->FindValueByNumber(number);
       if (value == nullptr) return number;
-      return value->name();
+      return EnumValueName(*value);
     }
     case FieldDescriptor::CPPTYPE_MESSAGE:
       return MessageToJson(rep ? r.GetRepeatedMessage(m, &f, index) : r.GetMessage(m, &f));
@@ -99,7 +142,7 @@ void Table::AddRow(std::vector<std::string> cells) {
   rows_.push_back(std::move(cells));
 }
 
-std::string Table::Render() const {
+std::string Table::Render(bool headers) const {
   std::vector<std::size_t> widths(columns_.size());
   for (std::size_t i = 0; i < columns_.size(); ++i) {
     widths[i] = DisplayWidth(columns_[i].header);
@@ -118,7 +161,7 @@ std::string Table::Render() const {
     out += line;
     out += '\n';
   };
-  emit([&](std::size_t i) -> const std::string& { return columns_[i].header; });
+  if (headers) emit([&](std::size_t i) -> const std::string& { return columns_[i].header; });
   for (const auto& row : rows_) emit([&](std::size_t i) -> const std::string& { return row[i]; });
   return out;
 }
@@ -178,36 +221,59 @@ std::string FormatDurationUs(std::int64_t us) {
   return FormatDuration(static_cast<double>(us) / 1e6);
 }
 
+namespace {
+
+// Splits a Unix time in microseconds into seconds and the 0..999999 microseconds after them
+// (floor division, so that times before 1970 keep a non-negative fraction).
+std::pair<std::time_t, int> SplitUs(std::int64_t unix_us) {
+  std::int64_t secs = unix_us / 1'000'000;
+  std::int64_t frac = unix_us % 1'000'000;
+  if (frac < 0) {
+    frac += 1'000'000;
+    --secs;
+  }
+  return {static_cast<std::time_t>(secs), static_cast<int>(frac)};
+}
+
+}  // namespace
+
 std::string FormatLocalTimeUs(std::int64_t unix_us) {
   if (unix_us == 0) return "-";
-  // Floor division, so that times before 1970 keep a 0..999 millisecond part.
-  std::int64_t ms = unix_us / 1000;
-  if (unix_us % 1000 < 0) --ms;
-  std::int64_t secs = ms / 1000;
-  if (ms % 1000 < 0) --secs;
-  const auto millis = static_cast<int>(ms - secs * 1000);
-  const auto t = static_cast<std::time_t>(secs);
+  const auto [t, us] = SplitUs(unix_us);
   ::tzset();  // localtime_r need not read $TZ itself
   std::tm tm{};
   if (::localtime_r(&t, &tm) == nullptr) return StrCat(unix_us, "us");
   char date[64];
-  if (std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%S", &tm) == 0) {
-    return StrCat(unix_us, "us");
+  if (std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%S", &tm) == 0) return StrCat(unix_us, "us");
+  const long offset = tm.tm_gmtoff;  // seconds east of UTC
+  char zone[32] = "Z";
+  if (offset != 0) {
+    const int a = static_cast<int>((offset < 0 ? -offset : offset) % 86400);
+    std::snprintf(zone, sizeof(zone), "%c%02d:%02d", offset < 0 ? '-' : '+', a / 3600,
+                  a % 3600 / 60);
   }
-  char buf[80];
-  std::snprintf(buf, sizeof(buf), "%s.%03d", date, millis);
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "%s.%03d%s", date, us / 1000, zone);
+  return buf;
+}
+
+std::string FormatUtcTimeUs(std::int64_t unix_us) {
+  if (unix_us == 0) return "";
+  const auto [t, us] = SplitUs(unix_us);
+  std::tm tm{};
+  if (::gmtime_r(&t, &tm) == nullptr) return StrCat(unix_us, "us");
+  char date[64];
+  if (std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%S", &tm) == 0) return StrCat(unix_us, "us");
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "%s.%06dZ", date, us);
   return buf;
 }
 
 std::string DTypeName(int dtype) {
   if (dtype == v1::DTYPE_UNSPECIFIED) return "-";
-  if (!v1::DType_IsValid(dtype)) return StrCat("dtype(", dtype, ")");
-  std::string name = v1::DType_Name(static_cast<v1::DType>(dtype));
-  constexpr std::string_view kPrefix = "DTYPE_";
-  if (name.rfind(kPrefix, 0) == 0) name.erase(0, kPrefix.size());
-  std::transform(name.begin(), name.end(), name.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return name;
+  const auto* value = v1::DType_descriptor()->FindValueByNumber(dtype);
+  if (value == nullptr) return StrCat("dtype(", dtype, ")");
+  return EnumValueName(*value);
 }
 
 json MessageToJson(const Message& message) {
@@ -222,7 +288,11 @@ json MessageToJson(const Message& message) {
       for (int j = 0; j < n; ++j) array.push_back(FieldToJson(message, *reflection, f, j));
       out[f.name()] = std::move(array);
     } else {
-      out[f.name()] = FieldToJson(message, *reflection, f, -1);
+      // An optional scalar that is not set is unknown: null, under its normalized key.
+      const bool unset = f.has_presence() && f.message_type() == nullptr &&
+                         !reflection->HasField(message, &f);
+      auto [key, value] = Normalized(f, FieldToJson(message, *reflection, f, -1));
+      out[key] = unset ? json() : std::move(value);
     }
   }
   return out;
@@ -237,7 +307,6 @@ json RecentCallsToJson(const v1::ListRecentCallsResponse& response) {
   return MessageToJson(response);
 }
 json DrainToJson(const v1::DrainResponse& response) { return MessageToJson(response); }
-json UndrainToJson(const v1::UndrainResponse& response) { return MessageToJson(response); }
 json HealthToJson(std::string_view status) { return json{{"status", std::string(status)}}; }
 
 v1::DrainResponse DrainFromState(const v1::DaemonState& state) {
@@ -249,12 +318,231 @@ v1::DrainResponse DrainFromState(const v1::DaemonState& state) {
   return r;
 }
 
+std::optional<OutputFormat> ParseOutputFormat(std::string_view name) {
+  if (name == "table") return OutputFormat::kTable;
+  if (name == "wide") return OutputFormat::kWide;
+  if (name == "json") return OutputFormat::kJson;
+  if (name == "yaml") return OutputFormat::kYaml;
+  if (name == "csv") return OutputFormat::kCsv;
+  return std::nullopt;
+}
+
+Listing::Listing(std::vector<Field> fields) : fields_(std::move(fields)) {}
+
+void Listing::AddRow(std::vector<Cell> cells) {
+  cells.resize(fields_.size(), Cell(""));
+  rows_.push_back(std::move(cells));
+}
+
+std::string Listing::Render(OutputFormat format, bool headers) const {
+  if (format == OutputFormat::kCsv) {
+    std::string out;
+    std::vector<std::string> line;
+    if (headers) {
+      for (const Field& f : fields_) line.push_back(f.name);
+      out += CsvLine(line);
+    }
+    for (const auto& row : rows_) {
+      line.clear();
+      for (const Cell& c : row) line.push_back(c.raw);
+      out += CsvLine(line);
+    }
+    return out;
+  }
+  const bool wide = format == OutputFormat::kWide;
+  std::vector<Column> columns;
+  std::vector<std::size_t> shown;
+  for (std::size_t i = 0; i < fields_.size(); ++i) {
+    if (fields_[i].wide && !wide) continue;
+    columns.push_back({fields_[i].header, fields_[i].align});
+    shown.push_back(i);
+  }
+  Table t(std::move(columns));
+  for (const auto& row : rows_) {
+    std::vector<std::string> cells;
+    for (std::size_t i : shown) cells.push_back(row[i].text);
+    t.AddRow(std::move(cells));
+  }
+  return t.Render(headers);
+}
+
+std::string CsvLine(const std::vector<std::string>& fields) {
+  std::string out;
+  for (std::size_t i = 0; i < fields.size(); ++i) {
+    if (i > 0) out += ',';
+    const std::string& f = fields[i];
+    if (f.find_first_of(",\"\r\n") == std::string::npos) {
+      out += f;
+      continue;
+    }
+    out += '"';
+    for (char c : f) {
+      if (c == '"') out += '"';
+      out += c;
+    }
+    out += '"';
+  }
+  out += '\n';
+  return out;
+}
+
+namespace {
+
+bool PlainYamlKey(const std::string& key) {
+  if (key.empty() || !(std::isalpha(static_cast<unsigned char>(key[0])) || key[0] == '_'))
+    return false;
+  return std::all_of(key.begin(), key.end(), [](unsigned char c) {
+    return std::isalnum(c) || c == '_' || c == '-' || c == '.';
+  });
+}
+
+std::string YamlScalar(const json& v) {
+  if (v.is_string()) return v.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (v.is_null()) return "null";
+  return v.dump();
+}
+
+void EmitYaml(const json& v, int indent, std::string& out) {
+  const std::string pad(static_cast<std::size_t>(indent), ' ');
+  if (v.is_object()) {
+    for (const auto& [key, value] : v.items()) {
+      out += pad;
+      out += PlainYamlKey(key) ? key : json(key).dump(-1, ' ', false, json::error_handler_t::replace);
+      out += ':';
+      if ((value.is_object() || value.is_array()) && !value.empty()) {
+        out += '\n';
+        EmitYaml(value, value.is_array() ? indent : indent + 2, out);
+      } else {
+        out += ' ';
+        out += value.is_object() ? "{}" : value.is_array() ? "[]" : YamlScalar(value);
+        out += '\n';
+      }
+    }
+    return;
+  }
+  if (v.is_array()) {
+    for (const auto& item : v) {
+      out += pad;
+      out += '-';
+      if ((item.is_object() || item.is_array()) && !item.empty()) {
+        // The first line of a nested block goes on the dash's line.
+        std::string nested;
+        EmitYaml(item, indent + 2, nested);
+        out += ' ';
+        out += nested.substr(static_cast<std::size_t>(indent) + 2);
+      } else {
+        out += ' ';
+        out += item.is_object() ? "{}" : item.is_array() ? "[]" : YamlScalar(item);
+        out += '\n';
+      }
+    }
+    return;
+  }
+  out += pad + YamlScalar(v) + '\n';
+}
+
+std::string Seconds(double s) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.6g", s);
+  return buf;
+}
+
+std::string Bool(bool b) { return b ? "true" : "false"; }
+
+// A key-value cell: text "yes"/"no", raw true/false.
+Cell YesNo(bool b) { return Cell(b ? "yes" : "no", Bool(b)); }
+
+Cell LocalTime(std::int64_t unix_us) { return Cell(FormatLocalTimeUs(unix_us), FormatUtcTimeUs(unix_us)); }
+
+// A value the daemon may not know: "unknown" for people, empty in CSV.
+Cell Known(bool known, std::string value) {
+  return known ? Cell(std::move(value)) : Cell("unknown", "");
+}
+
+Cell Bytes(std::uint64_t bytes) { return Cell(FormatBytes(bytes), Str(bytes)); }
+
+std::string Joined(const google::protobuf::RepeatedPtrField<std::string>& items) {
+  std::string out;
+  for (const auto& i : items) out += (out.empty() ? "" : ",") + i;
+  return out;
+}
+
+std::string JoinInts(const google::protobuf::RepeatedField<std::int32_t>& items) {
+  std::string out;
+  for (const auto i : items) out += StrCat(out.empty() ? "" : ",", i);
+  return out;
+}
+
+std::string DrainLine(bool draining, bool idle, int active_calls, int num_sessions) {
+  std::string out = draining ? "draining" : "serving";
+  if (idle) {
+    out += "; idle";
+  } else {
+    out += StrCat("; ", active_calls, " call(s) running, ", num_sessions, " session(s) open");
+  }
+  return out + '\n';
+}
+
+Listing DrainStateListing(bool draining, bool idle, int active_calls, int num_sessions) {
+  Listing l({{"DRAINING", "draining"},
+             {"IDLE", "idle"},
+             {"ACTIVE_CALLS", "active_calls", Align::kRight},
+             {"SESSIONS", "num_sessions", Align::kRight}});
+  l.AddRow({YesNo(draining), YesNo(idle), Str(active_calls), Str(num_sessions)});
+  return l;
+}
+
+}  // namespace
+
+std::string ToYaml(const json& document) {
+  std::string out;
+  if ((document.is_object() || document.is_array()) && document.empty())
+    return document.is_object() ? "{}\n" : "[]\n";
+  EmitYaml(document, 0, out);
+  return out;
+}
+
+Listing StateListing(const v1::DaemonState& s) {
+  Listing l({{"VERSION", "version"},
+             {"DEVICE", "device", Align::kRight},
+             {"UUID", "device_uuid"},
+             {"PCI_BUS_ID", "device_pci_bus_id"},
+             {"NUMA_NODE", "device_numa_node", Align::kRight},
+             {"PID", "pid", Align::kRight},
+             {"SOCKET", "socket"},
+             {"BACKEND", "backend"},
+             {"MPS_MODE", "mps_mode"},
+             {"HEALTH", "health"},
+             {"DRAINING", "draining"},
+             {"IDLE", "idle"},
+             {"UPTIME", "uptime_seconds", Align::kRight},
+             {"CLIENTS", "num_clients", Align::kRight},
+             {"GROUPS", "num_groups", Align::kRight},
+             {"SESSIONS", "num_sessions", Align::kRight},
+             {"CALLS", "calls_total", Align::kRight},
+             {"FAILED", "calls_failed", Align::kRight},
+             {"ACTIVE_CALLS", "active_calls", Align::kRight},
+             {"METRICS", "metrics_address"}});
+  l.AddRow({s.version(), Str(s.device()), Known(s.has_device_uuid(), s.device_uuid()),
+            Known(s.has_device_pci_bus_id(), s.device_pci_bus_id()),
+            Known(s.has_device_numa_node(), Str(s.device_numa_node())),
+            Str(s.pid()), s.socket(), s.backend(), s.mps_mode(), s.health(), YesNo(s.draining()),
+            YesNo(s.idle()), Cell(FormatDuration(s.uptime_s()), Seconds(s.uptime_s())),
+            Str(s.num_clients()), Str(s.num_groups()), Str(s.num_sessions()),
+            Str(s.calls_total()), Str(s.calls_failed()), Str(s.active_calls()),
+            Cell(s.metrics_address().empty() ? "off" : s.metrics_address(), s.metrics_address())});
+  return l;
+}
+
 std::string RenderState(const v1::DaemonState& s) {
   std::string calls = Str(s.calls_total());
   if (s.calls_failed() > 0) calls += StrCat(" (", s.calls_failed(), " failed)");
   return RenderKeyValues({
       {"version", s.version()},
       {"device", Str(s.device())},
+      {"gpu uuid", Known(s.has_device_uuid(), s.device_uuid()).text},
+      {"pci bus id", Known(s.has_device_pci_bus_id(), s.device_pci_bus_id()).text},
+      {"numa node", Known(s.has_device_numa_node(), Str(s.device_numa_node())).text},
       {"pid", Str(s.pid())},
       {"socket", s.socket()},
       {"backend", s.backend()},
@@ -272,116 +560,154 @@ std::string RenderState(const v1::DaemonState& s) {
   });
 }
 
-std::string RenderClients(const v1::ListClientsResponse& response, std::int64_t now_unix_ms) {
-  Table t({{"ID", Align::kRight},
-           {"NAME"},
-           {"PID", Align::kRight},
-           {"UID", Align::kRight},
-           {"AGE", Align::kRight},
-           {"BUFFERS", Align::kRight},
-           {"MEMORY", Align::kRight},
-           {"SESSIONS", Align::kRight},
-           {"CALLS", Align::kRight}});
+Listing ClientsListing(const v1::ListClientsResponse& response, std::int64_t now_unix_ms) {
+  Listing l({{"ID", "client_id", Align::kRight},
+             {"NAME", "name"},
+             {"PID", "pid", Align::kRight},
+             {"UID", "uid", Align::kRight},
+             {"SINCE", "since_time", Align::kLeft, true},
+             {"AGE", "age_seconds", Align::kRight},
+             {"BUFFERS", "num_buffers", Align::kRight},
+             {"MEMORY", "buffer_bytes", Align::kRight},
+             {"SESSIONS", "num_sessions", Align::kRight},
+             {"CALLS", "calls", Align::kRight}});
   for (const auto& c : response.clients()) {
-    t.AddRow({Str(c.client_id()), c.name(), Str(c.pid()), Str(c.uid()),
-              c.since_unix_ms() > 0 ? FormatAgeMs(now_unix_ms - c.since_unix_ms()) : "-",
-              Str(c.num_buffers()), FormatBytes(c.buffer_bytes()), Str(c.num_sessions()),
+    const bool known = c.since_unix_ms() > 0;
+    const std::int64_t age_ms = now_unix_ms - c.since_unix_ms();
+    l.AddRow({Str(c.client_id()), c.name(), Str(c.pid()), Str(c.uid()),
+              LocalTime(c.since_unix_ms() * 1000),
+              known ? Cell(FormatAgeMs(age_ms), Seconds(static_cast<double>(age_ms) / 1e3))
+                    : Cell("-", ""),
+              Str(c.num_buffers()), Bytes(c.buffer_bytes()), Str(c.num_sessions()),
               Str(c.calls())});
   }
-  return t.Render();
+  return l;
+}
+
+std::string RenderClients(const v1::ListClientsResponse& response, std::int64_t now_unix_ms) {
+  return ClientsListing(response, now_unix_ms).Render(OutputFormat::kTable, true);
+}
+
+Listing GroupsListing(const v1::ListGroupsResponse& response) {
+  Listing l({{"ID", "group_id", Align::kRight},
+             {"NAME", "name"},
+             {"RANK", "rank", Align::kRight},
+             {"WORLD", "world_size", Align::kRight},
+             {"BACKEND", "backend"},
+             {"CLIENTS", "client_ids"},
+             {"REASON", "backend_reason"},
+             {"MEMBERS", "members", Align::kLeft, true}});
+  for (const auto& g : response.groups()) {
+    const auto& i = g.info();
+    l.AddRow({Str(i.group_id()), i.name(), Str(i.rank()), Str(i.world_size()), i.backend(),
+              JoinIds(g.client_ids()), i.backend_reason(), Joined(i.members())});
+  }
+  return l;
 }
 
 std::string RenderGroups(const v1::ListGroupsResponse& response) {
-  Table t({{"ID", Align::kRight},
-           {"NAME"},
-           {"RANK", Align::kRight},
-           {"WORLD", Align::kRight},
-           {"BACKEND"},
-           {"CLIENTS"},
-           {"REASON"}});
-  for (const auto& g : response.groups()) {
-    const auto& i = g.info();
-    t.AddRow({Str(i.group_id()), i.name(), Str(i.rank()), Str(i.world_size()), i.backend(),
-              JoinIds(g.client_ids()), i.backend_reason()});
-  }
-  return t.Render();
+  return GroupsListing(response).Render(OutputFormat::kTable, true);
 }
 
-std::string RenderSessions(const v1::ListSessionsResponse& response) {
-  Table t({{"ID", Align::kRight},
-           {"GROUP", Align::kRight},
-           {"OWNER", Align::kRight},
-           {"KIND"},
-           {"RANK", Align::kRight},
-           {"WORLD", Align::kRight},
-           {"HEADS", Align::kRight},
-           {"HEAD_DIM", Align::kRight},
-           {"DTYPE"},
-           {"MAX_TOKENS", Align::kRight},
-           {"SLOTS", Align::kRight},
-           {"SLOT_SIZE", Align::kRight},
-           {"SEGMENT", Align::kRight},
-           {"CALLS", Align::kRight},
-           {"EPOCH", Align::kRight},
-           {"BACKEND"}});
+Listing SessionsListing(const v1::ListSessionsResponse& response) {
+  Listing l({{"ID", "session_id", Align::kRight},
+             {"GROUP", "group_id", Align::kRight},
+             {"OWNER", "owner_client_id", Align::kRight},
+             {"KIND", "kind"},
+             {"RANK", "rank", Align::kRight},
+             {"WORLD", "world_size", Align::kRight},
+             {"HEADS", "num_heads", Align::kRight},
+             {"HEAD_DIM", "head_dim", Align::kRight},
+             {"DTYPE", "dtype"},
+             {"MAX_TOKENS", "max_tokens", Align::kRight},
+             {"SLOTS", "num_slots", Align::kRight},
+             {"SLOT_SIZE", "slot_bytes", Align::kRight},
+             {"SEGMENT", "segment_bytes", Align::kRight},
+             {"CALLS", "calls", Align::kRight},
+             {"EPOCH", "last_epoch", Align::kRight},
+             {"BACKEND", "backend"},
+             {"SCHEDULE", "schedule", Align::kLeft, true},
+             {"REASON", "backend_reason", Align::kLeft, true}});
   for (const auto& s : response.sessions()) {
     const auto& i = s.info();
     const auto& spec = i.spec();
-    t.AddRow({Str(i.session_id()), Str(i.group_id()), ClientOrDash(s.owner_client_id()), s.kind(),
+    l.AddRow({Str(i.session_id()), Str(i.group_id()),
+              Cell(ClientOrDash(s.owner_client_id()), Str(s.owner_client_id())), s.kind(),
               Str(i.rank()), Str(i.world_size()), Str(spec.num_heads()), Str(spec.head_dim()),
               DTypeName(spec.dtype()), Str(spec.max_tokens()), Str(spec.num_slots()),
-              FormatBytes(i.slot_bytes()), FormatBytes(i.segment_bytes()), Str(s.calls()),
-              Str(s.last_epoch()), i.backend()});
+              Bytes(i.slot_bytes()), Bytes(i.segment_bytes()), Str(s.calls()),
+              Str(s.last_epoch()), i.backend(), JoinInts(spec.schedule()), i.backend_reason()});
   }
-  return t.Render();
+  return l;
+}
+
+std::string RenderSessions(const v1::ListSessionsResponse& response) {
+  return SessionsListing(response).Render(OutputFormat::kTable, true);
+}
+
+Listing SlotsListing(const v1::ListSlotsResponse& response) {
+  Listing l({{"SESSION", "session_id", Align::kRight},
+             {"SLOT", "slot", Align::kRight},
+             {"STATE", "state"},
+             {"OWNER", "owner_client_id", Align::kRight},
+             {"EPOCH", "epoch", Align::kRight},
+             {"AGE", "age_seconds", Align::kRight}});
+  for (const auto& s : response.slots()) {
+    l.AddRow({Str(s.session_id()), Str(s.slot()), s.state(),
+              Cell(ClientOrDash(s.owner_client_id()), Str(s.owner_client_id())), Str(s.epoch()),
+              Cell(FormatAgeMs(s.age_ms()), Seconds(static_cast<double>(s.age_ms()) / 1e3))});
+  }
+  return l;
 }
 
 std::string RenderSlots(const v1::ListSlotsResponse& response) {
-  Table t({{"SESSION", Align::kRight},
-           {"SLOT", Align::kRight},
-           {"STATE"},
-           {"OWNER", Align::kRight},
-           {"EPOCH", Align::kRight},
-           {"AGE", Align::kRight}});
-  for (const auto& s : response.slots()) {
-    t.AddRow({Str(s.session_id()), Str(s.slot()), s.state(), ClientOrDash(s.owner_client_id()),
-              Str(s.epoch()), FormatAgeMs(s.age_ms())});
+  return SlotsListing(response).Render(OutputFormat::kTable, true);
+}
+
+Listing RecentCallsListing(const v1::ListRecentCallsResponse& response) {
+  Listing l({{"CLIENT", "client_id", Align::kRight},
+             {"SESSION", "session_id", Align::kRight},
+             {"EPOCH", "epoch", Align::kRight},
+             {"OP", "op"},
+             {"B", "batch", Align::kRight},
+             {"SEQ", "seq", Align::kRight},
+             {"QUEUED", "queued_time"},
+             {"STARTED", "started_time", Align::kLeft, true},
+             {"DONE", "done_time", Align::kLeft, true},
+             {"DURATION", "duration_seconds", Align::kRight},
+             {"SENT", "sent_bytes", Align::kRight, true},
+             {"STATUS", "status"},
+             {"MESSAGE", "message"}});
+  for (const auto& c : response.calls()) {
+    const bool timed = c.queued_unix_us() != 0 && c.done_unix_us() != 0;
+    const std::int64_t us = c.done_unix_us() - c.queued_unix_us();
+    l.AddRow({Cell(ClientOrDash(c.client_id()), Str(c.client_id())), Str(c.session_id()),
+              Str(c.epoch()), c.op(), Str(c.batch()), Str(c.seq()), LocalTime(c.queued_unix_us()),
+              LocalTime(c.started_unix_us()), LocalTime(c.done_unix_us()),
+              timed ? Cell(FormatDurationUs(us), Seconds(static_cast<double>(us) / 1e6))
+                    : Cell("-", ""),
+              Bytes(c.bytes_sent()), c.status(), c.message()});
   }
-  return t.Render();
+  return l;
 }
 
 std::string RenderRecentCalls(const v1::ListRecentCallsResponse& response) {
-  Table t({{"CLIENT", Align::kRight},
-           {"SESSION", Align::kRight},
-           {"EPOCH", Align::kRight},
-           {"OP"},
-           {"B", Align::kRight},
-           {"SEQ", Align::kRight},
-           {"QUEUED"},
-           {"DURATION", Align::kRight},
-           {"STATUS"},
-           {"MESSAGE"}});
-  for (const auto& c : response.calls()) {
-    const bool timed = c.queued_unix_us() != 0 && c.done_unix_us() != 0;
-    t.AddRow({ClientOrDash(c.client_id()), Str(c.session_id()), Str(c.epoch()), c.op(),
-              Str(c.batch()), Str(c.seq()), FormatLocalTimeUs(c.queued_unix_us()),
-              timed ? FormatDurationUs(c.done_unix_us() - c.queued_unix_us()) : "-", c.status(),
-              c.message()});
-  }
-  return t.Render();
+  return RecentCallsListing(response).Render(OutputFormat::kTable, true);
+}
+
+Listing DrainListing(const v1::DrainResponse& r) {
+  return DrainStateListing(r.draining(), r.idle(), r.active_calls(), r.num_sessions());
+}
+
+Listing HealthListing(std::string_view status) {
+  Listing l(std::vector<Field>{{"STATUS", "status"}});
+  l.AddRow({std::string(status)});
+  return l;
 }
 
 std::string RenderDrain(const v1::DrainResponse& r) {
-  std::string out = r.draining() ? "draining" : "serving";
-  if (r.idle()) {
-    out += "; idle";
-  } else {
-    out += StrCat("; ", r.active_calls(), " call(s) running, ", r.num_sessions(),
-                  " session(s) open");
-  }
-  return out + '\n';
+  return DrainLine(r.draining(), r.idle(), r.active_calls(), r.num_sessions());
 }
 
-std::string RenderUndrain(const v1::UndrainResponse&) { return "serving\n"; }
 
 }  // namespace ulysses::ctl

@@ -30,6 +30,9 @@ inline v1::DaemonState SampleState() {
   s.set_active_calls(2);
   s.set_idle(false);
   s.set_metrics_address("127.0.0.1:9464");
+  s.set_device_uuid("GPU-8f6c1b2e-0c3d-4a5b-9e7f-112233445566");
+  s.set_device_pci_bus_id("0000:18:00.0");
+  s.set_device_numa_node(1);
   return s;
 }
 

@@ -179,17 +179,28 @@ TEST(UnitsTest, FormatDurationUs) {
   EXPECT_EQ(FormatDurationUs(312'000'000), "5m12s");
 }
 
-TEST(UnitsTest, FormatLocalTimeUsInUtc) {
+TEST(UnitsTest, FormatLocalTimeUsInUtcIsRfc3339WithZ) {
   ScopedTz tz("UTC");
   EXPECT_EQ(FormatLocalTimeUs(0), "-");
-  EXPECT_EQ(FormatLocalTimeUs(testing::kCallUnixUs), "2023-11-14T22:13:20.123");
-  EXPECT_EQ(FormatLocalTimeUs(1'000'999), "1970-01-01T00:00:01.000");  // truncated, not rounded
-  EXPECT_EQ(FormatLocalTimeUs(-1), "1969-12-31T23:59:59.999");
+  EXPECT_EQ(FormatLocalTimeUs(testing::kCallUnixUs), "2023-11-14T22:13:20.123Z");
+  EXPECT_EQ(FormatLocalTimeUs(1'000'999), "1970-01-01T00:00:01.000Z");  // truncated, not rounded
+  EXPECT_EQ(FormatLocalTimeUs(-1), "1969-12-31T23:59:59.999Z");
 }
 
-TEST(UnitsTest, FormatLocalTimeUsFollowsTheTimeZone) {
-  ScopedTz tz("XYZ-2");  // POSIX: two hours east of UTC
-  EXPECT_EQ(FormatLocalTimeUs(testing::kCallUnixUs), "2023-11-15T00:13:20.123");
+TEST(UnitsTest, FormatLocalTimeUsCarriesTheZoneOffset) {
+  {
+    ScopedTz tz("XYZ-2");  // POSIX: two hours east of UTC
+    EXPECT_EQ(FormatLocalTimeUs(testing::kCallUnixUs), "2023-11-15T00:13:20.123+02:00");
+  }
+  ScopedTz tz("ABC+5:30");  // five and a half hours west
+  EXPECT_EQ(FormatLocalTimeUs(testing::kCallUnixUs), "2023-11-14T16:43:20.123-05:30");
+}
+
+TEST(UnitsTest, FormatUtcTimeUsIsRfc3339WithMicroseconds) {
+  ScopedTz tz("XYZ-2");  // the local zone does not matter
+  EXPECT_EQ(FormatUtcTimeUs(testing::kCallUnixUs), "2023-11-14T22:13:20.123456Z");
+  EXPECT_EQ(FormatUtcTimeUs(-1), "1969-12-31T23:59:59.999999Z");
+  EXPECT_EQ(FormatUtcTimeUs(0), "");
 }
 
 TEST(UnitsTest, DTypeName) {
@@ -200,17 +211,31 @@ TEST(UnitsTest, DTypeName) {
   EXPECT_EQ(DTypeName(99), "dtype(99)");
 }
 
+// The key of a field under the documented naming scheme: Unix times `*_time`, durations
+// `*_seconds`, everything else the field's name.
+std::string SchemeKey(const std::string& name) {
+  auto ends = [&](const std::string& suffix) {
+    return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  for (const char* unix_suffix : {"_unix_ms", "_unix_us"})
+    if (ends(unix_suffix)) return name.substr(0, name.size() - 8) + "_time";
+  for (const std::string unit : {"_ms", "_us", "_s"})
+    if (ends(unit)) return name.substr(0, name.size() - unit.size()) + "_seconds";
+  return name;
+}
+
 // Every field of `descriptor` (and of nested messages, in their first element for repeated
-// ones) is a key of `j`.
+// ones) is a key of `j`, named by the scheme.
 void ExpectEveryField(const json& j, const google::protobuf::Descriptor& descriptor,
                       const std::string& where) {
   ASSERT_TRUE(j.is_object()) << where;
   EXPECT_EQ(j.size(), static_cast<std::size_t>(descriptor.field_count())) << where;
   for (int i = 0; i < descriptor.field_count(); ++i) {
     const auto& f = *descriptor.field(i);
-    const std::string path = where + "." + f.name();
-    ASSERT_TRUE(j.contains(f.name())) << path << " missing";
-    const json& v = j.at(f.name());
+    const std::string key = SchemeKey(f.name());
+    const std::string path = where + "." + key;
+    ASSERT_TRUE(j.contains(key)) << path << " missing";
+    const json& v = j.at(key);
     if (f.is_repeated()) {
       ASSERT_TRUE(v.is_array()) << path;
       if (f.message_type() != nullptr && !v.empty()) ExpectEveryField(v[0], *f.message_type(), path);
@@ -227,7 +252,10 @@ TEST(JsonTest, StateHasEveryFieldWithItsValue) {
   EXPECT_EQ(j["device"], 3);
   EXPECT_EQ(j["backend"], "host");
   EXPECT_EQ(j["pid"], 4242);
-  EXPECT_DOUBLE_EQ(j["uptime_s"].get<double>(), 3725.0);
+  EXPECT_DOUBLE_EQ(j["uptime_seconds"].get<double>(), 3725.0);
+  EXPECT_EQ(j["device_uuid"], "GPU-8f6c1b2e-0c3d-4a5b-9e7f-112233445566");
+  EXPECT_EQ(j["device_pci_bus_id"], "0000:18:00.0");
+  EXPECT_EQ(j["device_numa_node"], 1);
   EXPECT_EQ(j["draining"], true);
   EXPECT_EQ(j["health"], "SERVING");
   EXPECT_EQ(j["num_clients"], 2);
@@ -245,6 +273,10 @@ TEST(JsonTest, DefaultValuesArePrinted) {
   EXPECT_EQ(j["version"], "");
   EXPECT_EQ(j["draining"], false);
   EXPECT_EQ(j["calls_total"], 0);
+  // The GPU identity is unknown until set: null, not an empty string or NUMA node 0.
+  EXPECT_TRUE(j["device_uuid"].is_null()) << j;
+  EXPECT_TRUE(j["device_pci_bus_id"].is_null()) << j;
+  EXPECT_TRUE(j["device_numa_node"].is_null()) << j;
   EXPECT_EQ(ClientsToJson(v1::ListClientsResponse()), json::parse(R"({"clients":[]})"));
 }
 
@@ -257,7 +289,7 @@ TEST(JsonTest, ClientsIsAnObjectWithAnArray) {
   EXPECT_EQ(a["name"], "trainer-rank0");
   EXPECT_EQ(a["pid"], 1001);
   EXPECT_EQ(a["uid"], 1000);
-  EXPECT_EQ(a["since_unix_ms"].get<std::int64_t>(), kNowUnixMs - 3200);
+  EXPECT_EQ(a["since_time"], "2023-11-14T22:13:16.800000Z");  // kNowUnixMs - 3.2 s
   EXPECT_EQ(a["num_buffers"], 4);
   EXPECT_EQ(a["buffer_bytes"], 13107200);
   EXPECT_EQ(a["num_sessions"], 1);
@@ -306,7 +338,7 @@ TEST(JsonTest, SessionsNestSpecWithEnumNames) {
   const json& spec = i["spec"];
   EXPECT_EQ(spec["num_heads"], 32);
   EXPECT_EQ(spec["head_dim"], 128);
-  EXPECT_EQ(spec["dtype"], "DTYPE_BFLOAT16");
+  EXPECT_EQ(spec["dtype"], "bfloat16");  // the spelling of tables and options
   EXPECT_EQ(spec["max_tokens"], 8192);
   EXPECT_EQ(spec["num_slots"], 2);
   EXPECT_EQ(spec["schedule"], json::parse("[7,9]"));
@@ -328,7 +360,7 @@ TEST(JsonTest, Slots) {
   EXPECT_EQ(a["state"], "ready");
   EXPECT_EQ(a["owner_client_id"], 1);
   EXPECT_EQ(a["epoch"], 41);
-  EXPECT_EQ(a["age_ms"], 3200);
+  EXPECT_DOUBLE_EQ(a["age_seconds"].get<double>(), 3.2);
   EXPECT_EQ(j["slots"][1]["state"], "free");
 }
 
@@ -355,9 +387,9 @@ TEST(JsonTest, RecentCallsHaveEveryField) {
   EXPECT_EQ(a["op"], "scatter_heads");
   EXPECT_EQ(a["batch"], 2);
   EXPECT_EQ(a["seq"], 8192);
-  EXPECT_EQ(a["queued_unix_us"].get<std::int64_t>(), testing::kCallUnixUs);
-  EXPECT_EQ(a["started_unix_us"].get<std::int64_t>(), testing::kCallUnixUs + 40);
-  EXPECT_EQ(a["done_unix_us"].get<std::int64_t>(), testing::kCallUnixUs + 850);
+  EXPECT_EQ(a["queued_time"], "2023-11-14T22:13:20.123456Z");
+  EXPECT_EQ(a["started_time"], "2023-11-14T22:13:20.123496Z");
+  EXPECT_EQ(a["done_time"], "2023-11-14T22:13:20.124306Z");
   EXPECT_EQ(a["status"], "OK");
   EXPECT_EQ(a["message"], "");
   EXPECT_EQ(a["bytes_sent"], 16'777'216);
@@ -366,7 +398,22 @@ TEST(JsonTest, RecentCallsHaveEveryField) {
             json::parse(R"({"calls":[],"capacity":0})"));
 }
 
-TEST(JsonTest, DrainAndUndrain) {
+TEST(JsonTest, EnumsAreLowerCaseWithoutTheirPrefix) {
+  v1::SessionSpec spec;
+  spec.set_dtype(v1::DTYPE_FLOAT16);
+  EXPECT_EQ(MessageToJson(spec)["dtype"], "float16");
+  spec.set_dtype(v1::DTYPE_UNSPECIFIED);
+  EXPECT_EQ(MessageToJson(spec)["dtype"], "unspecified");
+}
+
+TEST(JsonTest, UnsetTimesAreNull) {
+  v1::CallRecord c;
+  const json j = MessageToJson(c);
+  EXPECT_TRUE(j["queued_time"].is_null()) << j;
+  EXPECT_FALSE(j.contains("queued_unix_us"));
+}
+
+TEST(JsonTest, Drain) {
   v1::DrainResponse r;
   r.set_draining(true);
   r.set_active_calls(4);
@@ -374,9 +421,6 @@ TEST(JsonTest, DrainAndUndrain) {
   const json j = DrainToJson(r);
   ExpectEveryField(j, *v1::DrainResponse::descriptor(), "drain");
   EXPECT_EQ(j, json::parse(R"({"draining":true,"idle":false,"active_calls":4,"num_sessions":2})"));
-  const json u = UndrainToJson(v1::UndrainResponse());
-  ExpectEveryField(u, *v1::UndrainResponse::descriptor(), "undrain");
-  EXPECT_EQ(u, json::object());
 }
 
 TEST(JsonTest, Health) {
@@ -388,6 +432,9 @@ TEST(RenderTest, State) {
   const std::vector<std::string> want = {
       "version:       0.1.0",
       "device:        3",
+      "gpu uuid:      GPU-8f6c1b2e-0c3d-4a5b-9e7f-112233445566",
+      "pci bus id:    0000:18:00.0",
+      "numa node:     1",
       "pid:           4242",
       "socket:        /run/ulysses/gpu3.sock",
       "backend:       host",
@@ -406,6 +453,19 @@ TEST(RenderTest, State) {
   EXPECT_EQ(lines, want);
 }
 
+TEST(RenderTest, StateOfAHostBackendSaysTheGpuIsUnknown) {
+  v1::DaemonState s = testing::SampleState();
+  s.clear_device_uuid();
+  s.clear_device_pci_bus_id();
+  s.clear_device_numa_node();
+  const std::string out = RenderState(s);
+  for (const char* line : {"\ngpu uuid:      unknown\n", "\npci bus id:    unknown\n",
+                           "\nnuma node:     unknown\n"})
+    EXPECT_NE(out.find(line), std::string::npos) << line << out;
+  const std::string csv = StateListing(s).Render(OutputFormat::kCsv, false);
+  EXPECT_NE(csv.find(",3,,,,4242,"), std::string::npos) << csv;  // empty cells in CSV
+}
+
 TEST(RenderTest, StateWithoutMetricsEndpointSaysOff) {
   v1::DaemonState s = testing::SampleState();
   s.set_metrics_address("");
@@ -422,13 +482,13 @@ TEST(RenderTest, RecentCallsShowLocalTimesAndDurations) {
   const std::string out = RenderRecentCalls(testing::SampleRecentCalls());
   EXPECT_EQ(out,
             "CLIENT  SESSION  EPOCH  OP                      B         SEQ  "
-            "QUEUED                   DURATION  STATUS             MESSAGE\n"
+            "QUEUED                    DURATION  STATUS             MESSAGE\n"
             "     1        5     41  scatter_heads           2        8192  "
-            "2023-11-14T22:13:20.123     850us  OK                 -\n"
+            "2023-11-14T22:13:20.123Z     850us  OK                 -\n"
             "    22        6      7  scatter_qkv_head_chunk  1  9000000000  "
-            "2023-11-14T22:13:18.623      12ms  OK                 -\n"
+            "2023-11-14T22:13:18.623Z      12ms  OK                 -\n"
             "     1        5     40  gather_heads            2        8192  "
-            "2023-11-14T22:13:15.123      3.2s  DEADLINE_EXCEEDED  peer rank 0 did not answer\n");
+            "2023-11-14T22:13:15.123Z      3.2s  DEADLINE_EXCEEDED  peer rank 0 did not answer\n");
   for (const char* h : {"CLIENT", "SESSION", "EPOCH", "B", "SEQ", "DURATION"}) {
     ExpectAligned(out, h, Align::kRight);
   }
@@ -463,7 +523,9 @@ TEST(RenderTest, Drain) {
   r.set_idle(false);
   r.set_active_calls(2);
   EXPECT_EQ(RenderDrain(r), "draining; 2 call(s) running, 3 session(s) open\n");
-  EXPECT_EQ(RenderUndrain(v1::UndrainResponse()), "serving\n");
+  r.set_draining(false);  // what undrain prints
+  r.set_idle(true);
+  EXPECT_EQ(RenderDrain(r), "serving; idle\n");
 }
 
 TEST(RenderTest, DrainFromState) {
@@ -520,6 +582,79 @@ TEST(RenderTest, SlotsShowDashForNoOwner) {
             "SESSION  SLOT  STATE  OWNER  EPOCH    AGE\n"
             "      5     0  ready      1     41   3.2s\n"
             "      5     1  free       -     40  250ms\n");
+}
+
+TEST(OutputFormatTest, ParsesTheFiveNames) {
+  EXPECT_EQ(ParseOutputFormat("table"), OutputFormat::kTable);
+  EXPECT_EQ(ParseOutputFormat("wide"), OutputFormat::kWide);
+  EXPECT_EQ(ParseOutputFormat("json"), OutputFormat::kJson);
+  EXPECT_EQ(ParseOutputFormat("yaml"), OutputFormat::kYaml);
+  EXPECT_EQ(ParseOutputFormat("csv"), OutputFormat::kCsv);
+  EXPECT_EQ(ParseOutputFormat("JSON"), std::nullopt);
+  EXPECT_EQ(ParseOutputFormat(""), std::nullopt);
+}
+
+TEST(ListingTest, WideAddsColumnsAndCsvHasRawValuesUnderUnitNames) {
+  const Listing l = SlotsListing(testing::SampleSlots());
+  EXPECT_EQ(l.Render(OutputFormat::kTable, true), RenderSlots(testing::SampleSlots()));
+  EXPECT_EQ(l.Render(OutputFormat::kCsv, true),
+            "session_id,slot,state,owner_client_id,epoch,age_seconds\n"
+            "5,0,ready,1,41,3.2\n"
+            "5,1,free,0,40,0.25\n");
+  EXPECT_EQ(l.Render(OutputFormat::kCsv, false), "5,0,ready,1,41,3.2\n5,1,free,0,40,0.25\n");
+  const std::string table = l.Render(OutputFormat::kTable, false);
+  EXPECT_EQ(Lines(table).size(), 2u);
+  EXPECT_EQ(table.find("SESSION"), std::string::npos) << table;
+
+  const Listing c = ClientsListing(testing::SampleClients(), kNowUnixMs);
+  EXPECT_EQ(c.Render(OutputFormat::kTable, true).find("SINCE"), std::string::npos);
+  EXPECT_NE(c.Render(OutputFormat::kWide, true).find("SINCE"), std::string::npos);
+  const auto csv = Lines(c.Render(OutputFormat::kCsv, true));
+  ASSERT_EQ(csv.size(), 3u);
+  EXPECT_EQ(csv[0],
+            "client_id,name,pid,uid,since_time,age_seconds,num_buffers,buffer_bytes,num_sessions,"
+            "calls");
+  EXPECT_EQ(csv[1], "1,trainer-rank0,1001,1000,2023-11-14T22:13:16.800000Z,3.2,4,13107200,1,123");
+}
+
+TEST(ListingTest, RecentCallsCsvHasUtcTimesAndSecondsAndWideHasTheRest) {
+  ScopedTz tz("XYZ-2");
+  const Listing l = RecentCallsListing(testing::SampleRecentCalls());
+  const auto csv = Lines(l.Render(OutputFormat::kCsv, true));
+  ASSERT_EQ(csv.size(), 4u);
+  EXPECT_EQ(csv[0],
+            "client_id,session_id,epoch,op,batch,seq,queued_time,started_time,done_time,"
+            "duration_seconds,sent_bytes,status,message");
+  EXPECT_EQ(csv[1],
+            "1,5,41,scatter_heads,2,8192,2023-11-14T22:13:20.123456Z,2023-11-14T22:13:20.123496Z,"
+            "2023-11-14T22:13:20.124306Z,0.00085,16777216,OK,");
+  const std::string wide = l.Render(OutputFormat::kWide, true);
+  for (const char* h : {"STARTED", "DONE", "SENT"})
+    EXPECT_NE(Lines(wide)[0].find(h), std::string::npos) << h;
+  EXPECT_NE(wide.find("2023-11-15T00:13:20.123+02:00"), std::string::npos) << wide;
+}
+
+TEST(CsvTest, QuotesWhatNeedsQuoting) {
+  EXPECT_EQ(CsvLine({"a", "b c", ""}), "a,b c,\n");
+  EXPECT_EQ(CsvLine({"x,y", "say \"hi\"", "two\nlines"}),
+            "\"x,y\",\"say \"\"hi\"\"\",\"two\nlines\"\n");
+}
+
+TEST(YamlTest, BlockStyleWithQuotedStrings) {
+  const json j = json::parse(R"({"a": 1, "s": "x: y", "n": null, "b": true,
+                                 "list": [1, {"k": "v", "e": []}], "o": {}, "weird key": 2.5})");
+  EXPECT_EQ(ToYaml(j),
+            "a: 1\n"
+            "b: true\n"
+            "list:\n"
+            "- 1\n"
+            "- e: []\n"
+            "  k: \"v\"\n"
+            "n: null\n"
+            "o: {}\n"
+            "s: \"x: y\"\n"
+            "\"weird key\": 2.5\n");
+  EXPECT_EQ(ToYaml(json::object()), "{}\n");
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 // Runs the built ulyssesctl binary against missing sockets and against an in-process fake
 // daemon (Admin + the standard health service) on a temporary unix socket.
 #include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -110,7 +112,7 @@ class FakeAdmin final : public v1::Admin::Service {
       if (polls_until_undrained_ >= 0 && polls_ >= polls_until_undrained_) draining_ = false;
       out->set_draining(draining_);
       out->set_active_calls(active_calls_);
-      out->set_idle(draining_ && active_calls_ == 0);
+      out->set_idle(active_calls_ == 0);
     }
     return grpc::Status::OK;
   }
@@ -413,7 +415,7 @@ TEST_F(UlyssesctlTest, Sessions) {
   const json j = RunJson("sessions");
   EXPECT_EQ(j, SessionsToJson(testing::SampleSessions()));
   ASSERT_EQ(j["sessions"].size(), 1u);
-  EXPECT_EQ(j["sessions"][0]["info"]["spec"]["dtype"], "DTYPE_BFLOAT16");
+  EXPECT_EQ(j["sessions"][0]["info"]["spec"]["dtype"], "bfloat16");
   EXPECT_EQ(j["sessions"][0]["info"]["slot_bytes"], 33554432);
   EXPECT_EQ(j["sessions"][0]["last_epoch"], 41);
 }
@@ -427,7 +429,7 @@ TEST_F(UlyssesctlTest, Slots) {
   EXPECT_EQ(j, SlotsToJson(testing::SampleSlots()));
   ASSERT_EQ(j["slots"].size(), 2u);
   EXPECT_EQ(j["slots"][0]["state"], "ready");
-  EXPECT_EQ(j["slots"][1]["age_ms"], 250);
+  EXPECT_DOUBLE_EQ(j["slots"][1]["age_seconds"].get<double>(), 0.25);
 }
 
 TEST_F(UlyssesctlTest, Recent) {
@@ -452,8 +454,8 @@ TEST_F(UlyssesctlTest, Recent) {
   EXPECT_EQ(j["capacity"], 256);
   ASSERT_EQ(j["calls"].size(), 3u);
   EXPECT_EQ(j["calls"][0]["op"], "scatter_heads");
-  EXPECT_EQ(j["calls"][0]["queued_unix_us"].get<std::int64_t>(), testing::kCallUnixUs);
-  EXPECT_EQ(j["calls"][0]["done_unix_us"].get<std::int64_t>(), testing::kCallUnixUs + 850);
+  EXPECT_EQ(j["calls"][0]["queued_time"], "2023-11-14T22:13:20.123456Z");
+  EXPECT_EQ(j["calls"][0]["done_time"], "2023-11-14T22:13:20.124306Z");
   EXPECT_EQ(j["calls"][1]["seq"].get<std::int64_t>(), 9'000'000'000LL);
   EXPECT_EQ(j["calls"][1]["bytes_sent"].get<std::uint64_t>(), 5'000'000'000ULL);
   EXPECT_EQ(j["calls"][2]["status"], "DEADLINE_EXCEEDED");
@@ -553,9 +555,11 @@ TEST_F(UlyssesctlTest, Undrain) {
   ASSERT_TRUE(daemon_->admin().draining());
   const Result r = Run({"undrain"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_EQ(r.out, "serving\n");
+  EXPECT_EQ(r.out, "serving; idle\n");
   EXPECT_FALSE(daemon_->admin().draining());
-  EXPECT_EQ(RunJson("undrain"), json::object());
+  // The same fields as drain --json prints.
+  EXPECT_EQ(RunJson("undrain"),
+            json::parse(R"({"draining":false,"idle":true,"active_calls":0,"num_sessions":1})"));
   EXPECT_EQ(daemon_->admin().undrain_calls(), 2);
 }
 
@@ -652,6 +656,24 @@ TEST_F(UlyssesctlTest, UsageErrorsExitSixtyFour) {
   EXPECT_EQ(RunCtl(dir_, {"drain", "--wait-timeout-ms", "100"}).exit_code, 64);  // needs --wait
   EXPECT_EQ(RunCtl(dir_, {"drain", "--wait", "--wait-timeout-ms", "0"}).exit_code, 64);
   EXPECT_EQ(RunCtl(dir_, {"status", "--limit", "1"}).exit_code, 64);
+  EXPECT_EQ(RunCtl(dir_, {"-o", "xml", "status"}).exit_code, 64);
+  EXPECT_EQ(RunCtl(dir_, {"-o", "json", "--json", "status"}).exit_code, 64);
+  EXPECT_EQ(RunCtl(dir_, {"--watch", "0", "status"}).exit_code, 64);
+  EXPECT_EQ(RunCtl(dir_, {"--watch", "1", "drain"}).exit_code, 64);
+  // One line naming what is wrong, never CLI11's 300-digit ranges or "A subcommand is required".
+  const std::vector<std::pair<std::vector<std::string>, std::string>> messages = {
+      {{"bogus"}, "ulyssesctl: unknown command 'bogus' (commands: status, clients,"},
+      {{}, "ulyssesctl: a command is required (status, clients,"},
+      {{"--timeout-ms", "0", "status"}, "ulyssesctl: --timeout-ms: must be an integer >= 1, got '0'"},
+      {{"status", "--bogus"}, "ulyssesctl: unknown option '--bogus' for status"},
+      {{"-o", "xml", "status"}, "ulyssesctl: --output: 'xml' is not table, wide, json, yaml or csv"},
+  };
+  for (const auto& [args, want] : messages) {
+    const Result r = RunCtl(dir_, args);
+    EXPECT_EQ(r.exit_code, 64) << want;
+    EXPECT_EQ(r.err.rfind(want, 0), 0u) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
   const Result help = RunCtl(dir_, {"--help"});
   EXPECT_EQ(help.exit_code, 0);
   for (const char* command : {"status", "clients", "groups", "sessions", "slots", "recent",
@@ -662,6 +684,97 @@ TEST_F(UlyssesctlTest, UsageErrorsExitSixtyFour) {
                           "drain [--wait [--wait-timeout-ms N]], undrain, metrics, health."),
             std::string::npos)
       << help.out;
+  EXPECT_NE(help.out.find("--timeout-ms INT=5000"), std::string::npos) << help.out;
+  EXPECT_NE(help.out.find("-o,--output TEXT=table"), std::string::npos) << help.out;
+}
+
+TEST_F(UlyssesctlTest, OutputFormats) {
+  StartDaemon();
+  // yaml: the same document as json.
+  Result r = Run({"-o", "yaml", "slots"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, ToYaml(SlotsToJson(testing::SampleSlots())));
+  EXPECT_NE(r.out.find("\n- age_seconds: 3.2\n  epoch: 41\n"), std::string::npos) << r.out;
+  EXPECT_EQ(json::parse(Run({"-o", "json", "slots"}).out, nullptr, false),
+            SlotsToJson(testing::SampleSlots()));
+  // csv: raw numbers under unit names; --no-headers drops the header line.
+  r = Run({"slots", "-o", "csv"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, SlotsListing(testing::SampleSlots()).Render(OutputFormat::kCsv, true));
+  EXPECT_EQ(r.out.rfind("session_id,slot,state,owner_client_id,epoch,age_seconds\n", 0), 0u);
+  r = Run({"-o", "csv", "--no-headers", "slots"});
+  EXPECT_EQ(r.out, "5,0,ready,1,41,3.2\n5,1,free,0,40,0.25\n");
+  r = Run({"--no-headers", "slots"});
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 2) << r.out;
+  EXPECT_EQ(r.out.find("SESSION"), std::string::npos) << r.out;
+  // wide: more columns than table.
+  r = Run({"-o", "wide", "sessions"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("SCHEDULE"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("7,9"), std::string::npos) << r.out;
+  // status as one CSV row; health and drain in every format.
+  r = Run({"-o", "csv", "status"});
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 2) << r.out;
+  EXPECT_NE(r.out.find("0000:18:00.0"), std::string::npos) << r.out;
+  EXPECT_EQ(Run({"-o", "csv", "health"}).out, "status\nSERVING\n");
+  EXPECT_EQ(Run({"-o", "yaml", "health"}).out, "status: \"SERVING\"\n");
+  EXPECT_EQ(Run({"-o", "csv", "--no-headers", "drain"}).out, "true,true,0,1\n");
+  // metrics: parsed samples as CSV.
+  r = Run({"-o", "csv", "metrics"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("ulysses_calls_total,\"op=scatter_heads,status=OK\",40,\n"),
+            std::string::npos)
+      << r.out;
+}
+
+// Runs ulyssesctl with its stdout on a pipe; returns the pid and the pipe's read end.
+std::pair<pid_t, int> SpawnWithPipe(const std::vector<std::string>& args) {
+  int fds[2];
+  if (::pipe(fds) != 0) return {-1, -1};
+  std::vector<std::string> argv_s = {ULYSSESCTL_PATH};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
+  posix_spawn_file_actions_addclose(&actions, fds[0]);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(fds[1]);
+  if (rc != 0) {
+    ::close(fds[0]);
+    return {-1, -1};
+  }
+  return {pid, fds[0]};
+}
+
+TEST_F(UlyssesctlTest, WatchPrintsEveryRoundUntilInterrupted) {
+  StartDaemon();
+  auto [pid, fd] = SpawnWithPipe({"--socket", socket_, "--watch", "0.05", "-o", "json", "status"});
+  ASSERT_GT(pid, 0);
+  // json under --watch: one compact document per line. Read three rounds (each bounded).
+  std::string got;
+  while (std::count(got.begin(), got.end(), '\n') < 3) {
+    pollfd p{fd, POLLIN, 0};
+    ASSERT_EQ(::poll(&p, 1, 30000), 1) << "no round within 30 s; so far: " << got;
+    char buf[4096];
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    ASSERT_GT(n, 0) << "ulyssesctl --watch ended early: " << got;
+    got.append(buf, static_cast<std::size_t>(n));
+  }
+  ::kill(pid, SIGINT);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ::close(fd);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  std::istringstream lines(got);
+  std::string line;
+  for (int i = 0; i < 3 && std::getline(lines, line); ++i)
+    EXPECT_EQ(json::parse(line, nullptr, false), StateToJson(testing::SampleState())) << line;
+  EXPECT_GE(daemon_->admin().get_state_calls(), 3);
 }
 
 }  // namespace
