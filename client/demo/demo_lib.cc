@@ -174,7 +174,7 @@ std::vector<int32_t> DefaultSchedule(int32_t hl) {
 
 nlohmann::json RankReport::ToJson() const {
   return {{"rank", rank}, {"ok", ok},          {"error", error},   {"checks", checks},
-          {"calls", calls}, {"p50_us", p50_us}, {"max_us", max_us}, {"backend", backend}};
+          {"calls", calls}, {"p50_us", p50_us}, {"max_us", max_us}, {"backend", backend}, {"mps", mps}};
 }
 
 namespace {
@@ -244,6 +244,7 @@ class Runner {
     ULY_ASSIGN_OR_RETURN(client_, client::Client::Connect(
                                       {w_.socket, StrCat("demo-rank-", r), absl::Seconds(30)}));
     report->backend = client_->daemon_backend();
+    report->mps = client_->daemon_mps_mode();
     client::GroupSpec gs{w_.group, W, r, w_.members, w_.backend, 0};
     ULY_ASSIGN_OR_RETURN(client::Group group, client_->JoinGroup(gs));
     std::vector<int32_t> schedule = w_.schedule.empty() ? DefaultSchedule(HL) : w_.schedule;

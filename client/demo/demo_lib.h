@@ -86,6 +86,7 @@ struct RankReport {
   double p50_us = 0;      ///< median wall time of a call
   double max_us = 0;
   std::string backend;
+  std::string mps;  ///< the daemon's MPS mode
   nlohmann::json ToJson() const;
 };
 

@@ -248,7 +248,8 @@ int main(int argc, char** argv) {
     if (error.empty()) error = ulysses::StrCat(daemon_failures, " daemon(s) did not exit cleanly on SIGTERM");
   }
   std::string resolved = ranks_json.empty() ? "" : ranks_json[0].value("backend", "");
-  nlohmann::json summary = {{"ranks", ranks},     {"backend", resolved},
+  std::string mps = ranks_json.empty() ? "" : ranks_json[0].value("mps", "");
+  nlohmann::json summary = {{"ranks", ranks},     {"backend", resolved}, {"mps", mps},
                             {"checks", checks},  {"calls", calls},     {"p50_us_worst_rank", worst_p50},
                             {"batch", batch},    {"seq_local", seq_local}, {"heads", heads},
                             {"head_dim", head_dim}, {"dtype", std::string(ulysses::DTypeName(dt))}};

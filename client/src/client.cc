@@ -32,6 +32,7 @@ class ClientImpl : public BufferResolver {
   uint64_t client_id = 0;
   std::string token;
   std::string backend;
+  std::string mps_mode;
   ipc::UniqueFd fd_socket;
   std::mutex fd_mu;  // an RPC that answers with an fd frame and the read of that frame
   mutable std::mutex buf_mu;
@@ -288,6 +289,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
   impl->client_id = resp.client_id();
   impl->token = resp.token();
   impl->backend = resp.backend();
+  impl->mps_mode = resp.mps_mode();
   ULY_ASSIGN_OR_RETURN(impl->fd_socket, ipc::ConnectUnix(resp.fd_socket()));
   nlohmann::json hello = {{"client_id", impl->client_id}, {"token", impl->token}};
   ULY_RETURN_IF_ERROR(ipc::SendMessage(impl->fd_socket.get(), hello.dump()));
@@ -318,6 +320,7 @@ absl::Status Client::Close() { return impl_->Detach(); }
 uint64_t Client::client_id() const { return impl_->client_id; }
 bool Client::uses_rings() const { return impl_->has_rings(); }
 const std::string& Client::daemon_backend() const { return impl_->backend; }
+const std::string& Client::daemon_mps_mode() const { return impl_->mps_mode; }
 
 absl::StatusOr<Buffer> Client::AllocBuffer(uint64_t size_bytes, const std::string& name) {
   if (size_bytes == 0) return absl::InvalidArgumentError("size_bytes: must be > 0");

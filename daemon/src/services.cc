@@ -89,6 +89,7 @@ class ControlService final : public v1::Control::Service {
     resp->set_daemon_version(ULYSSES_VERSION);
     resp->set_device(d_->config().device);
     resp->set_backend(d_->backend());
+    resp->set_mps_mode(d_->mps_mode());
     return grpc::Status::OK;
   }
 

@@ -59,7 +59,6 @@ BAD = [
      "devices[1].socket"),
     ("negative device index", {"devices": [{"index": -1}]}, "devices[0].index"),
     ("backend nccl (not in this build)", {"backend": "nccl"}, "backend"),
-    ("backend nvlink (not in this build)", {"backend": "nvlink"}, "backend"),
     ("port 99999", {"metrics": {"address": "127.0.0.1:99999"}}, "metrics.address"),
     ("port with a leading zero", {"metrics": {"address": "127.0.0.1:0080"}}, "metrics.address"),
     ("IPv6 host without brackets", {"metrics": {"address": "::1:0"}}, "metrics.address"),

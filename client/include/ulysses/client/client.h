@@ -206,6 +206,8 @@ class Client {
   uint64_t client_id() const;
   /// Backend the daemon runs.
   const std::string& daemon_backend() const;
+  /// The daemon's MPS mode: "mps", "no-mps" (GPU without MPS) or "none" (host backend).
+  const std::string& daemon_mps_mode() const;
   /// Whether calls go through the shared-memory rings.
   bool uses_rings() const;
 
