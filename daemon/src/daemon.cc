@@ -174,10 +174,15 @@ void Daemon::Shutdown() {
 
 absl::Status Daemon::StartMetricsServer() {
   if (config_.metrics_address.empty()) return absl::OkStatus();
-  const size_t colon = config_.metrics_address.rfind(':');
-  const std::string host = config_.metrics_address.substr(0, colon);
-  const int port = std::stoi(config_.metrics_address.substr(colon + 1));
+  ULY_ASSIGN_OR_RETURN(const HostPort address, ParseHostPort(config_.metrics_address));
   metrics_http_ = std::make_unique<httplib::Server>();
+  // cpp-httplib's default socket options add SO_REUSEPORT, with which a second daemon given
+  // the same port binds it too and the kernel splits the scrapes between them. SO_REUSEADDR
+  // alone still restarts at once over a port in TIME_WAIT, and refuses a port in use.
+  metrics_http_->set_socket_options([](socket_t sock) {
+    const int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  });
   metrics_http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(RenderMetrics(), "text/plain; version=0.0.4; charset=utf-8");
   });
@@ -185,16 +190,18 @@ absl::Status Daemon::StartMetricsServer() {
     res.status = draining() ? 503 : 200;
     res.set_content(draining() ? "draining\n" : "serving\n", "text/plain");
   });
-  int bound = port;
-  if (port == 0) {
-    bound = metrics_http_->bind_to_any_port(host);
-    if (bound <= 0)
-      return absl::UnavailableError(StrCat("metrics.address: cannot listen on ", host, ":0"));
-  } else if (!metrics_http_->bind_to_port(host, port)) {
-    return absl::UnavailableError(
-        StrCat("metrics.address: cannot listen on ", config_.metrics_address));
+  int bound = address.port;
+  if (address.port == 0) {
+    bound = metrics_http_->bind_to_any_port(address.host);
+  } else if (!metrics_http_->bind_to_port(address.host, address.port)) {
+    bound = -1;
   }
-  metrics_bound_ = StrCat(host, ":", bound);
+  if (bound <= 0)
+    return absl::UnavailableError(
+        StrCat("metrics.address: cannot listen on ", address.ToString(),
+               " (the port is taken, e.g. by another daemon, or the host is not an address of "
+               "this machine)"));
+  metrics_bound_ = address.WithPort(bound);
   metrics_thread_ = std::thread([this] { metrics_http_->listen_after_bind(); });
   Logger("main")->info("metrics on http://{}/metrics", metrics_bound_);
   return absl::OkStatus();

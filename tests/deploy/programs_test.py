@@ -3,7 +3,8 @@
 
     programs_test.py --build BUILD_DIR
 
-- ulyssesd: bad flags exit 64 with one line naming the
+- ulyssesd: a metrics port another daemon holds is a start-up error (exit 1, the address
+  named, no socket or ready file left behind); bad flags exit 64 with one line naming the
   flag and the rule; --help shows the defaults.
 - ulysses-demo: bad options exit 64 with one line naming the option, before any daemon
   starts; a daemon that cannot start is reported with its reason and the kept run folder.
@@ -161,6 +162,7 @@ def main() -> int:
     ulyssesd = os.path.join(args.build, "daemon", "ulyssesd")
     demo = os.path.join(args.build, "client", "ulysses-demo")
     with tempfile.TemporaryDirectory(prefix="ulysses-programs.", dir="/tmp") as tmp:
+        metrics_port_taken(ulyssesd, tmp)
         ulyssesd_usage(ulyssesd)
         demo_usage(demo)
         demo_missing_daemon(demo, tmp)
