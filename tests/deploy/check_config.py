@@ -73,6 +73,7 @@ GOOD_EDGES = [
     ("metrics off (empty address)", {"metrics": {"address": ""}}),
     ("largest port and a host name", {"metrics": {"address": "node-1.example:65535"}}),
     ("backend auto", {"backend": "auto"}),
+    ("backend nvlink", {"backend": "nvlink"}),
     ("drain timeout 0", {"timeouts": {"drain_ms": 0}}),
     ("recorder of size 1000000", {"flight_recorder_size": 1000000}),
 ]
@@ -87,6 +88,7 @@ FLAGS = [
     ("--drain-timeout-ms", "-1", False, "--drain-timeout-ms"),
     ("--drain-timeout-ms", "0", True, ""),
     ("--backend", "nccl", False, "--backend"),
+    ("--backend", "nvlink", True, ""),
     ("--backend", "gpu", False, "--backend"),
     ("--backend", "host", True, ""),
     ("--metrics-address", "::1:0", False, "--metrics-address"),
