@@ -104,3 +104,35 @@ check_broken unknown-directive ulyssesd@.service 's/^Restart=on-failure/&\nResta
 check_broken bad-value nvidia-mps.service 's/^Type=forking/Type=forkin/'
 check_broken bad-section ulyssesd@.service 's/^\[Install\]/[Instal]/'
 echo "verify_systemd: broken units are caught"
+
+# ulyssesd@.service fails loudly without its config (Assert, not Condition: a Condition
+# skips the unit and reports success).
+unit="$units/ulyssesd@.service"
+grep -q '^AssertPathExists=/etc/ulysses/ulyssesd.json$' "$unit" ||
+  { echo "FAIL ulyssesd@.service does not assert its config exists" >&2; exit 1; }
+if grep -q '^Condition' "$unit"; then
+  echo "FAIL ulyssesd@.service has a Condition*= (a missing file would skip it silently)" >&2
+  exit 1
+fi
+
+# Its sandbox: systemd-analyze security rates the exposure below 4.0 (threshold 39 of 100),
+# and the same unit without the sandbox lines is rated above it (the check can fail).
+security() {  # ROOT: exit status of the threshold check
+  SYSTEMD_LOG_COLOR=0 systemd-analyze security --offline=yes --root="$1" --threshold=39 \
+    ulyssesd@0.service >"$tmp/security.txt" 2>&1
+}
+if ! security "$tmp/good"; then
+  cat "$tmp/security.txt"
+  echo "FAIL ulyssesd@.service: exposure at or above 4.0" >&2
+  exit 1
+fi
+grep -o 'Overall exposure level.*' "$tmp/security.txt" | sed 's/^/verify_systemd: /'
+mkdir -p "$tmp/unsandboxed/units"
+cp "${files[@]}" "$tmp/unsandboxed/units/"
+sed -n '/^# Sandbox/,/^KeyringMode=/!p' "$unit" >"$tmp/unsandboxed/units/ulyssesd@.service"
+make_root "$tmp/unsandboxed/root" "$tmp/unsandboxed/units"/*.service
+if security "$tmp/unsandboxed/root"; then
+  echo "FAIL the security check passed ulyssesd@.service without its sandbox" >&2
+  exit 1
+fi
+echo "verify_systemd: ulyssesd@.service asserts its config; sandboxed below 4.0"
