@@ -162,7 +162,7 @@ TEST_F(GpuCluster, HeldSlotIsNeverOverwrittenAndOutCopiesToStridedView) {
           for (int d = 0; d < D; ++d) {
             const int src = g / S, s = g % S;
             const float want = static_cast<float>(src * 100000 + (s * H + r * HL + h) * D + d);
-            const float have = outh[static_cast<size_t>(g) * HL * D * 2 + h * D * 2 + d];
+            const float have = outh[static_cast<size_t>(g) * HL * D * 2 + h * D + d];
             if (have != want) return fail(StrCat("out[", g, ",", h, ",", d, "] = ", have));
           }
       if (!first->Release().ok()) return fail("release");

@@ -43,6 +43,9 @@ class DeviceBuffer {
   explicit DeviceBuffer(const std::vector<uint8_t>& host) : bytes_(host.size()) {
     EXPECT_EQ(cudaMalloc(&data_, bytes_), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(data_, host.data(), bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+    // From pageable memory cudaMemcpy may return before the DMA lands, and the launches run on
+    // non-blocking streams that do not order after the legacy stream: wait for the copy.
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   ~DeviceBuffer() {
     if (data_ != nullptr) cudaFree(data_);
