@@ -13,30 +13,22 @@
 // bit (B against A) before timing, warm-up, rounds in A/B/B/A order, median of all samples per
 // side, and an A/A control (A's first half of each round against its second half).
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <barrier>
-#include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <functional>
 #include <iostream>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "bench_util.h"
 #include "demo_lib.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/client/client.h"
@@ -49,36 +41,7 @@
 namespace ulysses::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using Json = nlohmann::ordered_json;
-
-double MicrosSince(Clock::time_point t0, Clock::time_point t1) {
-  return std::chrono::duration<double, std::micro>(t1 - t0).count();
-}
-
-// ---------------------------------------------------------------------------------------
-// Statistics
-// ---------------------------------------------------------------------------------------
-
-double Quantile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const double pos = q * static_cast<double>(v.size() - 1);
-  const size_t lo = static_cast<size_t>(pos);
-  const size_t hi = std::min(lo + 1, v.size() - 1);
-  const double frac = pos - static_cast<double>(lo);
-  return v[lo] + (v[hi] - v[lo]) * frac;
-}
-double Median(const std::vector<double>& v) { return Quantile(v, 0.5); }
-
-// Numbers in the JSON: microseconds to the nanosecond, ratios to 4 decimals.
-double RoundTo(double v, double scale) { return std::round(v * scale) / scale; }
-double Us(double v) { return RoundTo(v, 1e3); }
-double Ratio(double v) { return RoundTo(v, 1e4); }
-
-void Append(std::vector<double>* to, const std::vector<double>& from) {
-  to->insert(to->end(), from.begin(), from.end());
-}
 
 // ---------------------------------------------------------------------------------------
 // A case of the grid
@@ -132,86 +95,6 @@ int64_t FirstDifference(const void* a, const void* b, uint64_t bytes, int itemsi
   for (uint64_t i = 0; i < bytes; ++i)
     if (pa[i] != pb[i]) return static_cast<int64_t>(i / itemsize);
   return -1;
-}
-
-// ---------------------------------------------------------------------------------------
-// Running W threads in lockstep
-// ---------------------------------------------------------------------------------------
-
-/// What one block of iterations measured.
-struct BlockTimes {
-  std::vector<double> iter_us;      ///< barrier to barrier, seen from thread 0
-  std::vector<double> work_max_us;  ///< per iteration, the slowest rank's own work time
-};
-
-/// Runs one untimed, then `iterations` timed iterations of `work(rank)` on `world` threads.
-/// Every iteration ends at a barrier that all threads reach; thread 0 reads the clock after
-/// each barrier. A failing
-/// rank keeps meeting the barrier (so no thread waits forever) and the first error is returned.
-absl::StatusOr<BlockTimes> RunBlock(int world, int iterations,
-                                    const std::function<absl::Status(int)>& work) {
-  BlockTimes out;
-  out.iter_us.assign(iterations, 0);
-  std::vector<std::vector<double>> work_us(world, std::vector<double>(iterations, 0));
-  std::barrier sync(world);
-  std::atomic<bool> failed{false};
-  std::mutex mu;
-  absl::Status first_error;
-  auto body = [&](int rank) {
-    // One untimed lead-in iteration: the first one on fresh threads runs on cold stacks and
-    // caches, and would bias the first sample of every block.
-    sync.arrive_and_wait();
-    absl::Status lead_in = work(rank);
-    if (!lead_in.ok()) {
-      failed.store(true);
-      std::lock_guard<std::mutex> lock(mu);
-      if (first_error.ok())
-        first_error = absl::Status(lead_in.code(), StrCat("rank ", rank, ": ", lead_in.message()));
-    }
-    sync.arrive_and_wait();
-    Clock::time_point prev = Clock::now();
-    for (int i = 0; i < iterations; ++i) {
-      const Clock::time_point t0 = rank == 0 ? prev : Clock::now();
-      if (!failed.load(std::memory_order_relaxed)) {
-        absl::Status s = work(rank);
-        if (!s.ok()) {
-          failed.store(true);
-          std::lock_guard<std::mutex> lock(mu);
-          if (first_error.ok())
-            first_error = absl::Status(s.code(), StrCat("rank ", rank, ": ", s.message()));
-        }
-      }
-      work_us[rank][i] = MicrosSince(t0, Clock::now());
-      sync.arrive_and_wait();
-      if (rank == 0) {
-        const Clock::time_point t = Clock::now();
-        out.iter_us[i] = MicrosSince(prev, t);
-        prev = t;
-      }
-    }
-  };
-  std::vector<std::thread> threads;
-  threads.reserve(world);
-  for (int r = 0; r < world; ++r) threads.emplace_back(body, r);
-  for (auto& t : threads) t.join();
-  if (!first_error.ok()) return first_error;
-  out.work_max_us.assign(iterations, 0);
-  for (int i = 0; i < iterations; ++i)
-    for (int r = 0; r < world; ++r) out.work_max_us[i] = std::max(out.work_max_us[i], work_us[r][i]);
-  return out;
-}
-
-/// Runs `fn(rank)` once on `world` threads at the same time (for collective setup calls);
-/// returns the first error.
-absl::Status RunCollective(int world, const std::function<absl::Status(int)>& fn) {
-  std::vector<absl::Status> status(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back([&, r] { status[r] = fn(r); });
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r)
-    if (!status[r].ok())
-      return absl::Status(status[r].code(), StrCat("rank ", r, ": ", status[r].message()));
-  return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -302,67 +185,6 @@ absl::Status CheckAgainstReference(const Case& c, InProcess& a) {
 // ---------------------------------------------------------------------------------------
 // B: the daemon path
 // ---------------------------------------------------------------------------------------
-
-/// W daemons and W clients (one per rank, rings on) joined in one group.
-class Cluster {
- public:
-  absl::Status Start(const std::string& ulyssesd, const std::string& dir, int world) {
-    world_ = world;
-    std::vector<std::string> members;
-    for (int r = 0; r < world; ++r) {
-      ULY_ASSIGN_OR_RETURN(demo::DaemonProcess d, demo::StartDaemon(ulyssesd, dir, r, "host"));
-      members.push_back(d.socket());
-      daemons_.push_back(std::move(d));
-    }
-    clients_.resize(world);
-    for (int r = 0; r < world; ++r) {
-      client::ConnectOptions opts;
-      opts.socket = members[r];
-      opts.name = StrCat("bench-rank-", r);
-      opts.connect_timeout = absl::Seconds(30);
-      opts.use_rings = true;
-      ULY_ASSIGN_OR_RETURN(clients_[r], client::Client::Connect(opts));
-      if (!clients_[r]->uses_rings())
-        return absl::FailedPreconditionError(StrCat("rank ", r, ": the daemon offers no rings"));
-      if (clients_[r]->daemon_backend() != "host")
-        return absl::FailedPreconditionError(
-            StrCat("rank ", r, ": daemon backend is '", clients_[r]->daemon_backend(), "'"));
-    }
-    groups_.resize(world);
-    return RunCollective(world, [&](int r) -> absl::Status {
-      client::GroupSpec spec{StrCat("bench-w", world), world, r, members, "host", 0};
-      ULY_ASSIGN_OR_RETURN(groups_[r], clients_[r]->JoinGroup(spec));
-      return absl::OkStatus();
-    });
-  }
-
-  /// Closes the clients, then stops the daemons (SIGTERM); an unclean exit is an error.
-  absl::Status Stop() {
-    absl::Status status;
-    for (auto& c : clients_)
-      if (c) status.Update(c->Close());
-    clients_.clear();
-    for (auto& d : daemons_) {
-      absl::StatusOr<int> st = d.Stop();
-      if (!st.ok()) {
-        status.Update(st.status());
-      } else if (!WIFEXITED(*st) || WEXITSTATUS(*st) != 0) {
-        status.Update(absl::InternalError(StrCat("ulyssesd (pid exit status ", *st, ") did not exit cleanly")));
-      }
-    }
-    daemons_.clear();
-    return status;
-  }
-
-  client::Client& client(int r) { return *clients_[r]; }
-  const client::Group& group(int r) const { return groups_[r]; }
-
- private:
-  int world_ = 0;
-  std::vector<demo::DaemonProcess> daemons_;
-  std::vector<std::unique_ptr<client::Client>> clients_;
-  std::vector<client::Group> groups_;
-};
 
 /// One case on the daemon path: a session per rank and its input and out= buffers.
 class DaemonPath {
@@ -459,7 +281,7 @@ struct CaseResult {
   double ratio = 0, aa = 0, bb = 0;
 };
 
-void Log(const std::string& line) { std::cerr << "[ulysses-bench] " << line << std::endl; }
+void Log(const std::string& line) { bench::Log("ulysses-bench", line); }
 
 absl::StatusOr<CaseResult> RunCase(const Case& c, Cluster& cluster, const Method& m) {
   CaseResult res;
@@ -616,7 +438,7 @@ int Main(int argc, char** argv) {
     }
     Log(StrCat("W=", W, ": starting ", W, " ulyssesd (host backend)"));
     Cluster cluster;
-    status = cluster.Start(ulyssesd, dir, W);
+    status = cluster.Start(ulyssesd, dir, W, "host");
     for (OpKind op : op_kinds) {
       for (int64_t sl : seq_locals) {
         if (!status.ok()) break;
@@ -663,11 +485,8 @@ int Main(int argc, char** argv) {
   out["backend"] = "host";
   out["cases"] = cases;
   const std::string line = out.dump();
-  if (!json_file.empty()) {
-    std::ofstream f(json_file);
-    f << line << "\n";
-    if (!f) return Fail(absl::InternalError(StrCat("cannot write ", json_file)));
-  }
+  if (!json_file.empty())
+    if (absl::Status s = WriteTextFile(json_file, line); !s.ok()) return Fail(s);
   std::cout << line << std::endl;
   return 0;
 }

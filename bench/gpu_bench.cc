@@ -1,0 +1,821 @@
+// ulysses-gpu-bench: the GPU backend's head exchanges on ONE GPU shared by W ranks, against the
+// same kernels launched in-process and against a plain device-to-device copy (DESIGN.md
+// section 8).
+//
+// W ulyssesd processes (--backend nvlink) all serve the one GPU; W client threads in this process
+// each own a Client and a Session. Every rank's input is one cudaMalloc'd tensor of this
+// process, registered with its daemon (RegisterDeviceBuffer) and read by every variant:
+//   inprocess    the W*W LaunchScatterHeadsBlock / LaunchGatherHeadsBlock launches on one
+//                stream into W slots of this process (CUDA events around them)
+//   daemon_ring  the call through the daemons, rings on (default ConnectOptions)
+//   daemon_grpc  the call through the daemons with every call a Call RPC (use_rings = false)
+//   copy         W cudaMemcpyAsync device-to-device of bytes_per_rank each (CUDA events)
+// A daemon sample is one iteration of all W ranks calling at once; its time is the slowest
+// rank's wall time of the call (and the release of its result).
+//
+// Part "exchange" (scatter_heads and gather_heads, W in --world, --sizes per rank) reports GB/s =
+// W * bytes_per_rank / time for daemon_ring, inprocess and copy. Part "overhead" (scatter_heads,
+// W in --overhead-world, --overhead-sizes) reports the per-call times of inprocess, daemon_ring
+// and daemon_grpc.
+//
+// Method: outputs checked bit for bit before timing (in-process against the CPU reference up to
+// --reference-max-bytes, every daemon path against the in-process output); warm-up; the L2
+// flushed (a 256 MiB cudaMemsetAsync) before every sample, outside its time; rounds visit the
+// variants forward then reversed (in-process, daemon, ..., daemon, in-process); the median of
+// all samples per variant; the A/A control is in-process's second visits against its first.
+#include <cuda_runtime_api.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "bench_util.h"
+#include "demo_lib.h"
+#include "nlohmann/json.hpp"
+#include "ulysses/client/client.h"
+#include "ulysses/common/geometry.h"
+#include "ulysses/common/status.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/kernels/exchange.h"
+#include "ulysses/kernels/exchange_cuda.h"
+#include "ulysses/kernels/reference.h"
+
+#ifndef ULYSSES_GIT_COMMIT
+#define ULYSSES_GIT_COMMIT "unknown"
+#endif
+
+namespace ulysses::bench {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr const char* kTool = "ulysses-gpu-bench";
+constexpr uint64_t kFlushBytes = uint64_t{256} << 20;  // over four times the H200's L2
+constexpr int32_t kSlots = 2;                          // receive slots per daemon session
+constexpr int64_t kInt32Max = 2147483647;
+
+void Say(const std::string& line) { Log(kTool, line); }
+
+absl::Status Cuda(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(StrCat(what, ": ", cudaGetErrorString(err)));
+}
+
+// ---------------------------------------------------------------------------------------
+// Device resources (freed on every path)
+// ---------------------------------------------------------------------------------------
+
+struct CudaFree {
+  void operator()(void* p) const { (void)cudaFree(p); }
+};
+using DeviceMem = std::unique_ptr<void, CudaFree>;
+
+absl::StatusOr<DeviceMem> DeviceAlloc(uint64_t bytes) {
+  void* p = nullptr;
+  ULY_RETURN_IF_ERROR(Cuda(cudaMalloc(&p, bytes), StrCat("cudaMalloc of ", bytes, " bytes").c_str()));
+  return DeviceMem(p);
+}
+
+class Stream {
+ public:
+  Stream() = default;
+  ~Stream() {
+    if (s_ != nullptr) (void)cudaStreamDestroy(s_);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  absl::Status Create() { return Cuda(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreate"); }
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+class EventPair {
+ public:
+  EventPair() = default;
+  ~EventPair() {
+    if (start_ != nullptr) (void)cudaEventDestroy(start_);
+    if (stop_ != nullptr) (void)cudaEventDestroy(stop_);
+  }
+  EventPair(const EventPair&) = delete;
+  EventPair& operator=(const EventPair&) = delete;
+  absl::Status Create() {
+    ULY_RETURN_IF_ERROR(Cuda(cudaEventCreate(&start_), "cudaEventCreate"));
+    return Cuda(cudaEventCreate(&stop_), "cudaEventCreate");
+  }
+  cudaEvent_t start() const { return start_; }
+  cudaEvent_t stop() const { return stop_; }
+
+ private:
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+};
+
+// ---------------------------------------------------------------------------------------
+// A case
+// ---------------------------------------------------------------------------------------
+
+enum class Variant { kInProcess, kDaemonRing, kDaemonGrpc, kCopy };
+
+const char* VariantName(Variant v) {
+  switch (v) {
+    case Variant::kInProcess: return "inprocess";
+    case Variant::kDaemonRing: return "daemon_ring";
+    case Variant::kDaemonGrpc: return "daemon_grpc";
+    case Variant::kCopy: return "copy";
+  }
+  return "?";
+}
+
+struct Case {
+  OpKind op = OpKind::kScatterHeads;
+  int32_t world = 1;
+  uint64_t bytes = 0;  ///< per rank: input and output of both ops hold B*S_l*H*D elements
+  int32_t heads_per_rank = 8;
+  int32_t head_dim = 128;
+  bool exchange = false;  ///< a row of part "exchange"
+  bool overhead = false;  ///< a row of part "overhead"
+
+  static constexpr int32_t kItem = 2;  // bf16
+  int32_t heads() const { return heads_per_rank * world; }
+  uint64_t token_bytes() const { return static_cast<uint64_t>(heads()) * head_dim * kItem; }
+  int64_t seq_local() const { return static_cast<int64_t>(bytes / token_bytes()); }
+  kernels::ExchangeShape shape() const {
+    return {world, 1, seq_local(), heads(), head_dim, kItem};
+  }
+  kernels::ConstView input_view(const void* data) const {
+    return op == OpKind::kScatterHeads
+               ? kernels::ContiguousConstView(data, seq_local(), heads(), head_dim)
+               : kernels::ContiguousConstView(data, world * seq_local(), heads_per_rank, head_dim);
+  }
+  std::vector<Variant> variants() const {
+    std::vector<Variant> v{Variant::kInProcess, Variant::kDaemonRing};
+    if (overhead) v.push_back(Variant::kDaemonGrpc);
+    if (exchange) v.push_back(Variant::kCopy);
+    return v;
+  }
+  std::string name() const { return StrCat("W=", world, " ", OpName(op), " ", bytes, " B/rank"); }
+};
+
+/// Checks the geometry of bytes_per_rank at world W; the error names `flag`.
+absl::Status CheckSize(const std::string& flag, uint64_t bytes, int32_t world, int32_t heads_per_rank,
+                       int32_t head_dim) {
+  Case c;
+  c.world = world;
+  c.bytes = bytes;
+  c.heads_per_rank = heads_per_rank;
+  c.head_dim = head_dim;
+  if (bytes == 0 || bytes % c.token_bytes() != 0)
+    return absl::InvalidArgumentError(
+        StrCat(flag, ": ", bytes, " bytes per rank is not a positive multiple of a token's H*D*2 = ",
+               c.token_bytes(), " bytes at W=", world, " (H = --heads-per-rank * W)"));
+  if (3 * c.seq_local() > kInt32Max / (static_cast<int64_t>(c.heads()) * head_dim))
+    return absl::InvalidArgumentError(
+        StrCat(flag, ": ", bytes, " bytes per rank at W=", world,
+               " makes a receive slot over the int32 element limit (at most about 1.3 GiB per rank)"));
+  return absl::OkStatus();
+}
+
+// Deterministic input bits of rank r: a multiplicative hash of (op, rank, index), never 0xFFFF
+// (the poison value).
+void FillInput(uint16_t* data, uint64_t elems, int rank, OpKind op) {
+  const uint64_t salt = (static_cast<uint64_t>(rank) << 40) ^ (static_cast<uint64_t>(op) << 52);
+  for (uint64_t i = 0; i < elems; ++i) {
+    const uint64_t x = (i + 1 + salt) * 0x9E3779B97F4A7C15ull;
+    data[i] = static_cast<uint16_t>((x >> 40) % 0xFFFF);
+  }
+}
+
+std::unique_ptr<uint8_t[]> HostBytes(uint64_t bytes) {
+  return std::unique_ptr<uint8_t[]>(new (std::nothrow) uint8_t[bytes]);
+}
+
+int64_t FirstDifference(const uint8_t* a, const uint8_t* b, uint64_t bytes) {
+  if (std::memcmp(a, b, bytes) == 0) return -1;
+  for (uint64_t i = 0; i < bytes; ++i)
+    if (a[i] != b[i]) return static_cast<int64_t>(i / Case::kItem);
+  return -1;
+}
+
+// ---------------------------------------------------------------------------------------
+// The in-process side: the inputs (shared with the daemon path), W slots, a stream, events
+// ---------------------------------------------------------------------------------------
+
+class InProcess {
+ public:
+  explicit InProcess(const Case& c) : c_(c) {}
+
+  /// Allocates and fills the inputs and slots; keeps host copies of the inputs when `keep_host`.
+  absl::Status Open(bool keep_host) {
+    ULY_RETURN_IF_ERROR(stream_.Create());
+    ULY_RETURN_IF_ERROR(events_.Create());
+    ULY_ASSIGN_OR_RETURN(flush_, DeviceAlloc(kFlushBytes));
+    std::unique_ptr<uint8_t[]> host = HostBytes(c_.bytes);
+    if (!host) return absl::ResourceExhaustedError(StrCat("host memory: ", c_.bytes, " bytes"));
+    for (int r = 0; r < c_.world; ++r) {
+      ULY_ASSIGN_OR_RETURN(DeviceMem in, DeviceAlloc(c_.bytes));
+      ULY_ASSIGN_OR_RETURN(DeviceMem slot, DeviceAlloc(c_.bytes));
+      FillInput(reinterpret_cast<uint16_t*>(host.get()), c_.bytes / Case::kItem, r, c_.op);
+      ULY_RETURN_IF_ERROR(Cuda(cudaMemcpy(in.get(), host.get(), c_.bytes, cudaMemcpyHostToDevice),
+                               "upload input"));
+      in_.push_back(std::move(in));
+      slot_.push_back(std::move(slot));
+      if (keep_host) {
+        host_in_.push_back(std::move(host));
+        if (r + 1 < c_.world) {
+          host = HostBytes(c_.bytes);
+          if (!host) return absl::ResourceExhaustedError(StrCat("host memory: ", c_.bytes, " bytes"));
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  void* input(int r) const { return in_[r].get(); }
+  void* slot(int r) const { return slot_[r].get(); }
+  cudaStream_t stream() const { return stream_.get(); }
+
+  /// The L2 flush: a memset of the scratch buffer, waited for.
+  absl::Status Flush() {
+    ULY_RETURN_IF_ERROR(Cuda(cudaMemsetAsync(flush_.get(), ++flush_value_ & 0x7F, kFlushBytes,
+                                             stream_.get()), "flush"));
+    return Cuda(cudaStreamSynchronize(stream_.get()), "flush sync");
+  }
+
+  /// Enqueues the W*W blocks, in the daemon's order per source (src+1, ..., src).
+  absl::Status EnqueueExchange() {
+    const kernels::ExchangeShape shape = c_.shape();
+    const int W = c_.world;
+    for (int src = 0; src < W; ++src) {
+      const kernels::ConstView x = c_.input_view(in_[src].get());
+      for (int k = 1; k <= W; ++k) {
+        const int dst = (src + k) % W;
+        ULY_RETURN_IF_ERROR(c_.op == OpKind::kScatterHeads
+                                ? kernels::LaunchScatterHeadsBlock(shape, x, src, dst, slot_[dst].get(), stream_.get())
+                                : kernels::LaunchGatherHeadsBlock(shape, x, src, dst, slot_[dst].get(), stream_.get()));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status EnqueueCopy() {
+    for (int r = 0; r < c_.world; ++r)
+      ULY_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(slot_[r].get(), in_[r].get(), c_.bytes,
+                                               cudaMemcpyDeviceToDevice, stream_.get()), "copy"));
+    return absl::OkStatus();
+  }
+
+  /// `n` samples of `v` (kInProcess or kCopy) in microseconds, the L2 flushed before each.
+  absl::StatusOr<std::vector<double>> Time(Variant v, int n) {
+    std::vector<double> us;
+    for (int i = 0; i < n; ++i) {
+      ULY_RETURN_IF_ERROR(Flush());
+      ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events_.start(), stream_.get()), "event"));
+      ULY_RETURN_IF_ERROR(v == Variant::kCopy ? EnqueueCopy() : EnqueueExchange());
+      ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events_.stop(), stream_.get()), "event"));
+      ULY_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(events_.stop()), "event sync"));
+      float ms = 0;
+      ULY_RETURN_IF_ERROR(Cuda(cudaEventElapsedTime(&ms, events_.start(), events_.stop()), "elapsed"));
+      us.push_back(static_cast<double>(ms) * 1e3);
+    }
+    return us;
+  }
+
+  /// Runs the exchange once into NaN-filled slots; checks it against the CPU reference when
+  /// the host inputs were kept. Returns whether the reference was compared.
+  absl::StatusOr<bool> RunAndCheck() {
+    for (int r = 0; r < c_.world; ++r)
+      ULY_RETURN_IF_ERROR(Cuda(cudaMemsetAsync(slot_[r].get(), 0xFF, c_.bytes, stream_.get()), "poison"));
+    ULY_RETURN_IF_ERROR(EnqueueExchange());
+    ULY_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_.get()), "exchange"));
+    if (host_in_.empty()) return false;
+    std::vector<kernels::ConstView> views;
+    for (int r = 0; r < c_.world; ++r) views.push_back(c_.input_view(host_in_[r].get()));
+    ULY_ASSIGN_OR_RETURN(std::vector<kernels::HostBuffer> ref,
+                         c_.op == OpKind::kScatterHeads ? kernels::ScatterHeadsRef(c_.shape(), views)
+                                                        : kernels::GatherHeadsRef(c_.shape(), views));
+    std::unique_ptr<uint8_t[]> got = HostBytes(c_.bytes);
+    if (!got) return absl::ResourceExhaustedError("host memory for the check");
+    for (int r = 0; r < c_.world; ++r) {
+      if (ref[r].size() != c_.bytes)
+        return absl::InternalError(StrCat("reference output of rank ", r, " has ", ref[r].size(), " bytes"));
+      ULY_RETURN_IF_ERROR(Cuda(cudaMemcpy(got.get(), slot_[r].get(), c_.bytes, cudaMemcpyDeviceToHost), "read slot"));
+      const int64_t e = FirstDifference(got.get(), ref[r].data(), c_.bytes);
+      if (e >= 0)
+        return absl::DataLossError(StrCat("in-process output of rank ", r,
+                                          " differs from the CPU reference at element ", e));
+    }
+    return true;
+  }
+
+ private:
+  Case c_;
+  Stream stream_;
+  EventPair events_;
+  DeviceMem flush_;
+  int flush_value_ = 0;
+  std::vector<DeviceMem> in_, slot_;
+  std::vector<std::unique_ptr<uint8_t[]>> host_in_;
+};
+
+// ---------------------------------------------------------------------------------------
+// The daemon side: one set of clients, a session per rank, the inputs registered
+// ---------------------------------------------------------------------------------------
+
+class DaemonPath {
+ public:
+  DaemonPath(const Case& c, Cluster& cluster, int set) : c_(c), cluster_(cluster), set_(set) {}
+  ~DaemonPath() { (void)Close(); }
+  DaemonPath(const DaemonPath&) = delete;
+  DaemonPath& operator=(const DaemonPath&) = delete;
+
+  absl::Status Open(const InProcess& a) {
+    const int W = c_.world;
+    sessions_.resize(W);
+    in_.resize(W);
+    streams_ = std::vector<Stream>(W);
+    for (int r = 0; r < W; ++r) {
+      ULY_RETURN_IF_ERROR(streams_[r].Create());
+      ULY_ASSIGN_OR_RETURN(in_[r], cluster_.client(r, set_).RegisterDeviceBuffer(a.input(r), c_.bytes, "bench-in"));
+    }
+    return RunCollective(W, [&](int r) -> absl::Status {
+      client::SessionSpec spec;
+      spec.num_heads = c_.heads();
+      spec.head_dim = c_.head_dim;
+      spec.dtype = DType::kBFloat16;
+      spec.max_tokens = c_.seq_local();
+      spec.num_slots = kSlots;
+      ULY_ASSIGN_OR_RETURN(sessions_[r], cluster_.client(r, set_).CreateSession(cluster_.group(r, set_), spec));
+      sessions_[r]->set_stream(streams_[r].get());
+      return absl::OkStatus();
+    });
+  }
+
+  absl::StatusOr<client::Result> Call(int r) {
+    client::Session& s = *sessions_[r];
+    return c_.op == OpKind::kScatterHeads ? s.ScatterHeads(in_[r].Ref(), 1, c_.seq_local())
+                                          : s.GatherHeads(in_[r].Ref(), 1, c_.world * c_.seq_local());
+  }
+
+  /// Rank r's part of one timed iteration: the call, and the release of its slot.
+  absl::Status Work(int r) {
+    ULY_ASSIGN_OR_RETURN(client::Result res, Call(r));
+    return res.Release();
+  }
+
+  /// One collective call into poisoned slots; every rank's result must equal the in-process
+  /// output bit for bit.
+  absl::Status Check(const InProcess& a) {
+    const int W = c_.world;
+    std::vector<client::Result> results(W);
+    // Every rank's slots poisoned before any rank calls (a peer's call writes into them).
+    for (int r = 0; r < W; ++r) ULY_RETURN_IF_ERROR(sessions_[r]->PoisonSlots().status());
+    ULY_RETURN_IF_ERROR(RunCollective(W, [&](int r) -> absl::Status {
+      ULY_ASSIGN_OR_RETURN(results[r], Call(r));
+      return absl::OkStatus();
+    }));
+    std::unique_ptr<uint8_t[]> got = HostBytes(c_.bytes), want = HostBytes(c_.bytes);
+    if (!got || !want) return absl::ResourceExhaustedError("host memory for the check");
+    for (int r = 0; r < W; ++r) {
+      const client::Result& res = results[r];
+      if (!res.device) return absl::InternalError(StrCat("rank ", r, ": the result is not device memory"));
+      if (res.bytes != c_.bytes)
+        return absl::InternalError(StrCat("rank ", r, ": the result has ", res.bytes, " bytes, expected ", c_.bytes));
+      ULY_RETURN_IF_ERROR(Cuda(cudaMemcpy(got.get(), res.data, c_.bytes, cudaMemcpyDeviceToHost), "read result"));
+      ULY_RETURN_IF_ERROR(Cuda(cudaMemcpy(want.get(), a.slot(r), c_.bytes, cudaMemcpyDeviceToHost), "read slot"));
+      const int64_t e = FirstDifference(got.get(), want.get(), c_.bytes);
+      if (e >= 0)
+        return absl::DataLossError(StrCat("rank ", r, ": the daemon's result differs from the "
+                                          "in-process output at element ", e));
+    }
+    for (client::Result& res : results) ULY_RETURN_IF_ERROR(res.Release());
+    return absl::OkStatus();
+  }
+
+  absl::Status Close() {
+    absl::Status status;
+    for (size_t r = 0; r < sessions_.size(); ++r) {
+      if (sessions_[r]) status.Update(sessions_[r]->Close());
+      sessions_[r].reset();
+    }
+    for (size_t r = 0; r < in_.size(); ++r) {
+      if (in_[r].id) status.Update(cluster_.client(static_cast<int>(r), set_).FreeBuffer(in_[r].id));
+      in_[r] = {};
+    }
+    sessions_.clear();
+    in_.clear();
+    streams_.clear();
+    return status;
+  }
+
+ private:
+  Case c_;
+  Cluster& cluster_;
+  int set_;
+  std::vector<std::unique_ptr<client::Session>> sessions_;
+  std::vector<client::Buffer> in_;
+  std::vector<Stream> streams_;
+};
+
+// ---------------------------------------------------------------------------------------
+// One case: check, warm up, rounds
+// ---------------------------------------------------------------------------------------
+
+struct Method {
+  int warmup = 3;
+  int rounds = 3;
+  int samples = 10;  ///< per variant per round, split over its two visits
+  uint64_t reference_max_bytes = uint64_t{64} << 20;
+};
+
+struct CaseResult {
+  Case c;
+  std::map<Variant, std::vector<double>> us;  // all samples per variant
+  std::vector<double> a_first, a_second;      // in-process, first and second visits
+  bool reference_checked = false;
+  double median(Variant v) const {
+    auto it = us.find(v);
+    return it == us.end() ? 0 : Median(it->second);
+  }
+  double aa() const { return a_first.empty() || a_second.empty() ? 0 : Median(a_second) / Median(a_first); }
+};
+
+absl::StatusOr<CaseResult> RunCase(const Case& c, Cluster& cluster, int grpc_set, const Method& m) {
+  CaseResult res;
+  res.c = c;
+  // Declared first, destroyed last: the daemons' registrations of its inputs go before them.
+  InProcess a(c);
+  ULY_RETURN_IF_ERROR(a.Open(c.bytes <= m.reference_max_bytes));
+  DaemonPath ring(c, cluster, 0);
+  std::optional<DaemonPath> grpc;
+  ULY_RETURN_IF_ERROR(ring.Open(a));
+  if (c.overhead) {
+    grpc.emplace(c, cluster, grpc_set);
+    ULY_RETURN_IF_ERROR(grpc->Open(a));
+  }
+
+  ULY_ASSIGN_OR_RETURN(res.reference_checked, a.RunAndCheck());
+  ULY_RETURN_IF_ERROR(ring.Check(a));
+  if (grpc) ULY_RETURN_IF_ERROR(grpc->Check(a));
+  Say(StrCat(c.name(), ": check passed (", res.reference_checked ? "in-process equals the CPU reference; " : "",
+             "daemon results equal the in-process output bit for bit)"));
+
+  auto flush = [&]() { return a.Flush(); };
+  auto sample = [&](Variant v, int n) -> absl::StatusOr<std::vector<double>> {
+    if (v == Variant::kInProcess || v == Variant::kCopy) return a.Time(v, n);
+    DaemonPath& d = v == Variant::kDaemonRing ? ring : *grpc;
+    ULY_ASSIGN_OR_RETURN(BlockTimes t, RunBlock(c.world, n, [&](int r) { return d.Work(r); }, flush));
+    return t.work_max_us;
+  };
+  const std::vector<Variant> order = c.variants();
+  if (m.warmup > 0)
+    for (Variant v : order) ULY_RETURN_IF_ERROR(sample(v, m.warmup).status());
+  const int n1 = (m.samples + 1) / 2, n2 = m.samples / 2;
+  for (int round = 0; round < m.rounds; ++round) {
+    for (Variant v : order) {
+      ULY_ASSIGN_OR_RETURN(std::vector<double> t, sample(v, n1));
+      Append(&res.us[v], t);
+      if (v == Variant::kInProcess) Append(&res.a_first, t);
+    }
+    if (n2 > 0) {
+      for (auto it = order.rbegin(); it != order.rend(); ++it) {
+        ULY_ASSIGN_OR_RETURN(std::vector<double> t, sample(*it, n2));
+        Append(&res.us[*it], t);
+        if (*it == Variant::kInProcess) Append(&res.a_second, t);
+      }
+    }
+  }
+  std::string line = StrCat(c.name(), ":");
+  for (Variant v : order) line += StrCat(" ", VariantName(v), " ", res.median(v), " us");
+  Say(StrCat(line, ", A/A ", res.aa()));
+  if (grpc) ULY_RETURN_IF_ERROR(grpc->Close());
+  ULY_RETURN_IF_ERROR(ring.Close());
+  return res;
+}
+
+// GB/s of W * bytes_per_rank moved in `us` microseconds.
+double Gbps(const Case& c, double us) {
+  return us > 0 ? RoundTo(static_cast<double>(c.world) * static_cast<double>(c.bytes) / (us * 1e3), 1e3) : 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// Options
+// ---------------------------------------------------------------------------------------
+
+/// "1048576", "64K", "1M", "1G", "16MiB": bytes.
+absl::StatusOr<uint64_t> ParseSize(const std::string& flag, const std::string& text) {
+  size_t i = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+  std::string unit = text.substr(i);
+  for (char& ch : unit) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  if (unit.size() == 3 && unit.substr(1) == "IB") unit = unit.substr(0, 1);
+  int shift = -1;
+  if (unit.empty() || unit == "B") shift = 0;
+  if (unit == "K") shift = 10;
+  if (unit == "M") shift = 20;
+  if (unit == "G") shift = 30;
+  if (i == 0 || i > 12 || shift < 0)
+    return absl::InvalidArgumentError(
+        StrCat(flag, ": '", text, "' is not a size (bytes, or a number with K, M or G: 64K, 1M, 1G)"));
+  return std::stoull(text.substr(0, i)) << shift;
+}
+
+absl::StatusOr<std::vector<uint64_t>> ParseSizes(const std::string& flag, const std::vector<std::string>& items) {
+  std::vector<uint64_t> out;
+  for (const std::string& s : items) {
+    ULY_ASSIGN_OR_RETURN(uint64_t v, ParseSize(flag, s));
+    out.push_back(v);
+  }
+  return out;
+}
+
+// Restricts this process and the daemons it starts to one GPU, before CUDA is initialized.
+void SelectOneGpu(int device) {
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  std::string pick = std::to_string(device);
+  if (visible != nullptr && *visible != '\0') {
+    std::vector<std::string> ids;
+    std::string cur;
+    for (const char* p = visible;; ++p) {
+      if (*p == ',' || *p == '\0') {
+        ids.push_back(cur);
+        cur.clear();
+        if (*p == '\0') break;
+      } else {
+        cur += *p;
+      }
+    }
+    pick = device < static_cast<int>(ids.size()) ? ids[device] : "-1";
+  }
+  ::setenv("CUDA_VISIBLE_DEVICES", pick.c_str(), 1);
+}
+
+int Fail(const absl::Status& s) {
+  std::cerr << "[" << kTool << "] FAILED: " << s << std::endl;
+  return 1;
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app{"ulysses-gpu-bench: head exchanges through the GPU daemons vs in-process kernels "
+               "vs a device copy, W ranks on one GPU"};
+  std::vector<int> worlds = {1, 2, 4}, overhead_worlds = {1, 2};
+  std::vector<std::string> size_items = {"1M", "4M", "16M", "64M", "256M", "1G"};
+  std::vector<std::string> overhead_items = {"64K", "256K", "1M", "4M", "16M", "64M", "256M", "1G"};
+  std::vector<std::string> ops = {"scatter_heads", "gather_heads"}, parts = {"exchange", "overhead"};
+  int heads_per_rank = 8, head_dim = 128, device = 0;
+  std::string json_file, ulyssesd, mps_flag = "auto", commit = ULYSSES_GIT_COMMIT;
+  std::string reference_max = "64M";
+  bool quick = false;
+  Method m;
+  app.add_option("--world", worlds, "World sizes W of part exchange")->delimiter(',')->check(CLI::Range(1, kMaxWorldSize));
+  app.add_option("--sizes", size_items, "Bytes per rank of part exchange (64K, 1M, 1G, ...)")->delimiter(',');
+  app.add_option("--overhead-world", overhead_worlds, "World sizes W of part overhead")
+      ->delimiter(',')
+      ->check(CLI::Range(1, kMaxWorldSize));
+  app.add_option("--overhead-sizes", overhead_items, "Bytes per rank of part overhead")->delimiter(',');
+  app.add_option("--ops", ops, "Ops of part exchange: scatter_heads and/or gather_heads")->delimiter(',');
+  app.add_option("--parts", parts, "exchange and/or overhead")->delimiter(',');
+  app.add_option("--heads-per-rank", heads_per_rank, "H/W (H = this times W); bf16")->check(CLI::PositiveNumber);
+  app.add_option("--head-dim", head_dim, "D")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", m.warmup, "Untimed samples per variant before the rounds")->check(CLI::NonNegativeNumber);
+  app.add_option("--rounds", m.rounds, "Rounds (variants forward, then reversed)")->check(CLI::PositiveNumber);
+  app.add_option("--samples", m.samples, "Samples per variant per round (split over its two visits)")
+      ->check(CLI::Range(2, 100000));
+  app.add_option("--reference-max", reference_max, "Largest bytes per rank checked against the CPU reference");
+  app.add_option("--device", device, "The GPU (index among those visible) every rank shares")->check(CLI::NonNegativeNumber);
+  app.add_option("--mps", mps_flag, "auto (what the daemon reports), yes or no")
+      ->check(CLI::IsMember({"auto", "yes", "no"}));
+  app.add_option("--json", json_file, "Also write the JSON to this file");
+  app.add_option("--ulyssesd", ulyssesd, "Path of ulyssesd (default: from this build)");
+  app.add_option("--commit", commit, "Commit recorded in the JSON");
+  app.add_flag("--quick", quick, "A small grid (W 1,2; 1M,16M; overhead 64K,1M,16M; 2 rounds x 6 samples)");
+  CLI11_PARSE(app, argc, argv);
+  if (quick) {
+    worlds = {1, 2};
+    overhead_worlds = {1, 2};
+    size_items = {"1M", "16M"};
+    overhead_items = {"64K", "1M", "16M"};
+    m.warmup = 2;
+    m.rounds = 2;
+    m.samples = 6;
+  }
+
+  std::set<std::string> part_set;
+  for (const std::string& p : parts) {
+    if (p != "exchange" && p != "overhead")
+      return Fail(absl::InvalidArgumentError(StrCat("--parts: unknown part '", p, "' (exchange | overhead)")));
+    part_set.insert(p);
+  }
+  std::vector<OpKind> op_kinds;
+  for (const std::string& s : ops) {
+    if (s == "scatter_heads") op_kinds.push_back(OpKind::kScatterHeads);
+    else if (s == "gather_heads") op_kinds.push_back(OpKind::kGatherHeads);
+    else return Fail(absl::InvalidArgumentError(StrCat("--ops: unknown op '", s, "' (scatter_heads | gather_heads)")));
+  }
+  absl::StatusOr<std::vector<uint64_t>> sizes = ParseSizes("--sizes", size_items);
+  if (!sizes.ok()) return Fail(sizes.status());
+  absl::StatusOr<std::vector<uint64_t>> overhead_sizes = ParseSizes("--overhead-sizes", overhead_items);
+  if (!overhead_sizes.ok()) return Fail(overhead_sizes.status());
+  absl::StatusOr<uint64_t> ref_max = ParseSize("--reference-max", reference_max);
+  if (!ref_max.ok()) return Fail(ref_max.status());
+  m.reference_max_bytes = *ref_max;
+
+  // The grid: (op, W, bytes) -> which parts it is a row of.
+  std::map<std::tuple<int32_t, int, uint64_t>, Case> grid;  // (W, op, bytes)
+  auto add = [&](const std::string& flag, OpKind op, int32_t w, uint64_t bytes, bool exchange) -> absl::Status {
+    ULY_RETURN_IF_ERROR(CheckSize(flag, bytes, w, heads_per_rank, head_dim));
+    Case& c = grid[{w, static_cast<int>(op), bytes}];
+    c.op = op;
+    c.world = w;
+    c.bytes = bytes;
+    c.heads_per_rank = heads_per_rank;
+    c.head_dim = head_dim;
+    (exchange ? c.exchange : c.overhead) = true;
+    return absl::OkStatus();
+  };
+  absl::Status grid_status;
+  if (part_set.count("exchange"))
+    for (OpKind op : op_kinds)
+      for (int w : worlds)
+        for (uint64_t b : *sizes) grid_status.Update(add("--sizes", op, w, b, true));
+  if (part_set.count("overhead"))
+    for (int w : overhead_worlds)
+      for (uint64_t b : *overhead_sizes) grid_status.Update(add("--overhead-sizes", OpKind::kScatterHeads, w, b, false));
+  if (!grid_status.ok()) return Fail(grid_status);
+
+  SelectOneGpu(device);
+  absl::StatusOr<int> gpus = kernels::CudaDeviceCount();
+  if (!gpus.ok()) return Fail(gpus.status());
+  if (*gpus == 0 && device > 0)
+    return Fail(absl::InvalidArgumentError(StrCat("--device ", device, ": no such GPU")));
+  if (*gpus == 0) {
+    std::cout << "no CUDA device; nothing to measure" << std::endl;
+    return 0;
+  }
+  if (ulyssesd.empty()) ulyssesd = demo::SiblingProgram("ulyssesd");
+  cudaDeviceProp prop{};
+  if (absl::Status s = Cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties"); !s.ok()) return Fail(s);
+
+  absl::StatusOr<std::string> run_dir = demo::MakeRunDir();
+  if (!run_dir.ok()) return Fail(run_dir.status());
+  std::vector<CaseResult> results;
+  std::set<int> world_list;
+  std::string mps_mode;
+  absl::Status status;
+  for (auto it = grid.begin(); it != grid.end() && status.ok();) {
+    const int W = std::get<0>(it->first);
+    world_list.insert(W);
+    std::vector<Case> cases;
+    for (; it != grid.end() && std::get<0>(it->first) == W; ++it) cases.push_back(it->second);
+    // Slot memory for the largest case: a session per client set, kSlots slots of 3*S_l*H*D.
+    uint64_t budget = uint64_t{1} << 30;
+    bool need_grpc = false;
+    for (const Case& c : cases) {
+      need_grpc = need_grpc || c.overhead;
+      budget = std::max(budget, (c.overhead ? 2 : 1) * kSlots * 3 * c.bytes + (uint64_t{1} << 30));
+    }
+    const std::string dir = StrCat(*run_dir, "/w", W), config = StrCat(dir, "/daemon.json");
+    if (::mkdir(dir.c_str(), 0700) != 0) {
+      status = ErrnoError(StrCat("mkdir ", dir), errno);
+      break;
+    }
+    Json cfg;
+    cfg["slots"]["memory_budget_bytes"] = budget;
+    status = WriteTextFile(config, cfg.dump());
+    if (!status.ok()) break;
+    Say(StrCat("W=", W, ": starting ", W, " ulyssesd (nvlink backend) on ", prop.name));
+    Cluster cluster;
+    status = cluster.Start(ulyssesd, dir, W, "nvlink", {"--config", config});
+    int grpc_set = -1;
+    if (status.ok() && need_grpc) {
+      absl::StatusOr<int> set = cluster.AddClients(false);
+      if (set.ok()) grpc_set = *set;
+      status = set.status();
+    }
+    if (status.ok() && mps_mode.empty()) {
+      // The daemon's report at attach (as Admin GetState's mps_mode); the pipe if it has none.
+      mps_mode = cluster.client(0).daemon_mps_mode();
+      if (mps_mode.empty()) {
+        Say("the daemon reports no MPS mode; MPS from the pipe directory");
+        mps_mode = MpsPipePresent() ? "mps" : "no-mps";
+      }
+    }
+    for (const Case& c : cases) {
+      if (!status.ok()) break;
+      absl::StatusOr<CaseResult> r = RunCase(c, cluster, grpc_set, m);
+      if (!r.ok()) {
+        status = absl::Status(r.status().code(), StrCat(c.name(), ": ", r.status().message()));
+        break;
+      }
+      results.push_back(std::move(*r));
+    }
+    status.Update(cluster.Stop());
+  }
+  demo::RemoveRunDir(*run_dir);
+  if (!status.ok()) return Fail(status);
+
+  bool mps = mps_mode == "mps";
+  if (mps_flag != "auto") {
+    const bool flag = mps_flag == "yes";
+    if (flag != mps)
+      Say(StrCat("--mps ", mps_flag, " overrides the daemon's report '", mps_mode, "'"));
+    mps = flag;
+  }
+
+  Json rows = Json::array();
+  std::printf("GPU %s, %s, bf16, D=%d, H=%d*W; mps %s\n", prop.name,
+              "W ranks on one GPU", head_dim, heads_per_rank, mps ? "on" : "off");
+  if (part_set.count("exchange")) {
+    std::printf("\nexchange throughput, GB/s = W * bytes_per_rank / time\n");
+    std::printf("%-13s %3s %12s %12s %12s %12s %8s %7s\n", "op", "W", "bytes/rank", "daemon", "inprocess",
+                "copy", "dmn/inp", "A/A");
+    for (const CaseResult& r : results) {
+      if (!r.c.exchange) continue;
+      const double d = Gbps(r.c, r.median(Variant::kDaemonRing)), a = Gbps(r.c, r.median(Variant::kInProcess));
+      const double cp = Gbps(r.c, r.median(Variant::kCopy));
+      std::printf("%-13s %3d %12llu %12.1f %12.1f %12.1f %8.3f %7.3f\n", std::string(OpName(r.c.op)).c_str(),
+                  r.c.world, static_cast<unsigned long long>(r.c.bytes), d, a, cp, a > 0 ? d / a : 0, r.aa());
+      Json j;
+      j["part"] = "exchange";
+      j["op"] = std::string(OpName(r.c.op));
+      j["world_size"] = r.c.world;
+      j["bytes_per_rank"] = r.c.bytes;
+      j["daemon_gbps"] = d;
+      j["inprocess_gbps"] = a;
+      j["copy_gbps"] = cp;
+      j["daemon_us"] = Us(r.median(Variant::kDaemonRing));
+      j["inprocess_us"] = Us(r.median(Variant::kInProcess));
+      j["copy_us"] = Us(r.median(Variant::kCopy));
+      j["a_a_control"] = Ratio(r.aa());
+      j["check"] = "pass";
+      j["reference_checked"] = r.reference_checked;
+      rows.push_back(j);
+    }
+  }
+  if (part_set.count("overhead")) {
+    std::printf("\ndaemon overhead, scatter_heads, per-call time (us)\n");
+    std::printf("%3s %12s %12s %12s %12s %9s %9s %7s\n", "W", "bytes/rank", "inprocess", "ring", "grpc",
+                "ring-inp", "grpc-inp", "A/A");
+    for (const CaseResult& r : results) {
+      if (!r.c.overhead) continue;
+      const double a = r.median(Variant::kInProcess), ring = r.median(Variant::kDaemonRing);
+      const double grpc = r.median(Variant::kDaemonGrpc);
+      std::printf("%3d %12llu %12.1f %12.1f %12.1f %9.1f %9.1f %7.3f\n", r.c.world,
+                  static_cast<unsigned long long>(r.c.bytes), a, ring, grpc, ring - a, grpc - a, r.aa());
+      Json j;
+      j["part"] = "overhead";
+      j["op"] = "scatter_heads";
+      j["world_size"] = r.c.world;
+      j["bytes_per_rank"] = r.c.bytes;
+      j["mps"] = mps;
+      j["inprocess_us"] = Us(a);
+      j["daemon_ring_us"] = Us(ring);
+      j["daemon_grpc_us"] = Us(grpc);
+      j["a_a_control"] = Ratio(r.aa());
+      j["check"] = "pass";
+      j["reference_checked"] = r.reference_checked;
+      rows.push_back(j);
+    }
+  }
+  Json out;
+  out["bench"] = "gpu_exchange";
+  out["gpu"] = prop.name;
+  out["commit"] = commit;
+  out["date"] = UtcNowIso();
+  out["world_size"] = Json(std::vector<int>(world_list.begin(), world_list.end()));
+  out["mps"] = mps;
+  out["mps_mode"] = mps_mode;
+  out["dtype"] = "bf16";
+  out["heads_per_rank"] = heads_per_rank;
+  out["head_dim"] = head_dim;
+  out["method"] = StrCat("L2 flushed (256 MiB memset) before each sample; ", m.warmup, " warm-up, ", m.rounds,
+                         " rounds (variants forward then reversed) x ", m.samples,
+                         " samples per variant; median; A/A = in-process second visits / first");
+  out["rows"] = rows;
+  const std::string text = out.dump();
+  if (!json_file.empty())
+    if (absl::Status s = WriteTextFile(json_file, out.dump(2)); !s.ok()) return Fail(s);
+  std::cout << text << std::endl;
+  return 0;
+}
+
+}  // namespace
+}  // namespace ulysses::bench
+
+int main(int argc, char** argv) { return ulysses::bench::Main(argc, argv); }
