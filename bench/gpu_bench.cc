@@ -244,7 +244,9 @@ class InProcess {
         }
       }
     }
-    return absl::OkStatus();
+    // A pageable upload may return before its DMA lands; the launches on the non-blocking
+    // stream and the daemons' reads must see the inputs complete.
+    return Cuda(cudaDeviceSynchronize(), "upload inputs");
   }
 
   void* input(int r) const { return in_[r].get(); }
