@@ -3,9 +3,13 @@
 #
 #   ulyssesd-node.sh [run]     start one daemon per devices[] entry, forward SIGTERM/SIGINT,
 #                              exit when they have all exited (the container entrypoint)
-#   ulyssesd-node.sh drain     drain every daemon of the node and wait for its running
-#                              calls (a Kubernetes preStop hook)
+#   ulyssesd-node.sh drain     drain every daemon of the node, then wait for the running
+#                              calls of all of them at once (a Kubernetes preStop hook:
+#                              at most ULYSSES_DRAIN_TIMEOUT_MS in all, whatever the count)
 #   ulyssesd-node.sh health    exit 0 only when every daemon of the node is SERVING
+#                              (a readiness probe)
+#   ulyssesd-node.sh alive     exit 0 only when every daemon of the node answers, drained
+#                              or not (a startup and liveness probe)
 #   ulyssesd-node.sh devices   print "INDEX SOCKET" for every daemon of the node
 #
 # If one daemon exits on its own, the others are stopped and the script exits with that
@@ -147,9 +151,24 @@ cmd_drain() {
     "$ulyssesctl" --socket "$sock" drain >/dev/null || rc=$?
     waits+=("$sock")
   done < <(devices)
+  # Wait for all at once: the whole drain takes at most one timeout, so the pod's
+  # terminationGracePeriodSeconds need not grow with the number of GPUs.
+  local -a waiters=()
   for sock in "${waits[@]}"; do
-    "$ulyssesctl" --socket "$sock" drain --wait --wait-timeout-ms "$timeout" >/dev/null || rc=$?
+    "$ulyssesctl" --socket "$sock" drain --wait --wait-timeout-ms "$timeout" >/dev/null &
+    waiters+=("$!")
   done
+  local w
+  for w in "${waiters[@]}"; do wait "$w" || rc=$?; done
+  return "$rc"
+}
+
+cmd_alive() {
+  local ulyssesctl idx sock rc=0
+  ulyssesctl=$(find_program ulyssesctl "${ULYSSESCTL:-}")
+  while read -r idx sock; do
+    "$ulyssesctl" --socket "$sock" --timeout-ms 3000 status >/dev/null || rc=1
+  done < <(devices)
   return "$rc"
 }
 
@@ -166,7 +185,8 @@ case "${1:-run}" in
   run) cmd_run ;;
   drain) cmd_drain ;;
   health) cmd_health ;;
+  alive) cmd_alive ;;
   devices) devices ;;
-  -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' ;;
-  *) echo "usage: ulyssesd-node.sh [run|drain|health|devices]" >&2; exit 64 ;;
+  -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' ;;
+  *) echo "usage: ulyssesd-node.sh [run|drain|health|alive|devices]" >&2; exit 64 ;;
 esac

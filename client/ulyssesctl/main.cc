@@ -327,7 +327,8 @@ int Main(int argc, char** argv) {
                            ? std::string()
                            : "must be a number of seconds in (0, 86400], got '" + t + "'";
               },
-              ""));
+              ""))
+          ->default_str("off");
   app.add_option("--timeout-ms", options.timeout_ms, "Deadline of each call in milliseconds")
       ->check(cli::IntIn(1));
 

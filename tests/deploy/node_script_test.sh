@@ -75,12 +75,14 @@ devices=$(PATH="$dir/nojq" "$node" devices)
 [ "$devices" = "0 $dir/gpu0.sock
 1 $dir/gpu1.sock" ] || fail "devices without jq printed: $devices"
 "$node" health || fail "health of a serving node"
+"$node" alive || fail "alive of a serving node"
 "$ULYSSESCTL" --socket "$dir/gpu1.sock" status >/dev/null || fail "ulyssesctl status on gpu1"
 echo "start, devices, health: ok"
 "$node" drain || fail "drain"
 if "$node" health; then fail "health after drain should fail (NOT_SERVING)"; fi
 "$ULYSSESCTL" --socket "$dir/gpu0.sock" status >/dev/null || fail "a drained daemon still answers status"
-echo "drain: ok (health NOT_SERVING, status answers)"
+"$node" alive || fail "alive of a drained node (its daemons answer)"
+echo "drain: ok (health NOT_SERVING, alive and status answer)"
 kill -TERM "$script_pid"
 wait_exit
 [ "$rc" -eq 0 ] || fail "SIGTERM: ulyssesd-node.sh exited $rc, want 0"
@@ -98,4 +100,28 @@ wait_exit
 [ "$rc" -ne 0 ] || fail "a daemon was killed but ulyssesd-node.sh exited 0"
 [ ! -e "$dir/gpu0.sock" ] || fail "gpu0's daemon still runs after gpu1's died"
 echo "a dead daemon: ok (the other stopped, exit $rc)"
+if "$node" alive 2>/dev/null; then fail "alive with no daemon running"; fi
+
+# 3. drain waits for every daemon at once: a stand-in ulyssesctl whose `drain --wait` for one
+# socket returns only once the waits of both sockets have begun. Waiting in turn would never
+# see the second begin: that wait gives up after 20 s and fails the drain.
+mkdir -p "$dir/stub"
+cat >"$dir/stub/ulyssesctl" <<STUB
+#!/usr/bin/env bash
+sock=""; wait_flag=0
+while [ \$# -gt 0 ]; do
+  case \$1 in --socket) sock=\$2; shift ;; --wait) wait_flag=1 ;; esac
+  shift
+done
+[ "\$wait_flag" -eq 1 ] || exit 0
+touch "$dir/stub/waiting.\$(basename "\$sock")"
+for _ in \$(seq 1 400); do
+  [ -e "$dir/stub/waiting.gpu0.sock" ] && [ -e "$dir/stub/waiting.gpu1.sock" ] && exit 0
+  sleep 0.05
+done
+exit 1
+STUB
+chmod +x "$dir/stub/ulyssesctl"
+ULYSSESCTL="$dir/stub/ulyssesctl" "$node" drain || fail "drain did not wait for both daemons at once"
+echo "drain waits for all daemons at once: ok"
 echo "node_script_test: passed"
