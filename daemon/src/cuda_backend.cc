@@ -231,6 +231,9 @@ class CudaBackend final : public Backend {
   }
 
   std::string_view mps_mode() const override { return info_.mps ? "mps" : "no-mps"; }
+  DeviceIdentity identity() const override {
+    return DeviceIdentity{info_.uuid, info_.pci_bus_id, info_.numa_node};
+  }
 
  private:
   const int device_;

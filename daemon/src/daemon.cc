@@ -252,6 +252,9 @@ GaugeSnapshot Daemon::Gauges() {
   g.draining = draining_.load();
   g.mps = mps_mode_ == "mps";
   g.uptime_s = absl::ToDoubleSeconds(absl::Now() - started_);
+  const ipc::cuda::AllocationStats a = ipc::cuda::Stats();
+  g.device_bytes = a.live_bytes;
+  g.device_allocations = a.created + a.imported + a.ipc_opened;
   return g;
 }
 

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include "daemon.h"
+#include "ulysses/ipc/cuda_memory.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
@@ -476,6 +477,13 @@ class AdminService final : public v1::Admin::Service {
     resp->set_num_sessions(sessions);
     resp->set_calls_total(d_->metrics().calls_total());
     resp->set_calls_failed(d_->metrics().calls_failed());
+    const ipc::cuda::AllocationStats a = ipc::cuda::Stats();
+    resp->set_device_allocations(a.created + a.imported + a.ipc_opened);
+    resp->set_device_bytes(a.live_bytes);
+    const DeviceIdentity id = d_->backend_impl().identity();
+    if (!id.uuid.empty()) resp->set_device_uuid(id.uuid);
+    if (!id.pci_bus_id.empty()) resp->set_device_pci_bus_id(id.pci_bus_id);
+    if (id.numa_node >= 0) resp->set_device_numa_node(id.numa_node);
     return grpc::Status::OK;
   }
 

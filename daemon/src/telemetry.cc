@@ -116,6 +116,12 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
   Header(out, "ulyssesd_mps_enabled", "gauge",
          "1 when the daemon and its clients share the GPU through MPS.");
   out += StrCat("ulyssesd_mps_enabled ", g.mps ? 1 : 0, "\n");
+  Header(out, "ulyssesd_device_bytes", "gauge",
+         "Device memory the daemon holds (receive slots, daemon-allocated buffers), in bytes.");
+  out += StrCat("ulyssesd_device_bytes ", g.device_bytes, "\n");
+  Header(out, "ulyssesd_device_allocations_total", "counter",
+         "Device allocations made or opened (VMM created or imported, CUDA IPC opened).");
+  out += StrCat("ulyssesd_device_allocations_total ", g.device_allocations, "\n");
   return out;
 }
 

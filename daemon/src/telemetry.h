@@ -57,6 +57,8 @@ struct GaugeSnapshot {
   bool mps = false;
   double uptime_s = 0;
   std::array<int64_t, 3> slots_by_state{};  // free, writing, held
+  uint64_t device_bytes = 0;        // device memory the daemon holds (GPU backends)
+  uint64_t device_allocations = 0;  // device allocations made or opened since start
 };
 
 /// Counters of the daemon's calls. Thread-safe, lock-free on the call path.

@@ -89,6 +89,13 @@ struct TransportSetup {
   uint64_t segment_bytes = 0;
 };
 
+/// The GPU a daemon serves, as operators and the device plugin name it. Empty on the host.
+struct DeviceIdentity {
+  std::string uuid;        ///< "GPU-..."
+  std::string pci_bus_id;  ///< "0000:18:00.0"
+  int numa_node = -1;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -108,6 +115,7 @@ class Backend {
   virtual absl::StatusOr<bool> CanReach(int peer_device) const = 0;
   /// MPS mode: "mps", "no-mps" or "none".
   virtual std::string_view mps_mode() const = 0;
+  virtual DeviceIdentity identity() const { return {}; }
 };
 
 /// The host backend: buffers are memfds, slots live in the session segments, the CPU

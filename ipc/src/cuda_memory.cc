@@ -5,6 +5,7 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 
@@ -125,7 +126,14 @@ absl::StatusOr<CUdeviceptr> MapHandle(int device, CUmemGenericAllocationHandle h
   return ptr;
 }
 
+std::atomic<uint64_t> g_created{0}, g_imported{0}, g_ipc_opened{0}, g_live_bytes{0};
+
 }  // namespace
+
+AllocationStats Stats() {
+  return AllocationStats{g_created.load(), g_imported.load(), g_ipc_opened.load(),
+                         g_live_bytes.load()};
+}
 
 bool Built() { return true; }
 
@@ -213,6 +221,7 @@ void VmmMapping::Reset() noexcept {
     d.AddressFree(ptr_, size_);
   }
   if (handle_ != 0) d.MemRelease(handle_);
+  if (handle_ != 0 && exportable_) g_live_bytes.fetch_sub(size_);
   ptr_ = 0;
   handle_ = 0;
   size_ = 0;
@@ -242,6 +251,8 @@ absl::StatusOr<VmmMapping> VmmMapping::Create(int device, uint64_t bytes) {
   m.handle_ = h;
   m.size_ = size;
   m.exportable_ = true;
+  g_created.fetch_add(1);
+  g_live_bytes.fetch_add(size);
   ULY_ASSIGN_OR_RETURN(CUdeviceptr p, MapHandle(device, h, size, true));
   m.ptr_ = p;
   ULY_CUDART(cudaMemset(m.data(), 0, size));
@@ -261,6 +272,7 @@ absl::StatusOr<VmmMapping> VmmMapping::Import(int device, int fd, uint64_t bytes
                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
   m.handle_ = h;
   m.size_ = bytes;
+  g_imported.fetch_add(1);
   ULY_ASSIGN_OR_RETURN(CUdeviceptr p, MapHandle(device, h, bytes, writable));
   m.ptr_ = p;
   return m;
@@ -302,6 +314,7 @@ absl::StatusOr<IpcMapping> IpcMapping::Open(const std::string& handle) {
                                                    cudaGetErrorName(err), " (",
                                                    cudaGetErrorString(err), ")"));
   }
+  g_ipc_opened.fetch_add(1);
   return m;
 }
 

@@ -28,6 +28,7 @@ absl::StatusOr<IpcMapping> IpcMapping::Open(const std::string&) { return NoCuda(
 absl::StatusOr<AllocationInfo> QueryAllocation(const void*) { return NoCuda(); }
 absl::StatusOr<std::string> IpcHandle(void*) { return NoCuda(); }
 bool IsDevicePointer(const void*) { return false; }
+AllocationStats Stats() { return {}; }
 absl::Status Copy(void*, const void*, size_t) { return NoCuda(); }
 absl::Status Fill(void*, int, size_t) { return NoCuda(); }
 absl::Status SyncStream(void*) { return NoCuda(); }

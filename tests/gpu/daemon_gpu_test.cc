@@ -193,5 +193,88 @@ TEST_F(GpuCluster, HostBufferOnGpuBackendIsInvalidArgument) {
   EXPECT_NE(res.status().message().find("inputs[0]"), std::string::npos) << res.status();
 }
 
+// A prepared call allocates nothing: the daemons' device allocation counters stay put across
+// calls, and their device memory returns to its baseline once the session and client go.
+TEST_F(GpuCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
+  Start(2);
+  uint64_t baseline[2];
+  for (int r = 0; r < 2; ++r) baseline[r] = State(r).device_bytes();
+  std::vector<std::string> errors(2);
+  std::vector<uint64_t> after_first(2), after_many(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto client = client::Client::Connect({Members(2)[r], "alloc"});
+      if (!client.ok()) return void(errors[r] = client.status().ToString());
+      auto group = (*client)->JoinGroup({"alloc", 2, r, Members(2), "nvlink", 0});
+      if (!group.ok()) return void(errors[r] = group.status().ToString());
+      auto session = (*client)->CreateSession(*group, {8, 128, DType::kBFloat16, 256, 2, {}, 0});
+      if (!session.ok()) return void(errors[r] = session.status().ToString());
+      auto x = (*client)->AllocBuffer(256 * 8 * 128 * 2, "x");
+      auto out = (*client)->AllocBuffer(2 * 256 * 4 * 128 * 2, "out");
+      if (!x.ok() || !out.ok()) return void(errors[r] = "alloc");
+      for (int i = 0; i < 21; ++i) {
+        auto res = (*session)->ScatterHeads(x->Ref(), 1, 256, out->Ref());
+        if (!res.ok()) return void(errors[r] = res.status().ToString());
+        if (i == 0) after_first[r] = State(r).device_allocations();
+      }
+      after_many[r] = State(r).device_allocations();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_GT(after_first[r], 0u);
+    EXPECT_EQ(after_many[r], after_first[r]) << "rank " << r << " allocated during calls";
+    // The clients are gone: every slot and buffer of theirs is released.
+    EXPECT_TRUE(testing_util::Eventually([&] { return State(r).device_bytes() == baseline[r]; }))
+        << "rank " << r << ": " << State(r).device_bytes() << " bytes held, baseline "
+        << baseline[r];
+  }
+}
+
+// A peer daemon killed while a call waits on it: the survivor's call ends with an error within
+// the configured call timeout, and the survivor keeps serving new sessions.
+TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
+  Start(2, {"--call-timeout-ms", "3000"});
+  auto c0 = client::Client::Connect({Members(2)[0], "survivor"});
+  auto c1 = client::Client::Connect({Members(2)[1], "victim"});
+  ASSERT_TRUE(c0.ok() && c1.ok());
+  absl::StatusOr<client::Group> g0, g1;
+  std::thread j([&] { g1 = (*c1)->JoinGroup({"kill", 2, 1, Members(2), "nvlink", 0}); });
+  g0 = (*c0)->JoinGroup({"kill", 2, 0, Members(2), "nvlink", 0});
+  j.join();
+  ASSERT_TRUE(g0.ok() && g1.ok()) << g0.status() << " " << g1.status();
+  const client::SessionSpec spec{4, 64, DType::kBFloat16, 64, 2, {}, 0};
+  absl::StatusOr<std::unique_ptr<client::Session>> s0, s1;
+  std::thread cs([&] { s1 = (*c1)->CreateSession(*g1, spec); });
+  s0 = (*c0)->CreateSession(*g0, spec);
+  cs.join();
+  ASSERT_TRUE(s0.ok() && s1.ok()) << s0.status() << " " << s1.status();
+  auto x = (*c0)->AllocBuffer(64 * 4 * 64 * 2, "x");
+  ASSERT_TRUE(x.ok());
+  // Rank 1 never calls; its daemon dies while rank 0's call waits for it.
+  std::thread killer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    daemons_[1].Kill();
+  });
+  const absl::Time t0 = absl::Now();
+  auto res = (*s0)->ScatterHeads(x->Ref(), 1, 64);
+  const absl::Duration took = absl::Now() - t0;
+  killer.join();
+  ASSERT_FALSE(res.ok());
+  EXPECT_TRUE(res.status().code() == absl::StatusCode::kDeadlineExceeded ||
+              res.status().code() == absl::StatusCode::kAborted)
+      << res.status();
+  EXPECT_LT(took, absl::Seconds(20)) << "the call waited " << took;
+  // The survivor still serves: a one-rank session on it works.
+  auto solo = (*c0)->JoinGroup({"solo", 1, 0, {Members(2)[0]}, "nvlink", 0});
+  ASSERT_TRUE(solo.ok()) << solo.status();
+  auto s = (*c0)->CreateSession(*solo, spec);
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto ok = (*s)->ScatterHeads(x->Ref(), 1, 64);
+  EXPECT_TRUE(ok.ok()) << ok.status();
+}
+
 }  // namespace
 }  // namespace ulysses

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
@@ -41,6 +42,13 @@ bool Eventually(F cond) {
 }
 
 /// Fixture: n real daemons (host backend) in a fresh run directory, stopped in TearDown.
+/// The ulyssesd the tests start: $ULYSSESD when set (a build copied to another machine), else
+/// the one this build made.
+inline std::string UlyssesdPath() {
+  const char* e = std::getenv("ULYSSESD");
+  return e != nullptr && *e != '\0' ? e : ULYSSESD_PATH;
+}
+
 class ClusterTest : public ::testing::Test {
  protected:
   void TearDown() override {
@@ -53,7 +61,7 @@ class ClusterTest : public ::testing::Test {
     ASSERT_TRUE(dir.ok()) << dir.status();
     dir_ = *dir;
     for (int r = 0; r < n; ++r) {
-      auto d = demo::StartDaemon(ULYSSESD_PATH, dir_, r, backend_, extra);
+      auto d = demo::StartDaemon(UlyssesdPath(), dir_, r, backend_, extra);
       ASSERT_TRUE(d.ok()) << d.status();
       daemons_.push_back(std::move(*d));
     }

@@ -110,6 +110,15 @@ absl::StatusOr<AllocationInfo> QueryAllocation(const void* ptr);
 /// The cudaIpcMemHandle_t bytes of the allocation starting at `base`.
 absl::StatusOr<std::string> IpcHandle(void* base);
 
+/// Process-wide counts of this module's device allocations, for the daemon's accounting.
+struct AllocationStats {
+  uint64_t created = 0;     ///< VMM allocations created
+  uint64_t imported = 0;    ///< VMM allocations imported from another process
+  uint64_t ipc_opened = 0;  ///< legacy IPC handles opened
+  uint64_t live_bytes = 0;  ///< bytes of VMM allocations created here and not yet released
+};
+AllocationStats Stats();
+
 /// Whether `ptr` is device memory (false for host pointers, also without CUDA).
 bool IsDevicePointer(const void* ptr);
 /// cudaMemcpy with cudaMemcpyDefault (any of host/device on either side), synchronous.
