@@ -24,7 +24,9 @@ struct SlotWords {
   std::atomic<uint64_t> open;
   /// Written by the owning daemon when the result of epoch `done` is complete.
   std::atomic<uint64_t> done;
-  /// Written when the client releases the slot (next protocol step; 0 until then).
+  /// Written by the owning daemon when its client gives back the result of epoch `released`:
+  /// a ring client by a store into its client segment's release words, a client without
+  /// rings by the Release RPC, or at once when the result was copied to `out`.
   std::atomic<uint64_t> released;
   /// Epoch of the last failed call on this slot (0: none).
   std::atomic<uint64_t> error;

@@ -1,0 +1,27 @@
+// Prints, as one JSON object, the numbers the code defines and the docs repeat; the docs check
+// (check_docs.py) compares every mention in docs/ with them.
+#include <iostream>
+
+#include "nlohmann/json.hpp"
+#include "ulysses/common/config.h"
+#include "ulysses/common/geometry.h"
+#include "ulysses/ipc/client_segment.h"
+
+int main() {
+  const ulysses::DaemonConfig d;
+  const nlohmann::json j = {
+      {"client_segment_bytes", ulysses::ipc::ClientSegmentLayout::kTotal},
+      {"max_world_size", ulysses::kMaxWorldSize},
+      {"max_slots", ulysses::kMaxSlots},
+      {"config_defaults",
+       {{"log_level", d.log_level},
+        {"backend", d.backend},
+        {"timeouts.call_ms", d.call_timeout_ms},
+        {"timeouts.peer_ms", d.peer_timeout_ms},
+        {"timeouts.drain_ms", d.drain_timeout_ms},
+        {"slots.memory_budget_bytes", d.slot_memory_budget_bytes},
+        {"flight_recorder_size", d.flight_recorder_size}}},
+  };
+  std::cout << j.dump() << "\n";
+  return 0;
+}
