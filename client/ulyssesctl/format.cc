@@ -686,7 +686,7 @@ Listing RecentCallsListing(const v1::ListRecentCallsResponse& response) {
               LocalTime(c.started_unix_us()), LocalTime(c.done_unix_us()),
               timed ? Cell(FormatDurationUs(us), Seconds(static_cast<double>(us) / 1e6))
                     : Cell("-", ""),
-              Bytes(c.bytes_sent()), c.status(), c.message()});
+              Bytes(c.sent_bytes()), c.status(), c.message()});
   }
   return l;
 }

@@ -259,7 +259,8 @@ GaugeSnapshot Daemon::Gauges() {
 }
 
 std::string Daemon::RenderMetrics() {
-  return metrics_.Render(ULYSSES_VERSION, config_.device, backend_, Gauges());
+  const DeviceIdentity identity = backend_impl_ ? backend_impl_->identity() : DeviceIdentity{};
+  return metrics_.Render(ULYSSES_VERSION, config_.device, backend_, identity, Gauges());
 }
 
 absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::string& name) {

@@ -572,7 +572,7 @@ class AdminService final : public v1::Admin::Service {
       out->set_done_unix_us(absl::ToUnixMicros(r.done));
       out->set_status(absl::StatusCodeToString(r.code));
       out->set_message(r.message);
-      out->set_bytes_sent(r.bytes_sent);
+      out->set_sent_bytes(r.bytes_sent);
     }
     resp->set_capacity(static_cast<int32_t>(d_->recorder().capacity()));
     return grpc::Status::OK;

@@ -58,6 +58,20 @@ std::string Num(double v) {
   return buf;
 }
 
+// A label value escaped as the text format wants (backslash, quote, newline).
+std::string LabelValue(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    if (c == '\\' || c == '"') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
 void Header(std::string& out, const char* name, const char* type, const char* help) {
   out += StrCat("# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
 }
@@ -65,11 +79,16 @@ void Header(std::string& out, const char* name, const char* type, const char* he
 }  // namespace
 
 std::string Metrics::Render(const std::string& version, int device, const std::string& backend,
-                            const GaugeSnapshot& g) const {
+                            const DeviceIdentity& identity, const GaugeSnapshot& g) const {
   std::string out;
-  Header(out, "ulyssesd_info", "gauge", "Version, device and backend of this daemon (value 1).");
-  out += StrCat("ulyssesd_info{version=\"", version, "\",device=\"", device, "\",backend=\"",
-                backend, "\"} 1\n");
+  // UUID and pci_bus_id are spelled as NVIDIA's DCGM exporter spells them, so that a query can
+  // join the two on them; an unknown value is empty.
+  Header(out, "ulyssesd_info", "gauge",
+         "Version, device, backend and GPU identity of this daemon (value 1).");
+  out += StrCat("ulyssesd_info{version=\"", LabelValue(version), "\",device=\"", device,
+                "\",backend=\"", LabelValue(backend), "\",UUID=\"", LabelValue(identity.uuid),
+                "\",pci_bus_id=\"", LabelValue(identity.pci_bus_id), "\",numa_node=\"",
+                identity.numa_node < 0 ? std::string() : StrCat(identity.numa_node), "\"} 1\n");
   Header(out, "ulyssesd_up", "gauge", "1 while the daemon serves.");
   out += "ulyssesd_up 1\n";
   Header(out, "ulyssesd_uptime_seconds", "gauge", "Seconds since the daemon started serving.");

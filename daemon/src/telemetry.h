@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "transport.h"
 #include "ulysses/common/geometry.h"
 
 namespace ulysses::daemon {
@@ -70,8 +71,9 @@ class Metrics {
 
   void RecordCall(OpKind op, absl::StatusCode code, absl::Duration elapsed, uint64_t bytes_sent);
   /// Prometheus text exposition format 0.0.4.
+  /// `identity` labels ulyssesd_info (UUID, pci_bus_id, numa_node; empty when unknown).
   std::string Render(const std::string& version, int device, const std::string& backend,
-                     const GaugeSnapshot& g) const;
+                     const DeviceIdentity& identity, const GaugeSnapshot& g) const;
   uint64_t calls_total() const;
   uint64_t calls_failed() const;
 

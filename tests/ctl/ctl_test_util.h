@@ -144,7 +144,7 @@ inline v1::ListRecentCallsResponse SampleRecentCalls() {
   a->set_done_unix_us(kCallUnixUs + 850);  // 850us
   a->set_status("OK");
   a->set_message("");
-  a->set_bytes_sent(16'777'216);
+  a->set_sent_bytes(16'777'216);
   auto* b = r.add_calls();
   b->set_client_id(22);
   b->set_session_id(6);
@@ -157,7 +157,7 @@ inline v1::ListRecentCallsResponse SampleRecentCalls() {
   b->set_done_unix_us(kCallUnixUs - 1'488'000);  // 12ms
   b->set_status("OK");
   b->set_message("");
-  b->set_bytes_sent(5'000'000'000ULL);
+  b->set_sent_bytes(5'000'000'000ULL);
   auto* c = r.add_calls();
   c->set_client_id(1);
   c->set_session_id(5);
@@ -170,7 +170,7 @@ inline v1::ListRecentCallsResponse SampleRecentCalls() {
   c->set_done_unix_us(kCallUnixUs - 1'800'000);  // 3.2s
   c->set_status("DEADLINE_EXCEEDED");
   c->set_message("peer rank 0 did not answer");
-  c->set_bytes_sent(0);
+  c->set_sent_bytes(0);
   return r;
 }
 

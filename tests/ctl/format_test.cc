@@ -392,7 +392,7 @@ TEST(JsonTest, RecentCallsHaveEveryField) {
   EXPECT_EQ(a["done_time"], "2023-11-14T22:13:20.124306Z");
   EXPECT_EQ(a["status"], "OK");
   EXPECT_EQ(a["message"], "");
-  EXPECT_EQ(a["bytes_sent"], 16'777'216);
+  EXPECT_EQ(a["sent_bytes"], 16'777'216);
   EXPECT_EQ(j["calls"][2]["message"], "peer rank 0 did not answer");
   EXPECT_EQ(RecentCallsToJson(v1::ListRecentCallsResponse()),
             json::parse(R"({"calls":[],"capacity":0})"));

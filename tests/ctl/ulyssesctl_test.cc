@@ -457,7 +457,7 @@ TEST_F(UlyssesctlTest, Recent) {
   EXPECT_EQ(j["calls"][0]["queued_time"], "2023-11-14T22:13:20.123456Z");
   EXPECT_EQ(j["calls"][0]["done_time"], "2023-11-14T22:13:20.124306Z");
   EXPECT_EQ(j["calls"][1]["seq"].get<std::int64_t>(), 9'000'000'000LL);
-  EXPECT_EQ(j["calls"][1]["bytes_sent"].get<std::uint64_t>(), 5'000'000'000ULL);
+  EXPECT_EQ(j["calls"][1]["sent_bytes"].get<std::uint64_t>(), 5'000'000'000ULL);
   EXPECT_EQ(j["calls"][2]["status"], "DEADLINE_EXCEEDED");
   EXPECT_EQ(j["calls"][2]["message"], "peer rank 0 did not answer");
 }

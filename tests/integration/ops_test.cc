@@ -73,6 +73,10 @@ class Ops : public testing_util::ClusterTest {
 TEST_F(Ops, MetricsAreScrapedOverHttpAndCountersMoveAfterCalls) {
   Start(2, {"--metrics-address", "127.0.0.1:0"});
   const std::string addr = State(0).metrics_address();
+  // No GPU on the host backend: its identity is unknown, so the fields are unset.
+  EXPECT_FALSE(State(0).has_device_uuid());
+  EXPECT_FALSE(State(0).has_device_pci_bus_id());
+  EXPECT_FALSE(State(0).has_device_numa_node());
   ASSERT_THAT(addr, HasSubstr("127.0.0.1:"));
   EXPECT_THAT(ReadyFile(0), HasSubstr(addr));
   const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
@@ -85,7 +89,10 @@ TEST_F(Ops, MetricsAreScrapedOverHttpAndCountersMoveAfterCalls) {
   EXPECT_EQ(before["ulyssesd_up"], 1);
   EXPECT_EQ(before["ulyssesd_calls_total{op=\"scatter_heads\"}"], 0);
   EXPECT_EQ(before["ulyssesd_clients"], 0);
-  EXPECT_EQ(before["ulyssesd_info{version=\"" ULYSSES_VERSION "\",device=\"0\",backend=\"host\"}"], 1);
+  // The host backend has no GPU: its identity labels are there, empty.
+  EXPECT_EQ(before["ulyssesd_info{version=\"" ULYSSES_VERSION
+                   "\",device=\"0\",backend=\"host\",UUID=\"\",pci_bus_id=\"\",numa_node=\"\"}"],
+            1);
 
   RunWorkload(2, "metrics");
   auto after = ParseMetrics(http.Get("/metrics")->body);
@@ -145,7 +152,7 @@ TEST_F(Ops, FailedCallsAreCountedByCodeAndRecorded) {
   EXPECT_EQ(recent.calls(2).op(), "scatter_heads");
   EXPECT_EQ(recent.calls(2).status(), "OK");
   EXPECT_EQ(recent.calls(2).client_id(), (*c)->client_id());
-  EXPECT_EQ(recent.calls(2).bytes_sent(), 8u * 4 * 8 * 4);
+  EXPECT_EQ(recent.calls(2).sent_bytes(), 8u * 4 * 8 * 4);
   EXPECT_LE(recent.calls(2).queued_unix_us(), recent.calls(2).done_unix_us());
   EXPECT_EQ(recent.capacity(), 1024);
   v1::GetMetricsResponse m;
