@@ -16,6 +16,7 @@
 #include "ulysses/client/client.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
+#include "ulysses/ipc/cuda_memory.h"
 #include "ulysses/ipc/shm.h"
 
 namespace {
@@ -74,6 +75,12 @@ struct BufferEntry {
   uint64_t size = 0;
 };
 
+// A device allocation registered through RegisterDeviceBuffer: its registration and extent.
+struct DeviceEntry {
+  uint64_t id = 0;
+  uint64_t size = 0;
+};
+
 struct ClientState : ulysses::BufferResolver {
   std::unique_ptr<uc::Client> client;
   std::string backend;
@@ -81,6 +88,7 @@ struct ClientState : ulysses::BufferResolver {
   mutable std::mutex mu;
   std::map<uintptr_t, BufferEntry> by_address;  // buffer start -> entry
   std::map<uint64_t, uint64_t> sizes;           // buffer id -> size
+  std::map<uintptr_t, DeviceEntry> devices;     // device allocation base -> registration
 
   absl::StatusOr<ulysses::BufferInfo> Resolve(uint64_t id) const override {
     std::lock_guard<std::mutex> lock(mu);
@@ -101,6 +109,25 @@ struct ClientState : ulysses::BufferResolver {
     }
     return absl::InvalidArgumentError(
         StrCat(name, ": data does not point into a shared buffer of this client"));
+  }
+
+  // Records the registration `id` of the device allocation [base, base+size). The client
+  // re-registers an allocation that was freed and re-made at the same address under a new id;
+  // the old one is forgotten here too.
+  void NoteDevice(const void* base, uint64_t size, uint64_t id) {
+    const auto lo = reinterpret_cast<uintptr_t>(base);
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto it = devices.begin(); it != devices.end();) {
+      const bool overlaps = it->first < lo + size && lo < it->first + it->second.size;
+      if (overlaps && it->second.id != id) {
+        sizes.erase(it->second.id);
+        it = devices.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    devices[lo] = {id, size};
+    sizes[id] = size;
   }
 };
 
@@ -138,18 +165,73 @@ struct uly_result {
 
 namespace {
 
+// Why a CUDA tensor or a stream (`what`) cannot be used with session `s`, or OK.
+absl::Status CheckDeviceUse(const SessionState& s, const std::string& what) {
+  if (!ulysses::ipc::cuda::Built())
+    return absl::FailedPreconditionError(StrCat(
+        what, ": this libulysses_client was built without CUDA, so it takes shared host "
+              "buffers (ULY_DEVICE_HOST) only"));
+  if (s.session->backend() == "host")
+    return absl::InvalidArgumentError(StrCat(
+        what, ": the session runs on the host backend, which takes shared host buffers "
+              "(ULY_DEVICE_HOST) and no stream; start the daemons with a GPU backend "
+              "(--backend nvlink) for CUDA tensors"));
+  return absl::OkStatus();
+}
+
+// Bytes from element [0,...,0] to one past the last element of a strided 4-D tensor.
+absl::StatusOr<uint64_t> Extent(const uly_tensor* t, const char* name) {
+  const size_t item = ulysses::ItemSize(static_cast<ulysses::DType>(t->dtype));
+  const bool contiguous = t->strides[0] == 0 && t->strides[1] == 0 && t->strides[2] == 0 &&
+                          t->strides[3] == 0;
+  uint64_t last = 0, stride = 1;
+  for (int i = 3; i >= 0; --i) {
+    if (t->shape[i] <= 0)
+      return absl::InvalidArgumentError(
+          StrCat(name, ": shape ", Dims(t->shape, 4), " has an extent <= 0"));
+    const int64_t s = contiguous ? static_cast<int64_t>(stride) : t->strides[i];
+    if (s <= 0)
+      return absl::InvalidArgumentError(
+          StrCat(name, ": strides ", Dims(t->strides, 4), " must be positive"));
+    last += static_cast<uint64_t>(t->shape[i] - 1) * static_cast<uint64_t>(s);
+    stride *= static_cast<uint64_t>(t->shape[i]);
+  }
+  return (last + 1) * item;
+}
+
+// A CUDA tensor as an operand: its allocation is registered with the daemon (once; the client
+// caches it by the allocation's CUDA buffer id) and the operand addresses the tensor in it.
+absl::Status ToDeviceOperand(const SessionState& s, const uly_tensor* t, const char* name,
+                             ulysses::OperandRef* ref) {
+  ULY_RETURN_IF_ERROR(CheckDeviceUse(s, name));
+  if (t->buffer_id != 0)
+    return absl::InvalidArgumentError(
+        StrCat(name, ": a CUDA tensor gives its device pointer in data; buffer_id must be 0"));
+  if (t->data == nullptr)
+    return absl::InvalidArgumentError(StrCat(name, ": data (the device pointer) is NULL"));
+  void* ptr = static_cast<uint8_t*>(t->data) + t->byte_offset;
+  ULY_ASSIGN_OR_RETURN(uint64_t bytes, Extent(t, name));
+  absl::StatusOr<ulysses::ipc::cuda::AllocationInfo> a = ulysses::ipc::cuda::QueryAllocation(ptr);
+  if (!a.ok()) return absl::Status(a.status().code(), StrCat(name, ": ", a.status().message()));
+  if (a->device != t->device_index)
+    return absl::InvalidArgumentError(StrCat(name, ": device_index ", t->device_index,
+                                             ", but data is memory of device ", a->device));
+  absl::StatusOr<uc::Buffer> b = s.client->client->RegisterDeviceBuffer(ptr, bytes, name);
+  if (!b.ok())
+    return absl::Status(b.status().code(), StrCat(name, ": ", b.status().message()));
+  s.client->NoteDevice(a->base, a->size, b->id);
+  *ref = b->Ref(0, {t->strides[0], t->strides[1], t->strides[2], t->strides[3]});
+  return absl::OkStatus();
+}
+
 // Converts the tensor `t` named `name` into an operand of this client's buffers; `shape`
 // receives its shape.
-absl::Status ToOperand(const ClientState& client, const ulysses::SessionGeometry& g,
-                       const uly_tensor* t, const char* name, ulysses::OperandRef* ref,
-                       std::array<int64_t, 4>* shape) {
+absl::Status ToOperand(const SessionState& s, const uly_tensor* t, const char* name,
+                       ulysses::OperandRef* ref, std::array<int64_t, 4>* shape) {
   ULY_RETURN_IF_ERROR(NotNull(t, name));
   ULY_RETURN_IF_ERROR(CheckStructSize(t->struct_size, sizeof(uly_tensor), name));
-  if (t->device_kind == ULY_DEVICE_CUDA)
-    return absl::UnimplementedError(StrCat(
-        name, ": CUDA tensors need the GPU data plane, which this build does not have yet; "
-              "use shared host buffers (ULY_DEVICE_HOST)"));
-  if (t->device_kind != ULY_DEVICE_HOST)
+  const ulysses::SessionGeometry& g = s.session->geometry();
+  if (t->device_kind != ULY_DEVICE_HOST && t->device_kind != ULY_DEVICE_CUDA)
     return absl::InvalidArgumentError(StrCat(name, ": unknown device_kind ", t->device_kind));
   if (t->dtype != static_cast<int32_t>(g.dtype))
     return absl::InvalidArgumentError(
@@ -158,7 +240,9 @@ absl::Status ToOperand(const ClientState& client, const ulysses::SessionGeometry
   if (t->ndim != 4)
     return absl::InvalidArgumentError(StrCat(name, ": ndim ", t->ndim, ", this op takes 4-D tensors"));
   if (t->reserved != 0) return absl::InvalidArgumentError(StrCat(name, ": reserved must be 0"));
-  if (t->buffer_id != 0) {
+  if (t->device_kind == ULY_DEVICE_CUDA) {
+    ULY_RETURN_IF_ERROR(ToDeviceOperand(s, t, name, ref));
+  } else if (t->buffer_id != 0) {
     if (t->data != nullptr)
       return absl::InvalidArgumentError(StrCat(name, ": give buffer_id or data, not both"));
     ref->buffer_id = t->buffer_id;
@@ -167,7 +251,7 @@ absl::Status ToOperand(const ClientState& client, const ulysses::SessionGeometry
     if (t->data == nullptr)
       return absl::InvalidArgumentError(StrCat(name, ": neither buffer_id nor data is set"));
     ULY_ASSIGN_OR_RETURN(auto where,
-                         client.Locate(static_cast<const uint8_t*>(t->data) + t->byte_offset, name));
+                         s.client->Locate(static_cast<const uint8_t*>(t->data) + t->byte_offset, name));
     ref->buffer_id = where.first;
     ref->offset_bytes = where.second;
   }
@@ -191,9 +275,7 @@ absl::Status CheckShape(const std::array<int64_t, 4>& got, const std::array<int6
 absl::StatusOr<ulysses::CallArgs> ToCallArgs(const SessionState& s, const uly_call_args* a) {
   ULY_RETURN_IF_ERROR(NotNull(a, "args"));
   ULY_RETURN_IF_ERROR(CheckStructSize(a->struct_size, sizeof(uly_call_args), "args"));
-  if (a->stream != nullptr)
-    return absl::UnimplementedError(
-        "stream: streams order device tensors, which need the GPU data plane; pass NULL");
+  if (a->stream != nullptr) ULY_RETURN_IF_ERROR(CheckDeviceUse(s, "stream"));
   if (a->op < ULY_OP_SCATTER_HEADS || a->op > ULY_OP_GATHER_OUTPUT_HEAD_CHUNK)
     return absl::InvalidArgumentError(StrCat("op: unknown op ", a->op));
   const auto op = static_cast<ulysses::OpKind>(a->op);
@@ -212,12 +294,11 @@ absl::StatusOr<ulysses::CallArgs> ToCallArgs(const SessionState& s, const uly_ca
       continue;
     }
     const std::string name(names[i]);
-    ULY_RETURN_IF_ERROR(
-        ToOperand(*s.client, g, a->inputs[i], name.c_str(), &args.inputs[i], &in_shapes[i]));
+    ULY_RETURN_IF_ERROR(ToOperand(s, a->inputs[i], name.c_str(), &args.inputs[i], &in_shapes[i]));
   }
   std::array<int64_t, 4> out_shape{};
   if (a->out != nullptr)
-    ULY_RETURN_IF_ERROR(ToOperand(*s.client, g, a->out, "out", &args.out, &out_shape));
+    ULY_RETURN_IF_ERROR(ToOperand(s, a->out, "out", &args.out, &out_shape));
   args.batch = in_shapes[0][0];
   args.seq = in_shapes[0][1];
   ULY_ASSIGN_OR_RETURN(ulysses::CallPlan plan, ulysses::PlanCall(g, args, *s.client));
@@ -239,6 +320,8 @@ uly_result* NewResult(const std::shared_ptr<SessionState>& s, uc::Result r) {
 extern "C" {
 
 uint32_t uly_abi_version(void) { return ULY_ABI_VERSION; }
+
+int32_t uly_cuda_built(void) { return ulysses::ipc::cuda::Built() ? 1 : 0; }
 
 const char* uly_version(void) { return ULYSSES_VERSION; }
 
@@ -483,6 +566,7 @@ uly_status uly_session_call(uly_session* session, const uly_call_args* args, uly
     ULY_ASSIGN_OR_RETURN(ulysses::CallArgs a, ToCallArgs(*session->state, args));
     if (result == nullptr && !a.out.present())
       return absl::InvalidArgumentError("result: NULL, but the call has no out");
+    session->state->session->set_stream(args->stream);
     ULY_ASSIGN_OR_RETURN(uc::Result r, session->state->session->Call(a));
     if (result != nullptr) *result = NewResult(session->state, std::move(r));
     return absl::OkStatus();
@@ -494,6 +578,7 @@ uly_status uly_session_submit(uly_session* session, const uly_call_args* args, u
     ULY_RETURN_IF_ERROR(NotNull(session, "session"));
     ULY_RETURN_IF_ERROR(NotNull(epoch, "epoch"));
     ULY_ASSIGN_OR_RETURN(ulysses::CallArgs a, ToCallArgs(*session->state, args));
+    session->state->session->set_stream(args->stream);
     ULY_ASSIGN_OR_RETURN(*epoch, session->state->session->Submit(a));
     return absl::OkStatus();
   });
@@ -526,7 +611,7 @@ uly_status uly_result_get_info(const uly_result* result, uly_result_info* info) 
     const uc::Result& res = result->result;
     info->slot = res.slot;
     info->epoch = res.epoch;
-    info->device_kind = ULY_DEVICE_HOST;
+    info->device_kind = res.device ? ULY_DEVICE_CUDA : ULY_DEVICE_HOST;
     info->dtype = static_cast<int32_t>(result->session->session->geometry().dtype);
     info->ndim = 4;
     info->held = res.held() ? 1 : 0;

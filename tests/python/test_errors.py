@@ -153,8 +153,9 @@ def test_calls_after_close_raise_unauthenticated(sockets):
     assert (kept == 3.0).all()  # the buffer's memory stays readable after the client closed
 
 
-def test_the_c_abi_refuses_what_it_cannot_do_yet(solo):
-    """Device tensors and streams are reserved in the ABI and answered UNIMPLEMENTED."""
+def test_the_c_abi_refuses_what_a_host_session_cannot_take(solo):
+    """A host-backend session takes neither CUDA tensors nor a stream: INVALID_ARGUMENT naming
+    them (FAILED_PRECONDITION from a library built without CUDA); then bad host tensors."""
     c, hx = solo
     lib = _capi.library()
     shared = c.empty((1, 4, 4, 2), "float32")
@@ -169,11 +170,18 @@ def test_the_c_abi_refuses_what_it_cannot_do_yet(solo):
     result = ctypes.c_void_p()
     call = lambda: lib.uly_session_call(hx._handle.ptr, ctypes.byref(args), ctypes.byref(result))
 
+    built = lib.uly_cuda_built() == 1
+    refused = 3 if built else 9  # INVALID_ARGUMENT | FAILED_PRECONDITION
+    why = b"the session runs on the host backend" if built else b"without CUDA"
     args.stream = 1
-    assert call() == 12 and lib.uly_last_error().startswith(b"stream: ")
+    assert call() == refused and lib.uly_last_error().startswith(b"stream: ")
+    assert why in lib.uly_last_error()
     args.stream = None
     t.device_kind = _capi.DEVICE_CUDA
-    assert call() == 12 and lib.uly_last_error().startswith(b"x: CUDA tensors")
+    assert call() == refused and lib.uly_last_error().startswith(b"x: ")
+    assert why in lib.uly_last_error()
+    t.device_kind = 7
+    assert call() == 3 and lib.uly_last_error() == b"x: unknown device_kind 7"
     t.device_kind = _capi.DEVICE_HOST
     t.struct_size = 8
     assert call() == 3 and b"struct_size" in lib.uly_last_error()
@@ -197,6 +205,19 @@ def test_an_abi_of_another_major_version_is_refused(sockets):
     out = ctypes.c_void_p()
     assert lib.uly_connect(ctypes.byref(opts), ctypes.byref(out)) == 9  # FAILED_PRECONDITION
     assert b"abi_version" in lib.uly_last_error() and not out.value
+
+
+def test_a_caller_of_an_older_minor_version_is_served(sockets):
+    lib = _capi.library()
+    assert lib.uly_abi_version() == _capi.ABI_VERSION == (1 << 16) | 1
+    opts = _capi.new(_capi.ConnectOptions)
+    opts.abi_version = _capi.ABI_VERSION_MAJOR << 16  # 1.0
+    opts.socket = sockets[0].encode()
+    out = ctypes.c_void_p()
+    assert lib.uly_connect(ctypes.byref(opts), ctypes.byref(out)) == 0, lib.uly_last_error()
+    lib.uly_client_free(out.value)
+    opts.abi_version = _capi.ABI_VERSION + 1  # a newer minor than the library's
+    assert lib.uly_connect(ctypes.byref(opts), ctypes.byref(out)) == 9 and not out.value
 
 
 def test_the_last_error_is_per_thread(sockets):

@@ -9,7 +9,10 @@
  *
  * Versioning: ULY_ABI_VERSION = major << 16 | minor. A caller compiled with major M and
  * minor m works with any library of major M and minor >= m; uly_connect checks the version
- * the caller passes and refuses another major (ULY_FAILED_PRECONDITION).
+ * the caller passes and refuses another major (ULY_FAILED_PRECONDITION). A minor version adds
+ * functions or gives reserved values a meaning, never changes what exists. 1.1: CUDA tensors
+ * (ULY_DEVICE_CUDA), per-call streams and device results on GPU-backend sessions;
+ * uly_cuda_built.
  *
  * Thread-safety: a uly_client may be used from several threads at once; each uly_session
  * from one thread at a time (calls on a session are ordered, like work on a CUDA stream).
@@ -36,7 +39,7 @@ extern "C" {
 
 /** The ABI version of this header: major << 16 | minor. */
 #define ULY_ABI_VERSION_MAJOR 1
-#define ULY_ABI_VERSION_MINOR 0
+#define ULY_ABI_VERSION_MINOR 1
 #define ULY_ABI_VERSION ((ULY_ABI_VERSION_MAJOR << 16) | ULY_ABI_VERSION_MINOR)
 
 /** Most dimensions a uly_tensor describes. The head-exchange ops take 4. */
@@ -53,10 +56,10 @@ typedef enum uly_status {
   ULY_ALREADY_EXISTS = 6,
   ULY_PERMISSION_DENIED = 7,
   ULY_RESOURCE_EXHAUSTED = 8,  /**< capacity (max_tokens), slot memory */
-  ULY_FAILED_PRECONDITION = 9, /**< session or slot state, ABI version, backend */
+  ULY_FAILED_PRECONDITION = 9, /**< session or slot state, ABI version, backend, no CUDA */
   ULY_ABORTED = 10,            /**< a peer failed, closed or died during a call */
   ULY_OUT_OF_RANGE = 11,
-  ULY_UNIMPLEMENTED = 12,      /**< device tensors and streams until the GPU data plane */
+  ULY_UNIMPLEMENTED = 12,      /**< Submit without rings; a CUDA VMM allocation as a tensor */
   ULY_INTERNAL = 13,
   ULY_UNAVAILABLE = 14,        /**< no daemon, daemon gone or draining */
   ULY_DATA_LOSS = 15,
@@ -77,8 +80,9 @@ typedef enum uly_device_kind {
   /** A shared host buffer of this client (uly_buffer_alloc): buffer_id + byte_offset, or a
    *  `data` pointer into such a buffer. */
   ULY_DEVICE_HOST = 1,
-  /** CUDA device memory (`data` is the device pointer). Reserved: answered with
-   *  ULY_UNIMPLEMENTED until the GPU data plane lands. */
+  /** CUDA device memory: `data` is the device pointer (cudaMalloc'd memory of this process,
+   *  e.g. a tensor of a caching allocator), device_index its device. GPU-backend sessions
+   *  only; a result of kind CUDA is device memory. */
   ULY_DEVICE_CUDA = 2
 } uly_device_kind;
 
@@ -102,6 +106,9 @@ typedef struct uly_result uly_result;
 
 /** The ABI version the library implements (ULY_ABI_VERSION of the header it was built with). */
 ULY_API uint32_t uly_abi_version(void);
+/** 1 if the library was built with CUDA (it can take CUDA tensors and streams on GPU-backend
+ *  sessions), else 0. Since ABI 1.1. */
+ULY_API int32_t uly_cuda_built(void);
 /** The library's release version, e.g. "0.1.0". Static storage. */
 ULY_API const char* uly_version(void);
 /** The message of the last call on this thread that did not return ULY_OK ("" if none).
@@ -223,8 +230,16 @@ ULY_API uly_status uly_session_poison_slots(uly_session* session, int32_t* poiso
 /** A strided tensor. Zero-initialise, then set struct_size.
  *  Host tensors (device_kind ULY_DEVICE_HOST) name a shared buffer of this client: either
  *  buffer_id + byte_offset, or buffer_id 0 and `data` pointing into a buffer mapping that
- *  uly_buffer_alloc returned (the library finds the buffer). CUDA tensors (reserved) give the
- *  device pointer in `data` and the device in device_index. */
+ *  uly_buffer_alloc returned (the library finds the buffer).
+ *  CUDA tensors (ULY_DEVICE_CUDA, GPU-backend sessions) give the device pointer in `data`
+ *  (plus byte_offset, usually 0), buffer_id 0, and the pointer's device in device_index. The
+ *  allocation holding `data` is handed to the daemon by CUDA IPC on first use and cached by
+ *  its CUDA buffer id: later calls on the same allocation cost no registration, and memory
+ *  freed and allocated again at the same address is registered afresh. The allocation must
+ *  come from cudaMalloc (a cuMemCreate allocation, e.g. torch's expandable segments, is
+ *  ULY_UNIMPLEMENTED). On a host-backend session a CUDA tensor is ULY_INVALID_ARGUMENT; in a
+ *  library built without CUDA (uly_cuda_built() == 0) ULY_FAILED_PRECONDITION. Both name the
+ *  tensor. */
 typedef struct uly_tensor {
   uint32_t struct_size;    /**< sizeof(uly_tensor) */
   int32_t device_kind;     /**< uly_device_kind */
@@ -233,7 +248,7 @@ typedef struct uly_tensor {
   uint64_t buffer_id;      /**< host: the shared buffer, or 0 to locate `data` */
   uint64_t byte_offset;    /**< host: offset of element [0,...,0] in the buffer */
   void* data;              /**< host: a pointer into a buffer (buffer_id 0); CUDA: device pointer */
-  int32_t device_index;    /**< CUDA: the device ordinal (reserved) */
+  int32_t device_index;    /**< CUDA: the device ordinal of `data` */
   int32_t reserved;        /**< must be 0 */
   int64_t shape[ULY_MAX_DIMS];
   int64_t strides[ULY_MAX_DIMS];  /**< in elements; all zero: contiguous (row-major) */
@@ -251,8 +266,11 @@ typedef struct uly_call_args {
   /** Optional for ops 1-3 (the result is copied there and the slot released at once),
    *  required for op 4. */
   const uly_tensor* out;
-  /** Reserved for the GPU data plane: a cudaStream_t ordering the call. Must be NULL for
-   *  host tensors; ULY_UNIMPLEMENTED otherwise in this build. */
+  /** GPU-backend sessions: the cudaStream_t whose work produces the inputs (and consumes the
+   *  results). The call runs after the work enqueued on it so far (today the library waits
+   *  for the stream on the host), and its result is complete when the call returns. NULL:
+   *  the legacy default stream. On a host-backend session it must be NULL
+   *  (ULY_INVALID_ARGUMENT otherwise; ULY_FAILED_PRECONDITION in a library without CUDA). */
   void* stream;
   int64_t timeout_ms;         /**< uly_session_wait only: 0 = 5 minutes */
 } uly_call_args;
@@ -262,13 +280,16 @@ typedef struct uly_result_info {
   uint32_t struct_size;   /**< set by the caller: sizeof(uly_result_info) */
   int32_t slot;           /**< receive slot, (epoch-1) % num_slots */
   uint64_t epoch;         /**< the session's call counter, from 1, the same on every rank */
-  int32_t device_kind;    /**< uly_device_kind of `data` */
+  int32_t device_kind;    /**< of `data`: ULY_DEVICE_CUDA (device memory, GPU backends) or HOST */
   int32_t dtype;          /**< uly_dtype */
   int32_t ndim;           /**< 4 */
   int32_t held;           /**< 1 while the result holds its slot */
   int64_t shape[ULY_MAX_DIMS];    /**< the result's shape */
   int64_t strides[ULY_MAX_DIMS];  /**< element strides of `data` (contiguous) */
-  const void* data;       /**< the result in the receive slot, read-only; NULL unless held */
+  /** The result in the receive slot, read-only (a device pointer when device_kind is
+   *  ULY_DEVICE_CUDA: the slot is mapped read-only on the device, and a kernel writing there
+   *  faults); NULL unless held. */
+  const void* data;
   uint64_t bytes;         /**< bytes at `data` */
   int64_t daemon_us;      /**< time the daemon spent on the call */
 } uly_result_info;

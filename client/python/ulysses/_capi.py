@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 ABI_VERSION_MAJOR = 1
-ABI_VERSION_MINOR = 0
+ABI_VERSION_MINOR = 1
 ABI_VERSION = (ABI_VERSION_MAJOR << 16) | ABI_VERSION_MINOR
 MAX_DIMS = 8
 
@@ -91,6 +91,7 @@ _P = ctypes.POINTER
 # name: (restype, argtypes)
 _SIGNATURES = {
     "uly_abi_version": (_u32, []),
+    "uly_cuda_built": (_i32, []),
     "uly_version": (_cp, []),
     "uly_last_error": (_cp, []),
     "uly_status_name": (_cp, [_i32]),
@@ -158,13 +159,18 @@ def library() -> ctypes.CDLL:
         if lib is None:
             raise OSError("ulysses: cannot load libulysses_client; set ULYSSES_LIBRARY to its "
                           "path. Tried: " + "; ".join(tried))
+        lib.uly_abi_version.restype = _u32
+        lib.uly_abi_version.argtypes = []
+        version = lib.uly_abi_version()
+        major, minor = version >> 16, version & 0xffff
+        if major != ABI_VERSION_MAJOR or minor < ABI_VERSION_MINOR:
+            raise OSError("ulysses: %s implements C ABI %d.%d, this package needs %d.%d or a "
+                          "later %d.x" % (getattr(lib, "_name", "?"), major, minor,
+                                          ABI_VERSION_MAJOR, ABI_VERSION_MINOR,
+                                          ABI_VERSION_MAJOR))
         for name, (restype, argtypes) in _SIGNATURES.items():
             f = getattr(lib, name)
             f.restype = restype
             f.argtypes = argtypes
-        major = lib.uly_abi_version() >> 16
-        if major != ABI_VERSION_MAJOR:
-            raise OSError("ulysses: %s implements C ABI %d, this package needs %d"
-                          % (getattr(lib, "_name", "?"), major, ABI_VERSION_MAJOR))
         _lib = lib
         return lib

@@ -92,13 +92,19 @@ int main(int argc, char** argv) {
   EXPECT(uly_result_release(r) == ULY_OK, "release");
   uly_result_free(r);
 
-  /* Reserved for the GPU data plane: refused, nothing sent. */
+  /* A host-backend session takes neither CUDA tensors nor streams (a library without CUDA
+   * refuses them as such); refused before anything is sent. */
+  const uly_status no_device =
+      uly_cuda_built() ? ULY_INVALID_ARGUMENT : ULY_FAILED_PRECONDITION;
   t.device_kind = ULY_DEVICE_CUDA;
-  EXPECT(uly_session_call(session, &a, &r) == ULY_UNIMPLEMENTED, "CUDA tensors: UNIMPLEMENTED");
+  EXPECT(uly_session_call(session, &a, &r) == no_device, "CUDA tensors on the host backend");
   EXPECT(strncmp(uly_last_error(), "x: ", 3) == 0, "the refusal names x");
+  EXPECT(strstr(uly_last_error(), uly_cuda_built() ? "host backend" : "without CUDA") != NULL,
+         "the refusal says why");
   Describe(&t, x);
   a.stream = &t;
-  EXPECT(uly_session_call(session, &a, &r) == ULY_UNIMPLEMENTED, "streams: UNIMPLEMENTED");
+  EXPECT(uly_session_call(session, &a, &r) == no_device, "a stream on the host backend");
+  EXPECT(strncmp(uly_last_error(), "stream: ", 8) == 0, "the refusal names stream");
   a.stream = NULL;
   t.shape[2] = 3;
   EXPECT(uly_session_call(session, &a, &r) == ULY_INVALID_ARGUMENT, "wrong shape");
