@@ -60,13 +60,24 @@ def test_empty_gives_a_shared_tensor(sockets):
         hx.close()
 
 
-def test_cuda_tensors_are_not_supported_yet(sockets):
+def test_a_host_session_refuses_cuda_tensors(sockets):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     with ulysses.connect(sockets[0]) as c:
         hx = c.head_exchange(c.join_group(unique(), 0, 1), 2, 2, "float32", 4)
-        with pytest.raises(ulysses.UnimplementedError, match="x: CUDA tensors"):
+        expected = ulysses.InvalidArgumentError if ulysses.cuda_built() else \
+            ulysses.FailedPreconditionError
+        with pytest.raises(expected, match="^x: "):
             hx.scatter_heads(torch.zeros(1, 4, 2, 2, device="cuda"))
+        with pytest.raises(ulysses.InvalidArgumentError, match="^out: a CUDA tensor, but"):
+            hx.scatter_heads(torch.zeros(1, 4, 2, 2), out=torch.zeros(1, 4, 2, 2, device="cuda"))
+
+
+def test_tensors_of_other_devices_are_refused(sockets):
+    with ulysses.connect(sockets[0]) as c:
+        hx = c.head_exchange(c.join_group(unique(), 0, 1), 2, 2, "float32", 4)
+        with pytest.raises(ulysses.InvalidArgumentError, match="^x: a meta tensor"):
+            hx.scatter_heads(torch.zeros(1, 4, 2, 2, device="meta"))
 
 
 @pytest.mark.parametrize("world,extra", [(1, []), (2, []), (2, ["--dtype", "bfloat16"]),

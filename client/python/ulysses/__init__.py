@@ -17,6 +17,7 @@ The package is ctypes over the library's C ABI and loads libulysses_client.so fr
 """
 from ._capi import ABI_VERSION
 from ._client import Client, Group, HeadExchange, SlotArray, connect, release
+from ._torch import DeviceSlot
 from ._errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError,
                       DeadlineExceededError, Error, FailedPreconditionError, InternalError,
                       InvalidArgumentError, NotFoundError, OutOfRangeError,
@@ -26,6 +27,13 @@ from ._errors import (AbortedError, AlreadyExistsError, CancelledError, DataLoss
 __version__ = "0.1.0"
 
 
+def cuda_built() -> bool:
+    """Whether the loaded libulysses_client was built with CUDA (takes CUDA tensors on GPU
+    backends)."""
+    from ._capi import library
+    return bool(library().uly_cuda_built())
+
+
 def library_version() -> str:
     """The release version of the loaded libulysses_client."""
     from ._capi import library
@@ -33,10 +41,10 @@ def library_version() -> str:
 
 
 __all__ = [
-    "ABI_VERSION", "Client", "Group", "HeadExchange", "SlotArray", "connect", "release",
-    "library_version", "Error", "AbortedError", "AlreadyExistsError", "CancelledError",
-    "DataLossError", "DeadlineExceededError", "FailedPreconditionError", "InternalError",
-    "InvalidArgumentError", "NotFoundError", "OutOfRangeError", "PermissionDeniedError",
-    "ResourceExhaustedError", "UnauthenticatedError", "UnavailableError",
-    "UnimplementedError", "UnknownError",
+    "ABI_VERSION", "Client", "DeviceSlot", "Group", "HeadExchange", "SlotArray", "connect",
+    "release", "cuda_built", "library_version", "Error", "AbortedError", "AlreadyExistsError",
+    "CancelledError", "DataLossError", "DeadlineExceededError", "FailedPreconditionError",
+    "InternalError", "InvalidArgumentError", "NotFoundError", "OutOfRangeError",
+    "PermissionDeniedError", "ResourceExhaustedError", "UnauthenticatedError",
+    "UnavailableError", "UnimplementedError", "UnknownError",
 ]

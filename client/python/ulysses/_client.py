@@ -145,6 +145,7 @@ class _Slot:
         self.slot = int(info.slot)
         self.shape = tuple(int(info.shape[i]) for i in range(info.ndim))
         self.data = info.data
+        self.device = info.device_kind == _capi.DEVICE_CUDA  # `data` is device memory
         self.bytes = int(info.bytes)
         self.daemon_us = int(info.daemon_us)
         self._held = bool(info.held)
@@ -193,8 +194,8 @@ class SlotArray(np.ndarray):
 
 
 def release(result: Any) -> None:
-    """Releases the receive slot of a result (a :class:`SlotArray` or a torch tensor that a
-    call returned, or any view of one). Idempotent."""
+    """Releases the receive slot of a result (a :class:`SlotArray`, a :class:`DeviceSlot` or a
+    torch tensor that a call returned, or a numpy view of one). Idempotent."""
     slot = getattr(result, "_slot", None) or getattr(result, "_ulysses_slot", None)
     if slot is not None:
         slot.release()
@@ -223,10 +224,12 @@ class _Operand:
     """How one argument reaches the library: a uly_tensor over shared memory (the caller's,
     when the array lies in a buffer of this client, or a staging buffer's)."""
 
-    def __init__(self, tensor: _capi.Tensor, array: np.ndarray, staged: Optional[np.ndarray]):
+    def __init__(self, tensor: _capi.Tensor, array: Optional[np.ndarray],
+                 staged: Optional[np.ndarray], cuda: Any = None):
         self.tensor = tensor
-        self.array = array    # the caller's array (numpy view of it)
+        self.array = array    # the caller's array (numpy view of it); None for CUDA tensors
         self.staged = staged  # the staging copy the call reads or writes, if any
+        self.cuda = cuda      # the caller's CUDA tensor, if it is one
 
 
 class HeadExchange:
@@ -234,10 +237,19 @@ class HeadExchange:
     issues the same calls, with the same arguments, in the same order. Use from one thread
     at a time.
 
-    Arguments are numpy arrays or CPU torch tensors of shape ``[B, S, heads, D]`` in the
-    session's dtype, any positive strides. Arrays inside shared buffers of this client
-    (:meth:`Client.empty`) are passed as they are; others are copied into shared staging
-    buffers that the session allocates once and reuses.
+    On the host backend, arguments are numpy arrays or CPU torch tensors of shape
+    ``[B, S, heads, D]`` in the session's dtype, any positive strides. Arrays inside shared
+    buffers of this client (:meth:`Client.empty`) are passed as they are; others are copied
+    into shared staging buffers that the session allocates once and reuses. Results are views
+    of the receive slot (:class:`SlotArray`, or a CPU tensor for torch inputs).
+
+    On a GPU backend (daemons started with ``--backend nvlink``), arguments are torch CUDA
+    tensors (any positive strides, from the caching allocator or anywhere cudaMalloc'd). Each
+    allocation is handed to the daemon once, by CUDA IPC, and cached; memory freed and
+    allocated again is registered afresh. The call is ordered after the work enqueued so far
+    on torch's current stream of the tensors' device, and its result is complete when the
+    call returns. Results are read-only CUDA tensors viewing the receive slot (through
+    ``__cuda_array_interface__``, no copy); ``out=`` takes CUDA tensors.
     """
 
     def __init__(self, client: "Client", group: Group, ptr: int, num_heads: int, head_dim: int,
@@ -363,15 +375,7 @@ class HeadExchange:
         if _torch.is_tensor(value):
             is_torch.append(True)
             if _torch.is_device_tensor(value):
-                # The C ABI answers UNIMPLEMENTED until the GPU data plane lands.
-                t.device_kind = _capi.DEVICE_CUDA
-                t.ndim = min(value.dim(), _capi.MAX_DIMS)
-                for i in range(t.ndim):
-                    t.shape[i] = value.shape[i]
-                    t.strides[i] = value.stride(i)
-                t.data = value.data_ptr()
-                t.device_index = value.device.index or 0
-                return _Operand(t, None, None)
+                return self._cuda_operand(name, value, t)
             value = _torch.to_numpy(value)
         elif isinstance(value, np.ndarray):
             is_torch.append(False)
@@ -403,12 +407,43 @@ class HeadExchange:
         t.data = buf.address
         return _Operand(t, a, staged)
 
+    def _cuda_operand(self, name: str, value: Any, t: _capi.Tensor) -> _Operand:
+        """A torch CUDA tensor as a uly_tensor of kind CUDA (the library registers its
+        allocation with the daemon; nothing is copied)."""
+        if value.device.type != "cuda":
+            raise InvalidArgumentError("%s: a %s tensor; ulysses takes CPU and CUDA tensors"
+                                       % (name, value.device.type))
+        if value.dim() > _capi.MAX_DIMS:
+            raise InvalidArgumentError("%s: ndim %d, this op takes 4-D tensors"
+                                       % (name, value.dim()))
+        if _DTYPE_CODES.get(str(value.dtype).replace("torch.", "")) != self._dtype_code:
+            raise InvalidArgumentError("%s: dtype %s is not the session's %s"
+                                       % (name, value.dtype, self.dtype))
+        t.device_kind = _capi.DEVICE_CUDA
+        t.ndim = value.dim()
+        for i in range(t.ndim):
+            t.shape[i] = value.shape[i]
+            # A size-1 dimension's stride is arbitrary in torch; any positive one will do.
+            t.strides[i] = value.stride(i) if value.shape[i] != 1 else 1
+        t.data = value.data_ptr()
+        t.device_index = value.device.index if value.device.index is not None else 0
+        return _Operand(t, None, None, cuda=value)
+
     def _call(self, op: int, inputs: Sequence[Tuple[str, Any]], out: Optional[ArrayLike],
               head_offset: int = 0, head_count: int = 0) -> ArrayLike:
         lib = _capi.library()
         is_torch: List[bool] = []
         operands = [self._operand(n, v, is_torch) for n, v in inputs]
+        cuda = next((o.cuda for o in operands if o.cuda is not None), None)
+        if out is not None and (cuda is not None) != (
+                _torch.is_tensor(out) and _torch.is_device_tensor(out)):
+            raise InvalidArgumentError(
+                "out: a %s, but the inputs are %s; give out where the inputs are" % (
+                    "CUDA tensor" if cuda is None else "host array",
+                    "CUDA tensors" if cuda is not None else "host arrays"))
         args = _capi.new(_capi.CallArgs)
+        if cuda is not None:
+            args.stream = _torch.current_stream(cuda) or None
         args.op = op
         args.head_offset = head_offset
         args.head_count = head_count
@@ -432,6 +467,10 @@ class HeadExchange:
         if out is not None:
             if copy_out_later:
                 slot = _Slot(result.value, self)
+                if slot.device:  # host operands on a GPU backend: refused before this
+                    slot.release()
+                    raise InvalidArgumentError("out: the session's results are device memory; "
+                                               "give out as a CUDA tensor")
                 try:
                     view = self._slot_array(slot, out_op.array.dtype)
                     if view.shape != out_op.array.shape:
@@ -444,10 +483,22 @@ class HeadExchange:
                 np.copyto(out_op.array, out_op.staged)
             return out
         slot = _Slot(result.value, self)
+        if slot.device:
+            return self._device_result(slot)
         like = operands[0].array.dtype if operands[0].array is not None else None
         view = self._slot_array(slot, like)
         if is_torch and is_torch[0]:
             return _torch.slot_tensor(view, self._dtype_code == _capi.DTYPE_BFLOAT16, slot)
+        return view
+
+    def _device_result(self, slot: _Slot) -> Any:
+        """A result in device memory: a CUDA torch tensor viewing the slot when torch is
+        imported, else the :class:`DeviceSlot` (``__cuda_array_interface__``) itself."""
+        bf16 = self._dtype_code == _capi.DTYPE_BFLOAT16
+        typestr = "<i2" if bf16 else _NUMPY_DTYPES[self._dtype_code].str
+        view = _torch.DeviceSlot(slot, typestr, bf16)
+        if _torch.is_available():
+            return _torch.device_slot_tensor(view)
         return view
 
     def _slot_array(self, slot: _Slot, like: Optional[np.dtype]) -> SlotArray:

@@ -17,6 +17,11 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
+def is_available() -> bool:
+    """Whether torch is imported (a caller that passes tensors has imported it)."""
+    return _torch() is not None
+
+
 def is_tensor(obj: Any) -> bool:
     t = _torch()
     return t is not None and isinstance(obj, t.Tensor)
@@ -69,9 +74,11 @@ def _slot_tensor_class() -> Any:
         torch = _torch()
 
         class SlotTensor(torch.Tensor):
-            """A CPU tensor viewing a receive slot. Read-only: do not write into it (the slot is
-            mapped read-only); clone() it to get a tensor of your own. The slot is released by
-            release() or when the last view is dropped. Operations on it return plain tensors."""
+            """A tensor viewing a receive slot: a CPU tensor on the host backend, a CUDA tensor
+            on a GPU backend. Read-only: do not write into it (the slot is mapped read-only; on
+            the device a kernel writing there faults); clone() it to get a tensor of your own.
+            The slot is released by release() or when the tensor and its views are dropped.
+            Operations on it return plain tensors."""
 
             __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -95,6 +102,63 @@ def slot_tensor(view: np.ndarray, bfloat16: bool, slot: Any) -> Any:
     t = from_numpy(view, bfloat16).as_subclass(_slot_tensor_class())
     t._ulysses_slot = slot
     return t
+
+
+class DeviceSlot:
+    """A receive slot in device memory (GPU backends), as ``__cuda_array_interface__``
+    (version 3) describes it: ``torch.as_tensor(slot)``, ``cupy.asarray(slot)`` or numba view it
+    without a copy, and keep this object (and so the slot) alive while they live. The data is
+    complete when the call returns (``stream`` is None: no synchronisation needed). Read-only,
+    although the interface cannot say so (torch refuses the read-only flag): a kernel writing
+    into it faults. bfloat16 results are exposed as int16 bits (``typestr`` ``<i2``); torch
+    users get a bfloat16 tensor from the calls directly."""
+
+    __slots__ = ("__cuda_array_interface__", "_slot", "bfloat16", "__weakref__")
+
+    def __init__(self, slot: Any, typestr: str, bfloat16: bool):
+        self._slot = slot
+        self.bfloat16 = bfloat16
+        self.__cuda_array_interface__ = {
+            "shape": tuple(slot.shape), "typestr": typestr, "data": (int(slot.data), False),
+            "strides": None, "version": 3, "stream": None}
+
+    @property
+    def shape(self) -> tuple:
+        return self.__cuda_array_interface__["shape"]
+
+    @property
+    def held(self) -> bool:
+        """Whether the result still holds its slot."""
+        return self._slot.held
+
+    @property
+    def epoch(self) -> int:
+        return self._slot.epoch
+
+    def release(self) -> None:
+        """Gives the receive slot back now; do not read the data afterwards. Idempotent."""
+        self._slot.release()
+
+    def __repr__(self) -> str:
+        return "DeviceSlot(shape=%s, typestr=%r, epoch=%d, held=%s)" % (
+            self.shape, self.__cuda_array_interface__["typestr"], self.epoch, self.held)
+
+
+def device_slot_tensor(slot: DeviceSlot) -> Any:
+    """A CUDA SlotTensor over a device slot (no copy); its storage keeps `slot` alive."""
+    torch = _torch()
+    t = torch.as_tensor(slot)
+    if slot.bfloat16:
+        t = t.view(torch.bfloat16)
+    t = t.as_subclass(_slot_tensor_class())
+    t._ulysses_slot = slot._slot
+    return t
+
+
+def current_stream(t: Any) -> int:
+    """The cudaStream_t of torch's current stream on the device of CUDA tensor `t` (0 for the
+    legacy default stream)."""
+    return int(_torch().cuda.current_stream(t.device).cuda_stream)
 
 
 def join_group(client: Any, process_group: Any, name: Optional[str], backend: str,
