@@ -114,6 +114,7 @@ class ClientImpl : public BufferResolver {
   }
 
   absl::StatusOr<ipc::Completion> Await(uint64_t session, uint64_t epoch, absl::Time deadline) {
+    bool spun = false;
     for (;;) {
       {
         std::lock_guard<std::mutex> lock(complete_mu);
@@ -128,6 +129,14 @@ class ClientImpl : public BufferResolver {
       }
       if (header->abort.load(std::memory_order_acquire) != 0)
         return absl::AbortedError("the daemon dropped this client");
+      if (!spun) {
+        // Poll the completion ring briefly before sleeping on the doorbell (ipc::kRingSpin).
+        spun = true;
+        ipc::SpinFor(ipc::kRingSpin, [&] {
+          return !complete->empty() || header->abort.load(std::memory_order_acquire) != 0;
+        });
+        continue;
+      }
       const absl::Time now = absl::Now();
       if (now >= deadline)
         return absl::DeadlineExceededError(StrCat("no completion for session ", session,
