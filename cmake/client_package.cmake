@@ -20,6 +20,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/client/include/ulysses/client/client.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/ulysses/client COMPONENT client)
 install(FILES
   ${PROJECT_SOURCE_DIR}/common/include/ulysses/common/geometry.h
+  ${PROJECT_SOURCE_DIR}/common/include/ulysses/common/fused.h
   ${PROJECT_SOURCE_DIR}/common/include/ulysses/common/status.h
   ${PROJECT_SOURCE_DIR}/common/include/ulysses/common/strings.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/ulysses/common COMPONENT client)

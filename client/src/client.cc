@@ -20,6 +20,7 @@
 #include "ulysses/ipc/fd.h"
 #include "ulysses/ipc/shm.h"
 #include "ulysses/ipc/unix_socket.h"
+#include "ulysses/proto/fused_spec.h"
 #include "ulysses/proto/grpc_status.h"
 #include "ulysses/v1/control.grpc.pb.h"
 
@@ -182,7 +183,17 @@ class ClientImpl : public BufferResolver {
     auto it = buffers.find(id);
     if (it == buffers.end())
       return absl::InvalidArgumentError(StrCat("buffer ", id, " is not registered"));
-    return BufferInfo{it->second.first.size};
+    const Buffer& b = it->second.first;
+    return BufferInfo{b.size, b.device ? nullptr : b.data};
+  }
+
+  // Where byte `offset_bytes` of registered buffer `id` lies in this process (host memory or a
+  // device pointer), or null for an unknown id.
+  const uint8_t* Address(uint64_t id, uint64_t offset_bytes) const {
+    std::lock_guard<std::mutex> lock(buf_mu);
+    auto it = buffers.find(id);
+    if (it == buffers.end() || it->second.first.data == nullptr) return nullptr;
+    return static_cast<const uint8_t*>(it->second.first.data) + offset_bytes;
   }
 
   absl::Status AddBuffer(const v1::BufferInfo& info, ipc::UniqueFd fd, Buffer* out) {
@@ -488,6 +499,42 @@ absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const Group& grou
   s->set_num_slots(g.num_slots);
   for (int32_t c : g.schedule) s->add_schedule(c);
   req.set_timeout_ms(spec.timeout_ms);
+  return OpenSession(req, g);
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::CreateFusedSession(const Group& group,
+                                                                    const FusedSessionSpec& spec) {
+  FusedSessionArgs args;
+  FusedGeometry& f = args.geometry;
+  f.world_size = group.world_size;
+  f.rank = group.rank;
+  f.hidden = spec.hidden;
+  f.num_heads = spec.num_heads;
+  f.head_dim = spec.head_dim;
+  f.dtype = spec.dtype;
+  f.layout = spec.layout;
+  f.max_tokens = spec.max_tokens;
+  f.num_slots = spec.num_slots;
+  f.max_pos = spec.max_pos;
+  args.path = spec.path;
+  args.weights = spec.weights;
+  // The daemon's GPU kernels take head_dim 128; the host backend's reference any even one.
+  ULY_RETURN_IF_ERROR(ValidateFusedGeometry(
+      f, impl_->backend == "host" ? FusedImpl::kReference : FusedImpl::kCuda));
+  ULY_RETURN_IF_ERROR(ValidateFusedWeights(f, spec.weights, *impl_));
+  v1::CreateSessionRequest req;
+  req.set_group_id(group.id);
+  req.set_kind(v1::SESSION_KIND_QKV_NORM_ROPE_EXCHANGE);
+  FusedSessionToProto(args, req.mutable_fused());
+  req.set_timeout_ms(spec.timeout_ms);
+  ULY_ASSIGN_OR_RETURN(std::unique_ptr<Session> session, OpenSession(req, SlotGeometry(f)));
+  session->fused_ = f;
+  session->fused_weights_ = spec.weights;
+  return session;
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const v1::CreateSessionRequest& req,
+                                                             const SessionGeometry& g) {
   v1::SessionInfo info;
   std::lock_guard<std::mutex> lock(impl_->fd_mu);
   grpc::ClientContext ctx;
@@ -542,6 +589,55 @@ std::atomic<uint64_t>* Session::ReleaseWord(int32_t slot) const {
   return &client_->header->released[release_index_][slot];
 }
 
+absl::StatusOr<std::string> Session::Describe() {
+  if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
+  v1::DescribeSessionRequest req;
+  req.set_session_id(id_);
+  v1::SessionInfo info;
+  grpc::ClientContext ctx;
+  client_->Prepare(&ctx, absl::Seconds(30));
+  ULY_RETURN_IF_ERROR(FromGrpcStatus(client_->stub->DescribeSession(&ctx, req, &info)));
+  return info.plan();
+}
+
+absl::StatusOr<CallPlan> Session::Plan(const CallArgs& args) const {
+  if (fused_) return PlanQkvCall(*fused_, args, *client_, &fused_weights_);
+  return PlanCall(geometry_, args, *client_);
+}
+
+absl::StatusOr<std::vector<Result>> Session::QkvNormRopeExchange(const OperandRef& x,
+                                                                 const OperandRef& positions,
+                                                                 int64_t batch, int64_t seq_local,
+                                                                 const OperandRef& out) {
+  if (!fused_)
+    return absl::InvalidArgumentError(
+        StrCat("op: session ", id_, " is a head_exchange session; qkv_norm_rope_exchange needs a "
+               "qkv_norm_rope_exchange session (Client::CreateFusedSession)"));
+  CallArgs a;
+  a.op = OpKind::kQkvNormRopeExchange;
+  a.batch = batch;
+  a.seq = seq_local;
+  a.inputs[0] = x;
+  a.inputs[1] = positions;
+  a.out = out;
+  ULY_ASSIGN_OR_RETURN(Result whole, Call(a));
+  if (out.present()) {
+    // The copy is the result: point the views at it.
+    const uint8_t* at = client_->Address(out.buffer_id, out.offset_bytes);
+    if (at == nullptr) return absl::InternalError("out: buffer vanished during the call");
+    whole.data = at;
+  }
+  if (fused_->layout == QkvLayout::kFused) return std::vector<Result>{whole};
+  // bshd: q, k, v planes one after the other; the three views share the slot's hold.
+  std::vector<Result> views(3, whole);
+  const uint64_t plane = whole.bytes / 3;
+  for (int i = 0; i < 3; ++i) {
+    views[i].data = static_cast<const uint8_t*>(whole.data) + i * plane;
+    views[i].bytes = plane;
+  }
+  return views;
+}
+
 absl::StatusOr<int> Session::PoisonSlots() {
   if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
   v1::PoisonSlotsRequest req;
@@ -566,7 +662,7 @@ absl::StatusOr<uint64_t> Session::Submit(const CallArgs& args) {
   if (!client_->has_rings())
     return absl::UnimplementedError("Submit needs the call rings (ConnectOptions::use_rings)");
   // The same verdict the daemon reaches, before anything leaves this process.
-  ULY_RETURN_IF_ERROR(PlanCall(geometry_, args, *client_).status());
+  ULY_RETURN_IF_ERROR(Plan(args).status());
   ipc::CallDescriptor d{};
   d.session_id = id_;
   d.op = static_cast<uint32_t>(args.op);
@@ -630,7 +726,7 @@ absl::StatusOr<Result> Session::Call(const CallArgs& args) {
   }
   if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
   // The same verdict the daemon reaches, before anything leaves this process.
-  ULY_RETURN_IF_ERROR(PlanCall(geometry_, args, *client_).status());
+  ULY_RETURN_IF_ERROR(Plan(args).status());
   v1::CallRequest req;
   req.set_session_id(id_);
   req.set_op(static_cast<v1::OpKind>(args.op));

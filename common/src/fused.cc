@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cctype>
 #include <string>
+#include <utility>
 
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
@@ -85,6 +86,35 @@ absl::StatusOr<QkvLayout> ParseQkvLayout(std::string_view name) {
   return Invalid("layout", StrCat("'", name, "' is not one of bshd, fused"));
 }
 
+std::string_view FusedPathName(FusedPath path) {
+  switch (path) {
+    case FusedPath::kPerOperator:
+      return "per_operator";
+    case FusedPath::kChunked:
+      return "chunked";
+    default:
+      return "auto";
+  }
+}
+
+absl::StatusOr<FusedPath> ParseFusedPath(std::string_view name) {
+  for (FusedPath p : {FusedPath::kAuto, FusedPath::kPerOperator, FusedPath::kChunked})
+    if (name == FusedPathName(p)) return p;
+  return Invalid("path", StrCat("'", name, "' is not one of auto, per_operator, chunked"));
+}
+
+SessionGeometry SlotGeometry(const FusedGeometry& g) {
+  SessionGeometry s;
+  s.world_size = g.world_size;
+  s.rank = g.rank;
+  s.num_heads = g.num_heads;
+  s.head_dim = g.head_dim;
+  s.dtype = DType::kBFloat16;
+  s.max_tokens = g.max_tokens;
+  s.num_slots = g.num_slots;
+  return s;
+}
+
 absl::Status ValidateFusedGeometry(const FusedGeometry& g, FusedImpl impl) {
   if (g.world_size < 1 || g.world_size > kMaxWorldSize)
     return Invalid("world_size", StrCat(g.world_size, " is not in [1, ", kMaxWorldSize, "]"));
@@ -156,6 +186,81 @@ absl::StatusOr<FusedCallPlan> PlanFusedCall(const FusedGeometry& g, const FusedC
   ULY_RETURN_IF_ERROR(CheckContiguousOperand("x", args.x, rows * g.hidden, ItemSize(g.dtype),
                                              kFusedAlignBytes, buffers));
   ULY_RETURN_IF_ERROR(CheckContiguousOperand("positions", args.positions, rows, 4, 4, buffers));
+  return p;
+}
+
+absl::StatusOr<CallPlan> PlanQkvCall(const FusedGeometry& g, const CallArgs& args,
+                                     const BufferResolver& buffers,
+                                     const FusedWeightsArgs* weights) {
+  if (args.op != OpKind::kQkvNormRopeExchange)
+    return Invalid("op", StrCat(OpName(args.op), " is not an op of a qkv_norm_rope_exchange ",
+                                "session (its op is qkv_norm_rope_exchange)"));
+  if (args.head_offset != 0 || args.head_count != 0)
+    return Invalid("head_count", "qkv_norm_rope_exchange takes no head band (head_offset and "
+                                 "head_count must be 0)");
+  if (args.inputs[2].present())
+    return Invalid("inputs", "qkv_norm_rope_exchange takes 2 inputs (x, positions), got an "
+                             "operand in position 2");
+  ULY_ASSIGN_OR_RETURN(const FusedCallPlan f,
+                       PlanFusedCall(g, FusedCallArgs{args.batch, args.seq, args.inputs[0],
+                                                      args.inputs[1]},
+                                     buffers));
+  ULY_ASSIGN_OR_RETURN(const BufferInfo pos_buf, buffers.Resolve(args.inputs[1].buffer_id));
+  if (pos_buf.host_data != nullptr) {
+    const auto* pos = reinterpret_cast<const int32_t*>(
+        static_cast<const uint8_t*>(pos_buf.host_data) + args.inputs[1].offset_bytes);
+    ULY_RETURN_IF_ERROR(CheckFusedPositions(g, pos, f.rows));
+  }
+  const int32_t item = ItemSize(g.dtype);
+  auto contiguous = [](uint64_t id, uint64_t offset, int64_t elems, int32_t itemsize) {
+    ResolvedOperand r;
+    r.buffer_id = id;
+    r.offset_bytes = offset;
+    r.shape = {1, 1, 1, elems};
+    r.strides = {elems, elems, elems, 1};
+    r.span_bytes = static_cast<uint64_t>(elems) * static_cast<uint64_t>(itemsize);
+    return r;
+  };
+  CallPlan p;
+  p.op = OpKind::kQkvNormRopeExchange;
+  p.batch = f.batch;
+  p.seq_local = f.seq_local;
+  p.num_inputs = 2;
+  p.inputs[0] = contiguous(args.inputs[0].buffer_id, args.inputs[0].offset_bytes,
+                           f.rows * g.hidden, item);
+  p.inputs[0].shape = {f.batch, f.seq_local, g.hidden, 1};
+  p.inputs[1] = contiguous(args.inputs[1].buffer_id, args.inputs[1].offset_bytes, f.rows, 4);
+  p.inputs[1].shape = {f.batch, f.seq_local, 1, 1};
+  p.out_shape = f.out_shape;
+  p.slot_elems = f.out_elems;
+  if (args.out.present()) {
+    ULY_RETURN_IF_ERROR(CheckContiguousOperand("out", args.out, f.out_elems, item,
+                                               static_cast<uint64_t>(item), buffers));
+    p.has_out = true;
+    p.out = contiguous(args.out.buffer_id, args.out.offset_bytes, f.out_elems, item);
+    auto overlaps = [&](uint64_t id, uint64_t offset, uint64_t bytes) {
+      return id == p.out.buffer_id && offset < p.out.offset_bytes + p.out.span_bytes &&
+             p.out.offset_bytes < offset + bytes;
+    };
+    for (int i = 0; i < 2; ++i)
+      if (overlaps(p.inputs[i].buffer_id, p.inputs[i].offset_bytes, p.inputs[i].span_bytes))
+        return Invalid("out", StrCat("overlaps input ", i == 0 ? "x" : "positions",
+                                     " (same buffer, overlapping bytes)"));
+    if (weights != nullptr) {
+      const std::pair<const char*, const FusedTensorRef*> named[] = {{"w_qkv", &weights->w_qkv},
+                                                                     {"q_norm", &weights->q_norm},
+                                                                     {"k_norm", &weights->k_norm},
+                                                                     {"cos_sin", &weights->cos_sin}};
+      for (const auto& [name, w] : named) {
+        uint64_t bytes = static_cast<uint64_t>(ItemSize(w->dtype));
+        for (int i = 0; i < std::clamp(w->rank, 0, 4); ++i)
+          bytes *= static_cast<uint64_t>(w->shape[i]);
+        if (overlaps(w->buffer_id, w->offset_bytes, bytes))
+          return Invalid("out", StrCat("overlaps the session's weight ", name,
+                                       " (same buffer, overlapping bytes)"));
+      }
+    }
+  }
   return p;
 }
 

@@ -51,8 +51,13 @@ std::string_view OpName(OpKind op) {
     case OpKind::kGatherHeads: return "gather_heads";
     case OpKind::kScatterQkvHeadChunk: return "scatter_qkv_head_chunk";
     case OpKind::kGatherOutputHeadChunk: return "gather_output_head_chunk";
+    case OpKind::kQkvNormRopeExchange: return "qkv_norm_rope_exchange";
     default: return "unspecified";
   }
+}
+
+std::string_view SessionKindName(SessionKind kind) {
+  return kind == SessionKind::kQkvNormRopeExchange ? "qkv_norm_rope_exchange" : "head_exchange";
 }
 
 int64_t SessionGeometry::SlotElems() const {
@@ -122,6 +127,7 @@ std::vector<std::string_view> InputNames(OpKind op) {
     case OpKind::kGatherHeads: return {"y"};
     case OpKind::kScatterQkvHeadChunk: return {"q", "k", "v"};
     case OpKind::kGatherOutputHeadChunk: return {"x"};
+    case OpKind::kQkvNormRopeExchange: return {"x", "positions"};
     default: return {};
   }
 }

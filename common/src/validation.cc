@@ -93,6 +93,9 @@ absl::StatusOr<CallPlan> PlanCall(const SessionGeometry& g, const CallArgs& args
   const int64_t D = g.head_dim;
   CallPlan p;
   p.op = args.op;
+  if (args.op == OpKind::kQkvNormRopeExchange)
+    return Invalid("op", "qkv_norm_rope_exchange is the op of a qkv_norm_rope_exchange session, "
+                         "not of a head_exchange session");
   if (args.op < OpKind::kScatterHeads || args.op > OpKind::kGatherOutputHeadChunk)
     return Invalid("op", StrCat("unknown operation ", static_cast<int>(args.op)));
   if (args.batch <= 0) return Invalid("batch", StrCat("must be > 0, got ", args.batch));

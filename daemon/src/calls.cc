@@ -16,7 +16,8 @@ class ClientBuffers : public BufferResolver {
  public:
   ClientBuffers(Daemon* d, ClientRecord* c) : d_(d), c_(c) {}
   absl::StatusOr<BufferInfo> Resolve(uint64_t id) const override {
-    if (std::shared_ptr<Buffer> b = Find(id)) return BufferInfo{b->size};
+    if (std::shared_ptr<Buffer> b = Find(id))
+      return BufferInfo{b->size, b->device ? nullptr : b->data};
     for (auto& other : d_->Clients()) {
       if (other.get() == c_) continue;
       std::lock_guard<std::mutex> lock(other->mu);
@@ -66,7 +67,10 @@ absl::StatusOr<CallResult> Daemon::RunCall(ClientRecord& c, uint64_t session_id,
                                            CallRecord* rec) {
   ULY_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, FindSession(c, session_id));
   ClientBuffers buffers(this, &c);
-  absl::StatusOr<CallPlan> plan = PlanCall(s->geometry(), args, buffers);
+  absl::StatusOr<CallPlan> plan =
+      s->fused() != nullptr
+          ? PlanQkvCall(s->fused()->geometry, args, buffers, &s->fused_weights())
+          : PlanCall(s->geometry(), args, buffers);
   if (!plan.ok()) {
     // A descriptor already counted on its epoch: the epoch is spent and the session breaks.
     if (expected_epoch != 0) return s->Refuse(expected_epoch, plan.status());
@@ -108,6 +112,30 @@ absl::StatusOr<CallResult> Daemon::RunCall(ClientRecord& c, uint64_t session_id,
   rec->bytes_sent = r.outcome.bytes_sent;
   c.calls.fetch_add(1);
   return r;
+}
+
+absl::StatusOr<FusedWeightsHeld> Daemon::ResolveFusedWeights(ClientRecord& c,
+                                                              const FusedGeometry& g,
+                                                              const FusedWeightsArgs& w) {
+  ClientBuffers buffers(this, &c);
+  ULY_RETURN_IF_ERROR(ValidateFusedWeights(g, w, buffers));
+  const bool wants_device = !backend_impl().slots_in_segment();
+  FusedWeightsHeld held;
+  const std::pair<const char*, const FusedTensorRef*> named[] = {
+      {"w_qkv", &w.w_qkv}, {"q_norm", &w.q_norm}, {"k_norm", &w.k_norm}, {"cos_sin", &w.cos_sin}};
+  const void* ptrs[4] = {};
+  for (int i = 0; i < 4; ++i) {
+    std::shared_ptr<Buffer> b = buffers.Find(named[i].second->buffer_id);
+    if (!b) return absl::InvalidArgumentError(StrCat(named[i].first, ": buffer freed"));
+    if (b->device != wants_device)
+      return absl::InvalidArgumentError(StrCat(
+          named[i].first, ": buffer ", b->id, " is ", b->device ? "device" : "host", " memory; the ",
+          backend(), " backend needs ", wants_device ? "device" : "host", " memory"));
+    ptrs[i] = static_cast<const uint8_t*>(b->data) + named[i].second->offset_bytes;
+    held.buffers.push_back(std::move(b));
+  }
+  held.weights = kernels::QkvWeights{ptrs[0], ptrs[1], ptrs[2], static_cast<const float*>(ptrs[3])};
+  return held;
 }
 
 absl::StatusOr<CallResult> Daemon::Call(ClientRecord& c, uint64_t session_id, const CallArgs& args,

@@ -40,6 +40,9 @@ class CudaTransport final : public Transport {
   static absl::StatusOr<std::unique_ptr<Transport>> Create(int device, FdExports* exports,
                                                            const TransportSetup& setup) {
     ULY_RETURN_IF_ERROR(UseDevice(device));
+    if (setup.fused)
+      return absl::UnimplementedError(
+          "kind: qkv_norm_rope_exchange sessions run on the host backend only in this build");
     std::unique_ptr<CudaTransport> t(new CudaTransport(device, exports, setup));
     t->stride_ = AlignUp(setup.slot_bytes, kSlotAlign);
     ULY_ASSIGN_OR_RETURN(t->slots_, ipc::cuda::VmmMapping::Create(
@@ -152,6 +155,10 @@ class CudaTransport final : public Transport {
     return ClientSlotMapping{client_fd_.get(), slots_.size(), true};
   }
   uint64_t DeviceBytes() const override { return slots_.size(); }
+  std::string Describe() const override {
+    return "nvlink: CUDA exchange kernels storing into every destination's slot, one launch per "
+           "destination";
+  }
 
  private:
   CudaTransport(int device, FdExports* exports, const TransportSetup& setup)

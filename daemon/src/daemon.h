@@ -85,6 +85,13 @@ struct ClientRecord {
   int32_t release_rows_used = 0;
 };
 
+/// A fused session's weights resolved against its owner's buffers: the pointers the kernels
+/// read and the buffers that keep them mapped.
+struct FusedWeightsHeld {
+  kernels::QkvWeights weights{};
+  std::vector<std::shared_ptr<Buffer>> buffers;
+};
+
 /// What a call produced, for either path (RPC or ring).
 struct CallResult {
   CallOutcome outcome;
@@ -143,6 +150,11 @@ class Daemon {
 
   /// The caller's session; another client's id is PERMISSION_DENIED, an unknown one NOT_FOUND.
   absl::StatusOr<std::shared_ptr<Session>> FindSession(ClientRecord& c, uint64_t session_id);
+  /// Validates a fused session's weights against client `c`'s buffers (ValidateFusedWeights,
+  /// and memory of the kind this backend's kernels read) and resolves them. Nothing is kept on
+  /// failure.
+  absl::StatusOr<FusedWeightsHeld> ResolveFusedWeights(ClientRecord& c, const FusedGeometry& g,
+                                                       const FusedWeightsArgs& w);
   /// Runs one call of client `c` (validation, execution, accounting, flight recorder). Used by
   /// the Call RPC (`expected_epoch` 0) and by the ring worker (the descriptor's epoch).
   absl::StatusOr<CallResult> Call(ClientRecord& c, uint64_t session_id, const CallArgs& args,

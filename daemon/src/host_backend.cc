@@ -2,6 +2,7 @@
 // the group's daemons map), and the CPU block references of kernels/ write into them.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "call_views.h"
@@ -10,13 +11,18 @@
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/shm.h"
 #include "ulysses/kernels/exchange.h"
+#include "ulysses/kernels/qkv_norm_rope.h"
 
 namespace ulysses::daemon {
 namespace {
 
 class HostTransport final : public Transport {
  public:
-  explicit HostTransport(const TransportSetup& s) : s_(s) {}
+  explicit HostTransport(const TransportSetup& s) : s_(s) {
+    // A fused call reads its positions from this copy: the client's buffer is shared memory it
+    // may still write, and the reference indexes the cos/sin table with them. Sized once.
+    if (s_.fused) positions_.resize(static_cast<size_t>(s_.fused->geometry.max_tokens));
+  }
 
   std::string LocalHandle() const override { return "host"; }
 
@@ -55,11 +61,38 @@ class HostTransport final : public Transport {
     }
   }
 
+  bool PushesAtOnce(const CallPlan& plan) const override {
+    return plan.op == OpKind::kQkvNormRopeExchange;
+  }
+
+  absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot, uint64_t) override {
+    if (plan.op != OpKind::kQkvNormRopeExchange || !s_.fused)
+      return absl::InvalidArgumentError(StrCat("op: ", OpName(plan.op), " is pushed per destination"));
+    const FusedGeometry& g = s_.fused->geometry;
+    const int64_t rows = plan.batch * plan.seq_local;
+    // Validation checked the range; a value the client changed since is clamped, as the GPU
+    // kernels clamp.
+    const auto* pos = static_cast<const int32_t*>(ops.inputs[1]);
+    for (int64_t t = 0; t < rows; ++t) positions_[t] = std::clamp(pos[t], 0, g.max_pos - 1);
+    const kernels::QkvNormRopeShape shape{g.world_size, g.num_heads,  g.head_dim,
+                                          g.max_pos,    plan.batch,   plan.seq_local};
+    const int me = g.rank;
+    for (int k = 1; k <= g.world_size; ++k) {
+      const int dst = (me + k) % g.world_size;
+      kernels::QkvNormRopeBlockRef(shape, g.layout, s_.fused->weights, ops.inputs[0],
+                                   positions_.data(), me, dst, Slot(dst, slot));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Flush() override { return absl::OkStatus(); }  // stores are already visible
 
   absl::Status Finish(const CallPlan& plan, const CallOperands& ops, int slot) override {
     const uint8_t* data = Slot(s_.geometry.rank, slot);
-    if (plan.op == OpKind::kGatherOutputHeadChunk) {
+    if (plan.op == OpKind::kQkvNormRopeExchange) {
+      if (plan.has_out)
+        std::memcpy(ops.out, data, static_cast<size_t>(plan.slot_elems) * s_.geometry.itemsize());
+    } else if (plan.op == OpKind::kGatherOutputHeadChunk) {
       kernels::GatherOutputHeadChunkMergeRef(ShapeOf(s_.geometry, plan), data, plan.head_offset,
                                              plan.head_count, OutView(plan, ops));
     } else if (plan.has_out) {
@@ -82,6 +115,14 @@ class HostTransport final : public Transport {
   }
   uint64_t DeviceBytes() const override { return 0; }
 
+  std::string Describe() const override {
+    if (!s_.fused) return "host: CPU block references, one block per destination";
+    return StrCat("host: fp32 step-by-step CPU reference (QkvNormRopeBlockRef): per destination, ",
+                  "its band of the projection, RMSNorm + RoPE of its Q and K heads, stored in ",
+                  QkvLayoutName(s_.fused->geometry.layout),
+                  " layout into its slot; the GPU paths need the nvlink backend");
+  }
+
  private:
   uint8_t* Slot(int rank, int slot) const {
     uint8_t* base = rank == s_.geometry.rank ? s_.own_segment : segments_[rank];
@@ -90,6 +131,7 @@ class HostTransport final : public Transport {
 
   TransportSetup s_;
   std::vector<uint8_t*> segments_;
+  std::vector<int32_t> positions_;  // fused sessions: [max_tokens], this call's positions
 };
 
 class HostBackend final : public Backend {

@@ -2,6 +2,8 @@
 // and converts absl::Status to grpc::Status at the edge.
 #include <unistd.h>
 
+#include <optional>
+
 #include "daemon.h"
 #include "ulysses/ipc/cuda_memory.h"
 #include "nlohmann/json.hpp"
@@ -9,6 +11,7 @@
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/shm.h"
+#include "ulysses/proto/fused_spec.h"
 #include "ulysses/proto/grpc_status.h"
 #include "ulysses/v1/admin.grpc.pb.h"
 #include "ulysses/v1/control.grpc.pb.h"
@@ -57,6 +60,20 @@ void FillSessionInfo(const Session& s, const Group& g, v1::SessionInfo* out) {
     out->set_slot_stride_bytes(s.transport().SlotOffset(1) - s.transport().SlotOffset(0));
     out->set_slot_offset_bytes(0);
   }
+  out->set_kind(static_cast<v1::SessionKind>(s.kind()));
+  if (const FusedSetup* f = s.fused())
+    FusedSessionToProto(FusedSessionArgs{f->geometry, f->path, s.fused_weights()},
+                        out->mutable_fused());
+  out->set_plan(s.transport().Describe());
+}
+
+void FillSessionState(const ClientRecord& c, uint64_t id, const Session& s, v1::SessionState* out) {
+  auto git = c.groups.find(s.group_id());
+  if (git != c.groups.end()) FillSessionInfo(s, *git->second, out->mutable_info());
+  out->set_owner_client_id(c.id);
+  out->set_kind(std::string(SessionKindName(s.kind())));
+  out->set_calls(s.calls());
+  out->set_last_epoch(s.last_epoch());
 }
 
 // Canonical rendering of what every rank of a session must agree on.
@@ -65,6 +82,14 @@ std::string SpecAgreement(const SessionGeometry& g) {
   for (int32_t c : g.schedule) sched += StrCat(sched.empty() ? "" : ",", c);
   return StrCat("num_heads=", g.num_heads, " head_dim=", g.head_dim, " dtype=", DTypeName(g.dtype),
                 " max_tokens=", g.max_tokens, " num_slots=", g.num_slots, " schedule=[", sched, "]");
+}
+
+// The same for a fused session: its geometry and path (each rank's weights are its own).
+std::string FusedAgreement(const FusedGeometry& g, FusedPath path) {
+  return StrCat("kind=qkv_norm_rope_exchange hidden=", g.hidden, " num_heads=", g.num_heads,
+                " head_dim=", g.head_dim, " dtype=", DTypeName(g.dtype),
+                " layout=", QkvLayoutName(g.layout), " max_tokens=", g.max_tokens,
+                " num_slots=", g.num_slots, " max_pos=", g.max_pos, " path=", FusedPathName(path));
 }
 
 OperandRef ToOperand(const v1::TensorRef& t) {
@@ -222,6 +247,20 @@ class ControlService final : public v1::Control::Service {
     });
   }
 
+  grpc::Status DescribeSession(grpc::ServerContext* ctx, const v1::DescribeSessionRequest* req,
+                               v1::SessionInfo* resp) override {
+    return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
+      ULY_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, d_->FindSession(c, req->session_id()));
+      std::lock_guard<std::mutex> lock(c.mu);
+      auto git = c.groups.find(s->group_id());
+      if (git == c.groups.end())
+        return absl::FailedPreconditionError(
+            StrCat("session_id: ", req->session_id(), ": its group is gone"));
+      FillSessionInfo(*s, *git->second, resp);
+      return absl::OkStatus();
+    });
+  }
+
  private:
   // Authenticates the caller, runs `f(ClientRecord&) -> absl::Status`, and converts the status
   // at the edge.
@@ -369,30 +408,65 @@ class ControlService final : public v1::Control::Service {
     }
     if (!g) return absl::NotFoundError(StrCat("group_id: ", req.group_id(), " not joined by this client"));
     SessionGeometry geo;
-    geo.world_size = g->world_size;
-    geo.rank = g->rank;
-    geo.num_heads = req.spec().num_heads();
-    geo.head_dim = req.spec().head_dim();
-    geo.dtype = static_cast<DType>(req.spec().dtype());
-    geo.max_tokens = req.spec().max_tokens();
-    geo.num_slots = req.spec().num_slots() == 0 ? 2 : req.spec().num_slots();
-    geo.schedule.assign(req.spec().schedule().begin(), req.spec().schedule().end());
+    std::optional<FusedSessionArgs> fused;
+    if (req.kind() == v1::SESSION_KIND_QKV_NORM_ROPE_EXCHANGE) {
+      fused = FusedSessionFromProto(req.fused(), g->world_size, g->rank);
+      ULY_RETURN_IF_ERROR(ValidateFusedGeometry(
+          fused->geometry,
+          d_->backend_impl().slots_in_segment() ? FusedImpl::kReference : FusedImpl::kCuda));
+      if (fused->path != FusedPath::kAuto && fused->path != FusedPath::kPerOperator &&
+          fused->path != FusedPath::kChunked)
+        return absl::InvalidArgumentError(
+            StrCat("path: unknown path ", static_cast<int>(fused->path)));
+      geo = SlotGeometry(fused->geometry);
+    } else if (req.kind() == v1::SESSION_KIND_UNSPECIFIED ||
+               req.kind() == v1::SESSION_KIND_HEAD_EXCHANGE) {
+      geo.world_size = g->world_size;
+      geo.rank = g->rank;
+      geo.num_heads = req.spec().num_heads();
+      geo.head_dim = req.spec().head_dim();
+      geo.dtype = static_cast<DType>(req.spec().dtype());
+      geo.max_tokens = req.spec().max_tokens();
+      geo.num_slots = req.spec().num_slots() == 0 ? 2 : req.spec().num_slots();
+      geo.schedule.assign(req.spec().schedule().begin(), req.spec().schedule().end());
+    } else {
+      return absl::InvalidArgumentError(StrCat("kind: unknown session kind ", req.kind()));
+    }
     ULY_RETURN_IF_ERROR(ValidateSessionGeometry(geo));
     const uint64_t id = d_->NextId();
     const uint64_t seq = g->sessions_created.fetch_add(1);
-    const uint64_t needed = Session::BytesNeeded(geo, d_->backend_impl());
+    uint64_t needed = Session::BytesNeeded(geo, d_->backend_impl());
     const absl::Duration timeout =
         absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : d_->config().peer_timeout_ms);
     const std::string key = StrCat("session/", g->name, "/", seq);
     // A rank that cannot take part still arrives, with a failure payload, so that every rank
     // gets the same verdict instead of waiting out the timeout.
-    absl::Status local = d_->ReserveSlotMemory(needed);
+    // A fused session's weights are this rank's own: a rank that refuses them still arrives.
+    FusedWeightsHeld weights;
+    FusedSetup fused_setup;
+    absl::Status local;
+    if (fused) {
+      absl::StatusOr<FusedWeightsHeld> held =
+          d_->ResolveFusedWeights(c, fused->geometry, fused->weights);
+      if (held.ok()) {
+        weights = std::move(*held);
+        fused_setup = FusedSetup{fused->geometry, fused->path, weights.weights};
+      } else {
+        local = held.status();
+      }
+    }
+    if (local.ok()) local = d_->ReserveSlotMemory(needed);
+    else needed = 0;  // nothing reserved
     std::unique_ptr<Session> session;
     if (local.ok()) {
-      absl::StatusOr<std::unique_ptr<Session>> created = Session::Create(
-          id, g->id, c.id, geo, StrCat("/ulysses-", ::getpid(), "-", id), d_->backend_impl());
-      if (created.ok()) session = std::move(*created);
-      else {
+      absl::StatusOr<std::unique_ptr<Session>> created =
+          Session::Create(id, g->id, c.id, geo, StrCat("/ulysses-", ::getpid(), "-", id),
+                          d_->backend_impl(), fused ? &fused_setup : nullptr,
+                          std::move(weights.buffers));
+      if (created.ok()) {
+        session = std::move(*created);
+        if (fused) session->set_fused_weights(fused->weights);
+      } else {
         local = created.status();
         d_->ReleaseSlotMemory(needed);
       }
@@ -400,7 +474,9 @@ class ControlService final : public v1::Control::Service {
     const std::string payload = local.ok() ? StrCat("ok:", session->RendezvousPayload())
                                            : StrCat("error:", local.message());
     absl::StatusOr<std::vector<std::string>> names = d_->rendezvous_client().Rendezvous(
-        g->members[0], key, g->world_size, g->rank, SpecAgreement(geo), payload, timeout);
+        g->members[0], key, g->world_size, g->rank,
+        fused ? FusedAgreement(fused->geometry, fused->path) : SpecAgreement(geo), payload,
+        timeout);
     absl::Status status = names.status();
     if (status.ok() && !local.ok()) status = local;
     if (status.ok()) {
@@ -440,7 +516,7 @@ class ControlService final : public v1::Control::Service {
     }
     FillSessionInfo(*shared, *g, resp);
     Logger("exec")->debug("client {}: session {} on group {} ({})", c.id, id, g->name,
-                          SpecAgreement(geo));
+                          fused ? FusedAgreement(fused->geometry, fused->path) : SpecAgreement(geo));
     return absl::OkStatus();
   }
 
@@ -524,17 +600,22 @@ class AdminService final : public v1::Admin::Service {
                             v1::ListSessionsResponse* resp) override {
     for (auto& c : d_->Clients()) {
       std::lock_guard<std::mutex> lock(c->mu);
-      for (auto& [id, s] : c->sessions) {
-        v1::SessionState* ss = resp->add_sessions();
-        auto git = c->groups.find(s->group_id());
-        if (git != c->groups.end()) FillSessionInfo(*s, *git->second, ss->mutable_info());
-        ss->set_owner_client_id(c->id);
-        ss->set_kind("head_exchange");
-        ss->set_calls(s->calls());
-        ss->set_last_epoch(s->last_epoch());
-      }
+      for (auto& [id, s] : c->sessions) FillSessionState(*c, id, *s, resp->add_sessions());
     }
     return grpc::Status::OK;
+  }
+
+  grpc::Status GetSession(grpc::ServerContext*, const v1::GetSessionRequest* req,
+                          v1::SessionState* resp) override {
+    for (auto& c : d_->Clients()) {
+      std::lock_guard<std::mutex> lock(c->mu);
+      auto it = c->sessions.find(req->session_id());
+      if (it == c->sessions.end()) continue;
+      FillSessionState(*c, it->first, *it->second, resp);
+      return grpc::Status::OK;
+    }
+    return ToGrpcStatus(
+        absl::NotFoundError(StrCat("session_id: ", req->session_id(), " is not open here")));
   }
 
   grpc::Status ListSlots(grpc::ServerContext*, const v1::ListSlotsRequest*,

@@ -25,11 +25,10 @@ uint64_t Session::BytesNeeded(const SessionGeometry& g, const Backend& backend) 
   return bytes;
 }
 
-absl::StatusOr<std::unique_ptr<Session>> Session::Create(uint64_t id, uint64_t group_id,
-                                                         uint64_t owner_client,
-                                                         const SessionGeometry& g,
-                                                         std::string segment_name,
-                                                         Backend& backend) {
+absl::StatusOr<std::unique_ptr<Session>> Session::Create(
+    uint64_t id, uint64_t group_id, uint64_t owner_client, const SessionGeometry& g,
+    std::string segment_name, Backend& backend, const FusedSetup* fused,
+    std::vector<std::shared_ptr<Buffer>> weight_buffers) {
   SegmentLayout layout = ControlLayout(g, backend);
   ipc::NamedSegment::UnlinkIfExists(segment_name);  // a stale name from a crashed daemon
   ULY_ASSIGN_OR_RETURN(ipc::NamedSegment seg,
@@ -52,9 +51,11 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(uint64_t id, uint64_t g
   setup.slot_stride_bytes = layout.slot_stride_bytes;
   setup.segment_fd = seg.fd();
   setup.segment_bytes = layout.total_bytes;
-  ULY_ASSIGN_OR_RETURN(std::unique_ptr<Transport> transport, backend.MakeTransport(setup));
+  if (fused != nullptr) setup.fused = *fused;
   std::unique_ptr<Session> session(new Session(id, group_id, owner_client, g, layout, std::move(seg)));
-  session->transport_ = std::move(transport);
+  session->fused_ = setup.fused;
+  session->weight_buffers_ = std::move(weight_buffers);
+  ULY_ASSIGN_OR_RETURN(session->transport_, backend.MakeTransport(setup));
   return session;
 }
 
@@ -271,7 +272,9 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
   mine->slots[s].open.store(e, std::memory_order_release);
 
   absl::Status status;
+  const bool at_once = transport_->PushesAtOnce(plan);
   // Destinations in rotated order starting after this rank, so ranks do not all hit rank 0.
+  // A transport that writes every block in one pass waits for every destination first.
   for (int k = 1; k <= W && status.ok(); ++k) {
     const int dst = (me + k) % W;
     SessionControlBlock* theirs = Control(dst);
@@ -288,8 +291,9 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
           " S_l=", plan.seq_local, " band ", plan.head_offset, "+", plan.head_count, ")"));
       break;
     }
-    status = transport_->Push(plan, ops, dst, s);
+    if (!at_once) status = transport_->Push(plan, ops, dst, s);
   }
+  if (at_once && status.ok()) status = transport_->PushAll(plan, ops, s, e);
   // Every block must be in place (a GPU backend's kernels finished) before the arrival words
   // announce them; release order makes the bytes visible before the word.
   if (status.ok()) status = transport_->Flush();

@@ -9,11 +9,13 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "ulysses/common/fused.h"
 #include "ulysses/common/geometry.h"
 #include "ulysses/common/session_layout.h"
 #include "ulysses/ipc/shm.h"
@@ -34,11 +36,12 @@ class Session {
  public:
   /// Creates this rank's control segment under `segment_name` and its receive slots through
   /// `backend`. Does not touch peers yet.
-  static absl::StatusOr<std::unique_ptr<Session>> Create(uint64_t id, uint64_t group_id,
-                                                         uint64_t owner_client,
-                                                         const SessionGeometry& geometry,
-                                                         std::string segment_name,
-                                                         Backend& backend);
+  /// A qkv_norm_rope_exchange session passes `fused` (its geometry must give `geometry` by
+  /// SlotGeometry) and the buffers its weights live in, which the session keeps mapped.
+  static absl::StatusOr<std::unique_ptr<Session>> Create(
+      uint64_t id, uint64_t group_id, uint64_t owner_client, const SessionGeometry& geometry,
+      std::string segment_name, Backend& backend, const FusedSetup* fused = nullptr,
+      std::vector<std::shared_ptr<Buffer>> weight_buffers = {});
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -85,7 +88,16 @@ class Session {
   uint64_t id() const { return id_; }
   uint64_t group_id() const { return group_id_; }
   uint64_t owner_client() const { return owner_client_; }
+  /// The slots' geometry (for a fused session: SlotGeometry of its fused geometry).
   const SessionGeometry& geometry() const { return geometry_; }
+  SessionKind kind() const {
+    return fused_ ? SessionKind::kQkvNormRopeExchange : SessionKind::kHeadExchange;
+  }
+  /// A qkv_norm_rope_exchange session's geometry and path; null for head exchange.
+  const FusedSetup* fused() const { return fused_ ? &*fused_ : nullptr; }
+  /// Its weights as the owner registered them (buffer ids, offsets, shapes).
+  const FusedWeightsArgs& fused_weights() const { return fused_weights_; }
+  void set_fused_weights(const FusedWeightsArgs& w) { fused_weights_ = w; }
   const SegmentLayout& layout() const { return layout_; }
   /// Bytes this session holds against the daemon's slot budget (segment and device slots).
   uint64_t reserved_bytes() const { return layout_.total_bytes + transport_->DeviceBytes(); }
@@ -125,6 +137,10 @@ class Session {
   const SegmentLayout layout_;
   ipc::NamedSegment segment_;
   std::vector<ipc::NamedSegment> peers_;  // index = rank; this rank's entry is empty
+  std::optional<FusedSetup> fused_;
+  FusedWeightsArgs fused_weights_;
+  // Declared before transport_: the weights stay mapped until the transport is gone.
+  std::vector<std::shared_ptr<Buffer>> weight_buffers_;
   std::unique_ptr<Transport> transport_;
   mutable std::mutex call_mu_;            // one call in flight per session
   uint64_t epoch_ = 0;

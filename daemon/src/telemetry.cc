@@ -25,7 +25,7 @@ std::vector<CallRecord> FlightRecorder::Recent(size_t limit) const {
 void Metrics::RecordCall(OpKind op, absl::StatusCode code, absl::Duration elapsed,
                          uint64_t bytes_sent) {
   const int op_index = static_cast<int>(op);
-  calls_by_op_[op_index >= 0 && op_index < 5 ? op_index : 0].fetch_add(1, std::memory_order_relaxed);
+  calls_by_op_[op_index >= 0 && op_index < kNumOpKinds ? op_index : 0].fetch_add(1, std::memory_order_relaxed);
   const int code_index = static_cast<int>(code);
   if (code != absl::StatusCode::kOk)
     errors_by_code_[code_index > 0 && code_index < 17 ? code_index : 2].fetch_add(1, std::memory_order_relaxed);
@@ -94,7 +94,7 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
   Header(out, "ulyssesd_uptime_seconds", "gauge", "Seconds since the daemon started serving.");
   out += StrCat("ulyssesd_uptime_seconds ", Num(g.uptime_s), "\n");
   Header(out, "ulyssesd_calls_total", "counter", "Calls completed (successfully or not), by op.");
-  for (int op = 1; op <= 4; ++op)
+  for (int op = 1; op < kNumOpKinds; ++op)
     out += StrCat("ulyssesd_calls_total{op=\"", OpName(static_cast<OpKind>(op)), "\"} ",
                   calls_by_op_[op].load(std::memory_order_relaxed), "\n");
   Header(out, "ulyssesd_call_errors_total", "counter", "Calls that failed, by status code.");

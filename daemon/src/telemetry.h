@@ -78,7 +78,7 @@ class Metrics {
   uint64_t calls_failed() const;
 
  private:
-  std::array<std::atomic<uint64_t>, 5> calls_by_op_{};
+  std::array<std::atomic<uint64_t>, kNumOpKinds> calls_by_op_{};
   std::array<std::atomic<uint64_t>, 17> errors_by_code_{};
   std::atomic<uint64_t> bytes_sent_{0};
   std::array<std::atomic<uint64_t>, kBuckets.size() + 1> buckets_{};  // last: +Inf

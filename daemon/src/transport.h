@@ -8,14 +8,17 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "ulysses/common/fused.h"
 #include "ulysses/common/geometry.h"
 #include "ulysses/ipc/fd.h"
+#include "ulysses/kernels/qkv_norm_rope.h"
 
 namespace ulysses::daemon {
 
@@ -51,6 +54,16 @@ class Transport {
   /// Writes this rank's block of `plan` into destination `dst`'s slot `slot`. May complete
   /// asynchronously; Flush() makes every push issued so far visible to the destinations.
   virtual absl::Status Push(const CallPlan& plan, const CallOperands& ops, int dst, int slot) = 0;
+  /// Whether this transport writes all of its blocks of `plan` in one pass (PushAll, after
+  /// every destination opened the slot) instead of one Push per destination: the fused op
+  /// computes every destination's band from one projection.
+  virtual bool PushesAtOnce(const CallPlan& plan) const { return false; }
+  /// Writes this rank's block of `plan` into slot `slot` of every destination (epoch `epoch`).
+  /// Same completion rules as Push.
+  virtual absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot,
+                               uint64_t epoch) {
+    return absl::UnimplementedError("this transport pushes per destination");
+  }
   virtual absl::Status Flush() = 0;
   /// The local end of a call once every source's block is in `slot`: the `out=` copy or the
   /// head-chunk merge. Complete (visible to the client) when it returns.
@@ -63,6 +76,8 @@ class Transport {
   virtual ClientSlotMapping ClientMapping() const = 0;
   /// Device memory (bytes) this transport allocated: 0 on the host backend.
   virtual uint64_t DeviceBytes() const = 0;
+  /// describe(): how this session's calls run (kernels, path per prepared row count and why).
+  virtual std::string Describe() const = 0;
 };
 
 /// A client buffer as the daemon holds it.
@@ -78,9 +93,19 @@ struct Buffer {
   uint64_t allocation_id = 0;  ///< CUDA buffer id of a registered allocation (0: none)
 };
 
+/// A fused session as this daemon runs it: its geometry, the path asked for, and its weights
+/// as this daemon addresses them (host or device pointers into the owner's registered
+/// buffers, which the Session keeps mapped for the transport's lifetime).
+struct FusedSetup {
+  FusedGeometry geometry;
+  FusedPath path = FusedPath::kAuto;
+  kernels::QkvWeights weights{};
+};
+
 /// How a session's rank addresses its own control segment and slots; filled by Session.
 struct TransportSetup {
-  SessionGeometry geometry;
+  SessionGeometry geometry;  ///< a fused session's slots: SlotGeometry(fused->geometry)
+  std::optional<FusedSetup> fused;  ///< set for a qkv_norm_rope_exchange session
   uint64_t slot_bytes = 0;
   uint8_t* own_segment = nullptr;  ///< this rank's control segment
   uint64_t slots_offset_bytes = 0; ///< host backend: slots start here in every rank's segment

@@ -24,7 +24,8 @@ root="$work/moved"
 libdir=$(dirname "$(find "$root" -name 'libulysses_client.so' | head -n 1)")
 [ -n "$libdir" ] || fail "no libulysses_client.so installed"
 for f in include/ulysses/c_api.h include/ulysses/client/client.h \
-         include/ulysses/common/geometry.h include/ulysses/common/status.h; do
+         include/ulysses/common/geometry.h include/ulysses/common/fused.h \
+         include/ulysses/common/status.h; do
   [ -f "$root/$f" ] || fail "$f is not installed"
 done
 [ -f "$libdir/cmake/ulysses/ulyssesConfig.cmake" ] || fail "no CMake package"

@@ -249,5 +249,99 @@ TEST(FusedCallTest, PositionsMustLieInTheTable) {
               StatusIs(kInvalid, HasSubstr("positions[2]: -1")));
 }
 
+
+// The shared call path's form of a fused call: CallArgs in, a CallPlan whose slot and result
+// match the fused plan; the op, band, inputs, out and (host-visible) positions checked.
+class HostBuffers : public SizedBuffers {
+ public:
+  HostBuffers(std::map<uint64_t, uint64_t> sizes, std::map<uint64_t, const void*> data)
+      : SizedBuffers(std::move(sizes)), data_(std::move(data)) {}
+  absl::StatusOr<BufferInfo> Resolve(uint64_t id) const override {
+    absl::StatusOr<BufferInfo> info = SizedBuffers::Resolve(id);
+    if (info.ok() && data_.count(id)) info->host_data = data_.at(id);
+    return info;
+  }
+
+ private:
+  std::map<uint64_t, const void*> data_;
+};
+
+CallArgs QkvArgs(int64_t batch, int64_t seq_local) {
+  CallArgs a;
+  a.op = OpKind::kQkvNormRopeExchange;
+  a.batch = batch;
+  a.seq = seq_local;
+  a.inputs[0] = Ref(kX);
+  a.inputs[1] = Ref(kPos);
+  return a;
+}
+
+TEST(QkvCallTest, PlansLikeTheFusedPlanAndSizesSlotsAlike) {
+  const FusedGeometry g = Geo();
+  EXPECT_EQ(SlotGeometry(g).SlotElems(), g.SlotElems());
+  EXPECT_THAT(ValidateSessionGeometry(SlotGeometry(g)), IsOk());
+  constexpr uint64_t kOut = 12;
+  const int64_t out_bytes = 3 * 2 * 400 * 6 * 128 * 2;
+  const SizedBuffers buffers({{kX, 256 * 3072 * 2}, {kPos, 256 * 4}, {kOut, out_bytes}});
+  CallArgs a = QkvArgs(2, 100);
+  a.out = Ref(kOut);
+  absl::StatusOr<CallPlan> p = PlanQkvCall(g, a, buffers, nullptr);
+  ASSERT_THAT(p, IsOk());
+  EXPECT_EQ(p->op, OpKind::kQkvNormRopeExchange);
+  EXPECT_EQ(p->num_inputs, 2);
+  EXPECT_EQ(p->seq_local, 100);
+  EXPECT_EQ(p->out_shape, (std::array<int64_t, 4>{2, 400, 6, 128}));
+  EXPECT_EQ(p->slot_elems, 3 * 2 * 400 * 6 * 128);
+  EXPECT_TRUE(p->has_out);
+  EXPECT_EQ(p->inputs[0].span_bytes, 200u * 3072 * 2);
+  EXPECT_EQ(p->inputs[1].span_bytes, 200u * 4);
+}
+
+TEST(QkvCallTest, RejectsOtherOpsBandsOutAndPositions) {
+  const FusedGeometry g = Geo();
+  std::vector<int32_t> pos(256, 1);
+  const HostBuffers buffers({{kX, 256 * 3072 * 2}, {kPos, 256 * 4}, {kW, 9216 * 3072 * 2}},
+                            {{kPos, pos.data()}});
+  CallArgs a = QkvArgs(2, 100);
+  a.op = OpKind::kScatterHeads;
+  EXPECT_THAT(PlanQkvCall(g, a, buffers),
+              StatusIs(kInvalid, HasSubstr("op: scatter_heads is not an op of a qkv_norm_rope")));
+  a = QkvArgs(2, 100);
+  a.head_count = 1;
+  EXPECT_THAT(PlanQkvCall(g, a, buffers), StatusIs(kInvalid, HasSubstr("head_count:")));
+  a = QkvArgs(2, 100);
+  a.inputs[2] = Ref(kX);
+  EXPECT_THAT(PlanQkvCall(g, a, buffers), StatusIs(kInvalid, HasSubstr("inputs:")));
+  a = QkvArgs(1, 16);
+  a.out = Ref(kX, 2 * 8 * 3072);  // overlaps x's rows [0, 16)
+  EXPECT_THAT(PlanQkvCall(g, a, buffers), StatusIs(kInvalid, HasSubstr("out: overlaps input x")));
+  a = QkvArgs(1, 16);
+  a.out = Ref(kW, 64);
+  const FusedWeightsArgs w = Weights();
+  EXPECT_THAT(PlanQkvCall(g, a, buffers, &w),
+              StatusIs(kInvalid, HasSubstr("out: overlaps the session's weight w_qkv")));
+  a.out = Ref(kW, 1);
+  EXPECT_THAT(PlanQkvCall(g, a, buffers, &w),
+              StatusIs(kInvalid, HasSubstr("out: offset_bytes 1 is not 2-byte aligned")));
+  pos[150] = 64;
+  EXPECT_THAT(PlanQkvCall(g, QkvArgs(2, 100), buffers),
+              StatusIs(kInvalid, HasSubstr("positions[150]: 64 is not in [0, max_pos=64)")));
+  EXPECT_THAT(PlanQkvCall(g, QkvArgs(1, 150), buffers), IsOk());  // rows [0, 150) only
+  // A head-exchange session refuses the fused op by name.
+  SessionGeometry eg = SlotGeometry(g);
+  CallArgs e = QkvArgs(1, 4);
+  EXPECT_THAT(PlanCall(eg, e, buffers),
+              StatusIs(kInvalid, HasSubstr("op: qkv_norm_rope_exchange is the op of a")));
+}
+
+TEST(QkvCallTest, PathNamesRoundTrip) {
+  for (FusedPath p : {FusedPath::kAuto, FusedPath::kPerOperator, FusedPath::kChunked}) {
+    absl::StatusOr<FusedPath> back = ParseFusedPath(FusedPathName(p));
+    ASSERT_THAT(back, IsOk());
+    EXPECT_EQ(*back, p);
+  }
+  EXPECT_THAT(ParseFusedPath("fast"), StatusIs(kInvalid, HasSubstr("path:")));
+}
+
 }  // namespace
 }  // namespace ulysses

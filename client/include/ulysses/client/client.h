@@ -1,6 +1,6 @@
 // libulysses: the client library of ulyssesd. A framework process connects to its GPU's daemon,
 // allocates (or registers) shared buffers, joins a group with the other ranks, creates a
-// session, and runs the head-exchange calls. Results land in daemon-owned receive slots that
+// session, and runs the head-exchange calls or the fused QKV call (qkv_norm_rope_exchange). Results land in daemon-owned receive slots that
 // are mapped into this process (zero-copy views), or are copied into a caller buffer (`out`).
 #pragma once
 
@@ -15,7 +15,12 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "ulysses/common/fused.h"
 #include "ulysses/common/geometry.h"
+
+namespace ulysses::v1 {
+class CreateSessionRequest;
+}
 
 namespace ulysses::client {
 
@@ -48,6 +53,20 @@ struct Buffer {
   OperandRef Ref(uint64_t offset_bytes = 0, std::array<int64_t, 4> strides = {}) const {
     return OperandRef{id, base_offset + offset_bytes, strides};
   }
+  /// A dense tensor of `dtype` and `shape` (at most 4 extents) at `offset_bytes` from `data`,
+  /// as a fused session's weights are registered.
+  FusedTensorRef Tensor(DType dtype, std::initializer_list<int64_t> shape,
+                        uint64_t offset_bytes = 0) const {
+    FusedTensorRef t;
+    t.buffer_id = id;
+    t.offset_bytes = base_offset + offset_bytes;
+    t.dtype = dtype;
+    t.rank = static_cast<int32_t>(shape.size());
+    int i = 0;
+    for (int64_t d : shape)
+      if (i < 4) t.shape[i++] = d;
+    return t;
+  }
 };
 
 /// What JoinGroup needs. Every rank passes the same name, world size and members.
@@ -78,6 +97,27 @@ struct SessionSpec {
   int64_t max_tokens = 0;
   int32_t num_slots = 2;
   std::vector<int32_t> schedule;
+  int64_t timeout_ms = 0;
+};
+
+/// A qkv_norm_rope_exchange session: the fused QKV projection + QK-RMSNorm + RoPE + head
+/// exchange (docs/api.md section 2.1). World size and rank come from the group. The weights are
+/// tensors in this client's registered buffers (host memory on the host backend, device memory
+/// on a GPU backend); the daemon keeps them mapped for the session's lifetime and reads them at
+/// every call, so they must stay unchanged while calls run.
+struct FusedSessionSpec {
+  int32_t hidden = 0;                    ///< = num_heads * head_dim, a multiple of 64
+  int32_t num_heads = 0;                 ///< H, divisible by the world size
+  int32_t head_dim = kFusedGpuHeadDim;   ///< D: even; 128 on the GPU backend
+  QkvLayout layout = QkvLayout::kBshd;
+  int64_t max_tokens = 0;                ///< bound on B*S_l of every call
+  int32_t num_slots = 2;
+  int32_t max_pos = 0;                   ///< rows of the cos/sin table
+  DType dtype = DType::kBFloat16;        ///< only bfloat16
+  FusedPath path = FusedPath::kAuto;     ///< GPU path; auto: the daemon's rule per row count
+  /// w_qkv bf16 [3*H*D, hidden], q_norm/k_norm bf16 [D], cos_sin fp32 [max_pos, D], each
+  /// 32-byte aligned (Buffer::Tensor makes them).
+  FusedWeightsArgs weights;
   int64_t timeout_ms = 0;
 };
 
@@ -130,6 +170,17 @@ class Session {
   absl::StatusOr<Result> GatherOutputHeadChunk(const OperandRef& x, int64_t batch,
                                                int64_t seq_global, int32_t head_offset,
                                                int32_t head_count, const OperandRef& out);
+  /// The fused call of a qkv_norm_rope_exchange session: x bf16 [B,S_l,hidden] and positions
+  /// int32 [B,S_l] (both contiguous, x 32-byte aligned) -> this rank's head band over S_g.
+  /// bshd: three Results q, k, v, each [B,S_g,H_l,D]; fused: one [B,S_g,H_l,3D]. The views
+  /// share one receive slot, held until every one of them is dropped or any one is released
+  /// (Release() gives the slot back for all). With `out`
+  /// (contiguous, 3*B*S_g*H_l*D bf16: the planes one after the other for bshd), the result is
+  /// copied there, the slot released at once, and the views point into `out`.
+  absl::StatusOr<std::vector<Result>> QkvNormRopeExchange(const OperandRef& x,
+                                                          const OperandRef& positions,
+                                                          int64_t batch, int64_t seq_local,
+                                                          const OperandRef& out = {});
   /// Any call, as CallArgs. Validated here first (the same verdict the daemon reaches).
   absl::StatusOr<Result> Call(const CallArgs& args);
   /// Submits a call through the ring and returns its epoch at once; Wait(epoch) gives its
@@ -144,8 +195,18 @@ class Session {
   /// Returns how many slots were filled.
   absl::StatusOr<int> PoisonSlots();
 
+  /// describe(): how this session's calls run on the daemon (for a fused session the path per
+  /// prepared row count and why), as the daemon reports it now.
+  absl::StatusOr<std::string> Describe();
+
   uint64_t id() const { return id_; }
+  SessionKind kind() const {
+    return fused_ ? SessionKind::kQkvNormRopeExchange : SessionKind::kHeadExchange;
+  }
+  /// The slots' geometry (for a fused session: SlotGeometry of fused_geometry()).
   const SessionGeometry& geometry() const { return geometry_; }
+  /// A fused session's geometry; null for a head-exchange session.
+  const FusedGeometry* fused_geometry() const { return fused_ ? &*fused_ : nullptr; }
   const std::string& backend() const { return backend_; }
   /// GPU backends: the CUDA stream (a cudaStream_t; nullptr, the default, is the legacy default
   /// stream) whose work produces this session's inputs and consumes its results. A call is
@@ -157,9 +218,12 @@ class Session {
  private:
   friend class Client;
   Session() = default;
+  absl::StatusOr<CallPlan> Plan(const CallArgs& args) const;
   std::shared_ptr<ClientImpl> client_;
   uint64_t id_ = 0;
   SessionGeometry geometry_;
+  std::optional<FusedGeometry> fused_;
+  FusedWeightsArgs fused_weights_;
   std::string backend_;
   std::shared_ptr<void> segment_;  // read-only mapping of the session segment
   std::shared_ptr<void> device_slots_;  // GPU backends: read-only mapping of the device slots
@@ -200,6 +264,11 @@ class Client {
   /// Collective over the group: every rank passes the same spec.
   absl::StatusOr<std::unique_ptr<Session>> CreateSession(const Group& group,
                                                          const SessionSpec& spec);
+  /// Collective over the group: a qkv_norm_rope_exchange session. Every rank passes the same
+  /// geometry and path, and its own weights (validated here and by the daemon before the
+  /// rendezvous; a rank whose weights are refused fails every rank).
+  absl::StatusOr<std::unique_ptr<Session>> CreateFusedSession(const Group& group,
+                                                              const FusedSessionSpec& spec);
   /// Detaches: the daemon releases everything this client holds. Idempotent.
   absl::Status Close();
 
@@ -213,6 +282,9 @@ class Client {
 
  private:
   explicit Client(std::shared_ptr<ClientImpl> impl) : impl_(std::move(impl)) {}
+  // Sends CreateSession and maps the new session's segment and slots.
+  absl::StatusOr<std::unique_ptr<Session>> OpenSession(const v1::CreateSessionRequest& request,
+                                                       const SessionGeometry& g);
   std::shared_ptr<ClientImpl> impl_;
 };
 

@@ -28,6 +28,17 @@ std::string_view QkvLayoutName(QkvLayout layout);
 /// Parses "bshd" or "fused".
 absl::StatusOr<QkvLayout> ParseQkvLayout(std::string_view name);
 
+/// Which GPU path runs a fused session's calls. Values match proto ulysses.v1.FusedPath.
+enum class FusedPath : int32_t {
+  kAuto = 0,         ///< picked per row count by the daemon's rule
+  kPerOperator = 1,  ///< GEMM -> norm+RoPE in place -> stores into the destinations' slots
+  kChunked = 2,      ///< GEMM by token block; each block's norm+RoPE+stores overlap the next GEMM
+};
+/// "auto", "per_operator" or "chunked".
+std::string_view FusedPathName(FusedPath path);
+/// Parses "auto", "per_operator" or "chunked".
+absl::StatusOr<FusedPath> ParseFusedPath(std::string_view name);
+
 /// Which kernels run the session. The CUDA kernels are specialized for kFusedGpuHeadDim.
 enum class FusedImpl : int32_t { kReference = 0, kCuda = 1 };
 
@@ -62,6 +73,10 @@ struct FusedGeometry {
   int64_t SlotElems() const { return max_tokens * qkv_features(); }
   int64_t SlotBytes() const { return SlotElems() * ItemSize(dtype); }
 };
+
+/// The receive slots of a fused session as a head-exchange geometry sizes them: the same W,
+/// rank, H, D, max_tokens and num_slots, dtype bfloat16, so that SlotElems() agree.
+SessionGeometry SlotGeometry(const FusedGeometry& g);
 
 /// Checks a fused geometry: W in [1, kMaxWorldSize], rank in range, H > 0 and H % W == 0
 /// ("divisible"), D > 0 and even (kFusedGpuHeadDim for kCuda), hidden == H * D and a multiple
@@ -121,6 +136,17 @@ struct FusedCallPlan {
 /// Nothing is launched or written when this fails.
 absl::StatusOr<FusedCallPlan> PlanFusedCall(const FusedGeometry& g, const FusedCallArgs& args,
                                             const BufferResolver& buffers);
+
+/// A fused call as the shared call path (client rings, Call RPC, daemon) carries it: `args.op`
+/// kQkvNormRopeExchange, `args.seq` = S_l, inputs {x, positions}, no head band, and an
+/// optional `out`: contiguous, itemsize-aligned, the slot's 3P elements as they lie there (bshd:
+/// q, k, v planes one after the other), overlapping neither input nor a weight (`weights`, when
+/// given). PlanFusedCall's rules come first; positions are range-checked where the resolver
+/// exposes their bytes (BufferInfo::host_data). The plan's inputs and out are contiguous views,
+/// `out_shape` is FusedCallPlan::out_shape and `slot_elems` its out_elems.
+absl::StatusOr<CallPlan> PlanQkvCall(const FusedGeometry& g, const CallArgs& args,
+                                     const BufferResolver& buffers,
+                                     const FusedWeightsArgs* weights = nullptr);
 
 /// Checks host-visible positions: every one of the `count` values in [0, max_pos). The error
 /// names the first bad one ("positions[i]").

@@ -36,8 +36,21 @@ enum class OpKind : int32_t {
   kGatherHeads = 2,            ///< y[B,S_g,H_l,D] -> out[B,S_l,H,D]
   kScatterQkvHeadChunk = 3,    ///< q,k,v[B,S_l,H,D] -> out[B,S_g,HC,3D]
   kGatherOutputHeadChunk = 4,  ///< x[B,S_g,HC,D] -> band of out[B,S_l,H,D] (out required)
+  /// x[B,S_l,hidden], positions[B,S_l] -> q,k,v head band over S_g (fused session only)
+  kQkvNormRopeExchange = 5,
 };
+/// OpKind values, kUnspecified included (sizes per-op tables such as the metrics).
+inline constexpr int32_t kNumOpKinds = 6;
 std::string_view OpName(OpKind op);
+
+/// What a session runs. Values match proto ulysses.v1.SessionKind (whose UNSPECIFIED means
+/// head exchange).
+enum class SessionKind : int32_t {
+  kHeadExchange = 1,         ///< the four exchange ops over a SessionGeometry
+  kQkvNormRopeExchange = 2,  ///< the fused QKV op over a FusedGeometry (common/fused.h)
+};
+/// "head_exchange" or "qkv_norm_rope_exchange".
+std::string_view SessionKindName(SessionKind kind);
 
 /// A session's geometry on one rank. Every rank of the group passes the same values except
 /// `rank`.
@@ -90,6 +103,9 @@ struct CallArgs {
 /// Size and owner of a buffer as the validator sees it.
 struct BufferInfo {
   uint64_t size_bytes = 0;
+  /// The buffer's bytes where the validator's process can read them (host memory), else null.
+  /// Lets validation check values, not only bounds (the fused op's positions).
+  const void* host_data = nullptr;
 };
 
 /// Resolves buffer ids for validation. The client resolves its own buffers; the daemon the
