@@ -16,11 +16,14 @@ Run it with torchrun (one process per rank; each rank's daemon at $ULYSSES_SOCKE
 
     torchrun --nproc-per-node 2 examples/python/sp_attention.py
 
-or alone, in which case it starts W daemons (host backend) and W rank processes itself::
+or alone, in which case it starts W daemons and W rank processes itself::
 
     python3 examples/python/sp_attention.py --world-size 2 --ulyssesd build/daemon/ulyssesd
 
-CPU tensors on the host backend; CUDA tensors need the GPU data plane.
+--device cpu (the default): CPU tensors on the host backend. --device cuda: CUDA tensors on
+the GPU backend (run alone, it starts the daemons with --backend nvlink, rank r on GPU
+r % <GPUs>, so that ranks share a GPU when W exceeds them); the exchanges read and write the
+tensors in place, ordered after torch's current stream.
 """
 from __future__ import annotations
 
@@ -43,7 +46,10 @@ import torch.nn.functional as F
 import ulysses
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# The layer computes in the argument dtype; the reference in float32 from the same inputs.
+# The layer computes in the argument dtype; the reference in float32 from the same inputs (and
+# the same bfloat16-rounded weights), on the layer's device. One bound per dtype, on CPU and
+# CUDA alike: bfloat16 keeps 8 significant bits, and |y| stays below 1 at these shapes (the
+# CPU runs show max errors near 1e-3 for bfloat16).
 TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}
 
 
@@ -67,7 +73,9 @@ class SequenceParallelAttention(torch.nn.Module):
         band = self.hx.scatter_qkv_head_chunk(q, k, v, 0, HL)  # [B, S_g, H_l, 3D], a slot view
         qb, kb, vb = (band[..., i * D:(i + 1) * D].transpose(1, 2) for i in range(3))
         o = F.scaled_dot_product_attention(qb, kb, vb)  # [B, H_l, S_g, D]
-        band.release()  # read; the slot may be reused
+        # Read (on CUDA: the reads are enqueued on the current stream, and the session's next
+        # call is ordered after that stream, so the slot is not overwritten before they ran).
+        band.release()
         heads = self.hx.gather_heads(o.transpose(1, 2))  # [B, S_l, H, D], a slot view
         y = self.out(heads.reshape(B, SL, hidden))
         heads.release()
@@ -89,8 +97,14 @@ def reference(layer: SequenceParallelAttention, x_full: torch.Tensor) -> torch.T
 def rank_main(args: argparse.Namespace) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # for the socket exchange
     try:
+        device = torch.device("cpu")
+        if args.device == "cuda":
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)  # before connecting: the slots are mapped on it
+            torch.backends.cuda.matmul.allow_tf32 = False  # the float32 bound assumes IEEE
+            torch.backends.cudnn.allow_tf32 = False
         sock = os.environ.get("ULYSSES_SOCKET") or (
             os.path.join(args.socket_dir, "gpu%d.sock" % local_rank) if args.socket_dir else None)
         dtype = DTYPES[args.dtype]
@@ -101,17 +115,17 @@ def rank_main(args: argparse.Namespace) -> int:
             hx = client.head_exchange(group, args.heads, args.head_dim, args.dtype,
                                       max_tokens=B * SL)
             torch.manual_seed(0)  # the same weights and inputs on every rank
-            layer = SequenceParallelAttention(hx, hidden, dtype)
+            layer = SequenceParallelAttention(hx, hidden, dtype).to(device)
             worst = 0.0
             for step in range(args.steps):
-                x_full = torch.randn(B, world * SL, hidden).to(dtype)
+                x_full = torch.randn(B, world * SL, hidden).to(dtype).to(device)
                 y = layer(x_full[:, rank * SL:(rank + 1) * SL])
                 want = reference(layer, x_full)[:, rank * SL:(rank + 1) * SL]
                 worst = max(worst, (y.float() - want).abs().max().item())
             ok = worst <= TOLERANCE[args.dtype]
-            print("rank %d/%d: %d steps, max |error| %.3g (tolerance %g) %s" % (
-                rank, world, args.steps, worst, TOLERANCE[args.dtype], "ok" if ok else "FAILED"),
-                flush=True)
+            print("rank %d/%d: %s (%s backend), %d steps, max |error| %.3g (tolerance %g) %s" % (
+                rank, world, device, hx.backend, args.steps, worst, TOLERANCE[args.dtype],
+                "ok" if ok else "FAILED"), flush=True)
             hx.close()
         oks = [None] * world
         dist.all_gather_object(oks, ok)
@@ -139,6 +153,12 @@ def find_ulyssesd(given: Optional[str]) -> str:
 def launch(args: argparse.Namespace) -> int:
     """Starts W daemons and W rank processes (torchrun-style environment), waits for them."""
     ulyssesd = find_ulyssesd(args.ulyssesd)
+    backend, gpus = "host", 0
+    if args.device == "cuda":
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            sys.exit("sp_attention: --device cuda, but torch sees no CUDA device")
+        backend = "nvlink"
     run_dir = tempfile.mkdtemp(prefix="sp-attention-")
     daemons: List[subprocess.Popen] = []
     try:
@@ -146,8 +166,9 @@ def launch(args: argparse.Namespace) -> int:
             ready = os.path.join(run_dir, "gpu%d.ready" % r)
             log = open(os.path.join(run_dir, "gpu%d.log" % r), "wb")
             daemons.append(subprocess.Popen(
-                [ulyssesd, "--device", str(r), "--socket", os.path.join(run_dir, "gpu%d.sock" % r),
-                 "--backend", "host", "--ready-file", ready], stdout=log, stderr=subprocess.STDOUT))
+                [ulyssesd, "--device", str(r % gpus if gpus else r), "--socket",
+                 os.path.join(run_dir, "gpu%d.sock" % r), "--backend", backend,
+                 "--ready-file", ready], stdout=log, stderr=subprocess.STDOUT))
             log.close()
             deadline = time.monotonic() + 20
             while not os.path.exists(ready):  # renamed into place once the daemon serves
@@ -161,13 +182,14 @@ def launch(args: argparse.Namespace) -> int:
         argv = [sys.executable, os.path.abspath(__file__), "--socket-dir", run_dir,
                 "--heads", str(args.heads), "--head-dim", str(args.head_dim),
                 "--batch", str(args.batch), "--seq-local", str(args.seq_local),
-                "--steps", str(args.steps), "--dtype", args.dtype]
+                "--steps", str(args.steps), "--dtype", args.dtype, "--device", args.device]
         ranks = [subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
                  for r in range(args.world_size)]
         codes = [p.wait() for p in ranks]
         ok = all(c == 0 for c in codes)
-        print("sp_attention: W=%d B=%d S_l=%d H=%d D=%d %s: %s" % (
+        print("sp_attention: W=%d B=%d S_l=%d H=%d D=%d %s on %s: %s" % (
             args.world_size, args.batch, args.seq_local, args.heads, args.head_dim, args.dtype,
+            args.device,
             "every rank matches the single-process reference" if ok else "FAILED"))
         return 0 if ok else 1
     finally:
@@ -187,6 +209,8 @@ def main() -> int:
     p.add_argument("--seq-local", type=int, default=32, help="S_l: tokens per rank")
     p.add_argument("--steps", type=int, default=3, help="layer calls per rank")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: CPU tensors, host backend; cuda: CUDA tensors, GPU backend")
     p.add_argument("--ulyssesd", help="ulyssesd to start when run alone")
     p.add_argument("--socket-dir", help="folder of the daemons' sockets gpu<LOCAL_RANK>.sock")
     args = p.parse_args()

@@ -1,0 +1,338 @@
+"""torch CUDA tensors through daemons of the GPU backend (``--backend nvlink``), with W = 1 and
+2 daemons (sharing the GPU when there is one) and one thread per rank: scatter and gather of
+bfloat16 tensors bit-exact against torch, strided inputs, ``out=`` into CUDA tensors, the
+call ordered after torch's current stream, a tensor freed and allocated again between calls,
+results released on drop, and examples/python/sp_attention.py on CUDA tensors. Skipped
+without torch, without a CUDA device, or with a libulysses_client built without CUDA.
+
+Under pytest, or as a plain script where pytest is not installed::
+
+    ULYSSESD=.../ulyssesd ULYSSES_LIBRARY=.../libulysses_client.so.1 \\
+        PYTHONPATH=client/python python3 tests/python/test_gpu.py
+"""
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # daemons, helpers (script mode)
+
+from daemons import ULYSSESD, Cluster  # noqa: E402  (sets the ULYSSES_LIBRARY default)
+from helpers import run_ranks, unique  # noqa: E402
+
+import ulysses  # noqa: E402
+
+try:
+    import pytest
+except ImportError:  # the H200 image may lack it: main() runs the checks then
+    pytest = None
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples/python/sp_attention.py"
+B, SL, H, D = 2, 64, 8, 128  # the exchange shape: [B, S_l, H, D] per rank
+
+
+def skip_reason() -> Optional[str]:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not ulysses.cuda_built():
+        return "libulysses_client was built without CUDA"
+    return None
+
+
+SKIP = skip_reason()
+if SKIP is None:
+    import torch
+    GPUS = torch.cuda.device_count()
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def bits(t: "torch.Tensor") -> "torch.Tensor":
+    """The raw bits of a bfloat16 tensor, on the CPU, contiguous."""
+    return t.detach().cpu().contiguous().view(torch.int16)
+
+
+def assert_same(got: "torch.Tensor", want: "torch.Tensor", what: str) -> None:
+    assert tuple(got.shape) == tuple(want.shape), "%s: shape %s, want %s" % (
+        what, tuple(got.shape), tuple(want.shape))
+    assert torch.equal(bits(got), bits(want)), "%s: not bit-exact" % what
+
+
+def inputs(seed: int, shape: Sequence[int]) -> "torch.Tensor":
+    """The same finite bfloat16 values on every thread (CPU, generator seeded by `seed`)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+
+def raises(exc: type, fn: Callable[[], Any], match: str = "") -> None:
+    try:
+        fn()
+    except exc as e:
+        assert match in str(e), "%s raised %r, want %r in it" % (exc.__name__, str(e), match)
+        return
+    raise AssertionError("%s was not raised" % exc.__name__)
+
+
+def rank_device(r: int) -> "torch.device":
+    dev = torch.device("cuda", r % GPUS)
+    torch.cuda.set_device(dev)  # the library maps the session's slots on the current device
+    return dev
+
+
+def session(sockets: List[str], r: int, name: str, **kw: Any):
+    c = ulysses.connect(sockets[r], name="test-gpu-rank%d" % r)
+    g = c.join_group(name, r, len(sockets), members=sockets, backend="nvlink")
+    hx = c.head_exchange(g, kw.pop("heads", H), kw.pop("head_dim", D), torch.bfloat16,
+                         max_tokens=kw.pop("max_tokens", B * SL), **kw)
+    assert hx.backend == "nvlink", hx.backend
+    return c, hx
+
+
+# -- the checks (each takes the sockets of its ranks' daemons) -------------------------------
+
+def check_exchanges(sockets: List[str]) -> None:
+    """scatter_heads, gather_heads (out=), scatter_qkv_head_chunk of strided views and
+    gather_output_head_chunk into the band of a NaN-filled CUDA out, all bit-exact."""
+    W, name = len(sockets), unique("ops")
+    HL = H // W
+    xs = [inputs(100 + j, (B, SL, H, D)) for j in range(W)]
+    ys = [inputs(200 + p, (B, W * SL, HL, D)) for p in range(W)]
+    qkvs = [inputs(300 + j, (B, SL, 3, H, D)) for j in range(W)]
+    chunks = [inputs(400 + p, (B, W * SL, 2, D)) for p in range(W)]
+
+    def rank(r: int) -> None:
+        dev = rank_device(r)
+        c, hx = session(sockets, r, name)
+        with c, hx:
+            band = hx.scatter_heads(xs[r].to(dev))
+            assert band.is_cuda and band.dtype == torch.bfloat16 and band.held
+            assert band.device == dev
+            want = torch.cat([xs[j][:, :, r * HL:(r + 1) * HL] for j in range(W)], dim=1)
+            assert_same(band, want, "scatter_heads")
+            band.release()
+            assert not band.held
+
+            out = torch.full((B, SL, H, D), float("nan"), dtype=torch.bfloat16, device=dev)
+            got = hx.gather_heads(ys[r].to(dev), out=out)
+            assert got is out
+            want = torch.cat([ys[p][:, r * SL:(r + 1) * SL] for p in range(W)], dim=2)
+            assert_same(out, want, "gather_heads out=")
+
+            qkv = qkvs[r].to(dev)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # strided views
+            band = hx.scatter_qkv_head_chunk(q, k, v, 1, 2)
+            hs = slice(r * HL + 1, r * HL + 3)
+            want = torch.cat([torch.cat([qkvs[j][:, :, i, hs] for i in range(3)], dim=3)
+                              for j in range(W)], dim=1)
+            assert_same(band, want, "scatter_qkv_head_chunk")
+            del band
+
+            out = torch.full((B, SL, H, D), float("nan"), dtype=torch.bfloat16, device=dev)
+            hx.gather_output_head_chunk(chunks[r].to(dev), 1, 2, out=out)
+            want = torch.full((B, SL, H, D), float("nan"), dtype=torch.bfloat16)
+            for p in range(W):
+                want[:, :, p * HL + 1:p * HL + 3] = chunks[p][:, r * SL:(r + 1) * SL]
+            assert_same(out, want, "gather_output_head_chunk (the other heads stay NaN)")
+
+    run_ranks(W, rank)
+
+
+def check_stream_order(sockets: List[str]) -> None:
+    """A call is ordered after the work enqueued on torch's current stream: the input is
+    written by a kernel that runs after a long sleep on a side stream, and the call, issued
+    at once from that stream, still sees the written values."""
+    W, name = len(sockets), unique("stream")
+    xs = [inputs(500 + j, (B, SL, H, D)) for j in range(W)]
+
+    def rank(r: int) -> None:
+        dev = rank_device(r)
+        c, hx = session(sockets, r, name)
+        with c, hx:
+            src = xs[r].to(dev)
+            x = torch.zeros_like(src)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)  # a few tens of ms of GPU time
+                x.copy_(src)
+                band = hx.scatter_heads(x)
+            HL = H // W
+            want = torch.cat([xs[j][:, :, r * HL:(r + 1) * HL] for j in range(W)], dim=1)
+            assert_same(band, want, "scatter_heads after the side stream's work")
+
+    run_ranks(W, rank)
+
+
+def check_reallocated(sockets: List[str]) -> List[bool]:
+    """A tensor freed and allocated again between calls: the caching allocator gives its
+    segment back (empty_cache) and a new tensor likely lands at the same address, in a new
+    allocation. The second call must read the new data. The tensors are 16 MiB so that each
+    has a segment of its own. Returns, per rank, whether the address was reused."""
+    W, name = len(sockets), unique("realloc")
+    sl, heads = 8192, 8
+    HL = heads // W
+    first = [inputs(600 + j, (1, sl, heads, D)) for j in range(W)]
+    second = [inputs(700 + j, (1, sl, heads, D)) for j in range(W)]
+
+    def rank(r: int) -> bool:
+        dev = rank_device(r)
+        c, hx = session(sockets, r, name, heads=heads, max_tokens=sl)
+        with c, hx:
+            x = first[r].to(dev)
+            band = hx.scatter_heads(x)
+            want = torch.cat([first[j][:, :, r * HL:(r + 1) * HL] for j in range(W)], dim=1)
+            assert_same(band, want, "scatter_heads before the free")
+            del band
+            address = x.data_ptr()
+            del x
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+            x = torch.empty((1, sl, heads, D), dtype=torch.bfloat16, device=dev)
+            reused = x.data_ptr() == address
+            x.copy_(second[r])
+            band = hx.scatter_heads(x)
+            want = torch.cat([second[j][:, :, r * HL:(r + 1) * HL] for j in range(W)], dim=1)
+            assert_same(band, want, "scatter_heads of the re-allocated tensor")
+            return reused
+
+    return run_ranks(W, rank)
+
+
+def check_release_on_drop(socket: str) -> None:
+    """A session of one slot on a daemon that waits at most 300 ms for a held slot: a result
+    (or any view of it) alive blocks the next call; dropping the last view or release()
+    gives the slot back."""
+    rank_device(0)
+    c, hx = session([socket], 0, unique("drop"), num_slots=1)
+    with c, hx:
+        x = inputs(800, (B, SL, H, D)).cuda()
+        r = hx.scatter_heads(x)
+        view = r[1, 3:]  # a plain tensor sharing r's storage: it keeps the slot held
+        assert type(view) is torch.Tensor and r.held
+        del r
+        gc.collect()
+        raises(ulysses.DeadlineExceededError, lambda: hx.scatter_heads(x), "release it")
+        assert_same(view, x[1, 3:], "a view of a held result")
+        del view
+        gc.collect()
+        r = hx.scatter_heads(x)  # the last view dropped: released
+        assert_same(r, x, "scatter_heads of a group of one")
+        ulysses.release(r)
+        assert not r.held
+        del r
+        r = hx.scatter_heads(x)
+        assert r.held and r.is_cuda
+
+
+def check_refusals(socket: str) -> None:
+    """Mixing host and device operands is refused before anything is sent."""
+    rank_device(0)
+    c, hx = session([socket], 0, unique("refuse"))
+    with c, hx:
+        x = inputs(900, (B, SL, H, D))
+        raises(ulysses.InvalidArgumentError,
+               lambda: hx.scatter_heads(x.cuda(), out=torch.empty_like(x)), "out: a host array")
+        raises(ulysses.InvalidArgumentError,
+               lambda: hx.scatter_heads(x.cuda().float()), "x: dtype torch.float32")
+
+
+def check_example(world: int, dtype: str) -> None:
+    """examples/python/sp_attention.py --device cuda: W daemons of the GPU backend, one rank
+    process each, every rank's output against the single-process reference."""
+    p = subprocess.run([sys.executable, str(EXAMPLE), "--device", "cuda", "--world-size",
+                        str(world), "--dtype", dtype, "--steps", "3", "--ulyssesd", ULYSSESD],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "every rank matches the single-process reference" in p.stdout, p.stdout
+    assert p.stdout.count(" ok\n") == world, p.stdout
+    print(p.stdout, end="")
+
+
+# -- pytest ----------------------------------------------------------------------------------
+
+if pytest is not None and __name__ != "__main__":
+    if SKIP is not None:
+        pytest.skip(SKIP, allow_module_level=True)
+
+    @pytest.fixture(scope="module")
+    def gpu_sockets() -> List[str]:
+        """Two daemons of the GPU backend (on one GPU when there is one)."""
+        cl = Cluster()
+        try:
+            yield cl.start(2, backend="nvlink", gpus=GPUS)
+        finally:
+            cl.close()
+
+    @pytest.mark.parametrize("world", [1, 2])
+    def test_the_ops_are_bit_exact_on_cuda_tensors(gpu_sockets, world):
+        check_exchanges(gpu_sockets[:world])
+
+    @pytest.mark.parametrize("world", [1, 2])
+    def test_a_call_follows_the_current_stream(gpu_sockets, world):
+        check_stream_order(gpu_sockets[:world])
+
+    @pytest.mark.parametrize("world", [1, 2])
+    def test_a_freed_and_reallocated_tensor_gives_the_new_data(gpu_sockets, world):
+        print("address reused:", check_reallocated(gpu_sockets[:world]))
+
+    def test_results_are_released_on_drop(cluster):
+        sock, = cluster.start(1, ["--call-timeout-ms", "300"], backend="nvlink", gpus=GPUS)
+        check_release_on_drop(sock)
+
+    def test_host_and_device_operands_do_not_mix(gpu_sockets):
+        check_refusals(gpu_sockets[0])
+
+    @pytest.mark.parametrize("world,dtype", [(1, "bfloat16"), (2, "bfloat16"), (2, "float32")])
+    def test_the_example_layer_on_cuda_matches_its_reference(world, dtype):
+        check_example(world, dtype)
+
+
+# -- a plain script --------------------------------------------------------------------------
+
+def main() -> int:
+    if SKIP is not None:
+        print("test_gpu: skipped: %s" % SKIP)
+        return 0
+    shared, one_slot = Cluster(), Cluster()
+    failed: List[str] = []
+    passed = 0
+    try:
+        socks = shared.start(2, backend="nvlink", gpus=GPUS)
+        slow, = one_slot.start(1, ["--call-timeout-ms", "300"], backend="nvlink", gpus=GPUS)
+        checks = [("exchanges W=%d" % w, lambda w=w: check_exchanges(socks[:w])) for w in (1, 2)]
+        checks += [("stream order W=%d" % w, lambda w=w: check_stream_order(socks[:w]))
+                   for w in (1, 2)]
+        checks += [("re-allocated tensor W=%d" % w,
+                    lambda w=w: print("  address reused:", check_reallocated(socks[:w])))
+                   for w in (1, 2)]
+        checks += [("release on drop", lambda: check_release_on_drop(slow)),
+                   ("host and device operands", lambda: check_refusals(socks[0]))]
+        checks += [("example W=%d %s" % (w, dt), lambda w=w, dt=dt: check_example(w, dt))
+                   for w, dt in ((1, "bfloat16"), (2, "bfloat16"), (2, "float32"))]
+        for what, fn in checks:
+            try:
+                fn()
+                passed += 1
+                print("PASS %s" % what, flush=True)
+            except Exception:
+                failed.append(what)
+                print("FAIL %s\n%s" % (what, traceback.format_exc()), flush=True)
+    finally:
+        shared.close()
+        one_slot.close()
+    print("test_gpu: %d passed, %d failed%s" % (
+        passed, len(failed), (": " + ", ".join(failed)) if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
