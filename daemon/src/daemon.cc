@@ -17,6 +17,7 @@
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/cuda_memory.h"
+#include "ulysses/ipc/frames.h"
 #include "ulysses/ipc/pidfd.h"
 #include "ulysses/ipc/unix_socket.h"
 
@@ -36,6 +37,12 @@ std::string MetadataValue(const grpc::ServerContext* ctx, const char* key) {
   auto range = ctx->client_metadata().equal_range(key);
   if (range.first == range.second) return "";
   return std::string(range.first->second.data(), range.first->second.size());
+}
+
+// The answer to a hello that binds nothing: {"ok": false, "error": "..."}.
+std::string ErrorFrame(const absl::Status& why) {
+  return nlohmann::json{{"ok", false}, {"error", std::string(why.message())}}.dump(
+      -1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 }  // namespace
@@ -408,19 +415,26 @@ void Daemon::BindFdSocket(ipc::UniqueFd sock) {
     log->warn("fd socket: no hello within 5 s; closing");
     return;
   }
-  absl::StatusOr<ipc::ReceivedMessage> hello = ipc::RecvMessage(sock.get());
+  absl::StatusOr<ipc::ReceivedMessage> frame =
+      ipc::RecvMessage(sock.get(), ipc::kMaxClientFrameBytes, /*max_fds=*/0);
   absl::StatusOr<ipc::PeerCred> cred = ipc::GetPeerCred(sock.get());
-  if (!hello.ok() || !cred.ok()) return;
-  nlohmann::json j = nlohmann::json::parse(hello->payload, nullptr, false);
-  if (j.is_discarded() || !j.contains("client_id") || !j.contains("token")) return;
+  if (!frame.ok() || !cred.ok()) return;
+  absl::StatusOr<ipc::HelloFrame> hello = ipc::DecodeHello(frame->payload);
+  if (!hello.ok()) {
+    log->warn("fd socket: bad hello from pid {}: {}", cred->pid,
+              std::string(hello.status().message()));
+    (void)ipc::SendMessage(sock.get(), ErrorFrame(hello.status()));
+    return;
+  }
   std::shared_ptr<ClientRecord> c;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = clients_.find(j["client_id"].get<uint64_t>());
-    if (it != clients_.end() && it->second->token == j["token"].get<std::string>()) c = it->second;
+    auto it = clients_.find(hello->client_id);
+    if (it != clients_.end() && it->second->token == hello->token) c = it->second;
   }
   if (!c) {
-    (void)ipc::SendMessage(sock.get(), R"({"ok": false, "error": "unknown client or bad token"})");
+    (void)ipc::SendMessage(sock.get(), ErrorFrame(absl::PermissionDeniedError(
+                                           "unknown client or bad token")));
     return;
   }
   {
@@ -491,18 +505,25 @@ void Daemon::FdPollLoop() {
         Reclaim(c.id, "process exited");
         continue;
       }
-      absl::StatusOr<ipc::ReceivedMessage> m = ipc::RecvMessage(fds[i].fd);
+      absl::StatusOr<ipc::ReceivedMessage> m =
+          ipc::RecvMessage(fds[i].fd, ipc::kMaxClientFrameBytes);
       if (!m.ok()) {
-        Reclaim(c.id, "fd socket closed");
+        // A closed socket, or a frame the stream cannot skip (over the size limit).
+        Reclaim(c.id, StrCat("fd socket: ", m.status().message()));
         continue;
       }
-      nlohmann::json j = nlohmann::json::parse(m->payload, nullptr, false);
-      if (j.is_discarded() || !j.contains("tag") || m->fds.size() != 1) {
-        Logger("ipc")->warn("client {}: malformed fd frame ignored", c.id);
+      absl::StatusOr<ipc::FdFrame> f = ipc::DecodeFdFrame(m->payload);
+      if (!f.ok() || m->fds.size() != 1) {
+        // The frame's descriptors close with `m`; the stream stays in step (frames are
+        // length-prefixed), so the client keeps being served.
+        Logger("ipc")->warn("client {}: fd frame ignored: {}", c.id,
+                            f.ok() ? StrCat("carries ", m->fds.size(), " descriptors, expected 1")
+                                   : std::string(f.status().message()));
         continue;
       }
       std::lock_guard<std::mutex> lock(c.mu);
-      c.incoming_fds[j["tag"].get<uint64_t>()] = std::move(m->fds[0]);
+      if (!c.incoming_fds.emplace(f->tag, std::move(m->fds[0])).second)
+        Logger("ipc")->warn("client {}: fd frame ignored: tag {} is already pending", c.id, f->tag);
       c.fd_cv.notify_all();
     }
   }

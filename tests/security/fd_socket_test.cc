@@ -1,0 +1,105 @@
+// The fd socket takes bytes from any process that can reach it: every frame is decoded with
+// typed checks, a bad one is refused or dropped, and the daemon keeps serving everyone.
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
+
+#include "hostile_client.h"
+#include "ulysses/client/client.h"
+#include "ulysses/ipc/shm.h"
+
+namespace ulysses::security {
+namespace {
+
+// What the daemon answers a hello it does not accept: an error frame, or the socket closes.
+void ExpectRefused(int sock, const std::string& sent) {
+  absl::StatusOr<bool> ready = ipc::WaitReadable(sock, 20000);
+  ASSERT_TRUE(ready.ok() && *ready) << "no answer to hello " << sent;
+  absl::StatusOr<ipc::ReceivedMessage> answer = ipc::RecvMessage(sock);
+  if (answer.ok()) {
+    EXPECT_NE(answer->payload.find("false"), std::string::npos) << answer->payload;
+    EXPECT_TRUE(answer->fds.empty()) << "a refused hello got descriptors";
+  }
+}
+
+using FdSocketTest = DaemonTest;
+
+TEST_F(FdSocketTest, MalformedHellosAreRefusedAndTheDaemonKeepsServing) {
+  absl::StatusOr<Attached> a = Attach();
+  ASSERT_TRUE(a.ok()) << a.status();
+  const std::string id = std::to_string(a->client_id);
+  const std::string token = "\"" + a->token + "\"";
+  const std::vector<std::string> hellos = {
+      "{\"client_id\": \"" + id + "\", \"token\": " + token + "}",
+      "{\"client_id\": null, \"token\": " + token + "}",
+      "{\"client_id\": " + id + ", \"token\": 7}",
+      "{\"client_id\": " + id + ", \"token\": null}",
+      "{\"client_id\": -" + id + ", \"token\": " + token + "}",
+      "{\"client_id\": " + id + ".5, \"token\": " + token + "}",
+      "{\"client_id\": " + id + ", \"token\": \"wrong\"}",
+      "{\"client_id\": " + id + "}",
+      "[" + id + ", " + token + "]",
+      "not json",
+      "",
+      std::string(2000, '[') + std::string(2000, ']'),
+  };
+  for (const std::string& hello : hellos) {
+    absl::StatusOr<ipc::UniqueFd> sock = ipc::ConnectUnix(a->fd_socket);
+    ASSERT_TRUE(sock.ok()) << sock.status();
+    ASSERT_TRUE(ipc::SendMessage(sock->get(), hello).ok());
+    ExpectRefused(sock->get(), hello);
+    ASSERT_TRUE(Serving()) << "daemon died on hello " << hello;
+  }
+  // The client whose id the bad hellos used can still bind, and others are served.
+  EXPECT_TRUE(Bind(*a).ok());
+  auto c = client::Client::Connect({daemon_.socket(), "bystander", absl::Seconds(10)});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE((*c)->AllocBuffer(4096, "b").ok());
+}
+
+TEST_F(FdSocketTest, MalformedFdFramesAreDroppedAndTheClientStaysServed) {
+  absl::StatusOr<Attached> a = Attach();
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::StatusOr<ipc::UniqueFd> sock = Bind(*a);
+  ASSERT_TRUE(sock.ok()) << sock.status();
+  const int baseline = CountFds(daemon_.pid());
+  ASSERT_GT(baseline, 0);
+
+  absl::StatusOr<ipc::UniqueFd> memfd = ipc::CreateMemfd("hostile", 4096);
+  ASSERT_TRUE(memfd.ok()) << memfd.status();
+  ASSERT_TRUE(ipc::SealSize(memfd->get()).ok());
+  const int one[1] = {memfd->get()};
+  const int two[2] = {memfd->get(), memfd->get()};
+  struct Frame {
+    std::string payload;
+    std::span<const int> fds;
+  };
+  const std::vector<Frame> frames = {
+      {R"({"tag":"7"})", one},  {R"({"tag":-1})", one},  {R"({"tag":null})", one},
+      {R"({"tag":1.5})", one},  {R"({})", one},          {"not json", one},
+      {R"([7])", one},          {R"({"tag":5})", {}},    {R"({"tag":6})", two},
+  };
+  for (const Frame& f : frames) {
+    ASSERT_TRUE(ipc::SendMessage(sock->get(), f.payload, f.fds).ok());
+    ASSERT_TRUE(Serving()) << "daemon died on fd frame " << f.payload;
+  }
+  // The stream is still in step: a correct frame registers.
+  ASSERT_TRUE(ipc::SendMessage(sock->get(), ipc::EncodeFdFrame({9}), one).ok());
+  v1::RegisterBufferRequest req;
+  req.set_tag(9);
+  req.set_name("after");
+  v1::BufferInfo info;
+  grpc::ClientContext ctx;
+  Authenticate(&ctx, *a);
+  grpc::Status s = control_->RegisterBuffer(&ctx, req, &info);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(info.size_bytes(), 4096u);
+  // Every descriptor of the dropped frames was closed; the registered buffer keeps one.
+  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) == baseline + 1; }))
+      << CountFds(daemon_.pid()) << " descriptors, baseline " << baseline;
+}
+
+}  // namespace
+}  // namespace ulysses::security

@@ -1,0 +1,136 @@
+// A client that speaks the daemon's protocols by hand, to send what the client library never
+// would: malformed frames, partial frames, silence. Each test starts its own daemon.
+#pragma once
+
+#include <dirent.h>
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/clock.h"
+#include "demo_lib.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/fd.h"
+#include "ulysses/ipc/frames.h"
+#include "ulysses/ipc/unix_socket.h"
+#include "ulysses/v1/admin.grpc.pb.h"
+#include "ulysses/v1/control.grpc.pb.h"
+
+namespace ulysses::security {
+
+/// Open descriptors of process `pid` (from /proc), -1 when unreadable.
+inline int CountFds(pid_t pid) {
+  DIR* d = ::opendir(StrCat("/proc/", pid, "/fd").c_str());
+  if (d == nullptr) return -1;
+  int n = 0;
+  while (dirent* e = ::readdir(d))
+    if (e->d_name[0] != '.') ++n;
+  ::closedir(d);
+  return n;
+}
+
+/// Polls `cond` for up to 20 s; for state the daemon reaches on its own, never for readiness.
+template <typename F>
+bool Eventually(F cond) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < deadline) {
+    if (cond()) return true;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return cond();
+}
+
+/// An attached client as the Attach RPC made it, with nothing else done.
+struct Attached {
+  uint64_t client_id = 0;
+  std::string token;
+  std::string fd_socket;
+};
+
+/// Fixture: one real daemon (host backend) in a fresh run directory.
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override { StartDaemon({}); }
+  void TearDown() override {
+    daemon_ = demo::DaemonProcess();
+    if (!dir_.empty()) demo::RemoveRunDir(dir_);
+  }
+
+  /// (Re)starts the daemon with `extra` arguments.
+  void StartDaemon(const std::vector<std::string>& extra) {
+    daemon_ = demo::DaemonProcess();
+    if (dir_.empty()) {
+      absl::StatusOr<std::string> dir = demo::MakeRunDir();
+      ASSERT_TRUE(dir.ok()) << dir.status();
+      dir_ = *dir;
+    }
+    absl::StatusOr<demo::DaemonProcess> d = demo::StartDaemon(ULYSSESD_PATH, dir_, 0, "host", extra);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = std::move(*d);
+    channel_ = grpc::CreateChannel("unix://" + daemon_.socket(), grpc::InsecureChannelCredentials());
+    control_ = v1::Control::NewStub(channel_);
+    admin_ = v1::Admin::NewStub(channel_);
+  }
+
+  /// The daemon answers Admin.GetState (it is alive and serving).
+  bool Serving() {
+    v1::DaemonState st;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    return admin_->GetState(&ctx, {}, &st).ok();
+  }
+
+  int NumClients() {
+    v1::ListClientsResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    if (!admin_->ListClients(&ctx, {}, &resp).ok()) return -1;
+    return resp.clients_size();
+  }
+
+  absl::StatusOr<Attached> Attach(const std::string& name = "hostile") {
+    v1::AttachRequest req;
+    req.set_client_name(name);
+    v1::AttachResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    grpc::Status s = control_->Attach(&ctx, req, &resp);
+    if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+    return Attached{resp.client_id(), resp.token(), resp.fd_socket()};
+  }
+
+  /// Metadata an authenticated Control call of `a` carries.
+  static void Authenticate(grpc::ClientContext* ctx, const Attached& a) {
+    ctx->AddMetadata("ulysses-client-id", std::to_string(a.client_id));
+    ctx->AddMetadata("ulysses-token", a.token);
+    ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  }
+
+  /// Connects to the fd socket, sends a correct hello for `a`, and reads the daemon's answer.
+  absl::StatusOr<ipc::UniqueFd> Bind(const Attached& a) {
+    absl::StatusOr<ipc::UniqueFd> sock = ipc::ConnectUnix(a.fd_socket);
+    if (!sock.ok()) return sock.status();
+    absl::Status sent = ipc::SendMessage(sock->get(), ipc::EncodeHello({a.client_id, a.token}));
+    if (!sent.ok()) return sent;
+    absl::StatusOr<ipc::ReceivedMessage> ack = ipc::RecvMessage(sock->get());
+    if (!ack.ok()) return ack.status();
+    if (ack->payload.find("\"ok\": true") == std::string::npos &&
+        ack->payload.find("\"ok\":true") == std::string::npos)
+      return absl::PermissionDeniedError(ack->payload);
+    return std::move(*sock);
+  }
+
+  std::string dir_;
+  demo::DaemonProcess daemon_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Control::Stub> control_;
+  std::unique_ptr<v1::Admin::Stub> admin_;
+};
+
+}  // namespace ulysses::security
