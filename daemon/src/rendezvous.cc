@@ -1,25 +1,51 @@
 #include "rendezvous.h"
 
-#include "ulysses/proto/grpc_status.h"
+#include "ulysses/common/geometry.h"
+#include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
+#include "ulysses/proto/grpc_status.h"
 
 namespace ulysses::daemon {
+
+absl::Status ValidateArrival(const std::string& key, int64_t world_size, int64_t rank,
+                             const std::string& agreement, const std::string& payload) {
+  if (key.empty() || key.size() > kMaxRendezvousKeyBytes)
+    return absl::InvalidArgumentError(
+        StrCat("key: ", key.size(), " bytes, expected 1..", kMaxRendezvousKeyBytes));
+  if (world_size < 1 || world_size > kMaxWorldSize)
+    return absl::InvalidArgumentError(
+        StrCat("world_size: ", world_size, " is not in [1, ", kMaxWorldSize, "]"));
+  if (rank < 0 || rank >= world_size)
+    return absl::InvalidArgumentError(StrCat("rank: ", rank, " is not in [0, ", world_size, ")"));
+  if (agreement.size() > kMaxRendezvousAgreementBytes)
+    return absl::InvalidArgumentError(StrCat("agreement: ", agreement.size(), " bytes exceed ",
+                                             kMaxRendezvousAgreementBytes));
+  if (payload.size() > kMaxRendezvousPayloadBytes)
+    return absl::InvalidArgumentError(
+        StrCat("payload: ", payload.size(), " bytes exceed ", kMaxRendezvousPayloadBytes));
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::vector<std::string>> RendezvousTable::Arrive(
     const std::string& key, int world_size, int rank, const std::string& agreement,
     const std::string& payload, absl::Time deadline) {
-  if (world_size < 1) return absl::InvalidArgumentError("world_size: must be >= 1");
-  if (rank < 0 || rank >= world_size)
-    return absl::InvalidArgumentError(StrCat("rank: ", rank, " is not in [0, ", world_size, ")"));
+  ULY_RETURN_IF_ERROR(ValidateArrival(key, world_size, rank, agreement, payload));
   std::unique_lock<std::mutex> lock(mu_);
-  std::shared_ptr<Entry>& slot = entries_[key];
-  if (!slot) {
-    slot = std::make_shared<Entry>();
-    slot->world_size = world_size;
-    slot->payloads.resize(world_size);
-    slot->agreements.resize(world_size);
+  std::shared_ptr<Entry> e;
+  if (auto it = entries_.find(key); it != entries_.end()) {
+    e = it->second;
+  } else {
+    if (entries_.size() >= kMaxPendingRendezvous)
+      return absl::ResourceExhaustedError(StrCat("rendezvous ", key, ": ", entries_.size(),
+                                                 " keys are pending already (the limit)"));
+    // Built whole before it is published: no error path leaves a partial entry behind.
+    auto fresh = std::make_shared<Entry>();
+    fresh->world_size = world_size;
+    fresh->payloads.resize(world_size);
+    fresh->agreements.resize(world_size);
+    entries_.emplace(key, fresh);
+    e = std::move(fresh);
   }
-  std::shared_ptr<Entry> e = slot;
   if (!e->finished) {
     if (e->world_size != world_size) {
       Finish(*e, absl::InvalidArgumentError(StrCat(
@@ -74,11 +100,18 @@ void RendezvousTable::Finish(Entry& e, absl::Status verdict) {
   cv_.notify_all();
 }
 
-void RendezvousTable::Abort(const std::string& key, const std::string& reason) {
+absl::Status RendezvousTable::Abort(const std::string& key, const std::string& reason) {
+  if (key.empty() || key.size() > kMaxRendezvousKeyBytes)
+    return absl::InvalidArgumentError(
+        StrCat("key: ", key.size(), " bytes, expected 1..", kMaxRendezvousKeyBytes));
+  if (reason.size() > kMaxRendezvousReasonBytes)
+    return absl::InvalidArgumentError(
+        StrCat("reason: ", reason.size(), " bytes exceed ", kMaxRendezvousReasonBytes));
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(key);
-  if (it == entries_.end() || it->second->finished) return;
+  if (it == entries_.end() || it->second->finished) return absl::OkStatus();
   Finish(*it->second, absl::AbortedError(StrCat("rendezvous ", key, " aborted: ", reason)));
+  return absl::OkStatus();
 }
 
 size_t RendezvousTable::pending() const {

@@ -19,17 +19,38 @@
 
 namespace ulysses::daemon {
 
+/// Bounds on what one Peer request may ask the table to hold. The daemons' own requests stay
+/// far below them: keys are "join/<group>" or "session/<group>/<n>", agreements a canonical
+/// rendering of the collective's arguments (members included), payloads a segment name or an
+/// error message.
+inline constexpr size_t kMaxRendezvousKeyBytes = 1024;
+inline constexpr size_t kMaxRendezvousAgreementBytes = 64 * 1024;
+inline constexpr size_t kMaxRendezvousPayloadBytes = 64 * 1024;
+inline constexpr size_t kMaxRendezvousReasonBytes = 4096;
+/// Keys with ranks waiting at once; an arrival under a new key beyond it is RESOURCE_EXHAUSTED.
+inline constexpr size_t kMaxPendingRendezvous = 4096;
+/// Longest wait one rank may ask for.
+inline constexpr int64_t kMaxRendezvousTimeoutMs = 3600 * 1000;
+
+/// Checks the fields of one arrival before anything is allocated for it: `key` of
+/// 1..kMaxRendezvousKeyBytes bytes, world_size in [1, kMaxWorldSize], rank in
+/// [0, world_size), agreement and payload within their bounds. INVALID_ARGUMENT names the field.
+absl::Status ValidateArrival(const std::string& key, int64_t world_size, int64_t rank,
+                             const std::string& agreement, const std::string& payload);
+
 /// Server side: the meeting point of the ranks of one collective step. Thread-safe.
 class RendezvousTable {
  public:
   /// Blocks until all `world_size` ranks arrived under `key`, the deadline passes, or the key
   /// is aborted. Returns every rank's payload in rank order. Agreement strings must be equal.
+  /// The fields are checked first (ValidateArrival); an error leaves the table unchanged.
   absl::StatusOr<std::vector<std::string>> Arrive(const std::string& key, int world_size,
                                                   int rank, const std::string& agreement,
                                                   const std::string& payload,
                                                   absl::Time deadline);
-  /// Fails the key for every waiting (and later arriving) rank with ABORTED.
-  void Abort(const std::string& key, const std::string& reason);
+  /// Fails the key for every waiting (and later arriving) rank with ABORTED. INVALID_ARGUMENT
+  /// (and nothing aborted) when `key` or `reason` is over its bound.
+  absl::Status Abort(const std::string& key, const std::string& reason);
   /// Number of keys with ranks waiting (for tests and state).
   size_t pending() const;
 

@@ -691,6 +691,9 @@ class PeerService final : public v1::Peer::Service {
 
   grpc::Status Rendezvous(grpc::ServerContext*, const v1::RendezvousRequest* req,
                           v1::RendezvousResponse* resp) override {
+    if (req->timeout_ms() > kMaxRendezvousTimeoutMs)
+      return ToGrpcStatus(absl::InvalidArgumentError(StrCat(
+          "timeout_ms: ", req->timeout_ms(), " exceeds ", kMaxRendezvousTimeoutMs)));
     const int64_t ms = req->timeout_ms() > 0 ? req->timeout_ms() : d_->config().peer_timeout_ms;
     absl::StatusOr<std::vector<std::string>> out = d_->rendezvous_table().Arrive(
         req->key(), req->world_size(), req->rank(), req->agreement(), req->payload(),
@@ -702,8 +705,7 @@ class PeerService final : public v1::Peer::Service {
 
   grpc::Status AbortRendezvous(grpc::ServerContext*, const v1::AbortRendezvousRequest* req,
                                v1::AbortRendezvousResponse*) override {
-    d_->rendezvous_table().Abort(req->key(), req->reason());
-    return grpc::Status::OK;
+    return ToGrpcStatus(d_->rendezvous_table().Abort(req->key(), req->reason()));
   }
 
  private:
