@@ -82,7 +82,8 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
   ULY_RETURN_IF_ERROR(Read(root, "ready_file", "", &c.ready_file));
   if (root.contains("timeouts")) {
     const json& t = root["timeouts"];
-    ULY_RETURN_IF_ERROR(CheckKeys(t, "timeouts", {"call_ms", "peer_ms", "drain_ms"}));
+    ULY_RETURN_IF_ERROR(CheckKeys(t, "timeouts", {"call_ms", "peer_ms", "drain_ms", "bind_ms"}));
+    ULY_RETURN_IF_ERROR(Read(t, "bind_ms", "timeouts", &c.bind_timeout_ms));
     ULY_RETURN_IF_ERROR(Read(t, "drain_ms", "timeouts", &c.drain_timeout_ms));
     ULY_RETURN_IF_ERROR(Read(t, "call_ms", "timeouts", &c.call_timeout_ms));
     ULY_RETURN_IF_ERROR(Read(t, "peer_ms", "timeouts", &c.peer_timeout_ms));
@@ -236,6 +237,8 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
     return Invalid("timeouts.peer_ms", StrCat("must be > 0, got ", c.peer_timeout_ms));
   if (c.drain_timeout_ms < 0)
     return Invalid("timeouts.drain_ms", StrCat("must be >= 0, got ", c.drain_timeout_ms));
+  if (c.bind_timeout_ms <= 0 || c.bind_timeout_ms > 3600 * 1000)
+    return Invalid("timeouts.bind_ms", StrCat("must be in [1, 3600000], got ", c.bind_timeout_ms));
   if (c.flight_recorder_size < 1 || c.flight_recorder_size > 1000000)
     return Invalid("flight_recorder_size",
                    StrCat("must be in [1, 1000000], got ", c.flight_recorder_size));

@@ -17,7 +17,6 @@
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/cuda_memory.h"
-#include "ulysses/ipc/frames.h"
 #include "ulysses/ipc/pidfd.h"
 #include "ulysses/ipc/unix_socket.h"
 
@@ -37,12 +36,6 @@ std::string MetadataValue(const grpc::ServerContext* ctx, const char* key) {
   auto range = ctx->client_metadata().equal_range(key);
   if (range.first == range.second) return "";
   return std::string(range.first->second.data(), range.first->second.size());
-}
-
-// The answer to a hello that binds nothing: {"ok": false, "error": "..."}.
-std::string ErrorFrame(const absl::Status& why) {
-  return nlohmann::json{{"ok", false}, {"error", std::string(why.message())}}.dump(
-      -1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 }  // namespace
@@ -86,8 +79,7 @@ absl::Status Daemon::Start() {
   started_ = absl::Now();
   started_ok_ = true;
   if (absl::Status m = StartMetricsServer(); !m.ok()) return m;
-  fd_accept_thread_ = std::thread([this] { FdAcceptLoop(); });
-  fd_poll_thread_ = std::thread([this] { FdPollLoop(); });
+  fd_thread_ = std::thread([this] { FdLoop(); });
   if (!config_.ready_file.empty()) {
     std::string tmp = config_.ready_file + ".tmp";
     {
@@ -165,8 +157,7 @@ void Daemon::Shutdown() {
   if (metrics_http_) metrics_http_->stop();
   if (metrics_thread_.joinable()) metrics_thread_.join();
   if (poll_wake_) (void)poll_wake_->Signal();
-  if (fd_accept_thread_.joinable()) fd_accept_thread_.join();
-  if (fd_poll_thread_.joinable()) fd_poll_thread_.join();
+  if (fd_thread_.joinable()) fd_thread_.join();
   for (auto& c : Clients()) Reclaim(c->id, "daemon shutting down");
   peer_exports_.Stop();
   {
@@ -323,6 +314,9 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
     buffers.swap(c->buffers);
     groups.swap(c->groups);
     c->incoming_fds.clear();
+    c->gone = true;
+    c->fd_cv.notify_all();  // a RegisterBuffer waiting for a descriptor ends now
+    if (c->watch != nullptr) c->watch->TryCancel();  // frees the Watch stream's thread
     if (c->fd_socket.valid()) ::shutdown(c->fd_socket.get(), SHUT_RDWR);
     c->pidfd.reset();
     if (c->rings) {
@@ -346,39 +340,6 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
                        c->id, c->name, c->pid, reason, sessions.size(), buffers.size());
 }
 
-absl::Status Daemon::SendToClient(ClientRecord& c, const std::string& header, int fd) {
-  int fds[1] = {fd};
-  return SendToClient(c, header, fd >= 0 ? std::span<const int>(fds, 1) : std::span<const int>());
-}
-
-absl::Status Daemon::SendToClient(ClientRecord& c, const std::string& header,
-                                  std::span<const int> fds) {
-  std::lock_guard<std::mutex> send_lock(c.send_mu);
-  int sock = -1;
-  {
-    std::lock_guard<std::mutex> lock(c.mu);
-    if (!c.fd_socket.valid())
-      return absl::FailedPreconditionError(
-          StrCat("client ", c.id, ": fd socket not connected; connect it right after Attach"));
-    sock = c.fd_socket.get();
-  }
-  return ipc::SendMessage(sock, header, fds);
-}
-
-absl::StatusOr<ipc::UniqueFd> Daemon::TakeIncomingFd(ClientRecord& c, uint64_t tag) {
-  std::unique_lock<std::mutex> lock(c.mu);
-  const bool arrived = c.fd_cv.wait_for(lock, std::chrono::seconds(10), [&] {
-    return c.incoming_fds.count(tag) > 0 || !c.fd_socket.valid();
-  });
-  auto it = c.incoming_fds.find(tag);
-  if (!arrived || it == c.incoming_fds.end())
-    return absl::InvalidArgumentError(
-        StrCat("tag: no fd arrived on the fd socket under tag ", tag));
-  ipc::UniqueFd fd = std::move(it->second);
-  c.incoming_fds.erase(it);
-  return fd;
-}
-
 absl::Status Daemon::ReserveSlotMemory(uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   if (slot_bytes_reserved_ + bytes > config_.slot_memory_budget_bytes)
@@ -392,141 +353,6 @@ absl::Status Daemon::ReserveSlotMemory(uint64_t bytes) {
 void Daemon::ReleaseSlotMemory(uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   slot_bytes_reserved_ -= std::min(bytes, slot_bytes_reserved_);
-}
-
-// The fd socket: a client connects right after Attach and sends {"client_id", "token"}. The
-// kernel's SO_PEERCRED on this connection is what identifies the client's process.
-void Daemon::FdAcceptLoop() {
-  for (;;) {
-    absl::StatusOr<ipc::UniqueFd> sock = fd_listener_.Accept();
-    if (!sock.ok()) {
-      if (stopping_.load()) return;
-      Logger("ipc")->warn("fd socket accept: {}", std::string(sock.status().message()));
-      continue;
-    }
-    BindFdSocket(std::move(*sock));
-  }
-}
-
-void Daemon::BindFdSocket(ipc::UniqueFd sock) {
-  auto log = Logger("ipc");
-  absl::StatusOr<bool> ready = ipc::WaitReadable(sock.get(), 5000);
-  if (!ready.ok() || !*ready) {
-    log->warn("fd socket: no hello within 5 s; closing");
-    return;
-  }
-  absl::StatusOr<ipc::ReceivedMessage> frame =
-      ipc::RecvMessage(sock.get(), ipc::kMaxClientFrameBytes, /*max_fds=*/0);
-  absl::StatusOr<ipc::PeerCred> cred = ipc::GetPeerCred(sock.get());
-  if (!frame.ok() || !cred.ok()) return;
-  absl::StatusOr<ipc::HelloFrame> hello = ipc::DecodeHello(frame->payload);
-  if (!hello.ok()) {
-    log->warn("fd socket: bad hello from pid {}: {}", cred->pid,
-              std::string(hello.status().message()));
-    (void)ipc::SendMessage(sock.get(), ErrorFrame(hello.status()));
-    return;
-  }
-  std::shared_ptr<ClientRecord> c;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = clients_.find(hello->client_id);
-    if (it != clients_.end() && it->second->token == hello->token) c = it->second;
-  }
-  if (!c) {
-    (void)ipc::SendMessage(sock.get(), ErrorFrame(absl::PermissionDeniedError(
-                                           "unknown client or bad token")));
-    return;
-  }
-  {
-    std::lock_guard<std::mutex> lock(c->mu);
-    if (c->fd_socket.valid()) return;  // bound already: a second hello is ignored
-    c->pid = cred->pid;
-    c->uid = cred->uid;
-    c->fd_socket = std::move(sock);
-    // A process in another pid namespace may show as pid 0: then the sockets alone tell.
-    if (c->pid > 0) {
-      absl::StatusOr<ipc::UniqueFd> pidfd = ipc::PidfdOpen(c->pid);
-      if (pidfd.ok()) c->pidfd = std::move(*pidfd);
-    }
-  }
-  // The ack carries the call fast path: the client segment and the two doorbells.
-  absl::StatusOr<std::shared_ptr<ClientRings>> rings = CreateRings(c);
-  if (!rings.ok()) {
-    log->warn("client {}: no call rings: {}", c->id, std::string(rings.status().message()));
-    (void)SendToClient(*c, R"({"ok": true})", -1);
-  } else {
-    {
-      std::lock_guard<std::mutex> lock(c->mu);
-      c->rings = *rings;
-    }
-    std::lock_guard<std::mutex> send_lock(c->send_mu);
-    int fds[3] = {(*rings)->memfd.get(), (*rings)->submit_bell.fd(), (*rings)->complete_bell.fd()};
-    int sock;
-    {
-      std::lock_guard<std::mutex> lock(c->mu);
-      sock = c->fd_socket.get();
-    }
-    (void)ipc::SendMessage(sock, StrCat("{\"ok\": true, \"client_segment_bytes\": ",
-                                        ipc::ClientSegmentLayout::kTotal, "}"),
-                           std::span<const int>(fds, 3));
-  }
-  (void)poll_wake_->Signal();
-  log->debug("client {} bound its fd socket (pid {}, uid {})", c->id, c->pid, c->uid);
-}
-
-// Watches every bound fd socket: frames carrying fds from clients, and hang-ups (the client
-// process is gone).
-void Daemon::FdPollLoop() {
-  while (!stopping_.load()) {
-    std::vector<std::shared_ptr<ClientRecord>> clients = Clients();
-    std::vector<pollfd> fds;
-    std::vector<std::shared_ptr<ClientRecord>> owners;
-    std::vector<bool> is_pidfd;
-    fds.push_back(pollfd{poll_wake_->fd(), POLLIN, 0});
-    for (auto& c : clients) {
-      std::lock_guard<std::mutex> lock(c->mu);
-      if (!c->fd_socket.valid()) continue;
-      fds.push_back(pollfd{c->fd_socket.get(), POLLIN, 0});
-      owners.push_back(c);
-      is_pidfd.push_back(false);
-      if (c->pidfd.valid()) {
-        fds.push_back(pollfd{c->pidfd.get(), POLLIN, 0});
-        owners.push_back(c);
-        is_pidfd.push_back(true);
-      }
-    }
-    int n = ::poll(fds.data(), fds.size(), 1000);
-    if (n <= 0) continue;
-    if (fds[0].revents) (void)poll_wake_->Wait(0);
-    for (size_t i = 1; i < fds.size(); ++i) {
-      if (!fds[i].revents) continue;
-      ClientRecord& c = *owners[i - 1];
-      if (is_pidfd[i - 1]) {
-        Reclaim(c.id, "process exited");
-        continue;
-      }
-      absl::StatusOr<ipc::ReceivedMessage> m =
-          ipc::RecvMessage(fds[i].fd, ipc::kMaxClientFrameBytes);
-      if (!m.ok()) {
-        // A closed socket, or a frame the stream cannot skip (over the size limit).
-        Reclaim(c.id, StrCat("fd socket: ", m.status().message()));
-        continue;
-      }
-      absl::StatusOr<ipc::FdFrame> f = ipc::DecodeFdFrame(m->payload);
-      if (!f.ok() || m->fds.size() != 1) {
-        // The frame's descriptors close with `m`; the stream stays in step (frames are
-        // length-prefixed), so the client keeps being served.
-        Logger("ipc")->warn("client {}: fd frame ignored: {}", c.id,
-                            f.ok() ? StrCat("carries ", m->fds.size(), " descriptors, expected 1")
-                                   : std::string(f.status().message()));
-        continue;
-      }
-      std::lock_guard<std::mutex> lock(c.mu);
-      if (!c.incoming_fds.emplace(f->tag, std::move(m->fds[0])).second)
-        Logger("ipc")->warn("client {}: fd frame ignored: tag {} is already pending", c.id, f->tag);
-      c.fd_cv.notify_all();
-    }
-  }
 }
 
 }  // namespace ulysses::daemon

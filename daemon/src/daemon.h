@@ -36,6 +36,9 @@ class Server;
 
 namespace ulysses::daemon {
 
+/// Longest a send on a client's fd socket waits for the client to read (SendToClient).
+inline constexpr int kClientSendTimeoutMs = 1000;
+
 /// A group as one client of this daemon joined it.
 struct Group {
   uint64_t id = 0;
@@ -71,6 +74,8 @@ struct ClientRecord {
   std::atomic<uint64_t> calls{0};
 
   std::mutex mu;  // guards everything below
+  bool gone = false;  // reclaimed: nothing may be added any more
+  grpc::ServerContext* watch = nullptr;  // the open Watch stream, cancelled by Reclaim
   std::condition_variable fd_cv;
   ipc::UniqueFd fd_socket;  // bound once the client's hello arrives
   ipc::UniqueFd pidfd;      // readable once the client's process has exited
@@ -122,7 +127,9 @@ class Daemon {
   absl::StatusOr<std::shared_ptr<ClientRecord>> AttachClient(const std::string& name);
   /// Forgets a client and releases everything it held. Idempotent; logs one line.
   void Reclaim(uint64_t client_id, const std::string& reason);
-  /// Sends a frame (JSON header + optional fd) to the client over its fd socket.
+  /// Sends a frame (JSON header + optional fd) to the client over its fd socket. Waits at most
+  /// kClientSendTimeoutMs for a client that reads nothing; such a client is reclaimed (its
+  /// stream is out of step) and the result is UNAVAILABLE.
   absl::Status SendToClient(ClientRecord& c, const std::string& header, int fd);
   absl::Status SendToClient(ClientRecord& c, const std::string& header, std::span<const int> fds);
   /// Waits (bounded) for the fd the client sent under `tag`.
@@ -169,9 +176,13 @@ class Daemon {
   std::string RenderMetrics();
 
  private:
-  void FdAcceptLoop();
-  void FdPollLoop();
-  void BindFdSocket(ipc::UniqueFd sock);
+  /// The fd socket's one thread (fd_socket.cc): accepts, reads hellos and client frames
+  /// without ever waiting on one peer, watches pidfds, reclaims clients that never bind.
+  void FdLoop();
+  /// Binds the connection `sock` to the client its hello names and sends the ack.
+  void HandleHello(ipc::UniqueFd sock, const std::string& payload);
+  /// A frame a bound client sent: a descriptor for RegisterBuffer.
+  void HandleClientFrame(ClientRecord& c, ipc::ReceivedMessage frame);
   absl::Status StartMetricsServer();
   absl::Status ChooseBackend();
   absl::StatusOr<CallResult> RunCall(ClientRecord& c, uint64_t session_id, const CallArgs& args,
@@ -206,8 +217,7 @@ class Daemon {
   std::unique_ptr<grpc::Service> control_, admin_, peer_;
   std::unique_ptr<grpc::Server> server_;
   ipc::UnixListener fd_listener_;
-  std::thread fd_accept_thread_;
-  std::thread fd_poll_thread_;
+  std::thread fd_thread_;
   std::unique_ptr<ipc::EventFd> poll_wake_;
 
   std::mutex mu_;

@@ -130,8 +130,19 @@ class ControlService final : public v1::Control::Service {
   grpc::Status Watch(grpc::ServerContext* ctx,
                      grpc::ServerReaderWriter<v1::WatchEvent, v1::WatchRequest>* stream) override {
     return AsClient(ctx, [&](ClientRecord& c) {
+      {
+        // Reclaim cancels the stream, so a client reclaimed for another reason (it never bound
+        // its fd socket, say) does not keep this thread.
+        std::lock_guard<std::mutex> lock(c.mu);
+        if (c.gone) return absl::OkStatus();
+        c.watch = ctx;
+      }
       v1::WatchRequest req;
       while (stream->Read(&req)) {
+      }
+      {
+        std::lock_guard<std::mutex> lock(c.mu);
+        c.watch = nullptr;
       }
       // The stream ends when the client closes it or its process (and connection) is gone.
       d_->Reclaim(c.id, "liveness stream ended");

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -177,7 +178,7 @@ absl::StatusOr<UnixListener> UnixListener::Listen(std::string path, mode_t mode)
     return LastError("lstat(", path, ")");
   }
 
-  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return LastError("socket() for ", path);
   if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
     if (errno == EADDRINUSE) {
@@ -209,14 +210,31 @@ absl::StatusOr<UnixListener> UnixListener::Listen(std::string path, mode_t mode)
 
 absl::StatusOr<UniqueFd> UnixListener::Accept() {
   for (;;) {
+    ULY_ASSIGN_OR_RETURN(UniqueFd conn, TryAccept());
+    if (conn.valid()) {
+      // Accept() hands out blocking sockets; only TryAccept's callers poll.
+      const int flags = ::fcntl(conn.get(), F_GETFL);
+      if (flags < 0 || ::fcntl(conn.get(), F_SETFL, flags & ~O_NONBLOCK) != 0)
+        return LastError("fcntl(accepted socket of ", path_, ", ~O_NONBLOCK)");
+      return conn;
+    }
+    // shutdown(2) wakes this poll (the listener reads as hung up); TryAccept then cancels.
+    ULY_ASSIGN_OR_RETURN(short revents, PollFd(fd_.get(), POLLIN, -1));
+    (void)revents;
+  }
+}
+
+absl::StatusOr<UniqueFd> UnixListener::TryAccept() {
+  for (;;) {
     if (shut_down_.load(std::memory_order_acquire)) {
       return absl::CancelledError(ulysses::StrCat("accept(", path_, "): listener shut down"));
     }
-    UniqueFd conn(::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    UniqueFd conn(::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (conn.valid()) return conn;
     const int err = errno;
     if (err == EINTR || err == ECONNABORTED) continue;
-    // shutdown(2) makes a blocked accept fail (EINVAL on Linux); report that as cancellation.
+    if (err == EAGAIN || err == EWOULDBLOCK) return UniqueFd();
+    // shutdown(2) makes accept fail (EINVAL on Linux); report that as cancellation.
     if (shut_down_.load(std::memory_order_acquire)) {
       return absl::CancelledError(ulysses::StrCat("accept(", path_, "): listener shut down"));
     }
@@ -251,7 +269,10 @@ absl::StatusOr<PeerCred> GetPeerCred(int fd) {
   return PeerCred{cred.pid, cred.uid, cred.gid};
 }
 
-absl::Status SendMessage(int sock, std::string_view payload, std::span<const int> fds) {
+absl::Status SendMessage(int sock, std::string_view payload, std::span<const int> fds,
+                         int timeout_ms) {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms);
   if (payload.size() > std::numeric_limits<uint32_t>::max()) {
     return absl::InvalidArgumentError(
         ulysses::StrCat("payload: ", payload.size(), " bytes exceed the 4 GiB frame limit"));
@@ -309,7 +330,18 @@ absl::Status SendMessage(int sock, std::string_view payload, std::span<const int
     const int err = errno;
     if (err == EINTR) continue;
     if (err == EAGAIN || err == EWOULDBLOCK) {
-      ULY_ASSIGN_OR_RETURN(short revents, PollFd(sock, POLLOUT, -1));
+      int wait_ms = -1;
+      if (timeout_ms >= 0) {
+        const auto left =
+            std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+        if (left <= 0) {
+          return absl::DeadlineExceededError(ulysses::StrCat(
+              "sendmsg(socket fd ", sock, "): the peer took nothing for ", timeout_ms, " ms (",
+              sent, " of ", total, " bytes sent)"));
+        }
+        wait_ms = static_cast<int>(left);
+      }
+      ULY_ASSIGN_OR_RETURN(short revents, PollFd(sock, POLLOUT, wait_ms));
       (void)revents;  // errors and hang-ups surface from the next sendmsg
       continue;
     }
@@ -320,80 +352,106 @@ absl::Status SendMessage(int sock, std::string_view payload, std::span<const int
   return absl::OkStatus();
 }
 
+FrameReader::FrameReader(size_t max_payload, size_t max_fds)
+    : max_payload_(max_payload), max_fds_(std::min(max_fds, kMaxFdsPerMessage)) {}
+
+void FrameReader::Reset() {
+  length_ = 0;
+  got_ = 0;
+  fds_truncated_ = false;
+  frame_ = ReceivedMessage();
+}
+
+ReceivedMessage FrameReader::Take() {
+  ReceivedMessage out = std::move(frame_);
+  Reset();
+  return out;
+}
+
+absl::StatusOr<bool> FrameReader::Read(int sock) {
+  auto oversized = [&] {
+    return absl::ResourceExhaustedError(ulysses::StrCat(
+        "recvmsg(socket fd ", sock, "): frame of ", length_, " bytes exceeds max_payload ",
+        max_payload_, "; the stream is out of sync"));
+  };
+  if (out_of_sync_) return oversized();
+  ControlBuffer control;
+  const size_t control_len = max_fds_ == 0 ? 0 : CMSG_SPACE(max_fds_ * sizeof(int));
+  for (;;) {
+    // Ask only for what the current frame still lacks, so the next frame (and descriptors
+    // riding on its first byte) stays in the socket.
+    char* dst;
+    size_t want;
+    if (got_ < kFrameHeaderBytes) {
+      dst = header_ + got_;
+      want = kFrameHeaderBytes - got_;
+    } else {
+      const size_t at = got_ - kFrameHeaderBytes;
+      if (at == length_) break;
+      dst = frame_.payload.data() + at;
+      want = length_ - at;
+    }
+    iovec iov{dst, want};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    // Always offer control space: a read without it would make the kernel discard (close)
+    // descriptors attached to the bytes it returns.
+    if (control_len != 0) {
+      msg.msg_control = control.bytes;
+      msg.msg_controllen = control_len;
+    }
+    const ssize_t n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (n > 0) {
+      CollectFds(msg, frame_.fds);
+      if ((msg.msg_flags & MSG_CTRUNC) != 0 || frame_.fds.size() > max_fds_) fds_truncated_ = true;
+      got_ += static_cast<size_t>(n);
+      if (got_ == kFrameHeaderBytes) {
+        std::memcpy(&length_, header_, sizeof(length_));
+        if (length_ > max_payload_) {
+          out_of_sync_ = true;
+          frame_.fds.clear();
+          return oversized();
+        }
+        frame_.payload.resize(length_);
+      }
+      continue;
+    }
+    if (n == 0) {
+      if (got_ == 0) {
+        return absl::UnavailableError(ulysses::StrCat("recvmsg(socket fd ", sock, "): peer closed"));
+      }
+      return absl::UnavailableError(ulysses::StrCat(
+          "recvmsg(socket fd ", sock, "): peer closed in the middle of a frame (got ", got_,
+          " of ", got_ < kFrameHeaderBytes ? kFrameHeaderBytes : kFrameHeaderBytes + length_,
+          " bytes)"));
+    }
+    const int err = errno;
+    if (err == EINTR) continue;
+    if (err == EAGAIN || err == EWOULDBLOCK) return false;
+    return ErrnoError(ulysses::StrCat("recvmsg(socket fd ", sock, ")"), err);
+  }
+  if (fds_truncated_) {
+    Reset();  // the frame is consumed; its received descriptors close here
+    return absl::ResourceExhaustedError(
+        ulysses::StrCat("recvmsg(socket fd ", sock, "): frame carried more than max_fds ",
+                        max_fds_, " descriptors; all of them were closed"));
+  }
+  return true;
+}
+
 absl::StatusOr<ReceivedMessage> RecvMessage(int sock, size_t max_payload, size_t max_fds) {
   if (max_fds > kMaxFdsPerMessage) {
     return absl::InvalidArgumentError(
         ulysses::StrCat("max_fds: ", max_fds, " exceeds ", kMaxFdsPerMessage));
   }
-  ReceivedMessage out;
-  bool fds_truncated = false;
-  ControlBuffer control;
-  const size_t control_len = max_fds == 0 ? 0 : CMSG_SPACE(max_fds * sizeof(int));
-
-  // Reads exactly `len` bytes into `dst`, never more, so the next frame stays in the socket.
-  // `done` counts the frame bytes read before this call and `frame_len` the bytes known to
-  // belong to the frame so far; both only feed messages.
-  auto read_exact = [&](char* dst, size_t len, size_t done, size_t frame_len) -> absl::Status {
-    size_t got = 0;
-    while (got < len) {
-      iovec iov{dst + got, len - got};
-      msghdr msg{};
-      msg.msg_iov = &iov;
-      msg.msg_iovlen = 1;
-      // Always offer control space: a read without it would make the kernel discard (close)
-      // descriptors attached to the bytes it returns.
-      if (control_len != 0) {
-        msg.msg_control = control.bytes;
-        msg.msg_controllen = control_len;
-      }
-      const ssize_t n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-      if (n > 0) {
-        CollectFds(msg, out.fds);
-        if ((msg.msg_flags & MSG_CTRUNC) != 0 || out.fds.size() > max_fds) fds_truncated = true;
-        got += static_cast<size_t>(n);
-        continue;
-      }
-      if (n == 0) {
-        if (done + got == 0) {
-          return absl::UnavailableError(
-              ulysses::StrCat("recvmsg(socket fd ", sock, "): peer closed"));
-        }
-        return absl::UnavailableError(ulysses::StrCat(
-            "recvmsg(socket fd ", sock, "): peer closed in the middle of a frame (got ", done + got,
-            " of ", frame_len, " bytes)"));
-      }
-      const int err = errno;
-      if (err == EINTR) continue;
-      if (err == EAGAIN || err == EWOULDBLOCK) {
-        ULY_ASSIGN_OR_RETURN(short revents, PollFd(sock, POLLIN, -1));
-        (void)revents;  // hang-ups and errors surface from the next recvmsg
-        continue;
-      }
-      return ErrnoError(ulysses::StrCat("recvmsg(socket fd ", sock, ")"), err);
-    }
-    return absl::OkStatus();
-  };
-
-  char header[kFrameHeaderBytes];
-  ULY_RETURN_IF_ERROR(read_exact(header, sizeof(header), 0, sizeof(header)));
-  uint32_t length;
-  std::memcpy(&length, header, sizeof(length));
-  if (length > max_payload) {
-    return absl::ResourceExhaustedError(
-        ulysses::StrCat("recvmsg(socket fd ", sock, "): frame of ", length,
-                        " bytes exceeds max_payload ", max_payload, "; the stream is out of sync"));
+  FrameReader reader(max_payload, max_fds);
+  for (;;) {
+    ULY_ASSIGN_OR_RETURN(const bool complete, reader.Read(sock));
+    if (complete) return reader.Take();
+    ULY_ASSIGN_OR_RETURN(short revents, PollFd(sock, POLLIN, -1));
+    (void)revents;  // hang-ups and errors surface from the next read
   }
-  out.payload.resize(length);
-  if (length != 0) {
-    ULY_RETURN_IF_ERROR(
-        read_exact(out.payload.data(), length, sizeof(header), sizeof(header) + length));
-  }
-  if (fds_truncated) {
-    return absl::ResourceExhaustedError(
-        ulysses::StrCat("recvmsg(socket fd ", sock, "): frame carried more than max_fds ", max_fds,
-                        " descriptors; all of them were closed"));
-  }
-  return out;
 }
 
 absl::StatusOr<bool> WaitReadable(int fd, int timeout_ms) {

@@ -315,3 +315,21 @@ TEST(DaemonConfigRangeTest, IntegersOutOfTheirFieldsRangeAreRefused) {
 
 }  // namespace
 }  // namespace ulysses
+
+namespace ulysses {
+namespace {
+
+TEST(DaemonConfigTest, BindTimeoutParsedAndBounded) {
+  absl::StatusOr<DaemonConfig> c = ParseDaemonConfig(R"({"timeouts": {"bind_ms": 250}})", 0);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->bind_timeout_ms, 250);
+  EXPECT_EQ(ParseDaemonConfig("{}", 0)->bind_timeout_ms, 10000);
+  for (const char* bad : {R"({"timeouts": {"bind_ms": 0}})", R"({"timeouts": {"bind_ms": 3600001}})"}) {
+    absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(bad, 0);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("timeouts.bind_ms"), std::string::npos) << r.status();
+  }
+}
+
+}  // namespace
+}  // namespace ulysses

@@ -29,7 +29,7 @@ import yaml
 FULL = {
     "log_level": "debug",
     "backend": "host",
-    "timeouts": {"call_ms": 20000, "peer_ms": 40000, "drain_ms": 0},
+    "timeouts": {"call_ms": 20000, "peer_ms": 40000, "drain_ms": 0, "bind_ms": 5000},
     "slots": {"memory_budget_bytes": 1 << 30},
     "metrics": {"address": "127.0.0.1:9500"},
     "ready_file": "/run/ulysses/gpu0.ready",
@@ -65,6 +65,8 @@ BAD = [
     ("empty metrics host", {"metrics": {"address": ":9500"}}, "metrics.address"),
     ("flight recorder too large", {"flight_recorder_size": 1000001}, "flight_recorder_size"),
     ("peer timeout 0", {"timeouts": {"peer_ms": 0}}, "timeouts.peer_ms"),
+    ("bind timeout 0", {"timeouts": {"bind_ms": 0}}, "timeouts.bind_ms"),
+    ("bind timeout over an hour", {"timeouts": {"bind_ms": 3600001}}, "timeouts.bind_ms"),
 ]
 
 # Good configs beyond the shipped ones: edge values both must accept.

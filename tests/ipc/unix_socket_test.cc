@@ -428,3 +428,103 @@ TEST(WaitReadableTest, ReportsReadabilityAndTimeout) {
 
 }  // namespace
 }  // namespace ulysses::ipc
+
+namespace ulysses::ipc {
+namespace {
+
+std::pair<UniqueFd, UniqueFd> NonBlockingPair() {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sv) != 0) return {};
+  return {UniqueFd(sv[0]), UniqueFd(sv[1])};
+}
+
+TEST(FrameReaderTest, KeepsAPartialFrameUntilTheRestArrives) {
+  auto [a, b] = NonBlockingPair();
+  FrameReader reader;
+  auto none = reader.Read(b.get());
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(*none);
+  EXPECT_FALSE(reader.mid_frame());
+  // The header in two pieces, then the payload in two.
+  const uint32_t length = 5;
+  const char* bytes = reinterpret_cast<const char*>(&length);
+  ASSERT_EQ(::write(a.get(), bytes, 3), 3);
+  EXPECT_FALSE(*reader.Read(b.get()));
+  EXPECT_TRUE(reader.mid_frame());
+  ASSERT_EQ(::write(a.get(), bytes + 3, 1), 1);
+  ASSERT_EQ(::write(a.get(), "he", 2), 2);
+  EXPECT_FALSE(*reader.Read(b.get()));
+  ASSERT_EQ(::write(a.get(), "llo", 3), 3);
+  auto done = reader.Read(b.get());
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_TRUE(*done);
+  EXPECT_EQ(reader.Take().payload, "hello");
+  EXPECT_FALSE(reader.mid_frame());
+}
+
+TEST(FrameReaderTest, NeverReadsIntoTheNextFrameSoDescriptorsStayWithTheirFrame) {
+  auto [a, b] = NonBlockingPair();
+  auto fd = CreateMemfd("reader", 4096);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  const int one[] = {fd->get()};
+  ASSERT_TRUE(SendMessage(a.get(), "first").ok());
+  ASSERT_TRUE(SendMessage(a.get(), "second", one).ok());
+  FrameReader reader;
+  ASSERT_TRUE(*reader.Read(b.get()));
+  ReceivedMessage first = reader.Take();
+  EXPECT_EQ(first.payload, "first");
+  EXPECT_TRUE(first.fds.empty());
+  ASSERT_TRUE(*reader.Read(b.get()));
+  ReceivedMessage second = reader.Take();
+  EXPECT_EQ(second.payload, "second");
+  EXPECT_EQ(second.fds.size(), 1u);
+}
+
+TEST(FrameReaderTest, OversizedFrameIsAnErrorEveryTime) {
+  auto [a, b] = NonBlockingPair();
+  ASSERT_TRUE(SendMessage(a.get(), std::string(100, 'x')).ok());
+  FrameReader reader(/*max_payload=*/10);
+  EXPECT_EQ(reader.Read(b.get()).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(reader.Read(b.get()).status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(FrameReaderTest, PeerCloseMidFrameIsUnavailable) {
+  auto [a, b] = NonBlockingPair();
+  const uint32_t length = 100;
+  ASSERT_EQ(::write(a.get(), &length, sizeof(length)), 4);
+  FrameReader reader;
+  EXPECT_FALSE(*reader.Read(b.get()));
+  a.reset();
+  auto r = reader.Read(b.get());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("middle of a frame"));
+}
+
+TEST(UnixListenerTest, TryAcceptReturnsAtOnce) {
+  TempDir dir;
+  auto listener = UnixListener::Listen(dir.File("try.sock"));
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  auto none = listener->TryAccept();
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->valid());
+  auto client = ConnectUnix(dir.File("try.sock"));
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto conn = listener->TryAccept();
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  ASSERT_TRUE(conn->valid());
+  EXPECT_NE(::fcntl(conn->get(), F_GETFL) & O_NONBLOCK, 0);
+  listener->Shutdown();
+  EXPECT_EQ(listener->TryAccept().status().code(), absl::StatusCode::kCancelled);
+}
+
+TEST(MessageTest, SendToAPeerThatReadsNothingTimesOut) {
+  auto [a, b] = NonBlockingPair();
+  const std::string chunk(64 << 10, 'x');
+  absl::Status s;
+  // Fill the socket until the bounded send gives up; it must not wait for ever.
+  for (int i = 0; i < 1024 && s.ok(); ++i) s = SendMessage(a.get(), chunk, {}, /*timeout_ms=*/50);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+}
+
+}  // namespace
+}  // namespace ulysses::ipc

@@ -26,6 +26,7 @@ struct DaemonConfig {
   int64_t call_timeout_ms = 30000;    ///< bound on every wait inside a call (peers, slots)
   int64_t peer_timeout_ms = 30000;    ///< bound on group/session rendezvous
   int64_t drain_timeout_ms = 30000;   ///< SIGTERM: how long running calls may take to finish
+  int64_t bind_timeout_ms = 10000;    ///< an attached client must bind its fd socket by then
   int32_t flight_recorder_size = 1024;  ///< calls the flight recorder keeps
   uint64_t slot_memory_budget_bytes = 8ull << 30;  ///< receive-slot memory this daemon may hold
   std::string ready_file;             ///< written once the daemon serves (empty: none)

@@ -21,7 +21,8 @@ namespace ulysses::ipc {
 /// A listening SOCK_STREAM unix socket bound to a filesystem path.
 ///
 /// Move-only. Accept() may block in one thread while another calls Shutdown(); everything else
-/// (moves, destruction) must not race with other uses of the object. On destruction the socket
+/// (moves, destruction) must not race with other uses of the object. The listening socket is
+/// non-blocking (so TryAccept never waits); Accept() waits with poll(2). On destruction the socket
 /// is closed and its path unlinked, unless the path no longer refers to this socket (someone
 /// replaced it).
 class UnixListener {
@@ -59,6 +60,12 @@ class UnixListener {
   /// once Shutdown() has been called (also when called afterwards); the errno of accept4
   /// otherwise (e.g. RESOURCE_EXHAUSTED on EMFILE). Thread-safe with respect to Shutdown().
   absl::StatusOr<UniqueFd> Accept();
+
+  /// Accepts one pending connection without waiting, for a poll(2) loop that watches fd():
+  /// the connected socket (SOCK_CLOEXEC | SOCK_NONBLOCK), or an empty UniqueFd when none is
+  /// pending. Errors as Accept() (CANCELLED after Shutdown; RESOURCE_EXHAUSTED on EMFILE, after
+  /// which the pending connection stays queued, so the caller should back off).
+  absl::StatusOr<UniqueFd> TryAccept();
 
   /// Stops accepting: wakes every thread blocked in Accept() (which then returns CANCELLED) and
   /// makes new connection attempts fail with ECONNREFUSED. The path stays bound until
@@ -113,13 +120,15 @@ inline constexpr size_t kMaxFdsPerMessage = 253;
 /// order; both ends are on one host) followed by `payload`, with `fds` attached (SCM_RIGHTS) to
 /// the first byte of the frame. The descriptors are duplicated into the receiver; the caller
 /// keeps its own. Handles partial sends and EINTR, and waits (poll) when `sock` is non-blocking
-/// and full. Never raises SIGPIPE (MSG_NOSIGNAL). Errors: INVALID_ARGUMENT naming `payload` (over
-/// 4 GiB - 1) or `fds` (more than kMaxFdsPerMessage, or a negative descriptor); UNAVAILABLE when
-/// the peer has gone (EPIPE/ECONNRESET); the errno of sendmsg otherwise. After an error in the
-/// middle of a frame the stream is out of sync and must be closed.
-/// Thread-safety: concurrent senders on one socket must serialise themselves (frames would
-/// interleave otherwise).
-absl::Status SendMessage(int sock, std::string_view payload, std::span<const int> fds = {});
+/// and full: for ever when `timeout_ms` is negative, else for at most `timeout_ms` in all, then
+/// DEADLINE_EXCEEDED. Never raises SIGPIPE (MSG_NOSIGNAL). Errors: INVALID_ARGUMENT naming
+/// `payload` (over 4 GiB - 1) or `fds` (more than kMaxFdsPerMessage, or a negative descriptor);
+/// UNAVAILABLE when the peer has gone (EPIPE/ECONNRESET); the errno of sendmsg otherwise. After
+/// an error in the middle of a frame (a timeout included) the stream is out of sync and must be
+/// closed. Thread-safety: concurrent senders on one socket must serialise themselves (frames
+/// would interleave otherwise).
+absl::Status SendMessage(int sock, std::string_view payload, std::span<const int> fds = {},
+                         int timeout_ms = -1);
 
 /// Receives exactly one frame sent by SendMessage from `sock`, blocking until the whole frame has
 /// arrived (also when `sock` is non-blocking), never reading into the next frame. Descriptors are
@@ -135,6 +144,43 @@ absl::Status SendMessage(int sock, std::string_view payload, std::span<const int
 /// Thread-safety: concurrent receivers on one socket must serialise themselves.
 absl::StatusOr<ReceivedMessage> RecvMessage(int sock, size_t max_payload = 4096,
                                             size_t max_fds = 16);
+
+/// Reads frames sent by SendMessage from one socket piece by piece, for a poll(2) loop that
+/// must never wait on a slow or silent peer: each Read takes what has arrived (MSG_DONTWAIT) and
+/// keeps a partial frame until the rest comes. Like RecvMessage it never reads past the end of
+/// the current frame, so descriptors stay with the frame they were sent with.
+///
+/// Not thread-safe: one reader per socket, used by one thread at a time.
+class FrameReader {
+ public:
+  /// Frames longer than `max_payload`, or carrying more than `max_fds` descriptors, are errors
+  /// as in RecvMessage. `max_fds` is clamped to kMaxFdsPerMessage.
+  explicit FrameReader(size_t max_payload = 4096, size_t max_fds = 16);
+
+  /// Reads what `sock` has of the current frame: true when the frame is complete (Take() it),
+  /// false when more bytes must arrive first (wait for POLLIN). Errors as RecvMessage: UNAVAILABLE
+  /// when the peer closed (between frames or in the middle of one); RESOURCE_EXHAUSTED when the
+  /// frame is over `max_payload` (the stream is out of sync: close it; later calls repeat the
+  /// error) or carried too many descriptors (the frame is consumed and dropped; the stream stays
+  /// usable); the errno of recvmsg otherwise.
+  absl::StatusOr<bool> Read(int sock);
+  /// The completed frame; the reader starts on the next one. Only after Read returned true.
+  ReceivedMessage Take();
+  /// True while part of a frame has been read and the rest has not.
+  [[nodiscard]] bool mid_frame() const noexcept { return got_ > 0; }
+
+ private:
+  void Reset();
+
+  size_t max_payload_;
+  size_t max_fds_;
+  char header_[4] = {};
+  uint32_t length_ = 0;
+  size_t got_ = 0;  // bytes of the current frame read so far, header included
+  bool fds_truncated_ = false;
+  bool out_of_sync_ = false;
+  ReceivedMessage frame_;
+};
 
 /// Waits up to `timeout_ms` milliseconds (negative: forever; 0: just check) for `fd` to become
 /// readable. Returns true when it is readable or has hung up / failed (a read then reports what
