@@ -73,7 +73,7 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
   }
   ULY_RETURN_IF_ERROR(CheckKeys(root, "", {"log_level", "backend", "timeouts", "slots",
                                            "metrics", "ready_file", "devices",
-                                           "flight_recorder_size"}));
+                                           "flight_recorder_size", "limits"}));
   DaemonConfig c;
   c.device = device;
   ULY_RETURN_IF_ERROR(Read(root, "flight_recorder_size", "", &c.flight_recorder_size));
@@ -92,6 +92,19 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
     const json& s = root["slots"];
     ULY_RETURN_IF_ERROR(CheckKeys(s, "slots", {"memory_budget_bytes"}));
     ULY_RETURN_IF_ERROR(Read(s, "memory_budget_bytes", "slots", &c.slot_memory_budget_bytes));
+  }
+  if (root.contains("limits")) {
+    const json& l = root["limits"];
+    DaemonLimits& d = c.limits;
+    ULY_RETURN_IF_ERROR(CheckKeys(l, "limits", {"max_clients", "clients_per_uid",
+                                                "buffers_per_client", "buffer_bytes_per_client",
+                                                "buffer_bytes_per_uid", "pending_fds_per_client"}));
+    ULY_RETURN_IF_ERROR(Read(l, "max_clients", "limits", &d.max_clients));
+    ULY_RETURN_IF_ERROR(Read(l, "clients_per_uid", "limits", &d.clients_per_uid));
+    ULY_RETURN_IF_ERROR(Read(l, "buffers_per_client", "limits", &d.buffers_per_client));
+    ULY_RETURN_IF_ERROR(Read(l, "buffer_bytes_per_client", "limits", &d.buffer_bytes_per_client));
+    ULY_RETURN_IF_ERROR(Read(l, "buffer_bytes_per_uid", "limits", &d.buffer_bytes_per_uid));
+    ULY_RETURN_IF_ERROR(Read(l, "pending_fds_per_client", "limits", &d.pending_fds_per_client));
   }
   if (root.contains("metrics")) {
     const json& m = root["metrics"];
@@ -237,6 +250,16 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
     return Invalid("timeouts.peer_ms", StrCat("must be > 0, got ", c.peer_timeout_ms));
   if (c.drain_timeout_ms < 0)
     return Invalid("timeouts.drain_ms", StrCat("must be >= 0, got ", c.drain_timeout_ms));
+  for (const auto& [key, value] :
+       {std::pair<const char*, int64_t>{"limits.max_clients", c.limits.max_clients},
+        {"limits.clients_per_uid", c.limits.clients_per_uid},
+        {"limits.buffers_per_client", c.limits.buffers_per_client},
+        {"limits.pending_fds_per_client", c.limits.pending_fds_per_client}})
+    if (value < 1) return Invalid(key, StrCat("must be >= 1, got ", value));
+  if (c.limits.buffer_bytes_per_client == 0)
+    return Invalid("limits.buffer_bytes_per_client", "must be >= 1, got 0");
+  if (c.limits.buffer_bytes_per_uid == 0)
+    return Invalid("limits.buffer_bytes_per_uid", "must be >= 1, got 0");
   if (c.bind_timeout_ms <= 0 || c.bind_timeout_ms > 3600 * 1000)
     return Invalid("timeouts.bind_ms", StrCat("must be in [1, 3600000], got ", c.bind_timeout_ms));
   if (c.flight_recorder_size < 1 || c.flight_recorder_size > 1000000)

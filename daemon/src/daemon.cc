@@ -71,7 +71,8 @@ absl::Status Daemon::Start() {
   builder.RegisterService(control_.get());
   builder.RegisterService(admin_.get());
   builder.RegisterService(peer_.get());
-  builder.SetMaxReceiveMessageSize(16 << 20);
+  // Every request is small (names are bounded at 256 bytes); this bounds what one can cost.
+  builder.SetMaxReceiveMessageSize(4 << 20);
   server_ = builder.BuildAndStart();
   if (!server_) return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", config_.socket));
   ::chmod(config_.socket.c_str(), 0660);
@@ -253,6 +254,7 @@ GaugeSnapshot Daemon::Gauges() {
   const ipc::cuda::AllocationStats a = ipc::cuda::Stats();
   g.device_bytes = a.live_bytes;
   g.device_allocations = a.created + a.imported + a.ipc_opened;
+  FillQuotaGauges(g);
   return g;
 }
 
@@ -262,12 +264,18 @@ std::string Daemon::RenderMetrics() {
 }
 
 absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::string& name) {
+  ULY_RETURN_IF_ERROR(CheckName("client_name", name));
   auto c = std::make_shared<ClientRecord>();
   c->id = NextId();
   c->token = RandomToken();
   c->name = name;
   c->since = absl::Now();
   std::lock_guard<std::mutex> lock(mu_);
+  // Attach needs no proof, so this bounds what anyone who reaches the socket can hold; clients
+  // that never bind leave after timeouts.bind_ms.
+  if (clients_.size() >= static_cast<size_t>(config_.limits.max_clients))
+    return RefuseOverLimit(Limit::kMaxClients,
+                           StrCat(clients_.size(), " clients are attached already"));
   clients_[c->id] = c;
   return c;
 }
@@ -315,6 +323,7 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
     groups.swap(c->groups);
     c->incoming_fds.clear();
     c->gone = true;
+    ReleaseQuotaLocked(*c);
     c->fd_cv.notify_all();  // a RegisterBuffer waiting for a descriptor ends now
     if (c->watch != nullptr) c->watch->TryCancel();  // frees the Watch stream's thread
     if (c->fd_socket.valid()) ::shutdown(c->fd_socket.get(), SHUT_RDWR);

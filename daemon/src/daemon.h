@@ -26,6 +26,7 @@
 #include "ulysses/ipc/shm.h"
 #include "ulysses/ipc/unix_socket.h"
 #include "fd_exports.h"
+#include "quotas.h"
 #include "rendezvous.h"
 #include "session.h"
 #include "telemetry.h"
@@ -85,6 +86,11 @@ struct ClientRecord {
   std::map<uint64_t, std::shared_ptr<Session>> sessions;
   std::mutex send_mu;  // serializes frames sent to the client
   std::shared_ptr<ClientRings> rings;  // set once the fd socket is bound
+  // Charged against limits.*: the buffers' bytes and count, and whether this client counts
+  // among its uid's bound clients.
+  uint64_t charged_bytes = 0;
+  int32_t charged_buffers = 0;
+  bool counted_in_uid = false;
   // Rows of the segment's release words handed out so far; rows are never reused, so a late
   // write for a closed session cannot release a slot of a newer one.
   int32_t release_rows_used = 0;
@@ -132,6 +138,13 @@ class Daemon {
   /// stream is out of step) and the result is UNAVAILABLE.
   absl::Status SendToClient(ClientRecord& c, const std::string& header, int fd);
   absl::Status SendToClient(ClientRecord& c, const std::string& header, std::span<const int> fds);
+  /// Charges one more buffer of `bytes` to the bound client `c` and to its uid, against
+  /// limits.buffers_per_client, buffer_bytes_per_client and buffer_bytes_per_uid:
+  /// RESOURCE_EXHAUSTED naming the limit; FAILED_PRECONDITION before the client bound its fd
+  /// socket (its uid is not known yet).
+  absl::Status ChargeBuffer(ClientRecord& c, uint64_t bytes);
+  /// Gives back one buffer's charge (at most what `c` still has charged).
+  void UnchargeBuffer(ClientRecord& c, uint64_t bytes);
   /// Waits (bounded) for the fd the client sent under `tag`.
   absl::StatusOr<ipc::UniqueFd> TakeIncomingFd(ClientRecord& c, uint64_t tag);
   uint64_t NextId() { return next_id_.fetch_add(1); }
@@ -184,6 +197,14 @@ class Daemon {
   /// A frame a bound client sent: a descriptor for RegisterBuffer.
   void HandleClientFrame(ClientRecord& c, ipc::ReceivedMessage frame);
   absl::Status StartMetricsServer();
+  /// Counts a refusal by `limit` and returns RESOURCE_EXHAUSTED: "<what> (limits.<name> = N)".
+  absl::Status RefuseOverLimit(Limit limit, const std::string& what);
+  /// Counts `c`, about to bind as `uid`, among that uid's clients (limits.clients_per_uid).
+  /// Caller holds c.mu.
+  absl::Status AdmitToUidLocked(ClientRecord& c, uid_t uid);
+  /// Takes `c` out of its uid's counts and drops its charges (Reclaim). Caller holds c.mu.
+  void ReleaseQuotaLocked(ClientRecord& c);
+  void FillQuotaGauges(GaugeSnapshot& g);
   absl::Status ChooseBackend();
   absl::StatusOr<CallResult> RunCall(ClientRecord& c, uint64_t session_id, const CallArgs& args,
                                      uint64_t expected_epoch, CallRecord* rec);
@@ -222,6 +243,14 @@ class Daemon {
 
   std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<ClientRecord>> clients_;
+  // Per uid: bound clients and the bytes of their buffers. quota_mu_ is the innermost lock.
+  struct UidUsage {
+    int32_t clients = 0;
+    uint64_t buffer_bytes = 0;
+  };
+  std::mutex quota_mu_;
+  std::map<uid_t, UidUsage> uid_usage_;
+  std::array<std::atomic<uint64_t>, kNumLimits> refusals_{};
   uint64_t slot_bytes_reserved_ = 0;
 
   RendezvousTable rendezvous_table_;

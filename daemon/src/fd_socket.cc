@@ -114,19 +114,33 @@ void Daemon::HandleHello(ipc::UniqueFd sock, const std::string& payload) {
     if (it != clients_.end() && it->second->token == hello->token) c = it->second;
   }
   if (!c) return refuse(absl::PermissionDeniedError("unknown client or bad token"));
+  absl::Status admitted;
   {
     std::lock_guard<std::mutex> lock(c->mu);
-    if (c->gone) return refuse(absl::PermissionDeniedError("unknown client or bad token"));
-    if (c->fd_socket.valid())
-      return refuse(absl::AlreadyExistsError(StrCat("client ", c->id, " is bound already")));
-    c->pid = cred->pid;
-    c->uid = cred->uid;
-    c->fd_socket = std::move(sock);
-    // A process in another pid namespace may show as pid 0: then the sockets alone tell.
-    if (c->pid > 0) {
-      absl::StatusOr<ipc::UniqueFd> pidfd = ipc::PidfdOpen(c->pid);
-      if (pidfd.ok()) c->pidfd = std::move(*pidfd);
+    if (c->gone) {
+      admitted = absl::PermissionDeniedError("unknown client or bad token");
+    } else if (c->fd_socket.valid()) {
+      admitted = absl::AlreadyExistsError(StrCat("client ", c->id, " is bound already"));
+    } else {
+      admitted = AdmitToUidLocked(*c, cred->uid);
     }
+    if (admitted.ok()) {
+      c->pid = cred->pid;
+      c->uid = cred->uid;
+      c->fd_socket = std::move(sock);
+      // A process in another pid namespace may show as pid 0: then the sockets alone tell.
+      if (c->pid > 0) {
+        absl::StatusOr<ipc::UniqueFd> pidfd = ipc::PidfdOpen(c->pid);
+        if (pidfd.ok()) c->pidfd = std::move(*pidfd);
+      }
+    }
+  }
+  if (!admitted.ok()) {
+    refuse(admitted);
+    // Over its uid's limit the client cannot be served; a bound or gone one is left as it is.
+    if (admitted.code() == absl::StatusCode::kResourceExhausted)
+      Reclaim(c->id, StrCat("refused at bind: ", admitted.message()));
+    return;
   }
   // The ack carries the call fast path: the client segment and the two doorbells.
   absl::StatusOr<std::shared_ptr<ClientRings>> rings = CreateRings(c);
@@ -170,6 +184,14 @@ void Daemon::HandleClientFrame(ClientRecord& c, ipc::ReceivedMessage m) {
   }
   std::lock_guard<std::mutex> lock(c.mu);
   if (c.gone) return;
+  if (c.incoming_fds.size() >= static_cast<size_t>(config_.limits.pending_fds_per_client)) {
+    // Descriptors nobody claims would pile up to RLIMIT_NOFILE and starve every client.
+    absl::Status refused = RefuseOverLimit(
+        Limit::kPendingFdsPerClient,
+        StrCat("client ", c.id, " has ", c.incoming_fds.size(), " unclaimed descriptors"));
+    Logger("ipc")->warn("fd frame ignored: {}", std::string(refused.message()));
+    return;
+  }
   if (!c.incoming_fds.emplace(f->tag, std::move(m.fds[0])).second)
     Logger("ipc")->warn("client {}: fd frame ignored: tag {} is already pending", c.id, f->tag);
   c.fd_cv.notify_all();

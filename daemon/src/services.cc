@@ -152,28 +152,56 @@ class ControlService final : public v1::Control::Service {
 
   grpc::Status AllocBuffer(grpc::ServerContext* ctx, const v1::AllocBufferRequest* req,
                            v1::BufferInfo* resp) override {
-    return AsClient(ctx, [&](ClientRecord& c) { return DoAlloc(c, *req, resp); });
+    return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
+      ULY_RETURN_IF_ERROR(CheckName("name", req->name()));
+      // Charged before anything is allocated, given back if the allocation fails.
+      ULY_RETURN_IF_ERROR(d_->ChargeBuffer(c, req->size_bytes()));
+      absl::Status s = DoAlloc(c, *req, resp);
+      if (!s.ok()) d_->UnchargeBuffer(c, req->size_bytes());
+      return s;
+    });
   }
 
   grpc::Status RegisterBuffer(grpc::ServerContext* ctx, const v1::RegisterBufferRequest* req,
                               v1::BufferInfo* resp) override {
-    return AsClient(ctx, [&](ClientRecord& c) { return DoRegister(c, *req, resp); });
+    return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
+      ULY_RETURN_IF_ERROR(CheckName("name", req->name()));
+      ULY_RETURN_IF_ERROR(DoRegister(c, *req, resp));
+      // The size is known only once the descriptor arrived: a buffer over a limit is dropped
+      // again (the memory is the client's; the daemon had only mapped it).
+      absl::Status charged = d_->ChargeBuffer(c, resp->size_bytes());
+      if (!charged.ok()) {
+        std::lock_guard<std::mutex> lock(c.mu);
+        c.buffers.erase(resp->buffer_id());
+      }
+      return charged;
+    });
   }
 
   grpc::Status FreeBuffer(grpc::ServerContext* ctx, const v1::FreeBufferRequest* req,
                           v1::FreeBufferResponse*) override {
     return AsClient(ctx, [&](ClientRecord& c) {
-      std::lock_guard<std::mutex> lock(c.mu);
-      if (c.buffers.erase(req->buffer_id()) == 0)
-        return absl::InvalidArgumentError(
-            StrCat("buffer_id: ", req->buffer_id(), " is not registered"));
+      uint64_t size = 0;
+      {
+        std::lock_guard<std::mutex> lock(c.mu);
+        auto it = c.buffers.find(req->buffer_id());
+        if (it == c.buffers.end())
+          return absl::InvalidArgumentError(
+              StrCat("buffer_id: ", req->buffer_id(), " is not registered"));
+        size = it->second->size;
+        c.buffers.erase(it);
+      }
+      d_->UnchargeBuffer(c, size);
       return absl::OkStatus();
     });
   }
 
   grpc::Status JoinGroup(grpc::ServerContext* ctx, const v1::JoinGroupRequest* req,
                          v1::GroupInfo* resp) override {
-    return AsClient(ctx, [&](ClientRecord& c) { return DoJoin(c, *req, resp); });
+    return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
+      ULY_RETURN_IF_ERROR(CheckName("name", req->name()));
+      return DoJoin(c, *req, resp);
+    });
   }
 
   grpc::Status LeaveGroup(grpc::ServerContext* ctx, const v1::LeaveGroupRequest* req,

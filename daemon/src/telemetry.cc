@@ -132,6 +132,18 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
   out += StrCat("ulyssesd_active_calls ", g.active_calls, "\n");
   Header(out, "ulyssesd_draining", "gauge", "1 while the daemon drains (refuses new sessions).");
   out += StrCat("ulyssesd_draining ", g.draining ? 1 : 0, "\n");
+  Header(out, "ulyssesd_limit", "gauge", "Configured limits (config object limits).");
+  for (const GaugeSnapshot::LimitGauge& l : g.limits)
+    out += StrCat("ulyssesd_limit{limit=\"", l.name, "\"} ", l.value, "\n");
+  Header(out, "ulyssesd_limit_refusals_total", "counter", "Requests refused by a limit.");
+  for (const GaugeSnapshot::LimitGauge& l : g.limits)
+    out += StrCat("ulyssesd_limit_refusals_total{limit=\"", l.name, "\"} ", l.refusals, "\n");
+  Header(out, "ulyssesd_uid_clients", "gauge", "Bound clients per uid.");
+  for (const GaugeSnapshot::UidGauge& u : g.uids)
+    out += StrCat("ulyssesd_uid_clients{uid=\"", u.uid, "\"} ", u.clients, "\n");
+  Header(out, "ulyssesd_uid_buffer_bytes", "gauge", "Bytes of the buffers the clients of a uid hold.");
+  for (const GaugeSnapshot::UidGauge& u : g.uids)
+    out += StrCat("ulyssesd_uid_buffer_bytes{uid=\"", u.uid, "\"} ", u.buffer_bytes, "\n");
   Header(out, "ulyssesd_mps_enabled", "gauge",
          "1 when the daemon and its clients share the GPU through MPS.");
   out += StrCat("ulyssesd_mps_enabled ", g.mps ? 1 : 0, "\n");

@@ -60,6 +60,20 @@ struct GaugeSnapshot {
   std::array<int64_t, 3> slots_by_state{};  // free, writing, held
   uint64_t device_bytes = 0;        // device memory the daemon holds (GPU backends)
   uint64_t device_allocations = 0;  // device allocations made or opened since start
+  /// Each configured limit (config object `limits`) and how many requests it refused.
+  struct LimitGauge {
+    std::string name;
+    uint64_t value = 0;
+    uint64_t refusals = 0;
+  };
+  std::vector<LimitGauge> limits;
+  /// What each uid with a bound client or a buffer holds.
+  struct UidGauge {
+    uint32_t uid = 0;
+    int64_t clients = 0;
+    uint64_t buffer_bytes = 0;
+  };
+  std::vector<UidGauge> uids;
 };
 
 /// Counters of the daemon's calls. Thread-safe, lock-free on the call path.

@@ -333,3 +333,34 @@ TEST(DaemonConfigTest, BindTimeoutParsedAndBounded) {
 
 }  // namespace
 }  // namespace ulysses
+
+namespace ulysses {
+namespace {
+
+TEST(DaemonConfigTest, LimitsParsedDefaultedAndChecked) {
+  absl::StatusOr<DaemonConfig> c = ParseDaemonConfig(
+      R"({"limits": {"max_clients": 5, "clients_per_uid": 2, "buffers_per_client": 7,
+                     "buffer_bytes_per_client": 4096, "buffer_bytes_per_uid": 8192,
+                     "pending_fds_per_client": 3}})",
+      0);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->limits.max_clients, 5);
+  EXPECT_EQ(c->limits.clients_per_uid, 2);
+  EXPECT_EQ(c->limits.buffers_per_client, 7);
+  EXPECT_EQ(c->limits.buffer_bytes_per_client, 4096u);
+  EXPECT_EQ(c->limits.buffer_bytes_per_uid, 8192u);
+  EXPECT_EQ(c->limits.pending_fds_per_client, 3);
+  const DaemonLimits defaults;
+  EXPECT_EQ(ParseDaemonConfig("{}", 0)->limits.max_clients, defaults.max_clients);
+  for (const char* bad : {R"({"limits": {"max_clients": 0}})",
+                          R"({"limits": {"buffer_bytes_per_uid": 0}})",
+                          R"({"limits": {"pending_fds_per_client": -1}})",
+                          R"({"limits": {"clients": 1}})", R"({"limits": []})"}) {
+    absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(bad, 0);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("limits"), std::string::npos) << r.status();
+  }
+}
+
+}  // namespace
+}  // namespace ulysses

@@ -34,6 +34,9 @@ FULL = {
     "metrics": {"address": "127.0.0.1:9500"},
     "ready_file": "/run/ulysses/gpu0.ready",
     "flight_recorder_size": 64,
+    "limits": {"max_clients": 64, "clients_per_uid": 8, "buffers_per_client": 128,
+               "buffer_bytes_per_client": 1 << 30, "buffer_bytes_per_uid": 1 << 31,
+               "pending_fds_per_client": 16},
     "devices": [{"index": 0, "socket": "/run/ulysses/gpu0.sock"}, {"index": 1}],
 }
 
@@ -66,6 +69,11 @@ BAD = [
     ("flight recorder too large", {"flight_recorder_size": 1000001}, "flight_recorder_size"),
     ("peer timeout 0", {"timeouts": {"peer_ms": 0}}, "timeouts.peer_ms"),
     ("bind timeout 0", {"timeouts": {"bind_ms": 0}}, "timeouts.bind_ms"),
+    ("unknown key in limits", {"limits": {"clients": 5}}, "limits.clients"),
+    ("zero max_clients", {"limits": {"max_clients": 0}}, "limits.max_clients"),
+    ("zero buffer bytes per uid", {"limits": {"buffer_bytes_per_uid": 0}},
+     "limits.buffer_bytes_per_uid"),
+    ("string limit", {"limits": {"buffers_per_client": "8"}}, "limits.buffers_per_client"),
     ("bind timeout over an hour", {"timeouts": {"bind_ms": 3600001}}, "timeouts.bind_ms"),
 ]
 

@@ -17,6 +17,17 @@ struct DeviceEntry {
   std::string socket;  ///< control socket path; the fd socket is `socket + ".fd"`
 };
 
+/// What one client, and the clients of one uid, may hold at once (config object `limits`).
+/// Past a limit the request is RESOURCE_EXHAUSTED naming it ("limits.buffer_bytes_per_uid").
+struct DaemonLimits {
+  int32_t max_clients = 1024;            ///< attached clients, bound or not
+  int32_t clients_per_uid = 256;         ///< bound clients of one uid
+  int32_t buffers_per_client = 4096;     ///< buffers one client holds
+  uint64_t buffer_bytes_per_client = 256ull << 30;  ///< bytes of those buffers
+  uint64_t buffer_bytes_per_uid = 512ull << 30;     ///< bytes of all buffers of one uid
+  int32_t pending_fds_per_client = 64;   ///< descriptors sent but not yet claimed by RegisterBuffer
+};
+
 /// Everything a daemon needs to run. Defaults are usable as is.
 struct DaemonConfig {
   int32_t device = 0;                 ///< device index this daemon serves
@@ -32,6 +43,7 @@ struct DaemonConfig {
   std::string ready_file;             ///< written once the daemon serves (empty: none)
   std::string metrics_address;        ///< host:port of the metrics endpoint (empty: off)
   std::vector<DeviceEntry> devices;   ///< the node's daemons, for node-local rendezvous
+  DaemonLimits limits;
 };
 
 /// Every backend name a config or flag may give.
