@@ -19,6 +19,7 @@
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/cuda_memory.h"
 #include "ulysses/kernels/exchange_cuda.h"
+#include "ulysses/kernels/fused_qkv.h"
 
 namespace ulysses::daemon {
 namespace {
@@ -35,14 +36,19 @@ absl::Status UseDevice(int device) { return CudaStatus("cudaSetDevice", cudaSetD
 // Slots are 256-byte aligned inside the allocation (16-byte vector stores need 16).
 constexpr uint64_t kSlotAlign = 256;
 
+// The fused session's path rule (FusedPath::kAuto), from the measurements of docs/benchmarks.md
+// (1x H200, 2026-12-01): the chunked path is as fast as the per-operator one or faster on most
+// rows from 4096 to 16384 rows per rank (0.90-1.01, a few up to 1.06), and equal or slower
+// below 4096 (up to 1.05). At 32768 rows and more the chunked path fails its correctness check
+// (a known defect of the plan), so the rule never picks it there.
+constexpr int64_t kChunkedMinRows = 4096;
+constexpr int64_t kChunkedMaxRows = 32768;  // exclusive
+
 class CudaTransport final : public Transport {
  public:
   static absl::StatusOr<std::unique_ptr<Transport>> Create(int device, FdExports* exports,
                                                            const TransportSetup& setup) {
     ULY_RETURN_IF_ERROR(UseDevice(device));
-    if (setup.fused)
-      return absl::UnimplementedError(
-          "kind: qkv_norm_rope_exchange sessions run on the host backend only in this build");
     std::unique_ptr<CudaTransport> t(new CudaTransport(device, exports, setup));
     t->stride_ = AlignUp(setup.slot_bytes, kSlotAlign);
     ULY_ASSIGN_OR_RETURN(t->slots_, ipc::cuda::VmmMapping::Create(
@@ -53,6 +59,21 @@ class CudaTransport final : public Transport {
     ULY_RETURN_IF_ERROR(
         CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)));
     t->stream_ = stream;
+    if (setup.fused) {
+      // Everything a fused call needs is made here (GEMM workspace, projection buffer, second
+      // stream, events); a call at a row count seen before allocates nothing.
+      const FusedSetup& f = *setup.fused;
+      kernels::FusedQkvConfig c;
+      c.world = f.geometry.world_size;
+      c.rank = f.geometry.rank;
+      c.heads = f.geometry.num_heads;
+      c.head_dim = f.geometry.head_dim;
+      c.max_pos = f.geometry.max_pos;
+      c.layout = f.geometry.layout;
+      c.max_tokens = f.geometry.max_tokens;
+      c.weights = f.weights;
+      ULY_ASSIGN_OR_RETURN(t->fused_plan_, kernels::FusedQkvPlan::Create(c));
+    }
     return std::unique_ptr<Transport>(std::move(t));
   }
 
@@ -63,6 +84,7 @@ class CudaTransport final : public Transport {
       cudaStreamSynchronize(stream_);
       cudaStreamDestroy(stream_);
     }
+    fused_plan_.reset();  // its work was ordered before this stream's end
   }
 
   std::string LocalHandle() const override {
@@ -120,6 +142,31 @@ class CudaTransport final : public Transport {
     }
   }
 
+  bool PushesAtOnce(const CallPlan& plan) const override {
+    return plan.op == OpKind::kQkvNormRopeExchange;
+  }
+
+  // The fused call: the plan's GEMM, norm + RoPE and stores write this rank's band of every
+  // destination straight into that destination's mapped slot, on this session's stream.
+  // Readiness is the host protocol's (Flush, then the arrival words), so no device words.
+  absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot,
+                       uint64_t epoch) override {
+    if (plan.op != OpKind::kQkvNormRopeExchange || !fused_plan_)
+      return absl::InvalidArgumentError(StrCat("op: ", OpName(plan.op), " is pushed per destination"));
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    const int64_t rows = plan.batch * plan.seq_local;
+    ULY_ASSIGN_OR_RETURN(const FusedPath path, PreparedPath(rows));
+    void* outs[kMaxWorldSize] = {};
+    for (int r = 0; r < setup_.geometry.world_size; ++r) outs[r] = slot_base_[r] + SlotOffset(slot);
+    const kernels::QkvDestinations dests{outs, nullptr, epoch};
+    const auto* positions = static_cast<const int32_t*>(ops.inputs[1]);
+    if (path == FusedPath::kChunked)
+      return fused_plan_->RunChunked(ops.inputs[0], positions, plan.batch, plan.seq_local, dests,
+                                     stream_);
+    return fused_plan_->RunPerOperator(ops.inputs[0], positions, plan.batch, plan.seq_local, dests,
+                                       stream_);
+  }
+
   absl::Status Flush() override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     return CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(stream_));
@@ -128,7 +175,14 @@ class CudaTransport final : public Transport {
   absl::Status Finish(const CallPlan& plan, const CallOperands& ops, int slot) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     const uint8_t* data = slot_base_[setup_.geometry.rank] + SlotOffset(slot);
-    if (plan.op == OpKind::kGatherOutputHeadChunk) {
+    if (plan.op == OpKind::kQkvNormRopeExchange) {
+      if (!plan.has_out) return absl::OkStatus();
+      ULY_RETURN_IF_ERROR(CudaStatus(
+          "cudaMemcpyAsync",
+          cudaMemcpyAsync(ops.out, data,
+                          static_cast<size_t>(plan.slot_elems) * setup_.geometry.itemsize(),
+                          cudaMemcpyDeviceToDevice, stream_)));
+    } else if (plan.op == OpKind::kGatherOutputHeadChunk) {
       ULY_RETURN_IF_ERROR(kernels::LaunchGatherOutputHeadChunkMerge(
           ShapeOf(setup_.geometry, plan), data, plan.head_offset, plan.head_count,
           OutView(plan, ops), stream_));
@@ -156,13 +210,66 @@ class CudaTransport final : public Transport {
   }
   uint64_t DeviceBytes() const override { return slots_.size(); }
   std::string Describe() const override {
-    return "nvlink: CUDA exchange kernels storing into every destination's slot, one launch per "
-           "destination";
+    if (!fused_plan_)
+      return "nvlink: CUDA exchange kernels storing into every destination's slot, one launch per "
+             "destination";
+    const FusedSetup& f = *setup_.fused;
+    std::string out = StrCat(
+        "nvlink: FusedQkvPlan on device ", device_, " (cuBLASLt bf16 GEMM, norm_rope kernels), ",
+        QkvLayoutName(f.geometry.layout), " layout, stores straight into the W destinations' "
+        "slots; path ", FusedPathName(f.path),
+        f.path == FusedPath::kAuto
+            ? StrCat(" (rule: chunked for ", kChunkedMinRows, " <= rows < ", kChunkedMaxRows,
+                     ", per_operator otherwise)")
+            : std::string());
+    std::lock_guard<std::mutex> lock(prepared_mu_);
+    if (prepared_.empty()) out += "\nno row count prepared yet";
+    for (const auto& [rows, p] : prepared_)
+      out += StrCat("\nrows ", rows, ": ", FusedPathName(p.path), " (", p.why, "): ", p.launches);
+    return out;
   }
 
  private:
   CudaTransport(int device, FdExports* exports, const TransportSetup& setup)
       : device_(device), exports_(exports), setup_(setup) {}
+
+  // The path for `rows` rows, preparing the plan's GEMMs the first time this row count comes
+  // (host work: descriptors and algorithm choice; no device allocation).
+  absl::StatusOr<FusedPath> PreparedPath(int64_t rows) {
+    {
+      std::lock_guard<std::mutex> lock(prepared_mu_);
+      auto it = prepared_.find(rows);
+      if (it != prepared_.end()) return it->second.path;
+    }
+    ULY_RETURN_IF_ERROR(fused_plan_->Prepare(rows));
+    Prepared p;
+    const FusedPath asked = setup_.fused->path;
+    if (asked != FusedPath::kAuto) {
+      p.path = asked;
+      p.why = StrCat("the session asks for ", FusedPathName(asked));
+    } else if (rows < kChunkedMinRows) {
+      p.path = FusedPath::kPerOperator;
+      p.why = StrCat("auto: under ", kChunkedMinRows, " rows the chunked path measured no faster");
+    } else if (rows >= kChunkedMaxRows) {
+      p.path = FusedPath::kPerOperator;
+      p.why = StrCat("auto: the chunked path is not trusted at ", kChunkedMaxRows, " rows and more");
+    } else {
+      p.path = FusedPath::kChunked;
+      p.why = StrCat("auto: ", fused_plan_->NumChunks(rows), " chunks of ",
+                     fused_plan_->ChunkRows(rows), " rows overlap the stores with the GEMM");
+    }
+    // FusedQkvPlan::Describe gives one line per path, each starting with the path's name.
+    const std::string lines = fused_plan_->Describe(rows);
+    const std::string_view name = FusedPathName(p.path);
+    for (size_t at = 0; at < lines.size();) {
+      const size_t end = std::min(lines.find('\n', at), lines.size());
+      if (lines.compare(at, name.size(), name) == 0) p.launches = lines.substr(at, end - at);
+      at = end + 1;
+    }
+    std::lock_guard<std::mutex> lock(prepared_mu_);
+    prepared_[rows] = p;
+    return p.path;
+  }
 
   const int device_;
   FdExports* const exports_;
@@ -174,6 +281,16 @@ class CudaTransport final : public Transport {
   std::vector<ipc::cuda::VmmMapping> peers_;  // index = rank; this rank's entry is empty
   std::vector<uint8_t*> slot_base_;            // every rank's slots as mapped here
   cudaStream_t stream_ = nullptr;
+  // Fused sessions: the prepared plan, and per row count seen the path it runs and why. The
+  // calls run on the session's call thread; describe() reads the table from other threads.
+  std::unique_ptr<kernels::FusedQkvPlan> fused_plan_;
+  struct Prepared {
+    FusedPath path = FusedPath::kPerOperator;
+    std::string why;
+    std::string launches;
+  };
+  mutable std::mutex prepared_mu_;
+  std::map<int64_t, Prepared> prepared_;
 };
 
 class CudaBackend final : public Backend {
