@@ -87,6 +87,8 @@ __global__ void __launch_bounds__(kThreads) QkvHeadKernel(const QkvKernelParams 
     if constexpr (kMode != Mode::kScatter) {
       float y[kVec];
       Unpack(raw, y);
+      // sum(y^2) in the order HeadSumSquares (the reference) adds it: each lane's 8 elements
+      // by fused multiply-adds, then the half-warp's xor butterfly (offsets 8, 4, 2, 1).
       float sum_sq = 0.0f;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) sum_sq = __fmaf_rn(y[i], y[i], sum_sq);

@@ -32,11 +32,7 @@ void ProjectFeatures(const uint16_t* xrow, const uint16_t* w, int64_t hidden, in
 // Steps 2 and 3 on one head vector `v` of D bf16 values, in place. `cs` is the cos/sin row of
 // the token's position.
 void NormRopeHead(uint16_t* v, const uint16_t* norm_w, const float* cs, int32_t dim) {
-  float sum_sq = 0.0f;
-  for (int32_t d = 0; d < dim; ++d) {
-    const float y = Bf16ToFloat(v[d]);
-    sum_sq += y * y;
-  }
+  const float sum_sq = HeadSumSquares(v, dim);
   const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(dim) + kFusedRmsEps);
   const int32_t half = dim / 2;
   for (int32_t i = 0; i < half; ++i) {
@@ -52,7 +48,26 @@ void NormRopeHead(uint16_t* v, const uint16_t* norm_w, const float* cs, int32_t 
 
 const uint16_t* Bf16(const void* p) { return static_cast<const uint16_t*>(p); }
 
+constexpr int32_t kMaxSumPartials = 16;  // lanes of the kernel's half-warp
+
 }  // namespace
+
+float HeadSumSquares(const uint16_t* v, int32_t dim) {
+  int32_t partials = 1;
+  while (partials < kMaxSumPartials && dim % (2 * partials) == 0) partials *= 2;
+  const int32_t run = dim / partials;
+  float part[kMaxSumPartials] = {};
+  for (int32_t l = 0; l < partials; ++l) {
+    for (int32_t i = 0; i < run; ++i) {
+      const float y = Bf16ToFloat(v[l * run + i]);
+      part[l] = std::fma(y, y, part[l]);
+    }
+  }
+  for (int32_t stride = partials / 2; stride > 0; stride /= 2) {
+    for (int32_t l = 0; l < stride; ++l) part[l] += part[l + stride];
+  }
+  return part[0];
+}
 
 void QkvProjectRef(const void* x, const void* w_qkv, int64_t hidden, int64_t features,
                    int64_t row_begin, int64_t row_end, void* qkv) {

@@ -3,6 +3,7 @@
 // of all (src, dst) pairs redistribute it exactly, each block touching only its own region).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -79,6 +80,29 @@ TEST(QkvNormRopeRefTest, NormThenWeightThenRotateByHand) {
             (std::vector<float>{-0.7109375f, 1.5546875f, -0.142578125f, 0.9921875f, 5, 6}));
 }
 
+TEST(QkvNormRopeRefTest, SumOfSquaresAddsInTheKernelsOrder) {
+  // D = 128: one 4096 (square 2^24) and 127 ones. Added one by one, every 1 is lost against
+  // 2^24 (the fp32 spacing there is 2). The kernel's order keeps lane 0's partial at 2^24
+  // (its seven ones are lost) but adds the other 15 lanes' partials of 8 first, so 120 of the
+  // ones survive: 2^24 + 120.
+  std::vector<uint16_t> head(128, FloatToBf16(1.0f));
+  head[0] = FloatToBf16(4096.0f);
+  float sequential = 0;
+  for (uint16_t v : head) sequential += Bf16ToFloat(v) * Bf16ToFloat(v);
+  EXPECT_EQ(sequential, 16777216.0f);
+  EXPECT_EQ(HeadSumSquares(head.data(), 128), 16777336.0f);
+  // The big square in lane 8 instead: lanes 0 and 8 meet first (2^24 + 8), then the rest.
+  std::fill(head.begin(), head.end(), FloatToBf16(1.0f));
+  head[64] = FloatToBf16(4096.0f);
+  EXPECT_EQ(HeadSumSquares(head.data(), 128), 16777336.0f);
+  // Pairwise order by hand for D = 8 (8 partials of one element): ((a+e)+(c+g))+((b+f)+(d+h)).
+  const std::vector<uint16_t> small = Bf16s({4096, 1, 1, 1, 1, 1, 1, 1});
+  EXPECT_EQ(HeadSumSquares(small.data(), 8), 16777216.0f + 6.0f);
+  // D = 6: two partials of three consecutive elements.
+  const std::vector<uint16_t> six = Bf16s({1, 2, 3, 4, 5, 6});
+  EXPECT_EQ(HeadSumSquares(six.data(), 6), 14.0f + 77.0f);
+}
+
 TEST(QkvNormRopeRefTest, PositionZeroIsPureNormAndVIsTheProjection) {
   const QkvNormRopeShape shape{1, 2, 8, 1, 1, 3};
   QkvProblem p = MakeQkvProblem(shape, 7);
@@ -96,9 +120,7 @@ TEST(QkvNormRopeRefTest, PositionZeroIsPureNormAndVIsTheProjection) {
       const std::vector<uint16_t>& w = plane == 0 ? p.q_norm : p.k_norm;
       for (int64_t h = 0; h < shape.heads; ++h) {
         const uint16_t* head = y + plane * hd + h * shape.head_dim;
-        float sum_sq = 0;
-        for (int d = 0; d < shape.head_dim; ++d)
-          sum_sq += Bf16ToFloat(head[d]) * Bf16ToFloat(head[d]);
+        const float sum_sq = HeadSumSquares(head, shape.head_dim);
         const float inv = 1.0f / std::sqrt(sum_sq / shape.head_dim + 1e-6f);
         for (int d = 0; d < shape.head_dim; ++d) {
           const float t_val = Bf16ToFloat(FloatToBf16(Bf16ToFloat(head[d]) * inv));

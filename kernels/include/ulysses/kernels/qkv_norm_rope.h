@@ -104,8 +104,18 @@ inline uint16_t FloatToBf16(float f) {
 void QkvProjectRef(const void* x, const void* w_qkv, int64_t hidden, int64_t features,
                    int64_t row_begin, int64_t row_end, void* qkv);
 
+/// sum(y^2) over one head of `dim` bf16 values, added in the order of the CUDA kernel (so that
+/// the reference and the kernel agree bit for bit): L = min(16, the largest power of two that
+/// divides dim) partial sums, partial l over the dim/L consecutive elements starting at
+/// l*dim/L, each accumulated from 0 with fused multiply-adds (p = fma(y, y, p)); then the L
+/// partials are combined pairwise: p_l += p_(l+L/2) for l < L/2, then L/4, ..., 1; p_0 is the
+/// sum. For D = 128: 16 partials of 8 elements (one 16-byte vector per lane of a half-warp),
+/// combined as the half-warp's xor butterfly does (offsets 8, 4, 2, 1).
+float HeadSumSquares(const uint16_t* v, int32_t dim);
+
 /// Steps 2 and 3 in place on rows [row_begin, row_end) of `qkv` [B*S_l, 3*H*D]: per head of
-/// the Q and K planes, t = bf16(y * rsqrt(mean(y^2) + 1e-6)), u = bf16(t * w) (w = q_norm or
+/// the Q and K planes, t = bf16(y * rsqrt(mean(y^2) + 1e-6)) (the sum as HeadSumSquares adds
+/// it; 1/sqrt with both steps correctly rounded), u = bf16(t * w) (w = q_norm or
 /// k_norm), then for each pair (2i, 2i+1) with c = cos_sin[pos, i], s = cos_sin[pos, D/2+i]:
 /// o0 = bf16(c*a - s*b), o1 = bf16(s*a + c*b). V is left as it is. Reads w.q_norm, w.k_norm,
 /// w.cos_sin (not w.w_qkv).
