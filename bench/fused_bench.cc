@@ -186,6 +186,7 @@ absl::StatusOr<std::string> CheckCall(const HiddenData& data, const QkvNormRopeS
   const int64_t rows = kernels::QkvRows(shape), hd = kernels::QkvHidden(shape);
   const int64_t features = kernels::QkvFeatures(shape), hl = kernels::QkvLocalHeads(shape);
   int64_t flips = 0, mismatches = 0, elements = 0;
+  std::string where;  // "t=<token>: q n k n v n" for each sampled token beyond tolerance
   std::vector<uint16_t> want(static_cast<size_t>(features)), got(kDim);
   const kernels::QkvWeights host_w{data.w_qkv.data(), data.q_norm.data(), data.k_norm.data(),
                                    data.cos_sin.data()};
@@ -196,6 +197,7 @@ absl::StatusOr<std::string> CheckCall(const HiddenData& data, const QkvNormRopeS
     QkvNormRopeShape one = shape;
     one.batch = 1, one.seq_local = 1;
     kernels::NormRopeRef(one, host_w, positions.data() + t, 0, 1, want.data());
+    int64_t by_plane[3] = {0, 0, 0};
     for (int plane = 0; plane < 3; ++plane) {
       for (int64_t g = 0; g < shape.heads; ++g) {
         const int64_t dst = g / hl, h = g % hl;
@@ -214,15 +216,20 @@ absl::StatusOr<std::string> CheckCall(const HiddenData& data, const QkvNormRopeS
             ++flips;
           } else if (!(std::fabs(fa - fb) <= 1e-2f + 1e-2f * std::fabs(fb))) {
             ++mismatches;
+            ++by_plane[plane];
           }
         }
       }
+    }
+    if (by_plane[0] + by_plane[1] + by_plane[2] > 0) {
+      where += StrCat(where.empty() ? "" : "; ", "t=", t, ": q ", by_plane[0], " k ", by_plane[1],
+                      " v ", by_plane[2]);
     }
   }
   // A mismatch allowed per 10^4 checked elements: GEMM rounding carried through a cancellation.
   const bool pass = mismatches * 10000 <= elements;
   return StrCat(pass ? "pass" : "FAIL", " (", elements, " elements, ", flips, " one-ulp flips, ",
-                mismatches, " beyond tolerance)");
+                mismatches, " beyond tolerance", where.empty() ? "" : StrCat(" at ", where), ")");
 }
 
 struct Variant {
@@ -269,6 +276,9 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   ULY_RETURN_IF_ERROR(d_pos.Upload(positions));
   ULY_RETURN_IF_ERROR(words.Allocate(size_t{8} * world * kernels::kMaxFusedChunks));
   BENCH_CUDA(cudaMemset(words.as(), 0, size_t{8} * world * kernels::kMaxFusedChunks));
+  // The pageable uploads above may still be in flight on the legacy stream when cudaMemcpy
+  // returns; the calls run on non-blocking streams.
+  BENCH_CUDA(cudaDeviceSynchronize());
   const int64_t slot_elems = 3 * kernels::QkvPlaneElems(shape);
   std::vector<void*> slots;
   std::vector<uint64_t*> ready;
@@ -287,10 +297,12 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   };
   auto gemm = [&](cudaStream_t s) { return plan->RunProjection(x, rows, s); };
 
-  // Outputs before timing: each path into freshly poisoned slots, then the sampled check.
+  // Outputs before timing: each path into freshly poisoned slots, then the sampled check. The
+  // poison goes on the call's stream: a memset on the legacy stream would not be ordered
+  // before the call's work on these non-blocking streams.
   std::string check_chunked, check_per_op;
   for (int path = 0; path < 2; ++path) {
-    BENCH_CUDA(cudaMemset(data.slots.as(), 0xff, size_t(slot_elems) * world * 2));
+    BENCH_CUDA(cudaMemsetAsync(data.slots.as(), 0xff, size_t(slot_elems) * world * 2, stream));
     ULY_RETURN_IF_ERROR(path == 0 ? chunked(stream) : per_operator(stream));
     BENCH_CUDA(cudaStreamSynchronize(stream));
     ULY_ASSIGN_OR_RETURN(std::string verdict,

@@ -43,8 +43,6 @@ int64_t Bf16Gemm::n() const { return 0; }
 int64_t Bf16Gemm::k() const { return 0; }
 std::string Bf16Gemm::AlgoDescription(int64_t) const { return ""; }
 
-int64_t DefaultChunkRows(int64_t rows) { return rows; }
-
 struct FusedQkvPlan::Impl {};
 FusedQkvPlan::FusedQkvPlan(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 FusedQkvPlan::~FusedQkvPlan() = default;

@@ -14,8 +14,6 @@
 namespace ulysses::kernels {
 namespace {
 
-constexpr int64_t kChunkAlignRows = 128;  // GEMM tile height: chunk boundaries fall on tiles
-
 // Owners of CUDA runtime objects; each frees on destruction and is neither copied nor moved.
 class DeviceMemory {
  public:
@@ -80,12 +78,6 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-int64_t DefaultChunkRows(int64_t rows) {
-  const int64_t quarter = (rows + 3) / 4;
-  const int64_t aligned = (quarter + kChunkAlignRows - 1) / kChunkAlignRows * kChunkAlignRows;
-  return std::max<int64_t>(512, aligned);
-}
-
 struct FusedQkvPlan::Impl {
   FusedQkvConfig config;
   std::unique_ptr<Bf16Gemm> gemm;
@@ -100,15 +92,7 @@ struct FusedQkvPlan::Impl {
   unsigned int* counter(int i) const { return static_cast<unsigned int*>(counters.get()) + i; }
   uint16_t* qkv() const { return static_cast<uint16_t*>(projection.get()); }
 
-  int64_t ChunkRows(int64_t rows) const {
-    int64_t chunk = config.chunk_rows > 0 ? (config.chunk_rows + kChunkAlignRows - 1) /
-                                                kChunkAlignRows * kChunkAlignRows
-                                          : DefaultChunkRows(rows);
-    // Never more than kMaxFusedChunks chunks.
-    const int64_t min_chunk = (rows + kMaxFusedChunks - 1) / kMaxFusedChunks;
-    chunk = std::max(chunk, (min_chunk + kChunkAlignRows - 1) / kChunkAlignRows * kChunkAlignRows);
-    return std::min(chunk, rows);
-  }
+  int64_t ChunkRows(int64_t rows) const { return FusedChunkRows(rows, config.chunk_rows); }
 
   absl::StatusOr<QkvNormRopeShape> CallShape(const void* x, const int32_t* positions, int64_t batch,
                                              int64_t seq_local) const {
@@ -239,8 +223,7 @@ absl::Status FusedQkvPlan::RunChunked(const void* x, const int32_t* positions, i
 int64_t FusedQkvPlan::ChunkRows(int64_t rows) const { return impl_->ChunkRows(rows); }
 
 int64_t FusedQkvPlan::NumChunks(int64_t rows) const {
-  const int64_t chunk = impl_->ChunkRows(rows);
-  return (rows + chunk - 1) / chunk;
+  return FusedNumChunks(rows, impl_->config.chunk_rows);
 }
 
 const void* FusedQkvPlan::projection() const { return impl_->projection.get(); }

@@ -43,6 +43,14 @@ struct FusedQkvConfig {
 /// The chunked path's default: about four chunks of at least 512 rows, multiples of 128 rows.
 int64_t DefaultChunkRows(int64_t rows);
 
+/// Rows per chunk of a chunked call of `rows` (> 0) rows with FusedQkvConfig::chunk_rows =
+/// `chunk_rows` (0: DefaultChunkRows): a multiple of 128 rows (or all rows), large enough for
+/// at most kMaxFusedChunks chunks. Host code; the same with or without CUDA.
+int64_t FusedChunkRows(int64_t rows, int64_t chunk_rows);
+
+/// Chunks of that call: ceil(rows / FusedChunkRows(rows, chunk_rows)).
+int64_t FusedNumChunks(int64_t rows, int64_t chunk_rows);
+
 /// Owns everything a call needs: the GEMM (descriptors, workspace), the [max_tokens, 3*H*D]
 /// projection buffer, the second stream, the events and the block counters. Create allocates;
 /// a call of a prepared row count allocates nothing. Not thread-safe: calls are issued by one

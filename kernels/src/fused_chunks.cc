@@ -1,0 +1,34 @@
+// Chunk planning of FusedQkvPlan's chunked path: host arithmetic, built with and without CUDA.
+#include <algorithm>
+
+#include "ulysses/kernels/fused_qkv.h"
+
+namespace ulysses::kernels {
+namespace {
+
+constexpr int64_t kChunkAlignRows = 128;  // GEMM tile height: chunk boundaries fall on tiles
+constexpr int64_t kMinDefaultChunkRows = 512;
+
+int64_t AlignUp(int64_t rows) {
+  return (rows + kChunkAlignRows - 1) / kChunkAlignRows * kChunkAlignRows;
+}
+
+}  // namespace
+
+int64_t DefaultChunkRows(int64_t rows) {
+  return std::max(kMinDefaultChunkRows, AlignUp((rows + 3) / 4));
+}
+
+int64_t FusedChunkRows(int64_t rows, int64_t chunk_rows) {
+  int64_t chunk = chunk_rows > 0 ? AlignUp(chunk_rows) : DefaultChunkRows(rows);
+  // Never more than kMaxFusedChunks chunks.
+  chunk = std::max(chunk, AlignUp((rows + kMaxFusedChunks - 1) / kMaxFusedChunks));
+  return std::min(chunk, rows);
+}
+
+int64_t FusedNumChunks(int64_t rows, int64_t chunk_rows) {
+  const int64_t chunk = FusedChunkRows(rows, chunk_rows);
+  return (rows + chunk - 1) / chunk;
+}
+
+}  // namespace ulysses::kernels

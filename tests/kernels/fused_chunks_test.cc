@@ -1,0 +1,55 @@
+// Chunk planning of the fused op's chunked path (host arithmetic): chunks of 128-row multiples
+// that cover the call exactly, about four by default, never more than kMaxFusedChunks.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "ulysses/kernels/fused_qkv.h"
+
+namespace ulysses::kernels {
+namespace {
+
+TEST(FusedChunksTest, DefaultIsAboutFourChunksOfAtLeast512Rows) {
+  EXPECT_EQ(DefaultChunkRows(16384), 4096);
+  EXPECT_EQ(DefaultChunkRows(32768), 8192);
+  EXPECT_EQ(DefaultChunkRows(65536), 16384);
+  EXPECT_EQ(DefaultChunkRows(1000), 512);   // a quarter (250) is below the floor
+  EXPECT_EQ(DefaultChunkRows(4000), 1024);  // 1000 rounded up to 128s
+  for (int64_t rows : {1, 100, 512, 2048, 16384, 32768, 65536, 131072}) {
+    EXPECT_EQ(FusedChunkRows(rows, 0), std::min(rows, DefaultChunkRows(rows))) << rows;
+  }
+  EXPECT_EQ(FusedNumChunks(32768, 0), 4);
+  EXPECT_EQ(FusedNumChunks(65536, 0), 4);
+  EXPECT_EQ(FusedNumChunks(100, 0), 1);
+}
+
+TEST(FusedChunksTest, ConfiguredRowsRoundUpToTilesAndLeaveATail) {
+  EXPECT_EQ(FusedChunkRows(400, 128), 128);
+  EXPECT_EQ(FusedNumChunks(400, 128), 4);  // 128, 128, 128, 16
+  EXPECT_EQ(FusedChunkRows(400, 100), 128);
+  EXPECT_EQ(FusedChunkRows(400, 129), 256);
+  EXPECT_EQ(FusedChunkRows(100, 128), 100);  // one chunk of all rows
+  EXPECT_EQ(FusedNumChunks(100, 128), 1);
+}
+
+TEST(FusedChunksTest, NeverMoreThanTheReadinessWordsPerDestination) {
+  for (int64_t rows : {int64_t{4095}, int64_t{4096}, int64_t{4097}, int64_t{32768},
+                       int64_t{65536}, int64_t{1} << 20}) {
+    for (int64_t configured : {0, 1, 128, 1000}) {
+      const int64_t chunk = FusedChunkRows(rows, configured);
+      const int64_t chunks = FusedNumChunks(rows, configured);
+      EXPECT_LE(chunks, kMaxFusedChunks) << rows << " " << configured;
+      EXPECT_GE(chunks, 1);
+      EXPECT_TRUE(chunk == rows || chunk % 128 == 0) << rows << " " << configured;
+      // The chunks cover [0, rows) exactly: the last one is non-empty.
+      EXPECT_GT(rows - (chunks - 1) * chunk, 0) << rows << " " << configured;
+      EXPECT_LE(rows - (chunks - 1) * chunk, chunk);
+    }
+  }
+  EXPECT_EQ(FusedNumChunks(int64_t{1} << 20, 128), kMaxFusedChunks);
+  EXPECT_EQ(FusedChunkRows(int64_t{1} << 20, 128), (int64_t{1} << 20) / kMaxFusedChunks);
+}
+
+}  // namespace
+}  // namespace ulysses::kernels
