@@ -330,6 +330,21 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
     }
   }
 
+  // Where both paths' projections agree on a head, the kernels after the GEMM must too.
+  void CheckPathsAgree(QkvLayout layout, const PathResult& chunked, const PathResult& per_op) {
+    ASSERT_EQ(per_op.slots.size(), chunked.slots.size());
+    ASSERT_EQ(per_op.proj.size(), chunked.proj.size());
+    for (int src = 0; src < static_cast<int>(chunked.proj.size()); ++src) {
+      const HeadDiff diff =
+          CompareHeads(Gather(chunked.slots, layout, src), Gather(per_op.slots, layout, src),
+                       chunked.proj[src], per_op.proj[src]);
+      std::cout << "chunked vs per_operator src " << src << ": " << diff.total
+                << "; beyond tolerance: " << diff.propagated << " propagated, " << diff.unexplained
+                << " unexplained\n";
+      EXPECT_EQ(diff.unexplained, 0) << "src " << src;
+    }
+  }
+
   QkvNormRopeShape shape_{};
   QkvProblem problem_;
   cudaStream_t stream_ = nullptr;
@@ -427,17 +442,7 @@ TEST_P(GpuFusedQkvTest, PathsMatchReferenceAndEachOther) {
     const PathResult chunked = RunPath(layout, /*chunked=*/true);
     CheckPath("chunked", layout, chunked);
     EXPECT_EQ(FusedNumChunks(Rows(), 128), (Rows() + 127) / 128);
-    ASSERT_EQ(per_op.slots.size(), chunked.slots.size());
-    for (int src = 0; src < shape_.world; ++src) {
-      // Where both paths' projections agree on a head, the kernels after the GEMM must too.
-      const HeadDiff diff =
-          CompareHeads(Gather(chunked.slots, layout, src), Gather(per_op.slots, layout, src),
-                       chunked.proj[src], per_op.proj[src]);
-      std::cout << "chunked vs per_operator src " << src << ": " << diff.total
-                << "; beyond tolerance: " << diff.propagated << " propagated, " << diff.unexplained
-                << " unexplained\n";
-      EXPECT_EQ(diff.unexplained, 0) << "src " << src;
-    }
+    CheckPathsAgree(layout, chunked, per_op);
   }
 }
 
@@ -505,16 +510,7 @@ TEST_P(GpuFusedQkvLargeRowsTest, ChunkedMatchesItsChainAndThePerOperatorPath) {
     CheckChain("chunked", layout, chunked, 0);
     const PathResult per_op = RunPath(layout, /*chunked=*/false);
     CheckChain("per_operator", layout, per_op, 0);
-    ASSERT_EQ(per_op.proj.size(), chunked.proj.size());
-    for (int src = 0; src < shape_.world; ++src) {
-      const HeadDiff diff =
-          CompareHeads(Gather(chunked.slots, layout, src), Gather(per_op.slots, layout, src),
-                       chunked.proj[src], per_op.proj[src]);
-      std::cout << "chunked vs per_operator src " << src << ": " << diff.total
-                << "; beyond tolerance: " << diff.propagated << " propagated, " << diff.unexplained
-                << " unexplained\n";
-      EXPECT_EQ(diff.unexplained, 0) << "src " << src;
-    }
+    CheckPathsAgree(layout, chunked, per_op);
   }
 }
 
