@@ -120,6 +120,8 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
       x_.push_back(std::make_unique<DeviceBuffer>(problem_.x[r]));
       positions_.push_back(std::make_unique<DeviceBuffer>(problem_.positions[r]));
     }
+    // Pageable uploads may still be in flight on the legacy stream; the tests use stream_.
+    ASSERT_CUDA_OK(cudaDeviceSynchronize());
   }
   void TearDown() override {
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -421,6 +423,7 @@ TEST_P(GpuFusedQkvTest, ProjectionMatchesReferenceGemm) {
 TEST_P(GpuFusedQkvTest, NormRopeKernelMatchesReferenceStep) {
   for (int r = 0; r < shape_.world; ++r) {
     DeviceBuffer qkv(proj_ref_[r]);
+    ASSERT_CUDA_OK(cudaDeviceSynchronize());  // the pageable upload, before stream_ reads it
     const absl::Status s = LaunchNormRope(shape_, DeviceWeights(), positions_[r]->as<int32_t>(), 0,
                                           Rows(), qkv.as<void>(), stream_);
     ASSERT_TRUE(s.ok()) << s;
