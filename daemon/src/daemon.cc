@@ -23,15 +23,6 @@
 namespace ulysses::daemon {
 namespace {
 
-std::string RandomToken() {
-  std::random_device rd;
-  std::uniform_int_distribution<uint64_t> dist;
-  char buf[33];
-  snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(dist(rd)),
-           static_cast<unsigned long long>(dist(rd)));
-  return buf;
-}
-
 std::string MetadataValue(const grpc::ServerContext* ctx, const char* key) {
   auto range = ctx->client_metadata().equal_range(key);
   if (range.first == range.second) return "";

@@ -2,10 +2,10 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <random>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <random>
 
 #include "nlohmann/json.hpp"
 #include "ulysses/common/logging.h"
@@ -14,15 +14,6 @@
 
 namespace ulysses::daemon {
 namespace {
-
-std::string Secret() {
-  std::random_device rd;
-  std::uniform_int_distribution<uint64_t> dist;
-  char buf[33];
-  snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(dist(rd)),
-           static_cast<unsigned long long>(dist(rd)));
-  return buf;
-}
 
 // Bounds every read and write on a peer connection, so a stalled peer cannot hold the thread.
 void SetTimeouts(int fd, absl::Duration d) {
@@ -36,6 +27,15 @@ void SetTimeouts(int fd, absl::Duration d) {
 constexpr absl::Duration kPeerIo = absl::Seconds(2);
 
 }  // namespace
+
+std::string RandomToken() {
+  std::random_device rd;
+  std::uniform_int_distribution<uint64_t> dist;
+  char buf[33];
+  snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(dist(rd)),
+           static_cast<unsigned long long>(dist(rd)));
+  return buf;
+}
 
 absl::Status FdExports::Start(const std::string& path) {
   ULY_ASSIGN_OR_RETURN(listener_, ipc::UnixListener::Listen(path, 0600));
@@ -63,7 +63,7 @@ absl::StatusOr<ExportTicket> FdExports::Lend(int fd) {
   if (dup < 0) return ErrnoError("dup", errno);
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t id = next_id_++;
-  Entry e{Secret(), ipc::UniqueFd(dup)};
+  Entry e{RandomToken(), ipc::UniqueFd(dup)};
   ExportTicket t{path_, id, e.secret};
   entries_.emplace(id, std::move(e));
   return t;

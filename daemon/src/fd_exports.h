@@ -22,6 +22,10 @@
 
 namespace ulysses::daemon {
 
+/// 128 random bits from the system's entropy source, as 32 hex digits: client tokens and export
+/// secrets.
+std::string RandomToken();
+
 /// What a peer needs to fetch one export: the exporting daemon's peer socket, id and secret.
 struct ExportTicket {
   std::string socket;
