@@ -236,15 +236,9 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     absl::StatusOr<std::shared_ptr<Session>> s = FindSession(*c, d.session_id);
     done.next_epoch = s.ok() ? (*s)->next_epoch() : 0;
     // The client drains completions while it submits or waits; a client that stops doing so
-    // only stalls itself. Give up when it is reclaimed.
-    bool posted = false;
-    while (!posted && rings->header->abort.load(std::memory_order_acquire) == 0) {
-      absl::StatusOr<bool> pushed = rings->complete->TryPush(done);
-      if (!pushed.ok()) break;
-      posted = *pushed;
-      if (!posted) std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-    if (!posted) break;
+    // stalls only itself, and its worker backs off instead of spinning. Give up when it is
+    // reclaimed.
+    if (!ipc::PushBackoff(*rings->complete, done, &rings->header->abort).ok()) break;
     (void)rings->complete_bell.Signal();
   }
   std::lock_guard<std::mutex> lock(workers_mu_);

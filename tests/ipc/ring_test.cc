@@ -473,3 +473,55 @@ TEST(SpscRingTest, PopWaitReportsCorruptedRing) {
 
 }  // namespace
 }  // namespace ulysses::ipc
+
+namespace ulysses::ipc {
+namespace {
+
+TEST(PushBackoffTest, DelaysDoubleFromTheMinimumToTheCap) {
+  EXPECT_EQ(PushBackoffDelay(0), kPushBackoffMin);
+  EXPECT_EQ(PushBackoffDelay(1), 2 * kPushBackoffMin);
+  EXPECT_EQ(PushBackoffDelay(3), 8 * kPushBackoffMin);
+  EXPECT_EQ(PushBackoffDelay(1000), kPushBackoffMax);
+  for (int a = 1; a < 64; ++a) {
+    EXPECT_GE(PushBackoffDelay(a), PushBackoffDelay(a - 1));
+    EXPECT_LE(PushBackoffDelay(a), kPushBackoffMax);
+  }
+}
+
+TEST(PushBackoffTest, PushesAtOnceWhenThereIsRoom) {
+  auto ring = NewRing();
+  std::atomic<uint64_t> waits{0};
+  ASSERT_TRUE(PushBackoff(*ring, MakeRecord(0), nullptr, &waits).ok());
+  EXPECT_EQ(waits.load(), 0u);
+  EXPECT_EQ(ring->size(), 1u);
+}
+
+TEST(PushBackoffTest, AFullRingCostsFewWakeUpsUntilTheConsumerDrains) {
+  auto ring = NewRing();
+  for (uint32_t i = 0; i < TestRing::capacity(); ++i) ASSERT_TRUE(ring->TryPush(MakeRecord(i)).value());
+  std::atomic<uint64_t> waits{0};
+  absl::Status pushed;
+  std::thread producer([&] { pushed = PushBackoff(*ring, MakeRecord(99), nullptr, &waits); });
+  // Whatever the wall time, the producer slept with growing delays: from the 10th sleep on it
+  // waits kPushBackoffMax each time. Drain once it has slept that often.
+  while (waits.load() < 12) absl::SleepFor(absl::Milliseconds(1));
+  TestRecord r{};
+  ASSERT_TRUE(ring->TryPop(&r).value());
+  producer.join();
+  ASSERT_TRUE(pushed.ok()) << pushed;
+  EXPECT_EQ(ring->size(), TestRing::capacity());
+}
+
+TEST(PushBackoffTest, AbortEndsTheWait) {
+  auto ring = NewRing();
+  for (uint32_t i = 0; i < TestRing::capacity(); ++i) ASSERT_TRUE(ring->TryPush(MakeRecord(i)).value());
+  std::atomic<uint64_t> abort{0};
+  absl::Status pushed;
+  std::thread producer([&] { pushed = PushBackoff(*ring, MakeRecord(99), &abort); });
+  abort.store(3, std::memory_order_release);
+  producer.join();
+  EXPECT_EQ(pushed.code(), absl::StatusCode::kAborted) << pushed;
+}
+
+}  // namespace
+}  // namespace ulysses::ipc

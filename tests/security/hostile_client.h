@@ -113,7 +113,7 @@ class DaemonTest : public ::testing::Test {
   }
 
   /// Connects to the fd socket, sends a correct hello for `a`, and reads the daemon's answer.
-  absl::StatusOr<ipc::UniqueFd> Bind(const Attached& a) {
+  absl::StatusOr<ipc::UniqueFd> Bind(const Attached& a, ipc::ReceivedMessage* ack_out = nullptr) {
     absl::StatusOr<ipc::UniqueFd> sock = ipc::ConnectUnix(a.fd_socket);
     if (!sock.ok()) return sock.status();
     absl::Status sent = ipc::SendMessage(sock->get(), ipc::EncodeHello({a.client_id, a.token}));
@@ -123,6 +123,7 @@ class DaemonTest : public ::testing::Test {
     if (ack->payload.find("\"ok\": true") == std::string::npos &&
         ack->payload.find("\"ok\":true") == std::string::npos)
       return absl::PermissionDeniedError(ack->payload);
+    if (ack_out != nullptr) *ack_out = std::move(*ack);
     return std::move(*sock);
   }
 

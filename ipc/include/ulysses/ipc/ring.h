@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "ulysses/common/status.h"
 #include "ulysses/ipc/eventfd.h"
@@ -249,6 +250,42 @@ absl::StatusOr<bool> PopWait(SpscRing<Record, kCapacity>& ring, Record* out, Eve
     if (wait_ms == 0) return false;
     // Rung or timed out, the next round checks the abort word and the ring again.
     ULY_RETURN_IF_ERROR(bell.Wait(wait_ms).status());
+  }
+}
+
+/// First and longest sleep of PushBackoff while the ring stays full.
+inline constexpr absl::Duration kPushBackoffMin = absl::Microseconds(50);
+inline constexpr absl::Duration kPushBackoffMax = absl::Milliseconds(20);
+
+/// The sleep before try `attempt` (0-based) of PushBackoff: kPushBackoffMin doubled per
+/// attempt, capped at kPushBackoffMax.
+inline absl::Duration PushBackoffDelay(int attempt) {
+  absl::Duration d = kPushBackoffMin;
+  for (int i = 0; i < attempt && d < kPushBackoffMax; ++i) d *= 2;
+  return std::min(d, kPushBackoffMax);
+}
+
+/// Producer side for a consumer that may stop reading (the daemon posting completions to a
+/// client that does not drain them): pushes `record`, sleeping between tries while the ring
+/// is full, for PushBackoffDelay(0), (1), ... So a ring kept full costs its producer about
+/// 1 / kPushBackoffMax wake-ups a second instead of a spinning thread, and a consumer that
+/// drains late waits at most kPushBackoffMax more for its record. The consumer rings no bell
+/// when it frees space, so there is nothing to sleep on but time.
+/// OK once pushed; ABORTED as soon as `abort` (if not null) is non-zero, checked before every
+/// try; DATA_LOSS from TryPush. `waits`, if not null, counts the sleeps.
+template <typename Record, uint32_t kCapacity>
+absl::Status PushBackoff(SpscRing<Record, kCapacity>& ring, const Record& record,
+                         const std::atomic<uint64_t>* abort = nullptr,
+                         std::atomic<uint64_t>* waits = nullptr) {
+  for (int attempt = 0;; ++attempt) {
+    if (abort != nullptr) {
+      const uint64_t code = abort->load(std::memory_order_acquire);
+      if (code != 0) return ring_internal::Aborted(code);
+    }
+    ULY_ASSIGN_OR_RETURN(const bool pushed, ring.TryPush(record));
+    if (pushed) return absl::OkStatus();
+    if (waits != nullptr) waits->fetch_add(1, std::memory_order_relaxed);
+    absl::SleepFor(PushBackoffDelay(attempt));
   }
 }
 

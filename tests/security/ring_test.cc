@@ -1,0 +1,126 @@
+// The call rings: a client that keeps its completion ring full stalls only itself, and its
+// ring worker waits with a backoff instead of spinning; ring descriptors are checked before
+// they reach a session (epoch 0 means nothing).
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "hostile_client.h"
+#include "ulysses/client/client.h"
+#include "ulysses/ipc/client_segment.h"
+#include "ulysses/ipc/eventfd.h"
+#include "ulysses/ipc/shm.h"
+
+namespace ulysses::security {
+namespace {
+
+// CPU time (user + system) process `pid` has used, from /proc/PID/stat.
+absl::Duration CpuTime(pid_t pid) {
+  std::ifstream in(StrCat("/proc/", pid, "/stat"));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // Fields after the command name (which may hold spaces) start after the last ')'.
+  std::istringstream rest(text.substr(text.rfind(')') + 2));
+  std::string field;
+  long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {
+    if (i == 14) utime = std::stol(field);
+    if (i == 15) stime = std::stol(field);
+  }
+  return absl::Seconds(static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK)));
+}
+
+// A bound client that maps its segment and drives the rings by hand.
+struct RingClient {
+  Attached attached;
+  ipc::UniqueFd sock;
+  ipc::Mapping segment;
+  ipc::SubmitRing* submit = nullptr;
+  ipc::CompletionRing* complete = nullptr;
+  ipc::UniqueFd submit_bell;
+
+  // Pushes `d`, waiting for room, and rings the daemon.
+  void Push(const ipc::CallDescriptor& d) {
+    for (;;) {
+      absl::StatusOr<bool> pushed = submit->TryPush(d);
+      ASSERT_TRUE(pushed.ok()) << pushed.status();
+      if (*pushed) break;
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    const uint64_t one = 1;
+    ASSERT_EQ(::write(submit_bell.get(), &one, sizeof one), static_cast<ssize_t>(sizeof one));
+  }
+};
+
+class RingTest : public DaemonTest {
+ protected:
+  std::unique_ptr<RingClient> BindRings() {
+    auto rc = std::make_unique<RingClient>();
+    absl::StatusOr<Attached> a = Attach("ring");
+    EXPECT_TRUE(a.ok()) << a.status();
+    if (!a.ok()) return nullptr;
+    rc->attached = *a;
+    ipc::ReceivedMessage ack;
+    absl::StatusOr<ipc::UniqueFd> sock = Bind(*a, &ack);
+    EXPECT_TRUE(sock.ok()) << sock.status();
+    if (!sock.ok() || ack.fds.size() != 3) return nullptr;
+    rc->sock = std::move(*sock);
+    absl::StatusOr<ipc::Mapping> m =
+        ipc::Mapping::Map(ack.fds[0].get(), ipc::ClientSegmentLayout::kTotal, true);
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return nullptr;
+    rc->segment = std::move(*m);
+    auto* base = static_cast<uint8_t*>(rc->segment.data());
+    rc->submit = *ipc::SubmitRing::Attach(base + ipc::ClientSegmentLayout::kSubmit,
+                                          sizeof(ipc::SubmitRing));
+    rc->complete = *ipc::CompletionRing::Attach(base + ipc::ClientSegmentLayout::kComplete,
+                                                sizeof(ipc::CompletionRing));
+    rc->submit_bell = std::move(ack.fds[1]);
+    return rc;
+  }
+};
+
+// A descriptor for a session that does not exist: the daemon answers it at once with an error.
+ipc::CallDescriptor Bogus(uint64_t epoch) {
+  ipc::CallDescriptor d{};
+  d.session_id = 999999999;
+  d.epoch = epoch;
+  d.op = 1;
+  return d;
+}
+
+TEST_F(RingTest, AFullCompletionRingMakesTheWorkerBackOffNotSpin) {
+  constexpr int kClients = 8;
+  std::vector<std::unique_ptr<RingClient>> clients;
+  for (int i = 0; i < kClients; ++i) {
+    clients.push_back(BindRings());
+    ASSERT_NE(clients.back(), nullptr);
+  }
+  // Each client submits one descriptor more than its completion ring holds, and never drains.
+  for (auto& rc : clients)
+    for (uint64_t e = 1; e <= ipc::kRingCapacity + 1; ++e) rc->Push(Bogus(e));
+  for (auto& rc : clients)
+    ASSERT_TRUE(Eventually([&] {
+      return rc->complete->size() == ipc::kRingCapacity && rc->submit->empty();
+    }));
+  // Every worker now holds a completion it cannot post. Over a second of that, the daemon's
+  // CPU time stays a small fraction of the wall time: 10 ms (one clock tick) with the
+  // backoff, 180 ms when each worker retried every 50 us.
+  const absl::Duration cpu0 = CpuTime(daemon_.pid());
+  const absl::Time t0 = absl::Now();
+  absl::SleepFor(absl::Seconds(1));
+  const absl::Duration cpu = CpuTime(daemon_.pid()) - cpu0;
+  const absl::Duration wall = absl::Now() - t0;
+  EXPECT_LT(cpu, wall * 0.1) << "daemon used " << cpu << " of CPU in " << wall;
+  // A client that drains gets its last completion, and everyone else is served.
+  auto& rc = clients.front();
+  ipc::Completion c{};
+  for (uint32_t i = 0; i < ipc::kRingCapacity; ++i) ASSERT_TRUE(rc->complete->TryPop(&c).value());
+  EXPECT_TRUE(Eventually([&] { return rc->complete->size() == 1; }));
+  auto bystander = client::Client::Connect({daemon_.socket(), "bystander", absl::Seconds(10)});
+  ASSERT_TRUE(bystander.ok()) << bystander.status();
+  EXPECT_TRUE((*bystander)->AllocBuffer(4096, "b").ok());
+}
+
+}  // namespace
+}  // namespace ulysses::security
