@@ -42,7 +42,7 @@ class ClientImpl : public BufferResolver {
   grpc::ClientContext watch_ctx;
   std::unique_ptr<grpc::ClientReaderWriter<v1::WatchRequest, v1::WatchEvent>> watch;
   std::thread watch_thread;
-  bool closed = false;
+  std::atomic<bool> closed{false};  // read by SlotHold::Release on any thread
 
   // The call fast path (absent when the daemon offered none or the caller opted out).
   ipc::Mapping segment;

@@ -37,14 +37,6 @@ class ClientBuffers : public BufferResolver {
   ClientRecord* c_;
 };
 
-OperandRef FromDescriptor(const ipc::OperandDescriptor& d) {
-  OperandRef r;
-  r.buffer_id = d.buffer_id;
-  r.offset_bytes = d.offset_bytes;
-  for (int i = 0; i < 4; ++i) r.strides[i] = d.strides[i];
-  return r;
-}
-
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<Session>> Daemon::FindSession(ClientRecord& c, uint64_t id) {
@@ -60,6 +52,14 @@ absl::StatusOr<std::shared_ptr<Session>> Daemon::FindSession(ClientRecord& c, ui
       return absl::PermissionDeniedError(StrCat("session_id: ", id, " belongs to another client"));
   }
   return absl::NotFoundError(StrCat("session_id: ", id, " is not open"));
+}
+
+absl::Status Daemon::RefuseDescriptor(ClientRecord& c, uint64_t session_id, uint64_t epoch,
+                                      absl::Status why) {
+  if (epoch == 0) return why;  // names no call: nothing to spend
+  absl::StatusOr<std::shared_ptr<Session>> s = FindSession(c, session_id);
+  if (!s.ok()) return why;
+  return (*s)->Refuse(epoch, std::move(why));
 }
 
 absl::StatusOr<CallResult> Daemon::RunCall(ClientRecord& c, uint64_t session_id,
@@ -183,12 +183,28 @@ absl::StatusOr<std::shared_ptr<ClientRings>> Daemon::CreateRings(
                                                    sizeof(ipc::CompletionRing)));
   ULY_ASSIGN_OR_RETURN(rings->submit_bell, ipc::EventFd::Create());
   ULY_ASSIGN_OR_RETURN(rings->complete_bell, ipc::EventFd::Create());
+  JoinFinishedWorkers();
+  {
+    // Started under the lock, so the worker's exit (which takes it) finds its entry.
+    std::lock_guard<std::mutex> lock(workers_mu_);
+    workers_.emplace(c->id, std::thread([this, c, rings] { RingWorker(c, rings); }));
+  }
+  return rings;
+}
+
+void Daemon::JoinFinishedWorkers() {
+  std::vector<std::thread> done;
   {
     std::lock_guard<std::mutex> lock(workers_mu_);
-    ++workers_;
+    for (uint64_t id : workers_done_) {
+      auto it = workers_.find(id);
+      if (it == workers_.end()) continue;
+      done.push_back(std::move(it->second));
+      workers_.erase(it);
+    }
+    workers_done_.clear();
   }
-  std::thread([this, c, rings] { RingWorker(c, rings); }).detach();
-  return rings;
+  for (std::thread& t : done) t.join();  // each has returned or is about to
 }
 
 // One thread per client drains its submit ring in order and posts one completion per
@@ -209,16 +225,10 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
       break;
     }
     if (!*got) continue;
-    CallArgs args;
-    args.op = static_cast<OpKind>(d.op);
-    args.batch = d.batch;
-    args.seq = d.seq;
-    args.head_offset = d.head_offset;
-    args.head_count = d.head_count;
-    for (int i = 0; i < 3 && i < static_cast<int>(d.num_inputs); ++i)
-      args.inputs[i] = FromDescriptor(d.inputs[i]);
-    args.out = FromDescriptor(d.out);
-    absl::StatusOr<CallResult> r = Call(*c, d.session_id, args, d.epoch);
+    absl::StatusOr<CallArgs> args = ipc::CallArgsFromDescriptor(d);
+    absl::StatusOr<CallResult> r = args.ok() ? Call(*c, d.session_id, *args, d.epoch)
+                                             : RefuseDescriptor(*c, d.session_id, d.epoch,
+                                                                args.status());
     ipc::Completion done{};
     done.session_id = d.session_id;
     done.epoch = d.epoch;
@@ -242,8 +252,7 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     (void)rings->complete_bell.Signal();
   }
   std::lock_guard<std::mutex> lock(workers_mu_);
-  --workers_;
-  workers_cv_.notify_all();
+  workers_done_.push_back(c->id);
 }
 
 }  // namespace ulysses::daemon

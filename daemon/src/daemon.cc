@@ -1,11 +1,17 @@
 #include "daemon.h"
 
+#include <dirent.h>
 #include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <fstream>
+#include <iterator>
+#include <limits>
 #include <random>
 
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -28,6 +34,62 @@ std::string MetadataValue(const grpc::ServerContext* ctx, const char* key) {
   if (range.first == range.second) return "";
   return std::string(range.first->second.data(), range.first->second.size());
 }
+
+// The control socket's path while gRPC binds it: `<dir>/.XXXXXX/s` in a directory of mode
+// 0700 beside the final path (same filesystem, so rename(2) can move it). The directory goes
+// with this object.
+class StagedSocket {
+ public:
+  static absl::StatusOr<StagedSocket> Make(const std::string& final_path) {
+    const size_t slash = final_path.rfind('/');
+    const std::string parent = slash == std::string::npos ? "." : final_path.substr(0, slash + 1);
+    std::string dir = parent + ".XXXXXX";
+    if (::mkdtemp(dir.data()) == nullptr)
+      return ErrnoError(StrCat("mkdtemp(", dir, ") to stage the control socket"), errno);
+    StagedSocket s(dir, final_path);
+    if (s.path().size() >= sizeof(sockaddr_un::sun_path))
+      return absl::InvalidArgumentError(StrCat("socket: staging path ", s.path(),
+                                               " is too long; use a shorter socket path"));
+    return s;
+  }
+  StagedSocket(StagedSocket&& o) noexcept : dir_(std::move(o.dir_)), final_(std::move(o.final_)) {
+    o.dir_.clear();
+  }
+  StagedSocket(const StagedSocket&) = delete;
+  StagedSocket& operator=(const StagedSocket&) = delete;
+  StagedSocket& operator=(StagedSocket&&) = delete;
+  ~StagedSocket() {
+    if (dir_.empty()) return;
+    ::unlink(path().c_str());
+    ::rmdir(dir_.c_str());
+  }
+
+  std::string path() const { return dir_ + "/s"; }
+
+  /// Gives the socket `mode`, moves it to its final path and checks what is there now.
+  absl::Status Publish(mode_t mode) {
+    if (::chmod(path().c_str(), mode) != 0)
+      return ErrnoError(StrCat("chmod(", path(), ") of the control socket"), errno);
+    if (::rename(path().c_str(), final_.c_str()) != 0)
+      return ErrnoError(StrCat("rename(", path(), ", ", final_, ")"), errno);
+    struct stat st {};
+    if (::lstat(final_.c_str(), &st) != 0)
+      return ErrnoError(StrCat("lstat(", final_, ")"), errno);
+    if (!S_ISSOCK(st.st_mode) || (st.st_mode & 07777) != mode) {
+      char octal[16];
+      std::snprintf(octal, sizeof octal, "0%o", static_cast<unsigned>(mode));
+      return absl::InternalError(
+          StrCat("socket: ", final_, " is not the socket of mode ", octal, " just published"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  StagedSocket(std::string dir, std::string final_path)
+      : dir_(std::move(dir)), final_(std::move(final_path)) {}
+  std::string dir_;
+  std::string final_;
+};
 
 }  // namespace
 
@@ -52,13 +114,16 @@ absl::Status Daemon::Start() {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   // The control socket: a stale file from a crashed daemon is removed, a live one is refused.
-  {
-    absl::StatusOr<ipc::UnixListener> probe = ipc::UnixListener::Listen(config_.socket, 0660);
-    if (!probe.ok()) return probe.status();
-    // gRPC binds the path itself; the probe only proved it is free.
-  }
+  ULY_RETURN_IF_ERROR(ipc::ClaimSocketPath(config_.socket));
+  // Both sockets were free: no instance of this device is alive, and what a dead one left may go.
+  RemoveLeftovers();
+  // gRPC binds the control socket itself, with the permissions the umask leaves, and serves
+  // it at once. So it binds inside a fresh directory of mode 0700, where nobody else can
+  // connect; the socket gets its mode there and is renamed into place only then. No connection
+  // is ever accepted under looser permissions than 0660.
+  ULY_ASSIGN_OR_RETURN(StagedSocket staged, StagedSocket::Make(config_.socket));
   int bound_port = 0;
-  builder.AddListeningPort("unix:" + config_.socket, grpc::InsecureServerCredentials(), &bound_port);
+  builder.AddListeningPort("unix:" + staged.path(), grpc::InsecureServerCredentials(), &bound_port);
   builder.RegisterService(control_.get());
   builder.RegisterService(admin_.get());
   builder.RegisterService(peer_.get());
@@ -66,7 +131,7 @@ absl::Status Daemon::Start() {
   builder.SetMaxReceiveMessageSize(4 << 20);
   server_ = builder.BuildAndStart();
   if (!server_) return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", config_.socket));
-  ::chmod(config_.socket.c_str(), 0660);
+  ULY_RETURN_IF_ERROR(staged.Publish(0660));
   server_->GetHealthCheckService()->SetServingStatus(true);
   started_ = absl::Now();
   started_ok_ = true;
@@ -153,13 +218,61 @@ void Daemon::Shutdown() {
   for (auto& c : Clients()) Reclaim(c->id, "daemon shutting down");
   peer_exports_.Stop();
   {
-    std::unique_lock<std::mutex> lock(workers_mu_);
-    workers_cv_.wait_for(lock, std::chrono::seconds(5), [this] { return workers_ == 0; });
+    // Reclaim set every worker's abort word and aborted every session, so each ends at its
+    // next check; none may outlive this object.
+    std::map<uint64_t, std::thread> workers;
+    {
+      std::lock_guard<std::mutex> lock(workers_mu_);
+      workers.swap(workers_);
+      workers_done_.clear();
+    }
+    for (auto& [id, t] : workers) t.join();
   }
   if (server_) server_->Wait();
   ::unlink(config_.socket.c_str());
   if (!config_.ready_file.empty()) ::unlink(config_.ready_file.c_str());
   Logger("main")->info("ulyssesd stopped");
+}
+
+std::string SessionSegmentPrefix(pid_t pid) { return StrCat("/ulysses-", pid, "-"); }
+
+void Daemon::RemoveLeftovers() {
+  if (config_.ready_file.empty()) return;
+  std::string text;
+  {
+    std::ifstream in(config_.ready_file);
+    if (!in) return;
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ::unlink(config_.ready_file.c_str());
+  auto log = Logger("main");
+  const nlohmann::json ready = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!ready.is_object()) return;
+  auto it = ready.find("pid");
+  if (it == ready.end() || !it->is_number_unsigned()) return;
+  const uint64_t old = it->get<uint64_t>();
+  if (old == 0 || old > static_cast<uint64_t>(std::numeric_limits<pid_t>::max())) return;
+  const pid_t pid = static_cast<pid_t>(old);
+  // The pid may belong to another process now; then its segments are not ours to remove.
+  if (pid != ::getpid() && (::kill(pid, 0) == 0 || errno == EPERM)) {
+    log->info("removed the stale ready file {}; its pid {} is alive, so no segment is touched",
+              config_.ready_file, pid);
+    return;
+  }
+  const std::string prefix = SessionSegmentPrefix(pid).substr(1);  // names in /dev/shm
+  int removed = 0;
+  if (DIR* dir = ::opendir("/dev/shm")) {
+    while (dirent* e = ::readdir(dir)) {
+      const std::string_view name(e->d_name);
+      if (name.substr(0, prefix.size()) != prefix) continue;
+      const std::string_view id = name.substr(prefix.size());
+      if (id.empty() || id.find_first_not_of("0123456789") != std::string_view::npos) continue;
+      if (::shm_unlink(("/" + std::string(name)).c_str()) == 0) ++removed;
+    }
+    ::closedir(dir);
+  }
+  log->info("a dead instance (pid {}) left the ready file {} and {} session segment(s); removed",
+            pid, config_.ready_file, removed);
 }
 
 absl::Status Daemon::StartMetricsServer() {

@@ -37,6 +37,10 @@ class Server;
 
 namespace ulysses::daemon {
 
+/// Name prefix of the session segments a daemon of pid `pid` creates: "/ulysses-<pid>-", then
+/// the session id.
+std::string SessionSegmentPrefix(pid_t pid);
+
 /// Longest a send on a client's fd socket waits for the client to read (SendToClient).
 inline constexpr int kClientSendTimeoutMs = 1000;
 
@@ -176,7 +180,8 @@ class Daemon {
   absl::StatusOr<FusedWeightsHeld> ResolveFusedWeights(ClientRecord& c, const FusedGeometry& g,
                                                        const FusedWeightsArgs& w);
   /// Runs one call of client `c` (validation, execution, accounting, flight recorder). Used by
-  /// the Call RPC (`expected_epoch` 0) and by the ring worker (the descriptor's epoch).
+  /// the Call RPC (`expected_epoch` 0: the session's next epoch, whatever it is) and by the ring
+  /// worker (the descriptor's epoch, never 0: ipc::CallArgsFromDescriptor refuses it).
   absl::StatusOr<CallResult> Call(ClientRecord& c, uint64_t session_id, const CallArgs& args,
                                   uint64_t expected_epoch);
 
@@ -197,6 +202,11 @@ class Daemon {
   /// A frame a bound client sent: a descriptor for RegisterBuffer.
   void HandleClientFrame(ClientRecord& c, ipc::ReceivedMessage frame);
   absl::Status StartMetricsServer();
+  /// Removes what a dead instance of this device left: its ready file (which would claim this
+  /// daemon serves before it does) and the session segments in /dev/shm named with the pid
+  /// that file gives, unless that pid is alive and another process. Called only once this
+  /// device's sockets proved free (nobody listens on them).
+  void RemoveLeftovers();
   /// Counts a refusal by `limit` and returns RESOURCE_EXHAUSTED: "<what> (limits.<name> = N)".
   absl::Status RefuseOverLimit(Limit limit, const std::string& what);
   /// Counts `c`, about to bind as `uid`, among that uid's clients (limits.clients_per_uid).
@@ -206,6 +216,11 @@ class Daemon {
   void ReleaseQuotaLocked(ClientRecord& c);
   void FillQuotaGauges(GaugeSnapshot& g);
   absl::Status ChooseBackend();
+  /// A ring descriptor that cannot become a call: refused as a call that fails validation is,
+  /// so that its epoch, when it is the session's next, is spent and the peers see the session
+  /// break instead of waiting out their timeout.
+  absl::Status RefuseDescriptor(ClientRecord& c, uint64_t session_id, uint64_t epoch,
+                                absl::Status why);
   absl::StatusOr<CallResult> RunCall(ClientRecord& c, uint64_t session_id, const CallArgs& args,
                                      uint64_t expected_epoch, CallRecord* rec);
   /// Creates the client's segment and starts its ring worker.
@@ -229,9 +244,13 @@ class Daemon {
   std::unique_ptr<httplib::Server> metrics_http_;
   std::thread metrics_thread_;
   std::string metrics_bound_;
+  // Ring workers by client id. Every one is joined, none detached: a worker that ends puts its
+  // id in workers_done_, and the next CreateRings or Shutdown joins it; Shutdown joins the rest
+  // once Reclaim has set their abort words.
   std::mutex workers_mu_;
-  std::condition_variable workers_cv_;
-  int workers_ = 0;  // ring workers still running
+  std::map<uint64_t, std::thread> workers_;
+  std::vector<uint64_t> workers_done_;
+  void JoinFinishedWorkers();
   std::atomic<bool> stopping_{false};
   bool started_ok_ = false;
 

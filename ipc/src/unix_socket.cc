@@ -133,7 +133,7 @@ void UnixListener::CloseAndUnlink() noexcept {
   path_.clear();
 }
 
-absl::StatusOr<UnixListener> UnixListener::Listen(std::string path, mode_t mode) {
+absl::Status ClaimSocketPath(const std::string& path) {
   ULY_ASSIGN_OR_RETURN(const sockaddr_un addr, MakeAddress(path));
 
   const std::string parent = ParentDirectory(path);
@@ -177,6 +177,13 @@ absl::StatusOr<UnixListener> UnixListener::Listen(std::string path, mode_t mode)
   } else if (errno != ENOENT) {
     return LastError("lstat(", path, ")");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<UnixListener> UnixListener::Listen(std::string path, mode_t mode) {
+  ULY_ASSIGN_OR_RETURN(const sockaddr_un addr, MakeAddress(path));
+  ULY_RETURN_IF_ERROR(ClaimSocketPath(path));
+  struct stat st {};
 
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return LastError("socket() for ", path);

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "test_util.h"
 #include "ulysses/common/strings.h"
+#include "ulysses/ipc/client_segment.h"
 #include "ulysses/ipc/eventfd.h"
 #include "ulysses/ipc/shm.h"
 
@@ -521,6 +522,55 @@ TEST(PushBackoffTest, AbortEndsTheWait) {
   abort.store(3, std::memory_order_release);
   producer.join();
   EXPECT_EQ(pushed.code(), absl::StatusCode::kAborted) << pushed;
+}
+
+}  // namespace
+}  // namespace ulysses::ipc
+
+namespace ulysses::ipc {
+namespace {
+
+CallDescriptor ValidDescriptor() {
+  CallDescriptor d{};
+  d.session_id = 7;
+  d.epoch = 1;
+  d.op = static_cast<uint32_t>(OpKind::kScatterHeads);
+  d.num_inputs = 1;
+  d.batch = 2;
+  d.seq = 3;
+  d.inputs[0].buffer_id = 11;
+  d.inputs[0].offset_bytes = 64;
+  d.inputs[0].strides[2] = 5;
+  d.inputs[1].buffer_id = 12;  // past num_inputs: ignored
+  d.out.buffer_id = 13;
+  return d;
+}
+
+TEST(CallDescriptorTest, ConvertsTheFieldsItNames) {
+  absl::StatusOr<CallArgs> a = CallArgsFromDescriptor(ValidDescriptor());
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->op, OpKind::kScatterHeads);
+  EXPECT_EQ(a->batch, 2);
+  EXPECT_EQ(a->seq, 3);
+  EXPECT_EQ(a->inputs[0].buffer_id, 11u);
+  EXPECT_EQ(a->inputs[0].offset_bytes, 64u);
+  EXPECT_EQ(a->inputs[0].strides[2], 5);
+  EXPECT_FALSE(a->inputs[1].present());
+  EXPECT_EQ(a->out.buffer_id, 13u);
+}
+
+TEST(CallDescriptorTest, EpochZeroOpAndInputCountAreRefusedByName) {
+  CallDescriptor d = ValidDescriptor();
+  d.epoch = 0;
+  EXPECT_THAT(std::string(CallArgsFromDescriptor(d).status().message()), HasSubstr("epoch"));
+  d = ValidDescriptor();
+  d.op = 0;
+  EXPECT_THAT(std::string(CallArgsFromDescriptor(d).status().message()), HasSubstr("op"));
+  d.op = 1000;
+  EXPECT_EQ(CallArgsFromDescriptor(d).status().code(), absl::StatusCode::kInvalidArgument);
+  d = ValidDescriptor();
+  d.num_inputs = 4;
+  EXPECT_THAT(std::string(CallArgsFromDescriptor(d).status().message()), HasSubstr("num_inputs"));
 }
 
 }  // namespace

@@ -528,3 +528,23 @@ TEST(MessageTest, SendToAPeerThatReadsNothingTimesOut) {
 
 }  // namespace
 }  // namespace ulysses::ipc
+
+namespace ulysses::ipc {
+namespace {
+
+TEST(ClaimSocketPathTest, FreesAStaleSocketRefusesALiveOneAndBindsNothing) {
+  TempDir dir;
+  const std::string path = dir.File("claim.sock");
+  EXPECT_TRUE(ClaimSocketPath(path).ok());
+  EXPECT_FALSE(PathExists(path)) << "a claim binds nothing";
+  MakeStaleSocket(path);
+  ASSERT_TRUE(PathExists(path));
+  EXPECT_TRUE(ClaimSocketPath(path).ok());
+  EXPECT_FALSE(PathExists(path));
+  auto live = UnixListener::Listen(path);
+  ASSERT_TRUE(live.ok()) << live.status();
+  EXPECT_EQ(ClaimSocketPath(path).code(), absl::StatusCode::kAlreadyExists);
+}
+
+}  // namespace
+}  // namespace ulysses::ipc

@@ -122,5 +122,74 @@ TEST_F(RingTest, AFullCompletionRingMakesTheWorkerBackOffNotSpin) {
   EXPECT_TRUE((*bystander)->AllocBuffer(4096, "b").ok());
 }
 
+// Waits for the next completion on `rc`'s ring.
+ipc::Completion NextCompletion(RingClient& rc) {
+  ipc::Completion c{};
+  EXPECT_TRUE(Eventually([&] { return rc.complete->TryPop(&c).value_or(false); }));
+  return c;
+}
+
+TEST_F(RingTest, EpochZeroOnTheRingNamesNoCall) {
+  auto rc = BindRings();
+  ASSERT_NE(rc, nullptr);
+  // A one-rank group, a session and a buffer, by hand.
+  v1::JoinGroupRequest join;
+  join.set_name("solo");
+  join.set_world_size(1);
+  join.set_rank(0);
+  join.add_members(daemon_.socket());
+  v1::GroupInfo group;
+  {
+    grpc::ClientContext ctx;
+    Authenticate(&ctx, rc->attached);
+    grpc::Status s = control_->JoinGroup(&ctx, join, &group);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  v1::CreateSessionRequest create;
+  create.set_group_id(group.group_id());
+  create.mutable_spec()->set_num_heads(2);
+  create.mutable_spec()->set_head_dim(4);
+  create.mutable_spec()->set_dtype(static_cast<v1::DType>(DType::kFloat32));
+  create.mutable_spec()->set_max_tokens(8);
+  v1::SessionInfo session;
+  {
+    grpc::ClientContext ctx;
+    Authenticate(&ctx, rc->attached);
+    grpc::Status s = control_->CreateSession(&ctx, create, &session);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  ASSERT_TRUE(ipc::RecvMessage(rc->sock.get()).ok());  // the session's segment
+  v1::AllocBufferRequest alloc;
+  alloc.set_size_bytes(4096);
+  v1::BufferInfo buffer;
+  {
+    grpc::ClientContext ctx;
+    Authenticate(&ctx, rc->attached);
+    grpc::Status s = control_->AllocBuffer(&ctx, alloc, &buffer);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  ASSERT_TRUE(ipc::RecvMessage(rc->sock.get()).ok());  // the buffer's memfd
+
+  ipc::CallDescriptor d{};
+  d.session_id = session.session_id();
+  d.op = static_cast<uint32_t>(OpKind::kScatterHeads);
+  d.num_inputs = 1;
+  d.batch = 1;
+  d.seq = 8;
+  d.inputs[0].buffer_id = buffer.buffer_id();
+  d.epoch = 0;
+  rc->Push(d);
+  ipc::Completion zero = NextCompletion(*rc);
+  EXPECT_EQ(zero.code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument)) << zero.message;
+  EXPECT_NE(std::string(zero.message).find("epoch"), std::string::npos) << zero.message;
+  EXPECT_EQ(zero.next_epoch, 1u) << "epoch 0 spent an epoch";
+  // The same call under its real epoch runs.
+  d.epoch = 1;
+  rc->Push(d);
+  ipc::Completion one = NextCompletion(*rc);
+  EXPECT_EQ(one.code, 0) << one.message;
+  EXPECT_EQ(one.next_epoch, 2u);
+}
+
 }  // namespace
 }  // namespace ulysses::security

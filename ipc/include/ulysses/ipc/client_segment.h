@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "absl/status/statusor.h"
+#include "ulysses/common/geometry.h"
 #include "ulysses/ipc/ring.h"
 
 namespace ulysses::ipc {
@@ -52,6 +54,13 @@ struct CallDescriptor {
 static_assert(std::is_trivially_copyable_v<CallDescriptor>);
 static_assert(sizeof(CallDescriptor) == 240);
 static_assert(offsetof(CallDescriptor, inputs) == 48);
+
+/// The call a descriptor copied out of the submit ring asks for. Its bytes are the client's, so
+/// only what the conversion itself needs is checked here, INVALID_ARGUMENT naming the field:
+/// `epoch` >= 1 (epochs count from 1; 0 never names a call), `op` a known OpKind, `num_inputs`
+/// at most 3. Inputs past `num_inputs` are ignored. Everything else (shapes, buffers, bounds) is
+/// PlanCall's, which the daemon runs next. Thread-safe.
+absl::StatusOr<CallArgs> CallArgsFromDescriptor(const CallDescriptor& d);
 
 /// The daemon's answer to one descriptor.
 struct Completion {

@@ -84,6 +84,13 @@ class UnixListener {
   std::atomic<bool> shut_down_{false};
 };
 
+/// Makes `path` free for a new socket, as Listen does before it binds: OK when nothing is
+/// there, or a leftover socket nobody listens on was removed; ALREADY_EXISTS "socket PATH is in
+/// use" when a live process accepts on it; FAILED_PRECONDITION when the path is not a socket
+/// (never removed); NOT_FOUND when the parent directory does not exist; INVALID_ARGUMENT naming
+/// `path` when it is empty or too long. Binds nothing. For a socket another library binds.
+absl::Status ClaimSocketPath(const std::string& path);
+
 /// Connects a blocking SOCK_STREAM (SOCK_CLOEXEC) socket to the unix socket at `path`.
 /// Errors: INVALID_ARGUMENT naming `path` (empty or too long); NOT_FOUND when nothing exists at
 /// `path`; UNAVAILABLE when nobody listens (ECONNREFUSED); PERMISSION_DENIED; otherwise the errno

@@ -1,0 +1,148 @@
+// A daemon killed with SIGKILL leaves its ready file and its session segments behind; the
+// next daemon of the same device removes them before it serves. And the control socket is
+// never connectable under looser permissions than 0660, whatever the umask.
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hostile_client.h"
+#include "nlohmann/json.hpp"
+#include "ulysses/client/client.h"
+
+namespace ulysses::security {
+namespace {
+
+// Names in /dev/shm that start with `prefix`.
+std::vector<std::string> ShmNames(const std::string& prefix) {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir("/dev/shm")) {
+    while (dirent* e = ::readdir(d))
+      if (std::string(e->d_name).rfind(prefix, 0) == 0) out.push_back(e->d_name);
+    ::closedir(d);
+  }
+  return out;
+}
+
+bool Exists(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// Runs ulyssesd to its end (it is expected to fail at start-up); returns its exit status.
+int RunToExit(const std::vector<std::string>& args, const std::string& log) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) ::dup2(fd, 2);
+    std::vector<char*> argv;
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(argv[0], argv.data());
+    _exit(127);
+  }
+  int status = 0;
+  for (int i = 0; i < 3000 && ::waitpid(pid, &status, WNOHANG) == 0; ++i)
+    absl::SleepFor(absl::Milliseconds(10));
+  if (::waitpid(pid, &status, WNOHANG) == 0) {  // still running after 30 s: not expected
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+    return -1;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+using RestartTest = DaemonTest;
+
+TEST_F(RestartTest, ARestartRemovesWhatAKilledInstanceLeft) {
+  const std::string ready = dir_ + "/gpu0.ready";
+  const pid_t old_pid = daemon_.pid();
+  const std::string prefix = StrCat("ulysses-", old_pid, "-");
+  {
+    auto c = client::Client::Connect({daemon_.socket(), "victim", absl::Seconds(10)});
+    ASSERT_TRUE(c.ok()) << c.status();
+    client::GroupSpec g;
+    g.name = "solo";
+    g.members = {daemon_.socket()};
+    absl::StatusOr<client::Group> group = (*c)->JoinGroup(g);
+    ASSERT_TRUE(group.ok()) << group.status();
+    client::SessionSpec spec;
+    spec.num_heads = 2;
+    spec.head_dim = 4;
+    spec.max_tokens = 8;
+    auto session = (*c)->CreateSession(*group, spec);
+    ASSERT_TRUE(session.ok()) << session.status();
+    ASSERT_FALSE(ShmNames(prefix).empty()) << "no session segment named " << prefix << "*";
+    daemon_.Kill();  // SIGKILL: nothing is cleaned up
+  }
+  ASSERT_TRUE(Exists(ready));
+  ASSERT_FALSE(ShmNames(prefix).empty());
+
+  // The next start fails late (its metrics port is taken), after the point where a restart
+  // cleans up: the dead instance's leftovers are gone all the same, and no ready file says it
+  // serves.
+  const int taken = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(taken, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(taken, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(taken, 1), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(taken, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int code = RunToExit({ULYSSESD_PATH, "--device", "0", "--socket", dir_ + "/gpu0.sock",
+                              "--backend", "host", "--ready-file", ready, "--metrics-address",
+                              StrCat("127.0.0.1:", ntohs(addr.sin_port))},
+                             dir_ + "/failed.log");
+  ::close(taken);
+  EXPECT_NE(code, 0);
+  EXPECT_FALSE(Exists(ready)) << "the dead instance's ready file survived a restart";
+  EXPECT_TRUE(ShmNames(prefix).empty()) << "its session segments survived a restart";
+
+  // A good restart serves.
+  StartDaemon({});
+  EXPECT_TRUE(Serving());
+}
+
+TEST_F(RestartTest, TheControlSocketIsNeverLooserThan0660) {
+  daemon_ = demo::DaemonProcess();  // the fixture's daemon; this test starts its own
+  const std::string socket = dir_ + "/gpu0.sock";
+  ASSERT_FALSE(Exists(socket));
+  // Watch the path from before the daemon starts: the first mode anyone could see is the mode.
+  std::atomic<bool> stop{false};
+  mode_t first_mode = 0;
+  std::thread watcher([&] {
+    struct stat st {};
+    for (bool last = false; !last;) {
+      last = stop.load();  // one more look after the daemon is up, if this thread was starved
+      if (::lstat(socket.c_str(), &st) == 0) {
+        first_mode = st.st_mode & 07777;
+        return;
+      }
+    }
+  });
+  const mode_t old_umask = ::umask(0);  // the daemon inherits it: bind(2) would make 0777
+  StartDaemon({});
+  ::umask(old_umask);
+  stop.store(true);
+  watcher.join();
+  EXPECT_EQ(first_mode, 0660u) << "the control socket was first seen with mode 0" << std::oct
+                               << first_mode;
+  struct stat st {};
+  ASSERT_EQ(::lstat(socket.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0660u);
+  EXPECT_TRUE(Serving());
+}
+
+}  // namespace
+}  // namespace ulysses::security
