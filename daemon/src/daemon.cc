@@ -165,6 +165,9 @@ absl::Status Daemon::ChooseBackend() {
     backend_impl_ = MakeHostBackend();
     backend_reason_ = "requested host";
   } else {
+    // Load every kernel module when the context is made: a lazily loaded kernel's first launch
+    // waits for the context to go idle, which stream waits can make never happen.
+    ::setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
     absl::Status cuda = absl::OkStatus();
     if (ipc::cuda::DeviceCount() == 0)
       cuda = absl::FailedPreconditionError(ipc::cuda::Built() ? "no CUDA device is visible"
