@@ -4,6 +4,8 @@
 // keeps the client it came from. No C++ exception crosses this boundary.
 #include "ulysses/c_api.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -134,6 +136,7 @@ struct ClientState : ulysses::BufferResolver {
 struct SessionState {
   std::shared_ptr<ClientState> client;
   std::unique_ptr<uc::Session> session;
+  std::string described;  // the text of the last uly_session_describe
 };
 
 }  // namespace
@@ -161,17 +164,23 @@ struct uly_result {
   std::shared_ptr<SessionState> session;  // keeps the segment holding `result.data` mapped
   mutable std::mutex mu;
   uc::Result result;
+  // The results of one fused call share one slot hold: set once any of them released it. Null
+  // for a head-exchange result (which holds its slot alone).
+  std::shared_ptr<std::atomic<bool>> siblings_released;
+  bool held() const {
+    return result.held() && !(siblings_released && siblings_released->load());
+  }
 };
 
 namespace {
 
-// Why a CUDA tensor or a stream (`what`) cannot be used with session `s`, or OK.
-absl::Status CheckDeviceUse(const SessionState& s, const std::string& what) {
+// Why a CUDA tensor or a stream (`what`) cannot be used with a session of `backend`, or OK.
+absl::Status CheckDeviceUse(const std::string& backend, const std::string& what) {
   if (!ulysses::ipc::cuda::Built())
     return absl::FailedPreconditionError(StrCat(
         what, ": this libulysses_client was built without CUDA, so it takes shared host "
               "buffers (ULY_DEVICE_HOST) only"));
-  if (s.session->backend() == "host")
+  if (backend == "host")
     return absl::InvalidArgumentError(StrCat(
         what, ": the session runs on the host backend, which takes shared host buffers "
               "(ULY_DEVICE_HOST) and no stream; start the daemons with a GPU backend "
@@ -179,20 +188,33 @@ absl::Status CheckDeviceUse(const SessionState& s, const std::string& what) {
   return absl::OkStatus();
 }
 
-// Bytes from element [0,...,0] to one past the last element of a strided 4-D tensor.
+// Bytes per element of a uly_dtype (ULY_DTYPE_INT32 included); 0 for an unknown one.
+size_t CItemSize(int32_t dtype) {
+  return dtype == ULY_DTYPE_INT32 ? 4 : ulysses::ItemSize(static_cast<ulysses::DType>(dtype));
+}
+
+// Whether the first `n` strides are all zero (the contiguous convention).
+bool ZeroStrides(const uly_tensor* t, int n) {
+  for (int i = 0; i < n; ++i)
+    if (t->strides[i] != 0) return false;
+  return true;
+}
+
+// Bytes from element [0,...,0] to one past the last element of a strided tensor of t->ndim
+// dimensions.
 absl::StatusOr<uint64_t> Extent(const uly_tensor* t, const char* name) {
-  const size_t item = ulysses::ItemSize(static_cast<ulysses::DType>(t->dtype));
-  const bool contiguous = t->strides[0] == 0 && t->strides[1] == 0 && t->strides[2] == 0 &&
-                          t->strides[3] == 0;
+  const size_t item = CItemSize(t->dtype);
+  const int n = t->ndim;
+  const bool contiguous = ZeroStrides(t, n);
   uint64_t last = 0, stride = 1;
-  for (int i = 3; i >= 0; --i) {
+  for (int i = n - 1; i >= 0; --i) {
     if (t->shape[i] <= 0)
       return absl::InvalidArgumentError(
-          StrCat(name, ": shape ", Dims(t->shape, 4), " has an extent <= 0"));
+          StrCat(name, ": shape ", Dims(t->shape, n), " has an extent <= 0"));
     const int64_t s = contiguous ? static_cast<int64_t>(stride) : t->strides[i];
     if (s <= 0)
       return absl::InvalidArgumentError(
-          StrCat(name, ": strides ", Dims(t->strides, 4), " must be positive"));
+          StrCat(name, ": strides ", Dims(t->strides, n), " must be positive"));
     last += static_cast<uint64_t>(t->shape[i] - 1) * static_cast<uint64_t>(s);
     stride *= static_cast<uint64_t>(t->shape[i]);
   }
@@ -201,9 +223,10 @@ absl::StatusOr<uint64_t> Extent(const uly_tensor* t, const char* name) {
 
 // A CUDA tensor as an operand: its allocation is registered with the daemon (once; the client
 // caches it by the allocation's CUDA buffer id) and the operand addresses the tensor in it.
-absl::Status ToDeviceOperand(const SessionState& s, const uly_tensor* t, const char* name,
-                             ulysses::OperandRef* ref) {
-  ULY_RETURN_IF_ERROR(CheckDeviceUse(s, name));
+// `backend` is the session's (or the group's, for weights).
+absl::Status ToDeviceOperand(ClientState& c, const std::string& backend, const uly_tensor* t,
+                             const char* name, ulysses::OperandRef* ref) {
+  ULY_RETURN_IF_ERROR(CheckDeviceUse(backend, name));
   if (t->buffer_id != 0)
     return absl::InvalidArgumentError(
         StrCat(name, ": a CUDA tensor gives its device pointer in data; buffer_id must be 0"));
@@ -216,11 +239,37 @@ absl::Status ToDeviceOperand(const SessionState& s, const uly_tensor* t, const c
   if (a->device != t->device_index)
     return absl::InvalidArgumentError(StrCat(name, ": device_index ", t->device_index,
                                              ", but data is memory of device ", a->device));
-  absl::StatusOr<uc::Buffer> b = s.client->client->RegisterDeviceBuffer(ptr, bytes, name);
+  absl::StatusOr<uc::Buffer> b = c.client->RegisterDeviceBuffer(ptr, bytes, name);
   if (!b.ok())
     return absl::Status(b.status().code(), StrCat(name, ": ", b.status().message()));
-  s.client->NoteDevice(a->base, a->size, b->id);
-  *ref = b->Ref(0, {t->strides[0], t->strides[1], t->strides[2], t->strides[3]});
+  c.NoteDevice(a->base, a->size, b->id);
+  *ref = b->Ref(0);
+  return absl::OkStatus();
+}
+
+// Where tensor `t` (named `name`) lies: a host buffer of this client or a registered CUDA
+// allocation. Sets ref's buffer and offset and copies the first ndim (<= 4) strides.
+absl::Status LocateTensor(ClientState& c, const std::string& backend, const uly_tensor* t,
+                          const char* name, ulysses::OperandRef* ref) {
+  if (t->device_kind != ULY_DEVICE_HOST && t->device_kind != ULY_DEVICE_CUDA)
+    return absl::InvalidArgumentError(StrCat(name, ": unknown device_kind ", t->device_kind));
+  if (t->reserved != 0) return absl::InvalidArgumentError(StrCat(name, ": reserved must be 0"));
+  if (t->device_kind == ULY_DEVICE_CUDA) {
+    ULY_RETURN_IF_ERROR(ToDeviceOperand(c, backend, t, name, ref));
+  } else if (t->buffer_id != 0) {
+    if (t->data != nullptr)
+      return absl::InvalidArgumentError(StrCat(name, ": give buffer_id or data, not both"));
+    ref->buffer_id = t->buffer_id;
+    ref->offset_bytes = t->byte_offset;
+  } else {
+    if (t->data == nullptr)
+      return absl::InvalidArgumentError(StrCat(name, ": neither buffer_id nor data is set"));
+    ULY_ASSIGN_OR_RETURN(auto where,
+                         c.Locate(static_cast<const uint8_t*>(t->data) + t->byte_offset, name));
+    ref->buffer_id = where.first;
+    ref->offset_bytes = where.second;
+  }
+  for (int i = 0; i < 4; ++i) ref->strides[i] = i < t->ndim ? t->strides[i] : 0;
   return absl::OkStatus();
 }
 
@@ -231,33 +280,63 @@ absl::Status ToOperand(const SessionState& s, const uly_tensor* t, const char* n
   ULY_RETURN_IF_ERROR(NotNull(t, name));
   ULY_RETURN_IF_ERROR(CheckStructSize(t->struct_size, sizeof(uly_tensor), name));
   const ulysses::SessionGeometry& g = s.session->geometry();
-  if (t->device_kind != ULY_DEVICE_HOST && t->device_kind != ULY_DEVICE_CUDA)
-    return absl::InvalidArgumentError(StrCat(name, ": unknown device_kind ", t->device_kind));
   if (t->dtype != static_cast<int32_t>(g.dtype))
     return absl::InvalidArgumentError(
         StrCat(name, ": dtype ", t->dtype, " is not the session's ", static_cast<int>(g.dtype),
                " (", ulysses::DTypeName(g.dtype), ")"));
   if (t->ndim != 4)
     return absl::InvalidArgumentError(StrCat(name, ": ndim ", t->ndim, ", this op takes 4-D tensors"));
-  if (t->reserved != 0) return absl::InvalidArgumentError(StrCat(name, ": reserved must be 0"));
-  if (t->device_kind == ULY_DEVICE_CUDA) {
-    ULY_RETURN_IF_ERROR(ToDeviceOperand(s, t, name, ref));
-  } else if (t->buffer_id != 0) {
-    if (t->data != nullptr)
-      return absl::InvalidArgumentError(StrCat(name, ": give buffer_id or data, not both"));
-    ref->buffer_id = t->buffer_id;
-    ref->offset_bytes = t->byte_offset;
-  } else {
-    if (t->data == nullptr)
-      return absl::InvalidArgumentError(StrCat(name, ": neither buffer_id nor data is set"));
-    ULY_ASSIGN_OR_RETURN(auto where,
-                         s.client->Locate(static_cast<const uint8_t*>(t->data) + t->byte_offset, name));
-    ref->buffer_id = where.first;
-    ref->offset_bytes = where.second;
+  ULY_RETURN_IF_ERROR(LocateTensor(*s.client, s.session->backend(), t, name, ref));
+  for (int i = 0; i < 4; ++i) (*shape)[i] = t->shape[i];
+  return absl::OkStatus();
+}
+
+// A dense tensor of the fused session or call: `dtype`, exactly the extents `want`, strides
+// all zero or row-major. On success `ref` addresses it (zero strides: contiguous) and, for
+// weights, `tensor` is the same as the C++ spec takes it.
+absl::Status ToDenseRef(ClientState& c, const std::string& backend, const uly_tensor* t,
+                        const char* name, int32_t dtype, const std::vector<int64_t>& want,
+                        ulysses::OperandRef* ref, ulysses::FusedTensorRef* tensor = nullptr) {
+  ULY_RETURN_IF_ERROR(NotNull(t, name));
+  ULY_RETURN_IF_ERROR(CheckStructSize(t->struct_size, sizeof(uly_tensor), name));
+  const int n = static_cast<int>(want.size());
+  if (t->dtype != dtype)
+    return absl::InvalidArgumentError(StrCat(
+        name, ": dtype ", t->dtype, ", want ", dtype,
+        dtype == ULY_DTYPE_INT32 ? " (ULY_DTYPE_INT32)"
+                                 : StrCat(" (", ulysses::DTypeName(static_cast<ulysses::DType>(dtype)), ")")));
+  if (t->ndim != n)
+    return absl::InvalidArgumentError(
+        StrCat(name, ": ndim ", t->ndim, ", want ", n, " (shape ", Dims(want.data(), n), ")"));
+  if (!std::equal(want.begin(), want.end(), t->shape))
+    return absl::InvalidArgumentError(StrCat(name, ": shape ", Dims(t->shape, n),
+                                             ", want ", Dims(want.data(), n)));
+  if (!ZeroStrides(t, n)) {
+    int64_t stride = 1;
+    for (int i = n - 1; i >= 0; --i) {
+      if (t->shape[i] != 1 && t->strides[i] != stride)
+        return absl::InvalidArgumentError(StrCat(name, ": strides ", Dims(t->strides, n),
+                                                 " are not contiguous (row-major)"));
+      stride *= t->shape[i];
+    }
   }
-  for (int i = 0; i < 4; ++i) {
-    ref->strides[i] = t->strides[i];
-    (*shape)[i] = t->shape[i];
+  // Located as the 1-D run of its elements (the operand's strides are then all zero).
+  uly_tensor flat = *t;
+  flat.ndim = 1;
+  flat.shape[0] = 1;
+  for (int i = 0; i < n; ++i) flat.shape[0] *= want[i];
+  for (int i = 0; i < ULY_MAX_DIMS; ++i) {
+    flat.strides[i] = 0;
+    if (i > 0) flat.shape[i] = 0;
+  }
+  ULY_RETURN_IF_ERROR(LocateTensor(c, backend, &flat, name, ref));
+  if (tensor != nullptr) {
+    if (n > 4) return absl::InvalidArgumentError(StrCat(name, ": at most 4 dimensions"));
+    tensor->buffer_id = ref->buffer_id;
+    tensor->offset_bytes = ref->offset_bytes;
+    tensor->dtype = static_cast<ulysses::DType>(dtype);
+    tensor->rank = n;
+    for (int i = 0; i < n; ++i) tensor->shape[i] = want[i];
   }
   return absl::OkStatus();
 }
@@ -275,7 +354,7 @@ absl::Status CheckShape(const std::array<int64_t, 4>& got, const std::array<int6
 absl::StatusOr<ulysses::CallArgs> ToCallArgs(const SessionState& s, const uly_call_args* a) {
   ULY_RETURN_IF_ERROR(NotNull(a, "args"));
   ULY_RETURN_IF_ERROR(CheckStructSize(a->struct_size, sizeof(uly_call_args), "args"));
-  if (a->stream != nullptr) ULY_RETURN_IF_ERROR(CheckDeviceUse(s, "stream"));
+  if (a->stream != nullptr) ULY_RETURN_IF_ERROR(CheckDeviceUse(s.session->backend(), "stream"));
   if (a->op < ULY_OP_SCATTER_HEADS || a->op > ULY_OP_GATHER_OUTPUT_HEAD_CHUNK)
     return absl::InvalidArgumentError(StrCat("op: unknown op ", a->op));
   const auto op = static_cast<ulysses::OpKind>(a->op);
@@ -308,11 +387,80 @@ absl::StatusOr<ulysses::CallArgs> ToCallArgs(const SessionState& s, const uly_ca
   return args;
 }
 
-uly_result* NewResult(const std::shared_ptr<SessionState>& s, uc::Result r) {
+// A weight of the fused session: a dense tensor of at most 4 dimensions, of its own shape
+// and dtype (both checked against the geometry by the shared validator).
+absl::Status ToWeight(ClientState& c, const std::string& backend, const uly_tensor* t,
+                      const char* name, ulysses::FusedTensorRef* tensor) {
+  ULY_RETURN_IF_ERROR(NotNull(t, name));
+  ULY_RETURN_IF_ERROR(CheckStructSize(t->struct_size, sizeof(uly_tensor), name));
+  if (t->ndim < 1 || t->ndim > 4)
+    return absl::InvalidArgumentError(StrCat(name, ": ndim ", t->ndim, ", want 1 to 4"));
+  if (t->dtype != ULY_DTYPE_BFLOAT16 && t->dtype != ULY_DTYPE_FLOAT32)
+    return absl::InvalidArgumentError(StrCat(name, ": dtype ", t->dtype,
+                                             ", want ULY_DTYPE_BFLOAT16 or ULY_DTYPE_FLOAT32"));
+  ulysses::OperandRef ref;
+  return ToDenseRef(c, backend, t, name, t->dtype, std::vector<int64_t>(t->shape, t->shape + t->ndim),
+                    &ref, tensor);
+}
+
+uly_result* NewResult(const std::shared_ptr<SessionState>& s, uc::Result r,
+                      std::shared_ptr<std::atomic<bool>> siblings_released = nullptr) {
   auto* h = new uly_result;
   h->session = s;
   h->result = std::move(r);
+  h->siblings_released = std::move(siblings_released);
   return h;
+}
+
+uly_session* NewSession(const std::shared_ptr<ClientState>& c, std::unique_ptr<uc::Session> s) {
+  auto state = std::make_shared<SessionState>();
+  state->client = c;
+  state->session = std::move(s);
+  return new uly_session{std::move(state)};
+}
+
+// The fused call's operands from the C ones: x [B,S_l,hidden] gives B and S_l; positions and
+// out must have the shapes they imply.
+struct FusedOperands {
+  ulysses::OperandRef x, positions, out;
+  int64_t batch = 0, seq_local = 0;
+};
+
+absl::StatusOr<FusedOperands> ToFusedOperands(const SessionState& s, const uly_fused_call_args* a) {
+  ULY_RETURN_IF_ERROR(NotNull(a, "args"));
+  ULY_RETURN_IF_ERROR(CheckStructSize(a->struct_size, sizeof(uly_fused_call_args), "args"));
+  if (a->reserved != 0) return absl::InvalidArgumentError("args: reserved must be 0");
+  const ulysses::FusedGeometry* g = s.session->fused_geometry();
+  if (g == nullptr)
+    return absl::InvalidArgumentError(StrCat(
+        "session: ", s.session->id(), " is a head_exchange session; qkv_norm_rope_exchange needs "
+        "a session of uly_session_create_fused"));
+  const std::string& backend = s.session->backend();
+  if (a->stream != nullptr) ULY_RETURN_IF_ERROR(CheckDeviceUse(backend, "stream"));
+  ULY_RETURN_IF_ERROR(NotNull(a->x, "x"));
+  ULY_RETURN_IF_ERROR(CheckStructSize(a->x->struct_size, sizeof(uly_tensor), "x"));
+  if (a->x->ndim != 3)
+    return absl::InvalidArgumentError(
+        StrCat("x: ndim ", a->x->ndim, ", want 3 ([B, S_l, hidden])"));
+  FusedOperands o;
+  o.batch = a->x->shape[0];
+  o.seq_local = a->x->shape[1];
+  if (o.batch <= 0 || o.seq_local <= 0)
+    return absl::InvalidArgumentError(
+        StrCat("x: shape ", Dims(a->x->shape, 3), " has an extent <= 0"));
+  ClientState& c = *s.client;
+  ULY_RETURN_IF_ERROR(ToDenseRef(c, backend, a->x, "x", ULY_DTYPE_BFLOAT16,
+                                 {o.batch, o.seq_local, g->hidden}, &o.x));
+  ULY_RETURN_IF_ERROR(ToDenseRef(c, backend, a->positions, "positions", ULY_DTYPE_INT32,
+                                 {o.batch, o.seq_local}, &o.positions));
+  if (a->out != nullptr) {
+    const int64_t sg = o.seq_local * g->world_size, hl = g->local_heads(), d = g->head_dim;
+    const std::vector<int64_t> want = g->layout == ulysses::QkvLayout::kFused
+                                          ? std::vector<int64_t>{o.batch, sg, hl, 3 * d}
+                                          : std::vector<int64_t>{3, o.batch, sg, hl, d};
+    ULY_RETURN_IF_ERROR(ToDenseRef(c, backend, a->out, "out", ULY_DTYPE_BFLOAT16, want, &o.out));
+  }
+  return o;
 }
 
 }  // namespace
@@ -521,10 +669,50 @@ uly_status uly_session_create(uly_client* client, const uly_group* group,
     s.timeout_ms = spec->timeout_ms;
     ULY_ASSIGN_OR_RETURN(std::unique_ptr<uc::Session> session,
                          client->state->client->CreateSession(group->group, s));
-    auto state = std::make_shared<SessionState>();
-    state->client = client->state;
-    state->session = std::move(session);
-    *out = new uly_session{std::move(state)};
+    *out = NewSession(client->state, std::move(session));
+    return absl::OkStatus();
+  });
+}
+
+uly_status uly_session_create_fused(uly_client* client, const uly_group* group,
+                                    const uly_fused_session_spec* spec, uly_session** out) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(client, "client"));
+    ULY_RETURN_IF_ERROR(NotNull(group, "group"));
+    ULY_RETURN_IF_ERROR(NotNull(spec, "spec"));
+    ULY_RETURN_IF_ERROR(NotNull(out, "out"));
+    *out = nullptr;
+    ULY_RETURN_IF_ERROR(CheckStructSize(spec->struct_size, sizeof(uly_fused_session_spec), "spec"));
+    if (group->client != client->state)
+      return absl::InvalidArgumentError("group: joined by another client");
+    if (spec->layout != ULY_QKV_LAYOUT_BSHD && spec->layout != ULY_QKV_LAYOUT_FUSED)
+      return absl::InvalidArgumentError(
+          StrCat("layout: ", spec->layout, " is not ULY_QKV_LAYOUT_BSHD (1) or ULY_QKV_LAYOUT_FUSED (2)"));
+    if (spec->path < ULY_FUSED_PATH_AUTO || spec->path > ULY_FUSED_PATH_CHUNKED)
+      return absl::InvalidArgumentError(StrCat(
+          "path: ", spec->path, " is not ULY_FUSED_PATH_AUTO, _PER_OPERATOR or _CHUNKED (0..2)"));
+    if (spec->num_slots < 0) return absl::InvalidArgumentError("num_slots: must be >= 0");
+    uc::FusedSessionSpec f;
+    f.hidden = spec->hidden;
+    f.num_heads = spec->num_heads;
+    f.head_dim = spec->head_dim;
+    f.layout = static_cast<ulysses::QkvLayout>(spec->layout);
+    f.path = static_cast<ulysses::FusedPath>(spec->path);
+    f.max_tokens = spec->max_tokens;
+    f.num_slots = spec->num_slots == 0 ? 2 : spec->num_slots;
+    f.max_pos = spec->max_pos;
+    f.timeout_ms = spec->timeout_ms;
+    ClientState& c = *client->state;
+    const std::string& backend = group->group.backend;
+    // The weights as the C++ spec takes them; their shapes and dtypes are checked against
+    // the geometry by CreateFusedSession (after the geometry itself), with the daemon's words.
+    ULY_RETURN_IF_ERROR(ToWeight(c, backend, spec->w_qkv, "w_qkv", &f.weights.w_qkv));
+    ULY_RETURN_IF_ERROR(ToWeight(c, backend, spec->q_norm, "q_norm", &f.weights.q_norm));
+    ULY_RETURN_IF_ERROR(ToWeight(c, backend, spec->k_norm, "k_norm", &f.weights.k_norm));
+    ULY_RETURN_IF_ERROR(ToWeight(c, backend, spec->cos_sin, "cos_sin", &f.weights.cos_sin));
+    ULY_ASSIGN_OR_RETURN(std::unique_ptr<uc::Session> session,
+                         c.client->CreateFusedSession(group->group, f));
+    *out = NewSession(client->state, std::move(session));
     return absl::OkStatus();
   });
 }
@@ -599,6 +787,42 @@ uly_status uly_session_wait(uly_session* session, uint64_t epoch, int64_t timeou
   });
 }
 
+uly_status uly_session_qkv_norm_rope_exchange(uly_session* session, const uly_fused_call_args* args,
+                                              uly_result** results, int32_t* num_results) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(session, "session"));
+    if (results != nullptr)
+      for (int i = 0; i < ULY_MAX_FUSED_RESULTS; ++i) results[i] = nullptr;
+    if (num_results != nullptr) *num_results = 0;
+    ULY_ASSIGN_OR_RETURN(FusedOperands o, ToFusedOperands(*session->state, args));
+    if (results == nullptr && !o.out.present())
+      return absl::InvalidArgumentError("results: NULL, but the call has no out");
+    uc::Session& s = *session->state->session;
+    s.set_stream(args->stream);
+    ULY_ASSIGN_OR_RETURN(std::vector<uc::Result> views,
+                         s.QkvNormRopeExchange(o.x, o.positions, o.batch, o.seq_local, o.out));
+    if (views.size() > ULY_MAX_FUSED_RESULTS)
+      return absl::InternalError(StrCat(views.size(), " results from one fused call"));
+    if (num_results != nullptr) *num_results = static_cast<int32_t>(views.size());
+    if (results == nullptr) return absl::OkStatus();  // out given: the views hold nothing
+    auto released = std::make_shared<std::atomic<bool>>(false);
+    for (size_t i = 0; i < views.size(); ++i)
+      results[i] = NewResult(session->state, std::move(views[i]), released);
+    return absl::OkStatus();
+  });
+}
+
+uly_status uly_session_describe(uly_session* session, const char** text) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(session, "session"));
+    ULY_RETURN_IF_ERROR(NotNull(text, "text"));
+    *text = "";
+    ULY_ASSIGN_OR_RETURN(session->state->described, session->state->session->Describe());
+    *text = session->state->described.c_str();
+    return absl::OkStatus();
+  });
+}
+
 uly_status uly_result_get_info(const uly_result* result, uly_result_info* info) {
   return Guard([&]() -> absl::Status {
     ULY_RETURN_IF_ERROR(NotNull(result, "result"));
@@ -614,7 +838,8 @@ uly_status uly_result_get_info(const uly_result* result, uly_result_info* info) 
     info->device_kind = res.device ? ULY_DEVICE_CUDA : ULY_DEVICE_HOST;
     info->dtype = static_cast<int32_t>(result->session->session->geometry().dtype);
     info->ndim = 4;
-    info->held = res.held() ? 1 : 0;
+    const bool held = result->held();
+    info->held = held ? 1 : 0;
     int64_t stride = 1;
     for (int i = 3; i >= 0; --i) {
       info->shape[i] = res.shape[i];
@@ -622,8 +847,8 @@ uly_status uly_result_get_info(const uly_result* result, uly_result_info* info) 
       stride *= res.shape[i];
     }
     // A result copied to `out` (or released) describes no readable data.
-    info->data = res.held() ? res.data : nullptr;
-    info->bytes = res.held() ? res.bytes : 0;
+    info->data = held ? res.data : nullptr;
+    info->bytes = held ? res.bytes : 0;
     info->daemon_us = res.daemon_us;
     return absl::OkStatus();
   });
@@ -633,13 +858,17 @@ uly_status uly_result_release(uly_result* result) {
   return Guard([&]() -> absl::Status {
     ULY_RETURN_IF_ERROR(NotNull(result, "result"));
     std::lock_guard<std::mutex> lock(result->mu);
+    // One release gives a fused call's slot back for all its results.
+    if (result->siblings_released) result->siblings_released->store(true);
     return result->result.Release();
   });
 }
 
 void uly_result_free(uly_result* result) {
   if (result == nullptr) return;
-  (void)uly_result_release(result);
+  // A fused call's result shares its slot with the others of the call: dropping this handle
+  // keeps the slot held for them (the last one's drop releases it).
+  if (!result->siblings_released) (void)uly_result_release(result);
   delete result;
 }
 

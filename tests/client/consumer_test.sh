@@ -35,10 +35,10 @@ echo "installed: $(cd "$root" && find . -type f | wc -l) files"
 # Only the API is exported: the C ABI (uly_*) and the C++ API in namespace ulysses.
 lib="$libdir/libulysses_client.so"
 exported=$(nm -D --defined-only "$lib" | awk '$2 ~ /^[TDBRVW]$/ {print $3}' | sed 's/@.*//' | sort -u)
-others=$(grep -Ev '^(uly_|ULYSSES_1$)' <<<"$exported" | c++filt | grep -Ev '^ulysses::' || true)
+others=$(grep -Ev '^(uly_|ULYSSES_1(\.[0-9]+)?$)' <<<"$exported" | c++filt | grep -Ev '^ulysses::' || true)
 [ -z "$others" ] || { echo "$others" | head -n 20; fail "libulysses_client.so exports more than the API"; }
 nc=$(grep -c '^uly_' <<<"$exported")
-ncpp=$(grep -Ev '^(uly_|ULYSSES_1$)' <<<"$exported" | wc -l)
+ncpp=$(grep -Ev '^(uly_|ULYSSES_1(\.[0-9]+)?$)' <<<"$exported" | wc -l)
 echo "exports: $nc C functions, $ncpp C++ symbols, nothing else"
 soname=$(readelf -d "$lib" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
 [ "$soname" = "libulysses_client.so.1" ] || fail "SONAME is '$soname'"

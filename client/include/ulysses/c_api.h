@@ -12,7 +12,8 @@
  * the caller passes and refuses another major (ULY_FAILED_PRECONDITION). A minor version adds
  * functions or gives reserved values a meaning, never changes what exists. 1.1: CUDA tensors
  * (ULY_DEVICE_CUDA), per-call streams and device results on GPU-backend sessions;
- * uly_cuda_built.
+ * uly_cuda_built. 1.2: the fused session (uly_session_create_fused,
+ * uly_session_qkv_norm_rope_exchange), ULY_DTYPE_INT32 for its positions, uly_session_describe.
  *
  * Thread-safety: a uly_client may be used from several threads at once; each uly_session
  * from one thread at a time (calls on a session are ordered, like work on a CUDA stream).
@@ -39,7 +40,7 @@ extern "C" {
 
 /** The ABI version of this header: major << 16 | minor. */
 #define ULY_ABI_VERSION_MAJOR 1
-#define ULY_ABI_VERSION_MINOR 1
+#define ULY_ABI_VERSION_MINOR 2
 #define ULY_ABI_VERSION ((ULY_ABI_VERSION_MAJOR << 16) | ULY_ABI_VERSION_MINOR)
 
 /** Most dimensions a uly_tensor describes. The head-exchange ops take 4. */
@@ -71,7 +72,9 @@ typedef enum uly_dtype {
   ULY_DTYPE_UNSPECIFIED = 0,
   ULY_DTYPE_FLOAT16 = 1,
   ULY_DTYPE_BFLOAT16 = 2,
-  ULY_DTYPE_FLOAT32 = 3
+  ULY_DTYPE_FLOAT32 = 3,
+  /** Since 1.2: the positions of a fused call only (no session takes it as its dtype). */
+  ULY_DTYPE_INT32 = 4
 } uly_dtype;
 
 /** Where a tensor's memory lives. */
@@ -275,7 +278,8 @@ typedef struct uly_call_args {
   int64_t timeout_ms;         /**< uly_session_wait only: 0 = 5 minutes */
 } uly_call_args;
 
-/** What a result describes. */
+/** What a result describes. A fused call's results describe one plane each (bshd) or the
+ *  whole [B,S_g,H_l,3D] band (fused). */
 typedef struct uly_result_info {
   uint32_t struct_size;   /**< set by the caller: sizeof(uly_result_info) */
   int32_t slot;           /**< receive slot, (epoch-1) % num_slots */
@@ -313,6 +317,88 @@ ULY_API uly_status uly_result_get_info(const uly_result* result, uly_result_info
 ULY_API uly_status uly_result_release(uly_result* result);
 /** Releases (if still held) and frees the handle. NULL is ignored. */
 ULY_API void uly_result_free(uly_result* result);
+
+/* ---------------------------------------------------------------------------------------- */
+/* The fused session: qkv_norm_rope_exchange (since ABI 1.2)                                 */
+
+/** How a fused call's result is laid out. The values match ulysses::QkvLayout. */
+typedef enum uly_qkv_layout {
+  ULY_QKV_LAYOUT_UNSPECIFIED = 0,
+  ULY_QKV_LAYOUT_BSHD = 1,   /**< q, k, v each [B,S_g,H_l,D], one after the other in the slot */
+  ULY_QKV_LAYOUT_FUSED = 2   /**< one [B,S_g,H_l,3D]: q, k, v in [0,D), [D,2D), [2D,3D) */
+} uly_qkv_layout;
+
+/** Which GPU path runs a fused session's calls. The values match ulysses::FusedPath. The host
+ *  backend runs its reference whatever the path. */
+typedef enum uly_fused_path {
+  ULY_FUSED_PATH_AUTO = 0,          /**< the daemon's rule per row count */
+  ULY_FUSED_PATH_PER_OPERATOR = 1,  /**< GEMM, then norm + RoPE, then the stores */
+  ULY_FUSED_PATH_CHUNKED = 2        /**< GEMM by token block, each block's epilogue overlapped */
+} uly_fused_path;
+
+/** Most results one fused call returns (q, k, v of layout bshd). */
+#define ULY_MAX_FUSED_RESULTS 3
+
+/** A qkv_norm_rope_exchange session's geometry and weights (world size and rank come from the
+ *  group). Zero-initialise, then set struct_size. The weights are uly_tensors, contiguous
+ *  (strides all zero or row-major) and 32-byte aligned: host tensors in this client's shared
+ *  buffers (buffer_id + byte_offset, or data) on the host backend, CUDA tensors (registered
+ *  like call operands) on a GPU backend. The daemon reads them at every call: they must stay
+ *  allocated and unchanged for the session's lifetime. */
+typedef struct uly_fused_session_spec {
+  uint32_t struct_size;     /**< sizeof(uly_fused_session_spec) */
+  int32_t hidden;           /**< = num_heads * head_dim, a multiple of 64 */
+  int32_t num_heads;        /**< H, divisible by the world size */
+  int32_t head_dim;         /**< D: even; 128 on a GPU backend */
+  int32_t layout;           /**< uly_qkv_layout; UNSPECIFIED is refused */
+  int32_t path;             /**< uly_fused_path */
+  int32_t num_slots;        /**< receive slots, 1..8; 0: 2 */
+  int32_t max_pos;          /**< rows of the cos/sin table; positions lie in [0, max_pos) */
+  int64_t max_tokens;       /**< bound on B*S_l of every call */
+  const uly_tensor* w_qkv;    /**< bf16 [3*H*D, hidden]: Q, K, V planes in order, head-major */
+  const uly_tensor* q_norm;   /**< bf16 [D] */
+  const uly_tensor* k_norm;   /**< bf16 [D] */
+  const uly_tensor* cos_sin;  /**< fp32 [max_pos, D]: cos in [0, D/2), sin in [D/2, D) */
+  int64_t timeout_ms;       /**< 0: the daemon's peer timeout */
+} uly_fused_session_spec;
+
+/** Collective over the group: every rank passes the same geometry and path, and its own
+ *  weights (checked here and by the daemon before the rendezvous; weights refused on one rank
+ *  fail every rank). The session's dtype is bfloat16. */
+ULY_API uly_status uly_session_create_fused(uly_client* client, const uly_group* group,
+                                            const uly_fused_session_spec* spec,
+                                            uly_session** out);
+
+/** One call of a fused session. Zero-initialise, then set struct_size. */
+typedef struct uly_fused_call_args {
+  uint32_t struct_size;          /**< sizeof(uly_fused_call_args) */
+  int32_t reserved;              /**< must be 0 */
+  const uly_tensor* x;           /**< bf16 [B, S_l, hidden], contiguous, 32-byte aligned */
+  const uly_tensor* positions;   /**< ULY_DTYPE_INT32 [B, S_l], contiguous */
+  /** Optional: bf16, contiguous; [3, B, S_g, H_l, D] (q, k, v planes) for layout bshd,
+   *  [B, S_g, H_l, 3D] for layout fused. The result is copied there and the slot released at
+   *  once. It may overlap neither x, positions nor a weight. */
+  const uly_tensor* out;
+  /** As uly_call_args.stream: GPU-backend sessions only, NULL: the legacy default stream. */
+  void* stream;
+} uly_fused_call_args;
+
+/** Runs one fused call (collective) and returns when this rank's head band is complete.
+ *  results (an array of ULY_MAX_FUSED_RESULTS handles; may be NULL when args->out is given)
+ *  gets q, k, v (layout bshd) or the one band (layout fused), and *num_results (may be NULL)
+ *  how many. The handles of one call share its receive slot: it stays held until every one of
+ *  them is freed, or until any one of them is released (that releases it for all; the others'
+ *  data must not be read afterwards). Free each handle with uly_result_free. With out, the
+ *  results hold nothing and describe no data (info.data NULL). */
+ULY_API uly_status uly_session_qkv_norm_rope_exchange(uly_session* session,
+                                                      const uly_fused_call_args* args,
+                                                      uly_result** results,
+                                                      int32_t* num_results);
+
+/** describe(): how the session's calls run on the daemon (for a fused session the path per
+ *  prepared row count and why). *text is valid until the next uly_session_describe on this
+ *  handle or its free. Since ABI 1.2; works on every session kind. */
+ULY_API uly_status uly_session_describe(uly_session* session, const char** text);
 
 #ifdef __cplusplus
 }  /* extern "C" */

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 ABI_VERSION_MAJOR = 1
-ABI_VERSION_MINOR = 1
+ABI_VERSION_MINOR = 2
 ABI_VERSION = (ABI_VERSION_MAJOR << 16) | ABI_VERSION_MINOR
 MAX_DIMS = 8
 
@@ -24,6 +24,7 @@ INVALID_ARGUMENT = 3
 DTYPE_FLOAT16 = 1
 DTYPE_BFLOAT16 = 2
 DTYPE_FLOAT32 = 3
+DTYPE_INT32 = 4  # the fused call's positions
 
 # uly_device_kind
 DEVICE_HOST = 1
@@ -34,6 +35,13 @@ OP_SCATTER_HEADS = 1
 OP_GATHER_HEADS = 2
 OP_SCATTER_QKV_HEAD_CHUNK = 3
 OP_GATHER_OUTPUT_HEAD_CHUNK = 4
+
+# uly_qkv_layout, uly_fused_path
+QKV_LAYOUTS = {"bshd": 1, "fused": 2}
+FUSED_PATHS = {"auto": 0, "per_operator": 1, "chunked": 2}
+MAX_FUSED_RESULTS = 3
+#: Byte alignment the fused session needs of x and of its weights.
+FUSED_ALIGN_BYTES = 32
 
 _i32 = ctypes.c_int32
 _u32 = ctypes.c_uint32
@@ -80,6 +88,20 @@ class ResultInfo(ctypes.Structure):
                 ("data", _vp), ("bytes", _u64), ("daemon_us", _i64)]
 
 
+class FusedSessionSpec(ctypes.Structure):
+    _fields_ = [("struct_size", _u32), ("hidden", _i32), ("num_heads", _i32), ("head_dim", _i32),
+                ("layout", _i32), ("path", _i32), ("num_slots", _i32), ("max_pos", _i32),
+                ("max_tokens", _i64), ("w_qkv", ctypes.POINTER(Tensor)),
+                ("q_norm", ctypes.POINTER(Tensor)), ("k_norm", ctypes.POINTER(Tensor)),
+                ("cos_sin", ctypes.POINTER(Tensor)), ("timeout_ms", _i64)]
+
+
+class FusedCallArgs(ctypes.Structure):
+    _fields_ = [("struct_size", _u32), ("reserved", _i32), ("x", ctypes.POINTER(Tensor)),
+                ("positions", ctypes.POINTER(Tensor)), ("out", ctypes.POINTER(Tensor)),
+                ("stream", _vp)]
+
+
 def new(struct_type: type) -> ctypes.Structure:
     """A zeroed struct with its struct_size set."""
     s = struct_type()
@@ -123,6 +145,9 @@ _SIGNATURES = {
     "uly_session_call": (_i32, [_vp, _P(CallArgs), _P(_vp)]),
     "uly_session_submit": (_i32, [_vp, _P(CallArgs), _P(_u64)]),
     "uly_session_wait": (_i32, [_vp, _u64, _i64, _P(_vp)]),
+    "uly_session_create_fused": (_i32, [_vp, _vp, _P(FusedSessionSpec), _P(_vp)]),
+    "uly_session_qkv_norm_rope_exchange": (_i32, [_vp, _P(FusedCallArgs), _P(_vp), _P(_i32)]),
+    "uly_session_describe": (_i32, [_vp, _P(_cp)]),
     "uly_result_get_info": (_i32, [_vp, _P(ResultInfo)]),
     "uly_result_release": (_i32, [_vp]),
     "uly_result_free": (None, [_vp]),
