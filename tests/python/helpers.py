@@ -104,3 +104,93 @@ def run_ranks(world: int, fn: Callable[[int], object]) -> list:
         if e is not None:
             raise e
     return results
+
+
+# -- the fused op (docs/api.md section 2.1) ---------------------------------------------------
+
+def bf16_bits(f: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounded to nearest even (as the daemon's reference rounds)."""
+    u = np.ascontiguousarray(f, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(f)
+    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), rounded)
+
+
+def bf16_float(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits -> float32 (exact)."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def _round(f: np.ndarray) -> np.ndarray:
+    return bf16_float(bf16_bits(f))
+
+
+class FusedProblem:
+    """Weights and every rank's inputs of one fused-session test, all bfloat16 as bits (the
+    cos/sin table float32), deterministic in `seed`."""
+
+    def __init__(self, world: int, heads: int, head_dim: int, batch: int, seq_local: int,
+                 max_pos: int, seed: int):
+        rng = np.random.default_rng(seed)
+        self.world, self.heads, self.head_dim = world, heads, head_dim
+        self.batch, self.seq_local, self.max_pos = batch, seq_local, max_pos
+        self.hidden = heads * head_dim
+        hd = self.hidden
+        self.w_qkv = bf16_bits(rng.standard_normal((3 * hd, hd)).astype(np.float32) /
+                               np.float32(np.sqrt(hd)))
+        self.q_norm = bf16_bits(1 + 0.25 * rng.standard_normal(head_dim).astype(np.float32))
+        self.k_norm = bf16_bits(1 + 0.25 * rng.standard_normal(head_dim).astype(np.float32))
+        half = head_dim // 2
+        inv = 10000.0 ** (-np.arange(half) * 2.0 / head_dim)
+        angle = np.arange(max_pos)[:, None] * inv[None, :]
+        self.cos_sin = np.concatenate([np.cos(angle), np.sin(angle)], axis=1).astype(np.float32)
+        self.x = [bf16_bits(rng.standard_normal((batch, seq_local, hd)).astype(np.float32))
+                  for _ in range(world)]
+        self.positions = [rng.integers(0, max_pos, (batch, seq_local)).astype(np.int32)
+                          for _ in range(world)]
+
+    def local(self, src: int) -> np.ndarray:
+        """Source rank `src`'s projection + norm + RoPE, float32 values of bfloat16 numbers,
+        [B*S_l, 3, H, D]: fp32 math with bfloat16 rounding where section 2.1 puts it."""
+        H, D = self.heads, self.head_dim
+        x = bf16_float(self.x[src]).reshape(-1, self.hidden).astype(np.float64)
+        w = bf16_float(self.w_qkv).astype(np.float64)
+        qkv = _round((x @ w.T).astype(np.float32)).reshape(-1, 3, H, D)
+        cs = self.cos_sin[self.positions[src].reshape(-1)]  # [T, D]
+        c, s = cs[:, None, :D // 2], cs[:, None, D // 2:]
+        for plane, norm in ((0, self.q_norm), (1, self.k_norm)):
+            y = qkv[:, plane]  # [T, H, D]
+            inv_rms = np.float32(1) / np.sqrt((y * y).sum(-1, keepdims=True, dtype=np.float32)
+                                              / np.float32(D) + np.float32(1e-6))
+            u = _round(_round(y * inv_rms) * bf16_float(norm))
+            a, b = u[..., 0::2], u[..., 1::2]
+            rot = np.empty_like(u)
+            rot[..., 0::2] = _round(c * a - s * b)
+            rot[..., 1::2] = _round(s * a + c * b)
+            qkv[:, plane] = rot
+        return qkv
+
+    def expected(self, dst: int, layout: str) -> np.ndarray:
+        """Rank `dst`'s result as bfloat16 bits: [3, B, S_g, H_l, D] (bshd: the q, k, v planes)
+        or [B, S_g, H_l, 3D] (fused)."""
+        W, B, SL, D = self.world, self.batch, self.seq_local, self.head_dim
+        HL = self.heads // W
+        band = np.empty((3, B, W * SL, HL, D), np.float32)
+        for src in range(W):
+            part = self.local(src).reshape(B, SL, 3, self.heads, D)
+            band[:, :, src * SL:(src + 1) * SL] = np.moveaxis(
+                part[:, :, :, dst * HL:(dst + 1) * HL], 2, 0)
+        if layout == "fused":
+            band = np.concatenate(list(band), axis=-1)
+        return bf16_bits(band)
+
+
+def compare_bf16(got: np.ndarray, want: np.ndarray, tol: float = 1e-2):
+    """(mismatches beyond atol = rtol = tol, elements whose bits differ) of two bfloat16 bit
+    arrays of one shape."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    g = bf16_float(np.ascontiguousarray(got).view(np.uint16))
+    w = bf16_float(np.ascontiguousarray(want).view(np.uint16))
+    mismatches = int((np.abs(g - w) > tol + tol * np.abs(w)).sum())
+    flips = int((np.ascontiguousarray(got).view(np.uint16) != want).sum())
+    return mismatches, flips

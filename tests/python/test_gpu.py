@@ -2,7 +2,9 @@
 2 daemons (sharing the GPU when there is one) and one thread per rank: scatter and gather of
 bfloat16 tensors bit-exact against torch, strided inputs, ``out=`` into CUDA tensors, the
 call ordered after torch's current stream, a tensor freed and allocated again between calls,
-results released on drop, and examples/python/sp_attention.py on CUDA tensors. Skipped
+results released on drop, the fused session (qkv_norm_rope_exchange) on bfloat16 CUDA weights
+and inputs against the numpy reference of the host backend at atol = rtol = 1e-2, and
+examples/python/sp_attention.py on CUDA tensors. Skipped
 without torch, without a CUDA device, or with a libulysses_client built without CUDA.
 
 Under pytest, or as a plain script where pytest is not installed::
@@ -24,7 +26,9 @@ from typing import Any, Callable, List, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # daemons, helpers (script mode)
 
 from daemons import ULYSSESD, Cluster  # noqa: E402  (sets the ULYSSES_LIBRARY default)
-from helpers import run_ranks, unique  # noqa: E402
+from helpers import FusedProblem, compare_bf16, run_ranks, unique  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 import ulysses  # noqa: E402
 
@@ -246,6 +250,57 @@ def check_refusals(socket: str) -> None:
                lambda: hx.scatter_heads(x.cuda().float()), "x: dtype torch.float32")
 
 
+def check_fused(sockets: List[str], layout: str, path: str = "auto") -> str:
+    """The fused session on CUDA tensors: weights, x and positions on the device, every rank's
+    head band (slot views and out=) against the numpy reference within bf16 tolerance
+    (atol = rtol = 1e-2, no mismatch; one-ulp flips counted). Returns the counts."""
+    W, name = len(sockets), unique("fused")
+    heads, dim, b, sl, max_pos = 4 * W, 128, 2, 200, 512  # S_l = 200: a tail of rows
+    p = FusedProblem(W, heads, dim, b, sl, max_pos, seed=40 + W)
+    wants = [p.expected(r, layout) for r in range(W)]
+
+    def dev_bf16(a, dev):
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(dev)
+
+    def rank(r: int) -> str:
+        dev = rank_device(r)
+        c = ulysses.connect(sockets[r], name="test-gpu-fused%d" % r)
+        g = c.join_group(name, r, W, members=sockets, backend="nvlink")
+        with c, c.qkv_norm_rope_exchange(
+                g, num_heads=heads, head_dim=dim, layout=layout, max_tokens=b * sl,
+                max_pos=max_pos, w_qkv=dev_bf16(p.w_qkv, dev), q_norm=dev_bf16(p.q_norm, dev),
+                k_norm=dev_bf16(p.k_norm, dev), cos_sin=torch.from_numpy(p.cos_sin).to(dev),
+                path=path) as sess:
+            assert sess.backend == "nvlink", sess.backend
+            x = dev_bf16(p.x[r], dev)
+            pos = torch.from_numpy(p.positions[r]).to(dev)
+            got = sess(x, pos)
+            views = list(got) if layout == "bshd" else [got]
+            assert all(t.is_cuda and t.dtype == torch.bfloat16 and t.held for t in views)
+            band = torch.stack(views) if layout == "bshd" else views[0]
+            out = torch.full(sess.out_shape(b, sl), float("nan"), dtype=torch.bfloat16,
+                             device=dev)
+            copied = sess(x, pos, out=out)
+            assert (copied is out) if layout == "fused" else (copied[2].data_ptr() ==
+                                                               out[2].data_ptr())
+            lines = []
+            for what, t in (("slot", band), ("out=", out)):
+                got_bits = t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+                mismatches, flips = compare_bf16(got_bits, wants[r])
+                lines.append("W=%d %s %s rank %d %s: %d mismatches, %d one-ulp flips of %d"
+                             % (W, layout, path, r, what, mismatches, flips, got_bits.size))
+                assert mismatches == 0, lines[-1]
+            del views, band, got
+            described = sess.describe()
+            if path != "auto":  # the daemon says which path ran and why
+                assert "asks for " + path in described, described
+            return "\n".join(lines)
+
+    report = "\n".join(run_ranks(W, rank))
+    print(report)
+    return report
+
+
 def check_example(world: int, dtype: str) -> None:
     """examples/python/sp_attention.py --device cuda: W daemons of the GPU backend, one rank
     process each, every rank's output against the single-process reference."""
@@ -293,6 +348,15 @@ if pytest is not None and __name__ != "__main__":
     def test_host_and_device_operands_do_not_mix(gpu_sockets):
         check_refusals(gpu_sockets[0])
 
+    @pytest.mark.parametrize("world,layout", [(1, "bshd"), (1, "fused"), (2, "bshd"),
+                                              (2, "fused")])
+    def test_the_fused_session_on_cuda_matches_the_host_reference(gpu_sockets, world, layout):
+        check_fused(gpu_sockets[:world], layout)
+
+    @pytest.mark.parametrize("path", ["per_operator", "chunked"])
+    def test_both_fused_paths_on_cuda_match_the_host_reference(gpu_sockets, path):
+        check_fused(gpu_sockets[:2], "bshd", path)
+
     @pytest.mark.parametrize("world,dtype", [(1, "bfloat16"), (2, "bfloat16"), (2, "float32")])
     def test_the_example_layer_on_cuda_matches_its_reference(world, dtype):
         check_example(world, dtype)
@@ -318,6 +382,10 @@ def main() -> int:
                    for w in (1, 2)]
         checks += [("release on drop", lambda: check_release_on_drop(slow)),
                    ("host and device operands", lambda: check_refusals(socks[0]))]
+        checks += [("fused W=%d %s" % (w, lay), lambda w=w, lay=lay: check_fused(socks[:w], lay))
+                   for w in (1, 2) for lay in ("bshd", "fused")]
+        checks += [("fused W=2 bshd %s" % pa, lambda pa=pa: check_fused(socks, "bshd", pa))
+                   for pa in ("per_operator", "chunked")]
         checks += [("example W=%d %s" % (w, dt), lambda w=w, dt=dt: check_example(w, dt))
                    for w, dt in ((1, "bfloat16"), (2, "bfloat16"), (2, "float32"))]
         for what, fn in checks:

@@ -168,3 +168,53 @@ def test_poisoned_slots_tell_fresh_results_from_stale(sockets):
     finally:
         hx.close()
         c.close()
+
+
+def test_submitted_calls_complete_in_order_with_their_own_staging(sockets):
+    W, B, SL, H, D = 2, 1, 3, 4, 2
+    rng = np.random.default_rng(21)
+    xs = [[random_array(rng, (B, SL, H, D), "float32") for _ in range(3)] for _ in range(W)]
+    ranks = open_ranks(sockets[:W], H, D, "float32", B * SL, num_slots=4)
+    try:
+        def body(r):
+            c, hx = ranks[r]
+            # Three calls in flight at once from plain arrays: each is staged in its own buffer.
+            pending = [hx.submit("scatter_heads", x) for x in xs[r]]
+            assert [p.epoch for p in pending] == [1, 2, 3]
+            got = [np.array(p.wait()) for p in reversed(pending)][::-1]
+            assert all(p.done for p in pending)
+            with pytest.raises(ulysses.FailedPreconditionError, match="already waited"):
+                pending[0].wait()
+            out = np.full((B, W * SL, H // W, D), np.nan, np.float32)
+            assert hx.submit("scatter_heads", xs[r][0], out=out).wait() is out
+            shared = c.empty((B, W * SL, H // W, D), "float32")
+            assert hx.submit("scatter_heads", xs[r][1], out=shared).wait() is shared
+            back = hx.submit("gather_heads", got[2]).wait()
+            return got, out, np.array(shared), np.array(back)
+        res = run_ranks(W, body)
+        for r in range(W):
+            got, out, shared, back = res[r]
+            for i in range(3):
+                assert same_bits(got[i], ref_scatter_heads([xs[j][i] for j in range(W)], r))
+            assert same_bits(out, got[0]) and same_bits(shared, got[1])
+            assert same_bits(back, xs[r][2])
+    finally:
+        close_ranks(ranks)
+
+
+def test_submit_refuses_bad_arguments_and_needs_rings(sockets):
+    (c, hx), = open_ranks(sockets[:1], 2, 2, "float32", 4, use_rings=False)
+    try:
+        x = np.ones((1, 4, 2, 2), np.float32)
+        with pytest.raises(ValueError, match="^op: 'scatter'"):
+            hx.submit("scatter", x)
+        with pytest.raises(ValueError, match="^inputs: scatter_qkv_head_chunk takes 3"):
+            hx.submit("scatter_qkv_head_chunk", x)
+        with pytest.raises(ValueError, match="^out: gather_output_head_chunk needs out"):
+            hx.submit("gather_output_head_chunk", x, head_count=1)
+        with pytest.raises(ulysses.UnimplementedError, match="rings"):
+            hx.submit("scatter_heads", x)
+        assert same_bits(hx.scatter_heads(x), x)  # the session still works
+    finally:
+        hx.close()
+        c.close()

@@ -12,11 +12,17 @@ the head exchanges of its attention layers through it::
     ...
     o = hx.gather_heads(o_band, out=o_local)       # [B,S_g,H/W,D] -> [B,S_l,H,D]
 
+    # The fused front end: QKV projection + QK-RMSNorm + RoPE + head exchange in one call.
+    sess = client.qkv_norm_rope_exchange(group, num_heads=H, head_dim=D, max_tokens=B * S,
+                                         w_qkv=w, q_norm=qn, k_norm=kn, cos_sin=cs)
+    q, k, v = sess(x_tokens, positions)            # each [B,S_g,H/W,D], views of one slot
+
 The package is ctypes over the library's C ABI and loads libulysses_client.so from
 ``$ULYSSES_LIBRARY``, from beside the package, or from the loader's search path.
 """
 from ._capi import ABI_VERSION
-from ._client import Client, Group, HeadExchange, SlotArray, connect, release
+from ._client import Client, Group, HeadExchange, Pending, SlotArray, connect, release
+from ._fused import QkvNormRopeExchange
 from ._torch import DeviceSlot
 from ._errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError,
                       DeadlineExceededError, Error, FailedPreconditionError, InternalError,
@@ -41,7 +47,8 @@ def library_version() -> str:
 
 
 __all__ = [
-    "ABI_VERSION", "Client", "DeviceSlot", "Group", "HeadExchange", "SlotArray", "connect",
+    "ABI_VERSION", "Client", "DeviceSlot", "Group", "HeadExchange", "Pending",
+    "QkvNormRopeExchange", "SlotArray", "connect",
     "release", "cuda_built", "library_version", "Error", "AbortedError", "AlreadyExistsError",
     "CancelledError", "DataLossError", "DeadlineExceededError", "FailedPreconditionError",
     "InternalError", "InvalidArgumentError", "NotFoundError", "OutOfRangeError",

@@ -6,13 +6,16 @@ import ctypes
 import os
 import sys
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _capi
 from . import _torch
-from ._errors import InvalidArgumentError, error_for
+from ._errors import FailedPreconditionError, InvalidArgumentError, error_for
+
+if TYPE_CHECKING:
+    from ._fused import QkvNormRopeExchange
 
 #: Session dtypes by name (and the aliases ParseDType accepts).
 _DTYPE_CODES = {
@@ -21,11 +24,15 @@ _DTYPE_CODES = {
     "float32": _capi.DTYPE_FLOAT32, "fp32": _capi.DTYPE_FLOAT32, "float": _capi.DTYPE_FLOAT32,
 }
 _DTYPE_NAMES = {_capi.DTYPE_FLOAT16: "float16", _capi.DTYPE_BFLOAT16: "bfloat16",
-                _capi.DTYPE_FLOAT32: "float32"}
+                _capi.DTYPE_FLOAT32: "float32", _capi.DTYPE_INT32: "int32"}
 #: The numpy dtype of a result (bfloat16 travels as raw uint16 bits in numpy).
 _NUMPY_DTYPES = {_capi.DTYPE_FLOAT16: np.dtype(np.float16),
                  _capi.DTYPE_BFLOAT16: np.dtype(np.uint16),
-                 _capi.DTYPE_FLOAT32: np.dtype(np.float32)}
+                 _capi.DTYPE_FLOAT32: np.dtype(np.float32),
+                 _capi.DTYPE_INT32: np.dtype(np.int32)}
+#: The uly_dtype of a torch dtype's name (int32: the fused call's positions).
+_TENSOR_CODES = {"float16": _capi.DTYPE_FLOAT16, "bfloat16": _capi.DTYPE_BFLOAT16,
+                 "float32": _capi.DTYPE_FLOAT32, "int32": _capi.DTYPE_INT32}
 
 DTypeLike = Union[str, np.dtype, type, Any]
 ArrayLike = Any  # numpy.ndarray or torch.Tensor
@@ -60,6 +67,12 @@ def _array_dtype_matches(dt: np.dtype, code: int) -> bool:
         return dt in (np.dtype(np.uint16), np.dtype(np.int16)) or (
             dt.name == "bfloat16" and dt.itemsize == 2)
     return dt == _NUMPY_DTYPES[code]
+
+
+def _dtype_mismatch(name: str, got: Any, want: int, session: int) -> str:
+    if want == session:
+        return "%s: dtype %s is not the session's %s" % (name, got, _DTYPE_NAMES[want])
+    return "%s: dtype %s, want %s" % (name, got, _DTYPE_NAMES[want])
 
 
 def _default_device() -> int:
@@ -134,21 +147,29 @@ class _SharedBuffer:
 
 
 class _Slot:
-    """Holds one call's result (a uly_result) and the receive slot it occupies."""
+    """Holds one call's result and the receive slot it occupies: one uly_result, or the q, k,
+    v results of a fused call (one handle each, sharing the slot). ``parts`` lists
+    ``(data, shape, bytes)`` of each handle; ``data``, ``shape`` and ``bytes`` are the first's."""
 
-    def __init__(self, ptr: int, session: "HeadExchange"):
-        self._handle = _Handle(ptr, "uly_result_free")
+    def __init__(self, ptrs: Union[int, Sequence[int]], session: "_Session"):
+        ptrs = [ptrs] if isinstance(ptrs, int) else list(ptrs)
+        self._handles = [_Handle(p, "uly_result_free") for p in ptrs]
         self.session = session  # its segment stays mapped while this lives
-        info = _capi.new(_capi.ResultInfo)
-        _check(_capi.library().uly_result_get_info(ptr, ctypes.byref(info)))
-        self.epoch = int(info.epoch)
-        self.slot = int(info.slot)
-        self.shape = tuple(int(info.shape[i]) for i in range(info.ndim))
-        self.data = info.data
-        self.device = info.device_kind == _capi.DEVICE_CUDA  # `data` is device memory
-        self.bytes = int(info.bytes)
-        self.daemon_us = int(info.daemon_us)
-        self._held = bool(info.held)
+        lib = _capi.library()
+        self.parts: List[Tuple[Optional[int], Tuple[int, ...], int]] = []
+        held = False
+        for p in ptrs:
+            info = _capi.new(_capi.ResultInfo)
+            _check(lib.uly_result_get_info(p, ctypes.byref(info)))
+            self.parts.append((info.data, tuple(int(info.shape[i]) for i in range(info.ndim)),
+                               int(info.bytes)))
+            held = bool(info.held)
+            self.epoch = int(info.epoch)
+            self.slot = int(info.slot)
+            self.device = info.device_kind == _capi.DEVICE_CUDA  # `data` is device memory
+            self.daemon_us = int(info.daemon_us)
+        self.data, self.shape, self.bytes = self.parts[0]
+        self._held = held
         session._held.add(self)
 
     @property
@@ -160,7 +181,8 @@ class _Slot:
             return
         self._held = False
         self.session._held.discard(self)
-        _check(_capi.library().uly_result_release(self._handle.ptr))
+        # One release gives the slot back for every handle of the call.
+        _check(_capi.library().uly_result_release(self._handles[0].ptr))
 
 
 class SlotArray(np.ndarray):
@@ -232,7 +254,230 @@ class _Operand:
         self.cuda = cuda      # the caller's CUDA tensor, if it is one
 
 
-class HeadExchange:
+class _Session:
+    """What every session kind shares: its handle, the receive slots its results hold, the
+    staging buffers of host operands, and the conversion of arrays and tensors to uly_tensors.
+    Use from one thread at a time."""
+
+    def __init__(self, client: "Client", group: Group, ptr: int, dtype_code: int,
+                 max_tokens: int, num_slots: int):
+        lib = _capi.library()
+        self._handle = _Handle(ptr, "uly_session_free")
+        self.client = client
+        self.group = group
+        self.id: int = lib.uly_session_id(ptr)
+        self.backend: str = lib.uly_session_backend(ptr).decode()
+        self.dtype: str = _DTYPE_NAMES[dtype_code]
+        self.max_tokens = max_tokens
+        self.num_slots = num_slots
+        self._dtype_code = dtype_code
+        self._staging: Dict[str, _SharedBuffer] = {}
+        # Staging buffers that submitted calls gave back, by role, for the next submits.
+        self._spare: Dict[str, List[_SharedBuffer]] = {}
+        self._held: "weakref.WeakSet[_Slot]" = weakref.WeakSet()
+        self._closed = False
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    # -- slots and lifetime ------------------------------------------------------------------
+
+    def release(self, result: Any) -> None:
+        """Releases the slot of `result` (same as :func:`ulysses.release`)."""
+        release(result)
+
+    def release_all(self) -> None:
+        """Releases every slot a result of this session still holds."""
+        for slot in list(self._held):
+            slot.release()
+
+    def poison_slots(self) -> int:
+        """Fills this rank's receive slots that are not held with NaN (all bits set); returns
+        how many. Not collective. For tests telling fresh results from stale ones."""
+        n = ctypes.c_int32()
+        _check(_capi.library().uly_session_poison_slots(self._handle.ptr, ctypes.byref(n)))
+        return n.value
+
+    def describe(self) -> str:
+        """How the daemon runs this session's calls (for a fused session the path per prepared
+        row count and why), as it reports it now."""
+        text = ctypes.c_char_p()
+        _check(_capi.library().uly_session_describe(self._handle.ptr, ctypes.byref(text)))
+        return (text.value or b"").decode("utf-8", "replace")
+
+    def close(self) -> None:
+        """Closes the session on this rank (results still alive stay readable). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            _check(_capi.library().uly_session_close(self._handle.ptr))
+
+    def __enter__(self) -> "_Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _staging_buffer(self, role: str, nbytes: int,
+                        pool: Optional[List[Tuple[str, _SharedBuffer]]] = None) -> _SharedBuffer:
+        """The staging buffer of `role` (at least `nbytes`). With `pool` (a submitted call's),
+        a buffer of that call alone, recorded in `pool` so that the call gives it back."""
+        if pool is not None:
+            spare = self._spare.setdefault(role, [])
+            buf = next((b for b in spare if b.size >= nbytes), None)
+            if buf is not None:
+                spare.remove(buf)
+            else:
+                buf = _SharedBuffer(self.client, max(nbytes, 4096), "staging-" + role)
+            pool.append((role, buf))
+            return buf
+        buf = self._staging.get(role)
+        if buf is None or buf.size < nbytes:
+            size = max(nbytes, 2 * buf.size if buf is not None else 0, 4096)
+            buf = _SharedBuffer(self.client, size, "staging-" + role)
+            self._staging[role] = buf
+        return buf
+
+    def _give_back(self, pool: List[Tuple[str, _SharedBuffer]]) -> None:
+        for role, buf in pool:
+            self._spare.setdefault(role, []).append(buf)
+        pool.clear()
+
+    def _operand(self, name: str, value: Any, is_torch: List[bool], is_out: bool = False,
+                 copy_in: bool = True, dtype_code: Optional[int] = None, dense: bool = False,
+                 pool: Optional[List[Tuple[str, _SharedBuffer]]] = None) -> _Operand:
+        """Describes `value` for the library; `copy_in`: a staging copy starts as `value`.
+        `dtype_code`: the dtype it must have (default: the session's). `dense`: the library
+        takes it only contiguous and 32-byte aligned (a host array that is not is staged).
+        `pool`: stage into buffers of a submitted call (see _staging_buffer)."""
+        code = self._dtype_code if dtype_code is None else dtype_code
+        if value is None:
+            raise InvalidArgumentError("%s: must not be None" % name)
+        t = _capi.new(_capi.Tensor)
+        t.dtype = code
+        if _torch.is_tensor(value):
+            is_torch.append(True)
+            if _torch.is_device_tensor(value):
+                return self._cuda_operand(name, value, t, code, dense)
+            value = _torch.to_numpy(value)
+        elif isinstance(value, np.ndarray):
+            is_torch.append(False)
+        else:
+            raise TypeError("%s: expected a numpy array or a torch tensor, got %s"
+                            % (name, type(value).__name__))
+        a = value
+        if not _array_dtype_matches(a.dtype, code):
+            raise InvalidArgumentError(_dtype_mismatch(name, a.dtype, code, self._dtype_code))
+        if a.ndim > _capi.MAX_DIMS:
+            raise InvalidArgumentError("%s: ndim %d, at most %d" % (name, a.ndim, _capi.MAX_DIMS))
+        if is_out and not a.flags.writeable:
+            raise InvalidArgumentError("%s: the array is read-only" % name)
+        t.device_kind = _capi.DEVICE_HOST
+        t.ndim = a.ndim
+        for i in range(a.ndim):
+            t.shape[i] = a.shape[i]
+        strides = self.client._shared_strides(a)
+        if strides is not None and dense and not (
+                a.flags.c_contiguous and a.ctypes.data % _capi.FUSED_ALIGN_BYTES == 0):
+            strides = None  # in a shared buffer, but not as the library takes it: staged
+        if strides is not None:
+            t.data = a.ctypes.data
+            if not dense:
+                for i, st in enumerate(strides):
+                    t.strides[i] = st
+            return _Operand(t, a, None)
+        buf = self._staging_buffer(name, max(a.nbytes, 1), pool)
+        staged = buf.array(a.shape, a.dtype)
+        if copy_in:
+            np.copyto(staged, a)
+        t.data = buf.address
+        return _Operand(t, a, staged)
+
+    def _cuda_operand(self, name: str, value: Any, t: _capi.Tensor, code: int,
+                      dense: bool) -> _Operand:
+        """A torch CUDA tensor as a uly_tensor of kind CUDA (the library registers its
+        allocation with the daemon; nothing is copied)."""
+        if value.device.type != "cuda":
+            raise InvalidArgumentError("%s: a %s tensor; ulysses takes CPU and CUDA tensors"
+                                       % (name, value.device.type))
+        if value.dim() > _capi.MAX_DIMS:
+            raise InvalidArgumentError("%s: ndim %d, at most %d"
+                                       % (name, value.dim(), _capi.MAX_DIMS))
+        if _TENSOR_CODES.get(str(value.dtype).replace("torch.", "")) != code:
+            raise InvalidArgumentError(_dtype_mismatch(name, value.dtype, code,
+                                                       self._dtype_code))
+        if dense and not value.is_contiguous():
+            raise InvalidArgumentError("%s: must be contiguous (call .contiguous())" % name)
+        t.device_kind = _capi.DEVICE_CUDA
+        t.ndim = value.dim()
+        for i in range(t.ndim):
+            t.shape[i] = value.shape[i]
+            # A size-1 dimension's stride is arbitrary in torch; any positive one will do.
+            if not dense:
+                t.strides[i] = value.stride(i) if value.shape[i] != 1 else 1
+        t.data = value.data_ptr()
+        t.device_index = value.device.index if value.device.index is not None else 0
+        return _Operand(t, None, None, cuda=value)
+
+    def _check_out_kind(self, operands: Sequence[_Operand], out: Any) -> Any:
+        """The CUDA tensor among the inputs (None for host inputs); refuses an `out` of the
+        other kind."""
+        cuda = next((o.cuda for o in operands if o.cuda is not None), None)
+        if out is not None and (cuda is not None) != (
+                _torch.is_tensor(out) and _torch.is_device_tensor(out)):
+            raise InvalidArgumentError(
+                "out: a %s, but the inputs are %s; give out where the inputs are" % (
+                    "CUDA tensor" if cuda is None else "host array",
+                    "CUDA tensors" if cuda is not None else "host arrays"))
+        return cuda
+
+    def _result(self, slot: _Slot, like: Optional[np.dtype], torch_input: bool,
+                part: int = 0) -> Any:
+        """Part `part` of a slot as the caller's kind of array: a CUDA tensor (or DeviceSlot)
+        for device results, a SlotTensor for torch inputs, else a SlotArray."""
+        if slot.device:
+            return self._device_result(slot, part)
+        view = self._slot_array(slot, like, part)
+        if torch_input:
+            return _torch.slot_tensor(view, self._dtype_code == _capi.DTYPE_BFLOAT16, slot)
+        return view
+
+    def _device_result(self, slot: _Slot, part: int = 0) -> Any:
+        """A result in device memory: a CUDA torch tensor viewing the slot when torch is
+        imported, else the :class:`DeviceSlot` (``__cuda_array_interface__``) itself."""
+        bf16 = self._dtype_code == _capi.DTYPE_BFLOAT16
+        typestr = "<i2" if bf16 else _NUMPY_DTYPES[self._dtype_code].str
+        view = _torch.DeviceSlot(slot, typestr, bf16, part)
+        if _torch.is_available():
+            return _torch.device_slot_tensor(view)
+        return view
+
+    def _slot_array(self, slot: _Slot, like: Optional[np.dtype], part: int = 0) -> SlotArray:
+        dtype = _NUMPY_DTYPES[self._dtype_code]
+        if like is not None and like.itemsize == dtype.itemsize and _array_dtype_matches(
+                like, self._dtype_code):
+            dtype = like
+        data, shape, nbytes = slot.parts[part]
+        raw = np.asarray(_Memory(data, nbytes, True, slot))
+        arr = raw.view(dtype).reshape(shape).view(SlotArray)
+        arr._slot = slot
+        return arr
+
+
+#: The ops of a head-exchange session by name, with their input names.
+_OPS = {"scatter_heads": (_capi.OP_SCATTER_HEADS, ("x",)),
+        "gather_heads": (_capi.OP_GATHER_HEADS, ("y",)),
+        "scatter_qkv_head_chunk": (_capi.OP_SCATTER_QKV_HEAD_CHUNK, ("q", "k", "v")),
+        "gather_output_head_chunk": (_capi.OP_GATHER_OUTPUT_HEAD_CHUNK, ("x",))}
+
+
+class HeadExchange(_Session):
     """A prepared head exchange on a group (a session). Every call is collective: each rank
     issues the same calls, with the same arguments, in the same order. Use from one thread
     at a time.
@@ -254,30 +499,10 @@ class HeadExchange:
 
     def __init__(self, client: "Client", group: Group, ptr: int, num_heads: int, head_dim: int,
                  dtype_code: int, max_tokens: int, num_slots: int, schedule: List[int]):
-        lib = _capi.library()
-        self._handle = _Handle(ptr, "uly_session_free")
-        self.client = client
-        self.group = group
-        self.id: int = lib.uly_session_id(ptr)
-        self.backend: str = lib.uly_session_backend(ptr).decode()
+        super().__init__(client, group, ptr, dtype_code, max_tokens, num_slots)
         self.num_heads = num_heads
         self.head_dim = head_dim
-        self.dtype: str = _DTYPE_NAMES[dtype_code]
-        self.max_tokens = max_tokens
-        self.num_slots = num_slots
         self.schedule: List[int] = list(schedule)
-        self._dtype_code = dtype_code
-        self._staging: Dict[str, _SharedBuffer] = {}
-        self._held: "weakref.WeakSet[_Slot]" = weakref.WeakSet()
-        self._closed = False
-
-    @property
-    def world_size(self) -> int:
-        return self.group.world_size
-
-    @property
-    def rank(self) -> int:
-        return self.group.rank
 
     @property
     def local_heads(self) -> int:
@@ -319,128 +544,47 @@ class HeadExchange:
         return self._call(_capi.OP_GATHER_OUTPUT_HEAD_CHUNK, [("x", x)], out, head_offset,
                           head_count)
 
-    # -- slots and lifetime ------------------------------------------------------------------
+    # -- submit and wait ---------------------------------------------------------------------
 
-    def release(self, result: Any) -> None:
-        """Releases the slot of `result` (same as :func:`ulysses.release`)."""
-        release(result)
-
-    def release_all(self) -> None:
-        """Releases every slot a result of this session still holds."""
-        for slot in list(self._held):
-            slot.release()
-
-    def poison_slots(self) -> int:
-        """Fills this rank's receive slots that are not held with NaN (all bits set); returns
-        how many. Not collective. For tests telling fresh results from stale ones."""
-        n = ctypes.c_int32()
-        _check(_capi.library().uly_session_poison_slots(self._handle.ptr, ctypes.byref(n)))
-        return n.value
-
-    def close(self) -> None:
-        """Closes the session on this rank (results still alive stay readable). Idempotent."""
-        if not self._closed:
-            self._closed = True
-            _check(_capi.library().uly_session_close(self._handle.ptr))
-
-    def __enter__(self) -> "HeadExchange":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return ("HeadExchange(id=%d, rank=%d/%d, heads=%d, head_dim=%d, dtype=%s, "
-                "max_tokens=%d, slots=%d)" % (self.id, self.rank, self.world_size,
-                                              self.num_heads, self.head_dim, self.dtype,
-                                              self.max_tokens, self.num_slots))
+    def submit(self, op: str, *inputs: ArrayLike, head_offset: int = 0, head_count: int = 0,
+               out: Optional[ArrayLike] = None) -> "Pending":
+        """Queues one of the four ops (by name: ``"scatter_heads"``, ``"gather_heads"``,
+        ``"scatter_qkv_head_chunk"``, ``"gather_output_head_chunk"``) through the call rings
+        and returns at once; :meth:`Pending.wait` gives what the op's method would have
+        returned. Calls complete in submission order. The inputs (and `out`) must stay
+        unchanged (and alive) until the wait: the daemon reads them while the call runs. Host
+        arrays outside shared buffers are copied into staging buffers of this call alone.
+        Raises :class:`UnimplementedError` when the client has no rings
+        (``connect(use_rings=False)``)."""
+        if op not in _OPS:
+            raise InvalidArgumentError("op: %r is not one of %s" % (op, ", ".join(_OPS)))
+        code, names = _OPS[op]
+        if len(inputs) != len(names):
+            raise InvalidArgumentError("inputs: %s takes %d input(s) (%s), got %d" % (
+                op, len(names), ", ".join(names), len(inputs)))
+        if code == _capi.OP_GATHER_OUTPUT_HEAD_CHUNK and out is None:
+            raise InvalidArgumentError("out: gather_output_head_chunk needs out")
+        pool: List[Tuple[str, _SharedBuffer]] = []
+        try:
+            args, keep = self._call_args(code, list(zip(names, inputs)), out, head_offset,
+                                         head_count, pool)
+            epoch = ctypes.c_uint64()
+            _check(_capi.library().uly_session_submit(self._handle.ptr, ctypes.byref(args),
+                                                      ctypes.byref(epoch)))
+        except BaseException:
+            self._give_back(pool)
+            raise
+        return Pending(self, int(epoch.value), keep, pool)
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _staging_buffer(self, role: str, nbytes: int) -> _SharedBuffer:
-        buf = self._staging.get(role)
-        if buf is None or buf.size < nbytes:
-            size = max(nbytes, 2 * buf.size if buf is not None else 0, 4096)
-            buf = _SharedBuffer(self.client, size, "staging-" + role)
-            self._staging[role] = buf
-        return buf
-
-    def _operand(self, name: str, value: Any, is_torch: List[bool], is_out: bool = False,
-                 copy_in: bool = True) -> _Operand:
-        """Describes `value` for the library; `copy_in`: a staging copy starts as `value`."""
-        if value is None:
-            raise InvalidArgumentError("%s: must not be None" % name)
-        t = _capi.new(_capi.Tensor)
-        t.dtype = self._dtype_code
-        if _torch.is_tensor(value):
-            is_torch.append(True)
-            if _torch.is_device_tensor(value):
-                return self._cuda_operand(name, value, t)
-            value = _torch.to_numpy(value)
-        elif isinstance(value, np.ndarray):
-            is_torch.append(False)
-        else:
-            raise TypeError("%s: expected a numpy array or a torch tensor, got %s"
-                            % (name, type(value).__name__))
-        a = value
-        if not _array_dtype_matches(a.dtype, self._dtype_code):
-            raise InvalidArgumentError("%s: dtype %s is not the session's %s"
-                                       % (name, a.dtype, self.dtype))
-        if a.ndim > _capi.MAX_DIMS:
-            raise InvalidArgumentError("%s: ndim %d, this op takes 4-D tensors" % (name, a.ndim))
-        if is_out and not a.flags.writeable:
-            raise InvalidArgumentError("%s: the array is read-only" % name)
-        t.device_kind = _capi.DEVICE_HOST
-        t.ndim = a.ndim
-        for i in range(a.ndim):
-            t.shape[i] = a.shape[i]
-        strides = self.client._shared_strides(a)
-        if strides is not None:
-            t.data = a.ctypes.data
-            for i, s in enumerate(strides):
-                t.strides[i] = s
-            return _Operand(t, a, None)
-        buf = self._staging_buffer(name, max(a.nbytes, 1))
-        staged = buf.array(a.shape, a.dtype)
-        if copy_in:
-            np.copyto(staged, a)
-        t.data = buf.address
-        return _Operand(t, a, staged)
-
-    def _cuda_operand(self, name: str, value: Any, t: _capi.Tensor) -> _Operand:
-        """A torch CUDA tensor as a uly_tensor of kind CUDA (the library registers its
-        allocation with the daemon; nothing is copied)."""
-        if value.device.type != "cuda":
-            raise InvalidArgumentError("%s: a %s tensor; ulysses takes CPU and CUDA tensors"
-                                       % (name, value.device.type))
-        if value.dim() > _capi.MAX_DIMS:
-            raise InvalidArgumentError("%s: ndim %d, this op takes 4-D tensors"
-                                       % (name, value.dim()))
-        if _DTYPE_CODES.get(str(value.dtype).replace("torch.", "")) != self._dtype_code:
-            raise InvalidArgumentError("%s: dtype %s is not the session's %s"
-                                       % (name, value.dtype, self.dtype))
-        t.device_kind = _capi.DEVICE_CUDA
-        t.ndim = value.dim()
-        for i in range(t.ndim):
-            t.shape[i] = value.shape[i]
-            # A size-1 dimension's stride is arbitrary in torch; any positive one will do.
-            t.strides[i] = value.stride(i) if value.shape[i] != 1 else 1
-        t.data = value.data_ptr()
-        t.device_index = value.device.index if value.device.index is not None else 0
-        return _Operand(t, None, None, cuda=value)
-
-    def _call(self, op: int, inputs: Sequence[Tuple[str, Any]], out: Optional[ArrayLike],
-              head_offset: int = 0, head_count: int = 0) -> ArrayLike:
-        lib = _capi.library()
+    def _call_args(self, op: int, inputs: Sequence[Tuple[str, Any]], out: Optional[ArrayLike],
+                   head_offset: int, head_count: int,
+                   pool: Optional[List[Tuple[str, _SharedBuffer]]] = None) -> Tuple[Any, "_Call"]:
+        """The uly_call_args of a call, and what must stay alive (and be done after it)."""
         is_torch: List[bool] = []
-        operands = [self._operand(n, v, is_torch) for n, v in inputs]
-        cuda = next((o.cuda for o in operands if o.cuda is not None), None)
-        if out is not None and (cuda is not None) != (
-                _torch.is_tensor(out) and _torch.is_device_tensor(out)):
-            raise InvalidArgumentError(
-                "out: a %s, but the inputs are %s; give out where the inputs are" % (
-                    "CUDA tensor" if cuda is None else "host array",
-                    "CUDA tensors" if cuda is not None else "host arrays"))
+        operands = [self._operand(n, v, is_torch, pool=pool) for n, v in inputs]
+        cuda = self._check_out_kind(operands, out)
         args = _capi.new(_capi.CallArgs)
         if cuda is not None:
             args.stream = _torch.current_stream(cuda) or None
@@ -449,23 +593,25 @@ class HeadExchange:
         args.head_count = head_count
         for i, o in enumerate(operands):
             args.inputs[i] = ctypes.pointer(o.tensor)
-        out_op: Optional[_Operand] = None
-        copy_out_later = False
+        call = _Call(operands, out, is_torch)
         if out is not None:
             # gather_output_head_chunk writes a band only: a staged out starts as the caller's.
-            out_op = self._operand("out", out, [], is_out=True,
-                                   copy_in=op == _capi.OP_GATHER_OUTPUT_HEAD_CHUNK)
-            if out_op.staged is not None and op != _capi.OP_GATHER_OUTPUT_HEAD_CHUNK:
+            call.out_op = self._operand("out", out, [], is_out=True,
+                                        copy_in=op == _capi.OP_GATHER_OUTPUT_HEAD_CHUNK,
+                                        pool=pool)
+            if call.out_op.staged is not None and op != _capi.OP_GATHER_OUTPUT_HEAD_CHUNK:
                 # Not in a shared buffer: take the result from the slot and copy it over.
-                copy_out_later = True
+                call.copy_out_later = True
             else:
-                args.out = ctypes.pointer(out_op.tensor)
-        result = ctypes.c_void_p()
-        want_result = out is None or copy_out_later
-        _check(lib.uly_session_call(self._handle.ptr, ctypes.byref(args),
-                                    ctypes.byref(result) if want_result else None))
+                args.out = ctypes.pointer(call.out_op.tensor)
+        call.args = args
+        return args, call
+
+    def _finish(self, call: "_Call", result: ctypes.c_void_p) -> ArrayLike:
+        """What a call returns, once its result (a uly_result, or NULL with out) is there."""
+        out, out_op = call.out, call.out_op
         if out is not None:
-            if copy_out_later:
+            if call.copy_out_later:
                 slot = _Slot(result.value, self)
                 if slot.device:  # host operands on a GPU backend: refused before this
                     slot.release()
@@ -483,33 +629,83 @@ class HeadExchange:
                 np.copyto(out_op.array, out_op.staged)
             return out
         slot = _Slot(result.value, self)
-        if slot.device:
-            return self._device_result(slot)
-        like = operands[0].array.dtype if operands[0].array is not None else None
-        view = self._slot_array(slot, like)
-        if is_torch and is_torch[0]:
-            return _torch.slot_tensor(view, self._dtype_code == _capi.DTYPE_BFLOAT16, slot)
-        return view
+        first = call.operands[0]
+        like = first.array.dtype if first.array is not None else None
+        return self._result(slot, like, bool(call.is_torch and call.is_torch[0]))
 
-    def _device_result(self, slot: _Slot) -> Any:
-        """A result in device memory: a CUDA torch tensor viewing the slot when torch is
-        imported, else the :class:`DeviceSlot` (``__cuda_array_interface__``) itself."""
-        bf16 = self._dtype_code == _capi.DTYPE_BFLOAT16
-        typestr = "<i2" if bf16 else _NUMPY_DTYPES[self._dtype_code].str
-        view = _torch.DeviceSlot(slot, typestr, bf16)
-        if _torch.is_available():
-            return _torch.device_slot_tensor(view)
-        return view
+    def _call(self, op: int, inputs: Sequence[Tuple[str, Any]], out: Optional[ArrayLike],
+              head_offset: int = 0, head_count: int = 0) -> ArrayLike:
+        args, call = self._call_args(op, inputs, out, head_offset, head_count)
+        result = ctypes.c_void_p()
+        want_result = out is None or call.copy_out_later
+        _check(_capi.library().uly_session_call(
+            self._handle.ptr, ctypes.byref(args), ctypes.byref(result) if want_result else None))
+        return self._finish(call, result)
 
-    def _slot_array(self, slot: _Slot, like: Optional[np.dtype]) -> SlotArray:
-        dtype = _NUMPY_DTYPES[self._dtype_code]
-        if like is not None and like.itemsize == dtype.itemsize and _array_dtype_matches(
-                like, self._dtype_code):
-            dtype = like
-        raw = np.asarray(_Memory(slot.data, slot.bytes, True, slot))
-        arr = raw.view(dtype).reshape(slot.shape).view(SlotArray)
-        arr._slot = slot
-        return arr
+    def __enter__(self) -> "HeadExchange":
+        return self
+
+    def __repr__(self) -> str:
+        return ("HeadExchange(id=%d, rank=%d/%d, heads=%d, head_dim=%d, dtype=%s, "
+                "max_tokens=%d, slots=%d)" % (self.id, self.rank, self.world_size,
+                                              self.num_heads, self.head_dim, self.dtype,
+                                              self.max_tokens, self.num_slots))
+
+
+class _Call:
+    """One call's operands and out, kept alive while it runs."""
+
+    def __init__(self, operands: List[_Operand], out: Any, is_torch: List[bool]):
+        self.operands = operands
+        self.out = out
+        self.is_torch = is_torch
+        self.out_op: Optional[_Operand] = None
+        self.copy_out_later = False
+        self.args: Any = None
+
+
+class Pending:
+    """A submitted call (:meth:`HeadExchange.submit`). :meth:`wait` gives its result; until
+    then its inputs, `out` and staging buffers stay alive. Wait for every submitted call (in
+    any order; calls complete in submission order); an unwaited Pending keeps its staging
+    buffers from reuse."""
+
+    def __init__(self, session: HeadExchange, epoch: int, call: _Call,
+                 pool: List[Tuple[str, _SharedBuffer]]):
+        self.session = session
+        self.epoch = epoch
+        self._call: Optional[_Call] = call
+        self._pool = pool
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` returned (or raised) already."""
+        return self._call is None
+
+    def wait(self, timeout: Optional[float] = None) -> ArrayLike:
+        """Waits for the call (`timeout` seconds; None: 5 minutes) and returns what the op's
+        method returns: a view of the receive slot, or `out`. An error the daemon found in the
+        call is raised here. Once only: a second wait raises FailedPreconditionError."""
+        call = self._call
+        if call is None:
+            raise FailedPreconditionError("epoch %d: already waited for" % self.epoch)
+        s = self.session
+        result = ctypes.c_void_p()
+        ms = 0 if timeout is None else max(1, int(timeout * 1000))
+        try:
+            _check(_capi.library().uly_session_wait(s._handle.ptr, self.epoch, ms,
+                                                    ctypes.byref(result)))
+            if call.out is not None and not call.copy_out_later:
+                # The result was copied to out: it holds nothing.
+                _capi.library().uly_result_free(result.value)
+                result = ctypes.c_void_p()
+            return s._finish(call, result)
+        finally:
+            self._call = None
+            s._give_back(self._pool)
+
+    def __repr__(self) -> str:
+        return "Pending(epoch=%d, done=%s)" % (self.epoch, self.done)
 
 
 class Client:
@@ -647,6 +843,37 @@ class Client:
                                                   ctypes.byref(spec), ctypes.byref(out)))
         return HeadExchange(self, group, out.value, num_heads, head_dim, code, max_tokens,
                             num_slots, sched)
+
+    def qkv_norm_rope_exchange(self, group: Group, *, num_heads: int, head_dim: int,
+                               max_tokens: int, w_qkv: ArrayLike, q_norm: ArrayLike,
+                               k_norm: ArrayLike, cos_sin: ArrayLike,
+                               hidden: Optional[int] = None, layout: str = "bshd",
+                               num_slots: int = 2, max_pos: Optional[int] = None,
+                               path: str = "auto",
+                               timeout: Optional[float] = None) -> "QkvNormRopeExchange":
+        """Collective over `group`: creates a fused ``qkv_norm_rope_exchange`` session and
+        returns it, a callable: ``sess(x, positions, out=None)`` (docs/api.md section 2.1).
+        Every rank passes the same geometry and path, and its own weights.
+
+        `hidden` (default ``num_heads * head_dim``) must equal ``num_heads * head_dim`` and be
+        a multiple of 64; `num_heads` divisible by the world size; `head_dim` even (128 on a
+        GPU backend); `layout` ``"bshd"`` (q, k, v each ``[B, S_g, H/W, D]``) or ``"fused"``
+        (one ``[B, S_g, H/W, 3D]``); `max_tokens` bounds ``B*S_l`` of every call; `max_pos`
+        (default ``cos_sin.shape[0]``) the rows of the cos/sin table; `path` ``"auto"``,
+        ``"per_operator"`` or ``"chunked"`` (GPU backends; the host backend ignores it).
+
+        Weights: `w_qkv` bfloat16 ``[3*H*D, hidden]`` (Q, K, V planes, head-major), `q_norm`
+        and `k_norm` bfloat16 ``[D]``, `cos_sin` float32 ``[max_pos, D]`` (cos in the first
+        half, sin in the second). On the host backend numpy arrays (bfloat16 as uint16 bits)
+        or CPU tensors, copied once into a shared buffer of the session; on a GPU backend
+        torch CUDA tensors, contiguous, used in place (registered like call operands; the
+        session keeps them alive, and they must not change while it lives). Bad arguments
+        raise :class:`InvalidArgumentError` (a ValueError) naming the argument."""
+        from ._fused import create
+        return create(self, group, hidden=hidden, num_heads=num_heads, head_dim=head_dim,
+                      layout=layout, max_tokens=max_tokens, num_slots=num_slots,
+                      max_pos=max_pos, w_qkv=w_qkv, q_norm=q_norm, k_norm=k_norm,
+                      cos_sin=cos_sin, path=path, timeout=timeout)
 
     def close(self) -> None:
         """Detaches from the daemon, which releases everything this client holds. Idempotent."""

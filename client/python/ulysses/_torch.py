@@ -115,11 +115,12 @@ class DeviceSlot:
 
     __slots__ = ("__cuda_array_interface__", "_slot", "bfloat16", "__weakref__")
 
-    def __init__(self, slot: Any, typestr: str, bfloat16: bool):
+    def __init__(self, slot: Any, typestr: str, bfloat16: bool, part: int = 0):
         self._slot = slot
         self.bfloat16 = bfloat16
+        data, shape, _ = slot.parts[part]  # q, k or v of a fused call's slot: part 0, 1, 2
         self.__cuda_array_interface__ = {
-            "shape": tuple(slot.shape), "typestr": typestr, "data": (int(slot.data), False),
+            "shape": tuple(shape), "typestr": typestr, "data": (int(data), False),
             "strides": None, "version": 3, "stream": None}
 
     @property
