@@ -96,10 +96,21 @@ class ClientImpl : public BufferResolver {
       }
       if (header->abort.load(std::memory_order_acquire) != 0)
         return absl::AbortedError("the daemon dropped this client");
+      ULY_RETURN_IF_ERROR(CheckDaemonAlive());
       if (absl::Now() > deadline) return absl::DeadlineExceededError("submit ring: full");
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
     return submit_bell.Signal();
+  }
+
+  // UNAVAILABLE once the daemon's end of the fd socket closed: a daemon that died (SIGKILL
+  // included) can never post the completion, nor set the abort word.
+  absl::Status CheckDaemonAlive() const {
+    if (header != nullptr && header->abort.load(std::memory_order_acquire) != 0)
+      return absl::AbortedError("the daemon dropped this client");
+    absl::StatusOr<bool> gone = ipc::HungUp(fd_socket.get());
+    if (gone.ok() && !*gone) return absl::OkStatus();
+    return absl::UnavailableError("the daemon is gone (its fd socket closed)");
   }
 
   // The first failed completion of `session` not raised yet; it stays pending for its Wait.
@@ -144,6 +155,7 @@ class ClientImpl : public BufferResolver {
                                                   " epoch ", epoch));
       const int ms = static_cast<int>(std::min<int64_t>(20, absl::ToInt64Milliseconds(deadline - now) + 1));
       ULY_RETURN_IF_ERROR(complete_bell.Wait(ms).status());
+      ULY_RETURN_IF_ERROR(CheckDaemonAlive());
     }
   }
 

@@ -71,22 +71,24 @@ absl::StatusOr<CallResult> Daemon::RunCall(ClientRecord& c, uint64_t session_id,
       s->fused() != nullptr
           ? PlanQkvCall(s->fused()->geometry, args, buffers, &s->fused_weights())
           : PlanCall(s->geometry(), args, buffers);
-  if (!plan.ok()) {
-    // A descriptor already counted on its epoch: the epoch is spent and the session breaks.
-    if (expected_epoch != 0) return s->Refuse(expected_epoch, plan.status());
-    return plan.status();
-  }
+  // Every refusal of a descriptor already counted on its epoch goes through here: the epoch is
+  // spent and the session breaks, so the peers see ABORTED instead of waiting out their timeout.
+  auto refuse = [&](absl::Status why) {
+    if (expected_epoch != 0) return s->Refuse(expected_epoch, std::move(why));
+    return why;
+  };
+  if (!plan.ok()) return refuse(plan.status());
   // Hold the buffers for the call: a concurrent FreeBuffer cannot unmap them underneath.
   std::shared_ptr<Buffer> held[4];
   CallOperands ops;
   for (int i = 0; i < plan->num_inputs; ++i) {
     held[i] = buffers.Find(plan->inputs[i].buffer_id);
-    if (!held[i]) return absl::InvalidArgumentError(StrCat("inputs[", i, "]: buffer freed"));
+    if (!held[i]) return refuse(absl::InvalidArgumentError(StrCat("inputs[", i, "]: buffer freed")));
     ops.inputs[i] = static_cast<const uint8_t*>(held[i]->data) + plan->inputs[i].offset_bytes;
   }
   if (plan->has_out) {
     held[3] = buffers.Find(plan->out.buffer_id);
-    if (!held[3]) return absl::InvalidArgumentError("out: buffer freed");
+    if (!held[3]) return refuse(absl::InvalidArgumentError("out: buffer freed"));
   }
   // The backend's kernels address one kind of memory; the other kind would fault (a GPU
   // backend) or read garbage, so refuse it before anything runs.
@@ -97,8 +99,7 @@ absl::StatusOr<CallResult> Daemon::RunCall(ClientRecord& c, uint64_t session_id,
     absl::Status bad = absl::InvalidArgumentError(StrCat(
         what, ": buffer ", held[i]->id, " is ", held[i]->device ? "device" : "host",
         " memory; the ", backend(), " backend needs ", wants_device ? "device" : "host", " memory"));
-    if (expected_epoch != 0) return s->Refuse(expected_epoch, bad);
-    return bad;
+    return refuse(std::move(bad));
   }
   if (plan->has_out) {
     ops.out = static_cast<uint8_t*>(held[3]->data) + plan->out.offset_bytes;

@@ -158,6 +158,8 @@ absl::Status Daemon::Start() {
 // backend; a forced backend that cannot run refuses to start, naming why.
 absl::Status Daemon::ChooseBackend() {
   const std::string& want = config_.backend;
+  // Every backend lends its session segments to the node's other daemons through it.
+  ULY_RETURN_IF_ERROR(peer_exports_.Start(config_.socket + ".peer"));
   if (want == "nccl")
     return absl::FailedPreconditionError(
         "backend: 'nccl' is not available in this build yet; use nvlink, host or auto");
@@ -172,14 +174,12 @@ absl::Status Daemon::ChooseBackend() {
     if (ipc::cuda::DeviceCount() == 0)
       cuda = absl::FailedPreconditionError(ipc::cuda::Built() ? "no CUDA device is visible"
                                                               : "this build has no CUDA support");
-    if (cuda.ok()) cuda = peer_exports_.Start(config_.socket + ".peer");
     if (cuda.ok()) {
       absl::StatusOr<std::unique_ptr<Backend>> gpu = MakeCudaBackend(config_.device, &peer_exports_);
       if (gpu.ok()) backend_impl_ = std::move(*gpu);
       else cuda = gpu.status();
     }
     if (!cuda.ok()) {
-      peer_exports_.Stop();
       if (want == "nvlink")
         return absl::FailedPreconditionError(
             StrCat("backend: 'nvlink' cannot run: ", cuda.message()));
@@ -237,45 +237,10 @@ void Daemon::Shutdown() {
   Logger("main")->info("ulyssesd stopped");
 }
 
-std::string SessionSegmentPrefix(pid_t pid) { return StrCat("/ulysses-", pid, "-"); }
-
 void Daemon::RemoveLeftovers() {
   if (config_.ready_file.empty()) return;
-  std::string text;
-  {
-    std::ifstream in(config_.ready_file);
-    if (!in) return;
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
-  ::unlink(config_.ready_file.c_str());
-  auto log = Logger("main");
-  const nlohmann::json ready = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!ready.is_object()) return;
-  auto it = ready.find("pid");
-  if (it == ready.end() || !it->is_number_unsigned()) return;
-  const uint64_t old = it->get<uint64_t>();
-  if (old == 0 || old > static_cast<uint64_t>(std::numeric_limits<pid_t>::max())) return;
-  const pid_t pid = static_cast<pid_t>(old);
-  // The pid may belong to another process now; then its segments are not ours to remove.
-  if (pid != ::getpid() && (::kill(pid, 0) == 0 || errno == EPERM)) {
-    log->info("removed the stale ready file {}; its pid {} is alive, so no segment is touched",
-              config_.ready_file, pid);
-    return;
-  }
-  const std::string prefix = SessionSegmentPrefix(pid).substr(1);  // names in /dev/shm
-  int removed = 0;
-  if (DIR* dir = ::opendir("/dev/shm")) {
-    while (dirent* e = ::readdir(dir)) {
-      const std::string_view name(e->d_name);
-      if (name.substr(0, prefix.size()) != prefix) continue;
-      const std::string_view id = name.substr(prefix.size());
-      if (id.empty() || id.find_first_not_of("0123456789") != std::string_view::npos) continue;
-      if (::shm_unlink(("/" + std::string(name)).c_str()) == 0) ++removed;
-    }
-    ::closedir(dir);
-  }
-  log->info("a dead instance (pid {}) left the ready file {} and {} session segment(s); removed",
-            pid, config_.ready_file, removed);
+  if (::unlink(config_.ready_file.c_str()) == 0)
+    Logger("main")->info("a dead instance left the ready file {}; removed", config_.ready_file);
 }
 
 absl::Status Daemon::StartMetricsServer() {

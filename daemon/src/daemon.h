@@ -37,10 +37,6 @@ class Server;
 
 namespace ulysses::daemon {
 
-/// Name prefix of the session segments a daemon of pid `pid` creates: "/ulysses-<pid>-", then
-/// the session id.
-std::string SessionSegmentPrefix(pid_t pid);
-
 /// Longest a send on a client's fd socket waits for the client to read (SendToClient).
 inline constexpr int kClientSendTimeoutMs = 1000;
 
@@ -153,6 +149,8 @@ class Daemon {
   absl::StatusOr<ipc::UniqueFd> TakeIncomingFd(ClientRecord& c, uint64_t tag);
   uint64_t NextId() { return next_id_.fetch_add(1); }
   RendezvousTable& rendezvous_table() { return rendezvous_table_; }
+  /// What this daemon lends the node's other daemons (session segments, device slots).
+  FdExports& peer_exports() { return peer_exports_; }
   RendezvousClient& rendezvous_client() { return rendezvous_client_; }
   std::vector<std::shared_ptr<ClientRecord>> Clients();
   /// Reserves receive-slot memory against the budget; RESOURCE_EXHAUSTED when over.
@@ -202,10 +200,10 @@ class Daemon {
   /// A frame a bound client sent: a descriptor for RegisterBuffer.
   void HandleClientFrame(ClientRecord& c, ipc::ReceivedMessage frame);
   absl::Status StartMetricsServer();
-  /// Removes what a dead instance of this device left: its ready file (which would claim this
-  /// daemon serves before it does) and the session segments in /dev/shm named with the pid
-  /// that file gives, unless that pid is alive and another process. Called only once this
-  /// device's sockets proved free (nobody listens on them).
+  /// Removes what a dead instance of this device left: its ready file, which would claim this
+  /// daemon serves before it does. (Session segments are memfds: they go with the last process
+  /// that maps them, and leave nothing in /dev/shm.) Called only once this device's sockets
+  /// proved free (nobody listens on them).
   void RemoveLeftovers();
   /// Counts a refusal by `limit` and returns RESOURCE_EXHAUSTED: "<what> (limits.<name> = N)".
   absl::Status RefuseOverLimit(Limit limit, const std::string& what);

@@ -1,14 +1,23 @@
-// Descriptors this daemon lends to the other daemons of its node: the POSIX-fd handles of its
-// receive slots in device memory. Served on `<socket>.peer` (mode 0600: only the daemons' uid
-// can connect, and the server also checks the caller's uid). A peer asks for an export by id
-// and secret, both learnt from the session rendezvous; one frame in, one frame (with the fd)
-// out, then the connection closes.
+// Descriptors this daemon lends to the other daemons of its node: its session segments (memfds)
+// and the POSIX-fd handles of its receive slots in device memory. Served on `<socket>.peer`
+// (mode 0600: only the daemons' uid can connect, and the server also checks the caller's uid;
+// the fetcher checks the server's). A peer asks for an export by id and secret, both learnt
+// from the session rendezvous; one frame in, one frame (with the fd) out. A fetch that asks to
+// hold the connection keeps it open until the export is withdrawn: the connection is then the
+// fetcher's view of the exporting daemon's liveness (it hangs up the moment that daemon dies,
+// whatever pid namespace it runs in), watched by Watch.
 #pragma once
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <optional>
+#include <string_view>
+#include <utility>
+#include <vector>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -33,6 +42,19 @@ struct ExportTicket {
   std::string secret;
 };
 
+/// "id|secret|socket", as it travels in a rendezvous payload (the socket path last: it may hold
+/// '|').
+std::string EncodeTicket(const ExportTicket& t);
+/// The inverse of EncodeTicket; FAILED_PRECONDITION naming what is wrong. Never throws.
+absl::StatusOr<ExportTicket> DecodeTicket(std::string_view text);
+
+/// A fetched descriptor and, when the fetch asked to hold it, the open connection to the
+/// exporting daemon (it hangs up when that daemon dies or withdraws the export).
+struct FetchedExport {
+  ipc::UniqueFd fd;
+  ipc::UniqueFd link;
+};
+
 class FdExports {
  public:
   FdExports() = default;
@@ -52,10 +74,24 @@ class FdExports {
 
   /// Fetches the fd behind `ticket` from its daemon. Bounded by `timeout`.
   static absl::StatusOr<ipc::UniqueFd> Fetch(const ExportTicket& ticket, absl::Duration timeout);
+  /// Fetches as Fetch does and keeps the connection: FetchedExport::link.
+  static absl::StatusOr<FetchedExport> FetchAndHold(const ExportTicket& ticket,
+                                                    absl::Duration timeout);
+
+  /// Watches `link` (a FetchedExport::link) from the serving thread: once it hangs up (or
+  /// carries anything), `lost` runs once, on that thread, and the watch ends. Returns the id
+  /// for Unwatch. FAILED_PRECONDITION when not serving.
+  absl::StatusOr<uint64_t> Watch(ipc::UniqueFd link, std::function<void()> lost);
+  /// Ends a watch and closes its link. Once it returns, its `lost` is not running and never
+  /// will. Idempotent.
+  void Unwatch(uint64_t id);
 
  private:
   void Serve();
-  void Answer(ipc::UniqueFd conn);
+  // Answers one request; returns the connection when the request asked to hold it.
+  std::optional<std::pair<uint64_t, ipc::UniqueFd>> Answer(ipc::UniqueFd conn);
+  static absl::StatusOr<FetchedExport> FetchImpl(const ExportTicket& ticket,
+                                                 absl::Duration timeout, bool hold);
 
   std::string path_;
   ipc::UnixListener listener_;
@@ -66,9 +102,20 @@ class FdExports {
   struct Entry {
     std::string secret;
     ipc::UniqueFd fd;
+    std::map<uint64_t, ipc::UniqueFd> held;  // fetchers' connections, closed on Withdraw
   };
   std::map<uint64_t, Entry> entries_;
-  bool running_ = false;
+  struct Watched {
+    ipc::UniqueFd link;
+    std::function<void()> lost;
+  };
+  std::map<uint64_t, Watched> watched_;
+  uint64_t next_watch_ = 1;
+  uint64_t next_held_ = 1;
+  // Held while a `lost` callback runs, so Unwatch can wait for it. Taken before mu_, never
+  // after.
+  std::mutex lost_mu_;
+  std::atomic<bool> running_{false};
 };
 
 }  // namespace ulysses::daemon

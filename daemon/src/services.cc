@@ -92,6 +92,40 @@ std::string FusedAgreement(const FusedGeometry& g, FusedPath path) {
                 " num_slots=", g.num_slots, " max_pos=", g.max_pos, " path=", FusedPathName(path));
 }
 
+bool IsHeadExchange(v1::SessionKind kind) {
+  return kind == v1::SESSION_KIND_UNSPECIFIED || kind == v1::SESSION_KIND_HEAD_EXCHANGE;
+}
+
+// The geometry a CreateSession request asks for on this rank of `g`, validated. `fused` is set
+// for a qkv_norm_rope_exchange session, even when its geometry is refused (the agreement
+// between ranks still names what was asked).
+absl::Status SessionArgsFromRequest(const v1::CreateSessionRequest& req, const Group& g,
+                                    const Backend& backend, SessionGeometry* geo,
+                                    std::optional<FusedSessionArgs>* fused) {
+  if (req.kind() == v1::SESSION_KIND_QKV_NORM_ROPE_EXCHANGE) {
+    *fused = FusedSessionFromProto(req.fused(), g.world_size, g.rank);
+    ULY_RETURN_IF_ERROR(ValidateFusedGeometry(
+        (*fused)->geometry, backend.slots_in_segment() ? FusedImpl::kReference : FusedImpl::kCuda));
+    if ((*fused)->path != FusedPath::kAuto && (*fused)->path != FusedPath::kPerOperator &&
+        (*fused)->path != FusedPath::kChunked)
+      return absl::InvalidArgumentError(
+          StrCat("path: unknown path ", static_cast<int>((*fused)->path)));
+    *geo = SlotGeometry((*fused)->geometry);
+  } else if (IsHeadExchange(req.kind())) {
+    geo->world_size = g.world_size;
+    geo->rank = g.rank;
+    geo->num_heads = req.spec().num_heads();
+    geo->head_dim = req.spec().head_dim();
+    geo->dtype = static_cast<DType>(req.spec().dtype());
+    geo->max_tokens = req.spec().max_tokens();
+    geo->num_slots = req.spec().num_slots() == 0 ? 2 : req.spec().num_slots();
+    geo->schedule.assign(req.spec().schedule().begin(), req.spec().schedule().end());
+  } else {
+    return absl::InvalidArgumentError(StrCat("kind: unknown session kind ", req.kind()));
+  }
+  return ValidateSessionGeometry(*geo);
+}
+
 OperandRef ToOperand(const v1::TensorRef& t) {
   OperandRef r;
   r.buffer_id = t.buffer_id();
@@ -221,10 +255,7 @@ class ControlService final : public v1::Control::Service {
 
   grpc::Status CreateSession(grpc::ServerContext* ctx, const v1::CreateSessionRequest* req,
                              v1::SessionInfo* resp) override {
-    return AsClient(ctx, [&](ClientRecord& c) {
-      if (d_->draining()) return absl::UnavailableError("daemon is draining; no new sessions");
-      return DoCreateSession(c, *req, resp);
-    });
+    return AsClient(ctx, [&](ClientRecord& c) { return DoCreateSession(c, *req, resp); });
   }
 
   grpc::Status Call(grpc::ServerContext* ctx, const v1::CallRequest* req,
@@ -446,45 +477,25 @@ class ControlService final : public v1::Control::Service {
       if (it != c.groups.end()) g = it->second;
     }
     if (!g) return absl::NotFoundError(StrCat("group_id: ", req.group_id(), " not joined by this client"));
+    // Every failure from here on still arrives at the rendezvous, with an error payload: every
+    // rank gets the same verdict at once, and every rank's session counter (the key) moves on.
     SessionGeometry geo;
     std::optional<FusedSessionArgs> fused;
-    if (req.kind() == v1::SESSION_KIND_QKV_NORM_ROPE_EXCHANGE) {
-      fused = FusedSessionFromProto(req.fused(), g->world_size, g->rank);
-      ULY_RETURN_IF_ERROR(ValidateFusedGeometry(
-          fused->geometry,
-          d_->backend_impl().slots_in_segment() ? FusedImpl::kReference : FusedImpl::kCuda));
-      if (fused->path != FusedPath::kAuto && fused->path != FusedPath::kPerOperator &&
-          fused->path != FusedPath::kChunked)
-        return absl::InvalidArgumentError(
-            StrCat("path: unknown path ", static_cast<int>(fused->path)));
-      geo = SlotGeometry(fused->geometry);
-    } else if (req.kind() == v1::SESSION_KIND_UNSPECIFIED ||
-               req.kind() == v1::SESSION_KIND_HEAD_EXCHANGE) {
-      geo.world_size = g->world_size;
-      geo.rank = g->rank;
-      geo.num_heads = req.spec().num_heads();
-      geo.head_dim = req.spec().head_dim();
-      geo.dtype = static_cast<DType>(req.spec().dtype());
-      geo.max_tokens = req.spec().max_tokens();
-      geo.num_slots = req.spec().num_slots() == 0 ? 2 : req.spec().num_slots();
-      geo.schedule.assign(req.spec().schedule().begin(), req.spec().schedule().end());
-    } else {
-      return absl::InvalidArgumentError(StrCat("kind: unknown session kind ", req.kind()));
-    }
-    ULY_RETURN_IF_ERROR(ValidateSessionGeometry(geo));
+    absl::Status local = SessionArgsFromRequest(req, *g, d_->backend_impl(), &geo, &fused);
+    if (d_->draining()) local = absl::UnavailableError("daemon is draining; no new sessions");
+    std::string agreement;
+    if (fused) agreement = FusedAgreement(fused->geometry, fused->path);
+    else if (IsHeadExchange(req.kind())) agreement = SpecAgreement(geo);
+    else agreement = StrCat("kind=", static_cast<int>(req.kind()));
     const uint64_t id = d_->NextId();
     const uint64_t seq = g->sessions_created.fetch_add(1);
-    uint64_t needed = Session::BytesNeeded(geo, d_->backend_impl());
     const absl::Duration timeout =
         absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : d_->config().peer_timeout_ms);
     const std::string key = StrCat("session/", g->name, "/", seq);
-    // A rank that cannot take part still arrives, with a failure payload, so that every rank
-    // gets the same verdict instead of waiting out the timeout.
     // A fused session's weights are this rank's own: a rank that refuses them still arrives.
     FusedWeightsHeld weights;
     FusedSetup fused_setup;
-    absl::Status local;
-    if (fused) {
+    if (local.ok() && fused) {
       absl::StatusOr<FusedWeightsHeld> held =
           d_->ResolveFusedWeights(c, fused->geometry, fused->weights);
       if (held.ok()) {
@@ -494,12 +505,16 @@ class ControlService final : public v1::Control::Service {
         local = held.status();
       }
     }
-    if (local.ok()) local = d_->ReserveSlotMemory(needed);
-    else needed = 0;  // nothing reserved
+    uint64_t needed = 0;  // reserved against the slot budget
+    if (local.ok()) {
+      const uint64_t bytes = Session::BytesNeeded(geo, d_->backend_impl());
+      local = d_->ReserveSlotMemory(bytes);
+      if (local.ok()) needed = bytes;
+    }
     std::unique_ptr<Session> session;
     if (local.ok()) {
       absl::StatusOr<std::unique_ptr<Session>> created =
-          Session::Create(id, g->id, c.id, geo, StrCat("/ulysses-", ::getpid(), "-", id),
+          Session::Create(id, g->id, c.id, geo, d_->peer_exports(),
                           d_->backend_impl(), fused ? &fused_setup : nullptr,
                           std::move(weights.buffers));
       if (created.ok()) {
@@ -508,14 +523,13 @@ class ControlService final : public v1::Control::Service {
       } else {
         local = created.status();
         d_->ReleaseSlotMemory(needed);
+        needed = 0;
       }
     }
     const std::string payload = local.ok() ? StrCat("ok:", session->RendezvousPayload())
                                            : StrCat("error:", local.message());
     absl::StatusOr<std::vector<std::string>> names = d_->rendezvous_client().Rendezvous(
-        g->members[0], key, g->world_size, g->rank,
-        fused ? FusedAgreement(fused->geometry, fused->path) : SpecAgreement(geo), payload,
-        timeout);
+        g->members[0], key, g->world_size, g->rank, agreement, payload, timeout);
     absl::Status status = names.status();
     if (status.ok() && !local.ok()) status = local;
     if (status.ok()) {
@@ -530,14 +544,15 @@ class ControlService final : public v1::Control::Service {
     if (status.ok()) {
       const ClientSlotMapping slots = session->transport().ClientMapping();
       if (slots.device) {
-        int fds[2] = {session->segment_fd(), slots.fd};
+        int fds[2] = {session->client_segment_fd(), slots.fd};
         status = d_->SendToClient(c, StrCat("{\"session_id\": ", id, "}"), std::span<const int>(fds, 2));
       } else {
-        status = d_->SendToClient(c, StrCat("{\"session_id\": ", id, "}"), session->segment_fd());
+        status = d_->SendToClient(c, StrCat("{\"session_id\": ", id, "}"),
+                                  session->client_segment_fd());
       }
     }
     if (!status.ok()) {
-      if (session) d_->ReleaseSlotMemory(needed);
+      d_->ReleaseSlotMemory(needed);
       return status;
     }
     {
@@ -554,8 +569,7 @@ class ControlService final : public v1::Control::Service {
       c.sessions[id] = shared;
     }
     FillSessionInfo(*shared, *g, resp);
-    Logger("exec")->debug("client {}: session {} on group {} ({})", c.id, id, g->name,
-                          fused ? FusedAgreement(fused->geometry, fused->path) : SpecAgreement(geo));
+    Logger("exec")->debug("client {}: session {} on group {} ({})", c.id, id, g->name, agreement);
     return absl::OkStatus();
   }
 

@@ -27,12 +27,12 @@ uint64_t Session::BytesNeeded(const SessionGeometry& g, const Backend& backend) 
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(
     uint64_t id, uint64_t group_id, uint64_t owner_client, const SessionGeometry& g,
-    std::string segment_name, Backend& backend, const FusedSetup* fused,
+    FdExports& exports, Backend& backend, const FusedSetup* fused,
     std::vector<std::shared_ptr<Buffer>> weight_buffers) {
   SegmentLayout layout = ControlLayout(g, backend);
-  ipc::NamedSegment::UnlinkIfExists(segment_name);  // a stale name from a crashed daemon
-  ULY_ASSIGN_OR_RETURN(ipc::NamedSegment seg,
-                       ipc::NamedSegment::Create(std::move(segment_name), layout.total_bytes));
+  ULY_ASSIGN_OR_RETURN(ipc::SharedSegment seg,
+                       ipc::SharedSegment::Create(StrCat("ulysses-session-", id), layout.total_bytes));
+  ULY_ASSIGN_OR_RETURN(ipc::UniqueFd client_fd, seg.ReadOnlyFd());
   // A fresh segment is zero-filled: every word starts at epoch 0, abort 0.
   auto* cb = static_cast<SessionControlBlock*>(seg.data());
   cb->magic = kSessionMagic;
@@ -49,10 +49,15 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
   setup.own_segment = static_cast<uint8_t*>(seg.data());
   setup.slots_offset_bytes = layout.slots_offset_bytes;
   setup.slot_stride_bytes = layout.slot_stride_bytes;
-  setup.segment_fd = seg.fd();
+  setup.segment_fd = client_fd.get();  // what the transport hands the client: read-only
   setup.segment_bytes = layout.total_bytes;
   if (fused != nullptr) setup.fused = *fused;
-  std::unique_ptr<Session> session(new Session(id, group_id, owner_client, g, layout, std::move(seg)));
+  ULY_ASSIGN_OR_RETURN(ExportTicket ticket, exports.Lend(seg.fd()));
+  std::unique_ptr<Session> session(
+      new Session(id, group_id, owner_client, g, layout, std::move(seg), exports));
+  session->client_fd_ = std::move(client_fd);
+  session->export_id_ = ticket.id;
+  session->ticket_ = EncodeTicket(ticket);
   session->fused_ = setup.fused;
   session->weight_buffers_ = std::move(weight_buffers);
   ULY_ASSIGN_OR_RETURN(session->transport_, backend.MakeTransport(setup));
@@ -60,17 +65,18 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
 }
 
 std::string Session::RendezvousPayload() const {
-  return StrCat(segment_.name(), "\n", transport_->LocalHandle());
+  return StrCat(ticket_, "\n", transport_->LocalHandle());
 }
 
 Session::Session(uint64_t id, uint64_t group_id, uint64_t owner, SessionGeometry g,
-                 SegmentLayout l, ipc::NamedSegment seg)
+                 SegmentLayout l, ipc::SharedSegment seg, FdExports& exports)
     : id_(id),
       group_id_(group_id),
       owner_client_(owner),
       geometry_(std::move(g)),
       layout_(l),
       segment_(std::move(seg)),
+      exports_(exports),
       slots_(geometry_.num_slots, SlotEntry{SlotState::kFree, 0, absl::Now()}) {}
 
 const char* Session::SlotStateName(SlotState s) {
@@ -143,8 +149,10 @@ int Session::Poison() {
 
 Session::~Session() {
   Abort(kAbortClosed);
-  // The name goes now; the memory stays mapped in peers until they close their sessions.
-  (void)segment_.Unlink();
+  for (uint64_t w : peer_watches_) exports_.Unwatch(w);
+  // No new peer can fetch the segment; the memory stays mapped in peers until they close their
+  // sessions, and goes with the last mapping.
+  if (export_id_ != 0) exports_.Withdraw(export_id_);
 }
 
 absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
@@ -152,7 +160,8 @@ absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
   if (static_cast<int>(payloads.size()) != geometry_.world_size)
     return absl::InternalError(StrCat("session ", id_, ": expected ", geometry_.world_size,
                                       " peer segments, got ", payloads.size()));
-  std::vector<ipc::NamedSegment> peers(payloads.size());
+  std::vector<ipc::SharedSegment> peers(payloads.size());
+  std::vector<ipc::UniqueFd> links(payloads.size());
   std::vector<std::string> handles(payloads.size());
   std::vector<uint8_t*> bases(payloads.size(), nullptr);
   for (int r = 0; r < geometry_.world_size; ++r) {
@@ -161,19 +170,48 @@ absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
     if (nl == std::string::npos)
       return absl::FailedPreconditionError(
           StrCat("session ", id_, ": rank ", r, " sent a malformed session handle"));
-    const std::string name = payloads[r].substr(0, nl);
     handles[r] = payloads[r].substr(nl + 1);
-    ULY_ASSIGN_OR_RETURN(peers[r], ipc::NamedSegment::Open(name, layout_.total_bytes));
+    absl::StatusOr<ExportTicket> ticket = DecodeTicket(std::string_view(payloads[r]).substr(0, nl));
+    if (!ticket.ok())
+      return absl::FailedPreconditionError(
+          StrCat("session ", id_, ": rank ", r, ": ", ticket.status().message()));
+    absl::StatusOr<FetchedExport> fetched = FdExports::FetchAndHold(*ticket, timeout);
+    if (!fetched.ok())
+      return absl::Status(fetched.status().code(),
+                          StrCat("session ", id_, ": segment of rank ", r, ": ",
+                                 fetched.status().message()));
+    // The segment must be sealed and of this session's size: nobody may cut it short under
+    // this daemon's mapping.
+    absl::StatusOr<ipc::SharedSegment> seg =
+        ipc::SharedSegment::Adopt(std::move(fetched->fd), layout_.total_bytes);
+    if (!seg.ok())
+      return absl::FailedPreconditionError(StrCat("session ", id_, ": segment of rank ", r, ": ",
+                                                  seg.status().message()));
+    peers[r] = std::move(*seg);
+    links[r] = std::move(fetched->link);
     auto* cb = static_cast<const SessionControlBlock*>(peers[r].data());
     if (cb->magic != kSessionMagic || cb->version != kSessionLayoutVersion ||
         cb->rank != static_cast<uint32_t>(r) || cb->slot_bytes != layout_.slot_bytes)
       return absl::FailedPreconditionError(
-          StrCat("session ", id_, ": segment ", name, " of rank ", r,
+          StrCat("session ", id_, ": the segment of rank ", r,
                  " does not match this session's layout"));
     bases[r] = static_cast<uint8_t*>(peers[r].data());
   }
   ULY_RETURN_IF_ERROR(transport_->Connect(handles, bases, timeout));
   peers_ = std::move(peers);
+  // A peer daemon that dies closes its end of the link: this rank aborts, which its own waits
+  // and every other rank's waits see at once. A peer that hangs keeps the link open; the call
+  // timeout covers it.
+  for (int r = 0; r < geometry_.world_size; ++r) {
+    if (!links[r].valid()) continue;
+    absl::StatusOr<uint64_t> w = exports_.Watch(std::move(links[r]), [this, r] {
+      int none = -1;
+      peer_gone_.compare_exchange_strong(none, r);
+      Abort(kAbortPeerGone);
+    });
+    if (!w.ok()) return w.status();
+    peer_watches_.push_back(*w);
+  }
   return absl::OkStatus();
 }
 
@@ -195,12 +233,18 @@ absl::Status Session::WaitWord(const std::atomic<uint64_t>& word, uint64_t targe
     if (s.code() == absl::StatusCode::kAborted)
       return absl::AbortedError(StrCat("session ", id_, ": rank ", peer,
                                        " aborted the group (its session is gone or broken)"));
-    if (own_abort.load(std::memory_order_acquire) != 0)
-      return absl::AbortedError(StrCat("session ", id_, ": closed while a call waited"));
+    if (own_abort.load(std::memory_order_acquire) != 0) return OwnAbortError();
     if (absl::Now() >= deadline)
       return absl::DeadlineExceededError(StrCat("session ", id_, ": timed out waiting for rank ",
                                                 peer, " (", what, ", epoch ", target, ")"));
   }
+}
+
+absl::Status Session::OwnAbortError() const {
+  if (Control(geometry_.rank)->abort.load(std::memory_order_acquire) == kAbortPeerGone)
+    return absl::AbortedError(StrCat("session ", id_, ": the daemon of rank ", peer_gone_.load(),
+                                     " is gone (its peer link hung up)"));
+  return absl::AbortedError(StrCat("session ", id_, ": closed while a call waited"));
 }
 
 uint64_t Session::next_epoch() const {

@@ -1,7 +1,9 @@
 // A session: one prepared head-exchange operation on a group, on this rank. Owns this rank's
-// session segment (control block + receive slots) and maps the segments of the other ranks, so
-// that each call writes its blocks straight into the peers' receive slots (host backend; the
-// NVLink backend does the same with symmetric device memory).
+// session segment (control block + receive slots, a sealed memfd) and maps the segments of the
+// other ranks, fetched from their daemons, so that each call writes its blocks straight into the
+// peers' receive slots (host backend; the NVLink backend does the same with symmetric device
+// memory). The connection each fetch keeps open to a peer's daemon tells this session at once
+// when that daemon dies.
 #pragma once
 
 #include <atomic>
@@ -19,6 +21,7 @@
 #include "ulysses/common/geometry.h"
 #include "ulysses/common/session_layout.h"
 #include "ulysses/ipc/shm.h"
+#include "fd_exports.h"
 #include "transport.h"
 
 namespace ulysses::daemon {
@@ -34,21 +37,25 @@ struct CallOutcome {
 
 class Session {
  public:
-  /// Creates this rank's control segment under `segment_name` and its receive slots through
-  /// `backend`. Does not touch peers yet.
+  /// Creates this rank's control segment (its memory reserved: RESOURCE_EXHAUSTED naming the
+  /// limit when it cannot be), lends it to the node's daemons through `exports`, and makes its
+  /// receive slots through `backend`. Does not touch peers yet.
   /// A qkv_norm_rope_exchange session passes `fused` (its geometry must give `geometry` by
   /// SlotGeometry) and the buffers its weights live in, which the session keeps mapped.
   static absl::StatusOr<std::unique_ptr<Session>> Create(
       uint64_t id, uint64_t group_id, uint64_t owner_client, const SessionGeometry& geometry,
-      std::string segment_name, Backend& backend, const FusedSetup* fused = nullptr,
+      FdExports& exports, Backend& backend, const FusedSetup* fused = nullptr,
       std::vector<std::shared_ptr<Buffer>> weight_buffers = {});
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
-  /// What this rank contributes to the session rendezvous: its segment name and slot handle.
+  /// What this rank contributes to the session rendezvous: the ticket of its segment and its
+  /// slot handle.
   std::string RendezvousPayload() const;
-  /// Maps the other ranks' segments and slots from their rendezvous payloads (rank order).
+  /// Maps the other ranks' segments and slots from their rendezvous payloads (rank order), and
+  /// watches each peer's daemon: when one dies, this session aborts (kAbortPeerGone), so a call
+  /// waiting on it ends at once with ABORTED instead of at its timeout.
   absl::Status ConnectPeers(const std::vector<std::string>& payloads, absl::Duration timeout);
 
   /// Runs one planned call: opens this rank's slot for the next epoch, writes this rank's block
@@ -103,9 +110,9 @@ class Session {
   uint64_t reserved_bytes() const { return layout_.total_bytes + transport_->DeviceBytes(); }
   /// Slot bytes a session of `g` needs on `backend`, for the budget check before Create.
   static uint64_t BytesNeeded(const SessionGeometry& g, const Backend& backend);
-  int segment_fd() const { return segment_.fd(); }
+  /// The segment as the owning client gets it: read-only, size sealed.
+  int client_segment_fd() const { return client_fd_.get(); }
   Transport& transport() const { return *transport_; }
-  const std::string& segment_name() const { return segment_.name(); }
   uint64_t calls() const { return calls_.load(); }
   uint64_t last_epoch() const { return last_epoch_.load(); }
   bool broken() const { return broken_.load(); }
@@ -125,8 +132,10 @@ class Session {
 
  private:
   Session(uint64_t id, uint64_t group_id, uint64_t owner, SessionGeometry g, SegmentLayout l,
-          ipc::NamedSegment seg);
+          ipc::SharedSegment seg, FdExports& exports);
   SessionControlBlock* Control(int rank) const;
+  // ABORTED for this session's own abort word: why it was set.
+  absl::Status OwnAbortError() const;
   absl::Status WaitWord(const std::atomic<uint64_t>& word, uint64_t target, int peer,
                         absl::Time deadline, const char* what) const;
 
@@ -135,8 +144,14 @@ class Session {
   const uint64_t owner_client_;
   const SessionGeometry geometry_;
   const SegmentLayout layout_;
-  ipc::NamedSegment segment_;
-  std::vector<ipc::NamedSegment> peers_;  // index = rank; this rank's entry is empty
+  ipc::SharedSegment segment_;
+  ipc::UniqueFd client_fd_;                // read-only descriptor of segment_
+  FdExports& exports_;
+  uint64_t export_id_ = 0;                 // segment_ as lent to the peers
+  std::string ticket_;                     // EncodeTicket of that loan
+  std::vector<uint64_t> peer_watches_;     // FdExports::Watch ids of the peers' links
+  std::atomic<int> peer_gone_{-1};         // the rank whose daemon died first, or -1
+  std::vector<ipc::SharedSegment> peers_;  // index = rank; this rank's entry is empty
   std::optional<FusedSetup> fused_;
   FusedWeightsArgs fused_weights_;
   // Declared before transport_: the weights stay mapped until the transport is gone.

@@ -3,9 +3,11 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <limits>
 
 #include "errno_status.h"
@@ -141,6 +143,60 @@ absl::Status CheckSizeSealed(int fd) {
         ulysses::StrCat("fd ", fd, " is not sealed against shrinking (F_SEAL_SHRINK missing)"));
   }
   return absl::OkStatus();
+}
+
+absl::Status ReserveMemory(int fd, size_t size, std::string_view what) {
+  if (size == 0) return absl::OkStatus();
+  // fallocate reports its error as the return value, not in errno.
+  int err = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+  while (err == EINTR) err = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+  if (err == 0) return absl::OkStatus();
+  if (err != ENOSPC && err != ENOMEM && err != EFBIG) {
+    return ErrnoError(ulysses::StrCat(what, ": fallocate(", size, " bytes)"), err);
+  }
+  struct statfs fs {};
+  std::string limit;
+  if (::fstatfs(fd, &fs) == 0 && fs.f_blocks > 0) {
+    limit = ulysses::StrCat("the filesystem holding it has ",
+                            static_cast<uint64_t>(fs.f_blocks) * fs.f_bsize, " bytes, ",
+                            static_cast<uint64_t>(fs.f_bavail) * fs.f_bsize,
+                            " free (for /dev/shm: its mount's size= option)");
+  } else {
+    limit = "shared memory is limited by the memory of the daemon's cgroup (memory.max) and "
+            "of the node";
+  }
+  return absl::ResourceExhaustedError(ulysses::StrCat(what, ": cannot reserve ", size,
+                                                      " bytes of shared memory (",
+                                                      std::strerror(err), "); ", limit));
+}
+
+absl::StatusOr<SharedSegment> SharedSegment::Create(std::string_view debug_name, size_t size) {
+  ULY_ASSIGN_OR_RETURN(UniqueFd fd, CreateMemfd(debug_name, size));
+  // Owner-only: a client given a read-only descriptor cannot reopen /proc/self/fd/N writable.
+  if (::fchmod(fd.get(), 0600) != 0) return LastError("fchmod(memfd ", debug_name, ", 0600)");
+  ULY_RETURN_IF_ERROR(ReserveMemory(fd.get(), size, ulysses::StrCat("segment ", debug_name)));
+  ULY_RETURN_IF_ERROR(SealSize(fd.get()));
+  ULY_ASSIGN_OR_RETURN(Mapping m, Mapping::Map(fd.get(), size, /*writable=*/true));
+  return SharedSegment(std::move(fd), std::move(m));
+}
+
+absl::StatusOr<SharedSegment> SharedSegment::Adopt(UniqueFd fd, size_t expected_size) {
+  ULY_RETURN_IF_ERROR(CheckSizeSealed(fd.get()));
+  ULY_ASSIGN_OR_RETURN(size_t size, FdSize(fd.get()));
+  if (size != expected_size) {
+    return absl::FailedPreconditionError(ulysses::StrCat(
+        "segment: ", size, " bytes, expected ", expected_size));
+  }
+  ULY_ASSIGN_OR_RETURN(Mapping m, Mapping::Map(fd.get(), size, /*writable=*/true));
+  return SharedSegment(std::move(fd), std::move(m));
+}
+
+absl::StatusOr<UniqueFd> SharedSegment::ReadOnlyFd() const {
+  // A fresh open file description of the same memfd, read-only; the original stays read-write.
+  const std::string path = ulysses::StrCat("/proc/self/fd/", fd_.get());
+  UniqueFd ro(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!ro.valid()) return LastError("open(", path, ", O_RDONLY)");
+  return ro;
 }
 
 NamedSegment::~NamedSegment() {

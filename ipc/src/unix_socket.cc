@@ -466,4 +466,9 @@ absl::StatusOr<bool> WaitReadable(int fd, int timeout_ms) {
   return revents != 0;
 }
 
+absl::StatusOr<bool> HungUp(int sock) {
+  ULY_ASSIGN_OR_RETURN(short revents, PollFd(sock, POLLRDHUP, 0));
+  return (revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
 }  // namespace ulysses::ipc

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
 #include <thread>
 
 #include "cluster_util.h"
@@ -33,6 +34,14 @@ int CountEntries(const std::string& dir, const std::string& prefix) {
   return n;
 }
 
+// Session segments (memfds) process `pid` maps: one line of /proc/<pid>/maps each.
+int CountSessionMappings(pid_t pid) {
+  std::ifstream maps(StrCat("/proc/", pid, "/maps"));
+  int n = 0;
+  for (std::string line; std::getline(maps, line);)
+    if (line.find("/memfd:ulysses-session-") != std::string::npos) ++n;
+  return n;
+}
 
 class KillAtPhase : public ::testing::TestWithParam<std::string> {
  protected:
@@ -70,7 +79,7 @@ class KillAtPhase : public ::testing::TestWithParam<std::string> {
     for (int i = 0; i < 16 * 4 * 8; ++i) static_cast<float*>(bx_.data)[i] = static_cast<float>(i);
     ASSERT_TRUE(BystanderExact());
     baseline_fds_ = CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "");
-    baseline_shm_ = CountEntries("/dev/shm", StrCat("ulysses-", daemons_[1].pid(), "-"));
+    baseline_shm_ = CountSessionMappings(daemons_[1].pid());
     EXPECT_EQ(baseline_shm_, 1);  // the bystander's session
   }
   void TearDown() override {
@@ -177,8 +186,8 @@ TEST_P(KillAtPhase, DaemonReclaimsEverythingAndPeersAbort) {
   EXPECT_TRUE(Eventually([&] { return Clients(1) == 1; }));
   EXPECT_TRUE(Eventually([&] { return Slots(1) == 2; }));
   EXPECT_TRUE(Eventually([&] {
-    return CountEntries("/dev/shm", StrCat("ulysses-", daemons_[1].pid(), "-")) == baseline_shm_;
-  })) << "a shared segment of the killed client is still linked";
+    return CountSessionMappings(daemons_[1].pid()) == baseline_shm_;
+  })) << "a session segment of the killed client is still mapped";
   EXPECT_TRUE(Eventually([&] {
     return CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") == baseline_fds_;
   })) << "descriptors: " << CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "")

@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -12,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "test_util.h"
+#include "ulysses/common/strings.h"
 
 namespace ulysses::ipc {
 namespace {
@@ -257,6 +260,69 @@ TEST_F(NamedSegmentTest, ZeroSizeIsInvalidArgument) {
   EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(created.status().message()), HasSubstr("size"));
   EXPECT_FALSE(NameExists());
+}
+
+}  // namespace
+}  // namespace ulysses::ipc
+
+namespace ulysses::ipc {
+namespace {
+
+TEST(SharedSegmentTest, IsSealedOwnerOnlyAndItsReadOnlyFdCannotWriteOrResize) {
+  auto seg = SharedSegment::Create("ulysses-test", 1 << 16);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  EXPECT_TRUE(CheckSizeSealed(seg->fd()).ok());
+  struct stat st {};
+  ASSERT_EQ(::fstat(seg->fd(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_NE(::ftruncate(seg->fd(), 0), 0) << "the creator's own descriptor could shrink it";
+  static_cast<char*>(seg->data())[100] = 7;
+  auto ro = seg->ReadOnlyFd();
+  ASSERT_TRUE(ro.ok()) << ro.status();
+  EXPECT_NE(::ftruncate(ro->get(), 0), 0);
+  EXPECT_FALSE(Mapping::Map(ro->get(), 1 << 16, /*writable=*/true).ok());
+  auto view = Mapping::Map(ro->get(), 1 << 16, /*writable=*/false);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ(static_cast<const char*>(view->data())[100], 7);
+}
+
+TEST(SharedSegmentTest, AdoptChecksTheSealAndTheSize) {
+  auto unsealed = CreateMemfd("unsealed", 4096);
+  ASSERT_TRUE(unsealed.ok());
+  EXPECT_EQ(SharedSegment::Adopt(std::move(*unsealed), 4096).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  auto seg = SharedSegment::Create("sized", 8192);
+  ASSERT_TRUE(seg.ok());
+  const int dup = ::fcntl(seg->fd(), F_DUPFD_CLOEXEC, 0);
+  ASSERT_GE(dup, 0);
+  EXPECT_EQ(SharedSegment::Adopt(UniqueFd(dup), 4096).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  const int dup2 = ::fcntl(seg->fd(), F_DUPFD_CLOEXEC, 0);
+  auto adopted = SharedSegment::Adopt(UniqueFd(dup2), 8192);
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  static_cast<char*>(adopted->data())[5] = 9;
+  EXPECT_EQ(static_cast<char*>(seg->data())[5], 9);
+}
+
+// A filesystem too small for the reservation: refused up front, naming its size, instead of
+// a SIGBUS at the first touch of a page it cannot hold.
+TEST(ReserveMemoryTest, ASmallTmpfsIsResourceExhaustedNamingItsSize) {
+  char dir[] = "/tmp/ulysses-reserve.XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  if (::mount("tmpfs", dir, "tmpfs", 0, "size=64k") != 0) {
+    ::rmdir(dir);
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root): " << std::strerror(errno);
+  }
+  {
+    UniqueFd fd(::open(StrCat(dir, "/f").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+    ASSERT_TRUE(fd.valid());
+    absl::Status s = ReserveMemory(fd.get(), 1 << 20, "segment test");
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+    EXPECT_NE(s.message().find("65536 bytes"), std::string::npos) << s;
+    EXPECT_TRUE(ReserveMemory(fd.get(), 16 << 10, "segment test").ok());
+  }
+  ::umount(dir);
+  ::rmdir(dir);
 }
 
 }  // namespace

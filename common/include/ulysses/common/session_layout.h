@@ -52,7 +52,7 @@ struct SessionControlBlock {
   uint64_t slot_stride_bytes;
   uint64_t slots_offset_bytes;
   /// Nonzero once the owner's session is gone or broken: every wait on this segment ends with
-  /// ABORTED. Values: kAbortClosed, kAbortClientGone, kAbortCallFailed.
+  /// ABORTED. Values: kAbortClosed, kAbortClientGone, kAbortCallFailed, kAbortPeerGone.
   std::atomic<uint64_t> abort;
   uint64_t reserved[2];
   SlotWords slots[kMaxSlots];
@@ -63,6 +63,8 @@ static_assert(offsetof(SessionControlBlock, slots) == 72);
 inline constexpr uint64_t kAbortClosed = 1;
 inline constexpr uint64_t kAbortClientGone = 2;
 inline constexpr uint64_t kAbortCallFailed = 3;
+/// The daemon of another rank of the group died (its peer link hung up).
+inline constexpr uint64_t kAbortPeerGone = 4;
 
 inline constexpr uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 

@@ -77,6 +77,55 @@ absl::Status SealSize(int fd);
 /// a mapping. Receivers of untrusted memfds check this before mapping them. Thread-safe.
 absl::Status CheckSizeSealed(int fd);
 
+/// Reserves the memory behind the first `size` bytes of `fd` now (fallocate), so that touching
+/// them later cannot fail for want of memory (a page of a full tmpfs or memfd raises SIGBUS in
+/// whoever touches it). `what` names the memory in errors. RESOURCE_EXHAUSTED names the limit
+/// that refused it: the size and free space of a sized filesystem (a /dev/shm mount), or the
+/// memory of the process's cgroup and of the node for a memfd; another errno otherwise.
+/// Thread-safe.
+absl::Status ReserveMemory(int fd, size_t size, std::string_view what);
+
+/// Shared memory that the daemons of one node map and that clients may read: a memfd, never a
+/// name, so nothing in /dev/shm can collide with it or be unlinked under it, and it is gone when
+/// its last descriptor and mapping are. Its memory is reserved when it is made, its size is
+/// sealed (nobody can shrink or grow it, whoever holds a descriptor), and it has mode 0600, so
+/// that a process of another uid holding a read-only descriptor cannot reopen it writable
+/// through /proc. Mapped read-write here.
+///
+/// Move-only. Accessors are safe from any thread.
+class SharedSegment {
+ public:
+  /// Empty segment.
+  SharedSegment() noexcept = default;
+
+  /// A fresh zero-filled segment of `size` bytes; `debug_name` labels it in /proc. Errors:
+  /// INVALID_ARGUMENT naming `size` (zero); ReserveMemory's RESOURCE_EXHAUSTED; the errno of
+  /// memfd_create/fchmod/fcntl/mmap otherwise. Nothing is left behind on failure.
+  static absl::StatusOr<SharedSegment> Create(std::string_view debug_name, size_t size);
+
+  /// Maps a segment another process made (a descriptor received over a socket) read-write,
+  /// after checking that its size is sealed (CheckSizeSealed) and equals `expected_size`:
+  /// FAILED_PRECONDITION naming both sizes otherwise.
+  static absl::StatusOr<SharedSegment> Adopt(UniqueFd fd, size_t expected_size);
+
+  /// A new descriptor of the same memory, open read-only: it cannot be written, resized or mapped
+  /// writable (mmap PROT_WRITE fails with EACCES). For a process that only reads the segment.
+  absl::StatusOr<UniqueFd> ReadOnlyFd() const;
+
+  /// First byte of the read-write mapping, or nullptr when empty.
+  [[nodiscard]] void* data() const noexcept { return mapping_.data(); }
+  /// Size in bytes.
+  [[nodiscard]] size_t size() const noexcept { return mapping_.size(); }
+  /// The read-write descriptor (owned; -1 when empty). Lend it only to trusted processes.
+  [[nodiscard]] int fd() const noexcept { return fd_.get(); }
+
+ private:
+  SharedSegment(UniqueFd fd, Mapping mapping) noexcept
+      : fd_(std::move(fd)), mapping_(std::move(mapping)) {}
+  UniqueFd fd_;
+  Mapping mapping_;
+};
+
 /// A named POSIX shared-memory object (shm_open), mapped read-write, for segments shared between
 /// daemons. The creator owns the name: it unlinks the name on destruction unless Unlink() or
 /// ReleaseName() was called. An opener never unlinks on destruction. The mapping is unmapped on

@@ -195,4 +195,9 @@ class FrameReader {
 /// naming `fd` when it is not an open descriptor. Thread-safe.
 absl::StatusOr<bool> WaitReadable(int fd, int timeout_ms);
 
+/// Whether the other end of stream socket `sock` closed (or shut down its writing side), without
+/// waiting and without reading: true once nothing more can arrive. Data still queued does not
+/// count. INVALID_ARGUMENT naming `fd` when it is not an open descriptor. Thread-safe.
+absl::StatusOr<bool> HungUp(int sock);
+
 }  // namespace ulysses::ipc
