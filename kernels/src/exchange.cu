@@ -119,6 +119,30 @@ absl::Status LaunchCopyViewToContiguous(ConstView src, const int64_t shape[4], i
   return LaunchPlan(plan, stream);
 }
 
+absl::Status LaunchBlock(const ExchangeShape& shape, const BlockOperands& ops, int src, int dst,
+                         void* out_dst, cudaStream_t stream) {
+  ULY_ASSIGN_OR_RETURN(const internal::BlockPlans b,
+                       internal::PlanBlock(shape, ops, src, dst, out_dst));
+  for (int i = 0; i < b.count; ++i) ULY_RETURN_IF_ERROR(LaunchPlan(b.plans[i], stream));
+  return absl::OkStatus();
+}
+
+absl::Status LaunchPackBlock(const ExchangeShape& shape, const BlockOperands& ops, int src,
+                             int dst, void* packed, cudaStream_t stream) {
+  ULY_ASSIGN_OR_RETURN(const internal::BlockPlans b,
+                       internal::PlanPackBlock(shape, ops, src, dst, packed));
+  for (int i = 0; i < b.count; ++i) ULY_RETURN_IF_ERROR(LaunchPlan(b.plans[i], stream));
+  return absl::OkStatus();
+}
+
+absl::Status LaunchUnpackBlock(const ExchangeShape& shape, const BlockOperands& ops, int src,
+                               int dst, const void* packed, void* out_dst, cudaStream_t stream) {
+  ULY_ASSIGN_OR_RETURN(const internal::BlockPlans b,
+                       internal::PlanUnpackBlock(shape, ops, src, dst, packed, out_dst));
+  for (int i = 0; i < b.count; ++i) ULY_RETURN_IF_ERROR(LaunchPlan(b.plans[i], stream));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int> CudaDeviceCount() {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);

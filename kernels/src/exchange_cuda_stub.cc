@@ -43,6 +43,21 @@ absl::Status LaunchCopyViewToContiguous(ConstView, const int64_t[4], int32_t, vo
   return NoCuda();
 }
 
+absl::Status LaunchBlock(const ExchangeShape&, const BlockOperands&, int, int, void*,
+                         cudaStream_t) {
+  return NoCuda();
+}
+
+absl::Status LaunchPackBlock(const ExchangeShape&, const BlockOperands&, int, int, void*,
+                             cudaStream_t) {
+  return NoCuda();
+}
+
+absl::Status LaunchUnpackBlock(const ExchangeShape&, const BlockOperands&, int, int, const void*,
+                               void*, cudaStream_t) {
+  return NoCuda();
+}
+
 absl::StatusOr<int> CudaDeviceCount() { return 0; }
 
 }  // namespace ulysses::kernels

@@ -230,6 +230,134 @@ absl::StatusOr<RowCopyPlan> PlanCopyViewToContiguous(ConstView src, const int64_
                          itemsize});
 }
 
+namespace {
+
+// A packed block's rows back to back in row-major order of the plan's grid; the head-chunk
+// scatter's parts follow each other. Byte coefficients of `p`'s rows in that form.
+void PackedCoefs(const RowCopyPlan& p, int64_t coef[4]) {
+  coef[3] = p.units_per_row * p.unit_bytes;
+  coef[2] = p.extent[3] * coef[3];
+  coef[1] = p.extent[2] * coef[2];
+  coef[0] = p.extent[1] * coef[1];
+}
+
+int64_t PackedPlanBytes(const RowCopyPlan& p) { return p.rows * p.units_per_row * p.unit_bytes; }
+
+absl::Status CheckPacked(const void* packed) {
+  ULY_RETURN_IF_ERROR(CheckPointer("packed", packed));
+  if (!Aligned(packed)) return absl::InvalidArgumentError("packed: must be 16-byte aligned");
+  return absl::OkStatus();
+}
+
+// The unpack plans replace the source side, so the source views only need to be valid: the
+// contiguous layout of what each kind reads stands in for the remote rank's view.
+BlockOperands StandInSources(const ExchangeShape& shape, const BlockOperands& ops,
+                             const void* data) {
+  const int64_t d = shape.head_dim;
+  int64_t n1 = shape.seq_local, n2 = shape.heads;  // x, q, k, v: [B, S_l, H, D]
+  if (ops.kind == BlockKind::kGatherHeads) {
+    n1 = GlobalSeq(shape);
+    n2 = LocalHeads(shape);
+  } else if (ops.kind == BlockKind::kGatherOutputHeadChunk) {
+    n1 = GlobalSeq(shape);
+    n2 = ops.head_count;
+  }
+  BlockOperands out = ops;
+  for (ConstView& v : out.inputs) v = ContiguousConstView(data, n1, n2, d);
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<BlockPlans> PlanBlock(const ExchangeShape& shape, const BlockOperands& ops,
+                                     int src, int dst, void* out_dst) {
+  BlockPlans out;
+  switch (ops.kind) {
+    case BlockKind::kScatterHeads: {
+      ULY_ASSIGN_OR_RETURN(out.plans[0],
+                           PlanScatterHeadsBlock(shape, ops.inputs[0], src, dst, out_dst));
+      out.count = 1;
+      return out;
+    }
+    case BlockKind::kGatherHeads: {
+      ULY_ASSIGN_OR_RETURN(out.plans[0],
+                           PlanGatherHeadsBlock(shape, ops.inputs[0], src, dst, out_dst));
+      out.count = 1;
+      return out;
+    }
+    case BlockKind::kScatterQkvHeadChunk: {
+      for (int part = 0; part < 3; ++part) {
+        ULY_ASSIGN_OR_RETURN(out.plans[part], PlanScatterQkvHeadChunkPart(
+                                                  shape, ops.inputs[part], part, ops.head_offset,
+                                                  ops.head_count, src, dst, out_dst));
+      }
+      out.count = 3;
+      return out;
+    }
+    case BlockKind::kGatherOutputHeadChunk: {
+      ULY_ASSIGN_OR_RETURN(out.plans[0], PlanGatherOutputHeadChunkBlock(
+                                             shape, ops.inputs[0], ops.head_count, src, dst, out_dst));
+      out.count = 1;
+      return out;
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("kind: unknown block kind ", static_cast<int32_t>(ops.kind)));
+}
+
+absl::StatusOr<int64_t> PackedBlockBytes(const ExchangeShape& shape, const BlockOperands& ops) {
+  ULY_RETURN_IF_ERROR(CheckShape(shape));
+  const int64_t rows = shape.batch * shape.seq_local;
+  const int64_t row = int64_t{shape.head_dim} * shape.itemsize;
+  switch (ops.kind) {
+    case BlockKind::kScatterHeads:
+    case BlockKind::kGatherHeads:
+      return rows * LocalHeads(shape) * row;
+    case BlockKind::kScatterQkvHeadChunk:
+      ULY_RETURN_IF_ERROR(CheckHeadBand(shape, ops.head_offset, ops.head_count));
+      return 3 * rows * ops.head_count * row;
+    case BlockKind::kGatherOutputHeadChunk:
+      ULY_RETURN_IF_ERROR(CheckHeadBand(shape, 0, ops.head_count));
+      return rows * ops.head_count * row;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("kind: unknown block kind ", static_cast<int32_t>(ops.kind)));
+}
+
+absl::StatusOr<BlockPlans> PlanPackBlock(const ExchangeShape& shape, const BlockOperands& ops,
+                                         int src, int dst, void* packed) {
+  ULY_RETURN_IF_ERROR(CheckPacked(packed));
+  // Planned into `packed` as if it were the destination's buffer, then the destination side
+  // is replaced by the packed rows. A vector plan stays valid: packed rows are multiples of
+  // its row bytes, which are multiples of 16.
+  ULY_ASSIGN_OR_RETURN(BlockPlans out, PlanBlock(shape, ops, src, dst, packed));
+  int64_t at = 0;
+  for (int i = 0; i < out.count; ++i) {
+    RowCopyPlan& p = out.plans[i];
+    p.dst = static_cast<char*>(packed) + at;
+    PackedCoefs(p, p.dst_coef);
+    p.dst_unit_step = p.unit_bytes;
+    at += PackedPlanBytes(p);
+  }
+  return out;
+}
+
+absl::StatusOr<BlockPlans> PlanUnpackBlock(const ExchangeShape& shape, const BlockOperands& ops,
+                                           int src, int dst, const void* packed, void* out_dst) {
+  ULY_RETURN_IF_ERROR(CheckPacked(packed));
+  ULY_ASSIGN_OR_RETURN(BlockPlans out,
+                       PlanBlock(shape, StandInSources(shape, ops, packed), src, dst, out_dst));
+  int64_t at = 0;
+  for (int i = 0; i < out.count; ++i) {
+    RowCopyPlan& p = out.plans[i];
+    p.src = static_cast<const char*>(packed) + at;
+    PackedCoefs(p, p.src_coef);
+    p.src_unit_step = p.unit_bytes;
+    at += PackedPlanBytes(p);
+  }
+  return out;
+}
+
 void RunPlanOnHost(const RowCopyPlan& plan) {
   const auto* src = static_cast<const char*>(plan.src);
   auto* dst = static_cast<char*>(plan.dst);
@@ -243,3 +371,11 @@ void RunPlanOnHost(const RowCopyPlan& plan) {
 }
 
 }  // namespace ulysses::kernels::internal
+
+namespace ulysses::kernels {
+
+absl::StatusOr<int64_t> PackedBlockBytes(const ExchangeShape& shape, const BlockOperands& ops) {
+  return internal::PackedBlockBytes(shape, ops);
+}
+
+}  // namespace ulysses::kernels

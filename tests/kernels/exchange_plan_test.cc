@@ -181,6 +181,95 @@ TEST_P(ExchangePlanTest, HeadChunkPlansMatchRefs) {
   }
 }
 
+// A transport that moves blocks as flat bytes packs each block on its source and unpacks it on
+// its destination; the destination's buffer must end exactly as the direct block plan leaves
+// it, whichever unit width each side runs (the misaligned variant packs element-wise and
+// unpacks with 16-byte units).
+TEST_P(ExchangePlanTest, PackedBlocksUnpackToTheDirectBlock) {
+  const ExchangeShape sh = Shape();
+  const int32_t hl = static_cast<int32_t>(LocalHeads(sh));
+  const int32_t offset = hl > 2 ? 1 : 0;
+  const int32_t count = hl > 2 ? hl - 2 : hl;
+  struct alignas(16) Chunk {
+    uint8_t bytes[16];
+  };
+  for (const Variant& variant : kVariants) {
+    SCOPED_TRACE(VariantName(variant));
+    const HostView x = MakeView(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize, 71);
+    const HostView y =
+        MakeView(variant, sh.batch, GlobalSeq(sh), hl, sh.head_dim, sh.itemsize, 72);
+    const HostView k = MakeView(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize, 73);
+    const HostView v = MakeView(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize, 74);
+    const HostView o = MakeView(variant, sh.batch, GlobalSeq(sh), count, sh.head_dim, sh.itemsize, 75);
+    const int64_t full = sh.batch * sh.seq_local * sh.heads * sh.head_dim * sh.itemsize;
+    struct Case {
+      BlockOperands ops;
+      int64_t out_bytes;
+    };
+    const Case cases[] = {
+        {{BlockKind::kScatterHeads, {x.view(), x.view(), x.view()}, 0, 0}, full},
+        {{BlockKind::kGatherHeads, {y.view(), y.view(), y.view()}, 0, 0}, full},
+        {{BlockKind::kScatterQkvHeadChunk, {x.view(), k.view(), v.view()}, offset, count},
+         sh.batch * GlobalSeq(sh) * count * 3 * sh.head_dim * sh.itemsize},
+        {{BlockKind::kGatherOutputHeadChunk, {o.view(), o.view(), o.view()}, offset, count},
+         sh.batch * sh.seq_local * sh.world * count * sh.head_dim * sh.itemsize},
+    };
+    for (const Case& c : cases) {
+      SCOPED_TRACE(static_cast<int>(c.ops.kind));
+      auto bytes = internal::PackedBlockBytes(sh, c.ops);
+      ASSERT_TRUE(bytes.ok()) << bytes.status();
+      ASSERT_EQ(*bytes * sh.world, c.out_bytes);
+      const auto before = testing::RandomBytes(c.out_bytes, 76);
+      for (int src = 0; src < sh.world; ++src) {
+        for (int dst = 0; dst < sh.world; ++dst) {
+          auto direct = before;
+          auto via_packed = before;
+          auto plans = internal::PlanBlock(sh, c.ops, src, dst, direct.data());
+          ASSERT_TRUE(plans.ok()) << plans.status();
+          for (int i = 0; i < plans->count; ++i) internal::RunPlanOnHost(plans->plans[i]);
+          // One chunk past the block, which the pack must not touch.
+          std::vector<Chunk> packed(static_cast<size_t>(*bytes / 16 + 2));
+          std::memset(packed.data(), 0xA5, packed.size() * sizeof(Chunk));
+          auto pack = internal::PlanPackBlock(sh, c.ops, src, dst, packed.data());
+          ASSERT_TRUE(pack.ok()) << pack.status();
+          for (int i = 0; i < pack->count; ++i) internal::RunPlanOnHost(pack->plans[i]);
+          const auto* tail = reinterpret_cast<const uint8_t*>(packed.data()) + *bytes;
+          for (int64_t i = 0; i < 16; ++i) ASSERT_EQ(tail[i], 0xA5) << "byte " << i << " past the block";
+          auto unpack =
+              internal::PlanUnpackBlock(sh, c.ops, src, dst, packed.data(), via_packed.data());
+          ASSERT_TRUE(unpack.ok()) << unpack.status();
+          for (int i = 0; i < unpack->count; ++i) internal::RunPlanOnHost(unpack->plans[i]);
+          ASSERT_EQ(via_packed, direct) << "src " << src << " dst " << dst;
+        }
+      }
+    }
+  }
+}
+
+TEST(PackedBlockTest, MisalignedPackedBufferIsRefusedByName) {
+  const ExchangeShape sh{2, 1, 4, 8, 64, 2};
+  struct alignas(16) Chunk {
+    uint8_t bytes[16];
+  };
+  std::vector<Chunk> x(static_cast<size_t>(4 * 8 * 64 * 2 / 16)), packed(x.size() + 1);
+  const BlockOperands ops{BlockKind::kScatterHeads,
+                          {ContiguousConstView(x.data(), 4, 8, 64)},
+                          0,
+                          0};
+  auto* off = reinterpret_cast<uint8_t*>(packed.data()) + 2;
+  auto pack = internal::PlanPackBlock(sh, ops, 0, 1, off);
+  ASSERT_FALSE(pack.ok());
+  EXPECT_EQ(pack.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(pack.status().message().find("packed"), std::string::npos) << pack.status();
+  auto unpack = internal::PlanUnpackBlock(sh, ops, 0, 1, off, x.data());
+  ASSERT_FALSE(unpack.ok());
+  EXPECT_NE(unpack.status().message().find("packed"), std::string::npos) << unpack.status();
+  BlockOperands bad = ops;
+  bad.kind = static_cast<BlockKind>(9);
+  EXPECT_EQ(internal::PackedBlockBytes(sh, bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_P(ExchangePlanTest, CopyPlansMatchRefs) {
   const ExchangeShape sh = Shape();
   const int64_t shape[4] = {sh.batch, sh.seq_local, sh.heads, sh.head_dim};

@@ -84,6 +84,26 @@ constexpr MutView ContiguousMutView(void* data, int64_t n1, int64_t n2, int64_t 
   return MutView{data, {n1 * n2 * n3, n2 * n3, n3, 1}};
 }
 
+/// Which exchange a block belongs to (the four exchanges of the block references below).
+enum class BlockKind : int32_t {
+  kScatterHeads = 0,
+  kGatherHeads = 1,
+  kScatterQkvHeadChunk = 2,
+  kGatherOutputHeadChunk = 3,
+};
+
+/// One rank's operands of an exchange, for the launchers that take any kind of block
+/// (exchange_cuda.h). `inputs[0]` is x (scatter_heads), y (gather_heads) or x_src
+/// (gather_output_head_chunk); the head-chunk scatter reads q, k and v from inputs[0..2]. The
+/// head band is read by the head-chunk kinds only.
+struct BlockOperands {
+  BlockKind kind;
+  ConstView inputs[3];
+  int32_t head_offset;
+  int32_t head_count;
+};
+static_assert(std::is_trivially_copyable_v<BlockOperands>);
+
 // ---------------------------------------------------------------------------------------
 // Block references. A "block" is the piece that source rank `src` contributes to
 // destination rank `dst`. Each function writes ONLY that block of its output buffer, so the

@@ -58,6 +58,27 @@ absl::Status LaunchCopyContiguousToView(const void* src, const int64_t shape[4],
 absl::Status LaunchCopyViewToContiguous(ConstView src, const int64_t shape[4], int32_t itemsize,
                                         void* dst, cudaStream_t stream);
 
+/// Block (src, dst) of any kind (exchange.h BlockKind) into destination `dst`'s buffer
+/// `out_dst`: the matching Launch*Block above.
+absl::Status LaunchBlock(const ExchangeShape& shape, const BlockOperands& ops, int src, int dst,
+                         void* out_dst, cudaStream_t stream);
+
+/// Bytes of one block of `ops` in packed form (equal for every (src, dst) pair): the block's
+/// rows back to back, in the order the block launcher visits them (for the head-chunk scatter,
+/// every q row, then every k row, then every v row). Host-only; built without CUDA too.
+absl::StatusOr<int64_t> PackedBlockBytes(const ExchangeShape& shape, const BlockOperands& ops);
+
+/// Packs block (src, dst) of this rank's `ops` into `packed` (16-byte aligned, at least
+/// PackedBlockBytes bytes), for a transport that moves blocks as flat bytes.
+absl::Status LaunchPackBlock(const ExchangeShape& shape, const BlockOperands& ops, int src,
+                             int dst, void* packed, cudaStream_t stream);
+
+/// Stores a block that rank `src` packed for `dst` (LaunchPackBlock) into `out_dst` exactly
+/// where LaunchBlock would have: the receive buffer ends bit-identical. Reads the kind and head
+/// band of `ops`, not its inputs (they are the source's).
+absl::Status LaunchUnpackBlock(const ExchangeShape& shape, const BlockOperands& ops, int src,
+                               int dst, const void* packed, void* out_dst, cudaStream_t stream);
+
 /// Number of CUDA devices visible to this process. 0, not an error, when there is no device or
 /// no driver (so tests can skip); INTERNAL for any other runtime failure.
 absl::StatusOr<int> CudaDeviceCount();
