@@ -90,7 +90,8 @@ void RemoveRunDir(const std::string& dir) {
 absl::StatusOr<DaemonProcess> StartDaemon(const std::string& ulyssesd, const std::string& dir,
                                           int device, const std::string& backend,
                                           const std::vector<std::string>& extra_args,
-                                          absl::Duration timeout) {
+                                          absl::Duration timeout,
+                                          const std::vector<std::string>& env) {
   const std::string socket = StrCat(dir, "/gpu", device, ".sock");
   const std::string ready = StrCat(dir, "/gpu", device, ".ready");
   const std::string log = StrCat(dir, "/gpu", device, ".log");
@@ -101,6 +102,21 @@ absl::StatusOr<DaemonProcess> StartDaemon(const std::string& ulyssesd, const std
   std::vector<std::string> args = {ulyssesd, "--device", std::to_string(cuda_device), "--socket",
                                    socket, "--backend", backend, "--ready-file", ready};
   args.insert(args.end(), extra_args.begin(), extra_args.end());
+  // The child's environment, made before fork (the child of a threaded process must not
+  // allocate): this process's, with `env` replacing variables of the same name.
+  std::vector<std::string> environment = env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const std::string_view name = entry.substr(0, entry.find('=') + 1);
+    if (std::none_of(env.begin(), env.end(), [&](const std::string& v) { return v.starts_with(name); }))
+      environment.emplace_back(entry);
+  }
+  std::vector<char*> envp;
+  for (auto& e : environment) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
   pid_t pid = ::fork();
   if (pid < 0) return ErrnoError("fork", errno);
   if (pid == 0) {
@@ -109,11 +125,8 @@ absl::StatusOr<DaemonProcess> StartDaemon(const std::string& ulyssesd, const std
       ::dup2(fd, 2);
       ::close(fd);
     }
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    ::execv(argv[0], argv.data());
-    if (std::strchr(argv[0], '/') == nullptr) ::execvp(argv[0], argv.data());
+    ::execve(argv[0], argv.data(), envp.data());
+    if (std::strchr(argv[0], '/') == nullptr) ::execvpe(argv[0], argv.data(), envp.data());
     // Into the log, which the parent shows: why the program did not start.
     const std::string why = StrCat("cannot run ", args[0], ": ", std::strerror(errno), "\n");
     (void)!::write(2, why.data(), why.size());

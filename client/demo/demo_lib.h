@@ -40,11 +40,13 @@ class DaemonProcess {
 };
 
 /// Starts `ulyssesd --device N --socket DIR/gpuN.sock --backend B --ready-file ...` and waits
-/// for its ready file (bounded by `timeout`).
+/// for its ready file (bounded by `timeout`). `env` ("NAME=value") is added to the daemon's
+/// environment only.
 absl::StatusOr<DaemonProcess> StartDaemon(const std::string& ulyssesd, const std::string& dir,
                                           int device, const std::string& backend,
                                           const std::vector<std::string>& extra_args = {},
-                                          absl::Duration timeout = absl::Seconds(30));
+                                          absl::Duration timeout = absl::Seconds(30),
+                                          const std::vector<std::string>& env = {});
 
 /// Finds a sibling program (same folder as the running executable), else `name` on PATH.
 std::string SiblingProgram(const std::string& name);

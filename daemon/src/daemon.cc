@@ -155,14 +155,12 @@ absl::Status Daemon::Start() {
 }
 
 // `auto` takes the GPU backend when this build has CUDA and the device works, else the host
-// backend; a forced backend that cannot run refuses to start, naming why.
+// backend; a forced backend that cannot run refuses to start, naming why. `nccl` runs only
+// when asked for (auto never picks it yet: every daemon of a group must run the same backend).
 absl::Status Daemon::ChooseBackend() {
   const std::string& want = config_.backend;
   // Every backend lends its session segments to the node's other daemons through it.
   ULY_RETURN_IF_ERROR(peer_exports_.Start(config_.socket + ".peer"));
-  if (want == "nccl")
-    return absl::FailedPreconditionError(
-        "backend: 'nccl' is not available in this build yet; use nvlink, host or auto");
   if (want == "host") {
     backend_impl_ = MakeHostBackend();
     backend_reason_ = "requested host";
@@ -170,21 +168,28 @@ absl::Status Daemon::ChooseBackend() {
     // Load every kernel module when the context is made: a lazily loaded kernel's first launch
     // waits for the context to go idle, which stream waits can make never happen.
     ::setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
+    const bool nccl = want == "nccl";
     absl::Status cuda = absl::OkStatus();
     if (ipc::cuda::DeviceCount() == 0)
       cuda = absl::FailedPreconditionError(ipc::cuda::Built() ? "no CUDA device is visible"
                                                               : "this build has no CUDA support");
     if (cuda.ok()) {
       absl::StatusOr<std::unique_ptr<Backend>> gpu = MakeCudaBackend(config_.device, &peer_exports_);
+      if (gpu.ok() && nccl)
+        gpu = MakeNcclBackend(config_.device, absl::Milliseconds(config_.call_timeout_ms),
+                              std::move(*gpu));
       if (gpu.ok()) backend_impl_ = std::move(*gpu);
       else cuda = gpu.status();
     }
     if (!cuda.ok()) {
-      if (want == "nvlink")
+      if (want == "nvlink" || nccl)
         return absl::FailedPreconditionError(
-            StrCat("backend: 'nvlink' cannot run: ", cuda.message()));
+            StrCat("backend: '", want, "' cannot run: ", cuda.message()));
       backend_impl_ = MakeHostBackend();
       backend_reason_ = StrCat("auto: no GPU backend (", cuda.message(), ")");
+    } else if (nccl) {
+      backend_reason_ = StrCat("requested nccl: blocks packed on device ", config_.device,
+                               " and moved by NCCL (grouped send/recv)");
     } else {
       backend_reason_ = StrCat(want == "auto" ? "auto" : "requested nvlink",
                                ": device memory shared through CUDA VMM fds on device ",

@@ -124,7 +124,7 @@ struct DeviceIdentity {
 class Backend {
  public:
   virtual ~Backend() = default;
-  /// "host" or "nvlink".
+  /// "host", "nvlink" or "nccl".
   virtual std::string_view name() const = 0;
   /// Whether receive slots live in the control segment (host) or apart (device memory).
   virtual bool slots_in_segment() const = 0;
@@ -151,5 +151,13 @@ class FdExports;
 /// The GPU backend on `device` (symmetric device memory shared through VMM fds, the CUDA
 /// exchange kernels). FAILED_PRECONDITION when this build or machine has no usable GPU.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* exports);
+
+/// The NCCL backend on `device`: receive slots in device memory that only this daemon and its
+/// client map; each call packs the blocks, moves them with grouped ncclSend/ncclRecv and unpacks
+/// them into the slot. Client buffers go through `device_backend` (MakeCudaBackend's). Waits on
+/// NCCL inside a call are bounded by `call_timeout`. FAILED_PRECONDITION when this build has no
+/// NCCL.
+absl::StatusOr<std::unique_ptr<Backend>> MakeNcclBackend(int device, absl::Duration call_timeout,
+                                                         std::unique_ptr<Backend> device_backend);
 
 }  // namespace ulysses::daemon

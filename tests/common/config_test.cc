@@ -152,19 +152,6 @@ TEST(DaemonConfigTest, BadBackendNamed) {
   }
 }
 
-TEST(DaemonConfigTest, KnownBackendThisBuildCannotRunIsRefusedUpFront) {
-  // The same verdict --check-config gives and start-up would give.
-  for (std::string_view backend : kBackendNames) {
-    if (std::find(kRunnableBackends.begin(), kRunnableBackends.end(), backend) !=
-        kRunnableBackends.end())
-      continue;
-    EXPECT_THAT(ParseDaemonConfig(StrCat(R"({"backend": ")", backend, "\"}"), 0),
-                StatusIs(kInvalid, AllOf(HasSubstr("backend (--backend): '"),
-                                         HasSubstr("not available in this build"))))
-        << backend;
-  }
-}
-
 TEST(DaemonConfigTest, MessagesNameTheFlagOfAKey) {
   EXPECT_THAT(ParseDaemonConfig(R"({"timeouts": {"call_ms": 0}})", 0),
               StatusIs(kInvalid, HasSubstr("timeouts.call_ms (--call-timeout-ms): must be > 0, "

@@ -96,7 +96,7 @@ def ulyssesd_usage(ulyssesd: str) -> None:
         (["--call-timeout-ms", "0"], "--call-timeout-ms"),
         (["--call-timeout-ms", "-5"], "--call-timeout-ms"),
         (["--metrics-address", "::1:0"], "--metrics-address"),
-        (["--backend", "nccl"], "--backend"),
+        (["--backend", "gloo"], "--backend"),
         (["--bogus"], "--bogus"),
     ]:
         r = run([ulyssesd, *args])

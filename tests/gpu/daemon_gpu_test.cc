@@ -7,8 +7,8 @@
 #include <thread>
 
 #include "cluster_util.h"
-#include "demo_lib.h"
 #include "gtest/gtest.h"
+#include "gpu_workload.h"
 #include "ulysses/client/client.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/cuda_memory.h"
@@ -25,68 +25,26 @@ class GpuCluster : public testing_util::ClusterTest {
   }
 };
 
-struct Shape {
-  int world;
-  int batch;
-  int seq_local;
-  int heads_per_rank;
-  int head_dim;
-  DType dtype;
-  std::vector<int32_t> schedule;
-};
+using testing_util::WorkloadShape;
 
-std::string Name(const testing::TestParamInfo<Shape>& p) {
-  const Shape& s = p.param;
-  return StrCat("W", s.world, "_B", s.batch, "_S", s.seq_local, "_Hl", s.heads_per_rank, "_D",
-                s.head_dim, "_", DTypeName(s.dtype));
-}
+class GpuSemantics : public GpuCluster, public testing::WithParamInterface<WorkloadShape> {};
 
-class GpuSemantics : public GpuCluster, public testing::WithParamInterface<Shape> {};
-
-// The demo's workload on device memory: scatter_heads, gather_heads (out=), the head-chunk
-// path over an uneven schedule with strided q/k/v views, merged into a NaN-filled output.
+// The demo's workload on device memory (gpu_workload.h).
 TEST_P(GpuSemantics, EveryOpBitExact) {
-  const Shape& sh = GetParam();
-  Start(sh.world);
-  std::vector<demo::RankReport> reports(sh.world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < sh.world; ++r) {
-    threads.emplace_back([&, r] {
-      demo::Workload w;
-      w.members = Members(sh.world);
-      w.socket = w.members[r];
-      w.world_size = sh.world;
-      w.rank = r;
-      w.group = "gpu";
-      w.backend = "nvlink";
-      w.batch = sh.batch;
-      w.seq_local = sh.seq_local;
-      w.num_heads = sh.heads_per_rank * sh.world;
-      w.head_dim = sh.head_dim;
-      w.dtype = sh.dtype;
-      w.schedule = sh.schedule;
-      w.iterations = 2;
-      reports[r] = demo::RunRank(w);
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const auto& rep : reports) {
-    EXPECT_TRUE(rep.ok) << "rank " << rep.rank << ": " << rep.error;
-    EXPECT_EQ(rep.backend, "nvlink");
-    EXPECT_GT(rep.checks, 0);
-  }
+  Start(GetParam().world);
+  testing_util::RunWorkloadOnEveryRank(Members(GetParam().world), GetParam(), "nvlink");
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GpuSemantics,
-    testing::Values(Shape{1, 1, 64, 8, 128, DType::kBFloat16, {}},
-                    Shape{2, 2, 200, 14, 128, DType::kBFloat16, {2, 10, 2}},
-                    Shape{2, 1, 33, 6, 64, DType::kFloat16, {1, 4, 1}},
-                    Shape{4, 2, 17, 28, 128, DType::kBFloat16, {7, 14, 7}},
-                    Shape{4, 1, 9, 3, 3, DType::kFloat32, {1, 1, 1}},   // scalar path, odd D
-                    Shape{8, 1, 16, 4, 128, DType::kBFloat16, {1, 2, 1}},
-                    Shape{8, 2, 5, 2, 96, DType::kFloat32, {2}}),
-    Name);
+    testing::Values(WorkloadShape{1, 1, 64, 8, 128, DType::kBFloat16, {}},
+                    WorkloadShape{2, 2, 200, 14, 128, DType::kBFloat16, {2, 10, 2}},
+                    WorkloadShape{2, 1, 33, 6, 64, DType::kFloat16, {1, 4, 1}},
+                    WorkloadShape{4, 2, 17, 28, 128, DType::kBFloat16, {7, 14, 7}},
+                    WorkloadShape{4, 1, 9, 3, 3, DType::kFloat32, {1, 1, 1}},   // scalar path, odd D
+                    WorkloadShape{8, 1, 16, 4, 128, DType::kBFloat16, {1, 2, 1}},
+                    WorkloadShape{8, 2, 5, 2, 96, DType::kFloat32, {2}}),
+    testing_util::WorkloadName);
 
 // Device tensors from cudaMalloc handed over by CUDA IPC; a freed and re-made allocation at the
 // same address must be registered afresh, never confused with the old one.

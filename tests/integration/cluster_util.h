@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -61,7 +62,8 @@ class ClusterTest : public ::testing::Test {
     ASSERT_TRUE(dir.ok()) << dir.status();
     dir_ = *dir;
     for (int r = 0; r < n; ++r) {
-      auto d = demo::StartDaemon(UlyssesdPath(), dir_, r, backend_, extra);
+      auto d = demo::StartDaemon(UlyssesdPath(), dir_, r, backend_, extra, absl::Seconds(30),
+                                 env_ ? env_(r) : std::vector<std::string>{});
       ASSERT_TRUE(d.ok()) << d.status();
       daemons_.push_back(std::move(*d));
     }
@@ -76,6 +78,8 @@ class ClusterTest : public ::testing::Test {
   std::unique_ptr<v1::Admin::Stub> Admin(int r) { return AdminStub(daemons_[r].socket()); }
 
   std::string backend_ = "host";  // what Start asks every daemon for
+  /// Extra environment ("NAME=value") of rank r's daemon, when set.
+  std::function<std::vector<std::string>(int)> env_;
 
   v1::DaemonState State(int r) {
     v1::DaemonState st;

@@ -13,6 +13,7 @@
 #include "nlohmann/json.hpp"
 #include "ulysses/client/client.h"
 #include "ulysses/common/strings.h"
+#include "ulysses/ipc/cuda_memory.h"
 #include "ulysses/ipc/shm.h"
 #include "ulysses/ipc/unix_socket.h"
 #include "ulysses/v1/admin.grpc.pb.h"
@@ -356,6 +357,36 @@ TEST_F(Cluster, UnavailableDaemonIsAClearError) {
   auto c = client::Client::Connect({"/tmp/ulysses-no-such-daemon.sock", "x", absl::Milliseconds(200)});
   EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("no ulyssesd answers"));
+}
+
+// A daemon forced onto the nccl backend where it cannot run (no GPU, or a build without NCCL)
+// refuses to start and names the backend and why; a host daemon asked for an nccl group says
+// which backend it runs instead. The same verdict on every rank, before any rendezvous.
+TEST_F(Cluster, NcclWhereItCannotRunIsAClearFailedPrecondition) {
+  if (ipc::cuda::DeviceCount() > 0 && ULYSSES_TEST_HAVE_NCCL)
+    GTEST_SKIP() << "this machine runs the nccl backend (tests/gpu cover it)";
+  auto dir = demo::MakeRunDir();
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  auto d = demo::StartDaemon(testing_util::UlyssesdPath(), *dir, 0, "nccl");
+  demo::RemoveRunDir(*dir);
+  ASSERT_FALSE(d.ok()) << "ulyssesd --backend nccl started without a GPU or NCCL";
+  EXPECT_THAT(std::string(d.status().message()), HasSubstr("backend: 'nccl' cannot run: "));
+
+  Start(2);
+  std::vector<absl::StatusOr<client::Group>> groups(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      auto c = client::Client::Connect({Members(2)[r], "nccl", absl::Seconds(10)});
+      if (!c.ok()) return void(groups[r] = c.status());
+      groups[r] = (*c)->JoinGroup({"nccl", 2, r, Members(2), "nccl", 2000});
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(groups[r].status().code(), absl::StatusCode::kFailedPrecondition) << groups[r].status();
+    EXPECT_THAT(std::string(groups[r].status().message()),
+                HasSubstr("backend: 'nccl' is not available: this daemon runs the host backend"));
+  }
 }
 
 TEST_F(Cluster, SigtermStopsTheDaemonCleanly) {

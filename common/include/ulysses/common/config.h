@@ -52,7 +52,8 @@ inline constexpr std::array<std::string_view, 4> kBackendNames = {"auto", "host"
 /// The backends this build's daemon runs (`auto` resolves among them). A name in
 /// kBackendNames but not here is refused by ValidateDaemonConfig, so that --check-config,
 /// the flags and start-up give one verdict. A backend joins this list when it lands.
-inline constexpr std::array<std::string_view, 3> kRunnableBackends = {"auto", "host", "nvlink"};
+inline constexpr std::array<std::string_view, 4> kRunnableBackends = {"auto", "host", "nccl",
+                                                                     "nvlink"};
 
 /// A TCP endpoint as the config writes it: `HOST:PORT`, HOST a name or an IPv4 address, or an
 /// IPv6 address in brackets (`[::1]:9500`).

@@ -1,0 +1,381 @@
+// The NCCL backend ("nccl"): for groups whose daemons cannot map each other's device memory.
+// Each rank's receive slots are one CUDA VMM allocation on its GPU that only this daemon and
+// its client map. A call packs this rank's block for every peer into a send staging buffer,
+// moves the blocks with one group of ncclSend/ncclRecv, and unpacks what arrived into the
+// local slot with the same destination-side plans the nvlink kernels store with, so the slot
+// ends bit-identical. Client buffers are the GPU backend's (CUDA IPC, VMM). Built only with
+// CUDA and NCCL.
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/escaping.h"
+#include "call_views.h"
+#include "transport.h"
+#include "ulysses/common/logging.h"
+#include "ulysses/common/session_layout.h"
+#include "ulysses/common/status.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/cuda_memory.h"
+#include "ulysses/kernels/exchange_cuda.h"
+
+namespace ulysses::daemon {
+namespace {
+
+absl::Status CudaStatus(const char* what, cudaError_t err) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(
+      StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+}
+
+// A peer that went away or failed shows up as a remote or system error of the communicator:
+// that is the group's failure (ABORTED), not this daemon's.
+absl::Status NcclStatus(const char* what, ncclResult_t r, ncclComm_t comm) {
+  if (r == ncclSuccess) return absl::OkStatus();
+  const char* last = comm != nullptr ? ncclGetLastError(comm) : nullptr;
+  std::string msg = StrCat(what, ": ", ncclGetErrorString(r),
+                           last != nullptr && *last != '\0' ? StrCat(" (", last, ")") : "");
+  if (r == ncclRemoteError || r == ncclSystemError) return absl::AbortedError(std::move(msg));
+  return absl::InternalError(std::move(msg));
+}
+
+absl::Status UseDevice(int device) { return CudaStatus("cudaSetDevice", cudaSetDevice(device)); }
+
+// Slots and staged blocks are 256-byte aligned (the pack and unpack kernels need 16).
+constexpr uint64_t kAlign = 256;
+std::string HandlePrefix(int rank) { return StrCat("nccl|", rank, "|"); }
+
+std::string NcclVersion() {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return "unknown";
+  return StrCat(v / 10000, ".", v / 100 % 100, ".", v % 100);
+}
+
+// Spins briefly, then sleeps: the waits below poll a stream and a communicator.
+void Pause(int round) {
+  if (round < 64) std::this_thread::yield();
+  else std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
+
+class NcclTransport final : public Transport {
+ public:
+  static absl::StatusOr<std::unique_ptr<Transport>> Create(int device, absl::Duration call_timeout,
+                                                           const TransportSetup& setup) {
+    if (setup.fused)
+      return absl::UnimplementedError(
+          "kind: the nccl backend does not run qkv_norm_rope_exchange sessions; use the nvlink "
+          "backend, or the per-operator ops (scatter_qkv_head_chunk) on nccl");
+    ULY_RETURN_IF_ERROR(UseDevice(device));
+    std::unique_ptr<NcclTransport> t(new NcclTransport(device, call_timeout, setup));
+    const int W = setup.geometry.world_size;
+    t->stride_ = AlignUp(setup.slot_bytes, kAlign);
+    ULY_ASSIGN_OR_RETURN(t->slots_, ipc::cuda::VmmMapping::Create(
+                                        device, t->stride_ * setup.geometry.num_slots));
+    ULY_ASSIGN_OR_RETURN(t->client_fd_, t->slots_.Export());
+    if (W > 1) {
+      // Every op's slot holds W equal blocks, so a block is at most slot_bytes / W. Staging is
+      // made once here: a call allocates nothing.
+      t->block_capacity_ = AlignUp((setup.slot_bytes + W - 1) / W, kAlign);
+      ULY_ASSIGN_OR_RETURN(t->send_, ipc::cuda::VmmMapping::Create(device, t->block_capacity_ * W));
+      ULY_ASSIGN_OR_RETURN(t->recv_, ipc::cuda::VmmMapping::Create(device, t->block_capacity_ * W));
+    }
+    cudaStream_t stream = nullptr;
+    ULY_RETURN_IF_ERROR(
+        CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)));
+    t->stream_ = stream;
+    if (setup.geometry.rank == 0)
+      ULY_RETURN_IF_ERROR(NcclStatus("ncclGetUniqueId", ncclGetUniqueId(&t->id_), nullptr));
+    return std::unique_ptr<Transport>(std::move(t));
+  }
+
+  ~NcclTransport() override {
+    (void)UseDevice(device_);
+    // Abort, never destroy: destroying waits for the peers, which may be gone. Abort also ends
+    // any NCCL kernel still on the stream, so the synchronize below returns.
+    AbortComm();
+    if (stream_ != nullptr) {
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
+  }
+
+  // nccl|<rank>|<unique id, hex> (rank 0), nccl|<rank>| (the others): rank 0's id reaches every
+  // rank through the session rendezvous.
+  std::string LocalHandle() const override {
+    const int rank = setup_.geometry.rank;
+    return StrCat(HandlePrefix(rank),
+                  rank == 0 ? absl::BytesToHexString(absl::string_view(id_.internal, sizeof id_.internal))
+                            : std::string());
+  }
+
+  absl::Status Connect(const std::vector<std::string>& handles,
+                       const std::vector<uint8_t*>& peer_segments,
+                       absl::Duration timeout) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    const int W = setup_.geometry.world_size;
+    const int me = setup_.geometry.rank;
+    for (int r = 0; r < W; ++r) {
+      if (r != me && handles[r].rfind(HandlePrefix(r), 0) != 0)
+        return absl::FailedPreconditionError(
+            StrCat("rank ", r, " runs another backend (slot handle '", handles[r].substr(0, 64),
+                   "'); every rank of an nccl group must run nccl"));
+    }
+    if (me != 0) {
+      const std::string hex = handles[0].substr(HandlePrefix(0).size());
+      if (hex.size() != 2 * sizeof id_.internal ||
+          !std::all_of(hex.begin(), hex.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); }))
+        return absl::FailedPreconditionError("rank 0 sent a malformed NCCL unique id");
+      const std::string bytes = absl::HexStringToBytes(hex);
+      std::memcpy(id_.internal, bytes.data(), sizeof id_.internal);
+    }
+    own_abort_ = &reinterpret_cast<SessionControlBlock*>(setup_.own_segment)->abort;
+    peer_abort_.assign(W, nullptr);
+    for (int r = 0; r < W; ++r)
+      if (r != me) peer_abort_[r] = &reinterpret_cast<SessionControlBlock*>(peer_segments[r])->abort;
+    // Non-blocking init: a rank that never joins ends in DEADLINE_EXCEEDED here, not a hang.
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t r = ncclCommInitRankConfig(&comm_, W, id_, me, &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      absl::Status s = NcclStatus("ncclCommInitRankConfig", r, comm_);
+      AbortComm();
+      return s;
+    }
+    return WaitComm("ncclCommInitRank (every rank joining the communicator)", absl::Now() + timeout);
+  }
+
+  absl::Status Push(const CallPlan&, const CallOperands&, int, int) override {
+    return absl::InternalError("the nccl transport moves every block of a call at once");
+  }
+
+  bool PushesAtOnce(const CallPlan&) const override { return true; }
+
+  // Pack every peer's block, one NCCL group of sends and receives, unpack every peer's block
+  // into the slot; this rank's own block goes straight into its slot. All on the session's
+  // stream, in that order; Flush waits for it.
+  absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot,
+                       uint64_t) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    if (comm_ == nullptr) return absl::FailedPreconditionError("the NCCL communicator is gone");
+    deadline_ = absl::Now() + call_timeout_;
+    ULY_ASSIGN_OR_RETURN(const kernels::BlockOperands bops, BlockOperandsOf(plan, ops));
+    const kernels::ExchangeShape shape = ShapeOf(setup_.geometry, plan);
+    const int W = setup_.geometry.world_size;
+    const int me = setup_.geometry.rank;
+    uint8_t* out = Slot(slot);
+    ULY_RETURN_IF_ERROR(kernels::LaunchBlock(shape, bops, me, me, out, stream_));
+    if (W == 1) return absl::OkStatus();
+    ULY_ASSIGN_OR_RETURN(const int64_t bytes, kernels::PackedBlockBytes(shape, bops));
+    if (static_cast<uint64_t>(bytes) > block_capacity_)
+      return absl::InternalError(StrCat("a block of ", bytes, " bytes exceeds the staging of ",
+                                        block_capacity_, " bytes per rank"));
+    for (int k = 1; k < W; ++k) {
+      const int dst = (me + k) % W;
+      ULY_RETURN_IF_ERROR(kernels::LaunchPackBlock(shape, bops, me, dst, Staged(send_, dst), stream_));
+    }
+    ULY_RETURN_IF_ERROR(NcclStatus("ncclGroupStart", ncclGroupStart(), comm_));
+    for (int k = 1; k < W; ++k) {
+      const int peer = (me + k) % W;
+      const size_t n = static_cast<size_t>(bytes);
+      ncclResult_t r = ncclSend(Staged(send_, peer), n, ncclUint8, peer, comm_, stream_);
+      if (r == ncclSuccess || r == ncclInProgress)
+        r = ncclRecv(Staged(recv_, peer), n, ncclUint8, peer, comm_, stream_);
+      if (r != ncclSuccess && r != ncclInProgress) {
+        (void)ncclGroupEnd();
+        return Fail(NcclStatus("ncclSend/ncclRecv", r, comm_));
+      }
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    if (end != ncclSuccess && end != ncclInProgress) return Fail(NcclStatus("ncclGroupEnd", end, comm_));
+    // A non-blocking communicator may still be enqueuing: nothing else goes on the stream
+    // before it is done.
+    ULY_RETURN_IF_ERROR(WaitComm("ncclGroupEnd", deadline_));
+    for (int k = 1; k < W; ++k) {
+      const int src = (me + k) % W;
+      ULY_RETURN_IF_ERROR(kernels::LaunchUnpackBlock(shape, bops, src, me, Staged(recv_, src), out, stream_));
+    }
+    return absl::OkStatus();
+  }
+
+  // Waits for the call's kernels and transfers, bounded by the call timeout; ends early when
+  // NCCL reports a failure or this or a peer's session aborts. Any failure aborts the
+  // communicator, which ends NCCL's kernels, so the stream never stays blocked.
+  absl::Status Flush() override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    for (int round = 0;; ++round) {
+      const cudaError_t e = cudaStreamQuery(stream_);
+      if (e == cudaSuccess) return absl::OkStatus();
+      if (e != cudaErrorNotReady) return Fail(CudaStatus("cudaStreamQuery", e));
+      if (comm_ != nullptr) {
+        ncclResult_t state = ncclSuccess;
+        const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+        if (r != ncclSuccess) return Fail(NcclStatus("ncclCommGetAsyncError", r, comm_));
+        if (state != ncclSuccess && state != ncclInProgress)
+          return Fail(NcclStatus("NCCL", state, comm_));
+      }
+      ULY_RETURN_IF_ERROR(Interrupted("the call's transfers", deadline_));
+      Pause(round);
+    }
+  }
+
+  absl::Status Finish(const CallPlan& plan, const CallOperands& ops, int slot) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    const uint8_t* data = Slot(slot);
+    if (plan.op == OpKind::kGatherOutputHeadChunk) {
+      ULY_RETURN_IF_ERROR(kernels::LaunchGatherOutputHeadChunkMerge(
+          ShapeOf(setup_.geometry, plan), data, plan.head_offset, plan.head_count,
+          OutView(plan, ops), stream_));
+    } else if (plan.has_out) {
+      ULY_RETURN_IF_ERROR(kernels::LaunchCopyContiguousToView(
+          data, plan.out_shape.data(), setup_.geometry.itemsize(), OutView(plan, ops), stream_));
+    } else {
+      return absl::OkStatus();
+    }
+    return SyncLocal();
+  }
+
+  absl::Status Poison(int slot) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    ULY_RETURN_IF_ERROR(CudaStatus(
+        "cudaMemsetAsync", cudaMemsetAsync(Slot(slot), 0xff, setup_.slot_bytes, stream_)));
+    return SyncLocal();
+  }
+
+  uint64_t SlotOffset(int slot) const override { return stride_ * static_cast<uint64_t>(slot); }
+  ClientSlotMapping ClientMapping() const override {
+    return ClientSlotMapping{client_fd_.get(), slots_.size(), true};
+  }
+  // The slots, as on nvlink (what the slot budget charged); the staging shows in the
+  // daemon's device allocation counters.
+  uint64_t DeviceBytes() const override { return slots_.size(); }
+  std::string Describe() const override {
+    return StrCat("nccl: NCCL ", NcclVersion(), ", communicator of ", setup_.geometry.world_size,
+                  " ranks on device ", device_,
+                  "; per call: pack kernels (one per peer) into send staging, one group of "
+                  "ncclSend/ncclRecv, unpack kernels into the slot; the own block is stored "
+                  "straight into the slot");
+  }
+
+ private:
+  NcclTransport(int device, absl::Duration call_timeout, const TransportSetup& setup)
+      : device_(device), call_timeout_(call_timeout), setup_(setup) {}
+
+  uint8_t* Slot(int slot) const { return static_cast<uint8_t*>(slots_.data()) + SlotOffset(slot); }
+  uint8_t* Staged(const ipc::cuda::VmmMapping& m, int rank) const {
+    return static_cast<uint8_t*>(m.data()) + block_capacity_ * static_cast<uint64_t>(rank);
+  }
+
+  // ABORTED when this session or a peer's is gone; DEADLINE_EXCEEDED past `deadline`. Either
+  // aborts the communicator.
+  absl::Status Interrupted(const char* what, absl::Time deadline) {
+    const uint64_t own = own_abort_ != nullptr ? own_abort_->load(std::memory_order_acquire) : 0;
+    if (own == kAbortPeerGone)
+      return Fail(absl::AbortedError(
+          StrCat("a peer rank's daemon is gone (its peer link hung up) while waiting for ", what)));
+    if (own != 0) return Fail(absl::AbortedError(StrCat("session closed while waiting for ", what)));
+    for (size_t r = 0; r < peer_abort_.size(); ++r)
+      if (peer_abort_[r] != nullptr && peer_abort_[r]->load(std::memory_order_acquire) != 0)
+        return Fail(absl::AbortedError(
+            StrCat("rank ", r, " aborted the group (its session is gone or broken)")));
+    if (absl::Now() >= deadline)
+      return Fail(absl::DeadlineExceededError(StrCat("timed out waiting for ", what)));
+    return absl::OkStatus();
+  }
+
+  // Polls the communicator until its pending operation (init, group end) is done.
+  absl::Status WaitComm(const char* what, absl::Time deadline) {
+    for (int round = 0;; ++round) {
+      if (comm_ == nullptr) return absl::FailedPreconditionError("the NCCL communicator is gone");
+      ncclResult_t state = ncclInProgress;
+      const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+      if (r != ncclSuccess) return Fail(NcclStatus(what, r, comm_));
+      if (state == ncclSuccess) return absl::OkStatus();
+      if (state != ncclInProgress) return Fail(NcclStatus(what, state, comm_));
+      ULY_RETURN_IF_ERROR(Interrupted(what, deadline));
+      Pause(round);
+    }
+  }
+
+  // Local kernels only (copy out, merge, poison): they end on their own. A failed call's NCCL
+  // kernels were ended by the abort that failed it.
+  absl::Status SyncLocal() {
+    return CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(stream_));
+  }
+
+  absl::Status Fail(absl::Status why) {
+    AbortComm();
+    return why;
+  }
+
+  void AbortComm() {
+    if (comm_ == nullptr) return;
+    if (ncclResult_t r = ncclCommAbort(comm_); r != ncclSuccess)
+      Logger("exec")->warn("ncclCommAbort: {}", ncclGetErrorString(r));
+    comm_ = nullptr;
+  }
+
+  const int device_;
+  const absl::Duration call_timeout_;
+  const TransportSetup setup_;
+  uint64_t stride_ = 0;
+  ipc::cuda::VmmMapping slots_;  // this rank's slots; only its client maps them too
+  ipc::UniqueFd client_fd_;
+  // Staging, W blocks of block_capacity_ bytes each, indexed by peer rank: send_[dst] is this
+  // rank's packed block for dst, recv_[src] the block src sent here. Empty at W = 1.
+  uint64_t block_capacity_ = 0;
+  ipc::cuda::VmmMapping send_;
+  ipc::cuda::VmmMapping recv_;
+  cudaStream_t stream_ = nullptr;
+  ncclUniqueId id_{};        // rank 0's, generated in Create; the others' from its handle
+  ncclComm_t comm_ = nullptr;
+  absl::Time deadline_ = absl::InfinitePast();
+  const std::atomic<uint64_t>* own_abort_ = nullptr;           // this session's abort word
+  std::vector<const std::atomic<uint64_t>*> peer_abort_;       // index = rank
+};
+
+// Client buffers, MPS and identity are the GPU backend's (`device`); sessions are NCCL's.
+class NcclBackend final : public Backend {
+ public:
+  NcclBackend(int device, absl::Duration call_timeout, std::unique_ptr<Backend> device_backend)
+      : device_(device), call_timeout_(call_timeout), gpu_(std::move(device_backend)) {}
+
+  std::string_view name() const override { return "nccl"; }
+  bool slots_in_segment() const override { return false; }
+  absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransportSetup& setup) override {
+    return NcclTransport::Create(device_, call_timeout_, setup);
+  }
+  absl::StatusOr<std::shared_ptr<Buffer>> AllocBuffer(uint64_t bytes) override {
+    return gpu_->AllocBuffer(bytes);
+  }
+  absl::StatusOr<std::shared_ptr<Buffer>> ImportIpcBuffer(const std::string& handle,
+                                                          uint64_t size_bytes) override {
+    return gpu_->ImportIpcBuffer(handle, size_bytes);
+  }
+  // NCCL picks a transport for any pair of devices (peer access, host memory, network).
+  absl::StatusOr<bool> CanReach(int) const override { return true; }
+  std::string_view mps_mode() const override { return gpu_->mps_mode(); }
+  DeviceIdentity identity() const override { return gpu_->identity(); }
+
+ private:
+  const int device_;
+  const absl::Duration call_timeout_;
+  std::unique_ptr<Backend> gpu_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeNcclBackend(int device, absl::Duration call_timeout,
+                                                         std::unique_ptr<Backend> device_backend) {
+  int version = 0;
+  ULY_RETURN_IF_ERROR(NcclStatus("ncclGetVersion", ncclGetVersion(&version), nullptr));
+  Logger("main")->info("device {}: NCCL {} (nccl backend)", device, NcclVersion());
+  return std::unique_ptr<Backend>(
+      new NcclBackend(device, call_timeout, std::move(device_backend)));
+}
+
+
+}  // namespace ulysses::daemon

@@ -1,0 +1,11 @@
+// Without CUDA or NCCL there is no nccl backend; `--backend nccl` refuses to start.
+#include "transport.h"
+
+namespace ulysses::daemon {
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeNcclBackend(int, absl::Duration,
+                                                         std::unique_ptr<Backend>) {
+  return absl::FailedPreconditionError("this build has no NCCL");
+}
+
+}  // namespace ulysses::daemon

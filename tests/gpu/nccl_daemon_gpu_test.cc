@@ -1,0 +1,232 @@
+// The nccl backend end to end: W ulyssesd processes with `--backend nccl` and real clients. NCCL
+// refuses two ranks on one GPU, so each daemon gets its own NCCL_HOSTID: every rank is then its
+// own host and NCCL moves the blocks over its socket transport (a test mode: correct, not
+// fast). Results are checked bit for bit against the index semantics. Skips without a CUDA
+// device.
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "cluster_util.h"
+#include "gtest/gtest.h"
+#include "gpu_workload.h"
+#include "ulysses/client/client.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/cuda_memory.h"
+
+namespace ulysses {
+namespace {
+
+class NcclCluster : public testing_util::ClusterTest {
+ protected:
+  void SetUp() override {
+    if (ipc::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    backend_ = "nccl";
+    env_ = [](int r) { return std::vector<std::string>{StrCat("NCCL_HOSTID=ulysses-test-", r)}; };
+  }
+
+  // Joins group `name` of `world` ranks from every rank's client at once.
+  std::vector<client::Group> JoinAll(std::vector<std::unique_ptr<client::Client>>& clients,
+                                     const std::string& name) {
+    const int world = static_cast<int>(clients.size());
+    std::vector<absl::StatusOr<client::Group>> groups(world);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r)
+      threads.emplace_back([&, r] {
+        groups[r] = clients[r]->JoinGroup({name, world, r, Members(world), "nccl", 0});
+      });
+    for (auto& t : threads) t.join();
+    std::vector<client::Group> out;
+    for (auto& g : groups) {
+      EXPECT_TRUE(g.ok()) << g.status();
+      if (g.ok()) out.push_back(*g);
+    }
+    return out;
+  }
+
+  std::vector<std::unique_ptr<client::Session>> CreateAll(
+      std::vector<std::unique_ptr<client::Client>>& clients, std::vector<client::Group>& groups,
+      const client::SessionSpec& spec) {
+    const int world = static_cast<int>(clients.size());
+    std::vector<absl::StatusOr<std::unique_ptr<client::Session>>> sessions(world);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r)
+      threads.emplace_back([&, r] { sessions[r] = clients[r]->CreateSession(groups[r], spec); });
+    for (auto& t : threads) t.join();
+    std::vector<std::unique_ptr<client::Session>> out;
+    for (auto& s : sessions) {
+      EXPECT_TRUE(s.ok()) << s.status();
+      if (s.ok()) out.push_back(std::move(*s));
+    }
+    return out;
+  }
+};
+
+using testing_util::WorkloadShape;
+
+class NcclSemantics : public NcclCluster, public testing::WithParamInterface<WorkloadShape> {};
+
+// Every op, bit-exact, through NCCL (gpu_workload.h).
+TEST_P(NcclSemantics, EveryOpBitExact) {
+  Start(GetParam().world);
+  testing_util::RunWorkloadOnEveryRank(Members(GetParam().world), GetParam(), "nccl");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, NcclSemantics,
+    testing::Values(WorkloadShape{1, 1, 64, 8, 128, DType::kBFloat16, {}},
+                    WorkloadShape{2, 2, 200, 14, 128, DType::kBFloat16, {2, 10, 2}},
+                    WorkloadShape{2, 1, 33, 6, 64, DType::kFloat32, {1, 4, 1}},
+                    WorkloadShape{4, 2, 17, 28, 128, DType::kBFloat16, {7, 14, 7}},
+                    WorkloadShape{4, 1, 9, 3, 3, DType::kFloat32, {1, 1, 1}},  // scalar, odd D
+                    WorkloadShape{4, 2, 5, 2, 96, DType::kFloat32, {2}}),
+    testing_util::WorkloadName);
+
+// out= into a strided view: [1, 2S, HL, D] with the token stride doubled, the result is copied
+// there and the slot given back at once.
+TEST_F(NcclCluster, OutCopiesIntoAStridedView) {
+  Start(2);
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int r = 0; r < 2; ++r) clients.push_back(Connect(r, "strided"));
+  auto groups = JoinAll(clients, "strided");
+  ASSERT_EQ(groups.size(), 2u);
+  const int H = 4, D = 32, S = 8, HL = H / 2;
+  auto sessions = CreateAll(clients, groups, {H, D, DType::kFloat32, S, 2, {}, 0});
+  ASSERT_EQ(sessions.size(), 2u);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto fail = [&](const std::string& e) { errors[r] = e; };
+      const size_t n = static_cast<size_t>(S) * H * D;
+      auto x = clients[r]->AllocBuffer(n * 4, "x");
+      auto out = clients[r]->AllocBuffer(2 * n * 4, "out");
+      if (!x.ok() || !out.ok()) return fail("alloc");
+      std::vector<float> xh(n);
+      for (size_t i = 0; i < n; ++i) xh[i] = static_cast<float>(r * 100000 + i);
+      if (!ipc::cuda::Copy(x->data, xh.data(), n * 4).ok()) return fail("upload");
+      if (!ipc::cuda::Fill(out->data, 0xff, 2 * n * 4).ok()) return fail("fill");
+      const std::array<int64_t, 4> strides{2 * S * HL * D * 2, HL * D * 2, D, 1};
+      auto res = sessions[r]->ScatterHeads(x->Ref(), 1, S, out->Ref(0, strides));
+      if (!res.ok()) return fail(res.status().ToString());
+      std::vector<float> outh(2 * n);
+      if (!ipc::cuda::Copy(outh.data(), out->data, 2 * n * 4).ok()) return fail("read out");
+      for (int g = 0; g < 2 * S; ++g)
+        for (int h = 0; h < HL; ++h)
+          for (int d = 0; d < D; ++d) {
+            const int src = g / S, s = g % S;
+            const float want = static_cast<float>(src * 100000 + (s * H + r * HL + h) * D + d);
+            const float have = outh[static_cast<size_t>(g) * HL * D * 2 + h * D + d];
+            if (have != want) return fail(StrCat("out[", g, ",", h, ",", d, "] = ", have));
+          }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
+// Staging is made with the session: calls allocate no device memory, and the daemons' device
+// memory returns to its baseline once the sessions and clients go.
+TEST_F(NcclCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
+  Start(2);
+  uint64_t baseline[2];
+  for (int r = 0; r < 2; ++r) baseline[r] = State(r).device_bytes();
+  std::vector<std::string> errors(2);
+  std::vector<uint64_t> after_first(2), after_many(2);
+  {
+    std::vector<std::unique_ptr<client::Client>> clients;
+    for (int r = 0; r < 2; ++r) clients.push_back(Connect(r, "alloc"));
+    auto groups = JoinAll(clients, "alloc");
+    ASSERT_EQ(groups.size(), 2u);
+    auto sessions = CreateAll(clients, groups, {8, 128, DType::kBFloat16, 256, 2, {}, 0});
+    ASSERT_EQ(sessions.size(), 2u);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        auto x = clients[r]->AllocBuffer(256 * 8 * 128 * 2, "x");
+        auto out = clients[r]->AllocBuffer(2 * 256 * 4 * 128 * 2, "out");
+        if (!x.ok() || !out.ok()) return void(errors[r] = "alloc");
+        for (int i = 0; i < 21; ++i) {
+          auto res = sessions[r]->ScatterHeads(x->Ref(), 1, 256, out->Ref());
+          if (!res.ok()) return void(errors[r] = res.status().ToString());
+          if (i == 0) after_first[r] = State(r).device_allocations();
+        }
+        after_many[r] = State(r).device_allocations();
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_GT(after_first[r], 0u);
+    EXPECT_EQ(after_many[r], after_first[r]) << "rank " << r << " allocated during calls";
+    EXPECT_TRUE(testing_util::Eventually([&] { return State(r).device_bytes() == baseline[r]; }))
+        << "rank " << r << ": " << State(r).device_bytes() << " bytes held, baseline "
+        << baseline[r];
+  }
+}
+
+// Both ranks call in a loop and rank 1's daemon is killed while they do, so rank 0's call is
+// caught anywhere in its protocol, NCCL transfer included: it ends with ABORTED or
+// DEADLINE_EXCEEDED within the call timeout, and the survivor keeps serving new sessions.
+TEST_F(NcclCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
+  Start(2, {"--call-timeout-ms", "3000"});
+  std::vector<std::unique_ptr<client::Client>> clients;
+  clients.push_back(Connect(0, "survivor"));
+  clients.push_back(Connect(1, "victim"));
+  auto groups = JoinAll(clients, "kill");
+  ASSERT_EQ(groups.size(), 2u);
+  // 8 MiB per rank: each call spends a while in NCCL's socket transfer.
+  const int S = 2048, H = 16, D = 128;
+  const client::SessionSpec spec{H, D, DType::kBFloat16, S, 2, {}, 0};
+  auto sessions = CreateAll(clients, groups, spec);
+  ASSERT_EQ(sessions.size(), 2u);
+  auto x = clients[0]->AllocBuffer(static_cast<uint64_t>(S) * H * D * 2, "x");
+  auto out = clients[0]->AllocBuffer(static_cast<uint64_t>(S) * H * D * 2, "out");
+  ASSERT_TRUE(x.ok() && out.ok());
+  std::atomic<int> calls{0};
+  std::atomic<bool> done{false};
+  absl::Status failure;
+  absl::Duration took;
+  std::thread victim([&] {
+    auto x = clients[1]->AllocBuffer(static_cast<uint64_t>(S) * H * D * 2, "x");
+    auto out = clients[1]->AllocBuffer(static_cast<uint64_t>(S) * H * D * 2, "out");
+    if (!x.ok() || !out.ok()) return;
+    for (int i = 0; i < 100000; ++i) {
+      auto res = sessions[1]->ScatterHeads(x->Ref(), 1, S, out->Ref());
+      if (!res.ok()) return;
+    }
+  });
+  std::thread killer([&] {
+    while (calls.load() < 3 && !done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    daemons_[1].Kill();
+  });
+  for (int i = 0; i < 100000; ++i) {
+    const absl::Time t0 = absl::Now();
+    auto res = sessions[0]->ScatterHeads(x->Ref(), 1, S, out->Ref());
+    if (!res.ok()) {
+      failure = res.status();
+      took = absl::Now() - t0;
+      break;
+    }
+    calls.fetch_add(1);
+  }
+  done.store(true);
+  killer.join();
+  victim.join();
+  ASSERT_FALSE(failure.ok()) << "rank 0's calls never failed";
+  EXPECT_TRUE(failure.code() == absl::StatusCode::kDeadlineExceeded ||
+              failure.code() == absl::StatusCode::kAborted)
+      << failure;
+  EXPECT_LT(took, absl::Seconds(20)) << "the call waited " << took;
+  auto solo = clients[0]->JoinGroup({"solo", 1, 0, {Members(2)[0]}, "nccl", 0});
+  ASSERT_TRUE(solo.ok()) << solo.status();
+  auto s = clients[0]->CreateSession(*solo, spec);
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto ok = (*s)->ScatterHeads(x->Ref(), 1, S, out->Ref());
+  EXPECT_TRUE(ok.ok()) << ok.status();
+}
+
+}  // namespace
+}  // namespace ulysses
