@@ -155,8 +155,9 @@ absl::Status Daemon::Start() {
 }
 
 // `auto` takes the GPU backend when this build has CUDA and the device works, else the host
-// backend; a forced backend that cannot run refuses to start, naming why. `nccl` runs only
-// when asked for (auto never picks it yet: every daemon of a group must run the same backend).
+// backend; a forced backend that cannot run refuses to start, naming why. An `auto` daemon on
+// nvlink also makes the nccl backend when it can, which JoinGroup picks for a group whose
+// devices cannot all map each other's memory.
 absl::Status Daemon::ChooseBackend() {
   const std::string& want = config_.backend;
   // Every backend lends its session segments to the node's other daemons through it.
@@ -194,6 +195,15 @@ absl::Status Daemon::ChooseBackend() {
       backend_reason_ = StrCat(want == "auto" ? "auto" : "requested nvlink",
                                ": device memory shared through CUDA VMM fds on device ",
                                config_.device);
+      if (want == "auto") {
+        absl::StatusOr<std::unique_ptr<Backend>> alt =
+            MakeCudaBackend(config_.device, &peer_exports_);
+        if (alt.ok())
+          alt = MakeNcclBackend(config_.device, absl::Milliseconds(config_.call_timeout_ms),
+                                std::move(*alt));
+        if (alt.ok()) nccl_impl_ = std::move(*alt);
+        else Logger("main")->info("no nccl backend beside nvlink: {}", std::string(alt.status().message()));
+      }
     }
   }
   backend_ = std::string(backend_impl_->name());

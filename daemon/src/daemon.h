@@ -49,6 +49,7 @@ struct Group {
   std::vector<std::string> members;
   std::string backend;
   std::string backend_reason;
+  Backend* impl = nullptr;  ///< the daemon's backend that runs it (Daemon::backend_impl or nccl_backend)
   uint64_t owner_client = 0;
   std::atomic<uint64_t> sessions_created{0};  // collective counter: same on every rank
 };
@@ -127,6 +128,9 @@ class Daemon {
   /// Why this backend runs (the probe's verdict, or the flag that forced it).
   const std::string& backend_reason() const { return backend_reason_; }
   Backend& backend_impl() { return *backend_impl_; }
+  /// An nvlink daemon started with `auto` also holds the nccl backend, for groups whose
+  /// devices cannot all map each other's memory; null otherwise.
+  Backend* nccl_backend() { return nccl_impl_.get(); }
 
   // --- used by the services ---
   absl::StatusOr<std::shared_ptr<ClientRecord>> Authenticate(const grpc::ServerContext* ctx);
@@ -230,6 +234,7 @@ class Daemon {
   std::string backend_reason_;
   FdExports peer_exports_;  // declared before backend_impl_: the backend lends through it
   std::unique_ptr<Backend> backend_impl_;
+  std::unique_ptr<Backend> nccl_impl_;  // see nccl_backend()
   absl::Time started_;
   std::atomic<uint64_t> next_id_{1};
   std::atomic<bool> draining_{false};

@@ -7,6 +7,7 @@
 #include "daemon.h"
 #include "ulysses/ipc/cuda_memory.h"
 #include "nlohmann/json.hpp"
+#include "ulysses/common/backend_choice.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
@@ -414,7 +415,8 @@ class ControlService final : public v1::Control::Service {
     if (requested != "auto" && requested != "host" && requested != "nccl" && requested != "nvlink")
       return absl::InvalidArgumentError(
           StrCat("backend: '", requested, "' is not one of auto, host, nccl, nvlink"));
-    if (requested != "auto" && requested != d_->backend())
+    Backend* const nccl = d_->nccl_backend();
+    if (requested != "auto" && requested != d_->backend() && !(requested == "nccl" && nccl))
       return absl::FailedPreconditionError(StrCat("backend: '", requested,
                                                   "' is not available: this daemon runs the ",
                                                   d_->backend(), " backend (",
@@ -425,40 +427,38 @@ class ControlService final : public v1::Control::Service {
                                          " members=[", members, "] backend=", requested);
     const absl::Duration timeout =
         absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : d_->config().peer_timeout_ms);
-    // Payload: this daemon's backend and device, so that every rank can check it reaches
-    // every other rank's device.
-    const std::string mine = StrCat(d_->backend(), ":", d_->config().device);
+    // Payload: this daemon's backend (and whether it also runs nccl) and device, so that every
+    // rank reaches the same verdict on the group's backend (ChooseGroupBackend).
+    const std::string mine = EncodeOffer({d_->backend(), nccl != nullptr, d_->config().device});
     ULY_ASSIGN_OR_RETURN(std::vector<std::string> payloads,
                          d_->rendezvous_client().Rendezvous(
                              req.members(0), StrCat("join/", req.name()), req.world_size(),
                              req.rank(), agreement, mine, timeout));
-    // Every rank resolved the same backend, or the group cannot form.
-    std::string reason;
+    std::vector<BackendOffer> offers;
     for (size_t r = 0; r < payloads.size(); ++r) {
-      const size_t colon = payloads[r].rfind(':');
-      const std::string backend = payloads[r].substr(0, colon);
-      if (backend != d_->backend())
-        return absl::FailedPreconditionError(StrCat("backend: rank ", r, " runs '", backend,
-                                                    "', this rank '", d_->backend(), "'"));
-      int device = -1;
-      if (colon == std::string::npos || !absl::SimpleAtoi(payloads[r].substr(colon + 1), &device))
-        return absl::FailedPreconditionError(StrCat("rank ", r, " sent a malformed join payload"));
-      ULY_ASSIGN_OR_RETURN(bool reach, d_->backend_impl().CanReach(device));
-      if (!reach)
-        return absl::FailedPreconditionError(StrCat(
-            "backend: ", d_->backend(), " cannot reach rank ", r, "'s device ", device,
-            " from device ", d_->config().device, " (no peer access)"));
+      ULY_ASSIGN_OR_RETURN(BackendOffer offer, DecodeOffer(payloads[r], static_cast<int>(r)));
+      offers.push_back(std::move(offer));
     }
+    // Every process on the node can tell whether any two devices map each other's memory, so
+    // every rank judges every pair alike.
+    const DeviceReach reach = [](int32_t from, int32_t to) -> absl::StatusOr<bool> {
+      if (from == to) return true;
+      const int n = ipc::cuda::DeviceCount();
+      if (from < 0 || to < 0 || from >= n || to >= n) return false;
+      return ipc::cuda::CanAccessPeer(to, from);
+    };
+    ULY_ASSIGN_OR_RETURN(const BackendVerdict verdict, ChooseGroupBackend(requested, offers, reach));
     auto g = std::make_shared<Group>();
     g->id = d_->NextId();
     g->name = req.name();
     g->world_size = req.world_size();
     g->rank = req.rank();
     g->members.assign(req.members().begin(), req.members().end());
-    g->backend = d_->backend();
-    g->backend_reason = StrCat(requested == "auto" ? "auto: " : "requested: ",
-                               "every rank's daemon runs ", d_->backend(), " (",
-                               d_->backend_reason(), ")");
+    g->backend = verdict.backend;
+    const bool own = verdict.backend == d_->backend();
+    g->impl = own ? &d_->backend_impl() : nccl;
+    g->backend_reason =
+        own ? StrCat(verdict.reason, " (", d_->backend_reason(), ")") : verdict.reason;
     g->owner_client = c.id;
     {
       std::lock_guard<std::mutex> lock(c.mu);
@@ -481,7 +481,8 @@ class ControlService final : public v1::Control::Service {
     // rank gets the same verdict at once, and every rank's session counter (the key) moves on.
     SessionGeometry geo;
     std::optional<FusedSessionArgs> fused;
-    absl::Status local = SessionArgsFromRequest(req, *g, d_->backend_impl(), &geo, &fused);
+    Backend& backend = g->impl != nullptr ? *g->impl : d_->backend_impl();
+    absl::Status local = SessionArgsFromRequest(req, *g, backend, &geo, &fused);
     if (d_->draining()) local = absl::UnavailableError("daemon is draining; no new sessions");
     std::string agreement;
     if (fused) agreement = FusedAgreement(fused->geometry, fused->path);
@@ -507,7 +508,7 @@ class ControlService final : public v1::Control::Service {
     }
     uint64_t needed = 0;  // reserved against the slot budget
     if (local.ok()) {
-      const uint64_t bytes = Session::BytesNeeded(geo, d_->backend_impl());
+      const uint64_t bytes = Session::BytesNeeded(geo, backend);
       local = d_->ReserveSlotMemory(bytes);
       if (local.ok()) needed = bytes;
     }
@@ -515,7 +516,7 @@ class ControlService final : public v1::Control::Service {
     if (local.ok()) {
       absl::StatusOr<std::unique_ptr<Session>> created =
           Session::Create(id, g->id, c.id, geo, d_->peer_exports(),
-                          d_->backend_impl(), fused ? &fused_setup : nullptr,
+                          backend, fused ? &fused_setup : nullptr,
                           std::move(weights.buffers));
       if (created.ok()) {
         session = std::move(*created);

@@ -27,13 +27,14 @@ class NcclCluster : public testing_util::ClusterTest {
 
   // Joins group `name` of `world` ranks from every rank's client at once.
   std::vector<client::Group> JoinAll(std::vector<std::unique_ptr<client::Client>>& clients,
-                                     const std::string& name) {
+                                     const std::string& name,
+                                     const std::string& backend = "nccl") {
     const int world = static_cast<int>(clients.size());
     std::vector<absl::StatusOr<client::Group>> groups(world);
     std::vector<std::thread> threads;
     for (int r = 0; r < world; ++r)
       threads.emplace_back([&, r] {
-        groups[r] = clients[r]->JoinGroup({name, world, r, Members(world), "nccl", 0});
+        groups[r] = clients[r]->JoinGroup({name, world, r, Members(world), backend, 0});
       });
     for (auto& t : threads) t.join();
     std::vector<client::Group> out;
@@ -226,6 +227,57 @@ TEST_F(NcclCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
   ASSERT_TRUE(s.ok()) << s.status();
   auto ok = (*s)->ScatterHeads(x->Ref(), 1, S, out->Ref());
   EXPECT_TRUE(ok.ok()) << ok.status();
+}
+
+// An `auto` daemon on nvlink holds nccl too: on one GPU every pair of ranks maps each other's
+// memory, so an `auto` group runs nvlink; a group that asks for nccl runs nccl; both give the
+// same bytes, and each group records why it runs its backend.
+TEST_F(NcclCluster, AutoDaemonsRunNvlinkAndNcclWhenAskedFor) {
+  backend_ = "auto";
+  Start(2);
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int r = 0; r < 2; ++r) clients.push_back(Connect(r, "both"));
+  auto via_nvlink = JoinAll(clients, "auto", "auto");
+  auto via_nccl = JoinAll(clients, "asked", "nccl");
+  ASSERT_EQ(via_nvlink.size(), 2u);
+  ASSERT_EQ(via_nccl.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(via_nvlink[r].backend, "nvlink");
+    EXPECT_NE(via_nvlink[r].backend_reason.find("every pair of ranks' devices maps"),
+              std::string::npos)
+        << via_nvlink[r].backend_reason;
+    EXPECT_EQ(via_nccl[r].backend, "nccl");
+    EXPECT_EQ(via_nccl[r].backend_reason, "requested nccl: every rank's daemon also runs nccl");
+  }
+  const int H = 8, D = 64, S = 16;
+  const client::SessionSpec spec{H, D, DType::kBFloat16, S, 2, {}, 0};
+  auto nvlink_sessions = CreateAll(clients, via_nvlink, spec);
+  auto nccl_sessions = CreateAll(clients, via_nccl, spec);
+  ASSERT_EQ(nvlink_sessions.size(), 2u);
+  ASSERT_EQ(nccl_sessions.size(), 2u);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      const size_t n = static_cast<size_t>(S) * H * D;
+      auto x = clients[r]->AllocBuffer(n * 2, "x");
+      if (!x.ok()) return void(errors[r] = "alloc");
+      std::vector<uint16_t> xh(n);
+      for (size_t i = 0; i < n; ++i) xh[i] = static_cast<uint16_t>(0x3c00 + (r * 7919 + i) % 1024);
+      if (!ipc::cuda::Copy(x->data, xh.data(), n * 2).ok()) return void(errors[r] = "upload");
+      auto a = nvlink_sessions[r]->ScatterHeads(x->Ref(), 1, S);
+      auto b = nccl_sessions[r]->ScatterHeads(x->Ref(), 1, S);
+      if (!a.ok() || !b.ok()) return void(errors[r] = StrCat(a.status(), " / ", b.status()));
+      std::vector<uint16_t> ah(a->bytes / 2), bh(b->bytes / 2);
+      if (a->bytes != b->bytes || !ipc::cuda::Copy(ah.data(), a->data, a->bytes).ok() ||
+          !ipc::cuda::Copy(bh.data(), b->data, b->bytes).ok())
+        return void(errors[r] = "read");
+      if (ah != bh) errors[r] = "nvlink and nccl results differ";
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
 }
 
 }  // namespace
