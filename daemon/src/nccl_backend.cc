@@ -55,10 +55,17 @@ std::string NcclVersion() {
   return StrCat(v / 10000, ".", v / 100 % 100, ".", v % 100);
 }
 
+bool IsHex(std::string_view s) {
+  return std::all_of(s.begin(), s.end(),
+                     [](char c) { return std::isxdigit(static_cast<unsigned char>(c)) != 0; });
+}
+
 // Spins briefly, then sleeps: the waits below poll a stream and a communicator.
 void Pause(int round) {
-  if (round < 64) std::this_thread::yield();
-  else std::this_thread::sleep_for(std::chrono::microseconds(50));
+  if (round < 64)
+    std::this_thread::yield();
+  else
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
 }
 
 class NcclTransport final : public Transport {
@@ -73,8 +80,8 @@ class NcclTransport final : public Transport {
     std::unique_ptr<NcclTransport> t(new NcclTransport(device, call_timeout, setup));
     const int W = setup.geometry.world_size;
     t->stride_ = AlignUp(setup.slot_bytes, kAlign);
-    ULY_ASSIGN_OR_RETURN(t->slots_, ipc::cuda::VmmMapping::Create(
-                                        device, t->stride_ * setup.geometry.num_slots));
+    ULY_ASSIGN_OR_RETURN(
+        t->slots_, ipc::cuda::VmmMapping::Create(device, t->stride_ * setup.geometry.num_slots));
     ULY_ASSIGN_OR_RETURN(t->client_fd_, t->slots_.Export());
     if (W > 1) {
       // Every op's slot holds W equal blocks, so a block is at most slot_bytes / W. Staging is
@@ -107,9 +114,9 @@ class NcclTransport final : public Transport {
   // rank through the session rendezvous.
   std::string LocalHandle() const override {
     const int rank = setup_.geometry.rank;
-    return StrCat(HandlePrefix(rank),
-                  rank == 0 ? absl::BytesToHexString(absl::string_view(id_.internal, sizeof id_.internal))
-                            : std::string());
+    if (rank != 0) return HandlePrefix(rank);
+    return StrCat(HandlePrefix(0),
+                  absl::BytesToHexString(absl::string_view(id_.internal, sizeof id_.internal)));
   }
 
   absl::Status Connect(const std::vector<std::string>& handles,
@@ -126,8 +133,7 @@ class NcclTransport final : public Transport {
     }
     if (me != 0) {
       const std::string hex = handles[0].substr(HandlePrefix(0).size());
-      if (hex.size() != 2 * sizeof id_.internal ||
-          !std::all_of(hex.begin(), hex.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); }))
+      if (hex.size() != 2 * sizeof id_.internal || !IsHex(hex))
         return absl::FailedPreconditionError("rank 0 sent a malformed NCCL unique id");
       const std::string bytes = absl::HexStringToBytes(hex);
       std::memcpy(id_.internal, bytes.data(), sizeof id_.internal);
@@ -135,7 +141,8 @@ class NcclTransport final : public Transport {
     own_abort_ = &reinterpret_cast<SessionControlBlock*>(setup_.own_segment)->abort;
     peer_abort_.assign(W, nullptr);
     for (int r = 0; r < W; ++r)
-      if (r != me) peer_abort_[r] = &reinterpret_cast<SessionControlBlock*>(peer_segments[r])->abort;
+      if (r != me)
+        peer_abort_[r] = &reinterpret_cast<SessionControlBlock*>(peer_segments[r])->abort;
     // Non-blocking init: a rank that never joins ends in DEADLINE_EXCEEDED here, not a hang.
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
@@ -145,7 +152,8 @@ class NcclTransport final : public Transport {
       AbortComm();
       return s;
     }
-    return WaitComm("ncclCommInitRank (every rank joining the communicator)", absl::Now() + timeout);
+    return WaitComm("ncclCommInitRank (every rank joining the communicator)",
+                    absl::Now() + timeout);
   }
 
   absl::Status Push(const CallPlan&, const CallOperands&, int, int) override {
@@ -157,8 +165,7 @@ class NcclTransport final : public Transport {
   // Pack every peer's block, one NCCL group of sends and receives, unpack every peer's block
   // into the slot; this rank's own block goes straight into its slot. All on the session's
   // stream, in that order; Flush waits for it.
-  absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot,
-                       uint64_t) override {
+  absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot, uint64_t) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     if (comm_ == nullptr) return absl::FailedPreconditionError("the NCCL communicator is gone");
     deadline_ = absl::Now() + call_timeout_;
@@ -175,7 +182,8 @@ class NcclTransport final : public Transport {
                                         block_capacity_, " bytes per rank"));
     for (int k = 1; k < W; ++k) {
       const int dst = (me + k) % W;
-      ULY_RETURN_IF_ERROR(kernels::LaunchPackBlock(shape, bops, me, dst, Staged(send_, dst), stream_));
+      ULY_RETURN_IF_ERROR(
+          kernels::LaunchPackBlock(shape, bops, me, dst, Staged(send_, dst), stream_));
     }
     ULY_RETURN_IF_ERROR(NcclStatus("ncclGroupStart", ncclGroupStart(), comm_));
     for (int k = 1; k < W; ++k) {
@@ -190,13 +198,15 @@ class NcclTransport final : public Transport {
       }
     }
     const ncclResult_t end = ncclGroupEnd();
-    if (end != ncclSuccess && end != ncclInProgress) return Fail(NcclStatus("ncclGroupEnd", end, comm_));
+    if (end != ncclSuccess && end != ncclInProgress)
+      return Fail(NcclStatus("ncclGroupEnd", end, comm_));
     // A non-blocking communicator may still be enqueuing: nothing else goes on the stream
     // before it is done.
     ULY_RETURN_IF_ERROR(WaitComm("ncclGroupEnd", deadline_));
     for (int k = 1; k < W; ++k) {
       const int src = (me + k) % W;
-      ULY_RETURN_IF_ERROR(kernels::LaunchUnpackBlock(shape, bops, src, me, Staged(recv_, src), out, stream_));
+      ULY_RETURN_IF_ERROR(
+          kernels::LaunchUnpackBlock(shape, bops, src, me, Staged(recv_, src), out, stream_));
     }
     return absl::OkStatus();
   }
@@ -240,8 +250,8 @@ class NcclTransport final : public Transport {
 
   absl::Status Poison(int slot) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
-    ULY_RETURN_IF_ERROR(CudaStatus(
-        "cudaMemsetAsync", cudaMemsetAsync(Slot(slot), 0xff, setup_.slot_bytes, stream_)));
+    ULY_RETURN_IF_ERROR(CudaStatus("cudaMemsetAsync",
+                                   cudaMemsetAsync(Slot(slot), 0xff, setup_.slot_bytes, stream_)));
     return SyncLocal();
   }
 
@@ -276,7 +286,8 @@ class NcclTransport final : public Transport {
     if (own == kAbortPeerGone)
       return Fail(absl::AbortedError(
           StrCat("a peer rank's daemon is gone (its peer link hung up) while waiting for ", what)));
-    if (own != 0) return Fail(absl::AbortedError(StrCat("session closed while waiting for ", what)));
+    if (own != 0)
+      return Fail(absl::AbortedError(StrCat("session closed while waiting for ", what)));
     for (size_t r = 0; r < peer_abort_.size(); ++r)
       if (peer_abort_[r] != nullptr && peer_abort_[r]->load(std::memory_order_acquire) != 0)
         return Fail(absl::AbortedError(
@@ -330,11 +341,11 @@ class NcclTransport final : public Transport {
   ipc::cuda::VmmMapping send_;
   ipc::cuda::VmmMapping recv_;
   cudaStream_t stream_ = nullptr;
-  ncclUniqueId id_{};        // rank 0's, generated in Create; the others' from its handle
+  ncclUniqueId id_{};  // rank 0's, generated in Create; the others' from its handle
   ncclComm_t comm_ = nullptr;
   absl::Time deadline_ = absl::InfinitePast();
-  const std::atomic<uint64_t>* own_abort_ = nullptr;           // this session's abort word
-  std::vector<const std::atomic<uint64_t>*> peer_abort_;       // index = rank
+  const std::atomic<uint64_t>* own_abort_ = nullptr;      // this session's abort word
+  std::vector<const std::atomic<uint64_t>*> peer_abort_;  // index = rank
 };
 
 // Client buffers, MPS and identity are the GPU backend's (`device`); sessions are NCCL's.
@@ -373,9 +384,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeNcclBackend(int device, absl::Durat
   int version = 0;
   ULY_RETURN_IF_ERROR(NcclStatus("ncclGetVersion", ncclGetVersion(&version), nullptr));
   Logger("main")->info("device {}: NCCL {} (nccl backend)", device, NcclVersion());
-  return std::unique_ptr<Backend>(
-      new NcclBackend(device, call_timeout, std::move(device_backend)));
+  return std::unique_ptr<Backend>(new NcclBackend(device, call_timeout, std::move(device_backend)));
 }
-
 
 }  // namespace ulysses::daemon

@@ -80,9 +80,10 @@ TEST(GroupBackendTest, NoFallbackWhenARankHasNoNccl) {
 }
 
 TEST(GroupBackendTest, ForcedNvlinkThatCannotReachIsRefused) {
-  EXPECT_THAT(ChooseGroupBackend("nvlink", Offers("nvlink", true, 2), ReachExcept({{0, 1}})).status(),
-              StatusIs(kRefused, HasSubstr("nvlink cannot run this group: rank 1's device 1 "
-                                           "cannot map rank 0's device 0")));
+  EXPECT_THAT(
+      ChooseGroupBackend("nvlink", Offers("nvlink", true, 2), ReachExcept({{0, 1}})).status(),
+      StatusIs(kRefused, HasSubstr("nvlink cannot run this group: rank 1's device 1 "
+                                   "cannot map rank 0's device 0")));
 }
 
 TEST(GroupBackendTest, NcclAskedForRunsOnEveryDaemonThatOffersIt) {
@@ -100,10 +101,12 @@ TEST(GroupBackendTest, RanksOnDifferentBackendsOrAnUnofferedOneAreRefused) {
   offers[1].backend = "host";
   EXPECT_THAT(ChooseGroupBackend("auto", offers, ReachExcept({})).status(),
               StatusIs(kRefused, HasSubstr("rank 1 runs 'host', rank 0 'nvlink'")));
-  EXPECT_THAT(ChooseGroupBackend("nvlink", Offers("host", false, 2), ReachExcept({})).status(),
-              StatusIs(kRefused, HasSubstr("'nvlink' asked for, but every rank's daemon runs host")));
-  EXPECT_THAT(ChooseGroupBackend("host", Offers("nvlink", true, 2), ReachExcept({})).status(),
-              StatusIs(kRefused, HasSubstr("'host' asked for, but every rank's daemon runs nvlink")));
+  EXPECT_THAT(
+      ChooseGroupBackend("nvlink", Offers("host", false, 2), ReachExcept({})).status(),
+      StatusIs(kRefused, HasSubstr("'nvlink' asked for, but every rank's daemon runs host")));
+  EXPECT_THAT(
+      ChooseGroupBackend("host", Offers("nvlink", true, 2), ReachExcept({})).status(),
+      StatusIs(kRefused, HasSubstr("'host' asked for, but every rank's daemon runs nvlink")));
 }
 
 TEST(GroupBackendTest, AReachProbeErrorIsReturned) {

@@ -8,8 +8,8 @@
 #include <thread>
 
 #include "cluster_util.h"
-#include "gtest/gtest.h"
 #include "gpu_workload.h"
+#include "gtest/gtest.h"
 #include "ulysses/client/client.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/cuda_memory.h"
@@ -27,8 +27,7 @@ class NcclCluster : public testing_util::ClusterTest {
 
   // Joins group `name` of `world` ranks from every rank's client at once.
   std::vector<client::Group> JoinAll(std::vector<std::unique_ptr<client::Client>>& clients,
-                                     const std::string& name,
-                                     const std::string& backend = "nccl") {
+                                     const std::string& name, const std::string& backend = "nccl") {
     const int world = static_cast<int>(clients.size());
     std::vector<absl::StatusOr<client::Group>> groups(world);
     std::vector<std::thread> threads;
@@ -200,7 +199,8 @@ TEST_F(NcclCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
     }
   });
   std::thread killer([&] {
-    while (calls.load() < 3 && !done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    while (calls.load() < 3 && !done.load())
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     daemons_[1].Kill();
   });
   for (int i = 0; i < 100000; ++i) {
