@@ -8,6 +8,7 @@ packages=(
   libspdlog-dev libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libcpp-httplib-dev
   patchelf python3-venv systemd  # the deploy tests: tarball RUNPATH, Python venv, systemd-analyze
+  clang-14 libclang-rt-14-dev    # scripts/fuzz.sh and scripts/sanitize.sh: libFuzzer, sanitizers
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -68,7 +68,9 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
   json root;
   try {
     root = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
+    // Malformed text (parse_error), and also a number beyond a double's range (out_of_range),
+    // which the parser throws as a different type.
     return absl::InvalidArgumentError(StrCat("config: not valid JSON: ", e.what()));
   }
   ULY_RETURN_IF_ERROR(CheckKeys(root, "", {"log_level", "backend", "timeouts", "slots",

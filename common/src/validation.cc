@@ -105,7 +105,10 @@ absl::StatusOr<CallPlan> PlanCall(const SessionGeometry& g, const CallArgs& args
     return Invalid("seq", StrCat("S_g=", args.seq, " must be divisible by world_size W=", W));
   p.batch = args.batch;
   p.seq_local = gather ? args.seq / W : args.seq;
-  const int64_t B = p.batch, SL = p.seq_local, SG = SL * W;
+  const int64_t B = p.batch, SL = p.seq_local;
+  int64_t SG = 0;  // S_g = S_l * W, which a huge seq overflows
+  if (MulOverflow(SL, W, &SG))
+    return Invalid("seq", StrCat("S_l=", SL, " times world_size W=", W, " overflows 64 bits"));
   const bool chunk =
       args.op == OpKind::kScatterQkvHeadChunk || args.op == OpKind::kGatherOutputHeadChunk;
   int64_t HC = HL;

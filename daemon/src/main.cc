@@ -8,76 +8,18 @@
 
 #include "CLI/CLI.hpp"
 #include "daemon.h"
+#include "flags.h"
 #include "ulysses/common/cli.h"
 #include "ulysses/common/config.h"
 #include "ulysses/common/logging.h"
 
-namespace {
-
-// Flags that override the config; each applies only when given.
-struct Flags {
-  int device = 0;
-  std::string socket, backend, log_level, ready_file, metrics_address;
-  int64_t call_timeout_ms = 0, peer_timeout_ms = 0, drain_timeout_ms = 0;
-  CLI::Option *backend_opt = nullptr, *log_level_opt = nullptr, *call_opt = nullptr,
-              *peer_opt = nullptr, *drain_opt = nullptr, *metrics_opt = nullptr,
-              *ready_opt = nullptr, *socket_opt = nullptr;
-
-  void ApplyTo(ulysses::DaemonConfig& c) const {
-    c.device = device;
-    if (c.socket.empty()) c.socket = ulysses::DefaultSocketPath(device);
-    if (socket_opt->count()) c.socket = socket;
-    if (backend_opt->count()) c.backend = backend;
-    if (log_level_opt->count()) c.log_level = log_level;
-    if (ready_opt->count()) c.ready_file = ready_file;
-    if (call_opt->count()) c.call_timeout_ms = call_timeout_ms;
-    if (peer_opt->count()) c.peer_timeout_ms = peer_timeout_ms;
-    if (drain_opt->count()) c.drain_timeout_ms = drain_timeout_ms;
-    if (metrics_opt->count()) c.metrics_address = metrics_address;
-  }
-};
-
-}  // namespace
-
 int main(int argc, char** argv) {
   CLI::App app{"ulyssesd: communication daemon for Ulysses sequence parallelism"};
   ulysses::cli::Setup(app);
-  const ulysses::DaemonConfig defaults;
-  Flags f;
-  f.backend = defaults.backend;
-  f.log_level = defaults.log_level;
-  f.call_timeout_ms = defaults.call_timeout_ms;
-  f.peer_timeout_ms = defaults.peer_timeout_ms;
-  f.drain_timeout_ms = defaults.drain_timeout_ms;
+  ulysses::daemon::DaemonFlags f;
   std::string config_path, check_config;
-  app.add_option("--device", f.device, "Device index this daemon serves")
-      ->check(ulysses::cli::IntIn(0, std::numeric_limits<int32_t>::max()));
-  f.socket_opt = app.add_option(
-      "--socket", f.socket,
-      "Control socket path (default: the config's devices[] entry, else /run/ulysses/gpu<N>.sock)");
-  std::string backends;
-  for (std::string_view b : ulysses::kRunnableBackends)
-    backends += (backends.empty() ? "" : " | ") + std::string(b);
-  f.backend_opt = app.add_option("--backend", f.backend, backends + " (config: backend)");
+  ulysses::daemon::AddDaemonFlags(app, f);
   app.add_option("--config", config_path, "Node config file (JSON); flags override it");
-  f.log_level_opt = app.add_option(
-      "--log-level", f.log_level,
-      "trace | debug | info | warn | error | critical | off (config: log_level)");
-  f.ready_opt = app.add_option("--ready-file", f.ready_file,
-                               "File written once the daemon serves (config: ready_file)");
-  f.call_opt = app.add_option("--call-timeout-ms", f.call_timeout_ms,
-                              "Bound on every wait inside a call, > 0 (config: timeouts.call_ms)")
-                   ->check(ulysses::cli::Integer());
-  f.peer_opt = app.add_option("--peer-timeout-ms", f.peer_timeout_ms,
-                              "Bound on group and session rendezvous, > 0 (config: timeouts.peer_ms)")
-                   ->check(ulysses::cli::Integer());
-  f.drain_opt = app.add_option("--drain-timeout-ms", f.drain_timeout_ms,
-                               "On SIGTERM, how long running calls may take to finish, >= 0 "
-                               "(config: timeouts.drain_ms)")
-                    ->check(ulysses::cli::Integer());
-  f.metrics_opt = app.add_option("--metrics-address", f.metrics_address,
-                                 "Serve Prometheus metrics on HOST:PORT, e.g. 127.0.0.1:9500 or "
-                                 "[::1]:9500; port 0 picks one (config: metrics.address; default off)");
   app.add_option("--check-config", check_config,
                  "Validate a config file (with the other flags applied) and exit");
   app.add_flag_callback("--version", [] {

@@ -100,13 +100,18 @@ void RendezvousTable::Finish(Entry& e, absl::Status verdict) {
   cv_.notify_all();
 }
 
-absl::Status RendezvousTable::Abort(const std::string& key, const std::string& reason) {
+absl::Status ValidateAbort(const std::string& key, const std::string& reason) {
   if (key.empty() || key.size() > kMaxRendezvousKeyBytes)
     return absl::InvalidArgumentError(
         StrCat("key: ", key.size(), " bytes, expected 1..", kMaxRendezvousKeyBytes));
   if (reason.size() > kMaxRendezvousReasonBytes)
     return absl::InvalidArgumentError(
         StrCat("reason: ", reason.size(), " bytes exceed ", kMaxRendezvousReasonBytes));
+  return absl::OkStatus();
+}
+
+absl::Status RendezvousTable::Abort(const std::string& key, const std::string& reason) {
+  ULY_RETURN_IF_ERROR(ValidateAbort(key, reason));
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(key);
   if (it == entries_.end() || it->second->finished) return absl::OkStatus();

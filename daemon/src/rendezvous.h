@@ -38,6 +38,10 @@ inline constexpr int64_t kMaxRendezvousTimeoutMs = 3600 * 1000;
 absl::Status ValidateArrival(const std::string& key, int64_t world_size, int64_t rank,
                              const std::string& agreement, const std::string& payload);
 
+/// Checks an abort: `key` of 1..kMaxRendezvousKeyBytes bytes, `reason` within
+/// kMaxRendezvousReasonBytes. INVALID_ARGUMENT names the field.
+absl::Status ValidateAbort(const std::string& key, const std::string& reason);
+
 /// Server side: the meeting point of the ranks of one collective step. Thread-safe.
 class RendezvousTable {
  public:

@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "daemon.h"
+#include "requests.h"
 #include "ulysses/ipc/cuda_memory.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/backend_choice.h"
@@ -20,8 +21,6 @@
 
 namespace ulysses::daemon {
 namespace {
-
-constexpr uint64_t kMaxBufferBytes = 1ull << 40;
 
 void FillGroupInfo(const Group& g, v1::GroupInfo* out) {
   out->set_group_id(g.id);
@@ -93,48 +92,6 @@ std::string FusedAgreement(const FusedGeometry& g, FusedPath path) {
                 " num_slots=", g.num_slots, " max_pos=", g.max_pos, " path=", FusedPathName(path));
 }
 
-bool IsHeadExchange(v1::SessionKind kind) {
-  return kind == v1::SESSION_KIND_UNSPECIFIED || kind == v1::SESSION_KIND_HEAD_EXCHANGE;
-}
-
-// The geometry a CreateSession request asks for on this rank of `g`, validated. `fused` is set
-// for a qkv_norm_rope_exchange session, even when its geometry is refused (the agreement
-// between ranks still names what was asked).
-absl::Status SessionArgsFromRequest(const v1::CreateSessionRequest& req, const Group& g,
-                                    const Backend& backend, SessionGeometry* geo,
-                                    std::optional<FusedSessionArgs>* fused) {
-  if (req.kind() == v1::SESSION_KIND_QKV_NORM_ROPE_EXCHANGE) {
-    *fused = FusedSessionFromProto(req.fused(), g.world_size, g.rank);
-    ULY_RETURN_IF_ERROR(ValidateFusedGeometry(
-        (*fused)->geometry, backend.slots_in_segment() ? FusedImpl::kReference : FusedImpl::kCuda));
-    if ((*fused)->path != FusedPath::kAuto && (*fused)->path != FusedPath::kPerOperator &&
-        (*fused)->path != FusedPath::kChunked)
-      return absl::InvalidArgumentError(
-          StrCat("path: unknown path ", static_cast<int>((*fused)->path)));
-    *geo = SlotGeometry((*fused)->geometry);
-  } else if (IsHeadExchange(req.kind())) {
-    geo->world_size = g.world_size;
-    geo->rank = g.rank;
-    geo->num_heads = req.spec().num_heads();
-    geo->head_dim = req.spec().head_dim();
-    geo->dtype = static_cast<DType>(req.spec().dtype());
-    geo->max_tokens = req.spec().max_tokens();
-    geo->num_slots = req.spec().num_slots() == 0 ? 2 : req.spec().num_slots();
-    geo->schedule.assign(req.spec().schedule().begin(), req.spec().schedule().end());
-  } else {
-    return absl::InvalidArgumentError(StrCat("kind: unknown session kind ", req.kind()));
-  }
-  return ValidateSessionGeometry(*geo);
-}
-
-OperandRef ToOperand(const v1::TensorRef& t) {
-  OperandRef r;
-  r.buffer_id = t.buffer_id();
-  r.offset_bytes = t.offset_bytes();
-  for (int i = 0; i < t.strides_size() && i < 4; ++i) r.strides[i] = t.strides(i);
-  return r;
-}
-
 class ControlService final : public v1::Control::Service {
  public:
   explicit ControlService(Daemon* d) : d_(d) {}
@@ -188,7 +145,7 @@ class ControlService final : public v1::Control::Service {
   grpc::Status AllocBuffer(grpc::ServerContext* ctx, const v1::AllocBufferRequest* req,
                            v1::BufferInfo* resp) override {
     return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
-      ULY_RETURN_IF_ERROR(CheckName("name", req->name()));
+      ULY_RETURN_IF_ERROR(CheckAllocRequest(*req));
       // Charged before anything is allocated, given back if the allocation fails.
       ULY_RETURN_IF_ERROR(d_->ChargeBuffer(c, req->size_bytes()));
       absl::Status s = DoAlloc(c, *req, resp);
@@ -200,7 +157,7 @@ class ControlService final : public v1::Control::Service {
   grpc::Status RegisterBuffer(grpc::ServerContext* ctx, const v1::RegisterBufferRequest* req,
                               v1::BufferInfo* resp) override {
     return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
-      ULY_RETURN_IF_ERROR(CheckName("name", req->name()));
+      ULY_RETURN_IF_ERROR(CheckRegisterRequest(*req));
       ULY_RETURN_IF_ERROR(DoRegister(c, *req, resp));
       // The size is known only once the descriptor arrived: a buffer over a limit is dropped
       // again (the memory is the client's; the daemon had only mapped it).
@@ -234,7 +191,6 @@ class ControlService final : public v1::Control::Service {
   grpc::Status JoinGroup(grpc::ServerContext* ctx, const v1::JoinGroupRequest* req,
                          v1::GroupInfo* resp) override {
     return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
-      ULY_RETURN_IF_ERROR(CheckName("name", req->name()));
       return DoJoin(c, *req, resp);
     });
   }
@@ -262,16 +218,7 @@ class ControlService final : public v1::Control::Service {
   grpc::Status Call(grpc::ServerContext* ctx, const v1::CallRequest* req,
                     v1::CallResponse* resp) override {
     return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
-      CallArgs args;
-      args.op = static_cast<OpKind>(req->op());
-      args.batch = req->batch();
-      args.seq = req->seq();
-      args.head_offset = req->head_offset();
-      args.head_count = req->head_count();
-      if (req->inputs_size() > 3)
-        return absl::InvalidArgumentError(StrCat("inputs: at most 3, got ", req->inputs_size()));
-      for (int i = 0; i < req->inputs_size(); ++i) args.inputs[i] = ToOperand(req->inputs(i));
-      if (req->has_out()) args.out = ToOperand(req->out());
+      ULY_ASSIGN_OR_RETURN(CallArgs args, CallArgsFromRequest(*req));
       ULY_ASSIGN_OR_RETURN(CallResult r, d_->Call(c, req->session_id(), args, /*expected_epoch=*/0));
       resp->set_epoch(r.outcome.epoch);
       resp->set_slot(r.outcome.slot);
@@ -343,9 +290,6 @@ class ControlService final : public v1::Control::Service {
   }
 
   absl::Status DoAlloc(ClientRecord& c, const v1::AllocBufferRequest& req, v1::BufferInfo* resp) {
-    if (req.size_bytes() == 0 || req.size_bytes() > kMaxBufferBytes)
-      return absl::InvalidArgumentError(
-          StrCat("size_bytes: ", req.size_bytes(), " is not in [1, ", kMaxBufferBytes, "]"));
     ULY_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> b, d_->backend_impl().AllocBuffer(req.size_bytes()));
     b->id = d_->NextId();
     b->name = req.name();
@@ -397,24 +341,9 @@ class ControlService final : public v1::Control::Service {
   }
 
   absl::Status DoJoin(ClientRecord& c, const v1::JoinGroupRequest& req, v1::GroupInfo* resp) {
-    if (req.name().empty()) return absl::InvalidArgumentError("name: must not be empty");
-    if (req.world_size() < 1 || req.world_size() > kMaxWorldSize)
-      return absl::InvalidArgumentError(
-          StrCat("world_size: ", req.world_size(), " is not in [1, ", kMaxWorldSize, "]"));
-    if (req.rank() < 0 || req.rank() >= req.world_size())
-      return absl::InvalidArgumentError(
-          StrCat("rank: ", req.rank(), " is not in [0, world_size=", req.world_size(), ")"));
-    if (req.members_size() != req.world_size())
-      return absl::InvalidArgumentError(StrCat("members: expected ", req.world_size(),
-                                               " addresses (one per rank), got ",
-                                               req.members_size()));
-    for (int i = 0; i < req.members_size(); ++i)
-      if (req.members(i).empty())
-        return absl::InvalidArgumentError(StrCat("members[", i, "]: empty address"));
-    const std::string requested = req.backend().empty() ? "auto" : req.backend();
-    if (requested != "auto" && requested != "host" && requested != "nccl" && requested != "nvlink")
-      return absl::InvalidArgumentError(
-          StrCat("backend: '", requested, "' is not one of auto, host, nccl, nvlink"));
+    absl::StatusOr<std::string> checked = CheckJoinRequest(req);
+    if (!checked.ok()) return checked.status();
+    const std::string& requested = *checked;
     Backend* const nccl = d_->nccl_backend();
     if (requested != "auto" && requested != d_->backend() && !(requested == "nccl" && nccl))
       return absl::FailedPreconditionError(StrCat("backend: '", requested,
@@ -425,8 +354,9 @@ class ControlService final : public v1::Control::Service {
     for (const auto& m : req.members()) members += m + ",";
     const std::string agreement = StrCat("name=", req.name(), " world_size=", req.world_size(),
                                          " members=[", members, "] backend=", requested);
-    const absl::Duration timeout =
-        absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : d_->config().peer_timeout_ms);
+    ULY_ASSIGN_OR_RETURN(const int64_t timeout_ms,
+                         RendezvousTimeoutMs(req.timeout_ms(), d_->config().peer_timeout_ms));
+    const absl::Duration timeout = absl::Milliseconds(timeout_ms);
     // Payload: this daemon's backend (and whether it also runs nccl) and device, so that every
     // rank reaches the same verdict on the group's backend (ChooseGroupBackend).
     const std::string mine = EncodeOffer({d_->backend(), nccl != nullptr, d_->config().device});
@@ -479,10 +409,13 @@ class ControlService final : public v1::Control::Service {
     if (!g) return absl::NotFoundError(StrCat("group_id: ", req.group_id(), " not joined by this client"));
     // Every failure from here on still arrives at the rendezvous, with an error payload: every
     // rank gets the same verdict at once, and every rank's session counter (the key) moves on.
-    SessionGeometry geo;
-    std::optional<FusedSessionArgs> fused;
     Backend& backend = g->impl != nullptr ? *g->impl : d_->backend_impl();
-    absl::Status local = SessionArgsFromRequest(req, *g, backend, &geo, &fused);
+    SessionRequest checked;
+    absl::Status local = CheckCreateSessionRequest(req, g->world_size, g->rank,
+                                                   backend.slots_in_segment(),
+                                                   d_->config().peer_timeout_ms, &checked);
+    const SessionGeometry& geo = checked.geometry;
+    const std::optional<FusedSessionArgs>& fused = checked.fused;
     if (d_->draining()) local = absl::UnavailableError("daemon is draining; no new sessions");
     std::string agreement;
     if (fused) agreement = FusedAgreement(fused->geometry, fused->path);
@@ -490,8 +423,7 @@ class ControlService final : public v1::Control::Service {
     else agreement = StrCat("kind=", static_cast<int>(req.kind()));
     const uint64_t id = d_->NextId();
     const uint64_t seq = g->sessions_created.fetch_add(1);
-    const absl::Duration timeout =
-        absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : d_->config().peer_timeout_ms);
+    const absl::Duration timeout = absl::Milliseconds(checked.timeout_ms);
     const std::string key = StrCat("session/", g->name, "/", seq);
     // A fused session's weights are this rank's own: a rank that refuses them still arrives.
     FusedWeightsHeld weights;
@@ -694,7 +626,7 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status ListRecentCalls(grpc::ServerContext*, const v1::ListRecentCallsRequest* req,
                                v1::ListRecentCallsResponse* resp) override {
-    for (const CallRecord& r : d_->recorder().Recent(req->limit() > 0 ? req->limit() : 0)) {
+    for (const CallRecord& r : d_->recorder().Recent(RecentCallsLimit(*req))) {
       v1::CallRecord* out = resp->add_calls();
       out->set_client_id(r.client_id);
       out->set_session_id(r.session_id);
@@ -745,13 +677,11 @@ class PeerService final : public v1::Peer::Service {
 
   grpc::Status Rendezvous(grpc::ServerContext*, const v1::RendezvousRequest* req,
                           v1::RendezvousResponse* resp) override {
-    if (req->timeout_ms() > kMaxRendezvousTimeoutMs)
-      return ToGrpcStatus(absl::InvalidArgumentError(StrCat(
-          "timeout_ms: ", req->timeout_ms(), " exceeds ", kMaxRendezvousTimeoutMs)));
-    const int64_t ms = req->timeout_ms() > 0 ? req->timeout_ms() : d_->config().peer_timeout_ms;
+    absl::StatusOr<int64_t> ms = CheckRendezvousRequest(*req, d_->config().peer_timeout_ms);
+    if (!ms.ok()) return ToGrpcStatus(ms.status());
     absl::StatusOr<std::vector<std::string>> out = d_->rendezvous_table().Arrive(
         req->key(), req->world_size(), req->rank(), req->agreement(), req->payload(),
-        absl::Now() + absl::Milliseconds(ms));
+        absl::Now() + absl::Milliseconds(*ms));
     if (!out.ok()) return ToGrpcStatus(out.status());
     for (auto& p : *out) resp->add_payloads(p);
     return grpc::Status::OK;

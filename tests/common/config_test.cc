@@ -143,6 +143,18 @@ TEST(DaemonConfigTest, InvalidJsonRejected) {
   }
 }
 
+// A number beyond a double's range is an out_of_range exception of the JSON library, not a
+// parse error: it escaped ParseDaemonConfig and terminated `ulyssesd --config` (found by
+// fuzz/config_fuzz.cc).
+TEST(DaemonConfigTest, NumberBeyondADoubleIsInvalidJsonNotACrash) {
+  for (const char* text : {R"({"timeouts": {"call_ms": 104E577}})", R"({"x": -1e400})",
+                           R"([1e309])"}) {
+    EXPECT_THAT(ParseDaemonConfig(text, 0),
+                StatusIs(kInvalid, AllOf(HasSubstr("config"), HasSubstr("JSON"))))
+        << text;
+  }
+}
+
 TEST(DaemonConfigTest, BadBackendNamed) {
   EXPECT_THAT(ParseDaemonConfig(R"({"backend": "gloo"})", 0),
               StatusIs(kInvalid, AllOf(HasSubstr("backend"), HasSubstr("gloo"))));

@@ -157,6 +157,21 @@ TEST(PlanCallTest, SeqMustBePositive) {
   }
 }
 
+// A seq near 2^63 overflowed S_g = S_l * W before any bound was checked: undefined behaviour,
+// which the undefined-behaviour sanitizer build (scripts/sanitize.sh) stopped on; the scatter
+// ops take S_l, so theirs reached it.
+TEST(PlanCallTest, HugeSeqIsRefusedBeforeAnythingOverflows) {
+  FakeBuffers b = Roomy();
+  for (CallArgs a : AllOps()) {
+    for (int64_t seq : {std::numeric_limits<int64_t>::max(), int64_t{1} << 62,
+                        (std::numeric_limits<int64_t>::max() / 4) * 4}) {
+      a.seq = seq;
+      EXPECT_THAT(PlanCall(Geo(), a, b), StatusIs(kInvalid, HasSubstr("seq")))
+          << OpName(a.op) << " seq=" << seq;
+    }
+  }
+}
+
 TEST(PlanCallTest, GatherSeqMustBeDivisibleByWorldSize) {
   FakeBuffers b = Roomy();
   for (CallArgs a : {Gather(2, 13), GatherOut(0, 2, 2, 14)}) {

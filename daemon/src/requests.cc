@@ -1,0 +1,125 @@
+#include "requests.h"
+
+#include "quotas.h"
+#include "rendezvous.h"
+#include "ulysses/common/status.h"
+#include "ulysses/common/strings.h"
+
+namespace ulysses::daemon {
+namespace {
+
+OperandRef ToOperand(const v1::TensorRef& t) {
+  OperandRef r;
+  r.buffer_id = t.buffer_id();
+  r.offset_bytes = t.offset_bytes();
+  for (int i = 0; i < t.strides_size() && i < 4; ++i) r.strides[i] = t.strides(i);
+  return r;
+}
+
+}  // namespace
+
+absl::Status CheckAllocRequest(const v1::AllocBufferRequest& req) {
+  ULY_RETURN_IF_ERROR(CheckName("name", req.name()));
+  if (req.size_bytes() == 0 || req.size_bytes() > kMaxBufferBytes)
+    return absl::InvalidArgumentError(
+        StrCat("size_bytes: ", req.size_bytes(), " is not in [1, ", kMaxBufferBytes, "]"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckRegisterRequest(const v1::RegisterBufferRequest& req) {
+  return CheckName("name", req.name());
+}
+
+absl::StatusOr<int64_t> RendezvousTimeoutMs(int64_t timeout_ms, int64_t default_ms) {
+  if (timeout_ms > kMaxRendezvousTimeoutMs)
+    return absl::InvalidArgumentError(
+        StrCat("timeout_ms: ", timeout_ms, " exceeds ", kMaxRendezvousTimeoutMs));
+  return timeout_ms > 0 ? timeout_ms : default_ms;
+}
+
+absl::StatusOr<std::string> CheckJoinRequest(const v1::JoinGroupRequest& req) {
+  ULY_RETURN_IF_ERROR(CheckName("name", req.name()));
+  if (req.name().empty()) return absl::InvalidArgumentError("name: must not be empty");
+  if (req.world_size() < 1 || req.world_size() > kMaxWorldSize)
+    return absl::InvalidArgumentError(
+        StrCat("world_size: ", req.world_size(), " is not in [1, ", kMaxWorldSize, "]"));
+  if (req.rank() < 0 || req.rank() >= req.world_size())
+    return absl::InvalidArgumentError(
+        StrCat("rank: ", req.rank(), " is not in [0, world_size=", req.world_size(), ")"));
+  if (req.members_size() != req.world_size())
+    return absl::InvalidArgumentError(StrCat("members: expected ", req.world_size(),
+                                             " addresses (one per rank), got ",
+                                             req.members_size()));
+  for (int i = 0; i < req.members_size(); ++i) {
+    if (req.members(i).empty())
+      return absl::InvalidArgumentError(StrCat("members[", i, "]: empty address"));
+    ULY_RETURN_IF_ERROR(CheckName(StrCat("members[", i, "]"), req.members(i)));
+  }
+  const std::string requested = req.backend().empty() ? "auto" : req.backend();
+  if (requested != "auto" && requested != "host" && requested != "nccl" && requested != "nvlink")
+    return absl::InvalidArgumentError(
+        StrCat("backend: '", requested.substr(0, kMaxNameBytes),
+               "' is not one of auto, host, nccl, nvlink"));
+  ULY_RETURN_IF_ERROR(RendezvousTimeoutMs(req.timeout_ms(), 1).status());
+  return requested;
+}
+
+absl::Status CheckCreateSessionRequest(const v1::CreateSessionRequest& req, int32_t world_size,
+                                       int32_t rank, bool reference_kernels,
+                                       int64_t default_timeout_ms, SessionRequest* out) {
+  absl::StatusOr<int64_t> timeout = RendezvousTimeoutMs(req.timeout_ms(), default_timeout_ms);
+  out->timeout_ms = timeout.ok() ? *timeout : default_timeout_ms;
+  SessionGeometry& geo = out->geometry;
+  if (req.kind() == v1::SESSION_KIND_QKV_NORM_ROPE_EXCHANGE) {
+    out->fused = FusedSessionFromProto(req.fused(), world_size, rank);
+    const FusedSessionArgs& fused = *out->fused;
+    ULY_RETURN_IF_ERROR(ValidateFusedGeometry(
+        fused.geometry, reference_kernels ? FusedImpl::kReference : FusedImpl::kCuda));
+    if (fused.path != FusedPath::kAuto && fused.path != FusedPath::kPerOperator &&
+        fused.path != FusedPath::kChunked)
+      return absl::InvalidArgumentError(
+          StrCat("path: unknown path ", static_cast<int>(fused.path)));
+    geo = SlotGeometry(fused.geometry);
+  } else if (IsHeadExchange(req.kind())) {
+    geo.world_size = world_size;
+    geo.rank = rank;
+    geo.num_heads = req.spec().num_heads();
+    geo.head_dim = req.spec().head_dim();
+    geo.dtype = static_cast<DType>(req.spec().dtype());
+    geo.max_tokens = req.spec().max_tokens();
+    geo.num_slots = req.spec().num_slots() == 0 ? 2 : req.spec().num_slots();
+    geo.schedule.assign(req.spec().schedule().begin(), req.spec().schedule().end());
+  } else {
+    return absl::InvalidArgumentError(StrCat("kind: unknown session kind ", req.kind()));
+  }
+  ULY_RETURN_IF_ERROR(ValidateSessionGeometry(geo));
+  return timeout.status();
+}
+
+absl::StatusOr<CallArgs> CallArgsFromRequest(const v1::CallRequest& req) {
+  CallArgs args;
+  args.op = static_cast<OpKind>(req.op());
+  args.batch = req.batch();
+  args.seq = req.seq();
+  args.head_offset = req.head_offset();
+  args.head_count = req.head_count();
+  if (req.inputs_size() > 3)
+    return absl::InvalidArgumentError(StrCat("inputs: at most 3, got ", req.inputs_size()));
+  for (int i = 0; i < req.inputs_size(); ++i) args.inputs[i] = ToOperand(req.inputs(i));
+  if (req.has_out()) args.out = ToOperand(req.out());
+  return args;
+}
+
+size_t RecentCallsLimit(const v1::ListRecentCallsRequest& req) {
+  return req.limit() > 0 ? static_cast<size_t>(req.limit()) : 0;
+}
+
+absl::StatusOr<int64_t> CheckRendezvousRequest(const v1::RendezvousRequest& req,
+                                               int64_t default_ms) {
+  ULY_ASSIGN_OR_RETURN(int64_t ms, RendezvousTimeoutMs(req.timeout_ms(), default_ms));
+  ULY_RETURN_IF_ERROR(
+      ValidateArrival(req.key(), req.world_size(), req.rank(), req.agreement(), req.payload()));
+  return ms;
+}
+
+}  // namespace ulysses::daemon
