@@ -134,7 +134,10 @@ struct Case {
 class FusedSemantics : public FusedCluster, public ::testing::WithParamInterface<Case> {};
 
 TEST_P(FusedSemantics, EveryRankGetsItsHeadBandOfTheReference) {
-  const auto [world, layout] = GetParam();
+  // Plain names, not a structured binding: the lambdas below capture them (clang 14, which
+  // the sanitizer build uses, cannot capture a binding).
+  const int world = GetParam().world;
+  const QkvLayout layout = GetParam().layout;
   Start(world);
   const QkvProblem p = kernels::testing::MakeQkvProblem(Shape(world, 8), 77 + world);
   const int64_t plane = kernels::QkvPlaneElems(p.shape), hl = 8 / world;

@@ -17,8 +17,11 @@ template <typename T>
 void Append(std::ostringstream& os, const T& v) {
   if constexpr (std::is_same_v<T, bool>) {
     os << (v ? "true" : "false");
-  } else if constexpr (std::is_integral_v<T> && sizeof(T) == 1) {
-    os << static_cast<int>(v);
+  } else if constexpr (std::is_integral_v<T>) {
+    // sizeof only where T is an integer: a manipulator (std::hex) is a function type, for
+    // which sizeof is ill-formed (clang refuses it, gcc warns).
+    if constexpr (sizeof(T) == 1) os << static_cast<int>(v);
+    else os << v;
   } else {
     os << v;
   }

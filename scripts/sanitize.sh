@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Builds the tests with sanitizers (clang, no CUDA) and runs them; every report of the
+# daemons they start is collected too. Exit status 1 on a failed test or any report.
+#   scripts/sanitize.sh address|thread [TEST_EXECUTABLE...]
+# address: AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer, in build-fuzz/ (the
+#          fuzz build: the same instrumentation plus the fuzz targets' coverage hooks);
+# thread:  ThreadSanitizer, in build-tsan/.
+# Default tests: common_test ipc_test kernels_test security_test integration_test. Reports go to
+# <build>/sanitizer/; suppressions, each with its reason, are in scripts/sanitizers/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-}
+shift || true
+case "$mode" in
+  address) build=${ULYSSES_FUZZ_BUILD:-build-fuzz}; flags=(-DULYSSES_FUZZ=ON) ;;
+  thread) build=${ULYSSES_TSAN_BUILD:-build-tsan}; flags=(-DULYSSES_SANITIZE=thread) ;;
+  *) echo "usage: scripts/sanitize.sh address|thread [TEST_EXECUTABLE...]" >&2; exit 64 ;;
+esac
+tests=("$@")
+[ ${#tests[@]} -gt 0 ] || tests=(common_test ipc_test kernels_test security_test integration_test)
+
+cxx=${ULYSSES_FUZZ_CXX:-$(command -v clang++-14 || command -v clang++)}
+cc=${ULYSSES_FUZZ_CC:-$(command -v clang-14 || command -v clang)}
+if [ ! -f "$build/build.ninja" ]; then
+  launcher=()
+  command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_C_COMPILER="$cc" "${launcher[@]}" \
+    -DULYSSES_WITH_CUDA=OFF -DULYSSES_BUILD_BENCH=OFF "${flags[@]}" >/dev/null
+fi
+jobs=$(nproc 2>/dev/null || echo 2)
+build_args=()
+for t in "${tests[@]}"; do build_args+=(--target "$t"); done
+cmake --build "$build" -j"$jobs" "${build_args[@]}"
+
+reports="$PWD/$build/sanitizer"
+rm -rf "$reports"
+mkdir -p "$reports"
+supp="$PWD/scripts/sanitizers"
+# log_path sends every process's report to a file of its own, the daemons' included.
+export ASAN_OPTIONS="log_path=$reports/asan:detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1"
+export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+export UBSAN_OPTIONS="log_path=$reports/ubsan:print_stacktrace=1:halt_on_error=1"
+export TSAN_OPTIONS="log_path=$reports/tsan:suppressions=$supp/tsan.supp:halt_on_error=0:second_deadlock_stack=1"
+regex=$(IFS='|'; echo "${tests[*]}")
+set +e
+ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 600 -R "^($regex)\." 2>&1 |
+  tee "$build/sanitize-$mode.log"
+rc=${PIPESTATUS[0]}
+set -e
+found=$(find "$reports" -type f | wc -l)
+if [ "$found" -gt 0 ]; then
+  echo "sanitize: $found report file(s) in $reports:" >&2
+  for f in "$reports"/*; do echo "== $f" >&2; head -n 60 "$f" >&2; done
+  rc=1
+fi
+summary=$(grep -E '^[0-9]+% tests passed' "$build/sanitize-$mode.log" | tail -n 1)
+echo "sanitize ($mode): ${summary:-no tests ran}; $found sanitizer report(s)"
+exit "$rc"
