@@ -20,6 +20,7 @@
 
 #include "CLI/CLI.hpp"
 #include "ulysses/common/cli.h"
+#include "ulysses/common/sockets.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
@@ -76,8 +77,9 @@ class Ctl {
  public:
   explicit Ctl(const Options& options)
       : options_(options),
-        address_(ResolveSocket(ChooseSocket(options.socket, std::getenv("ULYSSES_SOCKET")))),
-        channel_(grpc::CreateChannel(address_.target, grpc::InsecureChannelCredentials())) {}
+        daemon_(ChooseSocket(options.socket, std::getenv("ULYSSES_SOCKET"))),
+        operator_(ChooseSocket(options.socket, std::getenv("ULYSSES_SOCKET")) +
+                  std::string(kOperatorSocketSuffix)) {}
 
   // Calls Admin.`rpc` with `request` and prints the answer in the chosen format.
   template <typename Request, typename Response>
@@ -101,8 +103,8 @@ class Ctl {
   // `wait_timeout_ms`.
   int Drain(bool wait, std::int64_t wait_timeout_ms) {
     v1::DrainResponse drained;
-    grpc::Status status = Call(&v1::Admin::Stub::Drain, v1::DrainRequest(), &drained);
-    if (!status.ok()) return Fail("Drain", status);
+    grpc::Status status = Call(&v1::Admin::Stub::Drain, v1::DrainRequest(), &drained, operator_);
+    if (!status.ok()) return Fail("Drain", status, operator_);
     if (!wait || drained.idle()) return PrintDrain(drained);
     if (options_.format == OutputFormat::kTable) std::cout << RenderDrain(drained) << std::flush;
 
@@ -134,8 +136,9 @@ class Ctl {
   // Undrain, then the state in drain's form, so that both print the same fields.
   int Undrain() {
     v1::UndrainResponse undrained;
-    grpc::Status status = Call(&v1::Admin::Stub::Undrain, v1::UndrainRequest(), &undrained);
-    if (!status.ok()) return Fail("Undrain", status);
+    grpc::Status status =
+        Call(&v1::Admin::Stub::Undrain, v1::UndrainRequest(), &undrained, operator_);
+    if (!status.ok()) return Fail("Undrain", status, operator_);
     v1::DaemonState state;
     status = Call(&v1::Admin::Stub::GetState, v1::GetStateRequest(), &state);
     if (!status.ok()) return Fail("GetState", status);
@@ -180,7 +183,7 @@ class Ctl {
   }
 
   int Health() {
-    auto stub = grpc::health::v1::Health::NewStub(channel_);
+    auto stub = grpc::health::v1::Health::NewStub(daemon_.channel);
     grpc::ClientContext context;
     SetDeadline(context);
     grpc::health::v1::HealthCheckRequest request;
@@ -196,10 +199,26 @@ class Ctl {
   }
 
  private:
+  // One socket of the daemon and the channel to it.
+  struct Endpoint {
+    explicit Endpoint(const std::string& socket)
+        : address(ResolveSocket(socket)),
+          channel(grpc::CreateChannel(address.target, grpc::InsecureChannelCredentials())) {}
+    DaemonAddress address;
+    std::shared_ptr<grpc::Channel> channel;
+  };
+
+  // Calls Admin.`method` on `at`: the control socket, or the operator socket for the calls
+  // that change the daemon's state.
   template <typename Request, typename Response>
   grpc::Status Call(Method<Request, Response> method, const Request& request,
                     Response* response) {
-    auto stub = v1::Admin::NewStub(channel_);
+    return Call(method, request, response, daemon_);
+  }
+  template <typename Request, typename Response>
+  grpc::Status Call(Method<Request, Response> method, const Request& request, Response* response,
+                    const Endpoint& at) {
+    auto stub = v1::Admin::NewStub(at.channel);
     grpc::ClientContext context;
     SetDeadline(context);
     return ((*stub).*method)(&context, request, response);
@@ -248,10 +267,11 @@ class Ctl {
                          std::chrono::milliseconds(options_.timeout_ms));
   }
 
-  int Fail(const char* rpc, const grpc::Status& status) {
-    if (IsUnreachable(status.error_code(), channel_->GetState(false))) {
-      std::cerr << "ulyssesctl: cannot reach ulyssesd at " << address_.display << ": "
-                << UnreachableReason(address_, status, options_.timeout_ms) << '\n';
+  int Fail(const char* rpc, const grpc::Status& status) { return Fail(rpc, status, daemon_); }
+  int Fail(const char* rpc, const grpc::Status& status, const Endpoint& at) {
+    if (IsUnreachable(status.error_code(), at.channel->GetState(false))) {
+      std::cerr << "ulyssesctl: cannot reach ulyssesd at " << at.address.display << ": "
+                << UnreachableReason(at.address, status, options_.timeout_ms) << '\n';
       return kExitUnreachable;
     }
     std::cerr << "ulyssesctl: " << rpc << ": " << FromGrpcStatus(status).ToString() << '\n';
@@ -259,8 +279,8 @@ class Ctl {
   }
 
   Options options_;
-  DaemonAddress address_;
-  std::shared_ptr<grpc::Channel> channel_;
+  Endpoint daemon_;    // the control socket: every read-only query
+  Endpoint operator_;  // the operator socket: drain and undrain
   bool watching_ = false;
   mutable int rounds_ = 0;
 };

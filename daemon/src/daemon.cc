@@ -20,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/logging.h"
+#include "ulysses/common/sockets.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/cuda_memory.h"
@@ -108,13 +109,16 @@ absl::Status Daemon::Start() {
   poll_wake_ = std::make_unique<ipc::EventFd>(std::move(wake));
 
   control_ = MakeControlService(this);
-  admin_ = MakeAdminService(this);
+  admin_ = MakeAdminService(this, /*operator_socket=*/false);
+  operator_admin_ = MakeAdminService(this, /*operator_socket=*/true);
   peer_ = MakePeerService(this);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   // The control socket: a stale file from a crashed daemon is removed, a live one is refused.
   ULY_RETURN_IF_ERROR(ipc::ClaimSocketPath(config_.socket));
+  const std::string operator_socket = config_.socket + std::string(kOperatorSocketSuffix);
+  ULY_RETURN_IF_ERROR(ipc::ClaimSocketPath(operator_socket));
   // Both sockets were free: no instance of this device is alive, and what a dead one left may go.
   RemoveLeftovers();
   // gRPC binds the control socket itself, with the permissions the umask leaves, and serves
@@ -132,6 +136,18 @@ absl::Status Daemon::Start() {
   server_ = builder.BuildAndStart();
   if (!server_) return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", config_.socket));
   ULY_RETURN_IF_ERROR(staged.Publish(0660));
+  // The operator socket: a server of its own, so that a call knows which socket it came on;
+  // staged like the control socket, and never looser than 0600.
+  ULY_ASSIGN_OR_RETURN(StagedSocket op_staged, StagedSocket::Make(operator_socket));
+  grpc::ServerBuilder op_builder;
+  op_builder.AddListeningPort("unix:" + op_staged.path(), grpc::InsecureServerCredentials(),
+                              &bound_port);
+  op_builder.RegisterService(operator_admin_.get());
+  op_builder.SetMaxReceiveMessageSize(4 << 20);
+  operator_server_ = op_builder.BuildAndStart();
+  if (!operator_server_)
+    return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", operator_socket));
+  ULY_RETURN_IF_ERROR(op_staged.Publish(0600));
   server_->GetHealthCheckService()->SetServingStatus(true);
   started_ = absl::Now();
   started_ok_ = true;
@@ -228,6 +244,8 @@ void Daemon::Shutdown() {
     }
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   }
+  if (operator_server_)
+    operator_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   fd_listener_.Shutdown();
   if (metrics_http_) metrics_http_->stop();
   if (metrics_thread_.joinable()) metrics_thread_.join();
@@ -247,7 +265,9 @@ void Daemon::Shutdown() {
     for (auto& [id, t] : workers) t.join();
   }
   if (server_) server_->Wait();
+  if (operator_server_) operator_server_->Wait();
   ::unlink(config_.socket.c_str());
+  ::unlink((config_.socket + std::string(kOperatorSocketSuffix)).c_str());
   if (!config_.ready_file.empty()) ::unlink(config_.ready_file.c_str());
   Logger("main")->info("ulyssesd stopped");
 }

@@ -259,6 +259,8 @@ class Daemon {
 
   std::unique_ptr<grpc::Service> control_, admin_, peer_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Service> operator_admin_;  // Admin on the operator socket
+  std::unique_ptr<grpc::Server> operator_server_;
   ipc::UnixListener fd_listener_;
   std::thread fd_thread_;
   std::unique_ptr<ipc::EventFd> poll_wake_;
@@ -281,7 +283,9 @@ class Daemon {
 
 /// Services, defined in services.cc.
 std::unique_ptr<grpc::Service> MakeControlService(Daemon* d);
-std::unique_ptr<grpc::Service> MakeAdminService(Daemon* d);
+/// Admin; `operator_socket`: the instance of the operator socket, which alone allows the calls
+/// that change the daemon's state (ulysses/common/sockets.h).
+std::unique_ptr<grpc::Service> MakeAdminService(Daemon* d, bool operator_socket);
 std::unique_ptr<grpc::Service> MakePeerService(Daemon* d);
 
 }  // namespace ulysses::daemon

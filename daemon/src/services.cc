@@ -6,6 +6,7 @@
 
 #include "daemon.h"
 #include "requests.h"
+#include "ulysses/common/sockets.h"
 #include "ulysses/ipc/cuda_memory.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/backend_choice.h"
@@ -511,7 +512,9 @@ class ControlService final : public v1::Control::Service {
 
 class AdminService final : public v1::Admin::Service {
  public:
-  explicit AdminService(Daemon* d) : d_(d) {}
+  // `operator_socket`: this instance serves the operator socket, where the calls that change
+  // the daemon's state are allowed; on the control socket they are PERMISSION_DENIED.
+  AdminService(Daemon* d, bool operator_socket) : d_(d), operator_socket_(operator_socket) {}
 
   grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
                         v1::DaemonState* resp) override {
@@ -647,6 +650,7 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status Drain(grpc::ServerContext*, const v1::DrainRequest*,
                      v1::DrainResponse* resp) override {
+    if (!operator_socket_) return OperatorOnly("Drain");
     d_->Drain();
     resp->set_draining(true);
     resp->set_active_calls(d_->active_calls());
@@ -657,6 +661,7 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status Undrain(grpc::ServerContext*, const v1::UndrainRequest*,
                        v1::UndrainResponse*) override {
+    if (!operator_socket_) return OperatorOnly("Undrain");
     d_->Undrain();
     return grpc::Status::OK;
   }
@@ -668,7 +673,14 @@ class AdminService final : public v1::Admin::Service {
   }
 
  private:
+  grpc::Status OperatorOnly(const char* rpc) const {
+    return ToGrpcStatus(absl::PermissionDeniedError(
+        StrCat(rpc, " changes the daemon's state: call it on the operator socket ",
+               d_->config().socket, kOperatorSocketSuffix, " (mode 0600)")));
+  }
+
   Daemon* d_;
+  bool operator_socket_;
 };
 
 class PeerService final : public v1::Peer::Service {
@@ -701,8 +713,8 @@ class PeerService final : public v1::Peer::Service {
 std::unique_ptr<grpc::Service> MakeControlService(Daemon* d) {
   return std::make_unique<ControlService>(d);
 }
-std::unique_ptr<grpc::Service> MakeAdminService(Daemon* d) {
-  return std::make_unique<AdminService>(d);
+std::unique_ptr<grpc::Service> MakeAdminService(Daemon* d, bool operator_socket) {
+  return std::make_unique<AdminService>(d, operator_socket);
 }
 std::unique_ptr<grpc::Service> MakePeerService(Daemon* d) {
   return std::make_unique<PeerService>(d);

@@ -29,6 +29,7 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
+#include "ulysses/common/sockets.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/v1/admin.grpc.pb.h"
 #include "ulyssesctl/format.h"
@@ -238,14 +239,16 @@ class FakeAdmin final : public v1::Admin::Service {
   std::string metrics_text_ = testing::SampleMetricsText();
 };
 
-// Serves FakeAdmin (and, when `with_health`, grpc's default health service) on `socket`;
-// listening once the constructor returns.
+// Serves FakeAdmin (and, when `with_health`, grpc's default health service) on `socket` and
+// on its operator socket; listening once the constructor returns.
 class FakeDaemon {
  public:
   FakeDaemon(const std::string& socket, bool with_health) {
     grpc::EnableDefaultHealthCheckService(with_health);
     grpc::ServerBuilder builder;
     builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
+    builder.AddListeningPort("unix:" + socket + std::string(ulysses::kOperatorSocketSuffix),
+                             grpc::InsecureServerCredentials());
     builder.RegisterService(&admin_);
     server_ = builder.BuildAndStart();
   }
@@ -316,7 +319,11 @@ TEST_F(UlyssesctlTest, EveryCommandExitsTwoWithoutADaemon) {
       const Result r = RunCtl(dir_, args);
       EXPECT_EQ(r.exit_code, 2) << command << " " << r.err;
       EXPECT_EQ(r.out, "") << command;
-      EXPECT_EQ(r.err.rfind("ulyssesctl: cannot reach ulyssesd at " + socket_ + ": ", 0), 0u)
+      // drain and undrain go to the operator socket, and name it.
+      const bool operator_call = std::string(command).find("drain") != std::string::npos;
+      const std::string at =
+          operator_call ? socket_ + std::string(ulysses::kOperatorSocketSuffix) : socket_;
+      EXPECT_EQ(r.err.rfind("ulyssesctl: cannot reach ulyssesd at " + at + ": ", 0), 0u)
           << r.err;
     }
   }

@@ -17,6 +17,7 @@
 #include "demo_lib.h"
 #include "gtest/gtest.h"
 #include "ulysses/client/client.h"
+#include "ulysses/common/sockets.h"
 
 namespace ulysses::testing_util {
 
@@ -76,6 +77,10 @@ class ClusterTest : public ::testing::Test {
   }
 
   std::unique_ptr<v1::Admin::Stub> Admin(int r) { return AdminStub(daemons_[r].socket()); }
+  /// Admin on rank `r`'s operator socket, where Drain and Undrain are allowed.
+  std::unique_ptr<v1::Admin::Stub> Operator(int r) {
+    return AdminStub(daemons_[r].socket() + std::string(kOperatorSocketSuffix));
+  }
 
   std::string backend_ = "host";  // what Start asks every daemon for
   /// Extra environment ("NAME=value") of rank r's daemon, when set.

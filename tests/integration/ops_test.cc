@@ -183,7 +183,7 @@ TEST_F(Ops, DrainFlipsHealthRefusesNewWorkAndUndrainRestores) {
 
   v1::DrainResponse dr;
   grpc::ClientContext ctx;
-  ASSERT_TRUE(Admin(0)->Drain(&ctx, {}, &dr).ok());
+  ASSERT_TRUE(Operator(0)->Drain(&ctx, {}, &dr).ok());
   EXPECT_TRUE(dr.draining());
   EXPECT_TRUE(dr.idle());
   EXPECT_EQ(dr.num_sessions(), 1);
@@ -200,7 +200,7 @@ TEST_F(Ops, DrainFlipsHealthRefusesNewWorkAndUndrainRestores) {
 
   grpc::ClientContext ctx2;
   v1::UndrainResponse ur;
-  ASSERT_TRUE(Admin(0)->Undrain(&ctx2, {}, &ur).ok());
+  ASSERT_TRUE(Operator(0)->Undrain(&ctx2, {}, &ur).ok());
   EXPECT_EQ(health(), 1);
   EXPECT_FALSE(State(0).draining());
   EXPECT_TRUE((*c)->CreateSession(*g, {4, 8, DType::kFloat32, 8, 2, {}, 0}).ok());

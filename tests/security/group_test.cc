@@ -17,6 +17,7 @@
 
 #include "hostile_client.h"
 #include "ulysses/client/client.h"
+#include "ulysses/common/sockets.h"
 
 namespace ulysses::security {
 namespace {
@@ -126,6 +127,12 @@ class GroupTest : public ::testing::Test {
     return v1::Admin::NewStub(
         grpc::CreateChannel("unix://" + daemons_[r].socket(), grpc::InsecureChannelCredentials()));
   }
+  /// Admin on rank `r`'s operator socket, where Drain and Undrain are allowed.
+  std::unique_ptr<v1::Admin::Stub> Operator(int r) {
+    return v1::Admin::NewStub(grpc::CreateChannel(
+        "unix://" + daemons_[r].socket() + std::string(kOperatorSocketSuffix),
+        grpc::InsecureChannelCredentials()));
+  }
 
   /// One client per rank, joined to group `name`.
   void Join(const std::string& name, int64_t timeout_ms = 10000) {
@@ -177,10 +184,10 @@ class GroupTest : public ::testing::Test {
     grpc::Status s;
     if (on) {
       v1::DrainResponse resp;
-      s = Admin(r)->Drain(&ctx, {}, &resp);
+      s = Operator(r)->Drain(&ctx, {}, &resp);
     } else {
       v1::UndrainResponse resp;
-      s = Admin(r)->Undrain(&ctx, {}, &resp);
+      s = Operator(r)->Undrain(&ctx, {}, &resp);
     }
     ASSERT_TRUE(s.ok()) << s.error_message();
   }
