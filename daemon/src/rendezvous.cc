@@ -130,11 +130,32 @@ std::string GrpcTarget(const std::string& address) {
   return address;
 }
 
+std::shared_ptr<grpc::Channel> ChannelCache::Get(const std::string& address, absl::Time now) {
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (now - it->second.last_used > idle_) it = entries_.erase(it);
+    else ++it;
+  }
+  auto it = entries_.find(address);
+  if (it == entries_.end()) {
+    if (entries_.size() >= capacity_) {
+      auto oldest = entries_.begin();
+      for (auto e = entries_.begin(); e != entries_.end(); ++e)
+        if (e->second.last_used < oldest->second.last_used) oldest = e;
+      entries_.erase(oldest);
+    }
+    it = entries_
+             .emplace(address, Entry{grpc::CreateChannel(GrpcTarget(address),
+                                                         grpc::InsecureChannelCredentials()),
+                                     now})
+             .first;
+  }
+  it->second.last_used = now;
+  return it->second.channel;
+}
+
 std::shared_ptr<grpc::Channel> RendezvousClient::ChannelFor(const std::string& address) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto& ch = channels_[address];
-  if (!ch) ch = grpc::CreateChannel(GrpcTarget(address), grpc::InsecureChannelCredentials());
-  return ch;
+  return channels_.Get(address, absl::Now());
 }
 
 absl::StatusOr<std::vector<std::string>> RendezvousClient::Rendezvous(

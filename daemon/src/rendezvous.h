@@ -75,7 +75,36 @@ class RendezvousTable {
   std::map<std::string, std::shared_ptr<Entry>> entries_;
 };
 
-/// Client side: reaches rank 0's Peer service. Channels are cached per address. Thread-safe.
+/// Most channels a daemon keeps to other daemons, and how long an unused one is kept.
+inline constexpr size_t kMaxRendezvousChannels = 64;
+inline constexpr absl::Duration kRendezvousChannelIdle = absl::Minutes(5);
+
+/// The channels of a RendezvousClient, one per member address: at most `capacity`, the least
+/// recently used one dropped for a new address, and any unused for `idle` dropped when the
+/// cache is next used. A dropped channel stays alive while a call still holds it. Not
+/// thread-safe (RendezvousClient locks around it).
+class ChannelCache {
+ public:
+  explicit ChannelCache(size_t capacity = kMaxRendezvousChannels,
+                        absl::Duration idle = kRendezvousChannelIdle)
+      : capacity_(capacity < 1 ? 1 : capacity), idle_(idle) {}
+  /// The channel to `address` (a GrpcTarget), made when there is none, used at `now`.
+  std::shared_ptr<grpc::Channel> Get(const std::string& address, absl::Time now);
+  size_t size() const { return entries_.size(); }
+  bool contains(const std::string& address) const { return entries_.count(address) > 0; }
+
+ private:
+  struct Entry {
+    std::shared_ptr<grpc::Channel> channel;
+    absl::Time last_used;
+  };
+  size_t capacity_;
+  absl::Duration idle_;
+  std::map<std::string, Entry> entries_;
+};
+
+/// Client side: reaches rank 0's Peer service. Channels are cached per address, bounded
+/// (ChannelCache). Thread-safe.
 class RendezvousClient {
  public:
   absl::StatusOr<std::vector<std::string>> Rendezvous(const std::string& address,
@@ -87,7 +116,7 @@ class RendezvousClient {
  private:
   std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);
   std::mutex mu_;
-  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
+  ChannelCache channels_;
 };
 
 /// Turns a member address ("unix:///p", "unix:/p", "/p" or "host:port") into a gRPC target.
