@@ -45,7 +45,7 @@ class ClientImpl : public BufferResolver {
   std::atomic<bool> closed{false};  // read by SlotHold::Release on any thread
 
   // The call fast path (absent when the daemon offered none or the caller opted out).
-  ipc::Mapping segment;
+  std::shared_ptr<ipc::Mapping> segment;  // shared with stream-ordered releases in flight
   ipc::ClientSegmentHeader* header = nullptr;
   ipc::SubmitRing* submit = nullptr;
   ipc::CompletionRing* complete = nullptr;
@@ -53,14 +53,18 @@ class ClientImpl : public BufferResolver {
   std::mutex submit_mu, complete_mu;
   std::map<std::pair<uint64_t, uint64_t>, ipc::Completion> pending;  // (session, epoch)
   std::set<std::pair<uint64_t, uint64_t>> raised;  // failed completions raised at a Submit
+  // Stream-ordered calls nobody waits for: a success is dropped when it arrives, a failure
+  // stays in `pending` until raised at the session's next call or Synchronize.
+  std::set<std::pair<uint64_t, uint64_t>> detached;
 
   bool has_rings() const { return submit != nullptr; }
 
   absl::Status AttachRings(ipc::ReceivedMessage& ack) {
     if (ack.fds.size() != 3) return absl::OkStatus();  // the daemon offers no rings
-    ULY_ASSIGN_OR_RETURN(segment, ipc::Mapping::Map(ack.fds[0].get(),
-                                                    ipc::ClientSegmentLayout::kTotal, true));
-    auto* base = static_cast<uint8_t*>(segment.data());
+    ULY_ASSIGN_OR_RETURN(ipc::Mapping m, ipc::Mapping::Map(ack.fds[0].get(),
+                                                           ipc::ClientSegmentLayout::kTotal, true));
+    segment = std::make_shared<ipc::Mapping>(std::move(m));
+    auto* base = static_cast<uint8_t*>(segment->data());
     header = reinterpret_cast<ipc::ClientSegmentHeader*>(base);
     if (header->magic != ipc::kClientSegmentMagic || header->version != ipc::kClientSegmentVersion)
       return absl::FailedPreconditionError("client segment: layout version mismatch with the daemon");
@@ -80,6 +84,7 @@ class ClientImpl : public BufferResolver {
       ipc::Completion c;
       ULY_ASSIGN_OR_RETURN(bool got, complete->TryPop(&c));
       if (!got) return absl::OkStatus();
+      if (c.code == 0 && detached.erase({c.session_id, c.epoch}) != 0) continue;
       pending[{c.session_id, c.epoch}] = c;
     }
   }
@@ -117,12 +122,23 @@ class ClientImpl : public BufferResolver {
   absl::StatusOr<std::optional<ipc::Completion>> TakeUnraisedError(uint64_t session) {
     std::lock_guard<std::mutex> lock(complete_mu);
     ULY_RETURN_IF_ERROR(DrainCompletions());
-    for (auto& [key, c] : pending) {
-      if (key.first != session || c.code == 0 || raised.count(key)) continue;
-      raised.insert(key);
+    for (auto it = pending.begin(); it != pending.end(); ++it) {
+      const auto key = it->first;
+      if (key.first != session || it->second.code == 0 || raised.count(key)) continue;
+      const ipc::Completion c = it->second;
+      if (detached.erase(key) != 0) pending.erase(it);  // nobody waits for it: raised once
+      else raised.insert(key);
       return std::optional<ipc::Completion>(c);
     }
     return std::optional<ipc::Completion>();
+  }
+
+  // Whether stream-ordered calls of `session` are still without their completion.
+  absl::StatusOr<bool> DetachedOutstanding(uint64_t session) {
+    std::lock_guard<std::mutex> lock(complete_mu);
+    ULY_RETURN_IF_ERROR(DrainCompletions());
+    auto it = detached.lower_bound({session, 0});
+    return it != detached.end() && it->first == session;
   }
 
   absl::StatusOr<ipc::Completion> Await(uint64_t session, uint64_t epoch, absl::Time deadline) {
@@ -256,15 +272,28 @@ class ClientImpl : public BufferResolver {
 class SlotHold {
  public:
   // `word`: this slot's release word in the client segment, or null (release by RPC).
+  // `stream` (device sessions): the release is ordered after the work enqueued on it so far
+  // (the work that reads the view), through a host function that stores the word.
   SlotHold(std::shared_ptr<ClientImpl> client, uint64_t session, uint64_t epoch,
-           std::atomic<uint64_t>* word)
-      : client_(std::move(client)), session_(session), epoch_(epoch), word_(word) {}
+           std::atomic<uint64_t>* word, bool device = false, void* stream = nullptr)
+      : client_(std::move(client)), session_(session), epoch_(epoch), word_(word),
+        device_(device), stream_(stream) {}
   ~SlotHold() { (void)Release(); }
+  bool released() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return released_;
+  }
+  uint64_t epoch() const { return epoch_; }
   absl::Status Release() {
     std::lock_guard<std::mutex> lock(mu_);
     if (released_) return absl::OkStatus();
     released_ = true;
     if (client_->closed) return absl::OkStatus();  // Detach released everything
+    if (word_ != nullptr && device_) {
+      auto* at = new StreamRelease{client_->segment, word_, epoch_};
+      if (ipc::cuda::LaunchHostFunc(stream_, &StreamRelease::Run, at).ok()) return absl::OkStatus();
+      delete at;  // no stream to order on (the context is gone): release now
+    }
     if (word_ != nullptr) {
       // The fast path: one store in shared memory, read by the daemon before it reuses the
       // slot. This client is the word's only writer; epochs of a slot only grow.
@@ -285,10 +314,24 @@ class SlotHold {
   }
 
  private:
+  // A release word store that runs on a CUDA host-function thread: it keeps the client
+  // segment mapped and calls nothing of CUDA.
+  struct StreamRelease {
+    std::shared_ptr<ipc::Mapping> keep;
+    std::atomic<uint64_t>* word;
+    uint64_t epoch;
+    static void Run(void* p) {
+      std::unique_ptr<StreamRelease> r(static_cast<StreamRelease*>(p));
+      if (r->word->load(std::memory_order_relaxed) < r->epoch)
+        r->word->store(r->epoch, std::memory_order_release);
+    }
+  };
   std::shared_ptr<ClientImpl> client_;
   const uint64_t session_;
   const uint64_t epoch_;
   std::atomic<uint64_t>* const word_;
+  const bool device_;
+  void* const stream_;
   std::mutex mu_;
   bool released_ = false;
 };
@@ -553,8 +596,10 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const v1::CreateSes
   impl_->Prepare(&ctx);
   ULY_RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->CreateSession(&ctx, req, &info)));
   const bool device = info.device_slots_bytes() > 0;
+  const bool words = device && info.device_words_bytes() > 0;
   ULY_ASSIGN_OR_RETURN(std::vector<ipc::UniqueFd> fds,
-                       impl_->ReadFdFrames("session_id", info.session_id(), device ? 2 : 1));
+                       impl_->ReadFdFrames("session_id", info.session_id(),
+                                           device ? (words ? 3 : 2) : 1));
   ULY_ASSIGN_OR_RETURN(ipc::Mapping m, ipc::Mapping::Map(fds[0].get(), info.segment_bytes(), false));
   auto mapping = std::make_shared<ipc::Mapping>(std::move(m));
   std::unique_ptr<Session> session(new Session());
@@ -574,6 +619,20 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const v1::CreateSes
     session->base_ = static_cast<const uint8_t*>(vmm->data());
     session->device_slots_ = vmm;
     session->device_ = true;
+    if (words) {
+      // The stream-ordered protocol: the daemon's words lead the slots mapping; the ready
+      // words are this client's to write (docs/protocol.md section 9).
+      ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping w,
+                           ipc::cuda::VmmMapping::Import(dev, fds[2].get(), info.device_words_bytes(),
+                                                         /*writable=*/true));
+      auto ready = std::make_shared<ipc::cuda::VmmMapping>(std::move(w));
+      session->ready_ = static_cast<ClientDeviceWords*>(ready->data())->ready;
+      session->client_words_ = ready;
+      session->device_words_ = vmm->data();
+      session->slot_offset_ = info.slot_offset_bytes();
+      session->slot_stride_ = info.slot_stride_bytes();
+      session->holds_.resize(g.num_slots);
+    }
   }
   session->release_index_ = info.release_index();
   return session;
@@ -661,20 +720,26 @@ absl::StatusOr<int> Session::PoisonSlots() {
   return resp.poisoned();
 }
 
-// The daemon reads the inputs from its own stream: the work this process enqueued before the
-// call must be complete first. (The stream-ordered protocol, where the daemon's stream waits on
-// a word the client's stream writes, replaces this host-side wait; docs/protocol.md.)
+// A call without the stream-ordered protocol (the Call RPC): the daemon reads the inputs from
+// its own stream, so the work this process enqueued before the call must be complete first.
 absl::Status Session::OrderAfterStream() const {
   if (!device_) return absl::OkStatus();
   return ipc::cuda::SyncStream(stream_);
 }
 
+bool Session::stream_protocol() const { return ready_ != nullptr && client_->has_rings(); }
+
 absl::StatusOr<uint64_t> Session::Submit(const CallArgs& args) {
+  CallPlan plan;
+  return SubmitPlanned(args, &plan);
+}
+
+absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* plan) {
   if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
   if (!client_->has_rings())
     return absl::UnimplementedError("Submit needs the call rings (ConnectOptions::use_rings)");
   // The same verdict the daemon reaches, before anything leaves this process.
-  ULY_RETURN_IF_ERROR(Plan(args).status());
+  ULY_ASSIGN_OR_RETURN(*plan, Plan(args));
   ipc::CallDescriptor d{};
   d.session_id = id_;
   d.op = static_cast<uint32_t>(args.op);
@@ -700,11 +765,52 @@ absl::StatusOr<uint64_t> Session::Submit(const CallArgs& args) {
     return absl::Status(static_cast<absl::StatusCode>(failed->code),
                         StrCat("an earlier call (epoch ", failed->epoch, ") failed: ", failed->message));
   }
-  ULY_RETURN_IF_ERROR(OrderAfterStream());
   d.epoch = next_epoch_;
+  const int slot = static_cast<int>((d.epoch - 1) % geometry_.num_slots);
+  if (stream_protocol()) {
+    // A result of this session still viewed in the slot this call needs: the daemon would wait
+    // for a release that only this thread can give.
+    if (std::shared_ptr<SlotHold> h = holds_[slot].lock(); h && !h->released())
+      return absl::DeadlineExceededError(StrCat(
+          "session ", id_, ": receive slot ", slot, " still holds the result of epoch ",
+          h->epoch(), "; release it before the call that needs the slot"));
+    // Stream order instead of a host wait: the daemon's stream starts once this stream wrote
+    // the ready word, and this stream's later work waits for the done word.
+    ULY_RETURN_IF_ERROR(ipc::cuda::StreamWrite64(stream_, &ready_[slot], d.epoch));
+    d.flags |= ipc::kDescriptorStreamOrdered;
+  } else {
+    ULY_RETURN_IF_ERROR(OrderAfterStream());
+  }
   has_out_[d.epoch] = args.out.present();
   ULY_RETURN_IF_ERROR(client_->Push(d, absl::Now() + absl::Minutes(1)));
+  if (stream_protocol()) {
+    const auto* words = static_cast<const DeviceWords*>(device_words_);
+    ULY_RETURN_IF_ERROR(ipc::cuda::StreamWait64(stream_, &words->slots[slot].done, d.epoch));
+  }
   return next_epoch_++;
+}
+
+absl::Status Session::Synchronize(absl::Duration timeout) {
+  if (!client_->has_rings()) return absl::OkStatus();  // every RPC call returned finished
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    ULY_ASSIGN_OR_RETURN(bool outstanding, client_->DetachedOutstanding(id_));
+    if (!outstanding) break;
+    if (client_->header->abort.load(std::memory_order_acquire) != 0)
+      return absl::AbortedError("the daemon dropped this client");
+    if (absl::Now() >= deadline)
+      return absl::DeadlineExceededError(StrCat("session ", id_, ": calls still unfinished after ",
+                                                absl::FormatDuration(timeout)));
+    (void)client_->complete_bell.Wait(1);
+  }
+  if (device_) ULY_RETURN_IF_ERROR(ipc::cuda::SyncStream(stream_));
+  ULY_ASSIGN_OR_RETURN(std::optional<ipc::Completion> failed, client_->TakeUnraisedError(id_));
+  if (failed) {
+    if (failed->next_epoch != 0) next_epoch_ = failed->next_epoch;
+    return absl::Status(static_cast<absl::StatusCode>(failed->code),
+                        StrCat("a call (epoch ", failed->epoch, ") failed: ", failed->message));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Result> Session::Wait(uint64_t epoch, absl::Duration timeout) {
@@ -727,11 +833,37 @@ absl::StatusOr<Result> Session::Wait(uint64_t epoch, absl::Duration timeout) {
   r.device = device_;
   r.bytes = c.result_bytes;
   r.daemon_us = c.elapsed_us;
-  if (!copied_out) r.hold_ = std::make_shared<SlotHold>(client_, id_, r.epoch, ReleaseWord(r.slot));
+  if (!copied_out) r.hold_ = NewHold(r.epoch, r.slot);
   return r;
 }
 
+std::shared_ptr<SlotHold> Session::NewHold(uint64_t epoch, int32_t slot) {
+  auto hold = std::make_shared<SlotHold>(client_, id_, epoch, ReleaseWord(slot), device_, stream_);
+  if (slot >= 0 && slot < static_cast<int32_t>(holds_.size())) holds_[slot] = hold;
+  return hold;
+}
+
 absl::StatusOr<Result> Session::Call(const CallArgs& args) {
+  if (client_->has_rings() && stream_protocol() && stream_ordered_) {
+    // Stream-ordered: the result is known now and valid in the stream's order; the daemon's
+    // completion only matters when it reports an error (raised at the next call or Synchronize).
+    CallPlan plan;
+    ULY_ASSIGN_OR_RETURN(uint64_t epoch, SubmitPlanned(args, &plan));
+    has_out_.erase(epoch);
+    {
+      std::lock_guard<std::mutex> lock(client_->complete_mu);
+      client_->detached.insert({id_, epoch});
+    }
+    Result r;
+    r.epoch = epoch;
+    r.slot = static_cast<int32_t>((epoch - 1) % geometry_.num_slots);
+    r.shape = plan.out_shape;
+    r.data = base_ + slot_offset_ + slot_stride_ * static_cast<uint64_t>(r.slot);
+    r.device = true;
+    r.bytes = static_cast<uint64_t>(plan.slot_elems) * geometry_.itemsize();
+    if (!args.out.present()) r.hold_ = NewHold(r.epoch, r.slot);
+    return r;
+  }
   if (client_->has_rings()) {
     ULY_ASSIGN_OR_RETURN(uint64_t epoch, Submit(args));
     return Wait(epoch);
@@ -770,8 +902,7 @@ absl::StatusOr<Result> Session::Call(const CallArgs& args) {
   r.device = device_;
   r.bytes = resp.result_bytes();
   r.daemon_us = resp.elapsed_us();
-  if (!args.out.present())
-    r.hold_ = std::make_shared<SlotHold>(client_, id_, r.epoch, ReleaseWord(r.slot));
+  if (!args.out.present()) r.hold_ = NewHold(r.epoch, r.slot);
   return r;
 }
 

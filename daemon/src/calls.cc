@@ -1,6 +1,8 @@
 // The call path shared by the Call RPC and the shared-memory rings: find the session, validate
 // against the caller's buffers (never trusting the client), run, account.
 #include <cstring>
+#include <deque>
+#include <map>
 
 #include "daemon.h"
 #include "ulysses/common/logging.h"
@@ -64,8 +66,10 @@ absl::Status Daemon::RefuseDescriptor(ClientRecord& c, uint64_t session_id, uint
 
 absl::StatusOr<CallResult> Daemon::RunCall(ClientRecord& c, uint64_t session_id,
                                            const CallArgs& args, uint64_t expected_epoch,
-                                           CallRecord* rec) {
+                                           ExecuteMode mode, CallRecord* rec,
+                                           std::shared_ptr<Session>* session) {
   ULY_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, FindSession(c, session_id));
+  *session = s;
   ClientBuffers buffers(this, &c);
   absl::StatusOr<CallPlan> plan =
       s->fused() != nullptr
@@ -107,7 +111,7 @@ absl::StatusOr<CallResult> Daemon::RunCall(ClientRecord& c, uint64_t session_id,
   rec->started = absl::Now();
   CallResult r;
   ULY_ASSIGN_OR_RETURN(r.outcome, s->Execute(*plan, ops, absl::Milliseconds(config_.call_timeout_ms),
-                                             expected_epoch));
+                                             expected_epoch, mode));
   r.out_shape = plan->out_shape;
   rec->epoch = r.outcome.epoch;
   rec->bytes_sent = r.outcome.bytes_sent;
@@ -140,7 +144,8 @@ absl::StatusOr<FusedWeightsHeld> Daemon::ResolveFusedWeights(ClientRecord& c,
 }
 
 absl::StatusOr<CallResult> Daemon::Call(ClientRecord& c, uint64_t session_id, const CallArgs& args,
-                                        uint64_t expected_epoch) {
+                                        uint64_t expected_epoch, ExecuteMode mode,
+                                        PendingCall* pending) {
   CallRecord rec;
   rec.client_id = c.id;
   rec.session_id = session_id;
@@ -150,7 +155,17 @@ absl::StatusOr<CallResult> Daemon::Call(ClientRecord& c, uint64_t session_id, co
   rec.epoch = expected_epoch;
   rec.queued = absl::Now();
   CallStarted();
-  absl::StatusOr<CallResult> r = RunCall(c, session_id, args, expected_epoch, &rec);
+  std::shared_ptr<Session> session;
+  absl::StatusOr<CallResult> r = RunCall(c, session_id, args, expected_epoch, mode, &rec, &session);
+  if (r.ok() && r->outcome.pending && pending != nullptr) {
+    // Enqueued on the session's stream: accounted when it finishes (FinishPending).
+    pending->session = session;
+    pending->session_id = session_id;
+    pending->epoch = r->outcome.epoch;
+    pending->out_shape = r->out_shape;
+    pending->record = std::move(rec);
+    return r;
+  }
   rec.done = absl::Now();
   if (rec.started == absl::Time()) rec.started = rec.done;
   rec.code = r.status().code();
@@ -160,6 +175,27 @@ absl::StatusOr<CallResult> Daemon::Call(ClientRecord& c, uint64_t session_id, co
     Logger("exec")->debug("client {} session {} epoch {}: {}", c.id, session_id, rec.epoch,
                           r.status().ToString());
   CallFinished(std::move(rec));
+  return r;
+}
+
+absl::StatusOr<CallResult> Daemon::FinishPending(PendingCall& p,
+                                                 absl::StatusOr<CallOutcome> outcome) {
+  CallRecord& rec = p.record;
+  rec.done = absl::Now();
+  rec.code = outcome.status().code();
+  rec.message = std::string(outcome.status().message());
+  absl::StatusOr<CallResult> r = outcome.status();
+  if (outcome.ok()) {
+    CallResult ok;
+    ok.outcome = *outcome;
+    ok.out_shape = p.out_shape;
+    ok.elapsed_us = absl::ToInt64Microseconds(rec.done - rec.queued);
+    r = ok;
+  } else {
+    Logger("exec")->debug("client {} session {} epoch {}: {}", rec.client_id, p.session_id,
+                          p.epoch, outcome.status().ToString());
+  }
+  CallFinished(rec);
   return r;
 }
 
@@ -212,24 +248,11 @@ void Daemon::JoinFinishedWorkers() {
 // descriptor. It ends when the client is reclaimed (the header's abort word).
 void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientRings> rings) {
   auto log = Logger("exec");
-  for (;;) {
-    ipc::CallDescriptor d;
-    absl::StatusOr<bool> got = ipc::PopWait(*rings->submit, &d, rings->submit_bell,
-                                            absl::Now() + absl::Seconds(1), &rings->header->abort);
-    if (!got.ok()) {
-      if (got.status().code() != absl::StatusCode::kAborted) {
-        // The client corrupted its own ring: it cannot be served any more.
-        log->warn("client {}: submit ring: {}; dropping the client", c->id,
-                  std::string(got.status().message()));
-        Reclaim(c->id, StrCat("corrupted submit ring: ", got.status().message()));
-      }
-      break;
-    }
-    if (!*got) continue;
-    absl::StatusOr<CallArgs> args = ipc::CallArgsFromDescriptor(d);
-    absl::StatusOr<CallResult> r = args.ok() ? Call(*c, d.session_id, *args, d.epoch)
-                                             : RefuseDescriptor(*c, d.session_id, d.epoch,
-                                                                args.status());
+  // Calls enqueued on stream-ordered sessions, oldest first: their completions are posted when
+  // Session::Poll finds them finished, while this worker goes on draining the ring.
+  std::deque<PendingCall> pending;
+  absl::Time last_progress = absl::Now();
+  auto post = [&](const ipc::CallDescriptor& d, const absl::StatusOr<CallResult>& r) -> bool {
     ipc::Completion done{};
     done.session_id = d.session_id;
     done.epoch = d.epoch;
@@ -249,9 +272,89 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     // The client drains completions while it submits or waits; a client that stops doing so
     // stalls only itself, and its worker backs off instead of spinning. Give up when it is
     // reclaimed.
-    if (!ipc::PushBackoff(*rings->complete, done, &rings->header->abort).ok()) break;
+    if (!ipc::PushBackoff(*rings->complete, done, &rings->header->abort).ok()) return false;
     (void)rings->complete_bell.Signal();
+    return true;
+  };
+  // Posts every pending call that finished (or whose session is gone). False: the client left.
+  auto collect = [&]() -> bool {
+    std::map<uint64_t, std::vector<FinishedCall>> finished;
+    for (PendingCall& p : pending) {
+      if (finished.count(p.session_id)) continue;
+      std::shared_ptr<Session> s = p.session.lock();
+      if (!s) {
+        finished[p.session_id];  // closed: its pending calls end below
+        continue;
+      }
+      s->Poll();
+      finished[p.session_id] = s->TakeFinished();
+    }
+    for (auto it = pending.begin(); it != pending.end();) {
+      std::vector<FinishedCall>& f = finished[it->session_id];
+      absl::StatusOr<CallOutcome> outcome = absl::AbortedError(
+          StrCat("session ", it->session_id, " was closed while its call was in flight"));
+      bool ended = it->session.expired();
+      for (FinishedCall& fc : f)
+        if (fc.epoch == it->epoch) {
+          outcome = std::move(fc.outcome);
+          ended = true;
+        }
+      if (!ended) {
+        ++it;
+        continue;
+      }
+      ipc::CallDescriptor d{};
+      d.session_id = it->session_id;
+      d.epoch = it->epoch;
+      absl::StatusOr<CallResult> r = FinishPending(*it, std::move(outcome));
+      it = pending.erase(it);
+      last_progress = absl::Now();
+      if (!post(d, r)) return false;
+    }
+    return true;
+  };
+  for (;;) {
+    ipc::CallDescriptor d;
+    // With calls in flight, poll them every 20 us for 2 ms after the last progress, then about
+    // every millisecond; with none, sleep on the doorbell.
+    const absl::Time now = absl::Now();
+    const absl::Duration window = pending.empty()                           ? absl::Seconds(1)
+                                  : now - last_progress < absl::Milliseconds(2) ? absl::Microseconds(20)
+                                                                                : absl::Milliseconds(1);
+    absl::StatusOr<bool> got = ipc::PopWait(*rings->submit, &d, rings->submit_bell, now + window,
+                                            &rings->header->abort);
+    if (!got.ok()) {
+      if (got.status().code() != absl::StatusCode::kAborted) {
+        // The client corrupted its own ring: it cannot be served any more.
+        log->warn("client {}: submit ring: {}; dropping the client", c->id,
+                  std::string(got.status().message()));
+        Reclaim(c->id, StrCat("corrupted submit ring: ", got.status().message()));
+      }
+      break;
+    }
+    if (!*got) {
+      if (!pending.empty() && !collect()) break;
+      continue;
+    }
+    absl::StatusOr<CallArgs> args = ipc::CallArgsFromDescriptor(d);
+    const ExecuteMode mode{/*async=*/true,
+                           /*wait_ready=*/(d.flags & ipc::kDescriptorStreamOrdered) != 0};
+    PendingCall p;
+    absl::StatusOr<CallResult> r = args.ok() ? Call(*c, d.session_id, *args, d.epoch, mode, &p)
+                                             : RefuseDescriptor(*c, d.session_id, d.epoch,
+                                                                args.status());
+    if (r.ok() && r->outcome.pending) {
+      if (pending.empty()) last_progress = absl::Now();
+      pending.push_back(std::move(p));
+    } else if (!post(d, r)) {
+      break;
+    }
+    if (!pending.empty() && !collect()) break;
   }
+  // The client is gone: its calls still in flight end with it (their sessions are reclaimed
+  // and cancelled with the client).
+  for (PendingCall& p : pending)
+    (void)FinishPending(p, absl::AbortedError("the client was reclaimed while its call was in flight"));
   std::lock_guard<std::mutex> lock(workers_mu_);
   workers_done_.push_back(c->id);
 }

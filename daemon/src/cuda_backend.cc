@@ -5,8 +5,10 @@
 // IPC handles or daemon-allocated VMM buffers. Built only with CUDA.
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
@@ -51,14 +53,27 @@ class CudaTransport final : public Transport {
     ULY_RETURN_IF_ERROR(UseDevice(device));
     std::unique_ptr<CudaTransport> t(new CudaTransport(device, exports, setup));
     t->stride_ = AlignUp(setup.slot_bytes, kSlotAlign);
+    // The stream-ordered words first (DeviceWords), then the slots; one allocation, so one
+    // handle gives peers and the client both.
+    t->words_bytes_ = AlignUp(sizeof(DeviceWords), kSlotAlign);
     ULY_ASSIGN_OR_RETURN(t->slots_, ipc::cuda::VmmMapping::Create(
-                                        device, t->stride_ * setup.geometry.num_slots));
+                                        device, t->words_bytes_ + t->stride_ * setup.geometry.num_slots));
     ULY_ASSIGN_OR_RETURN(t->client_fd_, t->slots_.Export());
     ULY_ASSIGN_OR_RETURN(t->ticket_, exports->Lend(t->client_fd_.get()));
-    cudaStream_t stream = nullptr;
-    ULY_RETURN_IF_ERROR(
-        CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)));
-    t->stream_ = stream;
+    ULY_ASSIGN_OR_RETURN(t->client_words_,
+                         ipc::cuda::VmmMapping::Create(device, sizeof(ClientDeviceWords)));
+    ULY_ASSIGN_OR_RETURN(t->client_words_fd_, t->client_words_.Export());
+    for (cudaStream_t* st : {&t->stream_, &t->rescue_})
+      ULY_RETURN_IF_ERROR(
+          CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(st, cudaStreamNonBlocking)));
+    t->events_.assign(setup.geometry.num_slots, nullptr);
+    t->event_epoch_.assign(setup.geometry.num_slots, 0);
+    for (cudaEvent_t& ev : t->events_)
+      ULY_RETURN_IF_ERROR(
+          CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)));
+    // What a cancel writes over this rank's slot words (every wait passes).
+    t->unblock_.assign(sizeof(DeviceSlotWords) / sizeof(uint64_t) * setup.geometry.num_slots,
+                       kUnblockEpoch);
     if (setup.fused) {
       // Everything a fused call needs is made here (GEMM workspace, projection buffer, second
       // stream, events); a call at a row count seen before allocates nothing.
@@ -81,9 +96,29 @@ class CudaTransport final : public Transport {
     if (ticket_.id != 0) exports_->Withdraw(ticket_.id);
     (void)UseDevice(device_);
     if (stream_ != nullptr) {
+      // Calls still enqueued may wait for a client or peer that will never come: cancel, and
+      // cancel again while late peer writes re-arm a wait, until the stream is idle.
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      for (bool first = true;; first = false) {
+        const cudaError_t q = cudaStreamQuery(stream_);
+        if (q != cudaErrorNotReady) break;
+        if (std::chrono::steady_clock::now() > give_up) {
+          Logger("exec")->error("device {}: a session stream did not drain after its cancel",
+                                device_);
+          break;
+        }
+        Cancel();
+        if (!first) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
       cudaStreamSynchronize(stream_);
       cudaStreamDestroy(stream_);
     }
+    if (rescue_ != nullptr) {
+      cudaStreamSynchronize(rescue_);
+      cudaStreamDestroy(rescue_);
+    }
+    for (cudaEvent_t ev : events_)
+      if (ev != nullptr) cudaEventDestroy(ev);
     fused_plan_.reset();  // its work was ordered before this stream's end
   }
 
@@ -99,6 +134,8 @@ class CudaTransport final : public Transport {
     peers_.resize(W);
     slot_base_.assign(W, nullptr);
     slot_base_[setup_.geometry.rank] = static_cast<uint8_t*>(slots_.data());
+    words_.assign(W, nullptr);
+    words_[setup_.geometry.rank] = static_cast<DeviceWords*>(slots_.data());
     for (int r = 0; r < W; ++r) {
       if (r == setup_.geometry.rank) continue;
       // cuda|device|bytes|id|secret|socket (the socket path may hold '|': split 5 times).
@@ -116,6 +153,7 @@ class CudaTransport final : public Transport {
       ULY_ASSIGN_OR_RETURN(peers_[r],
                            ipc::cuda::VmmMapping::Import(device_, fd.get(), bytes, true));
       slot_base_[r] = static_cast<uint8_t*>(peers_[r].data());
+      words_[r] = static_cast<DeviceWords*>(peers_[r].data());
     }
     return absl::OkStatus();
   }
@@ -127,16 +165,19 @@ class CudaTransport final : public Transport {
     void* out = slot_base_[dst] + SlotOffset(slot);
     switch (plan.op) {
       case OpKind::kScatterHeads:
-        return kernels::LaunchScatterHeadsBlock(shape, InputView(plan, ops, 0), me, dst, out, stream_);
+        return kernels::LaunchScatterHeadsBlock(shape, InputView(plan, ops, 0), me, dst, out,
+                                                stream_, cancel());
       case OpKind::kGatherHeads:
-        return kernels::LaunchGatherHeadsBlock(shape, InputView(plan, ops, 0), me, dst, out, stream_);
+        return kernels::LaunchGatherHeadsBlock(shape, InputView(plan, ops, 0), me, dst, out,
+                                               stream_, cancel());
       case OpKind::kScatterQkvHeadChunk:
         return kernels::LaunchScatterQkvHeadChunkBlock(
             shape, InputView(plan, ops, 0), InputView(plan, ops, 1), InputView(plan, ops, 2),
-            plan.head_offset, plan.head_count, me, dst, out, stream_);
+            plan.head_offset, plan.head_count, me, dst, out, stream_, cancel());
       case OpKind::kGatherOutputHeadChunk:
         return kernels::LaunchGatherOutputHeadChunkBlock(shape, InputView(plan, ops, 0),
-                                                         plan.head_count, me, dst, out, stream_);
+                                                         plan.head_count, me, dst, out, stream_,
+                                                         cancel());
       default:
         return absl::InvalidArgumentError("op: unknown operation");
     }
@@ -148,7 +189,7 @@ class CudaTransport final : public Transport {
 
   // The fused call: the plan's GEMM, norm + RoPE and stores write this rank's band of every
   // destination straight into that destination's mapped slot, on this session's stream.
-  // Readiness is the host protocol's (Flush, then the arrival words), so no device words.
+  // Readiness is the stream protocol's (Enqueue's arrival words), so no per-launch words.
   absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot,
                        uint64_t epoch) override {
     if (plan.op != OpKind::kQkvNormRopeExchange || !fused_plan_)
@@ -158,7 +199,7 @@ class CudaTransport final : public Transport {
     ULY_ASSIGN_OR_RETURN(const FusedPath path, PreparedPath(rows));
     void* outs[kMaxWorldSize] = {};
     for (int r = 0; r < setup_.geometry.world_size; ++r) outs[r] = slot_base_[r] + SlotOffset(slot);
-    const kernels::QkvDestinations dests{outs, nullptr, epoch};
+    const kernels::QkvDestinations dests{outs, nullptr, epoch, cancel()};
     const auto* positions = static_cast<const int32_t*>(ops.inputs[1]);
     if (path == FusedPath::kChunked)
       return fused_plan_->RunChunked(ops.inputs[0], positions, plan.batch, plan.seq_local, dests,
@@ -174,25 +215,79 @@ class CudaTransport final : public Transport {
 
   absl::Status Finish(const CallPlan& plan, const CallOperands& ops, int slot) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
-    const uint8_t* data = slot_base_[setup_.geometry.rank] + SlotOffset(slot);
-    if (plan.op == OpKind::kQkvNormRopeExchange) {
-      if (!plan.has_out) return absl::OkStatus();
-      ULY_RETURN_IF_ERROR(CudaStatus(
-          "cudaMemcpyAsync",
-          cudaMemcpyAsync(ops.out, data,
-                          static_cast<size_t>(plan.slot_elems) * setup_.geometry.itemsize(),
-                          cudaMemcpyDeviceToDevice, stream_)));
-    } else if (plan.op == OpKind::kGatherOutputHeadChunk) {
-      ULY_RETURN_IF_ERROR(kernels::LaunchGatherOutputHeadChunkMerge(
-          ShapeOf(setup_.geometry, plan), data, plan.head_offset, plan.head_count,
-          OutView(plan, ops), stream_));
-    } else if (plan.has_out) {
-      ULY_RETURN_IF_ERROR(kernels::LaunchCopyContiguousToView(
-          data, plan.out_shape.data(), setup_.geometry.itemsize(), OutView(plan, ops), stream_));
-    } else {
-      return absl::OkStatus();
-    }
+    ULY_RETURN_IF_ERROR(EnqueueFinish(plan, ops, slot));
     return Flush();
+  }
+
+  bool StreamOrdered() const override { return true; }
+
+  // The whole call on the session's stream (docs/protocol.md section 9): wait for the client's
+  // inputs, grant this rank's slot to every source, store each block once its destination
+  // granted, announce the blocks, wait for every source's, finish, publish done.
+  absl::Status Enqueue(const CallPlan& plan, const CallOperands& ops,
+                       const StreamCall& call) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    const int W = setup_.geometry.world_size;
+    const int me = setup_.geometry.rank;
+    const int s = call.slot;
+    const uint64_t e = call.epoch;
+    DeviceSlotWords& mine = words_[me]->slots[s];
+    namespace cu = ipc::cuda;
+    if (call.wait_ready) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &ClientWords()->ready[s], e));
+    // Ordered after this slot's previous result was read (its Finish is earlier on this stream;
+    // its client released it before the host enqueued this call).
+    for (int r = 0; r < W; ++r)
+      ULY_RETURN_IF_ERROR(cu::StreamWrite64(stream_, &words_[r]->slots[s].grant[me], e));
+    if (PushesAtOnce(plan)) {
+      for (int r = 0; r < W; ++r) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &mine.grant[r], e));
+      ULY_RETURN_IF_ERROR(PushAll(plan, ops, s, e));
+    } else {
+      // Rotated from the rank after this one, so ranks do not all store into rank 0 first.
+      for (int k = 1; k <= W; ++k) {
+        const int dst = (me + k) % W;
+        ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &mine.grant[dst], e));
+        ULY_RETURN_IF_ERROR(Push(plan, ops, dst, s));
+      }
+    }
+    // Each write's memory barrier makes this stream's stores visible before the word.
+    for (int r = 0; r < W; ++r)
+      ULY_RETURN_IF_ERROR(cu::StreamWrite64(stream_, &words_[r]->slots[s].arrive[me], e));
+    for (int r = 0; r < W; ++r) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &mine.arrive[r], e));
+    ULY_RETURN_IF_ERROR(EnqueueFinish(plan, ops, s));
+    ULY_RETURN_IF_ERROR(cu::StreamWrite64(stream_, &mine.done, e));
+    event_epoch_[s] = e;
+    return CudaStatus("cudaEventRecord", cudaEventRecord(events_[s], stream_));
+  }
+
+  absl::StatusOr<bool> Completed(int slot, uint64_t epoch) override {
+    if (slot < 0 || slot >= static_cast<int>(events_.size()) || event_epoch_[slot] != epoch)
+      return absl::InternalError(StrCat("slot ", slot, " has no call of epoch ", epoch, " enqueued"));
+    const cudaError_t q = cudaEventQuery(events_[slot]);
+    if (q == cudaErrorNotReady) return false;
+    ULY_RETURN_IF_ERROR(CudaStatus("cudaEventQuery", q));
+    return true;
+  }
+
+  void Cancel() override {
+    if (UseDevice(device_).ok() == false) return;
+    namespace cu = ipc::cuda;
+    DeviceWords* mine = words_.empty() ? static_cast<DeviceWords*>(slots_.data())
+                                       : words_[setup_.geometry.rank];
+    // cancel first (kernels that pass a wait after this store nothing), then every word this
+    // rank's stream waits on. The rescue stream is never blocked, so this completes.
+    absl::Status st = cu::StreamWrite64(rescue_, &mine->cancel, 1);
+    if (st.ok())
+      st = CudaStatus("cudaMemcpyAsync",
+                      cudaMemcpyAsync(mine->slots, unblock_.data(), unblock_.size() * sizeof(uint64_t),
+                                      cudaMemcpyHostToDevice, rescue_));
+    if (st.ok())
+      st = CudaStatus("cudaMemcpyAsync",
+                      cudaMemcpyAsync(ClientWords()->ready, unblock_.data(),
+                                      setup_.geometry.num_slots * sizeof(uint64_t),
+                                      cudaMemcpyHostToDevice, rescue_));
+    if (!st.ok())
+      Logger("exec")->error("device {}: cancel of a session stream: {}", device_,
+                            std::string(st.message()));
   }
 
   absl::Status Poison(int slot) override {
@@ -204,11 +299,14 @@ class CudaTransport final : public Transport {
     return Flush();
   }
 
-  uint64_t SlotOffset(int slot) const override { return stride_ * static_cast<uint64_t>(slot); }
-  ClientSlotMapping ClientMapping() const override {
-    return ClientSlotMapping{client_fd_.get(), slots_.size(), true};
+  uint64_t SlotOffset(int slot) const override {
+    return words_bytes_ + stride_ * static_cast<uint64_t>(slot);
   }
-  uint64_t DeviceBytes() const override { return slots_.size(); }
+  ClientSlotMapping ClientMapping() const override {
+    return ClientSlotMapping{client_fd_.get(), slots_.size(), true, client_words_fd_.get(),
+                             client_words_.size()};
+  }
+  uint64_t DeviceBytes() const override { return slots_.size() + client_words_.size(); }
   std::string Describe() const override {
     if (!fused_plan_)
       return "nvlink: CUDA exchange kernels storing into every destination's slot, one launch per "
@@ -232,6 +330,35 @@ class CudaTransport final : public Transport {
  private:
   CudaTransport(int device, FdExports* exports, const TransportSetup& setup)
       : device_(device), exports_(exports), setup_(setup) {}
+
+  const uint64_t* cancel() const {
+    return &static_cast<const DeviceWords*>(slots_.data())->cancel;
+  }
+  ClientDeviceWords* ClientWords() const {
+    return static_cast<ClientDeviceWords*>(client_words_.data());
+  }
+
+  // The local end of a call on the stream, not waited for: the out= copy or the merge.
+  absl::Status EnqueueFinish(const CallPlan& plan, const CallOperands& ops, int slot) {
+    const uint8_t* data = slot_base_[setup_.geometry.rank] + SlotOffset(slot);
+    if (plan.op == OpKind::kQkvNormRopeExchange) {
+      if (!plan.has_out) return absl::OkStatus();
+      return CudaStatus(
+          "cudaMemcpyAsync",
+          cudaMemcpyAsync(ops.out, data,
+                          static_cast<size_t>(plan.slot_elems) * setup_.geometry.itemsize(),
+                          cudaMemcpyDeviceToDevice, stream_));
+    }
+    if (plan.op == OpKind::kGatherOutputHeadChunk)
+      return kernels::LaunchGatherOutputHeadChunkMerge(ShapeOf(setup_.geometry, plan), data,
+                                                       plan.head_offset, plan.head_count,
+                                                       OutView(plan, ops), stream_, cancel());
+    if (plan.has_out)
+      return kernels::LaunchCopyContiguousToView(data, plan.out_shape.data(),
+                                                 setup_.geometry.itemsize(), OutView(plan, ops),
+                                                 stream_, cancel());
+    return absl::OkStatus();
+  }
 
   // The path for `rows` rows, preparing the plan's GEMMs the first time this row count comes
   // (host work: descriptors and algorithm choice; no device allocation).
@@ -275,12 +402,20 @@ class CudaTransport final : public Transport {
   FdExports* const exports_;
   const TransportSetup setup_;
   uint64_t stride_ = 0;
-  ipc::cuda::VmmMapping slots_;            // this rank's slots
+  uint64_t words_bytes_ = 0;               // DeviceWords, before the slots
+  ipc::cuda::VmmMapping slots_;            // this rank's words and slots
   ipc::UniqueFd client_fd_;                // its exported handle (client and peers map it)
   ExportTicket ticket_;
   std::vector<ipc::cuda::VmmMapping> peers_;  // index = rank; this rank's entry is empty
   std::vector<uint8_t*> slot_base_;            // every rank's slots as mapped here
+  std::vector<DeviceWords*> words_;            // every rank's words as mapped here
+  ipc::cuda::VmmMapping client_words_;         // ClientDeviceWords, written by the client
+  ipc::UniqueFd client_words_fd_;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t rescue_ = nullptr;  // Cancel's writes: never waits on anything
+  std::vector<cudaEvent_t> events_;      // per slot: recorded after the call's done write
+  std::vector<uint64_t> event_epoch_;    // the epoch each slot's event was recorded for
+  std::vector<uint64_t> unblock_;        // kUnblockEpoch, one per word of this rank's slots
   // Fused sessions: the prepared plan, and per row count seen the path it runs and why. The
   // calls run on the session's call thread; describe() reads the table from other threads.
   std::unique_ptr<kernels::FusedQkvPlan> fused_plan_;

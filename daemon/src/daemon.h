@@ -111,6 +111,16 @@ struct CallResult {
   int64_t elapsed_us = 0;
 };
 
+/// A ring call enqueued on a stream-ordered session and not finished yet: what its completion
+/// needs once Session::TakeFinished reports it.
+struct PendingCall {
+  std::weak_ptr<Session> session;
+  uint64_t session_id = 0;
+  uint64_t epoch = 0;
+  std::array<int64_t, 4> out_shape{};
+  CallRecord record;
+};
+
 class Daemon {
  public:
   explicit Daemon(DaemonConfig config);
@@ -184,8 +194,14 @@ class Daemon {
   /// Runs one call of client `c` (validation, execution, accounting, flight recorder). Used by
   /// the Call RPC (`expected_epoch` 0: the session's next epoch, whatever it is) and by the ring
   /// worker (the descriptor's epoch, never 0: ipc::CallArgsFromDescriptor refuses it).
+  /// A ring call on a stream-ordered session (`mode.async`) may return with
+  /// outcome.pending: then `pending` holds what FinishPending needs once it finished, and the
+  /// call is still counted as active.
   absl::StatusOr<CallResult> Call(ClientRecord& c, uint64_t session_id, const CallArgs& args,
-                                  uint64_t expected_epoch);
+                                  uint64_t expected_epoch, ExecuteMode mode = {},
+                                  PendingCall* pending = nullptr);
+  /// Accounts a pending call's end (telemetry, flight recorder) and gives its result.
+  absl::StatusOr<CallResult> FinishPending(PendingCall& p, absl::StatusOr<CallOutcome> outcome);
 
   /// Brackets a call for drain accounting and telemetry.
   void CallStarted();
@@ -224,7 +240,8 @@ class Daemon {
   absl::Status RefuseDescriptor(ClientRecord& c, uint64_t session_id, uint64_t epoch,
                                 absl::Status why);
   absl::StatusOr<CallResult> RunCall(ClientRecord& c, uint64_t session_id, const CallArgs& args,
-                                     uint64_t expected_epoch, CallRecord* rec);
+                                     uint64_t expected_epoch, ExecuteMode mode, CallRecord* rec,
+                                     std::shared_ptr<Session>* session);
   /// Creates the client's segment and starts its ring worker.
   absl::StatusOr<std::shared_ptr<ClientRings>> CreateRings(const std::shared_ptr<ClientRecord>& c);
   void RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientRings> rings);

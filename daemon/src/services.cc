@@ -59,7 +59,8 @@ void FillSessionInfo(const Session& s, const Group& g, v1::SessionInfo* out) {
   if (slots.device) {
     out->set_device_slots_bytes(slots.bytes);
     out->set_slot_stride_bytes(s.transport().SlotOffset(1) - s.transport().SlotOffset(0));
-    out->set_slot_offset_bytes(0);
+    out->set_slot_offset_bytes(s.transport().SlotOffset(0));
+    out->set_device_words_bytes(slots.words_bytes);
   }
   out->set_kind(static_cast<v1::SessionKind>(s.kind()));
   if (const FusedSetup* f = s.fused())
@@ -478,8 +479,9 @@ class ControlService final : public v1::Control::Service {
     if (status.ok()) {
       const ClientSlotMapping slots = session->transport().ClientMapping();
       if (slots.device) {
-        int fds[2] = {session->client_segment_fd(), slots.fd};
-        status = d_->SendToClient(c, StrCat("{\"session_id\": ", id, "}"), std::span<const int>(fds, 2));
+        int fds[3] = {session->client_segment_fd(), slots.fd, slots.words_fd};
+        status = d_->SendToClient(c, StrCat("{\"session_id\": ", id, "}"),
+                                  std::span<const int>(fds, slots.words_fd >= 0 ? 3 : 2));
       } else {
         status = d_->SendToClient(c, StrCat("{\"session_id\": ", id, "}"),
                                   session->client_segment_fd());

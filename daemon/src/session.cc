@@ -1,7 +1,9 @@
 #include "session.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
@@ -11,6 +13,27 @@
 namespace ulysses::daemon {
 
 namespace {
+// A call's identity as the call words carry it: (batch << 32 | seq_local) and
+// (op << 48 | head_offset << 24 | head_count).
+uint64_t CallShapeWord(const CallPlan& plan) {
+  return static_cast<uint64_t>(plan.batch) << 32 | static_cast<uint64_t>(plan.seq_local);
+}
+uint64_t CallOpWord(const CallPlan& plan) {
+  return static_cast<uint64_t>(plan.op) << 48 | static_cast<uint64_t>(plan.head_offset) << 24 |
+         static_cast<uint64_t>(plan.head_count);
+}
+absl::Status CallMismatch(uint64_t session, uint64_t epoch, int them, uint64_t their_shape,
+                          uint64_t their_op, int me, uint64_t shape, uint64_t op) {
+  auto describe = [](uint64_t sh, uint64_t o) {
+    return StrCat(OpName(static_cast<OpKind>(o >> 48)), " B=", sh >> 32, " S_l=", sh & 0xffffffffu,
+                  " band ", (o >> 24) & 0xffffffu, "+", o & 0xffffffu);
+  };
+  return absl::InvalidArgumentError(StrCat("session ", session, " epoch ", epoch,
+                                           ": ranks issued different calls (rank ", them, ": ",
+                                           describe(their_shape, their_op), "; rank ", me, ": ",
+                                           describe(shape, op), ")"));
+}
+
 // The control segment holds the slots too when the backend keeps them in host memory.
 SegmentLayout ControlLayout(const SessionGeometry& g, const Backend& backend) {
   return SegmentLayout::For(backend.slots_in_segment() ? static_cast<uint64_t>(g.SlotBytes()) : 0,
@@ -254,6 +277,22 @@ uint64_t Session::next_epoch() const {
 
 absl::Status Session::Refuse(uint64_t expected_epoch, absl::Status why) {
   std::lock_guard<std::mutex> lock(call_mu_);
+  if (stream_ordered()) {
+    // The client's stream already waits for this call's done word; only a cancel ends it.
+    if (expected_epoch == epoch_ + 1) {
+      const uint64_t e = ++epoch_;
+      const int s = static_cast<int>((e - 1) % geometry_.num_slots);
+      Control(geometry_.rank)->slots[s].error.store(e, std::memory_order_release);
+      Control(geometry_.rank)->slots[s].done.store(e, std::memory_order_release);
+    }
+    {
+      std::lock_guard<std::mutex> inflight(inflight_mu_);
+      FailInFlightLocked(why);
+    }
+    Logger("exec")->warn("session {} epoch {}: descriptor refused: {}", id_, expected_epoch,
+                         std::string(why.message()));
+    return why;
+  }
   if (expected_epoch != epoch_ + 1) return why;  // not this session's next call: touch nothing
   const uint64_t e = ++epoch_;
   const int s = static_cast<int>((e - 1) % geometry_.num_slots);
@@ -267,7 +306,9 @@ absl::Status Session::Refuse(uint64_t expected_epoch, absl::Status why) {
 }
 
 absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOperands& ops,
-                                             absl::Duration timeout, uint64_t expected_epoch) {
+                                             absl::Duration timeout, uint64_t expected_epoch,
+                                             ExecuteMode mode) {
+  if (stream_ordered()) return ExecuteStream(plan, ops, timeout, expected_epoch, mode);
   std::lock_guard<std::mutex> lock(call_mu_);
   if (expected_epoch != 0 && expected_epoch != epoch_ + 1)
     return absl::FailedPreconditionError(StrCat("epoch: descriptor for epoch ", expected_epoch,
@@ -305,10 +346,8 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
     }
     slots_[s] = SlotEntry{SlotState::kWriting, e, absl::Now()};
   }
-  const uint64_t call_shape = static_cast<uint64_t>(plan.batch) << 32 | static_cast<uint64_t>(plan.seq_local);
-  const uint64_t call_op = static_cast<uint64_t>(plan.op) << 48 |
-                           static_cast<uint64_t>(plan.head_offset) << 24 |
-                           static_cast<uint64_t>(plan.head_count);
+  const uint64_t call_shape = CallShapeWord(plan);
+  const uint64_t call_op = CallOpWord(plan);
   mine->slots[s].call_shape.store(call_shape, std::memory_order_relaxed);
   mine->slots[s].call_op.store(call_op, std::memory_order_relaxed);
   // Open (release: the call words above are visible to whoever sees the epoch): peers may now
@@ -327,12 +366,7 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
     const uint64_t their_shape = theirs->slots[s].call_shape.load(std::memory_order_relaxed);
     const uint64_t their_op = theirs->slots[s].call_op.load(std::memory_order_relaxed);
     if (their_shape != call_shape || their_op != call_op) {
-      status = absl::InvalidArgumentError(StrCat(
-          "session ", id_, " epoch ", e, ": ranks issued different calls (rank ", dst, ": ",
-          OpName(static_cast<OpKind>(their_op >> 48)), " B=", their_shape >> 32,
-          " S_l=", their_shape & 0xffffffffu, " band ", (their_op >> 24) & 0xffffffu, "+",
-          their_op & 0xffffffu, "; rank ", me, ": ", OpName(plan.op), " B=", plan.batch,
-          " S_l=", plan.seq_local, " band ", plan.head_offset, "+", plan.head_count, ")"));
+      status = CallMismatch(id_, e, dst, their_shape, their_op, me, call_shape, call_op);
       break;
     }
     if (!at_once) status = transport_->Push(plan, ops, dst, s);
@@ -346,24 +380,7 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
   for (int src = 0; src < W && status.ok(); ++src)
     status = WaitWord(mine->slots[s].arrive[src], e, src, deadline, "writing its block");
   if (status.ok()) status = transport_->Finish(plan, ops, s);
-  if (status.ok()) {
-    const int32_t itemsize = geometry_.itemsize();
-    mine->slots[s].done.store(e, std::memory_order_release);
-    // The result is the client's view until it releases it, unless it was copied out.
-    const bool copied_out = plan.has_out;
-    SetSlot(s, copied_out ? SlotState::kFree : SlotState::kHeld, e);
-    if (copied_out) mine->slots[s].released.store(e, std::memory_order_release);
-    calls_.fetch_add(1);
-    last_epoch_.store(e);
-    CallOutcome out;
-    out.epoch = e;
-    out.slot = s;
-    out.slot_offset_bytes = transport_->SlotOffset(s);
-    out.result_bytes = static_cast<uint64_t>(plan.slot_elems) * itemsize;
-    // Every op moves exactly what this rank's inputs hold for the exchanged heads.
-    out.bytes_sent = out.result_bytes;
-    return out;
-  }
+  if (status.ok()) return FinishCall(plan, s, e);
   // The ranks' epochs no longer line up: fail this session and tell the peers at once.
   mine->slots[s].error.store(e, std::memory_order_release);
   mine->slots[s].done.store(e, std::memory_order_release);
@@ -372,6 +389,219 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
   Abort(kAbortCallFailed);
   Logger("exec")->warn("session {} epoch {}: call failed: {}", id_, e, std::string(status.message()));
   return status;
+}
+
+CallOutcome Session::FinishCall(const CallPlan& plan, int s, uint64_t e) {
+  SessionControlBlock* mine = Control(geometry_.rank);
+  mine->slots[s].done.store(e, std::memory_order_release);
+  // The result is the client's view until it releases it, unless it was copied out.
+  const bool copied_out = plan.has_out;
+  SetSlot(s, copied_out ? SlotState::kFree : SlotState::kHeld, e);
+  if (copied_out) mine->slots[s].released.store(e, std::memory_order_release);
+  calls_.fetch_add(1);
+  last_epoch_.store(e);
+  CallOutcome out;
+  out.epoch = e;
+  out.slot = s;
+  out.slot_offset_bytes = transport_->SlotOffset(s);
+  out.result_bytes = static_cast<uint64_t>(plan.slot_elems) * geometry_.itemsize();
+  // Every op moves exactly what this rank's inputs hold for the exchanged heads.
+  out.bytes_sent = out.result_bytes;
+  return out;
+}
+
+void Session::Break() {
+  broken_.store(true);
+  Abort(kAbortCallFailed);
+  transport_->Cancel();
+}
+
+void Session::FailInFlightLocked(const absl::Status& why) {
+  SessionControlBlock* mine = Control(geometry_.rank);
+  for (const InFlightCall& f : inflight_) {
+    mine->slots[f.slot].error.store(f.epoch, std::memory_order_release);
+    mine->slots[f.slot].done.store(f.epoch, std::memory_order_release);
+    SetSlot(f.slot, SlotState::kFree, f.epoch);
+    if (f.async) finished_.push_back(FinishedCall{f.epoch, why});
+    else finished_sync_.emplace(f.epoch, why);
+    Logger("exec")->warn("session {} epoch {}: call failed: {}", id_, f.epoch,
+                         std::string(why.message()));
+  }
+  inflight_.clear();
+  Break();
+}
+
+absl::Status Session::CheckCompleted(uint64_t e, int s, uint64_t call_shape,
+                                     uint64_t call_op) const {
+  for (int r = 0; r < geometry_.world_size; ++r) {
+    if (r == geometry_.rank) continue;
+    const SessionControlBlock* theirs = Control(r);
+    // A peer that failed this epoch may have let its stream announce a block it never stored.
+    if (theirs->slots[s].error.load(std::memory_order_acquire) == e)
+      return absl::AbortedError(StrCat("session ", id_, ": rank ", r, " failed epoch ", e));
+    const CallSignature& sig = theirs->signatures[e % kSignatureRing];
+    if (sig.epoch.load(std::memory_order_acquire) != e) continue;
+    const uint64_t shape = sig.call_shape.load(std::memory_order_relaxed);
+    const uint64_t op = sig.call_op.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (sig.epoch.load(std::memory_order_relaxed) != e) continue;  // overwritten meanwhile
+    if (shape != call_shape || op != call_op)
+      return CallMismatch(id_, e, r, shape, op, geometry_.rank, call_shape, call_op);
+  }
+  return absl::OkStatus();
+}
+
+bool Session::InFlight() const {
+  std::lock_guard<std::mutex> lock(inflight_mu_);
+  return !inflight_.empty();
+}
+
+std::vector<FinishedCall> Session::TakeFinished() {
+  std::lock_guard<std::mutex> lock(inflight_mu_);
+  std::vector<FinishedCall> out;
+  out.swap(finished_);
+  return out;
+}
+
+void Session::Poll() {
+  std::lock_guard<std::mutex> lock(inflight_mu_);
+  while (!inflight_.empty()) {
+    const InFlightCall& f = inflight_.front();
+    absl::Status failure;
+    absl::StatusOr<bool> done = transport_->Completed(f.slot, f.epoch);
+    if (!done.ok()) {
+      failure = done.status();
+    } else if (*done) {
+      failure = CheckCompleted(f.epoch, f.slot, f.call_shape, f.call_op);
+    } else {
+      if (Control(geometry_.rank)->abort.load(std::memory_order_acquire) != 0)
+        failure = absl::AbortedError(StrCat("session ", id_, ": closed while a call was in flight"));
+      for (int r = 0; r < geometry_.world_size && failure.ok(); ++r)
+        if (r != geometry_.rank && Control(r)->abort.load(std::memory_order_acquire) != 0)
+          failure = absl::AbortedError(StrCat("session ", id_, ": rank ", r,
+                                              " aborted the group (its session is gone or broken)"));
+      if (failure.ok() && absl::Now() >= f.deadline)
+        failure = absl::DeadlineExceededError(StrCat(
+            "session ", id_, ": the call of epoch ", f.epoch,
+            " did not finish within the call timeout (a peer or the client's stream never arrived)"));
+      if (failure.ok()) return;  // still running
+    }
+    if (!failure.ok()) {
+      FailInFlightLocked(failure);
+      return;
+    }
+    CallOutcome out = FinishCall(f.plan, f.slot, f.epoch);
+    if (f.async) finished_.push_back(FinishedCall{f.epoch, out});
+    else finished_sync_.emplace(f.epoch, out);
+    inflight_.pop_front();
+  }
+}
+
+absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const CallOperands& ops,
+                                                   absl::Duration timeout,
+                                                   uint64_t expected_epoch, ExecuteMode mode) {
+  const int me = geometry_.rank;
+  SessionControlBlock* mine = Control(me);
+  uint64_t e = 0;
+  int s = 0;
+  {
+    std::lock_guard<std::mutex> lock(call_mu_);
+    // Every refusal breaks a stream-ordered session: the client's stream already waits for this
+    // call's done word, and only a cancel ends that wait.
+    absl::Status refused;
+    if (expected_epoch != 0 && expected_epoch != epoch_ + 1)
+      refused = absl::FailedPreconditionError(StrCat(
+          "epoch: descriptor for epoch ", expected_epoch, ", session ", id_, " expects epoch ",
+          epoch_ + 1, " (replayed or out of order)"));
+    else if (broken_.load())
+      refused = absl::FailedPreconditionError(StrCat(
+          "session ", id_, " is broken by an earlier failed call; close it and create a new one"));
+    else if (peers_.empty() && geometry_.world_size > 1)
+      refused = absl::FailedPreconditionError(StrCat("session ", id_, " is not connected to its peers"));
+    if (!refused.ok()) {
+      std::lock_guard<std::mutex> inflight(inflight_mu_);
+      FailInFlightLocked(refused);
+      return refused;
+    }
+    e = ++epoch_;
+    s = static_cast<int>((e - 1) % geometry_.num_slots);
+    const absl::Time deadline = absl::Now() + timeout;
+    auto fail = [&](absl::Status why) {
+      mine->slots[s].error.store(e, std::memory_order_release);
+      mine->slots[s].done.store(e, std::memory_order_release);
+      SetSlot(s, SlotState::kFree, e);
+      std::lock_guard<std::mutex> inflight(inflight_mu_);
+      FailInFlightLocked(why);
+      Logger("exec")->warn("session {} epoch {}: call failed: {}", id_, e, std::string(why.message()));
+      return why;
+    };
+    // At most num_slots calls in flight: slot s's previous call must have finished and its
+    // result been given back (a held slot is never overwritten).
+    for (;;) {
+      Poll();
+      std::unique_lock<std::mutex> lk(slot_mu_);
+      const bool writing = slots_[s].state == SlotState::kWriting;
+      if (!writing && NotHeldLocked(s)) {
+        slots_[s] = SlotEntry{SlotState::kWriting, e, absl::Now()};
+        break;
+      }
+      const uint64_t previous = slots_[s].epoch;
+      if (broken_.load() || mine->abort.load(std::memory_order_acquire) != 0) {
+        lk.unlock();
+        return fail(absl::AbortedError(StrCat("session ", id_, ": closed or broken while a call waited for slot ", s)));
+      }
+      if (absl::Now() >= deadline) {
+        lk.unlock();
+        return fail(absl::DeadlineExceededError(
+            writing ? StrCat("session ", id_, ": the call of epoch ", previous, " in slot ", s,
+                             " did not finish within the call timeout")
+                    : StrCat("session ", id_, ": receive slot ", s, " still holds the result of epoch ",
+                             previous, "; release it before the call that needs the slot")));
+      }
+      const absl::Duration poll = writing ? absl::Microseconds(20) : absl::Milliseconds(1);
+      slot_cv_.wait_until(lk, absl::ToChronoTime(std::min(deadline, absl::Now() + poll)));
+    }
+    const uint64_t call_shape = CallShapeWord(plan), call_op = CallOpWord(plan);
+    CallSignature& sig = mine->signatures[e % kSignatureRing];
+    sig.call_shape.store(call_shape, std::memory_order_relaxed);
+    sig.call_op.store(call_op, std::memory_order_relaxed);
+    sig.epoch.store(e, std::memory_order_release);
+    mine->slots[s].call_shape.store(call_shape, std::memory_order_relaxed);
+    mine->slots[s].call_op.store(call_op, std::memory_order_relaxed);
+    mine->slots[s].open.store(e, std::memory_order_release);  // bookkeeping: the grant is on the GPU
+    std::unique_lock<std::mutex> inflight(inflight_mu_);
+    if (absl::Status st = transport_->Enqueue(plan, ops, StreamCall{s, e, mode.wait_ready});
+        !st.ok()) {
+      inflight.unlock();
+      return fail(st);
+    }
+    inflight_.push_back(InFlightCall{e, s, plan, call_shape, call_op, deadline, mode.async});
+  }
+  if (mode.async) {
+    CallOutcome out;
+    out.epoch = e;
+    out.slot = s;
+    out.slot_offset_bytes = transport_->SlotOffset(s);
+    out.result_bytes = static_cast<uint64_t>(plan.slot_elems) * geometry_.itemsize();
+    out.bytes_sent = out.result_bytes;
+    out.pending = true;
+    return out;
+  }
+  // A caller that waits (the Call RPC): poll until this epoch finished; Poll ends it by the
+  // deadline at the latest.
+  for (;;) {
+    Poll();
+    {
+      std::lock_guard<std::mutex> lock(inflight_mu_);
+      auto it = finished_sync_.find(e);
+      if (it != finished_sync_.end()) {
+        absl::StatusOr<CallOutcome> out = std::move(it->second);
+        finished_sync_.erase(it);
+        return out;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
 }
 
 void Session::Abort(uint64_t code) {

@@ -9,6 +9,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -33,6 +35,24 @@ struct CallOutcome {
   uint64_t slot_offset_bytes = 0;  ///< offset of the result in the session segment
   uint64_t result_bytes = 0;
   uint64_t bytes_sent = 0;  ///< bytes this rank wrote into receive slots (its own included)
+  /// A stream-ordered call enqueued asynchronously: it finishes later (Session::Poll) and is
+  /// reported by TakeFinished; the fields above are already final.
+  bool pending = false;
+};
+
+/// How a call is issued.
+struct ExecuteMode {
+  /// Stream-ordered transports: return once the call is enqueued (the ring path); its end is
+  /// collected through Poll/TakeFinished. Otherwise Execute returns when the call finished.
+  bool async = false;
+  /// The client's stream writes the call's ready word (see StreamCall::wait_ready).
+  bool wait_ready = false;
+};
+
+/// A finished asynchronous call.
+struct FinishedCall {
+  uint64_t epoch = 0;
+  absl::StatusOr<CallOutcome> outcome;
 };
 
 class Session {
@@ -66,7 +86,17 @@ class Session {
   /// `expected_epoch` (0: any) is the epoch the caller believes comes next (the ring path's
   /// descriptors carry it); a mismatch is FAILED_PRECONDITION and consumes nothing.
   absl::StatusOr<CallOutcome> Execute(const CallPlan& plan, const CallOperands& ops,
-                                      absl::Duration timeout, uint64_t expected_epoch = 0);
+                                      absl::Duration timeout, uint64_t expected_epoch = 0,
+                                      ExecuteMode mode = {});
+  /// Stream-ordered sessions: finishes the enqueued calls whose device work completed (slot
+  /// states, done words, counters) and fails every one of them when a peer failed or left, the
+  /// session closed, or a call passed its deadline (the session breaks and its transport is
+  /// cancelled, so no stream stays blocked). Cheap when nothing is in flight. Thread-safe.
+  void Poll();
+  /// Whether stream-ordered calls are enqueued and not finished yet.
+  bool InFlight() const;
+  /// The asynchronous calls finished since the last take, in epoch order.
+  std::vector<FinishedCall> TakeFinished();
   /// A descriptor for `expected_epoch` that the daemon refused before running it: when it is
   /// the next epoch, the epoch is consumed (done and error words set, so no waiter hangs) and
   /// the session breaks, since its peers expect this rank's block. Returns the status to report.
@@ -168,6 +198,32 @@ class Session {
     absl::Time since;
   };
   void SetSlot(int slot, SlotState state, uint64_t epoch);
+  bool stream_ordered() const { return transport_->StreamOrdered(); }
+  absl::StatusOr<CallOutcome> ExecuteStream(const CallPlan& plan, const CallOperands& ops,
+                                            absl::Duration timeout, uint64_t expected_epoch,
+                                            ExecuteMode mode);
+  // Breaks a stream-ordered session: every in-flight call fails with `why` (done and error words
+  // set, slots freed), peers are told, the transport is cancelled. Caller holds inflight_mu_.
+  void FailInFlightLocked(const absl::Status& why);
+  // Marks the session broken and cancels its transport (no stream stays blocked).
+  void Break();
+  // The outcome of a call that finished, with its slot set held or free.
+  CallOutcome FinishCall(const CallPlan& plan, int slot, uint64_t epoch);
+  // The first failure a completed stream-ordered call shows: a peer that failed the same epoch,
+  // or a peer that issued a different call. OK when the call is good.
+  absl::Status CheckCompleted(uint64_t epoch, int slot, uint64_t call_shape, uint64_t call_op) const;
+  struct InFlightCall {
+    uint64_t epoch = 0;
+    int slot = 0;
+    CallPlan plan;
+    uint64_t call_shape = 0, call_op = 0;
+    absl::Time deadline;
+    bool async = false;
+  };
+  mutable std::mutex inflight_mu_;
+  std::deque<InFlightCall> inflight_;
+  std::vector<FinishedCall> finished_;              // async calls, for TakeFinished
+  std::map<uint64_t, absl::StatusOr<CallOutcome>> finished_sync_;  // for their Execute
   // A held slot whose result the client released through its word becomes free. Caller holds
   // slot_mu_. Returns whether the slot is (now) not held.
   bool NotHeldLocked(int slot);

@@ -35,6 +35,19 @@ struct ClientSlotMapping {
   int fd = -1;
   uint64_t bytes = 0;
   bool device = false;
+  /// Stream-ordered transports: the client-writable words (ClientDeviceWords), a second VMM
+  /// handle the client maps read-write. -1: none.
+  int words_fd = -1;
+  uint64_t words_bytes = 0;
+};
+
+/// One call as a stream-ordered transport enqueues it.
+struct StreamCall {
+  int slot = 0;
+  uint64_t epoch = 0;
+  /// The client's stream writes ready[slot] = epoch once the call's inputs are produced; the
+  /// daemon's stream waits for it. False when the client ordered its inputs on the host.
+  bool wait_ready = false;
 };
 
 class Transport {
@@ -70,6 +83,22 @@ class Transport {
   virtual absl::Status Finish(const CallPlan& plan, const CallOperands& ops, int slot) = 0;
   /// Fills `slot` with all-ones bytes (NaN in every supported dtype).
   virtual absl::Status Poison(int slot) = 0;
+
+  /// Stream-ordered transports (GPU backends) enqueue a whole call on the session's stream,
+  /// waits and all (docs/protocol.md section 9): the daemon's host thread validates, enqueues
+  /// and returns; Completed() reports the end. Others run the host protocol (Push, Flush,
+  /// Finish) under Session's waits.
+  virtual bool StreamOrdered() const { return false; }
+  virtual absl::Status Enqueue(const CallPlan& plan, const CallOperands& ops,
+                               const StreamCall& call) {
+    return absl::UnimplementedError("this transport runs the host protocol");
+  }
+  /// Whether the call enqueued as `epoch` in `slot` finished on the device. Never blocks.
+  virtual absl::StatusOr<bool> Completed(int slot, uint64_t epoch) { return true; }
+  /// Makes every wait of this rank's stream pass and its kernels store nothing, so the stream
+  /// drains without its client or peers (a failed call, a timeout, close). Idempotent; call it
+  /// again to unblock waits a late peer write re-armed.
+  virtual void Cancel() {}
 
   /// Byte offset of `slot` inside the client's mapping.
   virtual uint64_t SlotOffset(int slot) const = 0;

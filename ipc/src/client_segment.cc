@@ -1,5 +1,6 @@
 #include "ulysses/ipc/client_segment.h"
 
+#include "absl/strings/str_cat.h"
 #include "ulysses/common/strings.h"
 
 namespace ulysses::ipc {
@@ -23,6 +24,8 @@ absl::StatusOr<CallArgs> CallArgsFromDescriptor(const CallDescriptor& d) {
     return absl::InvalidArgumentError(StrCat("op: ", d.op, " is not an operation"));
   if (d.num_inputs > 3)
     return absl::InvalidArgumentError(StrCat("num_inputs: ", d.num_inputs, " exceeds 3"));
+  if ((d.flags & ~kDescriptorStreamOrdered) != 0)
+    return absl::InvalidArgumentError(absl::StrCat("flags: unknown bits 0x", absl::Hex(d.flags)));
   CallArgs args;
   args.op = static_cast<OpKind>(d.op);
   args.batch = d.batch;

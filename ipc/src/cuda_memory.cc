@@ -40,6 +40,8 @@ struct Driver {
   decltype(&::cuMemGetAllocationGranularity) Granularity = nullptr;
   decltype(&::cuPointerGetAttribute) PointerAttribute = nullptr;
   decltype(&::cuGetErrorName) ErrorName = nullptr;
+  decltype(&::cuStreamWriteValue64) WriteValue64 = nullptr;
+  decltype(&::cuStreamWaitValue64) WaitValue64 = nullptr;
   absl::Status status;
 };
 
@@ -75,6 +77,8 @@ const Driver& Drv() {
     r("cuMemGetAllocationGranularity", &d.Granularity);
     r("cuPointerGetAttribute", &d.PointerAttribute);
     r("cuGetErrorName", &d.ErrorName);
+    r("cuStreamWriteValue64", &d.WriteValue64);
+    r("cuStreamWaitValue64", &d.WaitValue64);
     d.status = s;
   });
   return d;
@@ -374,6 +378,27 @@ absl::Status Fill(void* dst, int value, size_t bytes) {
 
 absl::Status SyncStream(void* stream) {
   ULY_CUDART(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status StreamWrite64(void* stream, uint64_t* word, uint64_t value) {
+  const Driver& d = Drv();
+  ULY_RETURN_IF_ERROR(d.status);
+  ULY_CU(d.WriteValue64(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
+                        CU_STREAM_WRITE_VALUE_DEFAULT));
+  return absl::OkStatus();
+}
+
+absl::Status StreamWait64(void* stream, const uint64_t* word, uint64_t value) {
+  const Driver& d = Drv();
+  ULY_RETURN_IF_ERROR(d.status);
+  ULY_CU(d.WaitValue64(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
+                       CU_STREAM_WAIT_VALUE_GEQ));
+  return absl::OkStatus();
+}
+
+absl::Status LaunchHostFunc(void* stream, void (*fn)(void*), void* arg) {
+  ULY_CUDART(cudaLaunchHostFunc(static_cast<cudaStream_t>(stream), fn, arg));
   return absl::OkStatus();
 }
 

@@ -32,5 +32,8 @@ AllocationStats Stats() { return {}; }
 absl::Status Copy(void*, const void*, size_t) { return NoCuda(); }
 absl::Status Fill(void*, int, size_t) { return NoCuda(); }
 absl::Status SyncStream(void*) { return NoCuda(); }
+absl::Status StreamWrite64(void*, uint64_t*, uint64_t) { return NoCuda(); }
+absl::Status StreamWait64(void*, const uint64_t*, uint64_t) { return NoCuda(); }
+absl::Status LaunchHostFunc(void*, void (*)(void*), void*) { return NoCuda(); }
 
 }  // namespace ulysses::ipc::cuda

@@ -22,7 +22,9 @@ constexpr int64_t kMaxBlocks = int64_t{1} << 16;
 // all rows), threadIdx.x strides over the row's units, so consecutive lanes touch consecutive
 // units of one row and the row decomposition (64-bit div/mod) is paid once per row.
 template <typename Unit>
-__global__ void __launch_bounds__(kThreads) RowCopyKernel(const RowCopyPlan p) {
+__global__ void __launch_bounds__(kThreads) RowCopyKernel(const RowCopyPlan p,
+                                                          const uint64_t* cancel) {
+  if (cancel != nullptr && *static_cast<const volatile uint64_t*>(cancel) != 0) return;
   const auto* src = static_cast<const char*>(p.src);
   auto* dst = static_cast<char*>(p.dst);
   const int64_t row_step = int64_t{gridDim.x} * blockDim.y;
@@ -36,19 +38,19 @@ __global__ void __launch_bounds__(kThreads) RowCopyKernel(const RowCopyPlan p) {
   }
 }
 
-absl::Status LaunchPlan(const RowCopyPlan& p, cudaStream_t stream) {
+absl::Status LaunchPlan(const RowCopyPlan& p, cudaStream_t stream, const uint64_t* cancel) {
   const dim3 block(static_cast<unsigned>(p.lanes), static_cast<unsigned>(kThreads / p.lanes));
   const int64_t blocks = std::min<int64_t>((p.rows + block.y - 1) / block.y, kMaxBlocks);
   const dim3 grid(static_cast<unsigned>(blocks));
   switch (p.unit_bytes) {
     case 16:
-      RowCopyKernel<uint4><<<grid, block, 0, stream>>>(p);
+      RowCopyKernel<uint4><<<grid, block, 0, stream>>>(p, cancel);
       break;
     case 4:
-      RowCopyKernel<uint32_t><<<grid, block, 0, stream>>>(p);
+      RowCopyKernel<uint32_t><<<grid, block, 0, stream>>>(p, cancel);
       break;
     case 2:
-      RowCopyKernel<uint16_t><<<grid, block, 0, stream>>>(p);
+      RowCopyKernel<uint16_t><<<grid, block, 0, stream>>>(p, cancel);
       break;
     default:
       return absl::InvalidArgumentError(
@@ -61,22 +63,22 @@ absl::Status LaunchPlan(const RowCopyPlan& p, cudaStream_t stream) {
 }  // namespace
 
 absl::Status LaunchScatterHeadsBlock(const ExchangeShape& shape, ConstView x_src, int src, int dst,
-                                     void* out_dst, cudaStream_t stream) {
+                                     void* out_dst, cudaStream_t stream, const uint64_t* cancel) {
   ULY_ASSIGN_OR_RETURN(const RowCopyPlan plan,
                        internal::PlanScatterHeadsBlock(shape, x_src, src, dst, out_dst));
-  return LaunchPlan(plan, stream);
+  return LaunchPlan(plan, stream, cancel);
 }
 
 absl::Status LaunchGatherHeadsBlock(const ExchangeShape& shape, ConstView y_src, int src, int dst,
-                                    void* out_dst, cudaStream_t stream) {
+                                    void* out_dst, cudaStream_t stream, const uint64_t* cancel) {
   ULY_ASSIGN_OR_RETURN(const RowCopyPlan plan,
                        internal::PlanGatherHeadsBlock(shape, y_src, src, dst, out_dst));
-  return LaunchPlan(plan, stream);
+  return LaunchPlan(plan, stream, cancel);
 }
 
 absl::Status LaunchScatterQkvHeadChunkBlock(const ExchangeShape& shape, ConstView q, ConstView k,
                                             ConstView v, int32_t head_offset, int32_t head_count,
-                                            int src, int dst, void* out_dst, cudaStream_t stream) {
+                                            int src, int dst, void* out_dst, cudaStream_t stream, const uint64_t* cancel) {
   // Plan all three parts before launching any, so a bad argument enqueues nothing.
   const ConstView parts[3] = {q, k, v};
   RowCopyPlan plans[3];
@@ -85,38 +87,38 @@ absl::Status LaunchScatterQkvHeadChunkBlock(const ExchangeShape& shape, ConstVie
         plans[part], internal::PlanScatterQkvHeadChunkPart(shape, parts[part], part, head_offset,
                                                            head_count, src, dst, out_dst));
   }
-  for (const RowCopyPlan& plan : plans) ULY_RETURN_IF_ERROR(LaunchPlan(plan, stream));
+  for (const RowCopyPlan& plan : plans) ULY_RETURN_IF_ERROR(LaunchPlan(plan, stream, cancel));
   return absl::OkStatus();
 }
 
 absl::Status LaunchGatherOutputHeadChunkBlock(const ExchangeShape& shape, ConstView x_src,
                                               int32_t head_count, int src, int dst, void* stage_dst,
-                                              cudaStream_t stream) {
+                                              cudaStream_t stream, const uint64_t* cancel) {
   ULY_ASSIGN_OR_RETURN(const RowCopyPlan plan, internal::PlanGatherOutputHeadChunkBlock(
                                                    shape, x_src, head_count, src, dst, stage_dst));
-  return LaunchPlan(plan, stream);
+  return LaunchPlan(plan, stream, cancel);
 }
 
 absl::Status LaunchGatherOutputHeadChunkMerge(const ExchangeShape& shape, const void* stage,
                                               int32_t head_offset, int32_t head_count, MutView out,
-                                              cudaStream_t stream) {
+                                              cudaStream_t stream, const uint64_t* cancel) {
   ULY_ASSIGN_OR_RETURN(const RowCopyPlan plan, internal::PlanGatherOutputHeadChunkMerge(
                                                    shape, stage, head_offset, head_count, out));
-  return LaunchPlan(plan, stream);
+  return LaunchPlan(plan, stream, cancel);
 }
 
 absl::Status LaunchCopyContiguousToView(const void* src, const int64_t shape[4], int32_t itemsize,
-                                        MutView dst, cudaStream_t stream) {
+                                        MutView dst, cudaStream_t stream, const uint64_t* cancel) {
   ULY_ASSIGN_OR_RETURN(const RowCopyPlan plan,
                        internal::PlanCopyContiguousToView(src, shape, itemsize, dst));
-  return LaunchPlan(plan, stream);
+  return LaunchPlan(plan, stream, cancel);
 }
 
 absl::Status LaunchCopyViewToContiguous(ConstView src, const int64_t shape[4], int32_t itemsize,
-                                        void* dst, cudaStream_t stream) {
+                                        void* dst, cudaStream_t stream, const uint64_t* cancel) {
   ULY_ASSIGN_OR_RETURN(const RowCopyPlan plan,
                        internal::PlanCopyViewToContiguous(src, shape, itemsize, dst));
-  return LaunchPlan(plan, stream);
+  return LaunchPlan(plan, stream, cancel);
 }
 
 absl::Status LaunchBlock(const ExchangeShape& shape, const BlockOperands& ops, int src, int dst,

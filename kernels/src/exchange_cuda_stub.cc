@@ -10,36 +10,36 @@ absl::Status NoCuda() { return absl::FailedPreconditionError("ulysses was built 
 }  // namespace
 
 absl::Status LaunchScatterHeadsBlock(const ExchangeShape&, ConstView, int, int, void*,
-                                     cudaStream_t) {
+                                     cudaStream_t, const uint64_t*) {
   return NoCuda();
 }
 
 absl::Status LaunchGatherHeadsBlock(const ExchangeShape&, ConstView, int, int, void*,
-                                    cudaStream_t) {
+                                    cudaStream_t, const uint64_t*) {
   return NoCuda();
 }
 
 absl::Status LaunchScatterQkvHeadChunkBlock(const ExchangeShape&, ConstView, ConstView, ConstView,
-                                            int32_t, int32_t, int, int, void*, cudaStream_t) {
+                                            int32_t, int32_t, int, int, void*, cudaStream_t, const uint64_t*) {
   return NoCuda();
 }
 
 absl::Status LaunchGatherOutputHeadChunkBlock(const ExchangeShape&, ConstView, int32_t, int, int,
-                                              void*, cudaStream_t) {
+                                              void*, cudaStream_t, const uint64_t*) {
   return NoCuda();
 }
 
 absl::Status LaunchGatherOutputHeadChunkMerge(const ExchangeShape&, const void*, int32_t, int32_t,
-                                              MutView, cudaStream_t) {
+                                              MutView, cudaStream_t, const uint64_t*) {
   return NoCuda();
 }
 
 absl::Status LaunchCopyContiguousToView(const void*, const int64_t[4], int32_t, MutView,
-                                        cudaStream_t) {
+                                        cudaStream_t, const uint64_t*) {
   return NoCuda();
 }
 
-absl::Status LaunchCopyViewToContiguous(ConstView, const int64_t[4], int32_t, void*, cudaStream_t) {
+absl::Status LaunchCopyViewToContiguous(ConstView, const int64_t[4], int32_t, void*, cudaStream_t, const uint64_t*) {
   return NoCuda();
 }
 

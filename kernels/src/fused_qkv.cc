@@ -204,7 +204,7 @@ absl::Status FusedQkvPlan::RunChunked(const void* x, const int32_t* positions, i
                                          end - row, stream));
     ULY_CUDA_RETURN_IF_ERROR(cudaEventRecord(impl_->chunk_done[i].get(), stream));
     ULY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, impl_->chunk_done[i].get(), 0));
-    QkvDestinations chunk_dests{dests.out, nullptr, dests.epoch};
+    QkvDestinations chunk_dests{dests.out, nullptr, dests.epoch, dests.cancel};
     if (dests.ready != nullptr) {
       for (int d = 0; d < shape.world; ++d) {
         ready[d] = dests.ready[d] != nullptr ? dests.ready[d] + i : nullptr;

@@ -41,6 +41,7 @@ struct QkvKernelParams {
   uint64_t* ready[kMaxWorldSize];  // ready[dst]: readiness word, or null
   uint64_t epoch;
   unsigned int* counter;  // blocks finished; null: no readiness words
+  const uint64_t* cancel;  // nonzero word: store nothing; null: always store
 };
 
 __device__ __forceinline__ float RoundBf16(float v) {
@@ -75,7 +76,13 @@ __global__ void __launch_bounds__(kThreads) QkvHeadKernel(const QkvKernelParams 
   const int64_t hd = int64_t{heads} * kDim, features = 3 * hd;
   const int32_t hl = heads / p.shape.world;
   const int32_t warps = gridDim.x * (kThreads / 32);
-  for (int32_t wi = (blockIdx.x * kThreads + threadIdx.x) / 32; wi * 2 < items; wi += warps) {
+  // A cancelled session's launch computes nothing and stores nothing; its readiness protocol
+  // below still runs so the counter is left as it was found.
+  const bool cancelled =
+      kMode != Mode::kInPlace && p.cancel != nullptr &&
+      *static_cast<const volatile uint64_t*>(p.cancel) != 0;
+  for (int32_t wi = (blockIdx.x * kThreads + threadIdx.x) / 32; !cancelled && wi * 2 < items;
+       wi += warps) {
     const int32_t item = wi * 2 + half;
     const bool valid = item < items;
     const int32_t local_row = valid ? item / per_row : 0;
@@ -209,6 +216,7 @@ absl::Status FillDestinations(const QkvNormRopeShape& s, QkvLayout layout, int s
     p.ready[d] = dests.ready != nullptr ? dests.ready[d] : nullptr;
   }
   p.epoch = dests.epoch;
+  p.cancel = dests.cancel;
   p.counter = dests.ready != nullptr ? counter : nullptr;
   return absl::OkStatus();
 }

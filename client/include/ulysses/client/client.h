@@ -189,6 +189,10 @@ class Session {
   /// Waits for the result of a submitted call. An error the daemon found after submission
   /// (the asynchronous kind) is returned here with its code and message.
   absl::StatusOr<Result> Wait(uint64_t epoch, absl::Duration timeout = absl::Minutes(5));
+  /// Waits until every call issued so far finished on the daemon (and, on a GPU session, the
+  /// stream reached them), and returns the first error the daemon found in calls nobody waited
+  /// for (stream-ordered calls report their errors here or at the next call).
+  absl::Status Synchronize(absl::Duration timeout = absl::Minutes(5));
   /// Closes the session on this rank. Idempotent.
   absl::Status Close();
   /// Fills this rank's receive slots that are not held with NaN (all bits set); for tests.
@@ -208,17 +212,26 @@ class Session {
   /// A fused session's geometry; null for a head-exchange session.
   const FusedGeometry* fused_geometry() const { return fused_ ? &*fused_ : nullptr; }
   const std::string& backend() const { return backend_; }
-  /// GPU backends: the CUDA stream (a cudaStream_t; nullptr, the default, is the legacy default
-  /// stream) whose work produces this session's inputs and consumes its results. A call is
-  /// ordered after the work already enqueued on it, and its result is complete when the call
-  /// returns.
-  void set_stream(void* stream) { stream_ = stream; }
+  /// GPU backends: the CUDA stream (a cudaStream_t; nullptr is the legacy default stream)
+  /// whose work produces this session's inputs and consumes its results. Once it is set, calls
+  /// through the rings are stream-ordered (docs/protocol.md section 9): the call is enqueued
+  /// after the work already on the stream and returns at once; its result is valid for work
+  /// enqueued on the stream afterwards; releasing it is ordered after that work too. An error
+  /// the daemon finds later is raised by the next call or by Synchronize(). Without
+  /// set_stream, a call waits on the host and its result is complete when it returns.
+  void set_stream(void* stream) {
+    stream_ = stream;
+    stream_ordered_ = true;
+  }
   void* stream() const { return stream_; }
 
  private:
   friend class Client;
   Session() = default;
   absl::StatusOr<CallPlan> Plan(const CallArgs& args) const;
+  absl::StatusOr<uint64_t> SubmitPlanned(const CallArgs& args, CallPlan* plan);
+  std::shared_ptr<SlotHold> NewHold(uint64_t epoch, int32_t slot);
+  bool stream_protocol() const;
   std::shared_ptr<ClientImpl> client_;
   uint64_t id_ = 0;
   SessionGeometry geometry_;
@@ -229,6 +242,16 @@ class Session {
   std::shared_ptr<void> device_slots_;  // GPU backends: read-only mapping of the device slots
   bool device_ = false;
   void* stream_ = nullptr;
+  bool stream_ordered_ = false;
+  // The stream-ordered protocol (GPU sessions): this client's ready words (device memory,
+  // written by its streams), the daemon's device words at the start of the slots mapping, and
+  // the slots' place in that mapping.
+  std::shared_ptr<void> client_words_;
+  uint64_t* ready_ = nullptr;
+  const void* device_words_ = nullptr;
+  uint64_t slot_offset_ = 0;
+  uint64_t slot_stride_ = 0;
+  std::vector<std::weak_ptr<SlotHold>> holds_;  // per slot: the last result handed out
   absl::Status OrderAfterStream() const;
   const uint8_t* base_ = nullptr;
   bool closed_ = false;

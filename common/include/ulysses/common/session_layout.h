@@ -12,7 +12,7 @@
 namespace ulysses {
 
 inline constexpr uint64_t kSessionMagic = 0x554c595353455331ull;  // "ULYSSES1"
-inline constexpr uint32_t kSessionLayoutVersion = 2;
+inline constexpr uint32_t kSessionLayoutVersion = 3;
 inline constexpr uint64_t kSegmentAlign = 4096;
 
 /// Words of one receive slot. Epochs are per-session call numbers (1, 2, ...); slot s serves
@@ -41,6 +41,17 @@ struct SlotWords {
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 static_assert(sizeof(SlotWords) == 8 * (6 + kMaxWorldSize));
 
+/// Stream-ordered sessions: the call a rank issued at `epoch`, kept for the last
+/// kSignatureRing epochs (entry epoch % kSignatureRing). The owner writes shape and op, then
+/// the epoch (release); a peer checks its own call against it when the call completes (a rank
+/// never runs more than num_slots epochs ahead of another, so the entry is still there).
+struct CallSignature {
+  std::atomic<uint64_t> epoch;
+  std::atomic<uint64_t> call_shape;
+  std::atomic<uint64_t> call_op;
+};
+inline constexpr int kSignatureRing = 4 * kMaxSlots;
+
 /// Header of a session segment.
 struct SessionControlBlock {
   uint64_t magic;
@@ -56,6 +67,7 @@ struct SessionControlBlock {
   std::atomic<uint64_t> abort;
   uint64_t reserved[2];
   SlotWords slots[kMaxSlots];
+  CallSignature signatures[kSignatureRing];
 };
 static_assert(offsetof(SessionControlBlock, abort) == 48);
 static_assert(offsetof(SessionControlBlock, slots) == 72);
@@ -65,6 +77,45 @@ inline constexpr uint64_t kAbortClientGone = 2;
 inline constexpr uint64_t kAbortCallFailed = 3;
 /// The daemon of another rank of the group died (its peer link hung up).
 inline constexpr uint64_t kAbortPeerGone = 4;
+
+/// GPU backends: the stream-ordered words of one receive slot, in device memory at the start of
+/// each rank's slot allocation (DeviceWords). The daemons' streams write and wait on them with
+/// 64-bit stream memory operations (wait: cyclic "value - epoch >= 0"); the owning client maps
+/// them read-only and its stream waits on `done`. docs/protocol.md section 9 is the protocol.
+struct DeviceSlotWords {
+  /// Written by the owner's stream once the result of epoch `done` is complete in the slot (or,
+  /// after a cancel, kUnblockEpoch: the call failed and the error travels on the host).
+  uint64_t done;
+  uint64_t reserved[7];
+  /// grant[d] = e: rank d opened its slot for epoch e, so this rank may store its block of e
+  /// there. Written by rank d's stream into this rank's words.
+  uint64_t grant[kMaxWorldSize];
+  /// arrive[j] = e: source rank j's block of epoch e is complete in this rank's slot. Written by
+  /// rank j's stream after its stores (the write's memory barrier orders them first).
+  uint64_t arrive[kMaxWorldSize];
+};
+static_assert(sizeof(DeviceSlotWords) == 8 * (8 + 2 * kMaxWorldSize));
+
+struct DeviceWords {
+  /// Nonzero once this rank's session was cancelled (a failed call, a timeout, close): the
+  /// exchange kernels read it first and store nothing, so waits passed by a cancel never write
+  /// into a slot its owner did not open.
+  uint64_t cancel;
+  uint64_t reserved[15];
+  DeviceSlotWords slots[kMaxSlots];
+};
+static_assert(offsetof(DeviceWords, slots) == 128);
+
+/// The one word per slot the owning client writes, in a device allocation of its own (so a
+/// client can write nothing its daemon or the peers rely on): ready[s] = e once the client's
+/// stream has produced the inputs of its call of epoch e.
+struct ClientDeviceWords {
+  uint64_t ready[kMaxSlots];
+};
+
+/// What a cancel writes into every word its stream may wait on: any epoch of a session is
+/// below it, so each wait passes at once.
+inline constexpr uint64_t kUnblockEpoch = uint64_t{1} << 62;
 
 inline constexpr uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 

@@ -23,7 +23,7 @@
 namespace ulysses::ipc {
 
 inline constexpr uint64_t kClientSegmentMagic = 0x554c5953434c4931ull;  // "ULYSCLI1"
-inline constexpr uint32_t kClientSegmentVersion = 2;
+inline constexpr uint32_t kClientSegmentVersion = 3;
 inline constexpr uint32_t kRingCapacity = 64;
 /// Sessions per client that can release slots through the segment (more use the RPC).
 inline constexpr uint32_t kMaxReleaseSessions = 64;
@@ -39,13 +39,19 @@ struct OperandDescriptor {
 static_assert(sizeof(OperandDescriptor) == 48);
 
 /// A call as the client submits it. The daemon re-validates every field.
+/// CallDescriptor::flags: the client's stream writes the call's ready word once its inputs are
+/// produced (GPU sessions; the daemon's stream waits for it). Without it the client ordered
+/// its inputs on the host before submitting.
+inline constexpr uint16_t kDescriptorStreamOrdered = 1;
+
 struct CallDescriptor {
   uint64_t session_id;
   uint64_t epoch;      ///< the session's next epoch as the client counts it (1, 2, ...)
   uint32_t op;         ///< OpKind
   int32_t head_offset;
   int32_t head_count;
-  uint32_t num_inputs;
+  uint16_t num_inputs;
+  uint16_t flags;      ///< kDescriptor* bits
   int64_t batch;
   int64_t seq;         ///< S_l for the scatter ops, S_g for the gather ops
   OperandDescriptor inputs[3];

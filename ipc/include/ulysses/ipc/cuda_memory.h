@@ -128,4 +128,16 @@ absl::Status Fill(void* dst, int value, size_t bytes);
 /// cudaStreamSynchronize (`stream` a cudaStream_t; nullptr: the legacy default stream).
 absl::Status SyncStream(void* stream);
 
+
+/// 64-bit stream memory operations on device words, enqueued on `stream` (a cudaStream_t;
+/// nullptr: the legacy default stream). StreamWrite64 stores `value` into `word` once the
+/// stream's earlier work is complete, with a memory barrier first (the earlier work's stores
+/// are visible before the word). StreamWait64 holds the stream's later work until the cyclic
+/// comparison (int64_t)(*word - value) >= 0 holds.
+absl::Status StreamWrite64(void* stream, uint64_t* word, uint64_t value);
+absl::Status StreamWait64(void* stream, const uint64_t* word, uint64_t value);
+/// Runs fn(arg) on a driver thread once the stream's earlier work is complete. `fn` must not
+/// call CUDA.
+absl::Status LaunchHostFunc(void* stream, void (*fn)(void*), void* arg);
+
 }  // namespace ulysses::ipc::cuda

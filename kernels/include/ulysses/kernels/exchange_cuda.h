@@ -10,7 +10,9 @@
 // output pointers may be a peer GPU's memory (with peer access enabled). Inputs and outputs
 // must not overlap. Loads and stores are 16-byte vectors when rows of D elements are a
 // multiple of 16 bytes and every row start is 16-byte aligned; element-wise otherwise.
-// Launchers are thread-safe; ordering is that of the stream.
+// Launchers are thread-safe; ordering is that of the stream. `cancel`, when given, is a device
+// word read by every block before it stores: nonzero, the launch stores nothing (a cancelled
+// session's stream drains without writing into slots that were never opened to it).
 #pragma once
 
 #include <cstdint>
@@ -26,37 +28,44 @@ namespace ulysses::kernels {
 
 /// ScatterHeadsBlockRef on the GPU: one (src, dst) block into dst's [B, S_g, H_l, D] buffer.
 absl::Status LaunchScatterHeadsBlock(const ExchangeShape& shape, ConstView x_src, int src, int dst,
-                                     void* out_dst, cudaStream_t stream);
+                                     void* out_dst, cudaStream_t stream,
+                    const uint64_t* cancel = nullptr);
 
 /// GatherHeadsBlockRef on the GPU: one (src, dst) block into dst's [B, S_l, H, D] buffer.
 absl::Status LaunchGatherHeadsBlock(const ExchangeShape& shape, ConstView y_src, int src, int dst,
-                                    void* out_dst, cudaStream_t stream);
+                                    void* out_dst, cudaStream_t stream,
+                    const uint64_t* cancel = nullptr);
 
 /// ScatterQkvHeadChunkBlockRef on the GPU: one (src, dst) block into dst's [B, S_g, HC, 3D]
 /// buffer (three launches on `stream`, one per q/k/v).
 absl::Status LaunchScatterQkvHeadChunkBlock(const ExchangeShape& shape, ConstView q, ConstView k,
                                             ConstView v, int32_t head_offset, int32_t head_count,
-                                            int src, int dst, void* out_dst, cudaStream_t stream);
+                                            int src, int dst, void* out_dst, cudaStream_t stream,
+                    const uint64_t* cancel = nullptr);
 
 /// GatherOutputHeadChunkBlockRef on the GPU: one (src, dst) block into dst's staging buffer
 /// [B, S_l, W, HC, D].
 absl::Status LaunchGatherOutputHeadChunkBlock(const ExchangeShape& shape, ConstView x_src,
                                               int32_t head_count, int src, int dst, void* stage_dst,
-                                              cudaStream_t stream);
+                                              cudaStream_t stream,
+                    const uint64_t* cancel = nullptr);
 
 /// GatherOutputHeadChunkMergeRef on the GPU: staging buffer -> band of the [B, S_l, H, D]
 /// view `out`; other heads untouched.
 absl::Status LaunchGatherOutputHeadChunkMerge(const ExchangeShape& shape, const void* stage,
                                               int32_t head_offset, int32_t head_count, MutView out,
-                                              cudaStream_t stream);
+                                              cudaStream_t stream,
+                    const uint64_t* cancel = nullptr);
 
 /// CopyContiguousToViewRef on the GPU.
 absl::Status LaunchCopyContiguousToView(const void* src, const int64_t shape[4], int32_t itemsize,
-                                        MutView dst, cudaStream_t stream);
+                                        MutView dst, cudaStream_t stream,
+                    const uint64_t* cancel = nullptr);
 
 /// CopyViewToContiguousRef on the GPU.
 absl::Status LaunchCopyViewToContiguous(ConstView src, const int64_t shape[4], int32_t itemsize,
-                                        void* dst, cudaStream_t stream);
+                                        void* dst, cudaStream_t stream,
+                    const uint64_t* cancel = nullptr);
 
 /// Block (src, dst) of any kind (exchange.h BlockKind) into destination `dst`'s buffer
 /// `out_dst`: the matching Launch*Block above.

@@ -34,6 +34,9 @@ struct QkvDestinations {
   void* const* out;        ///< [world] device pointers
   uint64_t* const* ready;  ///< [world] device pointers, or nullptr for no readiness words
   uint64_t epoch;          ///< value written to each ready word
+  /// A device word read before any store: nonzero, the launch stores nothing (a cancelled
+  /// session). nullptr: always store.
+  const uint64_t* cancel = nullptr;
 };
 
 /// Tuning of a launch. `max_blocks` caps the grid (0: enough blocks to fill the GPU), so a

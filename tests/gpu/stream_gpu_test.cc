@@ -1,0 +1,191 @@
+// The stream-ordered protocol on the GPU backend: calls return before the client's stream has
+// run them, the daemon's stream waits for the client's inputs, releases follow the stream, and
+// a client stream that never arrives ends in an error within the call timeout (no stream stays
+// blocked). Skips without a CUDA device.
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "cluster_util.h"
+#include "gtest/gtest.h"
+#include "ulysses/client/client.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/cuda_memory.h"
+
+namespace ulysses {
+namespace {
+
+class StreamCluster : public testing_util::ClusterTest {
+ protected:
+  void SetUp() override {
+    if (ipc::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    backend_ = "nvlink";
+  }
+};
+
+// A stream held at a host function until Open(): everything enqueued after it waits.
+class Gate {
+ public:
+  explicit Gate(cudaStream_t s) {
+    EXPECT_EQ(cudaLaunchHostFunc(s, &Gate::Hold, this), cudaSuccess);
+  }
+  void Open() { open_.store(true); }
+
+ private:
+  static void Hold(void* p) {
+    auto* g = static_cast<Gate*>(p);
+    while (!g->open_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::atomic<bool> open_{false};
+};
+
+// A rank's input value at x[b, s, h, d] in iteration `it`: distinct per rank and iteration.
+float Value(int rank, int it, int64_t b, int64_t s, int64_t h, int64_t d) {
+  return static_cast<float>(((rank * 7 + it) * 131 + b * 977 + s * 31 + h * 13 + d) % 4093);
+}
+
+constexpr int kW = 2, kB = 2, kS = 24, kH = 8, kD = 64, kSlots = 2, kIters = 5;
+
+TEST_F(StreamCluster, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
+  Start(kW);
+  const int64_t hl = kH / kW, in_elems = int64_t{kB} * kS * kH * kD;
+  const int64_t out_elems = int64_t{kB} * kS * kW * hl * kD;
+  std::vector<std::string> errors(kW);
+  std::vector<std::vector<std::vector<float>>> got(kW);
+  std::vector<std::unique_ptr<Gate>> gates(kW);
+  std::atomic<int> returned{0};
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kW; ++r) {
+    ranks.emplace_back([&, r] {
+      auto fail = [&](const std::string& e) { errors[r] = e; };
+      auto c = client::Client::Connect({Members(kW)[r], "stream"});
+      if (!c.ok()) return fail(c.status().ToString());
+      auto g = (*c)->JoinGroup({"stream", kW, r, Members(kW), "nvlink", 0});
+      if (!g.ok()) return fail(g.status().ToString());
+      auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kS, kSlots, {}, 0});
+      if (!s.ok()) return fail(s.status().ToString());
+      auto x = (*c)->AllocBuffer(in_elems * 4, "x");
+      if (!x.ok()) return fail(x.status().ToString());
+      cudaStream_t stream = nullptr;
+      if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
+        return fail("stream");
+      float* host_in = nullptr;
+      float* host_out = nullptr;
+      cudaMallocHost(&host_in, in_elems * 4 * kIters);
+      cudaMallocHost(&host_out, out_elems * 4 * kIters);
+      for (int it = 0; it < kIters; ++it)
+        for (int64_t b = 0; b < kB; ++b)
+          for (int64_t q = 0; q < kS; ++q)
+            for (int64_t h = 0; h < kH; ++h)
+              for (int64_t d = 0; d < kD; ++d)
+                host_in[it * in_elems + ((b * kS + q) * kH + h) * kD + d] = Value(r, it, b, q, h, d);
+      (*s)->set_stream(stream);
+      gates[r] = std::make_unique<Gate>(stream);
+      // Every iteration rewrites x on the stream, calls, copies the result out and releases
+      // it, all enqueued behind the closed gate: the daemon must read each x only after this
+      // stream wrote it, and reuse a slot only after the copy that read it.
+      for (int it = 0; it < kIters; ++it) {
+        cudaMemcpyAsync(x->data,
+                        host_in + it * in_elems, in_elems * 4, cudaMemcpyHostToDevice, stream);
+        auto res = (*s)->ScatterHeads(x->Ref(), kB, kS);
+        if (!res.ok()) return fail(StrCat("iteration ", it, ": ", res.status().ToString()));
+        cudaMemcpyAsync(host_out + it * out_elems, res->data, out_elems * 4,
+                        cudaMemcpyDeviceToHost, stream);
+        if (!res->Release().ok()) return fail("release");
+      }
+      if (cudaStreamQuery(stream) != cudaErrorNotReady)
+        return fail("the stream ran ahead of its gate");
+      returned.fetch_add(1);
+      while (returned.load() < kW) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      gates[r]->Open();
+      if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("sync");
+      if (absl::Status st = (*s)->Synchronize(); !st.ok()) return fail(st.ToString());
+      got[r].resize(kIters);
+      for (int it = 0; it < kIters; ++it)
+        got[r][it].assign(host_out + it * out_elems, host_out + (it + 1) * out_elems);
+      cudaFreeHost(host_in);
+      cudaFreeHost(host_out);
+      cudaStreamDestroy(stream);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < kW; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  // scatter_heads: rank dst's result [B, W*S, H/W, D] holds source src's heads of dst's band
+  // at sequence positions src*S + s.
+  for (int dst = 0; dst < kW; ++dst)
+    for (int it = 0; it < kIters; ++it) {
+      int64_t wrong = 0;
+      for (int64_t b = 0; b < kB; ++b)
+        for (int src = 0; src < kW; ++src)
+          for (int64_t q = 0; q < kS; ++q)
+            for (int64_t h = 0; h < hl; ++h)
+              for (int64_t d = 0; d < kD; ++d) {
+                const float want = Value(src, it, b, q, dst * hl + h, d);
+                const float have =
+                    got[dst][it][((b * kW * kS + src * kS + q) * hl + h) * kD + d];
+                if (std::memcmp(&want, &have, 4) != 0) ++wrong;
+              }
+      EXPECT_EQ(wrong, 0) << "rank " << dst << " iteration " << it;
+    }
+}
+
+TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing) {
+  Start(kW, {"--call-timeout-ms", "2000"});
+  uint64_t baseline[kW];
+  for (int r = 0; r < kW; ++r) baseline[r] = State(r).device_bytes();
+  std::vector<std::string> errors(kW);
+  absl::Status late, waited;
+  absl::Duration took;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kW; ++r) {
+    ranks.emplace_back([&, r] {
+      auto fail = [&](const std::string& e) { errors[r] = e; };
+      auto c = client::Client::Connect({Members(kW)[r], "stall"});
+      if (!c.ok()) return fail(c.status().ToString());
+      auto g = (*c)->JoinGroup({"stall", kW, r, Members(kW), "nvlink", 0});
+      if (!g.ok()) return fail(g.status().ToString());
+      auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kS, kSlots, {}, 0});
+      if (!s.ok()) return fail(s.status().ToString());
+      auto x = (*c)->AllocBuffer(int64_t{kB} * kS * kH * kD * 4, "x");
+      if (!x.ok()) return fail(x.status().ToString());
+      if (r == 1) {
+        // Rank 1's stream is held past the call timeout: its ready word comes too late.
+        cudaStream_t stream = nullptr;
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        Gate gate(stream);
+        (*s)->set_stream(stream);
+        auto res = (*s)->ScatterHeads(x->Ref(), kB, kS);
+        if (!res.ok()) return fail(res.status().ToString());
+        res->Release().IgnoreError();
+        std::this_thread::sleep_for(std::chrono::milliseconds(3500));
+        gate.Open();
+        // The daemon's cancel passed the stream's wait for done: it drains.
+        if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("sync");
+        late = (*s)->Synchronize();
+        cudaStreamDestroy(stream);
+      } else {
+        const absl::Time t0 = absl::Now();
+        waited = (*s)->ScatterHeads(x->Ref(), kB, kS).status();
+        took = absl::Now() - t0;
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < kW; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  EXPECT_FALSE(waited.ok());
+  EXPECT_TRUE(waited.code() == absl::StatusCode::kAborted ||
+              waited.code() == absl::StatusCode::kDeadlineExceeded)
+      << waited;
+  EXPECT_LT(took, absl::Seconds(10)) << "rank 0 waited " << took;
+  EXPECT_TRUE(late.code() == absl::StatusCode::kDeadlineExceeded ||
+              late.code() == absl::StatusCode::kAborted)
+      << late;
+  for (int r = 0; r < kW; ++r)
+    EXPECT_TRUE(testing_util::Eventually([&] { return State(r).device_bytes() == baseline[r]; }))
+        << "rank " << r << ": " << State(r).device_bytes() << " bytes, baseline " << baseline[r];
+}
+
+}  // namespace
+}  // namespace ulysses
