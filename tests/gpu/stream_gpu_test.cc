@@ -73,8 +73,8 @@ TEST_F(StreamCluster, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
         return fail("stream");
       float* host_in = nullptr;
       float* host_out = nullptr;
-      cudaMallocHost(&host_in, in_elems * 4 * kIters);
-      cudaMallocHost(&host_out, out_elems * 4 * kIters);
+      cudaMallocHost(reinterpret_cast<void**>(&host_in), in_elems * 4 * kIters);
+      cudaMallocHost(reinterpret_cast<void**>(&host_out), out_elems * 4 * kIters);
       for (int it = 0; it < kIters; ++it)
         for (int64_t b = 0; b < kB; ++b)
           for (int64_t q = 0; q < kS; ++q)
