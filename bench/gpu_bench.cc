@@ -376,9 +376,12 @@ class DaemonPath {
   }
 
   /// Rank r's part of one timed iteration: the call, and the release of its slot.
+  // Calls are stream-ordered: the iteration ends when the rank's stream has the result (and
+  // the daemon reported no error).
   absl::Status Work(int r) {
     ULY_ASSIGN_OR_RETURN(client::Result res, Call(r));
-    return res.Release();
+    ULY_RETURN_IF_ERROR(res.Release());
+    return Cuda(cudaStreamSynchronize(streams_[r].get()), "stream");
   }
 
   /// One collective call into poisoned slots; every rank's result must equal the in-process
@@ -390,7 +393,7 @@ class DaemonPath {
     for (int r = 0; r < W; ++r) ULY_RETURN_IF_ERROR(sessions_[r]->PoisonSlots().status());
     ULY_RETURN_IF_ERROR(RunCollective(W, [&](int r) -> absl::Status {
       ULY_ASSIGN_OR_RETURN(results[r], Call(r));
-      return absl::OkStatus();
+      return sessions_[r]->Synchronize();
     }));
     std::unique_ptr<uint8_t[]> got = HostBytes(c_.bytes), want = HostBytes(c_.bytes);
     if (!got || !want) return absl::ResourceExhaustedError("host memory for the check");

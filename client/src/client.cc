@@ -783,7 +783,10 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
   }
   has_out_[d.epoch] = args.out.present();
   ULY_RETURN_IF_ERROR(client_->Push(d, absl::Now() + absl::Minutes(1)));
-  if (stream_protocol()) {
+  if (stream_protocol() && stream_ordered_) {
+    // Work enqueued on the stream from now on follows the call. (A caller that waits on the
+    // host needs no device wait; leaving it out also lets several ranks of one process share
+    // a stream when they wait on the host.)
     const auto* words = static_cast<const DeviceWords*>(device_words_);
     ULY_RETURN_IF_ERROR(ipc::cuda::StreamWait64(stream_, &words->slots[slot].done, d.epoch));
   }

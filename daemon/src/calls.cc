@@ -184,18 +184,16 @@ absl::StatusOr<CallResult> Daemon::FinishPending(PendingCall& p,
   rec.done = absl::Now();
   rec.code = outcome.status().code();
   rec.message = std::string(outcome.status().message());
-  absl::StatusOr<CallResult> r = outcome.status();
-  if (outcome.ok()) {
-    CallResult ok;
-    ok.outcome = *outcome;
-    ok.out_shape = p.out_shape;
-    ok.elapsed_us = absl::ToInt64Microseconds(rec.done - rec.queued);
-    r = ok;
-  } else {
-    Logger("exec")->debug("client {} session {} epoch {}: {}", rec.client_id, p.session_id,
-                          p.epoch, outcome.status().ToString());
-  }
   CallFinished(rec);
+  if (!outcome.ok()) {
+    Logger("exec")->debug("client {} session {} epoch {}: {}", p.record.client_id, p.session_id,
+                          p.epoch, outcome.status().ToString());
+    return outcome.status();
+  }
+  CallResult r;
+  r.outcome = *outcome;
+  r.out_shape = p.out_shape;
+  r.elapsed_us = absl::ToInt64Microseconds(rec.done - rec.queued);
   return r;
 }
 

@@ -7,6 +7,8 @@
 #include <optional>
 
 #include "CLI/CLI.hpp"
+#include "absl/debugging/failure_signal_handler.h"
+#include "absl/debugging/symbolize.h"
 #include "daemon.h"
 #include "flags.h"
 #include "ulysses/common/cli.h"
@@ -14,6 +16,9 @@
 #include "ulysses/common/logging.h"
 
 int main(int argc, char** argv) {
+  // A fatal signal prints the faulting thread's stack on stderr before the process dies.
+  absl::InitializeSymbolizer(argv[0]);
+  absl::InstallFailureSignalHandler(absl::FailureSignalHandlerOptions());
   CLI::App app{"ulyssesd: communication daemon for Ulysses sequence parallelism"};
   ulysses::cli::Setup(app);
   ulysses::daemon::DaemonFlags f;

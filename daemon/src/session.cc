@@ -475,7 +475,7 @@ void Session::Poll() {
       failure = CheckCompleted(f.epoch, f.slot, f.call_shape, f.call_op);
     } else {
       if (Control(geometry_.rank)->abort.load(std::memory_order_acquire) != 0)
-        failure = absl::AbortedError(StrCat("session ", id_, ": closed while a call was in flight"));
+        failure = OwnAbortError();  // closed, or a peer's daemon is gone
       for (int r = 0; r < geometry_.world_size && failure.ok(); ++r)
         if (r != geometry_.rank && Control(r)->abort.load(std::memory_order_acquire) != 0)
           failure = absl::AbortedError(StrCat("session ", id_, ": rank ", r,
@@ -548,7 +548,9 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
       const uint64_t previous = slots_[s].epoch;
       if (broken_.load() || mine->abort.load(std::memory_order_acquire) != 0) {
         lk.unlock();
-        return fail(absl::AbortedError(StrCat("session ", id_, ": closed or broken while a call waited for slot ", s)));
+        return fail(broken_.load() ? absl::AbortedError(StrCat("session ", id_,
+                                                              " broke while a call waited for slot ", s))
+                                   : OwnAbortError());
       }
       if (absl::Now() >= deadline) {
         lk.unlock();

@@ -381,9 +381,22 @@ absl::Status SyncStream(void* stream) {
   return absl::OkStatus();
 }
 
+// Driver calls need a current context, which a thread that never called the runtime has not:
+// make the runtime's (the current device's primary context) current first.
+absl::Status EnsureContext() {
+  thread_local bool done = false;
+  if (done) return absl::OkStatus();
+  int device = 0;
+  ULY_CUDART(cudaGetDevice(&device));
+  ULY_CUDART(cudaSetDevice(device));
+  done = true;
+  return absl::OkStatus();
+}
+
 absl::Status StreamWrite64(void* stream, uint64_t* word, uint64_t value) {
   const Driver& d = Drv();
   ULY_RETURN_IF_ERROR(d.status);
+  ULY_RETURN_IF_ERROR(EnsureContext());
   ULY_CU(d.WriteValue64(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
                         CU_STREAM_WRITE_VALUE_DEFAULT));
   return absl::OkStatus();
@@ -392,6 +405,7 @@ absl::Status StreamWrite64(void* stream, uint64_t* word, uint64_t value) {
 absl::Status StreamWait64(void* stream, const uint64_t* word, uint64_t value) {
   const Driver& d = Drv();
   ULY_RETURN_IF_ERROR(d.status);
+  ULY_RETURN_IF_ERROR(EnsureContext());
   ULY_CU(d.WaitValue64(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
                        CU_STREAM_WAIT_VALUE_GEQ));
   return absl::OkStatus();

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -64,7 +65,7 @@ TEST_F(StreamCluster, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
       if (!c.ok()) return fail(c.status().ToString());
       auto g = (*c)->JoinGroup({"stream", kW, r, Members(kW), "nvlink", 0});
       if (!g.ok()) return fail(g.status().ToString());
-      auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kS, kSlots, {}, 0});
+      auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, kSlots, {}, 0});
       if (!s.ok()) return fail(s.status().ToString());
       auto x = (*c)->AllocBuffer(in_elems * 4, "x");
       if (!x.ok()) return fail(x.status().ToString());
@@ -86,6 +87,7 @@ TEST_F(StreamCluster, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
       // Every iteration rewrites x on the stream, calls, copies the result out and releases
       // it, all enqueued behind the closed gate: the daemon must read each x only after this
       // stream wrote it, and reuse a slot only after the copy that read it.
+      std::fprintf(stderr, "rank %d: enqueueing %d calls behind the gate\n", r, kIters);
       for (int it = 0; it < kIters; ++it) {
         cudaMemcpyAsync(x->data,
                         host_in + it * in_elems, in_elems * 4, cudaMemcpyHostToDevice, stream);
@@ -99,8 +101,10 @@ TEST_F(StreamCluster, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
         return fail("the stream ran ahead of its gate");
       returned.fetch_add(1);
       while (returned.load() < kW) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      std::fprintf(stderr, "rank %d: every call returned; opening the gate\n", r);
       gates[r]->Open();
       if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("sync");
+      std::fprintf(stderr, "rank %d: stream done\n", r);
       if (absl::Status st = (*s)->Synchronize(); !st.ok()) return fail(st.ToString());
       got[r].resize(kIters);
       for (int it = 0; it < kIters; ++it)
@@ -146,29 +150,33 @@ TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing
       if (!c.ok()) return fail(c.status().ToString());
       auto g = (*c)->JoinGroup({"stall", kW, r, Members(kW), "nvlink", 0});
       if (!g.ok()) return fail(g.status().ToString());
-      auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kS, kSlots, {}, 0});
+      auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, kSlots, {}, 0});
       if (!s.ok()) return fail(s.status().ToString());
       auto x = (*c)->AllocBuffer(int64_t{kB} * kS * kH * kD * 4, "x");
       if (!x.ok()) return fail(x.status().ToString());
       if (r == 1) {
         // Rank 1's stream is held past the call timeout: its ready word comes too late.
         cudaStream_t stream = nullptr;
-        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
+          return fail("stream");
         Gate gate(stream);
         (*s)->set_stream(stream);
         auto res = (*s)->ScatterHeads(x->Ref(), kB, kS);
         if (!res.ok()) return fail(res.status().ToString());
         res->Release().IgnoreError();
+        std::fprintf(stderr, "rank 1: call returned; holding the stream\n");
         std::this_thread::sleep_for(std::chrono::milliseconds(3500));
         gate.Open();
         // The daemon's cancel passed the stream's wait for done: it drains.
         if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("sync");
+        std::fprintf(stderr, "rank 1: stream drained\n");
         late = (*s)->Synchronize();
         cudaStreamDestroy(stream);
       } else {
         const absl::Time t0 = absl::Now();
         waited = (*s)->ScatterHeads(x->Ref(), kB, kS).status();
         took = absl::Now() - t0;
+        std::fprintf(stderr, "rank 0: call ended: %s\n", waited.ToString().c_str());
       }
     });
   }

@@ -26,7 +26,8 @@ from typing import Any, Callable, List, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # daemons, helpers (script mode)
 
 from daemons import ULYSSESD, Cluster  # noqa: E402  (sets the ULYSSES_LIBRARY default)
-from helpers import FusedProblem, compare_bf16, run_ranks, unique  # noqa: E402
+import helpers  # noqa: E402
+from helpers import FusedProblem, compare_bf16, unique  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -76,6 +77,17 @@ def inputs(seed: int, shape: Sequence[int]) -> "torch.Tensor":
     """The same finite bfloat16 values on every thread (CPU, generator seeded by `seed`)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+
+def run_ranks(world: int, fn: Callable[[int], Any]) -> list:
+    """helpers.run_ranks with each rank's thread on a CUDA stream of its own: calls are
+    stream-ordered, so two ranks of one process issuing on one stream would wait for each
+    other's calls in that stream's order (each rank of a real job is its own process)."""
+    def on_own_stream(r: int) -> Any:
+        dev = torch.device("cuda", r % GPUS)
+        with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
+            return fn(r)
+    return helpers.run_ranks(world, on_own_stream)
 
 
 def raises(exc: type, fn: Callable[[], Any], match: str = "") -> None:
@@ -170,6 +182,8 @@ def check_stream_order(sockets: List[str]) -> None:
                 torch.cuda._sleep(200_000_000)  # a few tens of ms of GPU time
                 x.copy_(src)
                 band = hx.scatter_heads(x)
+            # The result is ordered on the side stream, like any torch op issued there.
+            torch.cuda.current_stream(dev).wait_stream(side)
             HL = H // W
             want = torch.cat([xs[j][:, :, r * HL:(r + 1) * HL] for j in range(W)], dim=1)
             assert_same(band, want, "scatter_heads after the side stream's work")
