@@ -56,6 +56,7 @@ class ClientImpl : public BufferResolver {
   // Stream-ordered calls nobody waits for: a success is dropped when it arrives, a failure
   // stays in `pending` until raised at the session's next call or Synchronize.
   std::set<std::pair<uint64_t, uint64_t>> detached;
+  std::set<std::pair<uint64_t, uint64_t>> detached_failed;  // arrived, in `pending`, not raised
 
   bool has_rings() const { return submit != nullptr; }
 
@@ -84,8 +85,11 @@ class ClientImpl : public BufferResolver {
       ipc::Completion c;
       ULY_ASSIGN_OR_RETURN(bool got, complete->TryPop(&c));
       if (!got) return absl::OkStatus();
-      if (c.code == 0 && detached.erase({c.session_id, c.epoch}) != 0) continue;
-      pending[{c.session_id, c.epoch}] = c;
+      const std::pair<uint64_t, uint64_t> key{c.session_id, c.epoch};
+      const bool was_detached = detached.erase(key) != 0;
+      if (was_detached && c.code == 0) continue;
+      if (was_detached) detached_failed.insert(key);
+      pending[key] = c;
     }
   }
 
@@ -126,7 +130,7 @@ class ClientImpl : public BufferResolver {
       const auto key = it->first;
       if (key.first != session || it->second.code == 0 || raised.count(key)) continue;
       const ipc::Completion c = it->second;
-      if (detached.erase(key) != 0) pending.erase(it);  // nobody waits for it: raised once
+      if (detached_failed.erase(key) != 0) pending.erase(it);  // nobody waits: raised once
       else raised.insert(key);
       return std::optional<ipc::Completion>(c);
     }
@@ -643,13 +647,45 @@ Session::~Session() { (void)Close(); }
 absl::Status Session::Close() {
   if (closed_) return absl::OkStatus();
   closed_ = true;
-  if (client_->closed) return absl::OkStatus();
-  v1::CloseSessionRequest req;
-  req.set_session_id(id_);
-  v1::CloseSessionResponse resp;
-  grpc::ClientContext ctx;
-  client_->Prepare(&ctx, absl::Seconds(30));
-  return FromGrpcStatus(client_->stub->CloseSession(&ctx, req, &resp));
+  absl::Status st;
+  if (!client_->closed) {
+    v1::CloseSessionRequest req;
+    req.set_session_id(id_);
+    v1::CloseSessionResponse resp;
+    grpc::ClientContext ctx;
+    client_->Prepare(&ctx, absl::Seconds(30));
+    st = FromGrpcStatus(client_->stub->CloseSession(&ctx, req, &resp));
+  }
+  // The daemon's close cancelled the session (every done word passed), so the streams drain.
+  KeepWordsMappedUntilStreamsPass();
+  return st;
+}
+
+void Session::KeepWordsMappedUntilStreamsPass() {
+  if (stream_marks_.empty()) return;
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  bool passed = true;
+  for (auto& [stream, mark] : stream_marks_) {
+    auto* m = static_cast<ipc::cuda::StreamMark*>(mark.get());
+    for (;;) {
+      absl::StatusOr<bool> p = m->Passed();
+      if (!p.ok() || *p) break;  // an error: the context is gone, nothing runs any more
+      if (absl::Now() >= give_up) {
+        passed = false;
+        break;
+      }
+      absl::SleepFor(absl::Microseconds(200));
+    }
+  }
+  stream_marks_.clear();
+  if (passed) return;
+  // A stream still waits (its daemon died before it could cancel): unmapping now would fault
+  // that stream's wait. The mappings stay for the life of the process.
+  static std::mutex mu;
+  static auto* kept = new std::vector<std::shared_ptr<void>>();
+  std::lock_guard<std::mutex> lock(mu);
+  kept->push_back(device_slots_);
+  kept->push_back(client_words_);
 }
 
 std::atomic<uint64_t>* Session::ReleaseWord(int32_t slot) const {
@@ -789,6 +825,13 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
     // a stream when they wait on the host.)
     const auto* words = static_cast<const DeviceWords*>(device_words_);
     ULY_RETURN_IF_ERROR(ipc::cuda::StreamWait64(stream_, &words->slots[slot].done, d.epoch));
+  }
+  if (stream_protocol()) {
+    // The stream's work now names this session's device words: they stay mapped until it
+    // passed this point (KeepWordsMappedUntilStreamsPass).
+    auto& mark = stream_marks_[stream_];
+    if (!mark) mark = std::make_shared<ipc::cuda::StreamMark>();
+    ULY_RETURN_IF_ERROR(static_cast<ipc::cuda::StreamMark*>(mark.get())->Record(stream_));
   }
   return next_epoch_++;
 }

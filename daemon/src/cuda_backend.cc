@@ -235,24 +235,29 @@ class CudaTransport final : public Transport {
     namespace cu = ipc::cuda;
     if (call.wait_ready) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &ClientWords()->ready[s], e));
     // Ordered after this slot's previous result was read (its Finish is earlier on this stream;
-    // its client released it before the host enqueued this call).
+    // its client released it before the host enqueued this call). This rank's own grant and
+    // arrival are this stream's order itself: no word.
     for (int r = 0; r < W; ++r)
-      ULY_RETURN_IF_ERROR(cu::StreamWrite64(stream_, &words_[r]->slots[s].grant[me], e));
+      if (r != me)
+        ULY_RETURN_IF_ERROR(cu::StreamWrite64(stream_, &words_[r]->slots[s].grant[me], e));
     if (PushesAtOnce(plan)) {
-      for (int r = 0; r < W; ++r) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &mine.grant[r], e));
+      for (int r = 0; r < W; ++r)
+        if (r != me) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &mine.grant[r], e));
       ULY_RETURN_IF_ERROR(PushAll(plan, ops, s, e));
     } else {
       // Rotated from the rank after this one, so ranks do not all store into rank 0 first.
       for (int k = 1; k <= W; ++k) {
         const int dst = (me + k) % W;
-        ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &mine.grant[dst], e));
+        if (dst != me) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &mine.grant[dst], e));
         ULY_RETURN_IF_ERROR(Push(plan, ops, dst, s));
       }
     }
     // Each write's memory barrier makes this stream's stores visible before the word.
     for (int r = 0; r < W; ++r)
-      ULY_RETURN_IF_ERROR(cu::StreamWrite64(stream_, &words_[r]->slots[s].arrive[me], e));
-    for (int r = 0; r < W; ++r) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &mine.arrive[r], e));
+      if (r != me)
+        ULY_RETURN_IF_ERROR(cu::StreamWrite64(stream_, &words_[r]->slots[s].arrive[me], e));
+    for (int r = 0; r < W; ++r)
+      if (r != me) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &mine.arrive[r], e));
     ULY_RETURN_IF_ERROR(EnqueueFinish(plan, ops, s));
     ULY_RETURN_IF_ERROR(cu::StreamWrite64(stream_, &mine.done, e));
     event_epoch_[s] = e;

@@ -416,4 +416,26 @@ absl::Status LaunchHostFunc(void* stream, void (*fn)(void*), void* arg) {
   return absl::OkStatus();
 }
 
+StreamMark::~StreamMark() {
+  if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+}
+
+absl::Status StreamMark::Record(void* stream) {
+  if (event_ == nullptr) {
+    cudaEvent_t ev = nullptr;
+    ULY_CUDART(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    event_ = ev;
+  }
+  ULY_CUDART(cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> StreamMark::Passed() const {
+  if (event_ == nullptr) return true;
+  const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(event_));
+  if (q == cudaErrorNotReady) return false;
+  ULY_CUDART(q);
+  return true;
+}
+
 }  // namespace ulysses::ipc::cuda

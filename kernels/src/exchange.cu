@@ -38,7 +38,8 @@ __global__ void __launch_bounds__(kThreads) RowCopyKernel(const RowCopyPlan p,
   }
 }
 
-absl::Status LaunchPlan(const RowCopyPlan& p, cudaStream_t stream, const uint64_t* cancel) {
+absl::Status LaunchPlan(const RowCopyPlan& p, cudaStream_t stream,
+                        const uint64_t* cancel = nullptr) {
   const dim3 block(static_cast<unsigned>(p.lanes), static_cast<unsigned>(kThreads / p.lanes));
   const int64_t blocks = std::min<int64_t>((p.rows + block.y - 1) / block.y, kMaxBlocks);
   const dim3 grid(static_cast<unsigned>(blocks));

@@ -300,7 +300,7 @@ def check_fused(sockets: List[str], layout: str, path: str = "auto") -> str:
             lines = []
             for what, t in (("slot", band), ("out=", out)):
                 got_bits = t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
-                mismatches, flips = compare_bf16(got_bits, wants[r])
+                mismatches, flips = compare_bf16(got_bits, wants[r], rope_pairs=True)
                 lines.append("W=%d %s %s rank %d %s: %d mismatches, %d one-ulp flips of %d"
                              % (W, layout, path, r, what, mismatches, flips, got_bits.size))
                 assert mismatches == 0, lines[-1]

@@ -252,6 +252,10 @@ class Session {
   uint64_t slot_offset_ = 0;
   uint64_t slot_stride_ = 0;
   std::vector<std::weak_ptr<SlotHold>> holds_;  // per slot: the last result handed out
+  // Per stream the session was used on: a mark after the last work naming its device words,
+  // which must stay mapped until every stream passed it.
+  std::map<void*, std::shared_ptr<void>> stream_marks_;
+  void KeepWordsMappedUntilStreamsPass();
   absl::Status OrderAfterStream() const;
   const uint8_t* base_ = nullptr;
   bool closed_ = false;

@@ -140,4 +140,21 @@ absl::Status StreamWait64(void* stream, const uint64_t* word, uint64_t value);
 /// call CUDA.
 absl::Status LaunchHostFunc(void* stream, void (*fn)(void*), void* arg);
 
+/// A CUDA event (timing disabled) marking a point of a stream, to learn without blocking
+/// whether the stream has passed it. Destroyed with the object.
+class StreamMark {
+ public:
+  StreamMark() = default;
+  ~StreamMark();
+  StreamMark(const StreamMark&) = delete;
+  StreamMark& operator=(const StreamMark&) = delete;
+  /// Marks the current end of `stream` (creating the event the first time).
+  absl::Status Record(void* stream);
+  /// Whether the stream has passed the last Record (true when never recorded).
+  absl::StatusOr<bool> Passed() const;
+
+ private:
+  void* event_ = nullptr;
+};
+
 }  // namespace ulysses::ipc::cuda
