@@ -270,9 +270,10 @@ typedef struct uly_call_args {
    *  required for op 4. */
   const uly_tensor* out;
   /** GPU-backend sessions: the cudaStream_t whose work produces the inputs (and consumes the
-   *  results). The call runs after the work enqueued on it so far (today the library waits
-   *  for the stream on the host), and its result is complete when the call returns. NULL:
-   *  the legacy default stream. On a host-backend session it must be NULL
+   *  results). Calls are stream-ordered: the call runs after the work enqueued on it so far,
+   *  returns once submitted, and its result is valid for work enqueued on the stream
+   *  afterwards; an error found later is returned by the session's next call. NULL: the
+   *  legacy default stream. On a host-backend session it must be NULL
    *  (ULY_INVALID_ARGUMENT otherwise; ULY_FAILED_PRECONDITION in a library without CUDA). */
   void* stream;
   int64_t timeout_ms;         /**< uly_session_wait only: 0 = 5 minutes */

@@ -492,8 +492,9 @@ class HeadExchange(_Session):
     tensors (any positive strides, from the caching allocator or anywhere cudaMalloc'd). Each
     allocation is handed to the daemon once, by CUDA IPC, and cached; memory freed and
     allocated again is registered afresh. The call is ordered after the work enqueued so far
-    on torch's current stream of the tensors' device, and its result is complete when the
-    call returns. Results are read-only CUDA tensors viewing the receive slot (through
+    on torch's current stream of the tensors' device and returns at once: its result is valid
+    for work enqueued afterwards on that stream (like any torch op), and an error the daemon
+    finds later is raised by the next call. Results are read-only CUDA tensors viewing the receive slot (through
     ``__cuda_array_interface__``, no copy); ``out=`` takes CUDA tensors.
     """
 

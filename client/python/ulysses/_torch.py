@@ -108,7 +108,8 @@ class DeviceSlot:
     """A receive slot in device memory (GPU backends), as ``__cuda_array_interface__``
     (version 3) describes it: ``torch.as_tensor(slot)``, ``cupy.asarray(slot)`` or numba view it
     without a copy, and keep this object (and so the slot) alive while they live. The data is
-    complete when the call returns (``stream`` is None: no synchronisation needed). Read-only,
+    valid in the order of the call's stream (torch's current stream at the call): work on
+    that stream sees it; another stream must wait for that stream first. Read-only,
     although the interface cannot say so (torch refuses the read-only flag): a kernel writing
     into it faults. bfloat16 results are exposed as int16 bits (``typestr`` ``<i2``); torch
     users get a bfloat16 tensor from the calls directly."""
