@@ -1,7 +1,8 @@
 // Group rendezvous between daemons: an all-gather of one payload per rank under a key, with the
 // same verdict (success, mismatch, timeout, abort) on every rank. Rank 0's daemon hosts the
 // table; the others reach it through the Peer service at the group's member address, which is
-// a unix socket on one node and may be a TCP address across nodes.
+// the control socket of a daemon of the node (CheckMembers in requests.h: a unix socket path,
+// and one of the node config's devices[] when it lists any).
 #pragma once
 
 #include <condition_variable>

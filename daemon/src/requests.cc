@@ -37,6 +37,35 @@ absl::StatusOr<int64_t> RendezvousTimeoutMs(int64_t timeout_ms, int64_t default_
   return timeout_ms > 0 ? timeout_ms : default_ms;
 }
 
+namespace {
+
+// The socket path of a unix member address, empty for anything else.
+std::string UnixPath(const std::string& address) {
+  if (address.rfind("unix://", 0) == 0) return address.substr(7);
+  if (address.rfind("unix:", 0) == 0) return address.substr(5);
+  if (!address.empty() && address[0] == '/') return address;
+  return "";
+}
+
+}  // namespace
+
+absl::Status CheckMembers(const v1::JoinGroupRequest& req, const std::vector<DeviceEntry>& devices) {
+  for (int i = 0; i < req.members_size(); ++i) {
+    const std::string path = UnixPath(req.members(i));
+    bool allowed = !path.empty() && path[0] == '/';
+    if (allowed && !devices.empty()) {
+      allowed = false;
+      for (const DeviceEntry& d : devices) allowed = allowed || d.socket == path;
+    }
+    if (!allowed)
+      return absl::InvalidArgumentError(StrCat(
+          "members[", i, "]: '", req.members(i), "' is not ",
+          devices.empty() ? "a unix socket path (this daemon dials node-local daemons only)"
+                          : "the socket of a daemon in the node config's devices[]"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> CheckJoinRequest(const v1::JoinGroupRequest& req) {
   ULY_RETURN_IF_ERROR(CheckName("name", req.name()));
   if (req.name().empty()) return absl::InvalidArgumentError("name: must not be empty");

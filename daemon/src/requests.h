@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "ulysses/common/config.h"
 #include "ulysses/common/fused.h"
 #include "ulysses/common/geometry.h"
 #include "ulysses/proto/fused_spec.h"
@@ -32,6 +33,12 @@ absl::Status CheckRegisterRequest(const v1::RegisterBufferRequest& req);
 /// one of auto, host, nccl, nvlink (empty: auto), `timeout_ms` at most
 /// kMaxRendezvousTimeoutMs. Returns the backend asked for ("auto" when empty).
 absl::StatusOr<std::string> CheckJoinRequest(const v1::JoinGroupRequest& req);
+
+/// The member addresses a JoinGroup may name, which the daemon dials: the control sockets of
+/// the node config's `devices[]` when it lists any (in any spelling GrpcTarget takes: "/p",
+/// "unix:/p", "unix:///p"); without a list, unix socket paths only (never a TCP address).
+/// INVALID_ARGUMENT naming the first member that is not allowed.
+absl::Status CheckMembers(const v1::JoinGroupRequest& req, const std::vector<DeviceEntry>& devices);
 
 /// The rendezvous timeout a JoinGroup or CreateSession asks for: `timeout_ms` when > 0 (at most
 /// kMaxRendezvousTimeoutMs, else INVALID_ARGUMENT naming timeout_ms), else `default_ms`.

@@ -345,6 +345,7 @@ class ControlService final : public v1::Control::Service {
   absl::Status DoJoin(ClientRecord& c, const v1::JoinGroupRequest& req, v1::GroupInfo* resp) {
     absl::StatusOr<std::string> checked = CheckJoinRequest(req);
     if (!checked.ok()) return checked.status();
+    ULY_RETURN_IF_ERROR(CheckMembers(req, d_->config().devices));
     const std::string& requested = *checked;
     Backend* const nccl = d_->nccl_backend();
     if (requested != "auto" && requested != d_->backend() && !(requested == "nccl" && nccl))

@@ -2,6 +2,7 @@
 // kept: a JoinGroup or CreateSession could ask for a rendezvous wait of 2^62 ms, and a member
 // address of any length (up to the 4 MiB request) was stored and listed.
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 #include "hostile_client.h"
@@ -79,6 +80,53 @@ TEST_F(RequestTest, AMemberAddressLongerThanANameIsInvalidArgument) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(s.error_message().find("members[1]"), std::string::npos) << s.error_message();
   EXPECT_TRUE(Serving());
+}
+
+// A client named any address as rank 0's, and the daemon dialled it: a listener on
+// 127.0.0.1 received the HTTP/2 preface.
+TEST_F(RequestTest, MembersAreNodeLocalDaemonSocketsOnly) {
+  absl::StatusOr<Attached> a = Attach();
+  ASSERT_TRUE(a.ok()) << a.status();
+  for (const std::string& bad : {std::string("127.0.0.1:9"), std::string("dns:///example.org:80"),
+                                 std::string("unix:relative.sock")}) {
+    v1::JoinGroupRequest req;
+    req.set_name("g3");
+    req.set_world_size(2);
+    req.set_rank(1);
+    req.add_members(bad);
+    req.add_members(daemon_.socket());
+    v1::GroupInfo group;
+    const grpc::Status s = Join(*a, req, &group);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find("members[0]"), std::string::npos) << s.error_message();
+  }
+  // With a node config, only its daemons' sockets: restart with devices[] naming this one.
+  const std::string config = dir_ + "/node.json";
+  {
+    std::FILE* f = std::fopen(config.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fprintf(f, "{\"devices\": [{\"index\": 0, \"socket\": \"%s\"}]}\n",
+                 daemon_.socket().c_str());
+    std::fclose(f);
+  }
+  const std::string socket = daemon_.socket();
+  StartDaemon({"--config", config});
+  ASSERT_EQ(daemon_.socket(), socket);
+  a = Attach();
+  ASSERT_TRUE(a.ok()) << a.status();
+  v1::JoinGroupRequest other;
+  other.set_name("g4");
+  other.set_world_size(2);
+  other.set_rank(1);
+  other.add_members(dir_ + "/not-listed.sock");
+  other.add_members(socket);
+  v1::GroupInfo group;
+  const grpc::Status s = Join(*a, other, &group);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("devices[]"), std::string::npos) << s.error_message();
+  v1::JoinGroupRequest listed = OneRank("g5");
+  listed.set_members(0, "unix://" + socket);
+  EXPECT_TRUE(Join(*a, listed, &group).ok());
 }
 
 }  // namespace
