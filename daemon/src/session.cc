@@ -400,6 +400,10 @@ CallOutcome Session::FinishCall(const CallPlan& plan, int s, uint64_t e) {
   if (copied_out) mine->slots[s].released.store(e, std::memory_order_release);
   calls_.fetch_add(1);
   last_epoch_.store(e);
+  return Outcome(plan, s, e);
+}
+
+CallOutcome Session::Outcome(const CallPlan& plan, int s, uint64_t e) const {
   CallOutcome out;
   out.epoch = e;
   out.slot = s;
@@ -580,12 +584,7 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
     inflight_.push_back(InFlightCall{e, s, plan, call_shape, call_op, deadline, mode.async});
   }
   if (mode.async) {
-    CallOutcome out;
-    out.epoch = e;
-    out.slot = s;
-    out.slot_offset_bytes = transport_->SlotOffset(s);
-    out.result_bytes = static_cast<uint64_t>(plan.slot_elems) * geometry_.itemsize();
-    out.bytes_sent = out.result_bytes;
+    CallOutcome out = Outcome(plan, s, e);
     out.pending = true;
     return out;
   }

@@ -209,6 +209,8 @@ class Session {
   void Break();
   // The outcome of a call that finished, with its slot set held or free.
   CallOutcome FinishCall(const CallPlan& plan, int slot, uint64_t epoch);
+  // What a call of `plan` in `slot` at `epoch` reports (no state changes).
+  CallOutcome Outcome(const CallPlan& plan, int slot, uint64_t epoch) const;
   // The first failure a completed stream-ordered call shows: a peer that failed the same epoch,
   // or a peer that issued a different call. OK when the call is good.
   absl::Status CheckCompleted(uint64_t epoch, int slot, uint64_t call_shape, uint64_t call_op) const;
