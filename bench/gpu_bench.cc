@@ -33,6 +33,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -131,7 +132,8 @@ class EventPair {
 // A case
 // ---------------------------------------------------------------------------------------
 
-enum class Variant { kInProcess, kDaemonRing, kDaemonGrpc, kCopy };
+// kDaemonRingStream is not run by itself: it is kDaemonRing's samples timed on the stream.
+enum class Variant { kInProcess, kDaemonRing, kDaemonGrpc, kCopy, kDaemonRingStream };
 
 const char* VariantName(Variant v) {
   switch (v) {
@@ -139,6 +141,7 @@ const char* VariantName(Variant v) {
     case Variant::kDaemonRing: return "daemon_ring";
     case Variant::kDaemonGrpc: return "daemon_grpc";
     case Variant::kCopy: return "copy";
+    case Variant::kDaemonRingStream: return "daemon_ring_stream";
   }
   return "?";
 }
@@ -352,8 +355,11 @@ class DaemonPath {
     sessions_.resize(W);
     in_.resize(W);
     streams_ = std::vector<Stream>(W);
+    events_ = std::vector<EventPair>(W);
+    stream_us_.assign(W, {});
     for (int r = 0; r < W; ++r) {
       ULY_RETURN_IF_ERROR(streams_[r].Create());
+      ULY_RETURN_IF_ERROR(events_[r].Create());
       ULY_ASSIGN_OR_RETURN(in_[r], cluster_.client(r, set_).RegisterDeviceBuffer(a.input(r), c_.bytes, "bench-in"));
     }
     return RunCollective(W, [&](int r) -> absl::Status {
@@ -378,10 +384,30 @@ class DaemonPath {
   /// Rank r's part of one timed iteration: the call, and the release of its slot.
   // Calls are stream-ordered: the iteration ends when the rank's stream has the result (and
   // the daemon reported no error).
+  // The same span is also timed on the stream (events before the call and after the release):
+  // the device's part of the call, without the host's enqueue and wake-up.
   absl::Status Work(int r) {
+    ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events_[r].start(), streams_[r].get()), "event"));
     ULY_ASSIGN_OR_RETURN(client::Result res, Call(r));
     ULY_RETURN_IF_ERROR(res.Release());
-    return Cuda(cudaStreamSynchronize(streams_[r].get()), "stream");
+    ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events_[r].stop(), streams_[r].get()), "event"));
+    ULY_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(streams_[r].get()), "stream"));
+    float ms = 0;
+    ULY_RETURN_IF_ERROR(Cuda(cudaEventElapsedTime(&ms, events_[r].start(), events_[r].stop()), "elapsed"));
+    stream_us_[r].push_back(static_cast<double>(ms) * 1e3);
+    return absl::OkStatus();
+  }
+
+  /// The on-stream times of the last `n` iterations, the slowest rank's per iteration; forgets
+  /// every time taken so far.
+  std::vector<double> TakeStreamUs(int n) {
+    std::vector<double> out(n, 0);
+    for (std::vector<double>& t : stream_us_) {
+      const int have = static_cast<int>(t.size());
+      for (int i = 0; i < n && i < have; ++i) out[n - 1 - i] = std::max(out[n - 1 - i], t[have - 1 - i]);
+      t.clear();
+    }
+    return out;
   }
 
   /// One collective call into poisoned slots; every rank's result must equal the in-process
@@ -436,6 +462,8 @@ class DaemonPath {
   std::vector<std::unique_ptr<client::Session>> sessions_;
   std::vector<client::Buffer> in_;
   std::vector<Stream> streams_;
+  std::vector<EventPair> events_;
+  std::vector<std::vector<double>> stream_us_;  // per rank, one entry per Work
 };
 
 // ---------------------------------------------------------------------------------------
@@ -486,7 +514,15 @@ absl::StatusOr<CaseResult> RunCase(const Case& c, Cluster& cluster, int grpc_set
     if (v == Variant::kInProcess || v == Variant::kCopy) return a.Time(v, n);
     DaemonPath& d = v == Variant::kDaemonRing ? ring : *grpc;
     ULY_ASSIGN_OR_RETURN(BlockTimes t, RunBlock(c.world, n, [&](int r) { return d.Work(r); }, flush));
+    if (v != Variant::kDaemonRing) (void)d.TakeStreamUs(0);  // only the ring's are reported
     return t.work_max_us;
+  };
+  // Every sample of `v` goes to the results; the ring's also gives its on-stream times.
+  auto keep = [&](Variant v, int n) -> absl::StatusOr<std::vector<double>> {
+    ULY_ASSIGN_OR_RETURN(std::vector<double> t, sample(v, n));
+    Append(&res.us[v], t);
+    if (v == Variant::kDaemonRing) Append(&res.us[Variant::kDaemonRingStream], ring.TakeStreamUs(n));
+    return t;
   };
   const std::vector<Variant> order = c.variants();
   if (m.warmup > 0)
@@ -494,14 +530,12 @@ absl::StatusOr<CaseResult> RunCase(const Case& c, Cluster& cluster, int grpc_set
   const int n1 = (m.samples + 1) / 2, n2 = m.samples / 2;
   for (int round = 0; round < m.rounds; ++round) {
     for (Variant v : order) {
-      ULY_ASSIGN_OR_RETURN(std::vector<double> t, sample(v, n1));
-      Append(&res.us[v], t);
+      ULY_ASSIGN_OR_RETURN(std::vector<double> t, keep(v, n1));
       if (v == Variant::kInProcess) Append(&res.a_first, t);
     }
     if (n2 > 0) {
       for (auto it = order.rbegin(); it != order.rend(); ++it) {
-        ULY_ASSIGN_OR_RETURN(std::vector<double> t, sample(*it, n2));
-        Append(&res.us[*it], t);
+        ULY_ASSIGN_OR_RETURN(std::vector<double> t, keep(*it, n2));
         if (*it == Variant::kInProcess) Append(&res.a_second, t);
       }
     }
@@ -732,8 +766,19 @@ int Main(int argc, char** argv) {
     }
     status.Update(cluster.Stop());
   }
+  if (!status.ok()) {
+    // The daemons' logs say why a call failed: kept, and their warnings shown.
+    Say(StrCat("daemon logs kept in ", *run_dir, " (w<W>/gpu<rank>.log); their warnings:"));
+    for (int w : world_list)
+      for (int r = 0; r < w; ++r) {
+        std::ifstream log(StrCat(*run_dir, "/w", w, "/gpu", r, ".log"));
+        for (std::string line; std::getline(log, line);)
+          if (line.find("warn") != std::string::npos || line.find("error") != std::string::npos)
+            std::cerr << "  w" << w << "/gpu" << r << ": " << line << "\n";
+      }
+    return Fail(status);
+  }
   demo::RemoveRunDir(*run_dir);
-  if (!status.ok()) return Fail(status);
 
   bool mps = mps_mode == "mps";
   if (mps_flag != "auto") {
@@ -775,14 +820,16 @@ int Main(int argc, char** argv) {
   }
   if (part_set.count("overhead")) {
     std::printf("\ndaemon overhead, scatter_heads, per-call time (us)\n");
-    std::printf("%3s %12s %12s %12s %12s %9s %9s %7s\n", "W", "bytes/rank", "inprocess", "ring", "grpc",
-                "ring-inp", "grpc-inp", "A/A");
+    std::printf("%3s %12s %12s %12s %12s %12s %9s %9s %7s\n", "W", "bytes/rank", "inprocess", "ring",
+                "ring-stream", "grpc", "ring-inp", "grpc-inp", "A/A");
     for (const CaseResult& r : results) {
       if (!r.c.overhead) continue;
       const double a = r.median(Variant::kInProcess), ring = r.median(Variant::kDaemonRing);
       const double grpc = r.median(Variant::kDaemonGrpc);
-      std::printf("%3d %12llu %12.1f %12.1f %12.1f %9.1f %9.1f %7.3f\n", r.c.world,
-                  static_cast<unsigned long long>(r.c.bytes), a, ring, grpc, ring - a, grpc - a, r.aa());
+      const double ring_stream = r.median(Variant::kDaemonRingStream);
+      std::printf("%3d %12llu %12.1f %12.1f %12.1f %12.1f %9.1f %9.1f %7.3f\n", r.c.world,
+                  static_cast<unsigned long long>(r.c.bytes), a, ring, ring_stream, grpc, ring - a, grpc - a,
+                  r.aa());
       Json j;
       j["part"] = "overhead";
       j["op"] = "scatter_heads";
@@ -791,6 +838,7 @@ int Main(int argc, char** argv) {
       j["mps"] = mps;
       j["inprocess_us"] = Us(a);
       j["daemon_ring_us"] = Us(ring);
+      j["daemon_ring_stream_us"] = Us(ring_stream);
       j["daemon_grpc_us"] = Us(grpc);
       j["a_a_control"] = Ratio(r.aa());
       j["check"] = "pass";

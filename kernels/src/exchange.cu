@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cancel.cuh"
 #include "cuda_check.h"
 #include "exchange_plan.h"
 #include "ulysses/common/status.h"
@@ -16,7 +17,6 @@ namespace {
 using internal::RowCopyPlan;
 
 constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = int64_t{1} << 16;
 
 // blockDim = (plan.lanes, kThreads / plan.lanes): threadIdx.y picks a row (grid-stride over
 // all rows), threadIdx.x strides over the row's units, so consecutive lanes touch consecutive
@@ -24,7 +24,7 @@ constexpr int64_t kMaxBlocks = int64_t{1} << 16;
 template <typename Unit>
 __global__ void __launch_bounds__(kThreads) RowCopyKernel(const RowCopyPlan p,
                                                           const uint64_t* cancel) {
-  if (cancel != nullptr && *static_cast<const volatile uint64_t*>(cancel) != 0) return;
+  if (internal::BlockCancelled(cancel)) return;
   const auto* src = static_cast<const char*>(p.src);
   auto* dst = static_cast<char*>(p.dst);
   const int64_t row_step = int64_t{gridDim.x} * blockDim.y;
@@ -38,10 +38,22 @@ __global__ void __launch_bounds__(kThreads) RowCopyKernel(const RowCopyPlan p,
   }
 }
 
+// Blocks the current device holds resident at once (one wave): the kernel strides over the rest
+// of the rows, so block starts (and the cancel read) are paid once per resident block.
+absl::StatusOr<int64_t> ResidentBlocks() {
+  int device = 0, sms = 0, threads_per_sm = 0;
+  ULY_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  ULY_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  ULY_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
+  return std::max<int64_t>(1, int64_t{sms} * std::max(1, threads_per_sm / kThreads));
+}
+
 absl::Status LaunchPlan(const RowCopyPlan& p, cudaStream_t stream,
                         const uint64_t* cancel = nullptr) {
   const dim3 block(static_cast<unsigned>(p.lanes), static_cast<unsigned>(kThreads / p.lanes));
-  const int64_t blocks = std::min<int64_t>((p.rows + block.y - 1) / block.y, kMaxBlocks);
+  ULY_ASSIGN_OR_RETURN(const int64_t resident, ResidentBlocks());
+  const int64_t blocks = std::min<int64_t>((p.rows + block.y - 1) / block.y, resident);
   const dim3 grid(static_cast<unsigned>(blocks));
   switch (p.unit_bytes) {
     case 16:

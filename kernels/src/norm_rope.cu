@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "cancel.cuh"
 #include "cuda_check.h"
 #include "ulysses/common/status.h"
 #include "ulysses/kernels/qkv_norm_rope_cuda.h"
@@ -78,9 +79,7 @@ __global__ void __launch_bounds__(kThreads) QkvHeadKernel(const QkvKernelParams 
   const int32_t warps = gridDim.x * (kThreads / 32);
   // A cancelled session's launch computes nothing and stores nothing; its readiness protocol
   // below still runs so the counter is left as it was found.
-  const bool cancelled =
-      kMode != Mode::kInPlace && p.cancel != nullptr &&
-      *static_cast<const volatile uint64_t*>(p.cancel) != 0;
+  const bool cancelled = kMode != Mode::kInPlace && internal::BlockCancelled(p.cancel);
   for (int32_t wi = (blockIdx.x * kThreads + threadIdx.x) / 32; !cancelled && wi * 2 < items;
        wi += warps) {
     const int32_t item = wi * 2 + half;
