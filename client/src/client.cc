@@ -272,16 +272,100 @@ class ClientImpl : public BufferResolver {
   }
 };
 
+// The client side of one session's stream-ordered protocol (docs/protocol.md section 9): this
+// client's device words (ready and released, written only by its streams) and, per stream that
+// named them, a mark after the last such work. Shared by the session and the results it
+// handed out, whose releases may come from any thread, also after the session closed.
+class StreamWords {
+ public:
+  // `words_mapping` holds `words`; `slots_mapping` (the daemon's words and the slots) is named
+  // by the done waits. Both stay mapped until every marked stream passed its mark.
+  StreamWords(std::shared_ptr<void> words_mapping, ClientDeviceWords* words,
+              std::shared_ptr<void> slots_mapping)
+      : words_mapping_(std::move(words_mapping)), slots_mapping_(std::move(slots_mapping)),
+        words_(words) {}
+  ~StreamWords() { Close(); }
+  StreamWords(const StreamWords&) = delete;
+  StreamWords& operator=(const StreamWords&) = delete;
+
+  // Enqueues ready[slot] = epoch on `stream`: the daemon's stream starts the call after it.
+  absl::Status Ready(void* stream, int slot, uint64_t epoch) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return absl::FailedPreconditionError("the session is closed");
+    return ipc::cuda::StreamWrite64(stream, &words_->ready[slot], epoch);
+  }
+  // Enqueues released[slot] = epoch on `stream`, after the work that reads the result; the
+  // daemon's stream waits for it before the slot's next call stores into the slot. False when
+  // the session closed (its slots are gone: nothing to release).
+  absl::StatusOr<bool> Release(void* stream, int slot, uint64_t epoch) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return false;
+    ULY_RETURN_IF_ERROR(ipc::cuda::StreamWrite64(stream, &words_->released[slot], epoch));
+    ULY_RETURN_IF_ERROR(MarkLocked(stream));
+    return true;
+  }
+  // Marks `stream` after work enqueued on it that names these mappings.
+  absl::Status Mark(void* stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return MarkLocked(stream);
+  }
+  // No later release writes the words. The mappings go once every marked stream passed its
+  // mark (the daemon's close cancelled the session, so its waits pass); a stream that has not
+  // within 10 s (its daemon died before it could cancel) would fault on an unmapped word, so
+  // then they stay mapped for the life of the process.
+  void Close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    bool passed = true;
+    for (auto& [stream, mark] : marks_) {
+      for (;;) {
+        absl::StatusOr<bool> p = mark->Passed();
+        if (!p.ok() || *p) break;  // an error: the context is gone, nothing runs any more
+        if (absl::Now() >= give_up) {
+          passed = false;
+          break;
+        }
+        absl::SleepFor(absl::Microseconds(200));
+      }
+    }
+    marks_.clear();
+    if (passed) return;
+    static std::mutex kept_mu;
+    static auto* kept = new std::vector<std::shared_ptr<void>>();
+    std::lock_guard<std::mutex> kept_lock(kept_mu);
+    kept->push_back(words_mapping_);
+    kept->push_back(slots_mapping_);
+  }
+
+ private:
+  absl::Status MarkLocked(void* stream) {
+    std::unique_ptr<ipc::cuda::StreamMark>& mark = marks_[stream];
+    if (!mark) mark = std::make_unique<ipc::cuda::StreamMark>();
+    return mark->Record(stream);
+  }
+  std::mutex mu_;
+  bool closed_ = false;
+  std::shared_ptr<void> words_mapping_, slots_mapping_;
+  ClientDeviceWords* const words_;
+  std::map<void*, std::unique_ptr<ipc::cuda::StreamMark>> marks_;
+};
+
 // Holds a receive slot for the result of one epoch; the last copy's destruction releases it.
 class SlotHold {
  public:
   // `word`: this slot's release word in the client segment, or null (release by RPC).
   // `stream` (device sessions): the release is ordered after the work enqueued on it so far
-  // (the work that reads the view), through a host function that stores the word.
-  SlotHold(std::shared_ptr<ClientImpl> client, uint64_t session, uint64_t epoch,
-           std::atomic<uint64_t>* word, bool device = false, void* stream = nullptr)
-      : client_(std::move(client)), session_(session), epoch_(epoch), word_(word),
-        device_(device), stream_(stream) {}
+  // (the work that reads the view). With `stream_words` (a stream-ordered call) the stream
+  // writes the slot's device release word, which the daemon's stream waits for; the host word
+  // then only tells the daemon's bookkeeping (Admin) that the result was given back. Without
+  // them a host function on the stream stores the host word.
+  SlotHold(std::shared_ptr<ClientImpl> client, uint64_t session, uint64_t epoch, int32_t slot,
+           std::atomic<uint64_t>* word, bool device = false, void* stream = nullptr,
+           std::shared_ptr<StreamWords> stream_words = nullptr)
+      : client_(std::move(client)), session_(session), epoch_(epoch), slot_(slot), word_(word),
+        device_(device), stream_(stream), stream_words_(std::move(stream_words)) {}
   ~SlotHold() { (void)Release(); }
   bool released() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -293,6 +377,12 @@ class SlotHold {
     if (released_) return absl::OkStatus();
     released_ = true;
     if (client_->closed) return absl::OkStatus();  // Detach released everything
+    if (stream_words_) {
+      ULY_ASSIGN_OR_RETURN(const bool enqueued, stream_words_->Release(stream_, slot_, epoch_));
+      if (enqueued && word_ != nullptr && word_->load(std::memory_order_relaxed) < epoch_)
+        word_->store(epoch_, std::memory_order_release);
+      return absl::OkStatus();
+    }
     if (word_ != nullptr && device_) {
       auto* at = new StreamRelease{client_->segment, word_, epoch_};
       if (ipc::cuda::LaunchHostFunc(stream_, &StreamRelease::Run, at).ok()) return absl::OkStatus();
@@ -333,9 +423,11 @@ class SlotHold {
   std::shared_ptr<ClientImpl> client_;
   const uint64_t session_;
   const uint64_t epoch_;
+  const int32_t slot_;
   std::atomic<uint64_t>* const word_;
   const bool device_;
   void* const stream_;
+  const std::shared_ptr<StreamWords> stream_words_;
   std::mutex mu_;
   bool released_ = false;
 };
@@ -629,9 +721,9 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const v1::CreateSes
       ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping w,
                            ipc::cuda::VmmMapping::Import(dev, fds[2].get(), info.device_words_bytes(),
                                                          /*writable=*/true));
-      auto ready = std::make_shared<ipc::cuda::VmmMapping>(std::move(w));
-      session->ready_ = static_cast<ClientDeviceWords*>(ready->data())->ready;
-      session->client_words_ = ready;
+      auto words_mapping = std::make_shared<ipc::cuda::VmmMapping>(std::move(w));
+      auto* words_at = static_cast<ClientDeviceWords*>(words_mapping->data());
+      session->stream_words_ = std::make_shared<StreamWords>(words_mapping, words_at, vmm);
       session->device_words_ = vmm->data();
       session->slot_offset_ = info.slot_offset_bytes();
       session->slot_stride_ = info.slot_stride_bytes();
@@ -657,35 +749,8 @@ absl::Status Session::Close() {
     st = FromGrpcStatus(client_->stub->CloseSession(&ctx, req, &resp));
   }
   // The daemon's close cancelled the session (every done word passed), so the streams drain.
-  KeepWordsMappedUntilStreamsPass();
+  if (stream_words_) stream_words_->Close();
   return st;
-}
-
-void Session::KeepWordsMappedUntilStreamsPass() {
-  if (stream_marks_.empty()) return;
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  bool passed = true;
-  for (auto& [stream, mark] : stream_marks_) {
-    auto* m = static_cast<ipc::cuda::StreamMark*>(mark.get());
-    for (;;) {
-      absl::StatusOr<bool> p = m->Passed();
-      if (!p.ok() || *p) break;  // an error: the context is gone, nothing runs any more
-      if (absl::Now() >= give_up) {
-        passed = false;
-        break;
-      }
-      absl::SleepFor(absl::Microseconds(200));
-    }
-  }
-  stream_marks_.clear();
-  if (passed) return;
-  // A stream still waits (its daemon died before it could cancel): unmapping now would fault
-  // that stream's wait. The mappings stay for the life of the process.
-  static std::mutex mu;
-  static auto* kept = new std::vector<std::shared_ptr<void>>();
-  std::lock_guard<std::mutex> lock(mu);
-  kept->push_back(device_slots_);
-  kept->push_back(client_words_);
 }
 
 std::atomic<uint64_t>* Session::ReleaseWord(int32_t slot) const {
@@ -763,7 +828,7 @@ absl::Status Session::OrderAfterStream() const {
   return ipc::cuda::SyncStream(stream_);
 }
 
-bool Session::stream_protocol() const { return ready_ != nullptr && client_->has_rings(); }
+bool Session::stream_protocol() const { return stream_words_ != nullptr && client_->has_rings(); }
 
 absl::StatusOr<uint64_t> Session::Submit(const CallArgs& args) {
   CallPlan plan;
@@ -812,7 +877,7 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
           h->epoch(), "; release it before the call that needs the slot"));
     // Stream order instead of a host wait: the daemon's stream starts once this stream wrote
     // the ready word, and this stream's later work waits for the done word.
-    ULY_RETURN_IF_ERROR(ipc::cuda::StreamWrite64(stream_, &ready_[slot], d.epoch));
+    ULY_RETURN_IF_ERROR(stream_words_->Ready(stream_, slot, d.epoch));
     d.flags |= ipc::kDescriptorStreamOrdered;
   } else {
     ULY_RETURN_IF_ERROR(OrderAfterStream());
@@ -826,13 +891,9 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
     const auto* words = static_cast<const DeviceWords*>(device_words_);
     ULY_RETURN_IF_ERROR(ipc::cuda::StreamWait64(stream_, &words->slots[slot].done, d.epoch));
   }
-  if (stream_protocol()) {
-    // The stream's work now names this session's device words: they stay mapped until it
-    // passed this point (KeepWordsMappedUntilStreamsPass).
-    auto& mark = stream_marks_[stream_];
-    if (!mark) mark = std::make_shared<ipc::cuda::StreamMark>();
-    ULY_RETURN_IF_ERROR(static_cast<ipc::cuda::StreamMark*>(mark.get())->Record(stream_));
-  }
+  // The stream's work now names this session's device words: they stay mapped until it
+  // passed this point (StreamWords::Close).
+  if (stream_protocol()) ULY_RETURN_IF_ERROR(stream_words_->Mark(stream_));
   return next_epoch_++;
 }
 
@@ -884,7 +945,8 @@ absl::StatusOr<Result> Session::Wait(uint64_t epoch, absl::Duration timeout) {
 }
 
 std::shared_ptr<SlotHold> Session::NewHold(uint64_t epoch, int32_t slot) {
-  auto hold = std::make_shared<SlotHold>(client_, id_, epoch, ReleaseWord(slot), device_, stream_);
+  auto hold = std::make_shared<SlotHold>(client_, id_, epoch, slot, ReleaseWord(slot), device_,
+                                         stream_, stream_protocol() ? stream_words_ : nullptr);
   if (slot >= 0 && slot < static_cast<int32_t>(holds_.size())) holds_[slot] = hold;
   return hold;
 }

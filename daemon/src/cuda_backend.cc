@@ -71,6 +71,13 @@ class CudaTransport final : public Transport {
     for (cudaEvent_t& ev : t->events_)
       ULY_RETURN_IF_ERROR(
           CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)));
+    // Every word starts at 0 (no epoch reached), before any peer or client can see them.
+    ULY_RETURN_IF_ERROR(CudaStatus(
+        "cudaMemsetAsync", cudaMemsetAsync(t->slots_.data(), 0, t->words_bytes_, t->stream_)));
+    ULY_RETURN_IF_ERROR(CudaStatus("cudaMemsetAsync",
+                                   cudaMemsetAsync(t->client_words_.data(), 0,
+                                                   sizeof(ClientDeviceWords), t->stream_)));
+    ULY_RETURN_IF_ERROR(CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(t->stream_)));
     // What a cancel writes over this rank's slot words (every wait passes).
     t->unblock_.assign(sizeof(DeviceSlotWords) / sizeof(uint64_t) * setup.geometry.num_slots,
                        kUnblockEpoch);
@@ -234,9 +241,11 @@ class CudaTransport final : public Transport {
     DeviceSlotWords& mine = words_[me]->slots[s];
     namespace cu = ipc::cuda;
     if (call.wait_ready) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &ClientWords()->ready[s], e));
-    // Ordered after this slot's previous result was read (its Finish is earlier on this stream;
-    // its client released it before the host enqueued this call). This rank's own grant and
-    // arrival are this stream's order itself: no word.
+    // Ordered after this slot's previous result was read: its Finish is earlier on this stream,
+    // and the client's stream gave the result back (or its host did, before this call came).
+    // This rank's own grant and arrival are this stream's order itself: no word.
+    if (call.wait_released != 0)
+      ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &ClientWords()->released[s], call.wait_released));
     for (int r = 0; r < W; ++r)
       if (r != me)
         ULY_RETURN_IF_ERROR(cu::StreamWrite64(stream_, &words_[r]->slots[s].grant[me], e));
@@ -285,11 +294,12 @@ class CudaTransport final : public Transport {
       st = CudaStatus("cudaMemcpyAsync",
                       cudaMemcpyAsync(mine->slots, unblock_.data(), unblock_.size() * sizeof(uint64_t),
                                       cudaMemcpyHostToDevice, rescue_));
-    if (st.ok())
-      st = CudaStatus("cudaMemcpyAsync",
-                      cudaMemcpyAsync(ClientWords()->ready, unblock_.data(),
-                                      setup_.geometry.num_slots * sizeof(uint64_t),
-                                      cudaMemcpyHostToDevice, rescue_));
+    for (uint64_t* client_words : {ClientWords()->ready, ClientWords()->released})
+      if (st.ok())
+        st = CudaStatus("cudaMemcpyAsync",
+                        cudaMemcpyAsync(client_words, unblock_.data(),
+                                        setup_.geometry.num_slots * sizeof(uint64_t),
+                                        cudaMemcpyHostToDevice, rescue_));
     if (!st.ok())
       Logger("exec")->error("device {}: cancel of a session stream: {}", device_,
                             std::string(st.message()));

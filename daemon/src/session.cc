@@ -111,10 +111,10 @@ const char* Session::SlotStateName(SlotState s) {
   return "unknown";
 }
 
-void Session::SetSlot(int slot, SlotState state, uint64_t epoch) {
+void Session::SetSlot(int slot, SlotState state, uint64_t epoch, uint64_t stream_release) {
   {
     std::lock_guard<std::mutex> lock(slot_mu_);
-    slots_[slot] = SlotEntry{state, epoch, absl::Now()};
+    slots_[slot] = SlotEntry{state, epoch, absl::Now(), stream_release};
   }
   slot_cv_.notify_all();
 }
@@ -134,7 +134,8 @@ bool Session::NotHeldLocked(int s) {
   if (client_released_ == nullptr ||
       client_released_[s].load(std::memory_order_acquire) < e.epoch)
     return false;
-  e = SlotEntry{SlotState::kFree, e.epoch, absl::Now()};
+  e.state = SlotState::kFree;  // epoch and stream_release stay: the stream may still wait
+  e.since = absl::Now();
   Control(geometry_.rank)->slots[s].released.store(e.epoch, std::memory_order_release);
   return true;
 }
@@ -391,12 +392,13 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
   return status;
 }
 
-CallOutcome Session::FinishCall(const CallPlan& plan, int s, uint64_t e) {
+CallOutcome Session::FinishCall(const CallPlan& plan, int s, uint64_t e, bool released_on_stream) {
   SessionControlBlock* mine = Control(geometry_.rank);
   mine->slots[s].done.store(e, std::memory_order_release);
   // The result is the client's view until it releases it, unless it was copied out.
   const bool copied_out = plan.has_out;
-  SetSlot(s, copied_out ? SlotState::kFree : SlotState::kHeld, e);
+  SetSlot(s, copied_out ? SlotState::kFree : SlotState::kHeld, e,
+          !copied_out && released_on_stream ? e : 0);
   if (copied_out) mine->slots[s].released.store(e, std::memory_order_release);
   calls_.fetch_add(1);
   last_epoch_.store(e);
@@ -487,14 +489,15 @@ void Session::Poll() {
       if (failure.ok() && absl::Now() >= f.deadline)
         failure = absl::DeadlineExceededError(StrCat(
             "session ", id_, ": the call of epoch ", f.epoch,
-            " did not finish within the call timeout (a peer or the client's stream never arrived)"));
+            " did not finish within the call timeout (a peer or the client's stream never arrived, "
+            "or the stream never gave back the slot's previous result)"));
       if (failure.ok()) return;  // still running
     }
     if (!failure.ok()) {
       FailInFlightLocked(failure);
       return;
     }
-    CallOutcome out = FinishCall(f.plan, f.slot, f.epoch);
+    CallOutcome out = FinishCall(f.plan, f.slot, f.epoch, f.released_on_stream);
     if (f.async) finished_.push_back(FinishedCall{f.epoch, out});
     else finished_sync_.emplace(f.epoch, out);
     inflight_.pop_front();
@@ -540,12 +543,17 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
       return why;
     };
     // At most num_slots calls in flight: slot s's previous call must have finished and its
-    // result been given back (a held slot is never overwritten).
+    // result been given back (a held slot is never overwritten). A result the client gives
+    // back on its stream is waited for there, not here.
+    uint64_t wait_released = 0;
     for (;;) {
       Poll();
       std::unique_lock<std::mutex> lk(slot_mu_);
-      const bool writing = slots_[s].state == SlotState::kWriting;
-      if (!writing && NotHeldLocked(s)) {
+      const SlotEntry& prev = slots_[s];
+      const bool writing = prev.state == SlotState::kWriting;
+      const bool on_stream = prev.stream_release != 0 && prev.stream_release == prev.epoch;
+      if (!writing && (on_stream || NotHeldLocked(s))) {
+        wait_released = on_stream ? prev.stream_release : 0;
         slots_[s] = SlotEntry{SlotState::kWriting, e, absl::Now()};
         break;
       }
@@ -576,12 +584,14 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
     mine->slots[s].call_op.store(call_op, std::memory_order_relaxed);
     mine->slots[s].open.store(e, std::memory_order_release);  // bookkeeping: the grant is on the GPU
     std::unique_lock<std::mutex> inflight(inflight_mu_);
-    if (absl::Status st = transport_->Enqueue(plan, ops, StreamCall{s, e, mode.wait_ready});
+    if (absl::Status st =
+            transport_->Enqueue(plan, ops, StreamCall{s, e, mode.wait_ready, wait_released});
         !st.ok()) {
       inflight.unlock();
       return fail(st);
     }
-    inflight_.push_back(InFlightCall{e, s, plan, call_shape, call_op, deadline, mode.async});
+    inflight_.push_back(InFlightCall{e, s, plan, call_shape, call_op, deadline, mode.async,
+                                     /*released_on_stream=*/mode.wait_ready});
   }
   if (mode.async) {
     CallOutcome out = Outcome(plan, s, e);

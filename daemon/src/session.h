@@ -196,8 +196,11 @@ class Session {
     SlotState state = SlotState::kFree;
     uint64_t epoch = 0;
     absl::Time since;
+    // == epoch: the client gives that result back on its stream (the released device word),
+    // which the daemon's stream waits for; the host word then only updates `state`.
+    uint64_t stream_release = 0;
   };
-  void SetSlot(int slot, SlotState state, uint64_t epoch);
+  void SetSlot(int slot, SlotState state, uint64_t epoch, uint64_t stream_release = 0);
   bool stream_ordered() const { return transport_->StreamOrdered(); }
   absl::StatusOr<CallOutcome> ExecuteStream(const CallPlan& plan, const CallOperands& ops,
                                             absl::Duration timeout, uint64_t expected_epoch,
@@ -207,8 +210,10 @@ class Session {
   void FailInFlightLocked(const absl::Status& why);
   // Marks the session broken and cancels its transport (no stream stays blocked).
   void Break();
-  // The outcome of a call that finished, with its slot set held or free.
-  CallOutcome FinishCall(const CallPlan& plan, int slot, uint64_t epoch);
+  // The outcome of a call that finished, with its slot set held or free. `released_on_stream`:
+  // the client gives a held result back on its stream (a stream-ordered call).
+  CallOutcome FinishCall(const CallPlan& plan, int slot, uint64_t epoch,
+                         bool released_on_stream = false);
   // What a call of `plan` in `slot` at `epoch` reports (no state changes).
   CallOutcome Outcome(const CallPlan& plan, int slot, uint64_t epoch) const;
   // The first failure a completed stream-ordered call shows: a peer that failed the same epoch,
@@ -221,6 +226,7 @@ class Session {
     uint64_t call_shape = 0, call_op = 0;
     absl::Time deadline;
     bool async = false;
+    bool released_on_stream = false;
   };
   mutable std::mutex inflight_mu_;
   std::deque<InFlightCall> inflight_;

@@ -48,6 +48,9 @@ struct StreamCall {
   /// The client's stream writes ready[slot] = epoch once the call's inputs are produced; the
   /// daemon's stream waits for it. False when the client ordered its inputs on the host.
   bool wait_ready = false;
+  /// Nonzero: the slot holds the result of this epoch, which the client's stream gives back by
+  /// writing released[slot]; the daemon's stream waits for that before it grants the slot.
+  uint64_t wait_released = 0;
 };
 
 class Transport {

@@ -1,5 +1,6 @@
 // The stream-ordered protocol on the GPU backend: calls return before the client's stream has
-// run them, the daemon's stream waits for the client's inputs, releases follow the stream, and
+// run them, the daemon's stream waits for the client's inputs, releases follow the stream (a
+// slot is reused only after the stream that read it gave it back), and
 // a client stream that never arrives ends in an error within the call timeout (no stream stays
 // blocked). Skips without a CUDA device.
 #include <cuda_runtime_api.h>
@@ -133,6 +134,73 @@ TEST_F(StreamCluster, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
               }
       EXPECT_EQ(wrong, 0) << "rank " << dst << " iteration " << it;
     }
+}
+
+// A result is given back on the stream that reads it; the call that needs its slot next may
+// come on another stream. The daemon's stream waits for the release on the device, so the
+// slot is not overwritten before the read, and the daemon's host does not wait: another
+// session of the same client is served meanwhile.
+TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
+  Start(1);
+  const int64_t elems = int64_t{kB} * kS * kH * kD;  // W = 1: the result has the input's size
+  auto c = client::Client::Connect({Members(1)[0], "reuse"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto g = (*c)->JoinGroup({"reuse", 1, 0, Members(1), "nvlink", 0});
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto s1 = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, /*num_slots=*/1, {}, 0});
+  ASSERT_TRUE(s1.ok()) << s1.status();
+  auto s2 = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, /*num_slots=*/1, {}, 0});
+  ASSERT_TRUE(s2.ok()) << s2.status();
+  std::vector<float> in[2], out1(elems), out2(elems);
+  std::vector<client::Buffer> x(2);
+  for (int it = 0; it < 2; ++it) {
+    in[it].resize(elems);
+    for (int64_t i = 0; i < elems; ++i)
+      in[it][i] = Value(0, it, 0, i / (kH * kD), (i / kD) % kH, i % kD);
+    auto buf = (*c)->AllocBuffer(elems * 4, "x");
+    ASSERT_TRUE(buf.ok()) << buf.status();
+    x[it] = *buf;
+    ASSERT_EQ(cudaMemcpy(x[it].data, in[it].data(), elems * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  cudaStream_t a = nullptr, b = nullptr, other = nullptr;
+  for (cudaStream_t* st : {&a, &b, &other})
+    ASSERT_EQ(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking), cudaSuccess);
+  (*s1)->set_stream(a);
+  auto first = (*s1)->ScatterHeads(x[0].Ref(), kB, kS);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+  {
+    // Stream a reads the first result and releases it, behind a closed gate.
+    Gate gate(a);
+    struct OpenOnExit {
+      Gate& g;
+      ~OpenOnExit() { g.Open(); }
+    } open_on_exit{gate};
+    ASSERT_EQ(cudaMemcpyAsync(out1.data(), first->data, elems * 4, cudaMemcpyDeviceToHost, a),
+              cudaSuccess);
+    ASSERT_TRUE(first->Release().ok());
+    // The next call of the one slot, on stream b: it returns, and b waits for a's release.
+    (*s1)->set_stream(b);
+    auto second = (*s1)->ScatterHeads(x[1].Ref(), kB, kS);
+    ASSERT_TRUE(second.ok()) << second.status();
+    ASSERT_EQ(cudaMemcpyAsync(out2.data(), second->data, elems * 4, cudaMemcpyDeviceToHost, b),
+              cudaSuccess);
+    // Another session of the client is served while the first one's slot waits.
+    (*s2)->set_stream(other);
+    auto served = (*s2)->ScatterHeads(x[0].Ref(), kB, kS);
+    ASSERT_TRUE(served.ok()) << served.status();
+    ASSERT_TRUE(served->Release().ok());
+    ASSERT_TRUE((*s2)->Synchronize(absl::Seconds(20)).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_EQ(cudaStreamQuery(b), cudaErrorNotReady) << "the second call ran before the release";
+    std::fprintf(stderr, "second session served, the second call waits; opening the gate\n");
+  }
+  ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);
+  ASSERT_TRUE((*s1)->Synchronize().ok());
+  EXPECT_EQ(std::memcmp(out1.data(), in[0].data(), elems * 4), 0) << "the first result was overwritten";
+  EXPECT_EQ(std::memcmp(out2.data(), in[1].data(), elems * 4), 0) << "the second result is wrong";
+  for (cudaStream_t st : {a, b, other}) cudaStreamDestroy(st);
 }
 
 TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing) {

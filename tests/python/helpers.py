@@ -185,6 +185,27 @@ class FusedProblem:
         return bf16_bits(band)
 
 
+def _bf16_bound(w: np.ndarray, tol: float, rope_pairs: bool) -> np.ndarray:
+    bound = tol + tol * np.abs(w)
+    if rope_pairs:
+        pairs = w.reshape(w.shape[:-1] + (w.shape[-1] // 2, 2))
+        magnitude = np.sqrt((pairs.astype(np.float64) ** 2).sum(axis=-1))
+        bound = bound + np.repeat(magnitude, 2, axis=-1).reshape(w.shape) * 2.0 ** -7
+    return bound
+
+
+def describe_bf16_mismatches(got: np.ndarray, want: np.ndarray, tol: float = 1e-2,
+                             rope_pairs: bool = False, limit: int = 4) -> str:
+    """The first `limit` elements of compare_bf16's mismatches: index, got, want, bound."""
+    g = bf16_float(np.ascontiguousarray(got).view(np.uint16))
+    w = bf16_float(np.ascontiguousarray(want).view(np.uint16))
+    bound = _bf16_bound(w, tol, rope_pairs)
+    bad = np.argwhere(np.abs(g - w) > bound)[:limit]
+    return "; ".join("at %s got %r want %r bound %.4g" % (tuple(int(i) for i in at), float(g[tuple(at)]),
+                                                        float(w[tuple(at)]), float(bound[tuple(at)]))
+                     for at in bad)
+
+
 def compare_bf16(got: np.ndarray, want: np.ndarray, tol: float = 1e-2, rope_pairs: bool = False):
     """(mismatches beyond atol = rtol = tol, elements whose bits differ) of two bfloat16 bit
     arrays of one shape.
@@ -197,11 +218,7 @@ def compare_bf16(got: np.ndarray, want: np.ndarray, tol: float = 1e-2, rope_pair
     assert got.shape == want.shape, (got.shape, want.shape)
     g = bf16_float(np.ascontiguousarray(got).view(np.uint16))
     w = bf16_float(np.ascontiguousarray(want).view(np.uint16))
-    bound = tol + tol * np.abs(w)
-    if rope_pairs:
-        pairs = w.reshape(w.shape[:-1] + (w.shape[-1] // 2, 2))
-        magnitude = np.sqrt((pairs.astype(np.float64) ** 2).sum(axis=-1))
-        bound = bound + np.repeat(magnitude, 2, axis=-1).reshape(w.shape) * 2.0 ** -7
+    bound = _bf16_bound(w, tol, rope_pairs)
     mismatches = int((np.abs(g - w) > bound).sum())
     flips = int((np.ascontiguousarray(got).view(np.uint16) != want).sum())
     return mismatches, flips

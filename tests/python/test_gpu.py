@@ -303,7 +303,8 @@ def check_fused(sockets: List[str], layout: str, path: str = "auto") -> str:
                 mismatches, flips = compare_bf16(got_bits, wants[r], rope_pairs=True)
                 lines.append("W=%d %s %s rank %d %s: %d mismatches, %d one-ulp flips of %d"
                              % (W, layout, path, r, what, mismatches, flips, got_bits.size))
-                assert mismatches == 0, lines[-1]
+                assert mismatches == 0, lines[-1] + ": " + helpers.describe_bf16_mismatches(
+                    got_bits, wants[r], rope_pairs=True)
             del views, band, got
             described = sess.describe()
             if path != "auto":  # the daemon says which path ran and why

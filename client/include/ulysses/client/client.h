@@ -122,6 +122,7 @@ struct FusedSessionSpec {
 };
 
 class SlotHold;
+class StreamWords;
 
 /// The result of a call: a read-only view of this rank's receive slot. The slot stays held
 /// (the daemon never overwrites it) while any copy of this Result lives or until Release(); the
@@ -243,19 +244,14 @@ class Session {
   bool device_ = false;
   void* stream_ = nullptr;
   bool stream_ordered_ = false;
-  // The stream-ordered protocol (GPU sessions): this client's ready words (device memory,
-  // written by its streams), the daemon's device words at the start of the slots mapping, and
-  // the slots' place in that mapping.
-  std::shared_ptr<void> client_words_;
-  uint64_t* ready_ = nullptr;
+  // The stream-ordered protocol (GPU sessions): this client's device words (ready and
+  // released, written by its streams; shared with the results handed out), the daemon's device
+  // words at the start of the slots mapping, and the slots' place in that mapping.
+  std::shared_ptr<StreamWords> stream_words_;
   const void* device_words_ = nullptr;
   uint64_t slot_offset_ = 0;
   uint64_t slot_stride_ = 0;
   std::vector<std::weak_ptr<SlotHold>> holds_;  // per slot: the last result handed out
-  // Per stream the session was used on: a mark after the last work naming its device words,
-  // which must stay mapped until every stream passed it.
-  std::map<void*, std::shared_ptr<void>> stream_marks_;
-  void KeepWordsMappedUntilStreamsPass();
   absl::Status OrderAfterStream() const;
   const uint8_t* base_ = nullptr;
   bool closed_ = false;

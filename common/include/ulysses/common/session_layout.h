@@ -106,11 +106,14 @@ struct DeviceWords {
 };
 static_assert(offsetof(DeviceWords, slots) == 128);
 
-/// The one word per slot the owning client writes, in a device allocation of its own (so a
-/// client can write nothing its daemon or the peers rely on): ready[s] = e once the client's
-/// stream has produced the inputs of its call of epoch e.
+/// The words the owning client writes, in a device allocation of its own (so a client can
+/// write nothing its daemon or the peers rely on): ready[s] = e once the client's stream has
+/// produced the inputs of its call of epoch e; released[s] = e once its stream has finished
+/// reading the result of epoch e in slot s (the daemon's stream waits for it before the slot's
+/// next call stores into the slot).
 struct ClientDeviceWords {
   uint64_t ready[kMaxSlots];
+  uint64_t released[kMaxSlots];
 };
 
 /// What a cancel writes into every word its stream may wait on: any epoch of a session is
