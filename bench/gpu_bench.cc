@@ -48,6 +48,7 @@
 #include "absl/status/statusor.h"
 #include "bench_util.h"
 #include "demo_lib.h"
+#include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/client/client.h"
 #include "ulysses/common/geometry.h"
@@ -56,6 +57,7 @@
 #include "ulysses/kernels/exchange.h"
 #include "ulysses/kernels/exchange_cuda.h"
 #include "ulysses/kernels/reference.h"
+#include "ulysses/v1/admin.grpc.pb.h"
 
 #ifndef ULYSSES_GIT_COMMIT
 #define ULYSSES_GIT_COMMIT "unknown"
@@ -398,6 +400,13 @@ class DaemonPath {
     return absl::OkStatus();
   }
 
+  /// This path's session on each rank (ids on that rank's daemon).
+  std::vector<uint64_t> session_ids() const {
+    std::vector<uint64_t> ids;
+    for (const auto& s : sessions_) ids.push_back(s ? s->id() : 0);
+    return ids;
+  }
+
   /// The on-stream times of the last `n` iterations, the slowest rank's per iteration; forgets
   /// every time taken so far.
   std::vector<double> TakeStreamUs(int n) {
@@ -477,8 +486,44 @@ struct Method {
   uint64_t reference_max_bytes = uint64_t{64} << 20;
 };
 
+/// The daemons' own account of the ring's calls (their flight recorders), medians over every
+/// rank's stream-ordered calls of the case, in microseconds: planning (queued to started),
+/// enqueueing on the stream (started to enqueued) and until the daemon's host found the call
+/// finished (enqueued to done).
+struct DaemonPhases {
+  double plan_us = 0, enqueue_us = 0, finish_us = 0;
+  int calls = 0;
+};
+
+absl::StatusOr<DaemonPhases> RingPhases(const Cluster& cluster, const std::vector<uint64_t>& sessions) {
+  std::vector<double> plan, enqueue, finish;
+  for (int r = 0; r < cluster.world(); ++r) {
+    auto stub = v1::Admin::NewStub(
+        grpc::CreateChannel("unix://" + cluster.members()[r], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::ListRecentCallsResponse resp;
+    if (grpc::Status s = stub->ListRecentCalls(&ctx, {}, &resp); !s.ok())
+      return absl::UnavailableError(StrCat("rank ", r, ": ListRecentCalls: ", s.error_message()));
+    for (const v1::CallRecord& c : resp.calls()) {
+      if (c.session_id() != sessions[r] || c.enqueued_unix_us() == 0 || c.status() != "OK") continue;
+      plan.push_back(static_cast<double>(c.started_unix_us() - c.queued_unix_us()));
+      enqueue.push_back(static_cast<double>(c.enqueued_unix_us() - c.started_unix_us()));
+      finish.push_back(static_cast<double>(c.done_unix_us() - c.enqueued_unix_us()));
+    }
+  }
+  DaemonPhases p;
+  p.calls = static_cast<int>(plan.size());
+  if (p.calls == 0) return p;
+  p.plan_us = Median(plan);
+  p.enqueue_us = Median(enqueue);
+  p.finish_us = Median(finish);
+  return p;
+}
+
 struct CaseResult {
   Case c;
+  DaemonPhases phases;  ///< the ring's calls, as its daemons saw them (part overhead)
   std::map<Variant, std::vector<double>> us;  // all samples per variant
   std::vector<double> a_first, a_second;      // in-process, first and second visits
   bool reference_checked = false;
@@ -539,6 +584,9 @@ absl::StatusOr<CaseResult> RunCase(const Case& c, Cluster& cluster, int grpc_set
         if (*it == Variant::kInProcess) Append(&res.a_second, t);
       }
     }
+  }
+  if (c.overhead) {
+    ULY_ASSIGN_OR_RETURN(res.phases, RingPhases(cluster, ring.session_ids()));
   }
   std::string line = StrCat(c.name(), ":");
   for (Variant v : order) line += StrCat(" ", VariantName(v), " ", res.median(v), " us");
@@ -820,16 +868,17 @@ int Main(int argc, char** argv) {
   }
   if (part_set.count("overhead")) {
     std::printf("\ndaemon overhead, scatter_heads, per-call time (us)\n");
-    std::printf("%3s %12s %12s %12s %12s %12s %9s %9s %7s\n", "W", "bytes/rank", "inprocess", "ring",
-                "ring-stream", "grpc", "ring-inp", "grpc-inp", "A/A");
+    std::printf("%3s %12s %12s %12s %12s %12s %9s %9s %9s %9s %9s %7s\n", "W", "bytes/rank", "inprocess",
+                "ring", "ring-stream", "grpc", "ring-inp", "grpc-inp", "dmn-plan", "dmn-enq", "dmn-fin",
+                "A/A");
     for (const CaseResult& r : results) {
       if (!r.c.overhead) continue;
       const double a = r.median(Variant::kInProcess), ring = r.median(Variant::kDaemonRing);
       const double grpc = r.median(Variant::kDaemonGrpc);
       const double ring_stream = r.median(Variant::kDaemonRingStream);
-      std::printf("%3d %12llu %12.1f %12.1f %12.1f %12.1f %9.1f %9.1f %7.3f\n", r.c.world,
+      std::printf("%3d %12llu %12.1f %12.1f %12.1f %12.1f %9.1f %9.1f %9.1f %9.1f %9.1f %7.3f\n", r.c.world,
                   static_cast<unsigned long long>(r.c.bytes), a, ring, ring_stream, grpc, ring - a, grpc - a,
-                  r.aa());
+                  r.phases.plan_us, r.phases.enqueue_us, r.phases.finish_us, r.aa());
       Json j;
       j["part"] = "overhead";
       j["op"] = "scatter_heads";
@@ -839,6 +888,10 @@ int Main(int argc, char** argv) {
       j["inprocess_us"] = Us(a);
       j["daemon_ring_us"] = Us(ring);
       j["daemon_ring_stream_us"] = Us(ring_stream);
+      j["daemon_plan_us"] = Us(r.phases.plan_us);
+      j["daemon_enqueue_us"] = Us(r.phases.enqueue_us);
+      j["daemon_finish_us"] = Us(r.phases.finish_us);
+      j["daemon_phase_calls"] = r.phases.calls;
       j["daemon_grpc_us"] = Us(grpc);
       j["a_a_control"] = Ratio(r.aa());
       j["check"] = "pass";

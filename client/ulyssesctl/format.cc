@@ -673,6 +673,7 @@ Listing RecentCallsListing(const v1::ListRecentCallsResponse& response) {
              {"SEQ", "seq", Align::kRight},
              {"QUEUED", "queued_time"},
              {"STARTED", "started_time", Align::kLeft, true},
+             {"ENQUEUED", "enqueued_time", Align::kLeft, true},
              {"DONE", "done_time", Align::kLeft, true},
              {"DURATION", "duration_seconds", Align::kRight},
              {"SENT", "sent_bytes", Align::kRight, true},
@@ -683,7 +684,8 @@ Listing RecentCallsListing(const v1::ListRecentCallsResponse& response) {
     const std::int64_t us = c.done_unix_us() - c.queued_unix_us();
     l.AddRow({Cell(ClientOrDash(c.client_id()), Str(c.client_id())), Str(c.session_id()),
               Str(c.epoch()), c.op(), Str(c.batch()), Str(c.seq()), LocalTime(c.queued_unix_us()),
-              LocalTime(c.started_unix_us()), LocalTime(c.done_unix_us()),
+              LocalTime(c.started_unix_us()), LocalTime(c.enqueued_unix_us()),
+              LocalTime(c.done_unix_us()),
               timed ? Cell(FormatDurationUs(us), Seconds(static_cast<double>(us) / 1e6))
                     : Cell("-", ""),
               Bytes(c.sent_bytes()), c.status(), c.message()});

@@ -112,6 +112,7 @@ absl::StatusOr<CallResult> Daemon::RunCall(ClientRecord& c, uint64_t session_id,
   CallResult r;
   ULY_ASSIGN_OR_RETURN(r.outcome, s->Execute(*plan, ops, absl::Milliseconds(config_.call_timeout_ms),
                                              expected_epoch, mode));
+  if (r.outcome.pending) rec->enqueued = absl::Now();
   r.out_shape = plan->out_shape;
   rec->epoch = r.outcome.epoch;
   rec->bytes_sent = r.outcome.bytes_sent;

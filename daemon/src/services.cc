@@ -643,6 +643,7 @@ class AdminService final : public v1::Admin::Service {
       out->set_queued_unix_us(absl::ToUnixMicros(r.queued));
       out->set_started_unix_us(absl::ToUnixMicros(r.started));
       out->set_done_unix_us(absl::ToUnixMicros(r.done));
+      if (r.enqueued != absl::Time()) out->set_enqueued_unix_us(absl::ToUnixMicros(r.enqueued));
       out->set_status(absl::StatusCodeToString(r.code));
       out->set_message(r.message);
       out->set_sent_bytes(r.bytes_sent);

@@ -27,6 +27,7 @@ struct CallRecord {
   int64_t seq = 0;
   absl::Time queued;
   absl::Time started;
+  absl::Time enqueued;  ///< stream-ordered: on the daemon's stream (else unset)
   absl::Time done;
   absl::StatusCode code = absl::StatusCode::kOk;
   std::string message;

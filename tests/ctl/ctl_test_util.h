@@ -141,6 +141,7 @@ inline v1::ListRecentCallsResponse SampleRecentCalls() {
   a->set_seq(8192);
   a->set_queued_unix_us(kCallUnixUs);
   a->set_started_unix_us(kCallUnixUs + 40);
+  a->set_enqueued_unix_us(kCallUnixUs + 90);
   a->set_done_unix_us(kCallUnixUs + 850);  // 850us
   a->set_status("OK");
   a->set_message("");

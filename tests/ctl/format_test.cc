@@ -623,13 +623,13 @@ TEST(ListingTest, RecentCallsCsvHasUtcTimesAndSecondsAndWideHasTheRest) {
   const auto csv = Lines(l.Render(OutputFormat::kCsv, true));
   ASSERT_EQ(csv.size(), 4u);
   EXPECT_EQ(csv[0],
-            "client_id,session_id,epoch,op,batch,seq,queued_time,started_time,done_time,"
-            "duration_seconds,sent_bytes,status,message");
+            "client_id,session_id,epoch,op,batch,seq,queued_time,started_time,enqueued_time,"
+            "done_time,duration_seconds,sent_bytes,status,message");
   EXPECT_EQ(csv[1],
             "1,5,41,scatter_heads,2,8192,2023-11-14T22:13:20.123456Z,2023-11-14T22:13:20.123496Z,"
-            "2023-11-14T22:13:20.124306Z,0.00085,16777216,OK,");
+            "2023-11-14T22:13:20.123546Z,2023-11-14T22:13:20.124306Z,0.00085,16777216,OK,");
   const std::string wide = l.Render(OutputFormat::kWide, true);
-  for (const char* h : {"STARTED", "DONE", "SENT"})
+  for (const char* h : {"STARTED", "ENQUEUED", "DONE", "SENT"})
     EXPECT_NE(Lines(wide)[0].find(h), std::string::npos) << h;
   EXPECT_NE(wide.find("2023-11-15T00:13:20.123+02:00"), std::string::npos) << wide;
 }

@@ -201,6 +201,19 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
   EXPECT_EQ(std::memcmp(out1.data(), in[0].data(), elems * 4), 0) << "the first result was overwritten";
   EXPECT_EQ(std::memcmp(out2.data(), in[1].data(), elems * 4), 0) << "the second result is wrong";
   for (cudaStream_t st : {a, b, other}) cudaStreamDestroy(st);
+  // The flight recorder has each stream-ordered call's enqueue time, between its start and the
+  // host's finding it finished.
+  v1::ListRecentCallsResponse recent;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(Admin(0)->ListRecentCalls(&ctx, {}, &recent).ok());
+  int timed = 0;
+  for (const v1::CallRecord& call : recent.calls()) {
+    if (call.session_id() != (*s1)->id()) continue;
+    ++timed;
+    EXPECT_GE(call.enqueued_unix_us(), call.started_unix_us()) << "epoch " << call.epoch();
+    EXPECT_LE(call.enqueued_unix_us(), call.done_unix_us()) << "epoch " << call.epoch();
+  }
+  EXPECT_EQ(timed, 2);
 }
 
 TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing) {
