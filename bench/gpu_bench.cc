@@ -56,6 +56,7 @@
 #include "ulysses/common/strings.h"
 #include "ulysses/kernels/exchange.h"
 #include "ulysses/kernels/exchange_cuda.h"
+#include "ulysses/ipc/cuda_memory.h"
 #include "ulysses/kernels/reference.h"
 #include "ulysses/v1/admin.grpc.pb.h"
 
@@ -820,8 +821,9 @@ int Main(int argc, char** argv) {
     for (int w : world_list)
       for (int r = 0; r < w; ++r) {
         std::ifstream log(StrCat(*run_dir, "/w", w, "/gpu", r, ".log"));
+        // The level letter follows the time: "... W [exec] ...", "... E [...] ...".
         for (std::string line; std::getline(log, line);)
-          if (line.find("warn") != std::string::npos || line.find("error") != std::string::npos)
+          if (line.find(" W [") != std::string::npos || line.find(" E [") != std::string::npos)
             std::cerr << "  w" << w << "/gpu" << r << ": " << line << "\n";
       }
     return Fail(status);
@@ -924,4 +926,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace ulysses::bench
 
-int main(int argc, char** argv) { return ulysses::bench::Main(argc, argv); }
+int main(int argc, char** argv) {
+  ulysses::ipc::cuda::WidenHardwareQueues();  // W ranks' streams in one process
+  return ulysses::bench::Main(argc, argv);
+}

@@ -19,6 +19,9 @@
 namespace ulysses {
 namespace {
 
+// Before the first CUDA call (static initialization): this process drives several ranks.
+const bool kWideQueues = (ipc::cuda::WidenHardwareQueues(), true);
+
 class StreamCluster : public testing_util::ClusterTest {
  protected:
   void SetUp() override {
@@ -151,7 +154,12 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
   ASSERT_TRUE(s1.ok()) << s1.status();
   auto s2 = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, /*num_slots=*/1, {}, 0});
   ASSERT_TRUE(s2.ok()) << s2.status();
-  std::vector<float> in[2], out1(elems), out2(elems);
+  std::vector<float> in[2];
+  // Pinned: a copy into pageable memory would wait on the host for the gated stream.
+  float* out1 = nullptr;
+  float* out2 = nullptr;
+  ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&out1), elems * 4), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&out2), elems * 4), cudaSuccess);
   std::vector<client::Buffer> x(2);
   for (int it = 0; it < 2; ++it) {
     in[it].resize(elems);
@@ -176,14 +184,14 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
       Gate& g;
       ~OpenOnExit() { g.Open(); }
     } open_on_exit{gate};
-    ASSERT_EQ(cudaMemcpyAsync(out1.data(), first->data, elems * 4, cudaMemcpyDeviceToHost, a),
+    ASSERT_EQ(cudaMemcpyAsync(out1, first->data, elems * 4, cudaMemcpyDeviceToHost, a),
               cudaSuccess);
     ASSERT_TRUE(first->Release().ok());
     // The next call of the one slot, on stream b: it returns, and b waits for a's release.
     (*s1)->set_stream(b);
     auto second = (*s1)->ScatterHeads(x[1].Ref(), kB, kS);
     ASSERT_TRUE(second.ok()) << second.status();
-    ASSERT_EQ(cudaMemcpyAsync(out2.data(), second->data, elems * 4, cudaMemcpyDeviceToHost, b),
+    ASSERT_EQ(cudaMemcpyAsync(out2, second->data, elems * 4, cudaMemcpyDeviceToHost, b),
               cudaSuccess);
     // Another session of the client is served while the first one's slot waits.
     (*s2)->set_stream(other);
@@ -198,9 +206,11 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
   ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);
   ASSERT_TRUE((*s1)->Synchronize().ok());
-  EXPECT_EQ(std::memcmp(out1.data(), in[0].data(), elems * 4), 0) << "the first result was overwritten";
-  EXPECT_EQ(std::memcmp(out2.data(), in[1].data(), elems * 4), 0) << "the second result is wrong";
+  EXPECT_EQ(std::memcmp(out1, in[0].data(), elems * 4), 0) << "the first result was overwritten";
+  EXPECT_EQ(std::memcmp(out2, in[1].data(), elems * 4), 0) << "the second result is wrong";
   for (cudaStream_t st : {a, b, other}) cudaStreamDestroy(st);
+  cudaFreeHost(out1);
+  cudaFreeHost(out2);
   // The flight recorder has each stream-ordered call's enqueue time, between its start and the
   // host's finding it finished.
   v1::ListRecentCallsResponse recent;

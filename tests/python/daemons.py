@@ -75,4 +75,10 @@ class Cluster:
     def close(self) -> None:
         for d in self.daemons:
             d.stop()
+        keep = os.environ.get("ULYSSES_TEST_LOG_DIR")
+        if keep:  # the daemons' logs outlive the run (a machine where only that folder returns)
+            os.makedirs(keep, exist_ok=True)
+            for d in self.daemons:
+                shutil.copy(d.log, os.path.join(keep, "%s-%s" % (os.path.basename(self.dir),
+                                                                 os.path.basename(d.log))))
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # daemons, helpers (script mode)
+# This process drives several ranks, one stream each; before CUDA starts, give streams their own
+# hardware queues, so one rank's wait for its call cannot hold back another rank's stream.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 from daemons import ULYSSESD, Cluster  # noqa: E402  (sets the ULYSSES_LIBRARY default)
 import helpers  # noqa: E402
