@@ -56,7 +56,6 @@
 #include "ulysses/common/strings.h"
 #include "ulysses/kernels/exchange.h"
 #include "ulysses/kernels/exchange_cuda.h"
-#include "ulysses/ipc/cuda_memory.h"
 #include "ulysses/kernels/reference.h"
 #include "ulysses/v1/admin.grpc.pb.h"
 
@@ -926,7 +925,4 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace ulysses::bench
 
-int main(int argc, char** argv) {
-  ulysses::ipc::cuda::WidenHardwareQueues();  // W ranks' streams in one process
-  return ulysses::bench::Main(argc, argv);
-}
+int main(int argc, char** argv) { return ulysses::bench::Main(argc, argv); }

@@ -18,7 +18,6 @@
 #include "ulysses/common/cli.h"
 #include "ulysses/common/config.h"
 #include "ulysses/common/strings.h"
-#include "ulysses/ipc/cuda_memory.h"
 
 using ulysses::demo::Workload;
 
@@ -62,7 +61,6 @@ std::string OptionOf(std::string_view message) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  ulysses::ipc::cuda::WidenHardwareQueues();  // the ranks' streams in one process
   CLI::App app{"ulysses-demo: W daemons and W clients doing a layer's head exchanges"};
   ulysses::cli::Setup(app);
   int ranks = 4;

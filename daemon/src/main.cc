@@ -14,11 +14,8 @@
 #include "ulysses/common/cli.h"
 #include "ulysses/common/config.h"
 #include "ulysses/common/logging.h"
-#include "ulysses/ipc/cuda_memory.h"
 
 int main(int argc, char** argv) {
-  // Before any CUDA call: every session's stream its own hardware queue, as far as they go.
-  ulysses::ipc::cuda::WidenHardwareQueues();
   // A fatal signal prints the faulting thread's stack on stderr before the process dies.
   absl::InitializeSymbolizer(argv[0]);
   absl::InstallFailureSignalHandler(absl::FailureSignalHandlerOptions());

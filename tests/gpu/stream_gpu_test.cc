@@ -19,9 +19,6 @@
 namespace ulysses {
 namespace {
 
-// Before the first CUDA call (static initialization): this process drives several ranks.
-const bool kWideQueues = (ipc::cuda::WidenHardwareQueues(), true);
-
 class StreamCluster : public testing_util::ClusterTest {
  protected:
   void SetUp() override {

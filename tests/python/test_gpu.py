@@ -24,9 +24,6 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # daemons, helpers (script mode)
-# This process drives several ranks, one stream each; before CUDA starts, give streams their own
-# hardware queues, so one rank's wait for its call cannot hold back another rank's stream.
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 from daemons import ULYSSESD, Cluster  # noqa: E402  (sets the ULYSSES_LIBRARY default)
 import helpers  # noqa: E402
@@ -65,8 +62,17 @@ if SKIP is None:
 
 # -- helpers ---------------------------------------------------------------------------------
 
+def settle(t: "torch.Tensor") -> None:
+    """Waits, without the GIL, until the current stream has `t` (a CUDA tensor). Several ranks
+    share this process: ``t.cpu()`` waits for a stream-ordered result holding the GIL, and the
+    thread of a rank that has yet to issue its part of the call would then never get to run."""
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+
+
 def bits(t: "torch.Tensor") -> "torch.Tensor":
     """The raw bits of a bfloat16 tensor, on the CPU, contiguous."""
+    settle(t)
     return t.detach().cpu().contiguous().view(torch.int16)
 
 
@@ -302,6 +308,7 @@ def check_fused(sockets: List[str], layout: str, path: str = "auto") -> str:
                                                                out[2].data_ptr())
             lines = []
             for what, t in (("slot", band), ("out=", out)):
+                settle(t)
                 got_bits = t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
                 mismatches, flips = compare_bf16(got_bits, wants[r], rope_pairs=True)
                 lines.append("W=%d %s %s rank %d %s: %d mismatches, %d one-ulp flips of %d"

@@ -8,7 +8,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "absl/status/status.h"
@@ -137,15 +136,6 @@ absl::Status SyncStream(void* stream);
 /// comparison (int64_t)(*word - value) >= 0 holds.
 absl::Status StreamWrite64(void* stream, uint64_t* word, uint64_t value);
 absl::Status StreamWait64(void* stream, const uint64_t* word, uint64_t value);
-/// A stream waiting on a word blocks the hardware queue its stream maps to, and a process's
-/// streams share CUDA_DEVICE_MAX_CONNECTIONS queues (8 by default) round-robin, so one waiting
-/// stream can hold back another stream's work: in a process that drives several ranks, one
-/// rank's wait for its call would hold back the next rank's ready word (a deadlock), and in
-/// the daemon one session's wait could hold back another session's stream or its cancel.
-/// Sets the variable to its maximum, 32, unless it is set already; takes effect only before
-/// the process's first CUDA call.
-inline void WidenHardwareQueues() { ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0); }
-
 /// Runs fn(arg) on a driver thread once the stream's earlier work is complete. `fn` must not
 /// call CUDA.
 absl::Status LaunchHostFunc(void* stream, void (*fn)(void*), void* arg);
