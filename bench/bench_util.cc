@@ -145,12 +145,14 @@ absl::Status RunCollective(int world, const std::function<absl::Status(int)>& fn
 
 absl::Status Cluster::Start(const std::string& ulyssesd, const std::string& dir, int world,
                             const std::string& backend,
-                            const std::vector<std::string>& daemon_args) {
+                            const std::vector<std::string>& daemon_args,
+                            const std::vector<std::string>& daemon_env) {
   world_ = world;
   backend_ = backend;
   for (int r = 0; r < world; ++r) {
     ULY_ASSIGN_OR_RETURN(demo::DaemonProcess d,
-                         demo::StartDaemon(ulyssesd, dir, r, backend, daemon_args));
+                         demo::StartDaemon(ulyssesd, dir, r, backend, daemon_args,
+                                           absl::Seconds(30), daemon_env));
     members_.push_back(d.socket());
     daemons_.push_back(std::move(d));
   }

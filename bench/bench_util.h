@@ -76,11 +76,13 @@ class Cluster {
  public:
   ~Cluster() { (void)Stop(); }
 
-  /// Starts the daemons (`daemon_args` appended to each command line) and connects set 0
-  /// (rings on; an error if the daemon offers none, or runs another backend).
+  /// Starts the daemons (`daemon_args` appended to each command line, `daemon_env` entries
+  /// "NAME=value" replacing those of this process's environment) and connects set 0 (rings on;
+  /// an error if the daemon offers none, or runs another backend).
   absl::Status Start(const std::string& ulyssesd, const std::string& dir, int world,
                      const std::string& backend = "host",
-                     const std::vector<std::string>& daemon_args = {});
+                     const std::vector<std::string>& daemon_args = {},
+                     const std::vector<std::string>& daemon_env = {});
   /// Connects another set of W clients with rings on or off and joins them in a new group;
   /// returns the set's index.
   absl::StatusOr<int> AddClients(bool use_rings);

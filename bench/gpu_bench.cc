@@ -658,6 +658,22 @@ int Fail(const absl::Status& s) {
   return 1;
 }
 
+// What CUDA_DEVICE_MAX_CONNECTIONS the daemons run with: the environment's, as this process got
+// it (CUDA's default, 8, when unset).
+std::string g_daemon_connections;
+
+// This process drives W ranks, one stream each, and a stream waiting for its call blocks the
+// hardware queue it maps to. A process's streams share CUDA_DEVICE_MAX_CONNECTIONS queues (8 by
+// default) round-robin: W + 1 streams over 8 queues put two ranks on one queue, where one
+// rank's wait holds back the other's ready word, and the call deadlocks until its timeout. So
+// this process takes 16 queues (unless the variable is set); the daemons keep the environment's
+// setting (under MPS, many queues in every process exhaust the server). Before any CUDA call.
+void OwnHardwareQueuePerRank() {
+  const char* set = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  g_daemon_connections = set != nullptr ? set : "8";
+  if (set == nullptr) ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "16", 0);
+}
+
 int Main(int argc, char** argv) {
   CLI::App app{"ulysses-gpu-bench: head exchanges through the GPU daemons vs in-process kernels "
                "vs a device copy, W ranks on one GPU"};
@@ -788,7 +804,9 @@ int Main(int argc, char** argv) {
     if (!status.ok()) break;
     Say(StrCat("W=", W, ": starting ", W, " ulyssesd (nvlink backend) on ", prop.name));
     Cluster cluster;
-    status = cluster.Start(ulyssesd, dir, W, "nvlink", {"--config", config});
+    // The daemons get the environment's queue count back.
+    status = cluster.Start(ulyssesd, dir, W, "nvlink", {"--config", config},
+                           {StrCat("CUDA_DEVICE_MAX_CONNECTIONS=", g_daemon_connections)});
     int grpc_set = -1;
     if (status.ok() && need_grpc) {
       absl::StatusOr<int> set = cluster.AddClients(false);
@@ -825,9 +843,10 @@ int Main(int argc, char** argv) {
           if (line.find(" W [") != std::string::npos || line.find(" E [") != std::string::npos)
             std::cerr << "  w" << w << "/gpu" << r << ": " << line << "\n";
       }
-    return Fail(status);
+    // The cases that finished are still reported (tables and JSON), with the failure.
+  } else {
+    demo::RemoveRunDir(*run_dir);
   }
-  demo::RemoveRunDir(*run_dir);
 
   bool mps = mps_mode == "mps";
   if (mps_flag != "auto") {
@@ -915,14 +934,19 @@ int Main(int argc, char** argv) {
                          " rounds (variants forward then reversed) x ", m.samples,
                          " samples per variant; median; A/A = in-process second visits / first");
   out["rows"] = rows;
+  if (!status.ok()) out["failed"] = std::string(status.message());
   const std::string text = out.dump();
   if (!json_file.empty())
     if (absl::Status s = WriteTextFile(json_file, out.dump(2)); !s.ok()) return Fail(s);
   std::cout << text << std::endl;
+  if (!status.ok()) return Fail(status);
   return 0;
 }
 
 }  // namespace
 }  // namespace ulysses::bench
 
-int main(int argc, char** argv) { return ulysses::bench::Main(argc, argv); }
+int main(int argc, char** argv) {
+  ulysses::bench::OwnHardwareQueuePerRank();
+  return ulysses::bench::Main(argc, argv);
+}
