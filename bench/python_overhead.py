@@ -8,8 +8,10 @@ bytes_per_rank / (H * D * 2), W ranks as W threads of this process, one daemon e
 - Python: this script, through ``ulysses`` (ctypes over libulysses_client.so), rings on.
   Host backend: x and out= in shared buffers of the client (``client.empty``), so nothing is
   staged; GPU backend (``--backend nvlink``, ranks sharing one GPU): x a torch CUDA tensor,
-  the result a slot view released at once, the L2 flushed (a 256 MiB memset) before each
-  sample, outside its time.
+  each rank on a torch stream of its own (calls are stream-ordered), the result a slot view
+  released at once, a sample ending when the rank's stream has the result (a synchronize
+  that releases the GIL), the L2 flushed (a 256 MiB memset) before each sample, outside its
+  time.
 - C++: the project's own benches on the same shapes, run as programs: ``ulysses-bench``
   (host backend; its daemon side B, ``b_daemon.work_max_median_us``) or
   ``ulysses-gpu-bench --parts overhead`` (GPU; ``daemon_ring_us``). Both time what this
@@ -112,16 +114,24 @@ class PythonSide:
 
         self.ranks = run_ranks(self.W, open_rank)
         self.flush = None
+        self.streams: List[Any] = []
         if device:
             import torch
             self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            # Ranks of one process on one stream would each wait for the other's call in that
+            # stream's order: a stream per rank.
+            self.streams = [torch.cuda.Stream(device=0) for _ in range(self.W)]
 
     def call(self, r: int) -> Any:
+        """One call of rank r; on the GPU it ends when the rank's stream has the result."""
         _, hx, x, out = self.ranks[r]
         if out is not None:
             return hx.scatter_heads(x, out=out)
-        res = hx.scatter_heads(x)
-        ulysses.release(res)
+        import torch
+        with torch.cuda.stream(self.streams[r]):
+            res = hx.scatter_heads(x)
+            ulysses.release(res)
+        self.streams[r].synchronize()
         return res
 
     def check(self) -> None:
@@ -130,10 +140,14 @@ class PythonSide:
             _, hx, x, out = self.ranks[r]
             if out is not None:
                 return np.array(hx.scatter_heads(x, out=out))
-            res = hx.scatter_heads(x)
             import torch
-            got = res.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
-            res.release()
+            with torch.cuda.stream(self.streams[r]):
+                res = hx.scatter_heads(x)
+                # Wait without the GIL: t.cpu() would hold it while the other ranks' threads
+                # still have to issue their part of the call.
+                self.streams[r].synchronize()
+                got = res.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+                res.release()
             return got
         got = run_ranks(self.W, body)
         for r in range(self.W):
