@@ -451,6 +451,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
   impl->stub = v1::Control::NewStub(impl->channel);
   v1::AttachRequest req;
   req.set_client_name(options.name);
+  req.set_reported_pid(::getpid());  // shown to operators beside the pid the daemon sees
   v1::AttachResponse resp;
   {
     grpc::ClientContext ctx;

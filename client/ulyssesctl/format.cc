@@ -564,6 +564,7 @@ Listing ClientsListing(const v1::ListClientsResponse& response, std::int64_t now
   Listing l({{"ID", "client_id", Align::kRight},
              {"NAME", "name"},
              {"PID", "pid", Align::kRight},
+             {"REPORTED PID", "reported_pid", Align::kRight, true},
              {"UID", "uid", Align::kRight},
              {"SINCE", "since_time", Align::kLeft, true},
              {"AGE", "age_seconds", Align::kRight},
@@ -574,7 +575,9 @@ Listing ClientsListing(const v1::ListClientsResponse& response, std::int64_t now
   for (const auto& c : response.clients()) {
     const bool known = c.since_unix_ms() > 0;
     const std::int64_t age_ms = now_unix_ms - c.since_unix_ms();
-    l.AddRow({Str(c.client_id()), c.name(), Str(c.pid()), Str(c.uid()),
+    // PID: the daemon's (credentials), else the reported one marked so; CSV keeps the raw pid.
+    l.AddRow({Str(c.client_id()), c.name(), Cell(PidText(c.pid(), c.reported_pid()), Str(c.pid())),
+              c.reported_pid() > 0 ? Cell(Str(c.reported_pid())) : Cell("-", "0"), Str(c.uid()),
               LocalTime(c.since_unix_ms() * 1000),
               known ? Cell(FormatAgeMs(age_ms), Seconds(static_cast<double>(age_ms) / 1e3))
                     : Cell("-", ""),

@@ -370,9 +370,15 @@ std::string Daemon::RenderMetrics() {
   return metrics_.Render(ULYSSES_VERSION, config_.device, backend_, identity, Gauges());
 }
 
-absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::string& name) {
+absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::string& name,
+                                                                   int64_t reported_pid) {
   ULY_RETURN_IF_ERROR(CheckName("client_name", name));
+  // Linux pids are below 2^22 (PID_MAX_LIMIT).
+  if (reported_pid < 0 || reported_pid >= (int64_t{1} << 22))
+    return absl::InvalidArgumentError(
+        StrCat("reported_pid: ", reported_pid, " is not a pid (0, or 1 to 4194303)"));
   auto c = std::make_shared<ClientRecord>();
+  c->reported_pid = reported_pid;
   c->id = NextId();
   c->token = RandomToken();
   c->name = name;
@@ -453,7 +459,8 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
   ReleaseSlotMemory(slot_bytes);
   if (poll_wake_) (void)poll_wake_->Signal();
   Logger("main")->info("client {} ({}, pid {}) gone: {}; released {} session(s), {} buffer(s)",
-                       c->id, c->name, c->pid, reason, sessions.size(), buffers.size());
+                       c->id, c->name, PidText(c->pid, c->reported_pid), reason, sessions.size(),
+                       buffers.size());
 }
 
 absl::Status Daemon::ReserveSlotMemory(uint64_t bytes) {

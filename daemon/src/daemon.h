@@ -71,6 +71,7 @@ struct ClientRecord {
   std::string token;
   std::string name;
   pid_t pid = 0;  // from SO_PEERCRED of the fd socket
+  int64_t reported_pid = 0;  // as the client reported it at Attach (shown, never acted on)
   uid_t uid = 0;
   absl::Time since;
   std::atomic<uint64_t> calls{0};
@@ -144,7 +145,8 @@ class Daemon {
 
   // --- used by the services ---
   absl::StatusOr<std::shared_ptr<ClientRecord>> Authenticate(const grpc::ServerContext* ctx);
-  absl::StatusOr<std::shared_ptr<ClientRecord>> AttachClient(const std::string& name);
+  absl::StatusOr<std::shared_ptr<ClientRecord>> AttachClient(const std::string& name,
+                                                             int64_t reported_pid = 0);
   /// Forgets a client and releases everything it held. Idempotent; logs one line.
   void Reclaim(uint64_t client_id, const std::string& reason);
   /// Sends a frame (JSON header + optional fd) to the client over its fd socket. Waits at most

@@ -101,7 +101,8 @@ class ControlService final : public v1::Control::Service {
   grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest* req,
                       v1::AttachResponse* resp) override {
     if (d_->draining()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon is draining");
-    absl::StatusOr<std::shared_ptr<ClientRecord>> c = d_->AttachClient(req->client_name());
+    absl::StatusOr<std::shared_ptr<ClientRecord>> c =
+        d_->AttachClient(req->client_name(), req->reported_pid());
     if (!c.ok()) return ToGrpcStatus(c.status());
     resp->set_client_id((*c)->id);
     resp->set_token((*c)->token);
@@ -563,6 +564,7 @@ class AdminService final : public v1::Admin::Service {
       s->set_client_id(c->id);
       s->set_name(c->name);
       s->set_pid(c->pid);
+      s->set_reported_pid(c->reported_pid);
       s->set_uid(c->uid);
       s->set_since_unix_ms(absl::ToUnixMillis(c->since));
       s->set_num_buffers(static_cast<int>(c->buffers.size()));

@@ -42,6 +42,7 @@ inline v1::ListClientsResponse SampleClients() {
   a->set_client_id(1);
   a->set_name("trainer-rank0");
   a->set_pid(1001);
+  a->set_reported_pid(1001);
   a->set_uid(1000);
   a->set_since_unix_ms(kNowUnixMs - 3200);
   a->set_num_buffers(4);
@@ -51,7 +52,8 @@ inline v1::ListClientsResponse SampleClients() {
   auto* b = r.add_clients();
   b->set_client_id(22);
   b->set_name("x");
-  b->set_pid(99999);
+  b->set_pid(0);  // in another PID namespace: only its own report is known
+  b->set_reported_pid(777);
   b->set_uid(0);
   b->set_since_unix_ms(kNowUnixMs - 90'000);
   b->set_num_buffers(0);

@@ -547,6 +547,10 @@ TEST(RenderTest, ClientsShowAgesAndHumanSizes) {
   EXPECT_NE(lines[2].find("1m30s"), std::string::npos);
   EXPECT_NE(lines[2].find("0 B"), std::string::npos);
   EXPECT_NE(lines[2].find("18446744073709551615"), std::string::npos);
+  // A client outside the daemon's PID namespace: the pid it reported, marked as such.
+  EXPECT_NE(lines[2].find("777 (reported)"), std::string::npos) << lines[2];
+  EXPECT_NE(lines[1].find("1001"), std::string::npos);
+  EXPECT_EQ(lines[1].find("(reported)"), std::string::npos) << lines[1];
   for (const char* h : {"ID", "PID", "UID", "AGE", "BUFFERS", "MEMORY", "SESSIONS", "CALLS"}) {
     ExpectAligned(out, h, Align::kRight);
   }
@@ -609,12 +613,16 @@ TEST(ListingTest, WideAddsColumnsAndCsvHasRawValuesUnderUnitNames) {
   const Listing c = ClientsListing(testing::SampleClients(), kNowUnixMs);
   EXPECT_EQ(c.Render(OutputFormat::kTable, true).find("SINCE"), std::string::npos);
   EXPECT_NE(c.Render(OutputFormat::kWide, true).find("SINCE"), std::string::npos);
+  EXPECT_NE(c.Render(OutputFormat::kWide, true).find("REPORTED PID"), std::string::npos);
   const auto csv = Lines(c.Render(OutputFormat::kCsv, true));
   ASSERT_EQ(csv.size(), 3u);
   EXPECT_EQ(csv[0],
-            "client_id,name,pid,uid,since_time,age_seconds,num_buffers,buffer_bytes,num_sessions,"
-            "calls");
-  EXPECT_EQ(csv[1], "1,trainer-rank0,1001,1000,2023-11-14T22:13:16.800000Z,3.2,4,13107200,1,123");
+            "client_id,name,pid,reported_pid,uid,since_time,age_seconds,num_buffers,buffer_bytes,"
+            "num_sessions,calls");
+  EXPECT_EQ(csv[1],
+            "1,trainer-rank0,1001,1001,1000,2023-11-14T22:13:16.800000Z,3.2,4,13107200,1,123");
+  // CSV keeps the raw numbers: the daemon's pid 0 and the reported one apart.
+  EXPECT_EQ(csv[2].rfind("22,x,0,777,0,", 0), 0u) << csv[2];
 }
 
 TEST(ListingTest, RecentCallsCsvHasUtcTimesAndSecondsAndWideHasTheRest) {

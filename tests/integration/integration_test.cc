@@ -89,6 +89,7 @@ TEST_F(Cluster, AdminListsClientsWithTheirProcessAndSessions) {
   ASSERT_EQ(clients.size(), 1u);
   EXPECT_EQ(clients[0].name(), "lister");
   EXPECT_EQ(clients[0].pid(), ::getpid());
+  EXPECT_EQ(clients[0].reported_pid(), ::getpid());  // one PID namespace: both agree
   EXPECT_EQ(clients[0].uid(), static_cast<int64_t>(::getuid()));
   EXPECT_EQ(clients[0].num_buffers(), 1);
   EXPECT_EQ(clients[0].buffer_bytes(), 4096u);
@@ -98,6 +99,24 @@ TEST_F(Cluster, AdminListsClientsWithTheirProcessAndSessions) {
   EXPECT_EQ(NumSessions(0), 0);
   ASSERT_TRUE(c->Close().ok());
   EXPECT_TRUE(Eventually([&] { return ListClients(0).empty(); }));
+}
+
+// The pid a client reports is only shown; one that no process can have is refused, naming it,
+// and the refused attach leaves no client behind.
+TEST_F(Cluster, AReportedPidThatIsNoPidIsRefused) {
+  Start(1);
+  auto stub = testing_util::ControlStub(daemons_[0].socket());
+  for (int64_t bad : {int64_t{-1}, int64_t{1} << 22, int64_t{1} << 40}) {
+    v1::AttachRequest req;
+    req.set_client_name("liar");
+    req.set_reported_pid(bad);
+    v1::AttachResponse resp;
+    grpc::ClientContext ctx;
+    const grpc::Status st = stub->Attach(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad;
+    EXPECT_NE(st.error_message().find("reported_pid"), std::string::npos) << st.error_message();
+  }
+  EXPECT_TRUE(ListClients(0).empty());
 }
 
 TEST_F(Cluster, KilledClientProcessIsForgottenAndItsSessionReleased) {
@@ -115,6 +134,7 @@ TEST_F(Cluster, KilledClientProcessIsForgottenAndItsSessionReleased) {
   auto clients = ListClients(0);
   ASSERT_EQ(clients.size(), 1u);
   EXPECT_EQ(clients[0].pid(), pid);
+  EXPECT_EQ(clients[0].reported_pid(), pid);
   ::kill(pid, SIGKILL);
   ::waitpid(pid, nullptr, 0);
   EXPECT_TRUE(Eventually([&] { return ListClients(0).empty() && NumSessions(0) == 0; }));

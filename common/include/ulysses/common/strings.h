@@ -3,6 +3,7 @@
 // std::string_view and absl::string_view alike.
 #pragma once
 
+#include <cstdint>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -41,5 +42,13 @@ std::string StrCat(const Args&... args) {
 inline absl::string_view AbslView(std::string_view v) { return absl::string_view(v.data(), v.size()); }
 /// std::string_view of an absl::string_view.
 inline std::string_view StdView(absl::string_view v) { return std::string_view(v.data(), v.size()); }
+
+/// A client's pid for people: the one the daemon knows from the socket's credentials, else the
+/// one the client reported ("1234 (reported)": from another PID namespace), else "unknown".
+inline std::string PidText(int64_t pid, int64_t reported_pid) {
+  if (pid > 0) return StrCat(pid);
+  if (reported_pid > 0) return StrCat(reported_pid, " (reported)");
+  return "unknown";
+}
 
 }  // namespace ulysses
