@@ -1,6 +1,10 @@
 #include "rendezvous.h"
 
+#include <chrono>
+#include <thread>
+
 #include "ulysses/common/geometry.h"
+#include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/proto/grpc_status.h"
@@ -158,9 +162,57 @@ std::shared_ptr<grpc::Channel> RendezvousClient::ChannelFor(const std::string& a
   return channels_.Get(address, absl::Now());
 }
 
+absl::Status RendezvousClient::Abort(const std::string& address, const std::string& key,
+                                     const std::string& reason) {
+  auto stub = v1::Peer::NewStub(ChannelFor(address));
+  v1::AbortRendezvousRequest req;
+  req.set_key(key);
+  req.set_reason(reason);
+  v1::AbortRendezvousResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  return FromGrpcStatus(stub->AbortRendezvous(&ctx, req, &resp));
+}
+
 absl::StatusOr<std::vector<std::string>> RendezvousClient::Rendezvous(
     const std::string& address, const std::string& key, int world_size, int rank,
-    const std::string& agreement, const std::string& payload, absl::Duration timeout) {
+    const std::string& agreement, const std::string& payload, absl::Duration timeout,
+    std::function<bool()> cancelled) {
+  // While this rank waits, a watcher aborts the key once the client it serves went away.
+  std::mutex watch_mu;
+  std::condition_variable watch_cv;
+  bool finished = false;
+  std::thread watcher;
+  if (cancelled) {
+    watcher = std::thread([&] {
+      std::unique_lock<std::mutex> lock(watch_mu);
+      while (!finished) {
+        if (cancelled()) {
+          lock.unlock();
+          const std::string why = StrCat("rank ", rank, "'s client went away while the ranks met");
+          if (absl::Status st = Abort(address, key, why); !st.ok())
+            Logger("peer")->warn("rendezvous {}: abort at {}: {}", key, address,
+                                 std::string(st.message()));
+          return;
+        }
+        watch_cv.wait_for(lock, std::chrono::milliseconds(20));
+      }
+    });
+  }
+  struct StopWatcher {
+    std::mutex& mu;
+    std::condition_variable& cv;
+    bool& finished;
+    std::thread& watcher;
+    ~StopWatcher() {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        finished = true;
+      }
+      cv.notify_all();
+      if (watcher.joinable()) watcher.join();
+    }
+  } stop{watch_mu, watch_cv, finished, watcher};
   auto stub = v1::Peer::NewStub(ChannelFor(address));
   v1::RendezvousRequest req;
   req.set_key(key);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -108,11 +109,19 @@ class ChannelCache {
 /// (ChannelCache). Thread-safe.
 class RendezvousClient {
  public:
+  /// Arrives under `key` at rank 0's table (`address`) and waits for the verdict. `cancelled`,
+  /// when given, is polled while waiting (every 20 ms): once it is true (the client whose
+  /// request this step serves went away), the key is aborted for every rank, so the peers get
+  /// ABORTED at once instead of waiting out the timeout.
   absl::StatusOr<std::vector<std::string>> Rendezvous(const std::string& address,
                                                       const std::string& key, int world_size,
                                                       int rank, const std::string& agreement,
                                                       const std::string& payload,
-                                                      absl::Duration timeout);
+                                                      absl::Duration timeout,
+                                                      std::function<bool()> cancelled = nullptr);
+  /// Fails `key` at rank 0's table for every rank (AbortRendezvous).
+  absl::Status Abort(const std::string& address, const std::string& key,
+                     const std::string& reason);
 
  private:
   std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);

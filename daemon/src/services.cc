@@ -194,7 +194,7 @@ class ControlService final : public v1::Control::Service {
   grpc::Status JoinGroup(grpc::ServerContext* ctx, const v1::JoinGroupRequest* req,
                          v1::GroupInfo* resp) override {
     return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
-      return DoJoin(c, *req, resp);
+      return DoJoin(c, *req, resp, ClientGone(ctx));
     });
   }
 
@@ -215,7 +215,9 @@ class ControlService final : public v1::Control::Service {
 
   grpc::Status CreateSession(grpc::ServerContext* ctx, const v1::CreateSessionRequest* req,
                              v1::SessionInfo* resp) override {
-    return AsClient(ctx, [&](ClientRecord& c) { return DoCreateSession(c, *req, resp); });
+    return AsClient(ctx, [&](ClientRecord& c) {
+      return DoCreateSession(c, *req, resp, ClientGone(ctx));
+    });
   }
 
   grpc::Status Call(grpc::ServerContext* ctx, const v1::CallRequest* req,
@@ -343,7 +345,14 @@ class ControlService final : public v1::Control::Service {
     return absl::OkStatus();
   }
 
-  absl::Status DoJoin(ClientRecord& c, const v1::JoinGroupRequest& req, v1::GroupInfo* resp) {
+  // Whether the client of this request went away (its process died, or it cancelled): the
+  // collective step it waits in is then aborted for every rank.
+  static std::function<bool()> ClientGone(grpc::ServerContext* ctx) {
+    return [ctx] { return ctx->IsCancelled(); };
+  }
+
+  absl::Status DoJoin(ClientRecord& c, const v1::JoinGroupRequest& req, v1::GroupInfo* resp,
+                      std::function<bool()> client_gone) {
     absl::StatusOr<std::string> checked = CheckJoinRequest(req);
     if (!checked.ok()) return checked.status();
     ULY_RETURN_IF_ERROR(CheckMembers(req, d_->config().devices));
@@ -367,7 +376,7 @@ class ControlService final : public v1::Control::Service {
     ULY_ASSIGN_OR_RETURN(std::vector<std::string> payloads,
                          d_->rendezvous_client().Rendezvous(
                              req.members(0), StrCat("join/", req.name()), req.world_size(),
-                             req.rank(), agreement, mine, timeout));
+                             req.rank(), agreement, mine, timeout, std::move(client_gone)));
     std::vector<BackendOffer> offers;
     for (size_t r = 0; r < payloads.size(); ++r) {
       ULY_ASSIGN_OR_RETURN(BackendOffer offer, DecodeOffer(payloads[r], static_cast<int>(r)));
@@ -403,7 +412,7 @@ class ControlService final : public v1::Control::Service {
   }
 
   absl::Status DoCreateSession(ClientRecord& c, const v1::CreateSessionRequest& req,
-                               v1::SessionInfo* resp) {
+                               v1::SessionInfo* resp, std::function<bool()> client_gone) {
     std::shared_ptr<Group> g;
     {
       std::lock_guard<std::mutex> lock(c.mu);
@@ -466,7 +475,8 @@ class ControlService final : public v1::Control::Service {
     const std::string payload = local.ok() ? StrCat("ok:", session->RendezvousPayload())
                                            : StrCat("error:", local.message());
     absl::StatusOr<std::vector<std::string>> names = d_->rendezvous_client().Rendezvous(
-        g->members[0], key, g->world_size, g->rank, agreement, payload, timeout);
+        g->members[0], key, g->world_size, g->rank, agreement, payload, timeout,
+        std::move(client_gone));
     absl::Status status = names.status();
     if (status.ok() && !local.ok()) status = local;
     if (status.ok()) {
@@ -549,6 +559,7 @@ class AdminService final : public v1::Admin::Service {
     const ipc::cuda::AllocationStats a = ipc::cuda::Stats();
     resp->set_device_allocations(a.created + a.imported + a.ipc_opened);
     resp->set_device_bytes(a.live_bytes);
+    resp->set_pending_rendezvous(static_cast<int32_t>(d_->rendezvous_table().pending()));
     const DeviceIdentity id = d_->backend_impl().identity();
     if (!id.uuid.empty()) resp->set_device_uuid(id.uuid);
     if (!id.pci_bus_id.empty()) resp->set_device_pci_bus_id(id.pci_bus_id);

@@ -119,6 +119,49 @@ TEST_F(Cluster, AReportedPidThatIsNoPidIsRefused) {
   EXPECT_TRUE(ListClients(0).empty());
 }
 
+// A client that goes away while its JoinGroup waits for the other ranks (its process died, or
+// it gave up) ends the step for every rank: the ranks already waiting get ABORTED naming it at
+// once, not DEADLINE_EXCEEDED at the end of the rendezvous timeout (60 s here).
+TEST_F(Cluster, AClientThatLeavesDuringJoinGroupAbortsTheRanksWaiting) {
+  Start(3);
+  const std::vector<std::string> members = Members(3);
+  // Rank 0 joins first and waits for ranks 1 and 2 (rank 2 never comes).
+  auto c0 = Connect(0, "stayer");
+  ASSERT_NE(c0, nullptr);
+  absl::Status joined;
+  std::thread stayer([&] { joined = c0->JoinGroup({"left", 3, 0, members, "host", 60000}).status(); });
+  ASSERT_TRUE(Eventually([&] { return State(0).pending_rendezvous() == 1; }));
+  // Rank 1: a raw client whose JoinGroup gives up after 3 s (its call's deadline), while the
+  // step still waits for rank 2.
+  auto stub = testing_util::ControlStub(members[1]);
+  v1::AttachRequest areq;
+  areq.set_client_name("leaver");
+  v1::AttachResponse ares;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->Attach(&ctx, areq, &ares).ok());
+  }
+  v1::JoinGroupRequest jreq;
+  jreq.set_name("left");
+  jreq.set_world_size(3);
+  jreq.set_rank(1);
+  for (const std::string& m : members) jreq.add_members(m);
+  jreq.set_backend("host");
+  jreq.set_timeout_ms(60000);
+  grpc::ClientContext jctx;
+  jctx.AddMetadata("ulysses-client-id", std::to_string(ares.client_id()));
+  jctx.AddMetadata("ulysses-token", ares.token());
+  jctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+  v1::GroupInfo info;
+  const grpc::Status left = stub->JoinGroup(&jctx, jreq, &info);
+  stayer.join();
+  EXPECT_EQ(left.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << left.error_message();
+  EXPECT_EQ(joined.code(), absl::StatusCode::kAborted) << joined;
+  EXPECT_THAT(std::string(joined.message()), ::testing::HasSubstr("rank 1's client went away"))
+      << joined;
+  EXPECT_TRUE(Eventually([&] { return State(0).pending_rendezvous() == 0; }));
+}
+
 TEST_F(Cluster, KilledClientProcessIsForgottenAndItsSessionReleased) {
   Start(1);
   // A real client process (the demo's rank program) that holds its session open.
