@@ -133,6 +133,9 @@ absl::Status Daemon::Start() {
   builder.RegisterService(peer_.get());
   // Every request is small (names are bounded at 256 bytes); this bounds what one can cost.
   builder.SetMaxReceiveMessageSize(4 << 20);
+  // Before serving: GetState reads it from the server's threads (ThreadSanitizer saw the write
+  // race with them when it came after).
+  started_ = absl::Now();
   server_ = builder.BuildAndStart();
   if (!server_) return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", config_.socket));
   ULY_RETURN_IF_ERROR(staged.Publish(0660));
@@ -149,7 +152,6 @@ absl::Status Daemon::Start() {
     return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", operator_socket));
   ULY_RETURN_IF_ERROR(op_staged.Publish(0600));
   server_->GetHealthCheckService()->SetServingStatus(true);
-  started_ = absl::Now();
   started_ok_ = true;
   if (absl::Status m = StartMetricsServer(); !m.ok()) return m;
   fd_thread_ = std::thread([this] { FdLoop(); });
