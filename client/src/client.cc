@@ -352,6 +352,12 @@ class StreamWords {
   std::map<void*, std::unique_ptr<ipc::cuda::StreamMark>> marks_;
 };
 
+// Stores `epoch` into a host release word unless a later one is there (this client is the
+// word's only writer; the epochs of a slot only grow).
+void StoreReleased(std::atomic<uint64_t>* word, uint64_t epoch) {
+  if (word->load(std::memory_order_relaxed) < epoch) word->store(epoch, std::memory_order_release);
+}
+
 // Holds a receive slot for the result of one epoch; the last copy's destruction releases it.
 class SlotHold {
  public:
@@ -379,8 +385,7 @@ class SlotHold {
     if (client_->closed) return absl::OkStatus();  // Detach released everything
     if (stream_words_) {
       ULY_ASSIGN_OR_RETURN(const bool enqueued, stream_words_->Release(stream_, slot_, epoch_));
-      if (enqueued && word_ != nullptr && word_->load(std::memory_order_relaxed) < epoch_)
-        word_->store(epoch_, std::memory_order_release);
+      if (enqueued && word_ != nullptr) StoreReleased(word_, epoch_);
       return absl::OkStatus();
     }
     if (word_ != nullptr && device_) {
@@ -391,8 +396,7 @@ class SlotHold {
     if (word_ != nullptr) {
       // The fast path: one store in shared memory, read by the daemon before it reuses the
       // slot. This client is the word's only writer; epochs of a slot only grow.
-      if (word_->load(std::memory_order_relaxed) < epoch_)
-        word_->store(epoch_, std::memory_order_release);
+      StoreReleased(word_, epoch_);
       return absl::OkStatus();
     }
     v1::ReleaseRequest req;
@@ -416,8 +420,7 @@ class SlotHold {
     uint64_t epoch;
     static void Run(void* p) {
       std::unique_ptr<StreamRelease> r(static_cast<StreamRelease*>(p));
-      if (r->word->load(std::memory_order_relaxed) < r->epoch)
-        r->word->store(r->epoch, std::memory_order_release);
+      StoreReleased(r->word, r->epoch);
     }
   };
   std::shared_ptr<ClientImpl> client_;
