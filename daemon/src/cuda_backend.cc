@@ -239,36 +239,39 @@ class CudaTransport final : public Transport {
     const int s = call.slot;
     const uint64_t e = call.epoch;
     DeviceSlotWords& mine = words_[me]->slots[s];
-    namespace cu = ipc::cuda;
-    if (call.wait_ready) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &ClientWords()->ready[s], e));
+    // The words go on the stream in batches, one driver call each between the launches.
+    ipc::cuda::StreamOps memops(stream_);
+    if (call.wait_ready) ULY_RETURN_IF_ERROR(memops.Wait(&ClientWords()->ready[s], e));
     // Ordered after this slot's previous result was read: its Finish is earlier on this stream,
     // and the client's stream gave the result back (or its host did, before this call came).
     // This rank's own grant and arrival are this stream's order itself: no word.
     if (call.wait_released != 0)
-      ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &ClientWords()->released[s], call.wait_released));
+      ULY_RETURN_IF_ERROR(memops.Wait(&ClientWords()->released[s], call.wait_released));
     for (int r = 0; r < W; ++r)
-      if (r != me)
-        ULY_RETURN_IF_ERROR(cu::StreamWrite64(stream_, &words_[r]->slots[s].grant[me], e));
+      if (r != me) ULY_RETURN_IF_ERROR(memops.Write(&words_[r]->slots[s].grant[me], e));
     if (PushesAtOnce(plan)) {
       for (int r = 0; r < W; ++r)
-        if (r != me) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &mine.grant[r], e));
+        if (r != me) ULY_RETURN_IF_ERROR(memops.Wait(&mine.grant[r], e));
+      ULY_RETURN_IF_ERROR(memops.Flush());
       ULY_RETURN_IF_ERROR(PushAll(plan, ops, s, e));
     } else {
       // Rotated from the rank after this one, so ranks do not all store into rank 0 first.
       for (int k = 1; k <= W; ++k) {
         const int dst = (me + k) % W;
-        if (dst != me) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &mine.grant[dst], e));
+        if (dst != me) ULY_RETURN_IF_ERROR(memops.Wait(&mine.grant[dst], e));
+        ULY_RETURN_IF_ERROR(memops.Flush());
         ULY_RETURN_IF_ERROR(Push(plan, ops, dst, s));
       }
     }
     // Each write's memory barrier makes this stream's stores visible before the word.
     for (int r = 0; r < W; ++r)
-      if (r != me)
-        ULY_RETURN_IF_ERROR(cu::StreamWrite64(stream_, &words_[r]->slots[s].arrive[me], e));
+      if (r != me) ULY_RETURN_IF_ERROR(memops.Write(&words_[r]->slots[s].arrive[me], e));
     for (int r = 0; r < W; ++r)
-      if (r != me) ULY_RETURN_IF_ERROR(cu::StreamWait64(stream_, &mine.arrive[r], e));
+      if (r != me) ULY_RETURN_IF_ERROR(memops.Wait(&mine.arrive[r], e));
+    ULY_RETURN_IF_ERROR(memops.Flush());
     ULY_RETURN_IF_ERROR(EnqueueFinish(plan, ops, s));
-    ULY_RETURN_IF_ERROR(cu::StreamWrite64(stream_, &mine.done, e));
+    ULY_RETURN_IF_ERROR(memops.Write(&mine.done, e));
+    ULY_RETURN_IF_ERROR(memops.Flush());
     event_epoch_[s] = e;
     return CudaStatus("cudaEventRecord", cudaEventRecord(events_[s], stream_));
   }

@@ -6,7 +6,9 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
@@ -39,9 +41,11 @@ struct Driver {
   decltype(&::cuMemSetAccess) SetAccess = nullptr;
   decltype(&::cuMemGetAllocationGranularity) Granularity = nullptr;
   decltype(&::cuPointerGetAttribute) PointerAttribute = nullptr;
+  decltype(&::cuPointerGetAttributes) PointerAttributes = nullptr;
   decltype(&::cuGetErrorName) ErrorName = nullptr;
   decltype(&::cuStreamWriteValue64) WriteValue64 = nullptr;
   decltype(&::cuStreamWaitValue64) WaitValue64 = nullptr;
+  decltype(&::cuStreamBatchMemOp) BatchMemOp = nullptr;
   absl::Status status;
 };
 
@@ -76,9 +80,11 @@ const Driver& Drv() {
     r("cuMemSetAccess", &d.SetAccess);
     r("cuMemGetAllocationGranularity", &d.Granularity);
     r("cuPointerGetAttribute", &d.PointerAttribute);
+    r("cuPointerGetAttributes", &d.PointerAttributes);
     r("cuGetErrorName", &d.ErrorName);
     r("cuStreamWriteValue64", &d.WriteValue64);
     r("cuStreamWaitValue64", &d.WaitValue64);
+    r("cuStreamBatchMemOp", &d.BatchMemOp);
     d.status = s;
   });
   return d;
@@ -322,27 +328,37 @@ absl::StatusOr<IpcMapping> IpcMapping::Open(const std::string& handle) {
   return m;
 }
 
+absl::Status EnsureContext();
+
+// One driver call per operand of every call: all the attributes at once. A pointer the driver
+// does not know yields the zero values (memory type 0), not an error.
 absl::StatusOr<AllocationInfo> QueryAllocation(const void* ptr) {
-  ULY_RETURN_IF_ERROR(Drv().status);
-  cudaPointerAttributes attr{};
-  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
-  if (err != cudaSuccess || attr.type != cudaMemoryTypeDevice) {
-    (void)cudaGetLastError();
-    return absl::InvalidArgumentError("ptr: not device memory");
-  }
-  AllocationInfo info;
-  info.device = attr.device;
-  const auto p = reinterpret_cast<CUdeviceptr>(ptr);
+  const Driver& d = Drv();
+  ULY_RETURN_IF_ERROR(d.status);
+  ULY_RETURN_IF_ERROR(EnsureContext());
+  unsigned int memory_type = 0;
+  int ordinal = -1;
   CUdeviceptr base = 0;
   size_t size = 0;
   unsigned long long id = 0;
-  ULY_CU(Drv().PointerAttribute(&base, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p));
-  ULY_CU(Drv().PointerAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p));
-  ULY_CU(Drv().PointerAttribute(&id, CU_POINTER_ATTRIBUTE_BUFFER_ID, p));
   int legacy_ok = 0;
-  if (Drv().PointerAttribute(&legacy_ok, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p) !=
-      CUDA_SUCCESS)
-    legacy_ok = 1;
+  int managed = 0;
+  CUpointer_attribute names[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                 CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                 CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                                 CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                                 CU_POINTER_ATTRIBUTE_IS_MANAGED};
+  void* values[] = {&memory_type, &ordinal, &base, &size, &id, &legacy_ok, &managed};
+  static_assert(sizeof names / sizeof names[0] == sizeof values / sizeof values[0]);
+  ULY_CU(d.PointerAttributes(sizeof names / sizeof names[0], names, values,
+                             reinterpret_cast<CUdeviceptr>(ptr)));
+  if (memory_type != CU_MEMORYTYPE_DEVICE || managed != 0 || base == 0)
+    return absl::InvalidArgumentError(managed != 0 ? "ptr: managed memory, not device memory"
+                                                   : "ptr: not device memory");
+  AllocationInfo info;
+  info.device = ordinal;
   info.base = reinterpret_cast<void*>(base);
   info.size = size;
   info.buffer_id = id;
@@ -408,6 +424,50 @@ absl::Status StreamWait64(void* stream, const uint64_t* word, uint64_t value) {
   ULY_RETURN_IF_ERROR(EnsureContext());
   ULY_CU(d.WaitValue64(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(word), value,
                        CU_STREAM_WAIT_VALUE_GEQ));
+  return absl::OkStatus();
+}
+
+absl::Status StreamOps::Flush() {
+  if (count_ == 0) return absl::OkStatus();
+  const Driver& d = Drv();
+  ULY_RETURN_IF_ERROR(d.status);
+  ULY_RETURN_IF_ERROR(EnsureContext());
+  CUstreamBatchMemOpParams params[kCapacity];
+  std::memset(params, 0, sizeof params);
+  for (int i = 0; i < count_; ++i) {
+    const Op& op = ops_[i];
+    if (op.wait) {
+      params[i].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_64;
+      params[i].waitValue.address = reinterpret_cast<CUdeviceptr>(op.word);
+      params[i].waitValue.value64 = op.value;
+      params[i].waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    } else {
+      params[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+      params[i].writeValue.address = reinterpret_cast<CUdeviceptr>(op.word);
+      params[i].writeValue.value64 = op.value;
+      params[i].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+  }
+  const unsigned count = static_cast<unsigned>(count_);
+  count_ = 0;
+  // ULYSSES_STREAM_BATCH=0 enqueues them one by one: the fallback for a driver whose batched
+  // operations misbehave, and the baseline the benchmark compares with.
+  static const bool batch = [] {
+    const char* v = std::getenv("ULYSSES_STREAM_BATCH");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  if (batch) {
+    ULY_CU(d.BatchMemOp(static_cast<CUstream>(stream_), count, params, 0));
+    return absl::OkStatus();
+  }
+  for (unsigned i = 0; i < count; ++i) {
+    if (params[i].operation == CU_STREAM_MEM_OP_WAIT_VALUE_64)
+      ULY_CU(d.WaitValue64(static_cast<CUstream>(stream_), params[i].waitValue.address,
+                           params[i].waitValue.value64, params[i].waitValue.flags));
+    else
+      ULY_CU(d.WriteValue64(static_cast<CUstream>(stream_), params[i].writeValue.address,
+                            params[i].writeValue.value64, params[i].writeValue.flags));
+  }
   return absl::OkStatus();
 }
 

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <array>
 #include <cstdint>
 #include <string>
 
@@ -136,6 +137,38 @@ absl::Status SyncStream(void* stream);
 /// comparison (int64_t)(*word - value) >= 0 holds.
 absl::Status StreamWrite64(void* stream, uint64_t* word, uint64_t value);
 absl::Status StreamWait64(void* stream, const uint64_t* word, uint64_t value);
+/// StreamWrite64 and StreamWait64 gathered and enqueued on `stream` with one driver call
+/// (cuStreamBatchMemOp) each Flush, in the order they were added, with the same semantics as
+/// one by one. No allocation: at most kCapacity operations are held, and adding one more
+/// flushes first. Operations not flushed are dropped with the object.
+class StreamOps {
+ public:
+  static constexpr int kCapacity = 32;
+  explicit StreamOps(void* stream) : stream_(stream) {}
+  absl::Status Write(uint64_t* word, uint64_t value) { return Add(false, word, value); }
+  absl::Status Wait(const uint64_t* word, uint64_t value) { return Add(true, word, value); }
+  /// Enqueues what was gathered (nothing when empty).
+  absl::Status Flush();
+
+ private:
+  struct Op {
+    bool wait = false;
+    const uint64_t* word = nullptr;
+    uint64_t value = 0;
+  };
+  absl::Status Add(bool wait, const uint64_t* word, uint64_t value) {
+    if (count_ == kCapacity) {
+      absl::Status st = Flush();
+      if (!st.ok()) return st;
+    }
+    ops_[count_++] = Op{wait, word, value};
+    return absl::OkStatus();
+  }
+  void* stream_;
+  std::array<Op, kCapacity> ops_{};
+  int count_ = 0;
+};
+
 /// Runs fn(arg) on a driver thread once the stream's earlier work is complete. `fn` must not
 /// call CUDA.
 absl::Status LaunchHostFunc(void* stream, void (*fn)(void*), void* arg);
