@@ -154,8 +154,10 @@ class PythonSide:
             if not same_bits(got[r], ref_scatter_heads(self.inputs, r)):
                 raise RuntimeError("rank %d: the result differs from the reference" % r)
 
-    def time(self, samples: int) -> List[float]:
-        """`samples` samples: per sample, the slowest rank's wall time of the call (us)."""
+    def time(self, samples: int, profiles: Optional[List[Any]] = None) -> List[float]:
+        """`samples` samples: per sample, the slowest rank's wall time of the call (us).
+        With `profiles`, each rank's thread runs its calls under cProfile and appends its
+        profile there (the times then include the profiler's cost)."""
         barrier = threading.Barrier(self.W)
         per_rank = [[0.0] * samples for _ in range(self.W)]
 
@@ -163,15 +165,25 @@ class PythonSide:
             if self.device:
                 import torch
                 torch.cuda.set_device(0)
+            prof = None
+            if profiles is not None:
+                import cProfile
+                prof = cProfile.Profile()
             for i in range(samples):
                 barrier.wait()
                 if self.flush is not None and r == 0:
                     self.flush.zero_()
                     torch.cuda.synchronize()
                 barrier.wait()
+                if prof is not None:
+                    prof.enable()
                 t0 = time.perf_counter()
                 self.call(r)
                 per_rank[r][i] = (time.perf_counter() - t0) * 1e6
+                if prof is not None:
+                    prof.disable()
+            if prof is not None:
+                profiles.append(prof)
 
         run_ranks(self.W, body)
         return [max(per_rank[r][i] for r in range(self.W)) for i in range(samples)]
@@ -214,6 +226,28 @@ def cpp_times(args: argparse.Namespace, device: bool, worlds: List[int],
                 times[(case["world"], case["bytes_per_rank"])] = \
                     case["b_daemon"]["work_max_median_us"]
         return times, None
+
+
+def write_profile(path: str, case: str, side: PythonSide, samples: int) -> None:
+    """Appends to `path` what the Python package spends the time of `samples` calls per rank of
+    `side` in: per function, calls and own and cumulative time per call of the bench, in us
+    (cProfile; a ctypes call counts in its Python caller's own time)."""
+    import pstats
+    profiles: List[Any] = []
+    side.time(samples, profiles)
+    stats = pstats.Stats(profiles[0])
+    for p in profiles[1:]:
+        stats.add(p)
+    calls = samples * len(profiles)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:40]  # type: ignore[attr-defined]
+    with open(path, "a") as f:
+        f.write("== %s: %d calls per rank, %d ranks; us per call ==\n" % (
+            case, samples, len(profiles)))
+        f.write("%10s %10s %10s  %s\n" % ("n/call", "own us", "cum us", "function"))
+        for (file, line, fn), (_, nc, tt, ct, _) in rows:
+            where = "%s:%d(%s)" % (os.path.basename(file), line, fn) if line else fn
+            f.write("%10.2f %10.2f %10.2f  %s\n" % (nc / calls, tt / calls * 1e6,
+                                                    ct / calls * 1e6, where))
 
 
 def run(cmd: List[str]) -> None:
@@ -265,6 +299,9 @@ def main() -> int:
     ap.add_argument("--no-cpp", action="store_true", help="skip the C++ side (cpp_us null)")
     ap.add_argument("--commit", default=None, help="commit recorded in the JSON")
     ap.add_argument("--json", default=None, help="also write the JSON to this file")
+    ap.add_argument("--profile", default=None,
+                    help="after timing each case, run its samples again under cProfile and "
+                         "write the functions by own time into this text file")
     args = ap.parse_args()
     if args.ulyssesd:
         os.environ["ULYSSESD"] = args.ulyssesd
@@ -303,6 +340,9 @@ def main() -> int:
                     side.check()
                     side.time(args.warmup)
                     us = statistics.median(side.time(total))
+                    if args.profile:
+                        write_profile(args.profile, "W=%d %s/rank" % (w, size_name(b)),
+                                      side, total)
                 finally:
                     side.close()
                 c = cpp.get((w, b))

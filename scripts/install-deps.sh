@@ -7,6 +7,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libcpp-httplib-dev
+  libdlpack-dev                  # the client library's DLPack export of results
   patchelf python3-venv systemd  # the deploy tests: tarball RUNPATH, Python venv, systemd-analyze
   clang-14 libclang-rt-14-dev    # scripts/fuzz.sh and scripts/sanitize.sh: libFuzzer, sanitizers
 )

@@ -4,8 +4,11 @@
 // keeps the client it came from. No C++ exception crosses this boundary.
 #include "ulysses/c_api.h"
 
+#include <dlpack/dlpack.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -167,12 +170,33 @@ struct uly_result {
   // The results of one fused call share one slot hold: set once any of them released it. Null
   // for a head-exchange result (which holds its slot alone).
   std::shared_ptr<std::atomic<bool>> siblings_released;
+  // The handle's own reference and one per live DLPack export: the last to go releases.
+  std::atomic<int> refs{1};
   bool held() const {
     return result.held() && !(siblings_released && siblings_released->load());
   }
 };
 
 namespace {
+
+// A result exported as DLPack: the managed tensor (first, so that its address is this one's)
+// and the extents it points at.
+struct DlpackTensor {
+  DLManagedTensor managed{};
+  int64_t shape[4] = {};
+  int64_t strides[4] = {};
+};
+static_assert(offsetof(DlpackTensor, managed) == 0);
+
+absl::StatusOr<DLDataType> DlpackDType(ulysses::DType dtype) {
+  switch (dtype) {
+    case ulysses::DType::kBFloat16: return DLDataType{kDLBfloat, 16, 1};
+    case ulysses::DType::kFloat16: return DLDataType{kDLFloat, 16, 1};
+    case ulysses::DType::kFloat32: return DLDataType{kDLFloat, 32, 1};
+    case ulysses::DType::kUnspecified: break;
+  }
+  return absl::InternalError("result: a dtype DLPack cannot name");
+}
 
 // Why a CUDA tensor or a stream (`what`) cannot be used with a session of `backend`, or OK.
 absl::Status CheckDeviceUse(const std::string& backend, const std::string& what) {
@@ -232,17 +256,15 @@ absl::Status ToDeviceOperand(ClientState& c, const std::string& backend, const u
         StrCat(name, ": a CUDA tensor gives its device pointer in data; buffer_id must be 0"));
   if (t->data == nullptr)
     return absl::InvalidArgumentError(StrCat(name, ": data (the device pointer) is NULL"));
+  if (t->device_index < 0)
+    return absl::InvalidArgumentError(
+        StrCat(name, ": device_index ", t->device_index, " is not a CUDA device ordinal"));
   void* ptr = static_cast<uint8_t*>(t->data) + t->byte_offset;
   ULY_ASSIGN_OR_RETURN(uint64_t bytes, Extent(t, name));
-  absl::StatusOr<ulysses::ipc::cuda::AllocationInfo> a = ulysses::ipc::cuda::QueryAllocation(ptr);
-  if (!a.ok()) return absl::Status(a.status().code(), StrCat(name, ": ", a.status().message()));
-  if (a->device != t->device_index)
-    return absl::InvalidArgumentError(StrCat(name, ": device_index ", t->device_index,
-                                             ", but data is memory of device ", a->device));
-  absl::StatusOr<uc::Buffer> b = c.client->RegisterDeviceBuffer(ptr, bytes, name);
+  absl::StatusOr<uc::Buffer> b = c.client->RegisterDeviceBuffer(ptr, bytes, name, t->device_index);
   if (!b.ok())
     return absl::Status(b.status().code(), StrCat(name, ": ", b.status().message()));
-  c.NoteDevice(a->base, a->size, b->id);
+  c.NoteDevice(static_cast<const uint8_t*>(ptr) - b->base_offset, b->registration_size, b->id);
   *ref = b->Ref(0);
   return absl::OkStatus();
 }
@@ -866,10 +888,63 @@ uly_status uly_result_release(uly_result* result) {
 
 void uly_result_free(uly_result* result) {
   if (result == nullptr) return;
+  if (result->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;  // a DLPack tensor lives
   // A fused call's result shares its slot with the others of the call: dropping this handle
   // keeps the slot held for them (the last one's drop releases it).
   if (!result->siblings_released) (void)uly_result_release(result);
   delete result;
+}
+
+uly_status uly_result_to_dlpack(uly_result* result, void** managed) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(result, "result"));
+    ULY_RETURN_IF_ERROR(NotNull(managed, "managed"));
+    *managed = nullptr;
+    auto t = std::make_unique<DlpackTensor>();
+    {
+      std::lock_guard<std::mutex> lock(result->mu);
+      if (!result->held())
+        return absl::FailedPreconditionError(
+            "result: holds no slot (released, or copied to out): nothing to view");
+      const uc::Result& res = result->result;
+      ULY_ASSIGN_OR_RETURN(t->managed.dl_tensor.dtype,
+                           DlpackDType(result->session->session->geometry().dtype));
+      DLDevice device{kDLCPU, 0};
+      if (res.device) {
+        ULY_ASSIGN_OR_RETURN(ulysses::ipc::cuda::AllocationInfo a,
+                             ulysses::ipc::cuda::QueryAllocation(res.data));
+        device = DLDevice{kDLCUDA, a.device};
+      }
+      int64_t stride = 1;
+      for (int i = 3; i >= 0; --i) {
+        t->shape[i] = res.shape[i];
+        t->strides[i] = stride;
+        stride *= res.shape[i];
+      }
+      DLTensor& dl = t->managed.dl_tensor;
+      dl.data = const_cast<void*>(res.data);
+      dl.device = device;
+      dl.ndim = 4;
+      dl.shape = t->shape;
+      dl.strides = t->strides;
+      dl.byte_offset = 0;
+    }
+    t->managed.manager_ctx = result;
+    t->managed.deleter = [](DLManagedTensor* self) {
+      auto* owner = reinterpret_cast<DlpackTensor*>(self);  // managed is its first member
+      uly_result_free(static_cast<uly_result*>(self->manager_ctx));
+      delete owner;
+    };
+    result->refs.fetch_add(1, std::memory_order_acq_rel);
+    *managed = &t.release()->managed;
+    return absl::OkStatus();
+  });
+}
+
+void uly_dlpack_free(void* managed) {
+  if (managed == nullptr) return;
+  auto* m = static_cast<DLManagedTensor*>(managed);
+  if (m->deleter != nullptr) m->deleter(m);
 }
 
 }  // extern "C"

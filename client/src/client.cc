@@ -552,9 +552,12 @@ absl::Status Client::FreeBuffer(uint64_t buffer_id) {
 }
 
 absl::StatusOr<Buffer> Client::RegisterDeviceBuffer(void* ptr, uint64_t bytes,
-                                                    const std::string& name) {
+                                                    const std::string& name, int device) {
   if (bytes == 0) return absl::InvalidArgumentError("bytes: must be > 0");
   ULY_ASSIGN_OR_RETURN(ipc::cuda::AllocationInfo a, ipc::cuda::QueryAllocation(ptr));
+  if (device >= 0 && a.device != device)
+    return absl::InvalidArgumentError(
+        StrCat("ptr: memory of device ", a.device, ", not of device ", device));
   const uint64_t offset = static_cast<uint64_t>(static_cast<uint8_t*>(ptr) - static_cast<uint8_t*>(a.base));
   if (offset + bytes > a.size)
     return absl::InvalidArgumentError(StrCat("bytes: ", bytes, " at offset ", offset,
@@ -565,6 +568,8 @@ absl::StatusOr<Buffer> Client::RegisterDeviceBuffer(void* ptr, uint64_t bytes,
   b.size = bytes;
   b.device = true;
   b.base_offset = offset;
+  b.device_index = a.device;
+  b.registration_size = a.size;
   {
     std::lock_guard<std::mutex> lock(impl_->buf_mu);
     auto it = impl_->device_regs.find(a.buffer_id);

@@ -209,11 +209,11 @@ def test_an_abi_of_another_major_version_is_refused(sockets):
 
 def test_a_caller_of_an_older_minor_version_is_served(sockets):
     lib = _capi.library()
-    assert lib.uly_abi_version() == _capi.ABI_VERSION == (1 << 16) | 2
+    assert lib.uly_abi_version() == _capi.ABI_VERSION == (1 << 16) | 3
     opts = _capi.new(_capi.ConnectOptions)
     opts.socket = sockets[0].encode()
     out = ctypes.c_void_p()
-    for minor in (0, 1):  # 1.0 and 1.1
+    for minor in (0, 1, 2):  # 1.0, 1.1 and 1.2
         opts.abi_version = (_capi.ABI_VERSION_MAJOR << 16) | minor
         assert lib.uly_connect(ctypes.byref(opts), ctypes.byref(out)) == 0, lib.uly_last_error()
         lib.uly_client_free(out.value)

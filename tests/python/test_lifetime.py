@@ -2,6 +2,7 @@
 one daemon."""
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import subprocess
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import ulysses
+from ulysses import _capi, _torch
 from helpers import unique
 
 X = np.arange(16, dtype=np.float32).reshape(1, 4, 2, 2)
@@ -58,6 +60,54 @@ def test_dropping_the_last_view_releases_the_slot(one_slot):
     del view
     gc.collect()
     assert np.array_equal(hx.scatter_heads(X), X)  # dropped at once: released again
+
+
+class _DlpackExport:
+    """A DLManagedTensor pointer as an object np.from_dlpack takes (a host result: kDLCPU)."""
+
+    def __init__(self, managed: int):
+        self.managed = managed
+
+    def __dlpack__(self, **_kwargs):
+        return _torch._dltensor_capsule(self.managed)
+
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU
+
+
+def _export(result) -> int:
+    lib = _capi.library()
+    managed = ctypes.c_void_p()
+    status = lib.uly_result_to_dlpack(result._slot._handles[0].ptr, ctypes.byref(managed))
+    assert status == 0, lib.uly_last_error()
+    return managed.value
+
+
+def test_a_dlpack_export_holds_the_slot_until_its_consumer_deletes_it(one_slot):
+    hx = one_slot
+    r = hx.scatter_heads(X)
+    a = np.from_dlpack(_DlpackExport(_export(r)))
+    assert a.shape == X.shape and a.dtype == np.float32 and np.array_equal(a, X)
+    del r
+    gc.collect()  # the handle is freed, the export still holds the slot
+    with pytest.raises(ulysses.DeadlineExceededError, match="release it"):
+        hx.scatter_heads(X)
+    del a
+    gc.collect()  # numpy ran the tensor's deleter: the last reference released the slot
+    r = hx.scatter_heads(X)
+    assert np.array_equal(r, X)
+    # An export nobody took, given back: the handle alone holds the slot again.
+    ulysses_free = _capi.library().uly_dlpack_free
+    ulysses_free(_export(r))
+    with pytest.raises(ulysses.DeadlineExceededError):
+        hx.scatter_heads(X)
+    r.release()
+    managed = ctypes.c_void_p()
+    lib = _capi.library()
+    assert lib.uly_result_to_dlpack(r._slot._handles[0].ptr, ctypes.byref(managed)) == 9
+    assert b"holds no slot" in lib.uly_last_error() and not managed.value
+    assert lib.uly_result_to_dlpack(None, ctypes.byref(managed)) == 3
+    assert np.array_equal(hx.scatter_heads(X), X)
 
 
 def test_out_holds_no_slot(one_slot):

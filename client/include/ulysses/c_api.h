@@ -40,7 +40,7 @@ extern "C" {
 
 /** The ABI version of this header: major << 16 | minor. */
 #define ULY_ABI_VERSION_MAJOR 1
-#define ULY_ABI_VERSION_MINOR 2
+#define ULY_ABI_VERSION_MINOR 3
 #define ULY_ABI_VERSION ((ULY_ABI_VERSION_MAJOR << 16) | ULY_ABI_VERSION_MINOR)
 
 /** Most dimensions a uly_tensor describes. The head-exchange ops take 4. */
@@ -316,8 +316,21 @@ ULY_API uly_status uly_session_wait(uly_session* session, uint64_t epoch, int64_
 ULY_API uly_status uly_result_get_info(const uly_result* result, uly_result_info* info);
 /** Gives the receive slot back now; the data must not be read afterwards. Idempotent. */
 ULY_API uly_status uly_result_release(uly_result* result);
-/** Releases (if still held) and frees the handle. NULL is ignored. */
+/** Releases (if still held) and frees the handle. NULL is ignored. A result exported with
+ *  uly_result_to_dlpack stays held until its DLPack tensor is deleted too. */
 ULY_API void uly_result_free(uly_result* result);
+/** A DLPack view of a held result (since ABI 1.3): *managed gets a `DLManagedTensor*`
+ *  (dlpack.h, DLPACK_VERSION 0.6 and later; kDLCUDA or kDLCPU, the session's dtype, the
+ *  result's shape, contiguous strides). The tensor holds its own reference on the result: the
+ *  slot stays held until uly_result_release, or until both the handle is freed and the
+ *  tensor's deleter has run (the consumer calls it, e.g. when torch frees the storage). Wrap
+ *  it in a PyCapsule named "dltensor" for torch.utils.dlpack.from_dlpack; a tensor that no
+ *  consumer took is given back with uly_dlpack_free. FAILED_PRECONDITION when the result
+ *  holds no slot (released, or copied to out). */
+ULY_API uly_status uly_result_to_dlpack(uly_result* result, void** managed);
+/** Runs the deleter of a DLManagedTensor that uly_result_to_dlpack made and no consumer
+ *  took. NULL is ignored. */
+ULY_API void uly_dlpack_free(void* managed);
 
 /* ---------------------------------------------------------------------------------------- */
 /* The fused session: qkv_norm_rope_exchange (since ABI 1.2)                                 */

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 ABI_VERSION_MAJOR = 1
-ABI_VERSION_MINOR = 2
+ABI_VERSION_MINOR = 3
 ABI_VERSION = (ABI_VERSION_MAJOR << 16) | ABI_VERSION_MINOR
 MAX_DIMS = 8
 
@@ -151,6 +151,8 @@ _SIGNATURES = {
     "uly_result_get_info": (_i32, [_vp, _P(ResultInfo)]),
     "uly_result_release": (_i32, [_vp]),
     "uly_result_free": (None, [_vp]),
+    "uly_result_to_dlpack": (_i32, [_vp, _P(_vp)]),
+    "uly_dlpack_free": (None, [_vp]),
 }
 
 LIBRARY_NAME = "libulysses_client.so.%d" % ABI_VERSION_MAJOR

@@ -3,6 +3,7 @@ caller that passes a tensor has imported it) or imports it only when asked for a
 feature."""
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import warnings
@@ -146,21 +147,45 @@ class DeviceSlot:
             self.shape, self.__cuda_array_interface__["typestr"], self.epoch, self.held)
 
 
-def device_slot_tensor(slot: DeviceSlot) -> Any:
-    """A CUDA SlotTensor over a device slot (no copy); its storage keeps `slot` alive."""
-    torch = _torch()
-    t = torch.as_tensor(slot)
-    if slot.bfloat16:
-        t = t.view(torch.bfloat16)
-    t = t.as_subclass(_slot_tensor_class())
-    t._ulysses_slot = slot._slot
-    return t
-
-
 def current_stream(t: Any) -> int:
     """The cudaStream_t of torch's current stream on the device of CUDA tensor `t` (0 for the
     legacy default stream)."""
-    return int(_torch().cuda.current_stream(t.device).cuda_stream)
+    torch = _torch()
+    # The raw lookup costs a fifth of a microsecond; building a torch.cuda.Stream costs about
+    # six. Older torch builds without it take the public way.
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(t.get_device()))
+    return int(torch.cuda.current_stream(t.device).cuda_stream)
+
+
+_capsule_new: Any = None
+
+
+def _dltensor_capsule(managed: int) -> Any:
+    """A PyCapsule named "dltensor" around a DLManagedTensor pointer, as from_dlpack takes it."""
+    global _capsule_new
+    if _capsule_new is None:
+        f = ctypes.pythonapi.PyCapsule_New
+        f.restype = ctypes.py_object
+        f.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        _capsule_new = f
+    return _capsule_new(managed, b"dltensor", None)
+
+
+def dlpack_slot_tensor(lib: Any, managed: int, slot: Any) -> Any:
+    """A CUDA SlotTensor over a result exported by uly_result_to_dlpack (the DLManagedTensor
+    `managed`), no copy: the tensor's storage holds its own reference on the result, so the
+    slot stays held while any view of the storage lives (or until release())."""
+    torch = _torch()
+    try:
+        t = torch.utils.dlpack.from_dlpack(_dltensor_capsule(managed))
+    except BaseException:
+        lib.uly_dlpack_free(managed)  # no consumer took it: its deleter runs here
+        raise
+    t = t.as_subclass(_slot_tensor_class())
+    t._ulysses_slot = slot
+    return t
 
 
 def join_group(client: Any, process_group: Any, name: Optional[str], backend: str,

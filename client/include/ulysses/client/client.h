@@ -49,6 +49,10 @@ struct Buffer {
   /// Offset of `data` inside the registration `id` names (a device pointer registered inside a
   /// larger allocation shares the allocation's registration).
   uint64_t base_offset = 0;
+  /// Device memory: the CUDA device it is on, and the size of the whole registration `id`
+  /// names (the allocation holding `data`). -1 and 0 for host memory.
+  int device_index = -1;
+  uint64_t registration_size = 0;
   /// A reference to this buffer at `offset_bytes` from `data` (contiguous unless strides given).
   OperandRef Ref(uint64_t offset_bytes = 0, std::array<int64_t, 4> strides = {}) const {
     return OperandRef{id, base_offset + offset_bytes, strides};
@@ -279,8 +283,11 @@ class Client {
   /// allocator). The allocation containing it is handed to the daemon through its CUDA IPC
   /// handle once and cached (keyed by the allocation's CUDA buffer id, so a freed and re-made
   /// allocation at the same address is registered afresh); later calls for the same allocation
-  /// cost no RPC. The returned Buffer's Ref() addresses `ptr`.
-  absl::StatusOr<Buffer> RegisterDeviceBuffer(void* ptr, uint64_t bytes, const std::string& name = "");
+  /// cost no RPC, and one driver query. The returned Buffer's Ref() addresses `ptr`. With
+  /// `device` >= 0 the memory must be on that CUDA device (INVALID_ARGUMENT otherwise, before
+  /// anything is registered).
+  absl::StatusOr<Buffer> RegisterDeviceBuffer(void* ptr, uint64_t bytes, const std::string& name = "",
+                                              int device = -1);
   absl::Status FreeBuffer(uint64_t buffer_id);
   /// Collective: joins (forms) a group with the other ranks' daemons.
   absl::StatusOr<Group> JoinGroup(const GroupSpec& spec);
