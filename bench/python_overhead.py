@@ -127,10 +127,10 @@ class PythonSide:
         _, hx, x, out = self.ranks[r]
         if out is not None:
             return hx.scatter_heads(x, out=out)
-        import torch
-        with torch.cuda.stream(self.streams[r]):
-            res = hx.scatter_heads(x)
-            ulysses.release(res)
+        # The rank's thread made its stream current once (time()), as a framework does: the
+        # sample holds the call, its release and the wait for the stream, as the C++ one does.
+        res = hx.scatter_heads(x)
+        ulysses.release(res)
         self.streams[r].synchronize()
         return res
 
@@ -165,6 +165,7 @@ class PythonSide:
             if self.device:
                 import torch
                 torch.cuda.set_device(0)
+                torch.cuda.set_stream(self.streams[r])  # this thread's current stream
             prof = None
             if profiles is not None:
                 import cProfile

@@ -172,6 +172,9 @@ def _candidates() -> list:
 def library() -> ctypes.CDLL:
     """The loaded C library, loaded on first use. Raises OSError naming every place tried."""
     global _lib
+    lib = _lib  # loaded: every call of every op asks, and needs no lock
+    if lib is not None:
+        return lib
     with _lock:
         if _lib is not None:
             return _lib

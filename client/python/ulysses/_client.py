@@ -34,6 +34,18 @@ _NUMPY_DTYPES = {_capi.DTYPE_FLOAT16: np.dtype(np.float16),
 _TENSOR_CODES = {"float16": _capi.DTYPE_FLOAT16, "bfloat16": _capi.DTYPE_BFLOAT16,
                  "float32": _capi.DTYPE_FLOAT32, "int32": _capi.DTYPE_INT32}
 
+_torch_codes: Dict[Any, Optional[int]] = {}
+
+
+def _torch_dtype_code(dtype: Any) -> Optional[int]:
+    """The uly_dtype of a torch dtype (None for one ulysses does not take), remembered per
+    dtype: every CUDA operand of every call asks."""
+    code = _torch_codes.get(dtype, -1)
+    if code == -1:
+        code = _torch_codes[dtype] = _TENSOR_CODES.get(str(dtype).replace("torch.", ""))
+    return code
+
+
 DTypeLike = Union[str, np.dtype, type, Any]
 ArrayLike = Any  # numpy.ndarray or torch.Tensor
 
@@ -409,20 +421,20 @@ class _Session:
         if value.dim() > _capi.MAX_DIMS:
             raise InvalidArgumentError("%s: ndim %d, at most %d"
                                        % (name, value.dim(), _capi.MAX_DIMS))
-        if _TENSOR_CODES.get(str(value.dtype).replace("torch.", "")) != code:
+        if _torch_dtype_code(value.dtype) != code:
             raise InvalidArgumentError(_dtype_mismatch(name, value.dtype, code,
                                                        self._dtype_code))
         if dense and not value.is_contiguous():
             raise InvalidArgumentError("%s: must be contiguous (call .contiguous())" % name)
         t.device_kind = _capi.DEVICE_CUDA
-        t.ndim = value.dim()
-        for i in range(t.ndim):
-            t.shape[i] = value.shape[i]
+        shape = value.shape
+        t.ndim = len(shape)
+        t.shape[:t.ndim] = shape
+        if not dense:
             # A size-1 dimension's stride is arbitrary in torch; any positive one will do.
-            if not dense:
-                t.strides[i] = value.stride(i) if value.shape[i] != 1 else 1
+            t.strides[:t.ndim] = [st if n != 1 else 1 for n, st in zip(shape, value.stride())]
         t.data = value.data_ptr()
-        t.device_index = value.device.index if value.device.index is not None else 0
+        t.device_index = value.get_device()
         return _Operand(t, None, None, cuda=value)
 
     def _check_out_kind(self, operands: Sequence[_Operand], out: Any) -> Any:
