@@ -3,9 +3,15 @@
 #pragma once
 
 #include <dirent.h>
+#include <sys/socket.h>
 #include <sys/types.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,6 +39,29 @@ inline int CountFds(pid_t pid) {
     if (e->d_name[0] != '.') ++n;
   ::closedir(d);
   return n;
+}
+
+/// Connects to the unix socket `path` from a child process of uid and gid `uid` (the caller
+/// must be root): 0 when it connected, else the errno of the failed connect; -1 when the child
+/// could not be made or become `uid`. The child makes only system calls (the parent has
+/// threads); the address is built before the fork.
+inline int ConnectErrnoAs(uid_t uid, const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path) return -1;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const pid_t child = ::fork();
+  if (child < 0) return -1;
+  if (child == 0) {
+    if (::setgid(uid) != 0 || ::setuid(uid) != 0) ::_exit(255);
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0) ::_exit(255);
+    const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr);
+    ::_exit(rc == 0 ? 0 : (errno > 0 && errno < 255 ? errno : 255));
+  }
+  int status = 0;
+  if (::waitpid(child, &status, 0) != child || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status) == 255 ? -1 : WEXITSTATUS(status);
 }
 
 /// Polls `cond` for up to 20 s; for state the daemon reaches on its own, never for readiness.
