@@ -13,6 +13,7 @@
 #include <iterator>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "httplib.h"
@@ -36,9 +37,9 @@ std::string MetadataValue(const grpc::ServerContext* ctx, const char* key) {
   return std::string(range.first->second.data(), range.first->second.size());
 }
 
-// The control socket's path while gRPC binds it: `<dir>/.XXXXXX/s` in a directory of mode
-// 0700 beside the final path (same filesystem, so rename(2) can move it). The directory goes
-// with this object.
+// A gRPC socket's path while gRPC binds it: `<dir>/.XXXXXX/s` in a directory of mode 0700
+// beside the final path (same filesystem, so rename(2) can move it). The directory goes with
+// this object.
 class StagedSocket {
  public:
   static absl::StatusOr<StagedSocket> Make(const std::string& final_path) {
@@ -46,7 +47,7 @@ class StagedSocket {
     const std::string parent = slash == std::string::npos ? "." : final_path.substr(0, slash + 1);
     std::string dir = parent + ".XXXXXX";
     if (::mkdtemp(dir.data()) == nullptr)
-      return ErrnoError(StrCat("mkdtemp(", dir, ") to stage the control socket"), errno);
+      return ErrnoError(StrCat("mkdtemp(", dir, ") to stage the socket ", final_path), errno);
     StagedSocket s(dir, final_path);
     if (s.path().size() >= sizeof(sockaddr_un::sun_path))
       return absl::InvalidArgumentError(StrCat("socket: staging path ", s.path(),
@@ -70,7 +71,7 @@ class StagedSocket {
   /// Gives the socket `mode`, moves it to its final path and checks what is there now.
   absl::Status Publish(mode_t mode) {
     if (::chmod(path().c_str(), mode) != 0)
-      return ErrnoError(StrCat("chmod(", path(), ") of the control socket"), errno);
+      return ErrnoError(StrCat("chmod(", path(), ") of the socket ", final_), errno);
     if (::rename(path().c_str(), final_.c_str()) != 0)
       return ErrnoError(StrCat("rename(", path(), ", ", final_, ")"), errno);
     struct stat st {};
@@ -91,6 +92,25 @@ class StagedSocket {
   std::string dir_;
   std::string final_;
 };
+
+// gRPC binds a unix socket itself, with the permissions the umask leaves, and serves it at
+// once. So each server binds inside a fresh directory of mode 0700, where nobody else can
+// connect; the socket gets `mode` there and is renamed to `path` only then. No connection is
+// ever accepted under looser permissions than `mode`. `path` was claimed before.
+absl::StatusOr<std::unique_ptr<grpc::Server>> ServeStaged(
+    const std::string& path, mode_t mode, const std::vector<grpc::Service*>& services) {
+  ULY_ASSIGN_OR_RETURN(StagedSocket staged, StagedSocket::Make(path));
+  grpc::ServerBuilder builder;
+  int bound_port = 0;
+  builder.AddListeningPort("unix:" + staged.path(), grpc::InsecureServerCredentials(), &bound_port);
+  for (grpc::Service* s : services) builder.RegisterService(s);
+  // Every request is small (names are bounded at 256 bytes); this bounds what one can cost.
+  builder.SetMaxReceiveMessageSize(4 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", path));
+  ULY_RETURN_IF_ERROR(staged.Publish(mode));
+  return server;
+}
 
 }  // namespace
 
@@ -114,43 +134,20 @@ absl::Status Daemon::Start() {
   peer_ = MakePeerService(this);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
   // The control socket: a stale file from a crashed daemon is removed, a live one is refused.
   ULY_RETURN_IF_ERROR(ipc::ClaimSocketPath(config_.socket));
   const std::string operator_socket = config_.socket + std::string(kOperatorSocketSuffix);
   ULY_RETURN_IF_ERROR(ipc::ClaimSocketPath(operator_socket));
   // Both sockets were free: no instance of this device is alive, and what a dead one left may go.
   RemoveLeftovers();
-  // gRPC binds the control socket itself, with the permissions the umask leaves, and serves
-  // it at once. So it binds inside a fresh directory of mode 0700, where nobody else can
-  // connect; the socket gets its mode there and is renamed into place only then. No connection
-  // is ever accepted under looser permissions than 0660.
-  ULY_ASSIGN_OR_RETURN(StagedSocket staged, StagedSocket::Make(config_.socket));
-  int bound_port = 0;
-  builder.AddListeningPort("unix:" + staged.path(), grpc::InsecureServerCredentials(), &bound_port);
-  builder.RegisterService(control_.get());
-  builder.RegisterService(admin_.get());
-  builder.RegisterService(peer_.get());
-  // Every request is small (names are bounded at 256 bytes); this bounds what one can cost.
-  builder.SetMaxReceiveMessageSize(4 << 20);
   // Before serving: GetState reads it from the server's threads (ThreadSanitizer saw the write
   // race with them when it came after).
   started_ = absl::Now();
-  server_ = builder.BuildAndStart();
-  if (!server_) return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", config_.socket));
-  ULY_RETURN_IF_ERROR(staged.Publish(0660));
-  // The operator socket: a server of its own, so that a call knows which socket it came on;
-  // staged like the control socket, and never looser than 0600.
-  ULY_ASSIGN_OR_RETURN(StagedSocket op_staged, StagedSocket::Make(operator_socket));
-  grpc::ServerBuilder op_builder;
-  op_builder.AddListeningPort("unix:" + op_staged.path(), grpc::InsecureServerCredentials(),
-                              &bound_port);
-  op_builder.RegisterService(operator_admin_.get());
-  op_builder.SetMaxReceiveMessageSize(4 << 20);
-  operator_server_ = op_builder.BuildAndStart();
-  if (!operator_server_)
-    return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", operator_socket));
-  ULY_RETURN_IF_ERROR(op_staged.Publish(0600));
+  ULY_ASSIGN_OR_RETURN(server_, ServeStaged(config_.socket, 0660,
+                                            {control_.get(), admin_.get(), peer_.get()}));
+  // The operator socket: a server of its own, so that a call knows which socket it came on.
+  ULY_ASSIGN_OR_RETURN(operator_server_,
+                       ServeStaged(operator_socket, 0600, {operator_admin_.get()}));
   server_->GetHealthCheckService()->SetServingStatus(true);
   started_ok_ = true;
   if (absl::Status m = StartMetricsServer(); !m.ok()) return m;
