@@ -131,21 +131,26 @@ absl::Status Daemon::Start() {
   control_ = MakeControlService(this);
   admin_ = MakeAdminService(this, /*operator_socket=*/false);
   operator_admin_ = MakeAdminService(this, /*operator_socket=*/true);
-  peer_ = MakePeerService(this);
+  peer_ = MakePeerService(this, /*node_socket=*/false);
+  node_peer_ = MakePeerService(this, /*node_socket=*/true);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   // The control socket: a stale file from a crashed daemon is removed, a live one is refused.
   ULY_RETURN_IF_ERROR(ipc::ClaimSocketPath(config_.socket));
   const std::string operator_socket = config_.socket + std::string(kOperatorSocketSuffix);
   ULY_RETURN_IF_ERROR(ipc::ClaimSocketPath(operator_socket));
-  // Both sockets were free: no instance of this device is alive, and what a dead one left may go.
+  const std::string node_socket = config_.socket + std::string(kNodeSocketSuffix);
+  ULY_RETURN_IF_ERROR(ipc::ClaimSocketPath(node_socket));
+  // Every socket was free: no instance of this device is alive, and what a dead one left may go.
   RemoveLeftovers();
+  // The node socket first: a daemon whose control socket can be seen serves its peers already.
+  // A server of its own for each socket, so that a call knows which socket it came on.
+  ULY_ASSIGN_OR_RETURN(node_server_, ServeStaged(node_socket, 0600, {node_peer_.get()}));
   // Before serving: GetState reads it from the server's threads (ThreadSanitizer saw the write
   // race with them when it came after).
   started_ = absl::Now();
   ULY_ASSIGN_OR_RETURN(server_, ServeStaged(config_.socket, 0660,
                                             {control_.get(), admin_.get(), peer_.get()}));
-  // The operator socket: a server of its own, so that a call knows which socket it came on.
   ULY_ASSIGN_OR_RETURN(operator_server_,
                        ServeStaged(operator_socket, 0600, {operator_admin_.get()}));
   server_->GetHealthCheckService()->SetServingStatus(true);
@@ -243,8 +248,9 @@ void Daemon::Shutdown() {
     }
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   }
-  if (operator_server_)
-    operator_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  for (grpc::Server* other : {operator_server_.get(), node_server_.get()})
+    if (other != nullptr)
+      other->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   fd_listener_.Shutdown();
   if (metrics_http_) metrics_http_->stop();
   if (metrics_thread_.joinable()) metrics_thread_.join();
@@ -263,10 +269,11 @@ void Daemon::Shutdown() {
     }
     for (auto& [id, t] : workers) t.join();
   }
-  if (server_) server_->Wait();
-  if (operator_server_) operator_server_->Wait();
+  for (grpc::Server* server : {server_.get(), operator_server_.get(), node_server_.get()})
+    if (server != nullptr) server->Wait();
   ::unlink(config_.socket.c_str());
   ::unlink((config_.socket + std::string(kOperatorSocketSuffix)).c_str());
+  ::unlink((config_.socket + std::string(kNodeSocketSuffix)).c_str());
   if (!config_.ready_file.empty()) ::unlink(config_.ready_file.c_str());
   Logger("main")->info("ulyssesd stopped");
 }

@@ -276,10 +276,13 @@ class Daemon {
   std::atomic<bool> stopping_{false};
   bool started_ok_ = false;
 
+  // On the control socket; peer_ refuses every call there (the node socket's is node_peer_).
   std::unique_ptr<grpc::Service> control_, admin_, peer_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Service> operator_admin_;  // Admin on the operator socket
   std::unique_ptr<grpc::Server> operator_server_;
+  std::unique_ptr<grpc::Service> node_peer_;  // Peer on the node socket
+  std::unique_ptr<grpc::Server> node_server_;
   ipc::UnixListener fd_listener_;
   std::thread fd_thread_;
   std::unique_ptr<ipc::EventFd> poll_wake_;
@@ -305,6 +308,8 @@ std::unique_ptr<grpc::Service> MakeControlService(Daemon* d);
 /// Admin; `operator_socket`: the instance of the operator socket, which alone allows the calls
 /// that change the daemon's state (ulysses/common/sockets.h).
 std::unique_ptr<grpc::Service> MakeAdminService(Daemon* d, bool operator_socket);
-std::unique_ptr<grpc::Service> MakePeerService(Daemon* d);
+/// Peer; `node_socket`: the instance of the node socket, which alone serves its calls (the
+/// control socket's refuses each with PERMISSION_DENIED; ulysses/common/sockets.h).
+std::unique_ptr<grpc::Service> MakePeerService(Daemon* d, bool node_socket);
 
 }  // namespace ulysses::daemon

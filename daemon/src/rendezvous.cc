@@ -5,6 +5,7 @@
 
 #include "ulysses/common/geometry.h"
 #include "ulysses/common/logging.h"
+#include "ulysses/common/sockets.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/proto/grpc_status.h"
@@ -134,6 +135,15 @@ std::string GrpcTarget(const std::string& address) {
   return address;
 }
 
+absl::StatusOr<std::string> NodeSocketAddress(const std::string& address) {
+  // In every unix form the path ends the address, so the suffix goes at its end.
+  if (address.rfind("unix:", 0) == 0 || (!address.empty() && address[0] == '/'))
+    return StrCat(address, kNodeSocketSuffix);
+  return absl::InvalidArgumentError(
+      StrCat("member address '", address,
+             "' is not a unix socket: Peer is served on a daemon's node socket only"));
+}
+
 std::shared_ptr<grpc::Channel> ChannelCache::Get(const std::string& address, absl::Time now) {
   for (auto it = entries_.begin(); it != entries_.end();) {
     if (now - it->second.last_used > idle_) it = entries_.erase(it);
@@ -157,14 +167,17 @@ std::shared_ptr<grpc::Channel> ChannelCache::Get(const std::string& address, abs
   return it->second.channel;
 }
 
-std::shared_ptr<grpc::Channel> RendezvousClient::ChannelFor(const std::string& address) {
+absl::StatusOr<std::shared_ptr<grpc::Channel>> RendezvousClient::ChannelFor(
+    const std::string& address) {
+  ULY_ASSIGN_OR_RETURN(const std::string node, NodeSocketAddress(address));
   std::lock_guard<std::mutex> lock(mu_);
-  return channels_.Get(address, absl::Now());
+  return channels_.Get(node, absl::Now());
 }
 
 absl::Status RendezvousClient::Abort(const std::string& address, const std::string& key,
                                      const std::string& reason) {
-  auto stub = v1::Peer::NewStub(ChannelFor(address));
+  ULY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, ChannelFor(address));
+  auto stub = v1::Peer::NewStub(channel);
   v1::AbortRendezvousRequest req;
   req.set_key(key);
   req.set_reason(reason);
@@ -178,6 +191,7 @@ absl::StatusOr<std::vector<std::string>> RendezvousClient::Rendezvous(
     const std::string& address, const std::string& key, int world_size, int rank,
     const std::string& agreement, const std::string& payload, absl::Duration timeout,
     std::function<bool()> cancelled) {
+  ULY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, ChannelFor(address));
   // While this rank waits, a watcher aborts the key once the client it serves went away.
   std::mutex watch_mu;
   std::condition_variable watch_cv;
@@ -213,7 +227,7 @@ absl::StatusOr<std::vector<std::string>> RendezvousClient::Rendezvous(
       if (watcher.joinable()) watcher.join();
     }
   } stop{watch_mu, watch_cv, finished, watcher};
-  auto stub = v1::Peer::NewStub(ChannelFor(address));
+  auto stub = v1::Peer::NewStub(channel);
   v1::RendezvousRequest req;
   req.set_key(key);
   req.set_world_size(world_size);
@@ -232,8 +246,8 @@ absl::StatusOr<std::vector<std::string>> RendezvousClient::Rendezvous(
     absl::Status st = FromGrpcStatus(s);
     if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
         s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
-      return absl::Status(st.code(), StrCat("rendezvous with rank 0 at ", address, ": ",
-                                            st.message()));
+      return absl::Status(st.code(), StrCat("rendezvous with rank 0 at ", address,
+                                            kNodeSocketSuffix, ": ", st.message()));
     return st;
   }
   return std::vector<std::string>(resp.payloads().begin(), resp.payloads().end());

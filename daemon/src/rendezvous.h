@@ -1,8 +1,10 @@
 // Group rendezvous between daemons: an all-gather of one payload per rank under a key, with the
 // same verdict (success, mismatch, timeout, abort) on every rank. Rank 0's daemon hosts the
-// table; the others reach it through the Peer service at the group's member address, which is
-// the control socket of a daemon of the node (CheckMembers in requests.h: a unix socket path,
-// and one of the node config's devices[] when it lists any).
+// table; the others reach it through the Peer service on the node socket of the group's
+// member address. A member address is the control socket of a daemon of the node (CheckMembers
+// in requests.h: a unix socket path, and one of the node config's devices[] when it lists
+// any); that daemon serves Peer on the path + kNodeSocketSuffix (ulysses/common/sockets.h),
+// mode 0600, and refuses it on the control socket.
 #pragma once
 
 #include <condition_variable>
@@ -105,11 +107,14 @@ class ChannelCache {
   std::map<std::string, Entry> entries_;
 };
 
-/// Client side: reaches rank 0's Peer service. Channels are cached per address, bounded
-/// (ChannelCache). Thread-safe.
+/// Client side: reaches rank 0's Peer service on the node socket of its member address
+/// (NodeSocketAddress). Channels are cached per node socket, bounded (ChannelCache).
+/// Thread-safe.
 class RendezvousClient {
  public:
-  /// Arrives under `key` at rank 0's table (`address`) and waits for the verdict. `cancelled`,
+  /// Arrives under `key` at rank 0's table (`address`: rank 0's member address, its control
+  /// socket) and waits for the verdict. INVALID_ARGUMENT, nothing dialled, when `address` is not
+  /// a unix socket address. `cancelled`,
   /// when given, is polled while waiting (every 20 ms): once it is true (the client whose
   /// request this step serves went away), the key is aborted for every rank, so the peers get
   /// ABORTED at once instead of waiting out the timeout.
@@ -119,17 +124,25 @@ class RendezvousClient {
                                                       const std::string& payload,
                                                       absl::Duration timeout,
                                                       std::function<bool()> cancelled = nullptr);
-  /// Fails `key` at rank 0's table for every rank (AbortRendezvous).
+  /// Fails `key` at rank 0's table (`address` as for Rendezvous) for every rank
+  /// (AbortRendezvous).
   absl::Status Abort(const std::string& address, const std::string& key,
                      const std::string& reason);
 
  private:
-  std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);
+  /// The channel to the node socket of member address `address`.
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> ChannelFor(const std::string& address);
   std::mutex mu_;
   ChannelCache channels_;
 };
 
 /// Turns a member address ("unix:///p", "unix:/p", "/p" or "host:port") into a gRPC target.
 std::string GrpcTarget(const std::string& address);
+
+/// The node socket of the daemon whose control socket is the member address `address`
+/// ("unix:///p", "unix:/p" or "/p"), in the same form: the path with kNodeSocketSuffix
+/// appended ("unix:///p.node", ...). INVALID_ARGUMENT naming the address for any other form
+/// (host:port): only a unix socket has a node socket.
+absl::StatusOr<std::string> NodeSocketAddress(const std::string& address);
 
 }  // namespace ulysses::daemon

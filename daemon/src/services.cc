@@ -702,10 +702,13 @@ class AdminService final : public v1::Admin::Service {
 
 class PeerService final : public v1::Peer::Service {
  public:
-  explicit PeerService(Daemon* d) : d_(d) {}
+  // `node_socket`: this instance serves the node socket; on the control socket, which every
+  // client reaches, each call is PERMISSION_DENIED before its request is looked at.
+  PeerService(Daemon* d, bool node_socket) : d_(d), node_socket_(node_socket) {}
 
   grpc::Status Rendezvous(grpc::ServerContext*, const v1::RendezvousRequest* req,
                           v1::RendezvousResponse* resp) override {
+    if (!node_socket_) return NodeOnly("Rendezvous");
     absl::StatusOr<int64_t> ms = CheckRendezvousRequest(*req, d_->config().peer_timeout_ms);
     if (!ms.ok()) return ToGrpcStatus(ms.status());
     absl::StatusOr<std::vector<std::string>> out = d_->rendezvous_table().Arrive(
@@ -718,11 +721,19 @@ class PeerService final : public v1::Peer::Service {
 
   grpc::Status AbortRendezvous(grpc::ServerContext*, const v1::AbortRendezvousRequest* req,
                                v1::AbortRendezvousResponse*) override {
+    if (!node_socket_) return NodeOnly("AbortRendezvous");
     return ToGrpcStatus(d_->rendezvous_table().Abort(req->key(), req->reason()));
   }
 
  private:
+  grpc::Status NodeOnly(const char* rpc) const {
+    return ToGrpcStatus(absl::PermissionDeniedError(
+        StrCat("Peer.", rpc, " is for the node's daemons only: they call it on the node socket ",
+               d_->config().socket, kNodeSocketSuffix, " (mode 0600)")));
+  }
+
   Daemon* d_;
+  bool node_socket_;
 };
 
 }  // namespace
@@ -733,8 +744,8 @@ std::unique_ptr<grpc::Service> MakeControlService(Daemon* d) {
 std::unique_ptr<grpc::Service> MakeAdminService(Daemon* d, bool operator_socket) {
   return std::make_unique<AdminService>(d, operator_socket);
 }
-std::unique_ptr<grpc::Service> MakePeerService(Daemon* d) {
-  return std::make_unique<PeerService>(d);
+std::unique_ptr<grpc::Service> MakePeerService(Daemon* d, bool node_socket) {
+  return std::make_unique<PeerService>(d, node_socket);
 }
 
 }  // namespace ulysses::daemon

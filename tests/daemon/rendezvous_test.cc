@@ -1,5 +1,6 @@
 // The rendezvous client's channels: one per member address was kept for ever (10 MB more per
-// 300 addresses a client made the daemon dial).
+// 300 addresses a client made the daemon dial). And the address it dials for a member: that
+// daemon's node socket, whatever form of unix address names its control socket.
 #include "rendezvous.h"
 
 #include "gtest/gtest.h"
@@ -33,6 +34,40 @@ TEST(ChannelCacheTest, ChannelsUnusedPastTheIdleTimeAreDropped) {
   (void)cache.Get("/run/b.sock", t0 + absl::Minutes(6));
   EXPECT_EQ(cache.size(), 1u);
   EXPECT_TRUE(cache.contains("/run/b.sock"));
+}
+
+TEST(NodeSocketAddressTest, EachUnixFormGetsTheSuffixOnItsPath) {
+  struct Case {
+    const char* member;
+    const char* node;
+    const char* target;
+  };
+  const Case cases[] = {
+      {"/run/ulysses/gpu0.sock", "/run/ulysses/gpu0.sock.node",
+       "unix:///run/ulysses/gpu0.sock.node"},
+      {"unix:///run/ulysses/gpu0.sock", "unix:///run/ulysses/gpu0.sock.node",
+       "unix:///run/ulysses/gpu0.sock.node"},
+      {"unix:/run/ulysses/gpu0.sock", "unix:/run/ulysses/gpu0.sock.node",
+       "unix:/run/ulysses/gpu0.sock.node"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<std::string> node = NodeSocketAddress(c.member);
+    ASSERT_TRUE(node.ok()) << c.member << ": " << node.status();
+    EXPECT_EQ(*node, c.node);
+    EXPECT_EQ(GrpcTarget(*node), c.target);
+  }
+}
+
+TEST(NodeSocketAddressTest, AnAddressThatIsNoUnixSocketHasNone) {
+  for (const char* member : {"127.0.0.1:9", "dns:///example.org:80", ""}) {
+    absl::StatusOr<std::string> node = NodeSocketAddress(member);
+    EXPECT_EQ(node.status().code(), absl::StatusCode::kInvalidArgument) << member;
+  }
+  RendezvousClient client;
+  absl::StatusOr<std::vector<std::string>> out =
+      client.Rendezvous("127.0.0.1:9", "k", 1, 0, "a", "p", absl::Seconds(1));
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
+  EXPECT_EQ(client.Abort("127.0.0.1:9", "k", "r").code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

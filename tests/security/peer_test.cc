@@ -1,8 +1,20 @@
-// Peer.Rendezvous takes its fields from whoever reaches the control socket: each is bounded
-// and checked before the daemon allocates anything, and no error leaves a partial entry.
+// Peer is for the node's daemons: it is served on the node socket (mode 0600, the daemon's
+// uid), and the control socket, which every client reaches, refuses it. Before, any client
+// could take a rank of another tenant's rendezvous or abort its key there. On the node socket
+// each Rendezvous field is bounded and checked before the daemon allocates anything, and no
+// error leaves a partial entry.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "hostile_client.h"
+#include "ulysses/client/client.h"
+#include "ulysses/common/sockets.h"
 #include "ulysses/v1/peer.grpc.pb.h"
 
 namespace ulysses::security {
@@ -12,7 +24,18 @@ class PeerTest : public DaemonTest {
  protected:
   void SetUp() override {
     DaemonTest::SetUp();
-    peer_ = v1::Peer::NewStub(channel_);
+    // As the daemons call each other: on the node socket, as the daemon's uid (this test's).
+    peer_ = v1::Peer::NewStub(
+        grpc::CreateChannel("unix://" + NodeSocket(), grpc::InsecureChannelCredentials()));
+  }
+
+  std::string NodeSocket() const { return daemon_.socket() + std::string(kNodeSocketSuffix); }
+
+  int PendingRendezvous() {
+    v1::DaemonState st;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    return admin_->GetState(&ctx, {}, &st).ok() ? st.pending_rendezvous() : -1;
   }
 
   grpc::Status Rendezvous(const std::string& key, int32_t world_size, int32_t rank,
@@ -109,6 +132,138 @@ TEST_F(PeerTest, AMismatchedWorldSizeFailsTheKeyForBothRanksWithoutIndexingPastI
   EXPECT_NE(s.error_message().find("world_size mismatch"), std::string::npos) << s.error_message();
   first.join();
   ASSERT_TRUE(Serving());
+}
+
+// Two daemons of one node and a tenant with a client on each; a hostile client on rank 0's
+// control socket, as any client of the node can reach it.
+class PeerTenantTest : public PeerTest {
+ protected:
+  void SetUp() override {
+    PeerTest::SetUp();
+    absl::StatusOr<demo::DaemonProcess> second =
+        demo::StartDaemon(ULYSSESD_PATH, dir_, 1, "host");
+    ASSERT_TRUE(second.ok()) << second.status();
+    second_ = std::move(*second);
+    members_ = {daemon_.socket(), second_.socket()};
+    for (int r = 0; r < 2; ++r) {
+      auto c = client::Client::Connect({members_[r], StrCat("tenant", r), absl::Seconds(10)});
+      ASSERT_TRUE(c.ok()) << c.status();
+      tenant_[r] = std::move(*c);
+    }
+    hostile_ = v1::Peer::NewStub(channel_);
+  }
+  void TearDown() override {
+    for (auto& c : tenant_) c.reset();
+    second_ = demo::DaemonProcess();
+    PeerTest::TearDown();
+  }
+
+  absl::StatusOr<client::Group> Join(int rank, const std::string& name) {
+    return tenant_[rank]->JoinGroup({name, 2, rank, members_, "auto", 20000});
+  }
+
+  static void ExpectRefusedNaming(const grpc::Status& s, const std::string& node_socket) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_NE(s.error_message().find(node_socket), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("node's daemons only"), std::string::npos)
+        << s.error_message();
+  }
+
+  demo::DaemonProcess second_;
+  std::vector<std::string> members_;
+  std::unique_ptr<client::Client> tenant_[2];
+  std::unique_ptr<v1::Peer::Stub> hostile_;
+};
+
+// The impostor arrives first as rank 1 of the tenant's group "g", with the agreement an honest
+// rank sends (ControlService::JoinGroup) and an offer of its own. Before, it waited in rank
+// 0's table holding the rank: rank 0 met it, and the real rank 1 waited out its timeout.
+TEST_F(PeerTenantTest, AClientOfTheControlSocketCannotTakeARankOfAnotherTenantsGroup) {
+  v1::RendezvousRequest arrival;
+  arrival.set_key("join/g");
+  arrival.set_world_size(2);
+  arrival.set_rank(1);
+  arrival.set_agreement(
+      StrCat("name=g world_size=2 members=[", members_[0], ",", members_[1], ",] backend=auto"));
+  arrival.set_payload("host:1");
+  arrival.set_timeout_ms(60000);
+  grpc::Status taken;
+  std::atomic<bool> answered{false};
+  std::thread impostor([&] {
+    v1::RendezvousResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(90)));
+    taken = hostile_->Rendezvous(&ctx, arrival, &resp);
+    answered.store(true);
+  });
+  // Answered at once, or waiting in the table (holding the rank).
+  ASSERT_TRUE(Eventually([&] { return answered.load() || PendingRendezvous() > 0; }));
+  EXPECT_TRUE(answered.load()) << "a client of the control socket holds rank 1 of join/g";
+  EXPECT_EQ(PendingRendezvous(), 0);
+
+  absl::StatusOr<client::Group> joined[2] = {absl::UnknownError("not run"),
+                                             absl::UnknownError("not run")};
+  std::thread rank0([&] { joined[0] = Join(0, "g"); });
+  joined[1] = Join(1, "g");
+  rank0.join();
+  impostor.join();
+  ExpectRefusedNaming(taken, NodeSocket());
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(joined[r].ok()) << "rank " << r << ": " << joined[r].status();
+    EXPECT_EQ(joined[r]->rank, r);
+  }
+  EXPECT_EQ(PendingRendezvous(), 0);
+}
+
+// Rank 0 of the tenant's group "h" waits for rank 1 at its daemon's table; the hostile client
+// aborts the key. Before, rank 0 got ABORTED "rendezvous join/h aborted".
+TEST_F(PeerTenantTest, AClientOfTheControlSocketCannotAbortAnotherTenantsRendezvous) {
+  absl::StatusOr<client::Group> joined[2] = {absl::UnknownError("not run"),
+                                             absl::UnknownError("not run")};
+  std::thread rank0([&] { joined[0] = Join(0, "h"); });
+  ASSERT_TRUE(Eventually([&] { return PendingRendezvous() == 1; }));
+  v1::AbortRendezvousRequest abort;
+  abort.set_key("join/h");
+  abort.set_reason("hostile");
+  v1::AbortRendezvousResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  ExpectRefusedNaming(hostile_->AbortRendezvous(&ctx, abort, &resp), NodeSocket());
+  EXPECT_EQ(PendingRendezvous(), 1);  // rank 0 still waits
+  joined[1] = Join(1, "h");
+  rank0.join();
+  for (int r = 0; r < 2; ++r)
+    ASSERT_TRUE(joined[r].ok()) << "rank " << r << ": " << joined[r].status();
+}
+
+TEST_F(PeerTest, TheNodeSocketIsTheDaemonsUidAlone) {
+  struct stat st {};
+  ASSERT_EQ(::lstat(NodeSocket().c_str(), &st), 0) << NodeSocket();
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(st.st_uid, ::geteuid());
+  ExpectKeyUsable("served-here");
+  if (::geteuid() != 0) GTEST_SKIP() << "connecting as a second uid needs root";
+  EXPECT_EQ(ConnectErrnoAs(65534, NodeSocket()), EACCES)
+      << "uid 65534 could connect to the node socket";
+}
+
+TEST_F(PeerTest, TheNodeSocketGoesWithItsDaemonAndAKilledOnesIsReclaimed) {
+  const std::string node = NodeSocket();
+  struct stat st {};
+  ASSERT_TRUE(daemon_.Stop().ok());
+  EXPECT_NE(::lstat(node.c_str(), &st), 0) << node << " outlived its daemon";
+  // SIGKILL leaves the socket file; the next daemon of the device claims the path and serves.
+  StartDaemon({});
+  daemon_.Kill();
+  ASSERT_EQ(::lstat(node.c_str(), &st), 0) << node;
+  // StartDaemon waits for the ready file, which the killed daemon left (the next daemon
+  // removes it too: RestartTest).
+  ASSERT_EQ(::unlink((dir_ + "/gpu0.ready").c_str()), 0);
+  StartDaemon({});
+  peer_ = v1::Peer::NewStub(
+      grpc::CreateChannel("unix://" + node, grpc::InsecureChannelCredentials()));
+  ExpectKeyUsable("after-restart");
 }
 
 }  // namespace

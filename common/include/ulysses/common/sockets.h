@@ -10,4 +10,10 @@ namespace ulysses {
 /// refuses with PERMISSION_DENIED. The read-only Admin calls are served on both.
 inline constexpr std::string_view kOperatorSocketSuffix = ".admin";
 
+/// The node socket, `<socket>.node`, mode 0600 (the daemon's uid, and root): the Peer service,
+/// which the node's daemons call on each other to form groups and sessions (a member address
+/// names a daemon's control socket; its Peer is that path with this suffix). The control
+/// socket refuses every Peer call with PERMISSION_DENIED.
+inline constexpr std::string_view kNodeSocketSuffix = ".node";
+
 }  // namespace ulysses
