@@ -2,6 +2,9 @@
 // when W exceeds them) and real clients, every result checked bit for bit against the index
 // semantics. Skips without a CUDA device.
 #include <cuda_runtime_api.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <thread>
@@ -233,6 +236,90 @@ TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
   auto ok = (*s)->ScatterHeads(x->Ref(), 1, 64);
   EXPECT_TRUE(ok.ok()) << ok.status();
 }
+
+// A client killed mid-call, in a process of its own: rank 1's client dies while rank 0's call
+// waits for it (phase "session": rank 1 never called; phase "gated": rank 1's call is on its
+// daemon's stream, waiting for inputs its held stream never gives). Rank 0's call ends with
+// ABORTED long before the call timeout, rank 1's daemon gives back every byte of device memory
+// the client and its session held, and both daemons serve new sessions.
+class GpuClientKill : public GpuCluster, public testing::WithParamInterface<const char*> {};
+
+TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
+  const std::string phase = GetParam();
+  // A call timeout far beyond the test's: ABORTED can only come from the kill.
+  Start(2, {"--call-timeout-ms", "600000"});
+  const uint64_t baseline = State(1).device_bytes();
+  const std::string ready = dir_ + "/gpu-phase.ready";
+  const std::string members = Members(2)[0] + "," + Members(2)[1];
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execl(GPU_PHASE_CLIENT_PATH, GPU_PHASE_CLIENT_PATH, "--members", members.c_str(), "--rank",
+            "1", "--phase", phase.c_str(), "--ready", ready.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  } reap{pid};
+  auto c0 = client::Client::Connect({Members(2)[0], "survivor"});
+  ASSERT_TRUE(c0.ok()) << c0.status();
+  auto g0 = (*c0)->JoinGroup({"gpu-phase", 2, 0, Members(2), "nvlink", 0});
+  ASSERT_TRUE(g0.ok()) << g0.status();
+  auto s0 = (*c0)->CreateSession(*g0, {8, 64, DType::kBFloat16, 64, 2, {}, 0});
+  ASSERT_TRUE(s0.ok()) << s0.status();
+  auto x = (*c0)->AllocBuffer(64 * 8 * 64 * 2, "x");
+  ASSERT_TRUE(x.ok()) << x.status();
+  ASSERT_TRUE(testing_util::Eventually([&] { return ::access(ready.c_str(), F_OK) == 0; }))
+      << "the phase client did not get to its phase";
+  if (phase == "gated") {
+    ASSERT_TRUE(testing_util::Eventually([&] { return State(1).active_calls() == 1; }))
+        << "rank 1's call is not in its daemon";
+  }
+  absl::StatusOr<client::Result> call;
+  std::thread caller([&] { call = (*s0)->ScatterHeads(x->Ref(), 1, 64); });
+  EXPECT_TRUE(testing_util::Eventually([&] { return State(0).active_calls() == 1; }))
+      << "rank 0's call is not in its daemon";
+  ::kill(pid, SIGKILL);
+  caller.join();
+  ASSERT_FALSE(call.ok());
+  EXPECT_EQ(call.status().code(), absl::StatusCode::kAborted) << call.status();
+  // Rank 1's daemon reclaimed the client: no client, no session, its memory back to baseline.
+  EXPECT_TRUE(testing_util::Eventually([&] { return ListClients(1).empty(); }));
+  EXPECT_TRUE(testing_util::Eventually([&] { return NumSessions(1) == 0; }));
+  EXPECT_TRUE(testing_util::Eventually([&] { return State(1).device_bytes() == baseline; }))
+      << State(1).device_bytes() << " bytes held, baseline " << baseline;
+  // Both daemons serve: a one-rank session on each runs a call, bit-exact on the device.
+  for (int r = 0; r < 2; ++r) {
+    auto c = client::Client::Connect({Members(2)[r], "after"});
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto g = (*c)->JoinGroup({StrCat("after-", r), 1, 0, {Members(2)[r]}, "nvlink", 0});
+    ASSERT_TRUE(g.ok()) << g.status();
+    auto s = (*c)->CreateSession(*g, {8, 64, DType::kBFloat16, 64, 2, {}, 0});
+    ASSERT_TRUE(s.ok()) << s.status();
+    auto in = (*c)->AllocBuffer(64 * 8 * 64 * 2, "x");
+    ASSERT_TRUE(in.ok()) << in.status();
+    std::vector<uint16_t> host(64 * 8 * 64);
+    for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint16_t>(i * 2654435761u >> 16);
+    ASSERT_EQ(cudaMemcpy(in->data, host.data(), host.size() * 2, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    auto res = (*s)->ScatterHeads(in->Ref(), 1, 64);
+    ASSERT_TRUE(res.ok()) << "rank " << r << ": " << res.status();
+    std::vector<uint16_t> back(host.size());
+    ASSERT_EQ(cudaMemcpy(back.data(), res->data, back.size() * 2, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(std::memcmp(back.data(), host.data(), host.size() * 2), 0)
+        << "rank " << r << ": a one-rank scatter_heads is the identity";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Phases, GpuClientKill, testing::Values("session", "gated"),
+                         [](const testing::TestParamInfo<const char*>& i) {
+                           return std::string(i.param);
+                         });
 
 }  // namespace
 }  // namespace ulysses

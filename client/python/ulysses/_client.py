@@ -163,10 +163,13 @@ class _Slot:
     v results of a fused call (one handle each, sharing the slot). ``parts`` lists
     ``(data, shape, bytes)`` of each handle; ``data``, ``shape`` and ``bytes`` are the first's."""
 
-    def __init__(self, ptrs: Union[int, Sequence[int]], session: "_Session"):
+    def __init__(self, ptrs: Union[int, Sequence[int]], session: "_Session",
+                 stream: Optional[int] = None):
         ptrs = [ptrs] if isinstance(ptrs, int) else list(ptrs)
         self._handles = [_Handle(p, "uly_result_free") for p in ptrs]
         self.session = session  # its segment stays mapped while this lives
+        # The cudaStream_t the call was ordered on (None or 0: the legacy default stream).
+        self.stream = stream
         lib = _capi.library()
         self.parts: List[Tuple[Optional[int], Tuple[int, ...], int]] = []
         held = False
@@ -645,7 +648,7 @@ class HeadExchange(_Session):
             elif out_op.staged is not None:
                 np.copyto(out_op.array, out_op.staged)
             return out
-        slot = _Slot(result.value, self)
+        slot = _Slot(result.value, self, call.args.stream)
         first = call.operands[0]
         like = first.array.dtype if first.array is not None else None
         return self._result(slot, like, bool(call.is_torch and call.is_torch[0]))

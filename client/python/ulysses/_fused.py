@@ -114,7 +114,7 @@ class QkvNormRopeExchange(_Session):
             ctypes.byref(count)))
         if not want_results:
             return self._split_out(out)
-        slot = _Slot([results[i] for i in range(count.value)], self)
+        slot = _Slot([results[i] for i in range(count.value)], self, args.stream)
         if out is not None:
             try:
                 planes = [self._slot_array(slot, out_op.array.dtype, i)

@@ -110,7 +110,9 @@ class DeviceSlot:
     (version 3) describes it: ``torch.as_tensor(slot)``, ``cupy.asarray(slot)`` or numba view it
     without a copy, and keep this object (and so the slot) alive while they live. The data is
     valid in the order of the call's stream (torch's current stream at the call): work on
-    that stream sees it; another stream must wait for that stream first. Read-only,
+    that stream sees it; another stream must wait for that stream first. The interface's
+    ``stream`` entry names that stream (1 for the legacy default stream), so consumers that
+    follow version 3 (cupy, numba) order their use after it. Read-only,
     although the interface cannot say so (torch refuses the read-only flag): a kernel writing
     into it faults. bfloat16 results are exposed as int16 bits (``typestr`` ``<i2``); torch
     users get a bfloat16 tensor from the calls directly."""
@@ -121,9 +123,10 @@ class DeviceSlot:
         self._slot = slot
         self.bfloat16 = bfloat16
         data, shape, _ = slot.parts[part]  # q, k or v of a fused call's slot: part 0, 1, 2
+        stream = getattr(slot, "stream", None)
         self.__cuda_array_interface__ = {
             "shape": tuple(shape), "typestr": typestr, "data": (int(data), False),
-            "strides": None, "version": 3, "stream": None}
+            "strides": None, "version": 3, "stream": int(stream) if stream else 1}
 
     @property
     def shape(self) -> tuple:
