@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -244,6 +245,13 @@ TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
 // the client and its session held, and both daemons serve new sessions.
 class GpuClientKill : public GpuCluster, public testing::WithParamInterface<const char*> {};
 
+// The phase client: $GPU_PHASE_CLIENT when set (a build copied to another machine), else this
+// build's.
+std::string PhaseClientPath() {
+  const char* e = std::getenv("GPU_PHASE_CLIENT");
+  return e != nullptr && *e != '\0' ? e : GPU_PHASE_CLIENT_PATH;
+}
+
 TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
   const std::string phase = GetParam();
   // A call timeout far beyond the test's: ABORTED can only come from the kill.
@@ -251,9 +259,10 @@ TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
   const uint64_t baseline = State(1).device_bytes();
   const std::string ready = dir_ + "/gpu-phase.ready";
   const std::string members = Members(2)[0] + "," + Members(2)[1];
+  const std::string program = PhaseClientPath();
   const pid_t pid = ::fork();
   if (pid == 0) {
-    ::execl(GPU_PHASE_CLIENT_PATH, GPU_PHASE_CLIENT_PATH, "--members", members.c_str(), "--rank",
+    ::execl(program.c_str(), program.c_str(), "--members", members.c_str(), "--rank",
             "1", "--phase", phase.c_str(), "--ready", ready.c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
