@@ -51,6 +51,7 @@
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/client/client.h"
+#include "ulysses/common/config.h"
 #include "ulysses/common/geometry.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
@@ -696,6 +697,10 @@ int Main(int argc, char** argv) {
   app.add_option("--parts", parts, "exchange and/or overhead")->delimiter(',');
   app.add_option("--heads-per-rank", heads_per_rank, "H/W (H = this times W); bf16")->check(CLI::PositiveNumber);
   app.add_option("--head-dim", head_dim, "D")->check(CLI::PositiveNumber);
+  int64_t ring_spin_us = -1;
+  app.add_option("--ring-spin-us", ring_spin_us,
+                 "The daemons' rings.worker_spin_us (default: the daemon's own, 50)")
+      ->check(CLI::Range(int64_t{-1}, ulysses::kMaxRingSpinUs));
   app.add_option("--warmup", m.warmup, "Untimed samples per variant before the rounds")->check(CLI::NonNegativeNumber);
   app.add_option("--rounds", m.rounds, "Rounds (variants forward, then reversed)")->check(CLI::PositiveNumber);
   app.add_option("--samples", m.samples, "Samples per variant per round (split over its two visits)")
@@ -800,6 +805,7 @@ int Main(int argc, char** argv) {
     }
     Json cfg;
     cfg["slots"]["memory_budget_bytes"] = budget;
+    if (ring_spin_us >= 0) cfg["rings"]["worker_spin_us"] = ring_spin_us;
     status = WriteTextFile(config, cfg.dump());
     if (!status.ok()) break;
     Say(StrCat("W=", W, ": starting ", W, " ulyssesd (nvlink backend) on ", prop.name));
@@ -927,6 +933,7 @@ int Main(int argc, char** argv) {
   out["world_size"] = Json(std::vector<int>(world_list.begin(), world_list.end()));
   out["mps"] = mps;
   out["mps_mode"] = mps_mode;
+  out["ring_spin_us"] = ring_spin_us >= 0 ? ring_spin_us : ulysses::DaemonConfig{}.ring_spin_us;
   out["dtype"] = "bf16";
   out["heads_per_rank"] = heads_per_rank;
   out["head_dim"] = head_dim;

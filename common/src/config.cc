@@ -75,7 +75,7 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
   }
   ULY_RETURN_IF_ERROR(CheckKeys(root, "", {"log_level", "backend", "timeouts", "slots",
                                            "metrics", "ready_file", "devices",
-                                           "flight_recorder_size", "limits"}));
+                                           "flight_recorder_size", "limits", "rings"}));
   DaemonConfig c;
   c.device = device;
   ULY_RETURN_IF_ERROR(Read(root, "flight_recorder_size", "", &c.flight_recorder_size));
@@ -107,6 +107,11 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
     ULY_RETURN_IF_ERROR(Read(l, "buffer_bytes_per_client", "limits", &d.buffer_bytes_per_client));
     ULY_RETURN_IF_ERROR(Read(l, "buffer_bytes_per_uid", "limits", &d.buffer_bytes_per_uid));
     ULY_RETURN_IF_ERROR(Read(l, "pending_fds_per_client", "limits", &d.pending_fds_per_client));
+  }
+  if (root.contains("rings")) {
+    const json& r = root["rings"];
+    ULY_RETURN_IF_ERROR(CheckKeys(r, "rings", {"worker_spin_us"}));
+    ULY_RETURN_IF_ERROR(Read(r, "worker_spin_us", "rings", &c.ring_spin_us));
   }
   if (root.contains("metrics")) {
     const json& m = root["metrics"];
@@ -161,6 +166,7 @@ constexpr KeyFlag kKeyFlags[] = {
     {"timeouts.peer_ms", "--peer-timeout-ms"},
     {"timeouts.drain_ms", "--drain-timeout-ms"},
     {"metrics.address", "--metrics-address"},
+    {"rings.worker_spin_us", "--ring-spin-us"},
 };
 
 absl::Status Invalid(std::string_view key, std::string_view rule) {
@@ -264,6 +270,9 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
     return Invalid("limits.buffer_bytes_per_uid", "must be >= 1, got 0");
   if (c.bind_timeout_ms <= 0 || c.bind_timeout_ms > 3600 * 1000)
     return Invalid("timeouts.bind_ms", StrCat("must be in [1, 3600000], got ", c.bind_timeout_ms));
+  if (c.ring_spin_us < 0 || c.ring_spin_us > kMaxRingSpinUs)
+    return Invalid("rings.worker_spin_us",
+                   StrCat("must be in [0, ", kMaxRingSpinUs, "], got ", c.ring_spin_us));
   if (c.flight_recorder_size < 1 || c.flight_recorder_size > 1000000)
     return Invalid("flight_recorder_size",
                    StrCat("must be in [1, 1000000], got ", c.flight_recorder_size));

@@ -312,6 +312,8 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     }
     return true;
   };
+  // After a call, the worker polls its ring this long before it sleeps (rings.worker_spin_us).
+  const absl::Duration spin = absl::Microseconds(config_.ring_spin_us);
   for (;;) {
     ipc::CallDescriptor d;
     // With calls in flight, poll them every 20 us for 2 ms after the last progress, then about
@@ -321,7 +323,7 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
                                   : now - last_progress < absl::Milliseconds(2) ? absl::Microseconds(20)
                                                                                 : absl::Milliseconds(1);
     absl::StatusOr<bool> got = ipc::PopWait(*rings->submit, &d, rings->submit_bell, now + window,
-                                            &rings->header->abort);
+                                            &rings->header->abort, spin);
     if (!got.ok()) {
       if (got.status().code() != absl::StatusCode::kAborted) {
         // The client corrupted its own ring: it cannot be served any more.

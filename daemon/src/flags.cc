@@ -18,6 +18,7 @@ void DaemonFlags::ApplyTo(DaemonConfig& c) const {
   if (peer_opt->count()) c.peer_timeout_ms = peer_timeout_ms;
   if (drain_opt->count()) c.drain_timeout_ms = drain_timeout_ms;
   if (metrics_opt->count()) c.metrics_address = metrics_address;
+  if (ring_spin_opt->count()) c.ring_spin_us = ring_spin_us;
 }
 
 void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
@@ -54,6 +55,10 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
   f.metrics_opt = app.add_option("--metrics-address", f.metrics_address,
                                  "Serve Prometheus metrics on HOST:PORT, e.g. 127.0.0.1:9500 or "
                                  "[::1]:9500; port 0 picks one (config: metrics.address; default off)");
+  f.ring_spin_opt = app.add_option("--ring-spin-us", f.ring_spin_us,
+                                   "How long a ring worker polls after its last call before it "
+                                   "sleeps, 0 to 1000000 (config: rings.worker_spin_us; default 50)")
+                        ->check(cli::Integer());
 }
 
 }  // namespace ulysses::daemon

@@ -362,4 +362,23 @@ TEST(DaemonConfigTest, LimitsParsedDefaultedAndChecked) {
 }
 
 }  // namespace
+TEST(DaemonConfig, RingWorkerSpinIsReadBoundedAndNamedWithItsFlag) {
+  EXPECT_EQ(ParseDaemonConfig("{}", 0)->ring_spin_us, 50);
+  absl::StatusOr<DaemonConfig> c = ParseDaemonConfig(R"({"rings": {"worker_spin_us": 2000}})", 0);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->ring_spin_us, 2000);
+  EXPECT_EQ(ParseDaemonConfig(R"({"rings": {"worker_spin_us": 0}})", 0)->ring_spin_us, 0);
+  for (const char* bad : {R"({"rings": {"worker_spin_us": -1}})",
+                          R"({"rings": {"worker_spin_us": 1000001}})"}) {
+    absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(bad, 0);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("rings.worker_spin_us (--ring-spin-us)"),
+              std::string::npos)
+        << r.status();
+  }
+  absl::StatusOr<DaemonConfig> typo = ParseDaemonConfig(R"({"rings": {"spin_us": 5}})", 0);
+  ASSERT_FALSE(typo.ok());
+  EXPECT_NE(typo.status().message().find("spin_us"), std::string::npos) << typo.status();
+}
+
 }  // namespace ulysses

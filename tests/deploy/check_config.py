@@ -34,6 +34,7 @@ FULL = {
     "metrics": {"address": "127.0.0.1:9500"},
     "ready_file": "/run/ulysses/gpu0.ready",
     "flight_recorder_size": 64,
+    "rings": {"worker_spin_us": 500},
     "limits": {"max_clients": 64, "clients_per_uid": 8, "buffers_per_client": 128,
                "buffer_bytes_per_client": 1 << 30, "buffer_bytes_per_uid": 1 << 31,
                "pending_fds_per_client": 16},
@@ -75,6 +76,9 @@ BAD = [
      "limits.buffer_bytes_per_uid"),
     ("string limit", {"limits": {"buffers_per_client": "8"}}, "limits.buffers_per_client"),
     ("bind timeout over an hour", {"timeouts": {"bind_ms": 3600001}}, "timeouts.bind_ms"),
+    ("negative ring spin", {"rings": {"worker_spin_us": -1}}, "rings.worker_spin_us"),
+    ("ring spin over a second", {"rings": {"worker_spin_us": 1000001}}, "rings.worker_spin_us"),
+    ("unknown key in rings", {"rings": {"spin": 5}}, "rings.spin"),
 ]
 
 # Good configs beyond the shipped ones: edge values both must accept.
@@ -87,6 +91,8 @@ GOOD_EDGES = [
     ("backend nccl", {"backend": "nccl"}),
     ("drain timeout 0", {"timeouts": {"drain_ms": 0}}),
     ("recorder of size 1000000", {"flight_recorder_size": 1000000}),
+    ("no ring spin", {"rings": {"worker_spin_us": 0}}),
+    ("ring spin of a second", {"rings": {"worker_spin_us": 1000000}}),
 ]
 
 # (flag, value, ok?, what stderr names): ulyssesd --check-config {} FLAG VALUE.
@@ -98,6 +104,8 @@ FLAGS = [
     ("--peer-timeout-ms", "0", False, "--peer-timeout-ms"),
     ("--drain-timeout-ms", "-1", False, "--drain-timeout-ms"),
     ("--drain-timeout-ms", "0", True, ""),
+    ("--ring-spin-us", "-1", False, "--ring-spin-us"),
+    ("--ring-spin-us", "2000", True, ""),
     ("--backend", "nccl", True, ""),
     ("--backend", "nvlink", True, ""),
     ("--backend", "gpu", False, "--backend"),

@@ -39,6 +39,10 @@ struct DaemonConfig {
   int64_t drain_timeout_ms = 30000;   ///< SIGTERM: how long running calls may take to finish
   int64_t bind_timeout_ms = 10000;    ///< an attached client must bind its fd socket by then
   int32_t flight_recorder_size = 1024;  ///< calls the flight recorder keeps
+  /// How long a client's ring worker polls its submission ring after its last call before it
+  /// sleeps on the doorbell (rings.worker_spin_us): a call that comes within it costs no
+  /// wake-up; the worker's core is busy meanwhile.
+  int64_t ring_spin_us = 50;
   uint64_t slot_memory_budget_bytes = 8ull << 30;  ///< receive-slot memory this daemon may hold
   std::string ready_file;             ///< written once the daemon serves (empty: none)
   std::string metrics_address;        ///< host:port of the metrics endpoint (empty: off)
@@ -47,6 +51,9 @@ struct DaemonConfig {
 };
 
 /// Every backend name a config or flag may give.
+/// The longest rings.worker_spin_us: one second.
+inline constexpr int64_t kMaxRingSpinUs = 1000000;
+
 inline constexpr std::array<std::string_view, 4> kBackendNames = {"auto", "host", "nccl",
                                                                   "nvlink"};
 /// The backends this build's daemon runs (`auto` resolves among them). A name in

@@ -216,12 +216,14 @@ struct SpscRing {
 ///   deadline; a past deadline checks once);
 /// - false once `deadline` has passed (absl::InfiniteFuture(): never);
 /// - DATA_LOSS from TryPop (corrupted positions), or the errno of the eventfd wait.
-/// Between rounds it waits on `bell` for at most kMaxDoorbellWaitMs, and re-checks the ring
-/// whether or not the bell rang. Consumes the bell's pending rings. Call it from the consumer
+/// It first polls the ring for `spin` (at most until the deadline); between rounds after that
+/// it waits on `bell` for at most kMaxDoorbellWaitMs, and re-checks the ring whether or not
+/// the bell rang. Consumes the bell's pending rings. Call it from the consumer
 /// only; `bell` must be the ring's doorbell (its rings are consumed here).
 template <typename Record, uint32_t kCapacity>
 absl::StatusOr<bool> PopWait(SpscRing<Record, kCapacity>& ring, Record* out, EventFd& bell,
-                             absl::Time deadline, const std::atomic<uint64_t>* abort = nullptr) {
+                             absl::Time deadline, const std::atomic<uint64_t>* abort = nullptr,
+                             absl::Duration spin = kRingSpin) {
   bool spun = false;
   for (;;) {
     if (abort != nullptr) {
@@ -231,11 +233,11 @@ absl::StatusOr<bool> PopWait(SpscRing<Record, kCapacity>& ring, Record* out, Eve
     ULY_ASSIGN_OR_RETURN(const bool popped, ring.TryPop(out));
     if (popped) return true;
     if (!spun) {
-      // Poll briefly before sleeping: a record that arrives within kRingSpin costs no wake-up.
+      // Poll briefly before sleeping: a record that arrives within `spin` costs no wake-up.
       spun = true;
       absl::Status error;
       bool got = false;
-      SpinFor(std::min(kRingSpin, std::max(absl::ZeroDuration(), deadline - absl::Now())), [&] {
+      SpinFor(std::min(spin, std::max(absl::ZeroDuration(), deadline - absl::Now())), [&] {
         if (abort != nullptr && abort->load(std::memory_order_acquire) != 0) return true;
         absl::StatusOr<bool> p = ring.TryPop(out);
         if (!p.ok()) error = p.status();
