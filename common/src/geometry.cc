@@ -45,16 +45,35 @@ absl::StatusOr<DType> ParseDType(std::string_view name) {
       StrCat("dtype: '", name, "' is not one of float16, bfloat16, float32"));
 }
 
-std::string_view OpName(OpKind op) {
-  switch (op) {
-    case OpKind::kScatterHeads: return "scatter_heads";
-    case OpKind::kGatherHeads: return "gather_heads";
-    case OpKind::kScatterQkvHeadChunk: return "scatter_qkv_head_chunk";
-    case OpKind::kGatherOutputHeadChunk: return "gather_output_head_chunk";
-    case OpKind::kQkvNormRopeExchange: return "qkv_norm_rope_exchange";
-    default: return "unspecified";
-  }
+namespace {
+
+// The op set, indexed by OpKind value. docs/api.md section 2 gives each op's semantics.
+constexpr OpTraits kOps[kNumOpKinds] = {
+    {},
+    {.op = OpKind::kScatterHeads, .name = "scatter_heads", .inputs = {"x"}, .num_inputs = 1},
+    {.op = OpKind::kGatherHeads, .name = "gather_heads", .inputs = {"y"}, .num_inputs = 1,
+     .input_global = true},
+    {.op = OpKind::kScatterQkvHeadChunk, .name = "scatter_qkv_head_chunk",
+     .inputs = {"q", "k", "v"}, .num_inputs = 3, .head_chunk = true, .width = 3},
+    {.op = OpKind::kGatherOutputHeadChunk, .name = "gather_output_head_chunk", .inputs = {"x"},
+     .num_inputs = 1, .head_chunk = true, .input_global = true, .merges_into_out = true},
+    {.op = OpKind::kQkvNormRopeExchange, .name = "qkv_norm_rope_exchange",
+     .inputs = {"x", "positions"}, .num_inputs = 2, .fused = true},
+};
+
+}  // namespace
+
+const OpTraits& Traits(OpKind op) {
+  const auto i = static_cast<int32_t>(op);
+  return i > 0 && i < kNumOpKinds ? kOps[i] : kOps[0];
 }
+
+bool IsHeadExchangeOp(OpKind op) {
+  const OpTraits& t = Traits(op);
+  return t.op != OpKind::kUnspecified && !t.fused;
+}
+
+std::string_view OpName(OpKind op) { return Traits(op).name; }
 
 std::string_view SessionKindName(SessionKind kind) {
   return kind == SessionKind::kQkvNormRopeExchange ? "qkv_norm_rope_exchange" : "head_exchange";
@@ -122,14 +141,8 @@ absl::Status ValidateSessionGeometry(const SessionGeometry& g) {
 }
 
 std::vector<std::string_view> InputNames(OpKind op) {
-  switch (op) {
-    case OpKind::kScatterHeads: return {"x"};
-    case OpKind::kGatherHeads: return {"y"};
-    case OpKind::kScatterQkvHeadChunk: return {"q", "k", "v"};
-    case OpKind::kGatherOutputHeadChunk: return {"x"};
-    case OpKind::kQkvNormRopeExchange: return {"x", "positions"};
-    default: return {};
-  }
+  const OpTraits& t = Traits(op);
+  return {t.inputs.begin(), t.inputs.begin() + t.num_inputs};
 }
 
 }  // namespace ulysses

@@ -96,11 +96,12 @@ absl::StatusOr<CallPlan> PlanCall(const SessionGeometry& g, const CallArgs& args
   if (args.op == OpKind::kQkvNormRopeExchange)
     return Invalid("op", "qkv_norm_rope_exchange is the op of a qkv_norm_rope_exchange session, "
                          "not of a head_exchange session");
-  if (args.op < OpKind::kScatterHeads || args.op > OpKind::kGatherOutputHeadChunk)
+  if (!IsHeadExchangeOp(args.op))
     return Invalid("op", StrCat("unknown operation ", static_cast<int>(args.op)));
+  const OpTraits& op = Traits(args.op);
   if (args.batch <= 0) return Invalid("batch", StrCat("must be > 0, got ", args.batch));
   if (args.seq <= 0) return Invalid("seq", StrCat("must be > 0, got ", args.seq));
-  const bool gather = args.op == OpKind::kGatherHeads || args.op == OpKind::kGatherOutputHeadChunk;
+  const bool gather = op.input_global;
   if (gather && args.seq % W != 0)
     return Invalid("seq", StrCat("S_g=", args.seq, " must be divisible by world_size W=", W));
   p.batch = args.batch;
@@ -109,10 +110,8 @@ absl::StatusOr<CallPlan> PlanCall(const SessionGeometry& g, const CallArgs& args
   int64_t SG = 0;  // S_g = S_l * W, which a huge seq overflows
   if (MulOverflow(SL, W, &SG))
     return Invalid("seq", StrCat("S_l=", SL, " times world_size W=", W, " overflows 64 bits"));
-  const bool chunk =
-      args.op == OpKind::kScatterQkvHeadChunk || args.op == OpKind::kGatherOutputHeadChunk;
   int64_t HC = HL;
-  if (chunk) {
+  if (op.head_chunk) {
     if (args.head_count <= 0)
       return Invalid("head_count", StrCat("must be > 0, got ", args.head_count));
     if (args.head_offset < 0)
@@ -130,24 +129,13 @@ absl::StatusOr<CallPlan> PlanCall(const SessionGeometry& g, const CallArgs& args
   if (MulOverflow(B, SL, &tokens)) return Invalid("batch", "batch*seq overflows");
   std::array<int64_t, 4> in_shape{}, out_shape{};
   int64_t slot_elems = 0;
-  switch (args.op) {
-    case OpKind::kScatterHeads:
-      in_shape = {B, SL, H, D};
-      out_shape = {B, SG, HL, D};
-      break;
-    case OpKind::kGatherHeads:
-      in_shape = {B, SG, HL, D};
-      out_shape = {B, SL, H, D};
-      break;
-    case OpKind::kScatterQkvHeadChunk:
-      in_shape = {B, SL, H, D};
-      out_shape = {B, SG, HC, 3 * D};
-      break;
-    case OpKind::kGatherOutputHeadChunk:
-      in_shape = {B, SG, HC, D};
-      out_shape = {B, SL, H, D};
-      break;
-    default: break;
+  // HC is H_l unless the op takes a band (OpTraits).
+  if (op.input_global) {
+    in_shape = {B, SG, HC, D};
+    out_shape = {B, SL, H, D};
+  } else {
+    in_shape = {B, SL, H, D};
+    out_shape = {B, SG, HC, op.width * D};
   }
   for (int64_t d : {in_shape[0], in_shape[1], in_shape[2], in_shape[3]}) {
     if (__builtin_mul_overflow(payload == 0 ? 1 : payload, d, &payload))
@@ -157,9 +145,8 @@ absl::StatusOr<CallPlan> PlanCall(const SessionGeometry& g, const CallArgs& args
     return Invalid(InputNames(args.op)[0], StrCat("numel ", payload,
                                                         " exceeds the int32 limit ", kInt32Max));
   // Exchanged payload: what this rank sends, W blocks of its share.
-  const int64_t width = args.op == OpKind::kScatterQkvHeadChunk ? 3 * D : D;
-  const int64_t send_heads = (args.op == OpKind::kScatterQkvHeadChunk ||
-                              args.op == OpKind::kGatherOutputHeadChunk) ? HC : HL;
+  const int64_t width = op.width * D;
+  const int64_t send_heads = HC;
   int64_t send = 0;
   if (MulOverflow(tokens, W * send_heads * width, &send) || send > kInt32Max)
     return Invalid("seq", StrCat("exchanged payload B*S_l*W*", send_heads, "*", width,
@@ -168,10 +155,9 @@ absl::StatusOr<CallPlan> PlanCall(const SessionGeometry& g, const CallArgs& args
     return absl::ResourceExhaustedError(StrCat(
         "capacity: batch*seq_local = ", tokens, " exceeds the session's max_tokens ",
         g.max_tokens));
-  switch (args.op) {
-    case OpKind::kGatherOutputHeadChunk: slot_elems = B * SL * W * HC * D; break;
-    default: slot_elems = out_shape[0] * out_shape[1] * out_shape[2] * out_shape[3];
-  }
+  // The slot holds the result, or the received blocks that a merge writes into out.
+  const std::array<int64_t, 4>& held = op.merges_into_out ? in_shape : out_shape;
+  slot_elems = held[0] * held[1] * held[2] * held[3];
   p.out_shape = out_shape;
   p.slot_elems = slot_elems;
 
@@ -187,7 +173,7 @@ absl::StatusOr<CallPlan> PlanCall(const SessionGeometry& g, const CallArgs& args
       return Invalid("inputs", StrCat(OpName(args.op), " takes ", p.num_inputs,
                                             " input(s), got an operand in position ", i));
   }
-  const bool out_required = args.op == OpKind::kGatherOutputHeadChunk;
+  const bool out_required = op.merges_into_out;
   if (out_required && !args.out.present())
     return Invalid("out", "gather_output_head_chunk requires an out tensor [B,S_l,H,D]");
   if (args.out.present()) {

@@ -191,7 +191,7 @@ class CudaTransport final : public Transport {
   }
 
   bool PushesAtOnce(const CallPlan& plan) const override {
-    return plan.op == OpKind::kQkvNormRopeExchange;
+    return Traits(plan.op).fused;
   }
 
   // The fused call: the plan's GEMM, norm + RoPE and stores write this rank's band of every
@@ -199,7 +199,7 @@ class CudaTransport final : public Transport {
   // Readiness is the stream protocol's (Enqueue's arrival words), so no per-launch words.
   absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot,
                        uint64_t epoch) override {
-    if (plan.op != OpKind::kQkvNormRopeExchange || !fused_plan_)
+    if (!Traits(plan.op).fused || !fused_plan_)
       return absl::InvalidArgumentError(StrCat("op: ", OpName(plan.op), " is pushed per destination"));
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     const int64_t rows = plan.batch * plan.seq_local;
@@ -359,7 +359,7 @@ class CudaTransport final : public Transport {
   // The local end of a call on the stream, not waited for: the out= copy or the merge.
   absl::Status EnqueueFinish(const CallPlan& plan, const CallOperands& ops, int slot) {
     const uint8_t* data = slot_base_[setup_.geometry.rank] + SlotOffset(slot);
-    if (plan.op == OpKind::kQkvNormRopeExchange) {
+    if (Traits(plan.op).fused) {
       if (!plan.has_out) return absl::OkStatus();
       return CudaStatus(
           "cudaMemcpyAsync",
@@ -367,7 +367,7 @@ class CudaTransport final : public Transport {
                           static_cast<size_t>(plan.slot_elems) * setup_.geometry.itemsize(),
                           cudaMemcpyDeviceToDevice, stream_));
     }
-    if (plan.op == OpKind::kGatherOutputHeadChunk)
+    if (Traits(plan.op).merges_into_out)
       return kernels::LaunchGatherOutputHeadChunkMerge(ShapeOf(setup_.geometry, plan), data,
                                                        plan.head_offset, plan.head_count,
                                                        OutView(plan, ops), stream_, cancel());

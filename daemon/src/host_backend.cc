@@ -62,11 +62,11 @@ class HostTransport final : public Transport {
   }
 
   bool PushesAtOnce(const CallPlan& plan) const override {
-    return plan.op == OpKind::kQkvNormRopeExchange;
+    return Traits(plan.op).fused;
   }
 
   absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot, uint64_t) override {
-    if (plan.op != OpKind::kQkvNormRopeExchange || !s_.fused)
+    if (!Traits(plan.op).fused || !s_.fused)
       return absl::InvalidArgumentError(StrCat("op: ", OpName(plan.op), " is pushed per destination"));
     const FusedGeometry& g = s_.fused->geometry;
     const int64_t rows = plan.batch * plan.seq_local;
@@ -89,10 +89,10 @@ class HostTransport final : public Transport {
 
   absl::Status Finish(const CallPlan& plan, const CallOperands& ops, int slot) override {
     const uint8_t* data = Slot(s_.geometry.rank, slot);
-    if (plan.op == OpKind::kQkvNormRopeExchange) {
+    if (Traits(plan.op).fused) {
       if (plan.has_out)
         std::memcpy(ops.out, data, static_cast<size_t>(plan.slot_elems) * s_.geometry.itemsize());
-    } else if (plan.op == OpKind::kGatherOutputHeadChunk) {
+    } else if (Traits(plan.op).merges_into_out) {
       kernels::GatherOutputHeadChunkMergeRef(ShapeOf(s_.geometry, plan), data, plan.head_offset,
                                              plan.head_count, OutView(plan, ops));
     } else if (plan.has_out) {

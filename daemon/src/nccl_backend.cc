@@ -235,7 +235,7 @@ class NcclTransport final : public Transport {
   absl::Status Finish(const CallPlan& plan, const CallOperands& ops, int slot) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     const uint8_t* data = Slot(slot);
-    if (plan.op == OpKind::kGatherOutputHeadChunk) {
+    if (Traits(plan.op).merges_into_out) {
       ULY_RETURN_IF_ERROR(kernels::LaunchGatherOutputHeadChunkMerge(
           ShapeOf(setup_.geometry, plan), data, plan.head_offset, plan.head_count,
           OutView(plan, ops), stream_));

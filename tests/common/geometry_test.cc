@@ -300,5 +300,27 @@ TEST(OpNamesTest, NamesAndInputs) {
   EXPECT_THAT(InputNames(OpKind::kUnspecified), IsEmpty());
 }
 
+TEST(OpTraitsTest, OneEntryPerOpAndNoneForAValueOutsideTheSet) {
+  for (int32_t v = 0; v < kNumOpKinds; ++v) {
+    const OpTraits& t = Traits(static_cast<OpKind>(v));
+    EXPECT_EQ(static_cast<int32_t>(t.op), v) << "the table is indexed by OpKind value";
+    EXPECT_EQ(IsHeadExchangeOp(t.op), v >= 1 && v <= 4) << t.name;
+  }
+  for (int32_t v : {-1, kNumOpKinds, 1 << 30}) {
+    EXPECT_EQ(Traits(static_cast<OpKind>(v)).op, OpKind::kUnspecified) << v;
+    EXPECT_FALSE(IsHeadExchangeOp(static_cast<OpKind>(v))) << v;
+  }
+  EXPECT_TRUE(Traits(OpKind::kQkvNormRopeExchange).fused);
+  EXPECT_THAT(InputNames(OpKind::kQkvNormRopeExchange), ElementsAre("x", "positions"));
+  // Only the merge writes into a caller's out, and only the head-chunk ops take a band.
+  for (int32_t v = 1; v < kNumOpKinds; ++v) {
+    const OpTraits& t = Traits(static_cast<OpKind>(v));
+    EXPECT_EQ(t.merges_into_out, t.op == OpKind::kGatherOutputHeadChunk) << t.name;
+    EXPECT_EQ(t.head_chunk, t.op == OpKind::kScatterQkvHeadChunk ||
+                                t.op == OpKind::kGatherOutputHeadChunk)
+        << t.name;
+  }
+}
+
 }  // namespace
 }  // namespace ulysses

@@ -41,6 +41,28 @@ enum class OpKind : int32_t {
 };
 /// OpKind values, kUnspecified included (sizes per-op tables such as the metrics).
 inline constexpr int32_t kNumOpKinds = 6;
+
+/// What an op is, described once for the client, validation and every backend. With H heads
+/// of D, W ranks, H_l = H/W local heads, and HC the band of a head-chunk op (H_l otherwise):
+/// - input:  [B, S_g, HC, D] when `input_global` (the gather side), else [B, S_l, H, D];
+/// - result: [B, S_l, H, D] when `input_global`, else [B, S_g, HC, width * D];
+/// - the receive slot holds the result, or for `merges_into_out` the input-shaped blocks that
+///   the merge then writes into the caller's out.
+struct OpTraits {
+  OpKind op = OpKind::kUnspecified;
+  std::string_view name = "unspecified";
+  std::array<std::string_view, 3> inputs{};  ///< the operands' names, in order
+  int num_inputs = 0;
+  bool head_chunk = false;       ///< takes head_offset and head_count (a band of local heads)
+  bool input_global = false;     ///< the input spans S_g (seq is S_g and divides by W)
+  int width = 1;                 ///< the result's last axis in units of D
+  bool merges_into_out = false;  ///< writes a band of a caller's out (which is then required)
+  bool fused = false;            ///< the op of a qkv_norm_rope_exchange session alone
+};
+/// The traits of `op`; an op that is none of the five gets the kUnspecified entry.
+const OpTraits& Traits(OpKind op);
+/// Whether `op` is one of the head-exchange session's four ops.
+bool IsHeadExchangeOp(OpKind op);
 std::string_view OpName(OpKind op);
 
 /// What a session runs. Values match proto ulysses.v1.SessionKind (whose UNSPECIFIED means
