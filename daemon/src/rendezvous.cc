@@ -51,6 +51,7 @@ absl::StatusOr<std::vector<std::string>> RendezvousTable::Arrive(
     entries_.emplace(key, fresh);
     e = std::move(fresh);
   }
+  ++waiting_;
   if (!e->finished) {
     if (e->world_size != world_size) {
       Finish(*e, absl::InvalidArgumentError(StrCat(
@@ -92,6 +93,7 @@ absl::StatusOr<std::vector<std::string>> RendezvousTable::Arrive(
     auto it = entries_.find(key);
     if (it != entries_.end() && it->second == e) entries_.erase(it);
   }
+  --waiting_;
   if (!e->verdict.ok()) return e->verdict;
   std::vector<std::string> out;
   out.reserve(e->world_size);
@@ -127,6 +129,11 @@ absl::Status RendezvousTable::Abort(const std::string& key, const std::string& r
 size_t RendezvousTable::pending() const {
   std::lock_guard<std::mutex> lock(mu_);
   return entries_.size();
+}
+
+size_t RendezvousTable::waiting() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waiting_;
 }
 
 std::string GrpcTarget(const std::string& address) {

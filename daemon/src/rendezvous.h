@@ -61,6 +61,8 @@ class RendezvousTable {
   absl::Status Abort(const std::string& key, const std::string& reason);
   /// Number of keys with ranks waiting (for tests and state).
   size_t pending() const;
+  /// Number of arrivals not answered yet, over all keys (for tests and state).
+  size_t waiting() const;
 
  private:
   struct Entry {
@@ -77,6 +79,7 @@ class RendezvousTable {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, std::shared_ptr<Entry>> entries_;
+  size_t waiting_ = 0;
 };
 
 /// Most channels a daemon keeps to other daemons, and how long an unused one is kept.

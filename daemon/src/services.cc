@@ -560,6 +560,7 @@ class AdminService final : public v1::Admin::Service {
     resp->set_device_allocations(a.created + a.imported + a.ipc_opened);
     resp->set_device_bytes(a.live_bytes);
     resp->set_pending_rendezvous(static_cast<int32_t>(d_->rendezvous_table().pending()));
+    resp->set_rendezvous_arrivals(static_cast<int32_t>(d_->rendezvous_table().waiting()));
     const DeviceIdentity id = d_->backend_impl().identity();
     if (!id.uuid.empty()) resp->set_device_uuid(id.uuid);
     if (!id.pci_bus_id.empty()) resp->set_device_pci_bus_id(id.pci_bus_id);
