@@ -1,5 +1,6 @@
 #include "rendezvous.h"
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -33,7 +34,7 @@ absl::Status ValidateArrival(const std::string& key, int64_t world_size, int64_t
 
 absl::StatusOr<std::vector<std::string>> RendezvousTable::Arrive(
     const std::string& key, int world_size, int rank, const std::string& agreement,
-    const std::string& payload, absl::Time deadline) {
+    const std::string& payload, absl::Time deadline, const std::function<bool()>& cancelled) {
   ULY_RETURN_IF_ERROR(ValidateArrival(key, world_size, rank, agreement, payload));
   std::unique_lock<std::mutex> lock(mu_);
   std::shared_ptr<Entry> e;
@@ -75,16 +76,27 @@ absl::StatusOr<std::vector<std::string>> RendezvousTable::Arrive(
       }
     }
   }
-  auto to_chrono = absl::ToChronoTime(deadline);
+  using Clock = std::chrono::system_clock;
+  const Clock::time_point until = absl::ToChronoTime(deadline);
+  const Clock::duration poll = absl::ToChronoMilliseconds(kArrivalPollInterval);
+  // The sender's liveness is polled, not signalled: a broken connection wakes nobody here.
   while (!e->finished) {
-    if (cv_.wait_until(lock, to_chrono) == std::cv_status::timeout && !e->finished) {
+    if (cancelled && cancelled()) {
+      Finish(*e, absl::AbortedError(StrCat("rendezvous ", key, " aborted: rank ", rank,
+                                           "'s daemon went away during the rendezvous")));
+      break;
+    }
+    const Clock::time_point now = Clock::now();
+    if (now >= until) {
       std::string missing;
       for (int r = 0; r < e->world_size; ++r)
         if (!e->payloads[r].has_value()) missing += (missing.empty() ? "" : ",") + std::to_string(r);
       Finish(*e, absl::DeadlineExceededError(
                      StrCat("rendezvous ", key, ": ranks [", missing,
                             "] did not arrive before the deadline")));
+      break;
     }
+    cv_.wait_until(lock, cancelled ? std::min(now + poll, until) : until);
   }
   // Every rank that took part reads the verdict once; the last one removes the entry so the
   // key can be used again.

@@ -46,16 +46,24 @@ absl::Status ValidateArrival(const std::string& key, int64_t world_size, int64_t
 /// kMaxRendezvousReasonBytes. INVALID_ARGUMENT names the field.
 absl::Status ValidateAbort(const std::string& key, const std::string& reason);
 
+/// How often an arrival waiting in a RendezvousTable polls whether its sender went away.
+inline constexpr absl::Duration kArrivalPollInterval = absl::Milliseconds(20);
+
 /// Server side: the meeting point of the ranks of one collective step. Thread-safe.
 class RendezvousTable {
  public:
   /// Blocks until all `world_size` ranks arrived under `key`, the deadline passes, or the key
   /// is aborted. Returns every rank's payload in rank order. Agreement strings must be equal.
   /// The fields are checked first (ValidateArrival); an error leaves the table unchanged.
+  /// `cancelled`, when given, is polled while this rank waits (every kArrivalPollInterval, under
+  /// the table's lock: it must be cheap and must not call into the table). Once it is true (the
+  /// daemon that sent this arrival went away), the key fails for every rank with ABORTED naming
+  /// `rank`. It changes nothing once the key has its verdict.
   absl::StatusOr<std::vector<std::string>> Arrive(const std::string& key, int world_size,
                                                   int rank, const std::string& agreement,
                                                   const std::string& payload,
-                                                  absl::Time deadline);
+                                                  absl::Time deadline,
+                                                  const std::function<bool()>& cancelled = nullptr);
   /// Fails the key for every waiting (and later arriving) rank with ABORTED. INVALID_ARGUMENT
   /// (and nothing aborted) when `key` or `reason` is over its bound.
   absl::Status Abort(const std::string& key, const std::string& reason);

@@ -707,14 +707,18 @@ class PeerService final : public v1::Peer::Service {
   // client reaches, each call is PERMISSION_DENIED before its request is looked at.
   PeerService(Daemon* d, bool node_socket) : d_(d), node_socket_(node_socket) {}
 
-  grpc::Status Rendezvous(grpc::ServerContext*, const v1::RendezvousRequest* req,
+  grpc::Status Rendezvous(grpc::ServerContext* ctx, const v1::RendezvousRequest* req,
                           v1::RendezvousResponse* resp) override {
     if (!node_socket_) return NodeOnly("Rendezvous");
     absl::StatusOr<int64_t> ms = CheckRendezvousRequest(*req, d_->config().peer_timeout_ms);
     if (!ms.ok()) return ToGrpcStatus(ms.status());
+    // The arriving daemon's call is cancelled when its connection breaks (it died): the step
+    // then fails for every rank, naming it. Its own deadline is later than the table's
+    // (RendezvousClient adds a margin), so a call past its time is not taken for a death.
+    const std::function<bool()> sender_gone = [ctx] { return ctx->IsCancelled(); };
     absl::StatusOr<std::vector<std::string>> out = d_->rendezvous_table().Arrive(
         req->key(), req->world_size(), req->rank(), req->agreement(), req->payload(),
-        absl::Now() + absl::Milliseconds(*ms));
+        absl::Now() + absl::Milliseconds(*ms), sender_gone);
     if (!out.ok()) return ToGrpcStatus(out.status());
     for (auto& p : *out) resp->add_payloads(p);
     return grpc::Status::OK;
