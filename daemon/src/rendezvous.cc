@@ -263,8 +263,13 @@ absl::StatusOr<std::vector<std::string>> RendezvousClient::Rendezvous(
   grpc::Status s = stub->Rendezvous(&ctx, req, &resp);
   if (!s.ok()) {
     absl::Status st = FromGrpcStatus(s);
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-        s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+    // wait_for_ready turns a host not yet listening into a wait, so UNAVAILABLE here is a
+    // connection that broke under the call: the host died.
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE)
+      return absl::UnavailableError(StrCat("rendezvous ", key,
+                                           ": rank 0's daemon, its host, went away (", address,
+                                           kNodeSocketSuffix, ": ", st.message(), ")"));
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
       return absl::Status(st.code(), StrCat("rendezvous with rank 0 at ", address,
                                             kNodeSocketSuffix, ": ", st.message()));
     return st;

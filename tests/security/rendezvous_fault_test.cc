@@ -132,5 +132,28 @@ TEST_F(RendezvousFaultTest, ANonHostingDaemonKilledAfterItArrivedAbortsTheOthers
   EXPECT_TRUE(after.status[1].ok()) << after.status[1];
 }
 
+// The reverse: ranks 1 and 2 wait in rank 0's table (rank 0's client never comes) and rank 0's
+// daemon, the host, is SIGKILLed. Their Peer.Rendezvous calls fail with the connection, so their
+// JoinGroups end at once with UNAVAILABLE naming rank 0; their daemons then form a new group.
+TEST_F(RendezvousFaultTest, AHostingDaemonKilledEndsTheWaitingRanksJoinGroupNamingIt) {
+  Joins j;
+  StartJoins(j, "headless", 3, Members({0, 1, 2}), {1, 2}, {1, 2});
+  AwaitArrivals(0, 2);
+  daemons_[0].Kill();
+  j.Join();
+  for (const absl::Status& s : j.status) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_NE(s.message().find("rank 0's daemon"), std::string::npos) << s;
+  }
+  EXPECT_TRUE(TableEmpty(1));
+  EXPECT_TRUE(TableEmpty(2));
+
+  Joins after;
+  StartJoins(after, "after", 2, Members({1, 2}), {0, 1}, {1, 2});
+  after.Join();
+  EXPECT_TRUE(after.status[0].ok()) << after.status[0];
+  EXPECT_TRUE(after.status[1].ok()) << after.status[1];
+}
+
 }  // namespace
 }  // namespace ulysses::security
