@@ -479,6 +479,11 @@ absl::Status Daemon::ReserveSlotMemory(uint64_t bytes) {
   return absl::OkStatus();
 }
 
+uint64_t Daemon::slot_memory_reserved() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return slot_bytes_reserved_;
+}
+
 void Daemon::ReleaseSlotMemory(uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   slot_bytes_reserved_ -= std::min(bytes, slot_bytes_reserved_);

@@ -172,6 +172,8 @@ class Daemon {
   /// Reserves receive-slot memory against the budget; RESOURCE_EXHAUSTED when over.
   absl::Status ReserveSlotMemory(uint64_t bytes);
   void ReleaseSlotMemory(uint64_t bytes);
+  /// What ReserveSlotMemory holds now.
+  uint64_t slot_memory_reserved() const;
   absl::Time started() const { return started_; }
   bool draining() const { return draining_.load(); }
   /// Refuses new clients and sessions from now on and turns health to NOT_SERVING.
@@ -287,7 +289,7 @@ class Daemon {
   std::thread fd_thread_;
   std::unique_ptr<ipc::EventFd> poll_wake_;
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<ClientRecord>> clients_;
   // Per uid: bound clients and the bytes of their buffers. quota_mu_ is the innermost lock.
   struct UidUsage {

@@ -68,6 +68,12 @@ void Pause(int round) {
     std::this_thread::sleep_for(std::chrono::microseconds(50));
 }
 
+// Every op's slot holds W equal blocks, so a block is at most slot_bytes / W.
+uint64_t BlockCapacity(int world_size, uint64_t slot_bytes) {
+  const auto w = static_cast<uint64_t>(world_size);
+  return AlignUp((slot_bytes + w - 1) / w, kAlign);
+}
+
 class NcclTransport final : public Transport {
  public:
   static absl::StatusOr<std::unique_ptr<Transport>> Create(int device, absl::Duration call_timeout,
@@ -84,9 +90,8 @@ class NcclTransport final : public Transport {
         t->slots_, ipc::cuda::VmmMapping::Create(device, t->stride_ * setup.geometry.num_slots));
     ULY_ASSIGN_OR_RETURN(t->client_fd_, t->slots_.Export());
     if (W > 1) {
-      // Every op's slot holds W equal blocks, so a block is at most slot_bytes / W. Staging is
-      // made once here: a call allocates nothing.
-      t->block_capacity_ = AlignUp((setup.slot_bytes + W - 1) / W, kAlign);
+      // Staging is made once here: a call allocates nothing.
+      t->block_capacity_ = BlockCapacity(W, setup.slot_bytes);
       ULY_ASSIGN_OR_RETURN(t->send_, ipc::cuda::VmmMapping::Create(device, t->block_capacity_ * W));
       ULY_ASSIGN_OR_RETURN(t->recv_, ipc::cuda::VmmMapping::Create(device, t->block_capacity_ * W));
     }
@@ -261,7 +266,7 @@ class NcclTransport final : public Transport {
   }
   // The slots, as on nvlink (what the slot budget charged); the staging shows in the
   // daemon's device allocation counters.
-  uint64_t DeviceBytes() const override { return slots_.size(); }
+  uint64_t DeviceBytes() const override { return slots_.size() + send_.size() + recv_.size(); }
   std::string Describe() const override {
     return StrCat("nccl: NCCL ", NcclVersion(), ", communicator of ", setup_.geometry.world_size,
                   " ranks on device ", device_,
@@ -358,6 +363,11 @@ class NcclBackend final : public Backend {
   bool slots_in_segment() const override { return false; }
   absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransportSetup& setup) override {
     return NcclTransport::Create(device_, call_timeout_, setup);
+  }
+  // A send and a receive block per rank (none at W = 1).
+  uint64_t StagingBytes(int world_size, uint64_t slot_bytes) const override {
+    if (world_size <= 1) return 0;
+    return 2 * BlockCapacity(world_size, slot_bytes) * static_cast<uint64_t>(world_size);
   }
   absl::StatusOr<std::shared_ptr<Buffer>> AllocBuffer(uint64_t bytes) override {
     return gpu_->AllocBuffer(bytes);

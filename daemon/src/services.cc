@@ -466,6 +466,22 @@ class ControlService final : public v1::Control::Service {
       if (created.ok()) {
         session = std::move(*created);
         if (fused) session->set_fused_weights(fused->weights);
+        // The budget holds what the session holds (allocations round up to the device's
+        // granularity), so that its close gives back exactly what it took.
+        const uint64_t held = session->reserved_bytes();
+        if (held > needed) {
+          local = d_->ReserveSlotMemory(held - needed);
+          if (local.ok()) {
+            needed = held;
+          } else {
+            session.reset();
+            d_->ReleaseSlotMemory(needed);
+            needed = 0;
+          }
+        } else if (held < needed) {
+          d_->ReleaseSlotMemory(needed - held);
+          needed = held;
+        }
       } else {
         local = created.status();
         d_->ReleaseSlotMemory(needed);
@@ -561,6 +577,8 @@ class AdminService final : public v1::Admin::Service {
     resp->set_device_bytes(a.live_bytes);
     resp->set_pending_rendezvous(static_cast<int32_t>(d_->rendezvous_table().pending()));
     resp->set_rendezvous_arrivals(static_cast<int32_t>(d_->rendezvous_table().waiting()));
+    resp->set_slot_budget_used_bytes(d_->slot_memory_reserved());
+    resp->set_slot_budget_bytes(d_->config().slot_memory_budget_bytes);
     const DeviceIdentity id = d_->backend_impl().identity();
     if (!id.uuid.empty()) resp->set_device_uuid(id.uuid);
     if (!id.pci_bus_id.empty()) resp->set_device_pci_bus_id(id.pci_bus_id);

@@ -45,7 +45,7 @@ uint64_t Session::BytesNeeded(const SessionGeometry& g, const Backend& backend) 
   uint64_t bytes = ControlLayout(g, backend).total_bytes;
   if (!backend.slots_in_segment())
     bytes += AlignUp(static_cast<uint64_t>(g.SlotBytes()), kSegmentAlign) * g.num_slots;
-  return bytes;
+  return bytes + backend.StagingBytes(g.world_size, static_cast<uint64_t>(g.SlotBytes()));
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Create(

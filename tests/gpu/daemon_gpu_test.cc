@@ -238,6 +238,36 @@ TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
   EXPECT_TRUE(ok.ok()) << ok.status();
 }
 
+// The slot budget holds what each session holds, as allocated (allocations round up to the
+// device's granularity), and gets exactly that back when the session closes: closing one of
+// two sessions leaves the other's share, closing both leaves nothing.
+TEST_F(GpuCluster, TheSlotBudgetGetsBackExactlyWhatEachSessionHeld) {
+  Start(1);
+  auto c = client::Client::Connect({Members(1)[0], "budget"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto g = (*c)->JoinGroup({"budget", 1, 0, Members(1), "nvlink", 0});
+  ASSERT_TRUE(g.ok()) << g.status();
+  const uint64_t base = State(0).slot_budget_used_bytes();
+  const uint64_t device0 = State(0).device_bytes();
+  EXPECT_EQ(base, 0u);
+  // Sizes that are not multiples of the 2 MiB granularity.
+  auto a = (*c)->CreateSession(*g, {8, 64, DType::kBFloat16, 1000, 2, {}, 0});
+  ASSERT_TRUE(a.ok()) << a.status();
+  const uint64_t with_a = State(0).slot_budget_used_bytes();
+  // What the budget holds covers the device memory the session allocated.
+  EXPECT_GE(with_a - base, State(0).device_bytes() - device0);
+  auto b = (*c)->CreateSession(*g, {8, 128, DType::kFloat32, 3000, 3, {}, 0});
+  ASSERT_TRUE(b.ok()) << b.status();
+  const uint64_t with_both = State(0).slot_budget_used_bytes();
+  ASSERT_GT(with_both, with_a);
+  ASSERT_TRUE((*a)->Close().ok());
+  EXPECT_EQ(State(0).slot_budget_used_bytes(), with_both - with_a)
+      << "closing the first session gave back another amount than it held";
+  ASSERT_TRUE((*b)->Close().ok());
+  EXPECT_EQ(State(0).slot_budget_used_bytes(), base);
+  EXPECT_EQ(State(0).slot_budget_bytes(), uint64_t{8} << 30);
+}
+
 // A client killed mid-call, in a process of its own: rank 1's client dies while rank 0's call
 // waits for it (phase "session": rank 1 never called; phase "gated": rank 1's call is on its
 // daemon's stream, waiting for inputs its held stream never gives). Rank 0's call ends with

@@ -167,6 +167,33 @@ TEST_F(NcclCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
   }
 }
 
+// The slot budget counts NCCL's send and receive staging with the slots: what a session
+// holds against it covers every device byte the session allocated, and its close gives it
+// all back.
+TEST_F(NcclCluster, TheSlotBudgetCountsTheStagingAndGetsItBack) {
+  Start(2);
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int r = 0; r < 2; ++r) clients.push_back(Connect(r, "budget"));
+  std::vector<client::Group> groups = JoinAll(clients, "budget");
+  ASSERT_EQ(groups.size(), 2u);
+  uint64_t device0[2], used0[2];
+  for (int r = 0; r < 2; ++r) {
+    device0[r] = State(r).device_bytes();
+    used0[r] = State(r).slot_budget_used_bytes();
+  }
+  std::vector<std::unique_ptr<client::Session>> sessions =
+      CreateAll(clients, groups, {8, 64, DType::kBFloat16, 1000, 2, {}, 0});
+  ASSERT_EQ(sessions.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    const uint64_t allocated = State(r).device_bytes() - device0[r];
+    const uint64_t held = State(r).slot_budget_used_bytes() - used0[r];
+    EXPECT_GE(held, allocated) << "rank " << r << ": the budget holds less than the session "
+                               << "allocated (slots and staging)";
+  }
+  for (auto& s : sessions) ASSERT_TRUE(s->Close().ok());
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(State(r).slot_budget_used_bytes(), used0[r]) << r;
+}
+
 // Both ranks call in a loop and rank 1's daemon is killed while they do, so rank 0's call is
 // caught anywhere in its protocol, NCCL transfer included: it ends with ABORTED or
 // DEADLINE_EXCEEDED within the call timeout, and the survivor keeps serving new sessions.
