@@ -172,6 +172,18 @@ int Session::Poison() {
 }
 
 Session::~Session() {
+  {
+    // Calls still enqueued end with the session: their error words first. The transport's
+    // destructor then cancels its stream, whose waits pass and whose arrival words reach the
+    // peers; a peer whose call completes on them finds the error word and fails that epoch,
+    // instead of taking the blocks this rank never stored as a result.
+    std::lock_guard<std::mutex> lock(inflight_mu_);
+    SessionControlBlock* mine = Control(geometry_.rank);
+    for (const InFlightCall& f : inflight_) {
+      mine->slots[f.slot].error.store(f.epoch, std::memory_order_release);
+      mine->slots[f.slot].done.store(f.epoch, std::memory_order_release);
+    }
+  }
   Abort(kAbortClosed);
   for (uint64_t w : peer_watches_) exports_.Unwatch(w);
   // No new peer can fetch the segment; the memory stays mapped in peers until they close their
