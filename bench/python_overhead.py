@@ -229,6 +229,47 @@ def cpp_times(args: argparse.Namespace, device: bool, worlds: List[int],
         return times, None
 
 
+def torch_a2a_times(sizes: List[int], heads_per_rank: int, head_dim: int, warmup: int,
+                    samples: int) -> Dict[int, float]:
+    """{bytes_per_rank: us} of torch.distributed.all_to_all_single over NCCL in a group of one
+    (this process, GPU 0) on the same bytes: the call a framework would make instead, timed
+    like the Python side (the rank's stream current, L2 flushed outside the sample, the sample
+    ending when the stream has the result). A group of more ranks needs a process per rank
+    and a GPU per rank (NCCL refuses two ranks on one GPU), so W = 1 is what one GPU can show."""
+    import torch
+    import torch.distributed as dist
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        stream = torch.cuda.Stream(device=0)
+        torch.cuda.set_stream(stream)
+        flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        out: Dict[int, float] = {}
+        for b in sizes:
+            seq = b // (heads_per_rank * head_dim * 2)
+            x = torch.randn(1, seq, heads_per_rank, head_dim, device="cuda").to(torch.bfloat16)
+            y = torch.empty_like(x)
+            dist.all_to_all_single(y, x)
+            stream.synchronize()
+            if not torch.equal(y.view(torch.int16), x.view(torch.int16)):
+                raise RuntimeError("all_to_all_single of a group of one changed the data")
+            times: List[float] = []
+            for i in range(warmup + samples):
+                flush.zero_()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dist.all_to_all_single(y, x)
+                stream.synchronize()
+                if i >= warmup:
+                    times.append((time.perf_counter() - t0) * 1e6)
+            out[b] = statistics.median(times)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 def write_profile(path: str, case: str, side: PythonSide, samples: int) -> None:
     """Appends to `path` what the Python package spends the time of `samples` calls per rank of
     `side` in: per function, calls and own and cumulative time per call of the bench, in us
@@ -300,6 +341,9 @@ def main() -> int:
     ap.add_argument("--no-cpp", action="store_true", help="skip the C++ side (cpp_us null)")
     ap.add_argument("--commit", default=None, help="commit recorded in the JSON")
     ap.add_argument("--json", default=None, help="also write the JSON to this file")
+    ap.add_argument("--torch-a2a", action="store_true",
+                    help="GPU, W = 1: also time torch.distributed.all_to_all_single (NCCL, a "
+                         "group of one) on the same bytes (torch_a2a_us)")
     ap.add_argument("--profile", default=None,
                     help="after timing each case, run its samples again under cProfile and "
                          "write the functions by own time into this text file")
@@ -328,6 +372,9 @@ def main() -> int:
 
     rows = []
     total = args.rounds * args.samples
+    a2a: Dict[int, float] = {}
+    if args.torch_a2a and device and 1 in worlds:
+        a2a = torch_a2a_times(sizes, args.heads_per_rank, args.head_dim, args.warmup, total)
     for w in worlds:
         cluster = Cluster()
         try:
@@ -351,7 +398,9 @@ def main() -> int:
                              "python_us": round(us, 1),
                              "cpp_us": None if c is None else round(c, 1),
                              "python_minus_cpp_us": None if c is None else round(us - c, 1),
-                             "python_over_cpp": None if not c else round(us / c, 3)})
+                             "python_over_cpp": None if not c else round(us / c, 3),
+                             "torch_a2a_us": (round(a2a[b], 1) if w == 1 and b in a2a
+                                              else None)})
                 print("W=%d %s/rank: python %.1f us, C++ %s" % (
                     w, size_name(b), us, "-" if c is None else "%.1f us" % c),
                     file=sys.stderr, flush=True)
@@ -360,14 +409,14 @@ def main() -> int:
 
     print("Python vs C++ per-call time, scatter_heads bf16, %s backend, D=%d, H=%d*W" % (
         "nvlink" if device else "host", args.head_dim, args.heads_per_rank))
-    print("%3s %10s %8s %12s %12s %10s %8s" % ("W", "bytes/rank", "S_l", "python us", "C++ us",
-                                               "py-C++", "py/C++"))
+    print("%3s %10s %8s %12s %12s %10s %8s %10s" % ("W", "bytes/rank", "S_l", "python us",
+                                                    "C++ us", "py-C++", "py/C++", "a2a us"))
     for r in rows:
         fmt = lambda v, f: "-" if v is None else f % v  # noqa: E731
-        print("%3d %10s %8d %12.1f %12s %10s %8s" % (
+        print("%3d %10s %8d %12.1f %12s %10s %8s %10s" % (
             r["world_size"], size_name(r["bytes_per_rank"]), r["seq_local"], r["python_us"],
             fmt(r["cpp_us"], "%.1f"), fmt(r["python_minus_cpp_us"], "%.1f"),
-            fmt(r["python_over_cpp"], "%.3f")))
+            fmt(r["python_over_cpp"], "%.3f"), fmt(r["torch_a2a_us"], "%.1f")))
     doc = {
         "bench": "python_overhead",
         "gpu": device_name(device),
