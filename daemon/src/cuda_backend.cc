@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "call_views.h"
+#include "out_write_cuda.h"
 #include "fd_exports.h"
 #include "transport.h"
 #include "ulysses/common/logging.h"
@@ -367,15 +368,7 @@ class CudaTransport final : public Transport {
                           static_cast<size_t>(plan.slot_elems) * setup_.geometry.itemsize(),
                           cudaMemcpyDeviceToDevice, stream_));
     }
-    if (Traits(plan.op).merges_into_out)
-      return kernels::LaunchGatherOutputHeadChunkMerge(ShapeOf(setup_.geometry, plan), data,
-                                                       plan.head_offset, plan.head_count,
-                                                       OutView(plan, ops), stream_, cancel());
-    if (plan.has_out)
-      return kernels::LaunchCopyContiguousToView(data, plan.out_shape.data(),
-                                                 setup_.geometry.itemsize(), OutView(plan, ops),
-                                                 stream_, cancel());
-    return absl::OkStatus();
+    return EnqueueOutWrite(setup_.geometry, plan, ops, data, stream_, cancel()).status();
   }
 
   // The path for `rows` rows, preparing the plan's GEMMs the first time this row count comes

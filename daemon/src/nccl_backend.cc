@@ -15,6 +15,7 @@
 
 #include "absl/strings/escaping.h"
 #include "call_views.h"
+#include "out_write_cuda.h"
 #include "transport.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/session_layout.h"
@@ -239,18 +240,9 @@ class NcclTransport final : public Transport {
 
   absl::Status Finish(const CallPlan& plan, const CallOperands& ops, int slot) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
-    const uint8_t* data = Slot(slot);
-    if (Traits(plan.op).merges_into_out) {
-      ULY_RETURN_IF_ERROR(kernels::LaunchGatherOutputHeadChunkMerge(
-          ShapeOf(setup_.geometry, plan), data, plan.head_offset, plan.head_count,
-          OutView(plan, ops), stream_));
-    } else if (plan.has_out) {
-      ULY_RETURN_IF_ERROR(kernels::LaunchCopyContiguousToView(
-          data, plan.out_shape.data(), setup_.geometry.itemsize(), OutView(plan, ops), stream_));
-    } else {
-      return absl::OkStatus();
-    }
-    return SyncLocal();
+    ULY_ASSIGN_OR_RETURN(const bool enqueued,
+                         EnqueueOutWrite(setup_.geometry, plan, ops, Slot(slot), stream_));
+    return enqueued ? SyncLocal() : absl::OkStatus();
   }
 
   absl::Status Poison(int slot) override {
