@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <iostream>
 #include <thread>
 
 #include "cluster_util.h"
@@ -122,6 +123,72 @@ TEST_F(Cluster, AReportedPidThatIsNoPidIsRefused) {
 // A client that goes away while its JoinGroup waits for the other ranks (its process died, or
 // it gave up) ends the step for every rank: the ranks already waiting get ABORTED naming it at
 // once, not DEADLINE_EXCEEDED at the end of the rendezvous timeout (60 s here).
+// A buffer freed while a call that names it waits in the ring: the daemon finds it gone when
+// it takes the descriptor, refuses that call and spends its epoch, so the peer's call of the
+// same epoch ends with ABORTED at once instead of waiting out the call timeout, and the
+// earlier call is unaffected.
+TEST_F(Cluster, ABufferFreedUnderAQueuedCallAbortsThatCallOnEveryRank) {
+  Start(2, {"--call-timeout-ms", "600000"});
+  const std::vector<std::string> members = Members(2);
+  std::vector<std::unique_ptr<client::Client>> c;
+  for (int r = 0; r < 2; ++r) c.push_back(Connect(r, "freed"));
+  ASSERT_NE(c[0], nullptr);
+  ASSERT_NE(c[1], nullptr);
+  std::vector<absl::StatusOr<client::Group>> g(2);
+  {
+    std::thread t([&] { g[1] = c[1]->JoinGroup({"freed", 2, 1, members, "host", 0}); });
+    g[0] = c[0]->JoinGroup({"freed", 2, 0, members, "host", 0});
+    t.join();
+  }
+  ASSERT_TRUE(g[0].ok() && g[1].ok()) << g[0].status() << " " << g[1].status();
+  const client::SessionSpec spec{4, 8, DType::kFloat32, 16, 2, {}, 0};
+  std::vector<absl::StatusOr<std::unique_ptr<client::Session>>> s(2);
+  {
+    std::thread t([&] { s[1] = c[1]->CreateSession(*g[1], spec); });
+    s[0] = c[0]->CreateSession(*g[0], spec);
+    t.join();
+  }
+  ASSERT_TRUE(s[0].ok() && s[1].ok()) << s[0].status() << " " << s[1].status();
+  const uint64_t bytes = 16 * 4 * 8 * 4;
+  auto a0 = c[0]->AllocBuffer(bytes, "a");
+  auto b0 = c[0]->AllocBuffer(bytes, "b");
+  auto x1 = c[1]->AllocBuffer(bytes, "x");
+  ASSERT_TRUE(a0.ok() && b0.ok() && x1.ok());
+  CallArgs first;
+  first.op = OpKind::kScatterHeads;
+  first.batch = 1;
+  first.seq = 16;
+  first.inputs[0] = a0->Ref();
+  CallArgs second = first;
+  second.inputs[0] = b0->Ref();
+  // Rank 0 queues both calls: its worker takes the first, which waits for rank 1; the second
+  // stays in the ring while its buffer is freed.
+  auto e1 = (*s[0])->Submit(first);
+  auto e2 = (*s[0])->Submit(second);
+  ASSERT_TRUE(e1.ok() && e2.ok()) << e1.status() << " " << e2.status();
+  ASSERT_TRUE(Eventually([&] { return State(0).active_calls() == 1; }));
+  ASSERT_TRUE(c[0]->FreeBuffer(b0->id).ok());
+  // Rank 1 makes both calls.
+  absl::StatusOr<client::Result> r1_first, r1_second;
+  std::thread rank1([&] {
+    r1_first = (*s[1])->ScatterHeads(x1->Ref(), 1, 16);
+    if (r1_first.ok()) (void)r1_first->Release();
+    r1_second = (*s[1])->ScatterHeads(x1->Ref(), 1, 16);
+  });
+  auto w1 = (*s[0])->Wait(*e1, absl::Seconds(60));
+  EXPECT_TRUE(w1.ok()) << w1.status();
+  if (w1.ok()) EXPECT_TRUE(w1->Release().ok());
+  auto w2 = (*s[0])->Wait(*e2, absl::Seconds(60));
+  rank1.join();
+  EXPECT_TRUE(r1_first.ok()) << r1_first.status();
+  std::cout << "rank 0's second call: " << w2.status() << "\nrank 1's: " << r1_second.status()
+            << "\n";
+  ASSERT_FALSE(w2.ok());
+  EXPECT_THAT(std::string(w2.status().message()), HasSubstr("buffer")) << w2.status();
+  ASSERT_FALSE(r1_second.ok());
+  EXPECT_EQ(r1_second.status().code(), absl::StatusCode::kAborted) << r1_second.status();
+}
+
 TEST_F(Cluster, AClientThatLeavesDuringJoinGroupAbortsTheRanksWaiting) {
   Start(3);
   const std::vector<std::string> members = Members(3);
