@@ -140,6 +140,9 @@ struct SessionState {
   std::shared_ptr<ClientState> client;
   std::unique_ptr<uc::Session> session;
   std::string described;  // the text of the last uly_session_describe
+  // The CUDA device the session's slots are mapped on, found by the first DLPack export of
+  // one of its device results (-1 until then): every later export needs no driver query.
+  std::atomic<int> slot_device{-1};
 };
 
 }  // namespace
@@ -187,6 +190,16 @@ struct DlpackTensor {
   int64_t strides[4] = {};
 };
 static_assert(offsetof(DlpackTensor, managed) == 0);
+
+// A result's shape and the element strides of its contiguous layout.
+void ContiguousExtents(const std::array<int64_t, 4>& in, int64_t shape[4], int64_t strides[4]) {
+  int64_t stride = 1;
+  for (int i = 3; i >= 0; --i) {
+    shape[i] = in[i];
+    strides[i] = stride;
+    stride *= in[i];
+  }
+}
 
 absl::StatusOr<DLDataType> DlpackDType(ulysses::DType dtype) {
   switch (dtype) {
@@ -862,12 +875,7 @@ uly_status uly_result_get_info(const uly_result* result, uly_result_info* info) 
     info->ndim = 4;
     const bool held = result->held();
     info->held = held ? 1 : 0;
-    int64_t stride = 1;
-    for (int i = 3; i >= 0; --i) {
-      info->shape[i] = res.shape[i];
-      info->strides[i] = stride;
-      stride *= res.shape[i];
-    }
+    ContiguousExtents(res.shape, info->shape, info->strides);
     // A result copied to `out` (or released) describes no readable data.
     info->data = held ? res.data : nullptr;
     info->bytes = held ? res.bytes : 0;
@@ -911,16 +919,17 @@ uly_status uly_result_to_dlpack(uly_result* result, void** managed) {
                            DlpackDType(result->session->session->geometry().dtype));
       DLDevice device{kDLCPU, 0};
       if (res.device) {
-        ULY_ASSIGN_OR_RETURN(ulysses::ipc::cuda::AllocationInfo a,
-                             ulysses::ipc::cuda::QueryAllocation(res.data));
-        device = DLDevice{kDLCUDA, a.device};
+        std::atomic<int>& known = result->session->slot_device;
+        int ordinal = known.load(std::memory_order_relaxed);
+        if (ordinal < 0) {
+          ULY_ASSIGN_OR_RETURN(ulysses::ipc::cuda::AllocationInfo a,
+                               ulysses::ipc::cuda::QueryAllocation(res.data));
+          ordinal = a.device;
+          known.store(ordinal, std::memory_order_relaxed);
+        }
+        device = DLDevice{kDLCUDA, ordinal};
       }
-      int64_t stride = 1;
-      for (int i = 3; i >= 0; --i) {
-        t->shape[i] = res.shape[i];
-        t->strides[i] = stride;
-        stride *= res.shape[i];
-      }
+      ContiguousExtents(res.shape, t->shape, t->strides);
       DLTensor& dl = t->managed.dl_tensor;
       dl.data = const_cast<void*>(res.data);
       dl.device = device;

@@ -10,10 +10,9 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <string>
 
+#include "phase_args.h"
 #include "ulysses/client/client.h"
 
 using namespace ulysses;
@@ -28,18 +27,10 @@ void HoldForever(void*) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string members_text, phase, ready;
-  int rank = 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--members") members_text = v;
-    else if (k == "--rank") rank = std::stoi(v);
-    else if (k == "--phase") phase = v;
-    else if (k == "--ready") ready = v;
-  }
-  std::vector<std::string> members;
-  std::stringstream ss(members_text);
-  for (std::string m; std::getline(ss, m, ',');) members.push_back(m);
+  const testing_util::PhaseArgs args = testing_util::ParsePhaseArgs(argc, argv);
+  const std::string& phase = args.phase;
+  const std::vector<std::string>& members = args.members;
+  const int rank = args.rank;
   if (phase != "session" && phase != "gated") {
     std::fprintf(stderr, "gpu_phase_client: --phase: '%s' is not session or gated\n", phase.c_str());
     return 64;
@@ -52,10 +43,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gpu_phase_client: %s\n", s.ToString().c_str());
     return 1;
   };
-  auto done = [&] {
-    std::ofstream(ready) << getpid() << "\n";
-    for (;;) pause();
-  };
+  auto done = [&] { testing_util::StopAtPhase(args.ready); };
   auto c = client::Client::Connect({members[rank], "gpu-phase-" + phase});
   if (!c.ok()) return fail(c.status());
   const int world = static_cast<int>(members.size());

@@ -6,37 +6,25 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <thread>
 
+#include "phase_args.h"
 #include "ulysses/client/client.h"
 
 using namespace ulysses;
 
 int main(int argc, char** argv) {
-  std::string socket, members_text, phase, ready;
-  int rank = 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string k = argv[i], v = argv[i + 1];
-    if (k == "--socket") socket = v;
-    else if (k == "--members") members_text = v;
-    else if (k == "--rank") rank = std::stoi(v);
-    else if (k == "--phase") phase = v;
-    else if (k == "--ready") ready = v;
-  }
-  std::vector<std::string> members;
-  std::stringstream ss(members_text);
-  for (std::string m; std::getline(ss, m, ',');) members.push_back(m);
+  const testing_util::PhaseArgs args = testing_util::ParsePhaseArgs(argc, argv);
+  const std::string& socket = args.socket;
+  const std::string& phase = args.phase;
+  const std::vector<std::string>& members = args.members;
+  const int rank = args.rank;
   auto fail = [](const absl::Status& s) {
     std::fprintf(stderr, "phase_client: %s\n", s.ToString().c_str());
     return 1;
   };
-  auto done = [&] {
-    std::ofstream(ready) << getpid() << "\n";
-    for (;;) pause();
-  };
+  auto done = [&] { testing_util::StopAtPhase(args.ready); };
   auto c = client::Client::Connect({socket, "phase-" + phase});
   if (!c.ok()) return fail(c.status());
   if (phase == "attach") done();
