@@ -26,6 +26,9 @@
 
 namespace ulysses::client {
 
+// How long Session::Close waits for the calls pushed before it (stream-ordered sessions).
+constexpr absl::Duration kCloseDrain = absl::Seconds(10);
+
 class ClientImpl : public BufferResolver {
  public:
   std::shared_ptr<grpc::Channel> channel;
@@ -135,6 +138,17 @@ class ClientImpl : public BufferResolver {
       return std::optional<ipc::Completion>(c);
     }
     return std::optional<ipc::Completion>();
+  }
+
+  // Whether `session` has calls still without their completion: stream-ordered ones nobody
+  // waits for, or any of the `submitted` epochs (whose completions nobody took yet).
+  absl::StatusOr<bool> Unfinished(uint64_t session, const std::map<uint64_t, bool>& submitted) {
+    ULY_ASSIGN_OR_RETURN(bool outstanding, DetachedOutstanding(session));
+    if (outstanding) return true;
+    std::lock_guard<std::mutex> lock(complete_mu);
+    for (const auto& [epoch, with_out] : submitted)
+      if (pending.count({session, epoch}) == 0) return true;
+    return false;
   }
 
   // Whether stream-ordered calls of `session` are still without their completion.
@@ -749,6 +763,18 @@ absl::Status Session::Close() {
   if (closed_) return absl::OkStatus();
   closed_ = true;
   absl::Status st;
+  if (!client_->closed && stream_protocol()) {
+    // Calls pushed before the close run to their end first: their results stay readable after
+    // it (uly_session_close), and a client stream that waits for one of them passes with its
+    // data, not with the close's cancel. Bounded: past it the daemon's close aborts them.
+    const absl::Time give_up = absl::Now() + kCloseDrain;
+    for (;;) {
+      absl::StatusOr<bool> unfinished = client_->Unfinished(id_, has_out_);
+      if (!unfinished.ok() || !*unfinished || absl::Now() >= give_up) break;
+      if (!client_->CheckDaemonAlive().ok()) break;
+      (void)client_->complete_bell.Wait(1);
+    }
+  }
   if (!client_->closed) {
     v1::CloseSessionRequest req;
     req.set_session_id(id_);

@@ -104,20 +104,23 @@ class CudaTransport final : public Transport {
     if (ticket_.id != 0) exports_->Withdraw(ticket_.id);
     (void)UseDevice(device_);
     if (stream_ != nullptr) {
-      // Calls still enqueued may wait for a client or peer that will never come: cancel, and
-      // cancel again while late peer writes re-arm a wait, until the stream is idle.
+      // Cancel even when this stream is idle: a client stream may wait for the done word of a
+      // call this daemon never enqueued (its descriptor still in the ring at the close), and
+      // only the cancel's words end that wait. Calls still enqueued may wait for a client or
+      // peer that will never come: cancel again while late peer writes re-arm a wait, until
+      // the stream is idle.
+      Cancel();
       const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-      for (bool first = true;; first = false) {
-        const cudaError_t q = cudaStreamQuery(stream_);
-        if (q != cudaErrorNotReady) break;
+      while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
         if (std::chrono::steady_clock::now() > give_up) {
           Logger("exec")->error("device {}: a session stream did not drain after its cancel",
                                 device_);
           break;
         }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
         Cancel();
-        if (!first) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
+      if (rescue_ != nullptr) cudaStreamSynchronize(rescue_);  // the cancel's words are written
       cudaStreamSynchronize(stream_);
       cudaStreamDestroy(stream_);
     }

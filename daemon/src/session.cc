@@ -458,7 +458,15 @@ absl::Status Session::CheckCompleted(uint64_t e, int s, uint64_t call_shape,
     if (theirs->slots[s].error.load(std::memory_order_acquire) == e)
       return absl::AbortedError(StrCat("session ", id_, ": rank ", r, " failed epoch ", e));
     const CallSignature& sig = theirs->signatures[e % kSignatureRing];
-    if (sig.epoch.load(std::memory_order_acquire) != e) continue;
+    if (sig.epoch.load(std::memory_order_acquire) != e) {
+      // A peer that closed or broke without ever taking this epoch: its cancel's words let
+      // this call complete, over blocks it never stored.
+      if (theirs->abort.load(std::memory_order_acquire) != 0 &&
+          sig.epoch.load(std::memory_order_acquire) != e)
+        return absl::AbortedError(StrCat("session ", id_, ": rank ", r,
+                                         " aborted the group before epoch ", e));
+      continue;
+    }
     const uint64_t shape = sig.call_shape.load(std::memory_order_relaxed);
     const uint64_t op = sig.call_op.load(std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_acquire);

@@ -1,8 +1,9 @@
 // The stream-ordered protocol on the GPU backend: calls return before the client's stream has
 // run them, the daemon's stream waits for the client's inputs, releases follow the stream (a
-// slot is reused only after the stream that read it gave it back), and
-// a client stream that never arrives ends in an error within the call timeout (no stream stays
-// blocked). Skips without a CUDA device.
+// slot is reused only after the stream that read it gave it back), a session closed right
+// after a call still runs it (its result readable after the close), and a client stream that
+// never arrives ends in an error within the call timeout (no stream stays blocked). Skips
+// without a CUDA device.
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -49,6 +50,23 @@ float Value(int rank, int it, int64_t b, int64_t s, int64_t h, int64_t d) {
 }
 
 constexpr int kW = 2, kB = 2, kS = 24, kH = 8, kD = 64, kSlots = 2, kIters = 5;
+
+// scatter_heads: rank dst's result [B, W*S, H/W, D] holds source src's heads of dst's band at
+// sequence positions src*S + s. The elements of `got` (rank dst, iteration it) that do not.
+int64_t WrongScatterElements(const std::vector<float>& got, int dst, int it) {
+  const int64_t hl = kH / kW;
+  int64_t wrong = 0;
+  for (int64_t b = 0; b < kB; ++b)
+    for (int src = 0; src < kW; ++src)
+      for (int64_t q = 0; q < kS; ++q)
+        for (int64_t h = 0; h < hl; ++h)
+          for (int64_t d = 0; d < kD; ++d) {
+            const float want = Value(src, it, b, q, dst * hl + h, d);
+            const float have = got[((b * kW * kS + src * kS + q) * hl + h) * kD + d];
+            if (std::memcmp(&want, &have, 4) != 0) ++wrong;
+          }
+  return wrong;
+}
 
 TEST_F(StreamCluster, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
   Start(kW);
@@ -117,23 +135,10 @@ TEST_F(StreamCluster, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
   }
   for (auto& t : ranks) t.join();
   for (int r = 0; r < kW; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
-  // scatter_heads: rank dst's result [B, W*S, H/W, D] holds source src's heads of dst's band
-  // at sequence positions src*S + s.
   for (int dst = 0; dst < kW; ++dst)
-    for (int it = 0; it < kIters; ++it) {
-      int64_t wrong = 0;
-      for (int64_t b = 0; b < kB; ++b)
-        for (int src = 0; src < kW; ++src)
-          for (int64_t q = 0; q < kS; ++q)
-            for (int64_t h = 0; h < hl; ++h)
-              for (int64_t d = 0; d < kD; ++d) {
-                const float want = Value(src, it, b, q, dst * hl + h, d);
-                const float have =
-                    got[dst][it][((b * kW * kS + src * kS + q) * hl + h) * kD + d];
-                if (std::memcmp(&want, &have, 4) != 0) ++wrong;
-              }
-      EXPECT_EQ(wrong, 0) << "rank " << dst << " iteration " << it;
-    }
+    for (int it = 0; it < kIters; ++it)
+      EXPECT_EQ(WrongScatterElements(got[dst][it], dst, it), 0)
+          << "rank " << dst << " iteration " << it;
 }
 
 // A result is given back on the stream that reads it; the call that needs its slot next may
@@ -221,6 +226,66 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
     EXPECT_LE(call.enqueued_unix_us(), call.done_unix_us()) << "epoch " << call.epoch();
   }
   EXPECT_EQ(timed, 2);
+}
+
+// A session closed right after its last call: the close lets that call run first, so its
+// result (read on the stream after the close) holds the exchange, and the stream that waits for
+// the call passes. Repeated: the close races the daemon's ring worker for the descriptor.
+TEST_F(StreamCluster, ACallMadeJustBeforeTheCloseRunsAndItsResultIsReadableAfterIt) {
+  Start(kW);
+  constexpr int kRounds = 8;
+  const int64_t hl = kH / kW, in_elems = int64_t{kB} * kS * kH * kD;
+  const int64_t out_elems = int64_t{kB} * kS * kW * hl * kD;
+  std::vector<std::string> errors(kW);
+  std::vector<std::vector<std::vector<float>>> got(kW, std::vector<std::vector<float>>(kRounds));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kW; ++r) {
+    ranks.emplace_back([&, r] {
+      auto fail = [&](const std::string& e) { errors[r] = e; };
+      auto c = client::Client::Connect({Members(kW)[r], "close"});
+      if (!c.ok()) return fail(c.status().ToString());
+      auto x = (*c)->AllocBuffer(in_elems * 4, "x");
+      if (!x.ok()) return fail(x.status().ToString());
+      cudaStream_t stream = nullptr;
+      if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
+        return fail("stream");
+      float* host_in = nullptr;
+      float* host_out = nullptr;
+      cudaMallocHost(reinterpret_cast<void**>(&host_in), in_elems * 4 * kRounds);
+      cudaMallocHost(reinterpret_cast<void**>(&host_out), out_elems * 4 * kRounds);
+      for (int it = 0; it < kRounds; ++it)
+        for (int64_t i = 0; i < in_elems; ++i)
+          host_in[it * in_elems + i] = Value(r, it, i / (kS * kH * kD), (i / (kH * kD)) % kS,
+                                             (i / kD) % kH, i % kD);
+      for (int it = 0; it < kRounds && errors[r].empty(); ++it) {
+        const std::string name = StrCat("close", it);
+        auto g = (*c)->JoinGroup({name, kW, r, Members(kW), "nvlink", 0});
+        if (!g.ok()) return fail(g.status().ToString());
+        auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, kSlots, {}, 0});
+        if (!s.ok()) return fail(s.status().ToString());
+        (*s)->set_stream(stream);
+        cudaMemcpyAsync(x->data, host_in + it * in_elems, in_elems * 4, cudaMemcpyHostToDevice,
+                        stream);
+        auto res = (*s)->ScatterHeads(x->Ref(), kB, kS);
+        if (!res.ok()) return fail(StrCat("round ", it, ": ", res.status().ToString()));
+        if (absl::Status st = (*s)->Close(); !st.ok())
+          return fail(StrCat("round ", it, ": close: ", st.ToString()));
+        cudaMemcpyAsync(host_out + it * out_elems, res->data, out_elems * 4,
+                        cudaMemcpyDeviceToHost, stream);
+        if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("sync");
+        if (!res->Release().ok()) return fail("release");
+        got[r][it].assign(host_out + it * out_elems, host_out + (it + 1) * out_elems);
+      }
+      cudaFreeHost(host_in);
+      cudaFreeHost(host_out);
+      cudaStreamDestroy(stream);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < kW; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  for (int dst = 0; dst < kW; ++dst)
+    for (int it = 0; it < kRounds; ++it)
+      EXPECT_EQ(WrongScatterElements(got[dst][it], dst, it), 0) << "rank " << dst << " round " << it;
 }
 
 TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing) {

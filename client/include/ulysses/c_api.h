@@ -216,7 +216,8 @@ typedef struct uly_session_spec {
 ULY_API uly_status uly_session_create(uly_client* client, const uly_group* group,
                                       const uly_session_spec* spec, uly_session** out);
 /** Closes the session on this rank. Results still alive keep the receive slots mapped (their
- *  data stays readable) until they are freed. Idempotent. */
+ *  data stays readable) until they are freed. On a GPU session the calls already made run to
+ *  their end first (waited for up to 10 s; past that the close aborts them). Idempotent. */
 ULY_API uly_status uly_session_close(uly_session* session);
 /** Closes (if open) and frees the handle. NULL is ignored. */
 ULY_API void uly_session_free(uly_session* session);

@@ -326,7 +326,9 @@ class _Session:
         return (text.value or b"").decode("utf-8", "replace")
 
     def close(self) -> None:
-        """Closes the session on this rank (results still alive stay readable). Idempotent."""
+        """Closes the session on this rank (results still alive stay readable; on a GPU
+        session the calls already made run to their end first, waited for up to 10 s).
+        Idempotent."""
         if not self._closed:
             self._closed = True
             _check(_capi.library().uly_session_close(self._handle.ptr))

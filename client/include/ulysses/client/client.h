@@ -198,7 +198,9 @@ class Session {
   /// stream reached them), and returns the first error the daemon found in calls nobody waited
   /// for (stream-ordered calls report their errors here or at the next call).
   absl::Status Synchronize(absl::Duration timeout = absl::Minutes(5));
-  /// Closes the session on this rank. Idempotent.
+  /// Closes the session on this rank. Idempotent. On a GPU session the calls already pushed
+  /// run to their end first (waited for up to 10 s; past that the close aborts them), so their
+  /// results stay readable after the close.
   absl::Status Close();
   /// Fills this rank's receive slots that are not held with NaN (all bits set); for tests.
   /// Returns how many slots were filled.
