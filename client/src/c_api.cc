@@ -456,6 +456,12 @@ uly_session* NewSession(const std::shared_ptr<ClientState>& c, std::unique_ptr<u
 
 // The fused call's operands from the C ones: x [B,S_l,hidden] gives B and S_l; positions and
 // out must have the shapes they imply.
+// A wait's timeout_ms: 0 is 5 minutes.
+absl::StatusOr<absl::Duration> WaitTimeout(int64_t timeout_ms) {
+  if (timeout_ms < 0) return absl::InvalidArgumentError("timeout_ms: must be >= 0");
+  return timeout_ms == 0 ? absl::Minutes(5) : absl::Milliseconds(timeout_ms);
+}
+
 struct FusedOperands {
   ulysses::OperandRef x, positions, out;
   int64_t batch = 0, seq_local = 0;
@@ -813,22 +819,42 @@ uly_status uly_session_wait(uly_session* session, uint64_t epoch, int64_t timeou
     ULY_RETURN_IF_ERROR(NotNull(session, "session"));
     ULY_RETURN_IF_ERROR(NotNull(result, "result"));
     *result = nullptr;
-    if (timeout_ms < 0) return absl::InvalidArgumentError("timeout_ms: must be >= 0");
-    const absl::Duration timeout =
-        timeout_ms == 0 ? absl::Minutes(5) : absl::Milliseconds(timeout_ms);
+    ULY_ASSIGN_OR_RETURN(const absl::Duration timeout, WaitTimeout(timeout_ms));
     ULY_ASSIGN_OR_RETURN(uc::Result r, session->state->session->Wait(epoch, timeout));
     *result = NewResult(session->state, std::move(r));
     return absl::OkStatus();
   });
 }
 
+namespace {
+
+// Hands a fused call's views to the caller as result handles sharing one release.
+absl::Status FusedResults(const std::shared_ptr<SessionState>& state,
+                          std::vector<uc::Result> views, uly_result** results,
+                          int32_t* num_results) {
+  if (views.size() > ULY_MAX_FUSED_RESULTS)
+    return absl::InternalError(StrCat(views.size(), " results from one fused call"));
+  if (num_results != nullptr) *num_results = static_cast<int32_t>(views.size());
+  if (results == nullptr) return absl::OkStatus();  // out given: the views hold nothing
+  auto released = std::make_shared<std::atomic<bool>>(false);
+  for (size_t i = 0; i < views.size(); ++i)
+    results[i] = NewResult(state, std::move(views[i]), released);
+  return absl::OkStatus();
+}
+
+void ClearFusedResults(uly_result** results, int32_t* num_results) {
+  if (results != nullptr)
+    for (int i = 0; i < ULY_MAX_FUSED_RESULTS; ++i) results[i] = nullptr;
+  if (num_results != nullptr) *num_results = 0;
+}
+
+}  // namespace
+
 uly_status uly_session_qkv_norm_rope_exchange(uly_session* session, const uly_fused_call_args* args,
                                               uly_result** results, int32_t* num_results) {
   return Guard([&]() -> absl::Status {
     ULY_RETURN_IF_ERROR(NotNull(session, "session"));
-    if (results != nullptr)
-      for (int i = 0; i < ULY_MAX_FUSED_RESULTS; ++i) results[i] = nullptr;
-    if (num_results != nullptr) *num_results = 0;
+    ClearFusedResults(results, num_results);
     ULY_ASSIGN_OR_RETURN(FusedOperands o, ToFusedOperands(*session->state, args));
     if (results == nullptr && !o.out.present())
       return absl::InvalidArgumentError("results: NULL, but the call has no out");
@@ -836,14 +862,34 @@ uly_status uly_session_qkv_norm_rope_exchange(uly_session* session, const uly_fu
     s.set_stream(args->stream);
     ULY_ASSIGN_OR_RETURN(std::vector<uc::Result> views,
                          s.QkvNormRopeExchange(o.x, o.positions, o.batch, o.seq_local, o.out));
-    if (views.size() > ULY_MAX_FUSED_RESULTS)
-      return absl::InternalError(StrCat(views.size(), " results from one fused call"));
-    if (num_results != nullptr) *num_results = static_cast<int32_t>(views.size());
-    if (results == nullptr) return absl::OkStatus();  // out given: the views hold nothing
-    auto released = std::make_shared<std::atomic<bool>>(false);
-    for (size_t i = 0; i < views.size(); ++i)
-      results[i] = NewResult(session->state, std::move(views[i]), released);
+    return FusedResults(session->state, std::move(views), results, num_results);
+  });
+}
+
+uly_status uly_session_qkv_norm_rope_submit(uly_session* session, const uly_fused_call_args* args,
+                                            uint64_t* epoch) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(session, "session"));
+    ULY_RETURN_IF_ERROR(NotNull(epoch, "epoch"));
+    ULY_ASSIGN_OR_RETURN(FusedOperands o, ToFusedOperands(*session->state, args));
+    uc::Session& s = *session->state->session;
+    s.set_stream(args->stream);
+    ULY_ASSIGN_OR_RETURN(*epoch, s.SubmitQkvNormRopeExchange(o.x, o.positions, o.batch,
+                                                             o.seq_local, o.out));
     return absl::OkStatus();
+  });
+}
+
+uly_status uly_session_qkv_norm_rope_wait(uly_session* session, uint64_t epoch,
+                                          int64_t timeout_ms, uly_result** results,
+                                          int32_t* num_results) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(session, "session"));
+    ClearFusedResults(results, num_results);
+    ULY_ASSIGN_OR_RETURN(const absl::Duration timeout, WaitTimeout(timeout_ms));
+    ULY_ASSIGN_OR_RETURN(std::vector<uc::Result> views,
+                         session->state->session->WaitQkvNormRopeExchange(epoch, timeout));
+    return FusedResults(session->state, std::move(views), results, num_results);
   });
 }
 

@@ -812,10 +812,9 @@ absl::StatusOr<CallPlan> Session::Plan(const CallArgs& args) const {
   return PlanCall(geometry_, args, *client_);
 }
 
-absl::StatusOr<std::vector<Result>> Session::QkvNormRopeExchange(const OperandRef& x,
-                                                                 const OperandRef& positions,
-                                                                 int64_t batch, int64_t seq_local,
-                                                                 const OperandRef& out) {
+absl::StatusOr<CallArgs> Session::FusedCallArgs(const OperandRef& x, const OperandRef& positions,
+                                                int64_t batch, int64_t seq_local,
+                                                const OperandRef& out) const {
   if (!fused_)
     return absl::InvalidArgumentError(
         StrCat("op: session ", id_, " is a head_exchange session; qkv_norm_rope_exchange needs a "
@@ -827,7 +826,11 @@ absl::StatusOr<std::vector<Result>> Session::QkvNormRopeExchange(const OperandRe
   a.inputs[0] = x;
   a.inputs[1] = positions;
   a.out = out;
-  ULY_ASSIGN_OR_RETURN(Result whole, Call(a));
+  return a;
+}
+
+// A fused call's whole result as the views the caller gets: q, k, v (bshd) or the one band.
+absl::StatusOr<std::vector<Result>> Session::FusedViews(Result whole, const OperandRef& out) const {
   if (out.present()) {
     // The copy is the result: point the views at it.
     const uint8_t* at = client_->Address(out.buffer_id, out.offset_bytes);
@@ -843,6 +846,39 @@ absl::StatusOr<std::vector<Result>> Session::QkvNormRopeExchange(const OperandRe
     views[i].bytes = plane;
   }
   return views;
+}
+
+absl::StatusOr<std::vector<Result>> Session::QkvNormRopeExchange(const OperandRef& x,
+                                                                 const OperandRef& positions,
+                                                                 int64_t batch, int64_t seq_local,
+                                                                 const OperandRef& out) {
+  ULY_ASSIGN_OR_RETURN(CallArgs a, FusedCallArgs(x, positions, batch, seq_local, out));
+  ULY_ASSIGN_OR_RETURN(Result whole, Call(a));
+  return FusedViews(std::move(whole), out);
+}
+
+absl::StatusOr<uint64_t> Session::SubmitQkvNormRopeExchange(const OperandRef& x,
+                                                            const OperandRef& positions,
+                                                            int64_t batch, int64_t seq_local,
+                                                            const OperandRef& out) {
+  ULY_ASSIGN_OR_RETURN(CallArgs a, FusedCallArgs(x, positions, batch, seq_local, out));
+  ULY_ASSIGN_OR_RETURN(uint64_t epoch, Submit(a));
+  if (out.present()) fused_out_[epoch] = out;
+  return epoch;
+}
+
+absl::StatusOr<std::vector<Result>> Session::WaitQkvNormRopeExchange(uint64_t epoch,
+                                                                     absl::Duration timeout) {
+  if (!fused_)
+    return absl::InvalidArgumentError(StrCat("epoch: session ", id_,
+                                             " is a head_exchange session; use Wait"));
+  OperandRef out;
+  if (auto it = fused_out_.find(epoch); it != fused_out_.end()) {
+    out = it->second;
+    fused_out_.erase(it);
+  }
+  ULY_ASSIGN_OR_RETURN(Result whole, Wait(epoch, timeout));
+  return FusedViews(std::move(whole), out);
 }
 
 absl::StatusOr<int> Session::PoisonSlots() {

@@ -209,7 +209,7 @@ def test_an_abi_of_another_major_version_is_refused(sockets):
 
 def test_a_caller_of_an_older_minor_version_is_served(sockets):
     lib = _capi.library()
-    assert lib.uly_abi_version() == _capi.ABI_VERSION == (1 << 16) | 3
+    assert lib.uly_abi_version() == _capi.ABI_VERSION == (1 << 16) | 4
     opts = _capi.new(_capi.ConnectOptions)
     opts.socket = sockets[0].encode()
     out = ctypes.c_void_p()

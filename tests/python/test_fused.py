@@ -1,7 +1,8 @@
 """The fused session (qkv_norm_rope_exchange) driven from Python through real daemons of the
 host backend: every rank's head band against the numpy reference of helpers.FusedProblem at
 atol = rtol = 1e-2 (one-ulp flips counted), both layouts, W = 1 and 2, out= inside and outside
-shared buffers, results sharing one slot and released on drop, and bad arguments."""
+shared buffers, results sharing one slot and released on drop, submit/wait through the rings,
+and bad arguments."""
 from __future__ import annotations
 
 import gc
@@ -146,6 +147,64 @@ def test_a_call_holds_one_slot_until_every_view_is_gone(cluster):
         assert not r[0].held
     finally:
         close_all([(c, sess)])
+
+
+@pytest.mark.parametrize("layout", ["bshd", "fused"])
+def test_submitted_calls_give_what_the_call_gives(sockets, layout):
+    """submit/wait through the rings: three calls queued at once (a view, out= in a shared
+    buffer, out= in a plain array, x staged), waited in order, bit for bit the synchronous
+    call's results and the reference's band."""
+    W = 2
+    p = FusedProblem(W, H, D, B, SL, MAX_POS, seed=20 + len(layout))
+    name = unique("fused-submit")
+
+    def rank(r):
+        c = ulysses.connect(sockets[r], name="test-fused-submit%d" % r)
+        g = c.join_group(name, r, W, members=sockets[:W])
+        with c, c.qkv_norm_rope_exchange(
+                g, num_heads=H, head_dim=D, layout=layout, max_tokens=B * SL, num_slots=3,
+                w_qkv=p.w_qkv, q_norm=p.q_norm, k_norm=p.k_norm, cos_sin=p.cos_sin) as sess:
+            want_sync = sess(p.x[r], p.positions[r])
+            want = np.stack(want_sync) if layout == "bshd" else np.array(want_sync)
+            del want_sync  # its slot is free again
+            shared = c.empty(sess.out_shape(B, SL), "bfloat16")
+            plain = np.zeros(sess.out_shape(B, SL), np.uint16)
+            room = np.zeros(B * SL * H * D + 1, np.uint16)  # x off its alignment: staged
+            x = room[1:].reshape(B, SL, H * D)
+            x[...] = p.x[r]
+            pending = [sess.submit(x, p.positions[r]),
+                       sess.submit(p.x[r], p.positions[r], out=shared),
+                       sess.submit(p.x[r], p.positions[r], out=plain)]
+            assert [q.epoch for q in pending] == [2, 3, 4] and not pending[0].done
+            got = [q.wait() for q in pending]
+            assert all(q.done for q in pending)
+            with pytest.raises(ulysses.FailedPreconditionError, match="already waited"):
+                pending[0].wait()
+            view = np.stack(got[0]) if layout == "bshd" else np.array(got[0])
+            if layout == "bshd":
+                assert all(t.held and t.epoch == 2 for t in got[0])
+                assert got[1][0].base is not None and got[2][2].shape == (B, W * SL, H // W, D)
+            else:
+                assert got[0].held and got[1] is shared and got[2] is plain
+            return want, view, np.array(shared), plain
+
+    out = run_ranks(W, rank)
+    for r in range(W):
+        want, view, shared, plain = out[r]
+        assert same_bits(view, want) and same_bits(shared, want) and same_bits(plain, want)
+        assert compare_bf16(want, p.expected(r, layout))[0] == 0
+
+
+def test_submit_needs_the_rings(sockets):
+    p = FusedProblem(1, H, D, B, SL, MAX_POS, seed=4)
+    c = ulysses.connect(sockets[0], use_rings=False)
+    g = c.join_group(unique("fused-norings"), 0, 1)
+    with c, c.qkv_norm_rope_exchange(g, num_heads=H, head_dim=D, layout="fused",
+                                     max_tokens=B * SL, w_qkv=p.w_qkv, q_norm=p.q_norm,
+                                     k_norm=p.k_norm, cos_sin=p.cos_sin) as sess:
+        with pytest.raises(ulysses.UnimplementedError, match="rings"):
+            sess.submit(p.x[0], p.positions[0])
+        assert sess(p.x[0], p.positions[0]).epoch == 1  # the refusal used no epoch
 
 
 def test_bad_arguments_name_the_argument(sockets):

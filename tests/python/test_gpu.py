@@ -315,7 +315,18 @@ def check_fused(sockets: List[str], layout: str, path: str = "auto") -> str:
                              % (W, layout, path, r, what, mismatches, flips, got_bits.size))
                 assert mismatches == 0, lines[-1] + ": " + helpers.describe_bf16_mismatches(
                     got_bits, wants[r], rope_pairs=True)
-            del views, band, got
+            del views, band, got  # the first call's slot is free again
+            # The same call queued through the rings (submit/wait), into a NaN-filled out=:
+            # bit for bit the synchronous call's band.
+            queued_out = torch.full_like(out, float("nan"))
+            queued = sess.submit(x, pos, out=queued_out).wait()
+            assert (queued is queued_out) if layout == "fused" else (
+                queued[0].data_ptr() == queued_out[0].data_ptr())
+            settle(queued_out)
+            assert torch.equal(queued_out.view(torch.int16), out.view(torch.int16)), \
+                "submit/wait differs from the call"
+            lines.append("W=%d %s %s rank %d submit/wait: bit-exact with the call"
+                         % (W, layout, path, r))
             described = sess.describe()
             if path != "auto":  # the daemon says which path ran and why
                 assert "asks for " + path in described, described

@@ -14,6 +14,8 @@
  * (ULY_DEVICE_CUDA), per-call streams and device results on GPU-backend sessions;
  * uly_cuda_built. 1.2: the fused session (uly_session_create_fused,
  * uly_session_qkv_norm_rope_exchange), ULY_DTYPE_INT32 for its positions, uly_session_describe.
+ * 1.3: DLPack export of results (uly_result_to_dlpack, uly_dlpack_free). 1.4: fused calls
+ * through the rings (uly_session_qkv_norm_rope_submit, uly_session_qkv_norm_rope_wait).
  *
  * Thread-safety: a uly_client may be used from several threads at once; each uly_session
  * from one thread at a time (calls on a session are ordered, like work on a CUDA stream).
@@ -40,7 +42,7 @@ extern "C" {
 
 /** The ABI version of this header: major << 16 | minor. */
 #define ULY_ABI_VERSION_MAJOR 1
-#define ULY_ABI_VERSION_MINOR 3
+#define ULY_ABI_VERSION_MINOR 4
 #define ULY_ABI_VERSION ((ULY_ABI_VERSION_MAJOR << 16) | ULY_ABI_VERSION_MINOR)
 
 /** Most dimensions a uly_tensor describes. The head-exchange ops take 4. */
@@ -409,6 +411,19 @@ ULY_API uly_status uly_session_qkv_norm_rope_exchange(uly_session* session,
                                                       const uly_fused_call_args* args,
                                                       uly_result** results,
                                                       int32_t* num_results);
+
+/** Queues one fused call through the rings and returns its epoch at once (since ABI 1.4);
+ *  uly_session_qkv_norm_rope_wait gives its results. x, positions and out must stay unchanged
+ *  until then. ULY_UNIMPLEMENTED without rings. */
+ULY_API uly_status uly_session_qkv_norm_rope_submit(uly_session* session,
+                                                    const uly_fused_call_args* args,
+                                                    uint64_t* epoch);
+/** Waits (timeout_ms; 0 = 5 minutes) for a submitted fused call and fills results and
+ *  *num_results as uly_session_qkv_norm_rope_exchange does (results may be NULL when the call
+ *  was given out). Since ABI 1.4. */
+ULY_API uly_status uly_session_qkv_norm_rope_wait(uly_session* session, uint64_t epoch,
+                                                  int64_t timeout_ms, uly_result** results,
+                                                  int32_t* num_results);
 
 /** describe(): how the session's calls run on the daemon (for a fused session the path per
  *  prepared row count and why). *text is valid until the next uly_session_describe on this

@@ -22,7 +22,7 @@ The package is ctypes over the library's C ABI and loads libulysses_client.so fr
 """
 from ._capi import ABI_VERSION
 from ._client import Client, Group, HeadExchange, Pending, SlotArray, connect, release
-from ._fused import QkvNormRopeExchange
+from ._fused import FusedPending, QkvNormRopeExchange
 from ._torch import DeviceSlot
 from ._errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError,
                       DeadlineExceededError, Error, FailedPreconditionError, InternalError,
@@ -47,7 +47,7 @@ def library_version() -> str:
 
 
 __all__ = [
-    "ABI_VERSION", "Client", "DeviceSlot", "Group", "HeadExchange", "Pending",
+    "ABI_VERSION", "Client", "DeviceSlot", "FusedPending", "Group", "HeadExchange", "Pending",
     "QkvNormRopeExchange", "SlotArray", "connect",
     "release", "cuda_built", "library_version", "Error", "AbortedError", "AlreadyExistsError",
     "CancelledError", "DataLossError", "DeadlineExceededError", "FailedPreconditionError",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 ABI_VERSION_MAJOR = 1
-ABI_VERSION_MINOR = 3
+ABI_VERSION_MINOR = 4
 ABI_VERSION = (ABI_VERSION_MAJOR << 16) | ABI_VERSION_MINOR
 MAX_DIMS = 8
 
@@ -147,6 +147,8 @@ _SIGNATURES = {
     "uly_session_wait": (_i32, [_vp, _u64, _i64, _P(_vp)]),
     "uly_session_create_fused": (_i32, [_vp, _vp, _P(FusedSessionSpec), _P(_vp)]),
     "uly_session_qkv_norm_rope_exchange": (_i32, [_vp, _P(FusedCallArgs), _P(_vp), _P(_i32)]),
+    "uly_session_qkv_norm_rope_submit": (_i32, [_vp, _P(FusedCallArgs), _P(_u64)]),
+    "uly_session_qkv_norm_rope_wait": (_i32, [_vp, _u64, _i64, _P(_vp), _P(_i32)]),
     "uly_session_describe": (_i32, [_vp, _P(_cp)]),
     "uly_result_get_info": (_i32, [_vp, _P(ResultInfo)]),
     "uly_result_release": (_i32, [_vp]),

@@ -9,8 +9,8 @@ import numpy as np
 
 from . import _capi
 from . import _torch
-from ._client import (ArrayLike, Client, Group, InvalidArgumentError, _Operand, _Session,
-                      _SharedBuffer, _Slot, _check)
+from ._client import (ArrayLike, Client, FailedPreconditionError, Group, InvalidArgumentError,
+                      _Operand, _Session, _SharedBuffer, _Slot, _check)
 
 #: Names of the weights, their dtypes, and their shapes given (H, D, hidden, max_pos).
 _WEIGHTS = (
@@ -82,18 +82,46 @@ class QkvNormRopeExchange(_Session):
         slot stays held: the call returns ``(out[0], out[1], out[2])`` (bshd) or `out`. Host
         arrays that are not contiguous, not 32-byte aligned or outside the client's shared
         buffers are copied into staging buffers first; CUDA tensors must be contiguous."""
-        is_torch: List[bool] = []
-        xo = self._operand("x", x, is_torch, dense=True)
-        po = self._operand("positions", positions, [], dtype_code=_capi.DTYPE_INT32,
-                           dense=True)
-        cuda = self._check_out_kind([xo, po], out)
+        call = self._fused_args(x, positions, out)
+        results = (ctypes.c_void_p * _capi.MAX_FUSED_RESULTS)()
+        count = ctypes.c_int32()
+        _check(_capi.library().uly_session_qkv_norm_rope_exchange(
+            self._handle.ptr, ctypes.byref(call.args), results if call.want_results else None,
+            ctypes.byref(count)))
+        return self._fused_finish(call, results, count.value)
+
+    def submit(self, x: ArrayLike, positions: ArrayLike,
+               out: Optional[ArrayLike] = None) -> "FusedPending":
+        """Queues the fused call through the call rings and returns at once;
+        :meth:`FusedPending.wait` gives what the call would have returned. Calls complete in
+        submission order. x, positions (and `out`) must stay unchanged and alive until the
+        wait; host arrays outside shared buffers are copied into staging buffers of this call
+        alone. Raises :class:`UnimplementedError` when the client has no rings."""
+        pool: List[Tuple[str, _SharedBuffer]] = []
+        try:
+            call = self._fused_args(x, positions, out, pool)
+            epoch = ctypes.c_uint64()
+            _check(_capi.library().uly_session_qkv_norm_rope_submit(
+                self._handle.ptr, ctypes.byref(call.args), ctypes.byref(epoch)))
+        except BaseException:
+            self._give_back(pool)
+            raise
+        return FusedPending(self, int(epoch.value), call, pool)
+
+    def _fused_args(self, x: ArrayLike, positions: ArrayLike, out: Optional[ArrayLike],
+                    pool: Optional[List[Tuple[str, _SharedBuffer]]] = None) -> "_FusedCall":
+        """The uly_fused_call_args of a call, and what stays alive until it finished."""
+        call = _FusedCall()
+        call.xo = self._operand("x", x, call.is_torch, dense=True, pool=pool)
+        call.po = self._operand("positions", positions, [], dtype_code=_capi.DTYPE_INT32,
+                                dense=True, pool=pool)
+        cuda = self._check_out_kind([call.xo, call.po], out)
         args = _capi.new(_capi.FusedCallArgs)
-        args.x = ctypes.pointer(xo.tensor)
-        args.positions = ctypes.pointer(po.tensor)
+        args.x = ctypes.pointer(call.xo.tensor)
+        args.positions = ctypes.pointer(call.po.tensor)
         if cuda is not None:
             args.stream = _torch.current_stream(cuda) or None
-        copy_out_later = False
-        out_op: Optional[_Operand] = None
+        call.out = out
         if out is not None:
             shape = tuple(int(n) for n in getattr(x, "shape", ()))
             want = self.out_shape(*shape[:2]) if len(shape) == 3 else None
@@ -102,19 +130,21 @@ class QkvNormRopeExchange(_Session):
                 raise InvalidArgumentError("out: shape %s, want %s (%s)" % (
                     list(got), list(want), "[3, B, S_g, H/W, D]" if self.layout == "bshd"
                     else "[B, S_g, H/W, 3D]"))
-            out_op = self._operand("out", out, [], is_out=True, copy_in=False, dense=True)
-            copy_out_later = out_op.staged is not None
-            if not copy_out_later:
-                args.out = ctypes.pointer(out_op.tensor)
-        results = (ctypes.c_void_p * _capi.MAX_FUSED_RESULTS)()
-        count = ctypes.c_int32()
-        want_results = out is None or copy_out_later
-        _check(_capi.library().uly_session_qkv_norm_rope_exchange(
-            self._handle.ptr, ctypes.byref(args), results if want_results else None,
-            ctypes.byref(count)))
-        if not want_results:
+            call.out_op = self._operand("out", out, [], is_out=True, copy_in=False,
+                                        dense=True, pool=pool)
+            call.copy_out_later = call.out_op.staged is not None
+            if not call.copy_out_later:
+                args.out = ctypes.pointer(call.out_op.tensor)
+        call.want_results = out is None or call.copy_out_later
+        call.args = args
+        return call
+
+    def _fused_finish(self, call: "_FusedCall", results: Any, count: int) -> QkvResult:
+        """What a fused call returns, once its results (handles, or none with out) are here."""
+        out, out_op = call.out, call.out_op
+        if not call.want_results:
             return self._split_out(out)
-        slot = _Slot([results[i] for i in range(count.value)], self, args.stream)
+        slot = _Slot([results[i] for i in range(count)], self, call.args.stream)
         if out is not None:
             try:
                 planes = [self._slot_array(slot, out_op.array.dtype, i)
@@ -131,8 +161,8 @@ class QkvNormRopeExchange(_Session):
             finally:
                 slot.release()
             return self._split_out(out)
-        like = xo.array.dtype if xo.array is not None else None
-        views = [self._result(slot, like, bool(is_torch and is_torch[0]), i)
+        like = call.xo.array.dtype if call.xo.array is not None else None
+        views = [self._result(slot, like, bool(call.is_torch and call.is_torch[0]), i)
                  for i in range(len(slot.parts))]
         return views[0] if len(views) == 1 else tuple(views)
 
@@ -150,6 +180,62 @@ class QkvNormRopeExchange(_Session):
                     self.id, self.rank, self.world_size, self.hidden, self.num_heads,
                     self.head_dim, self.layout, self.max_tokens, self.num_slots, self.max_pos,
                     self.path))
+
+
+class _FusedCall:
+    """One fused call's operands, out and arguments, kept alive while it runs."""
+
+    def __init__(self) -> None:
+        self.is_torch: List[bool] = []
+        self.xo: Optional[_Operand] = None
+        self.po: Optional[_Operand] = None
+        self.out: Any = None
+        self.out_op: Optional[_Operand] = None
+        self.copy_out_later = False
+        self.want_results = True
+        self.args: Any = None
+
+
+class FusedPending:
+    """A submitted fused call (:meth:`QkvNormRopeExchange.submit`). :meth:`wait` gives its
+    result; until then its inputs, `out` and staging buffers stay alive. Wait for every
+    submitted call."""
+
+    def __init__(self, session: QkvNormRopeExchange, epoch: int, call: _FusedCall,
+                 pool: List[Tuple[str, _SharedBuffer]]):
+        self.session = session
+        self.epoch = epoch
+        self._call: Optional[_FusedCall] = call
+        self._pool = pool
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` returned (or raised) already."""
+        return self._call is None
+
+    def wait(self, timeout: Optional[float] = None) -> QkvResult:
+        """Waits for the call (`timeout` seconds; None: 5 minutes) and returns what the call
+        returns: ``(q, k, v)`` or one band (views of the slot), or `out` split the same way.
+        An error the daemon found in the call is raised here. Once only: a second wait raises
+        FailedPreconditionError."""
+        call = self._call
+        if call is None:
+            raise FailedPreconditionError("epoch %d: already waited for" % self.epoch)
+        s = self.session
+        results = (ctypes.c_void_p * _capi.MAX_FUSED_RESULTS)()
+        count = ctypes.c_int32()
+        ms = 0 if timeout is None else max(1, int(timeout * 1000))
+        try:
+            _check(_capi.library().uly_session_qkv_norm_rope_wait(
+                s._handle.ptr, self.epoch, ms, results if call.want_results else None,
+                ctypes.byref(count)))
+            return s._fused_finish(call, results, count.value)
+        finally:
+            self._call = None
+            s._give_back(self._pool)
+
+    def __repr__(self) -> str:
+        return "FusedPending(epoch=%d, done=%s)" % (self.epoch, self.done)
 
 
 def _host_weight(client: Client, name: str, value: Any, code: int) -> np.ndarray:

@@ -186,6 +186,14 @@ class Session {
                                                           const OperandRef& positions,
                                                           int64_t batch, int64_t seq_local,
                                                           const OperandRef& out = {});
+  /// QkvNormRopeExchange through the call rings: queues the call and returns its epoch at once
+  /// (UNIMPLEMENTED without rings). WaitQkvNormRopeExchange gives its views, as the call would
+  /// have returned them. x, positions and out must stay unchanged until then.
+  absl::StatusOr<uint64_t> SubmitQkvNormRopeExchange(const OperandRef& x,
+                                                     const OperandRef& positions, int64_t batch,
+                                                     int64_t seq_local, const OperandRef& out = {});
+  absl::StatusOr<std::vector<Result>> WaitQkvNormRopeExchange(
+      uint64_t epoch, absl::Duration timeout = absl::Minutes(5));
   /// Any call, as CallArgs. Validated here first (the same verdict the daemon reaches).
   absl::StatusOr<Result> Call(const CallArgs& args);
   /// Submits a call through the ring and returns its epoch at once; Wait(epoch) gives its
@@ -236,6 +244,10 @@ class Session {
   friend class Client;
   Session() = default;
   absl::StatusOr<CallPlan> Plan(const CallArgs& args) const;
+  absl::StatusOr<CallArgs> FusedCallArgs(const OperandRef& x, const OperandRef& positions,
+                                         int64_t batch, int64_t seq_local,
+                                         const OperandRef& out) const;
+  absl::StatusOr<std::vector<Result>> FusedViews(Result whole, const OperandRef& out) const;
   absl::StatusOr<uint64_t> SubmitPlanned(const CallArgs& args, CallPlan* plan);
   std::shared_ptr<SlotHold> NewHold(uint64_t epoch, int32_t slot);
   bool stream_protocol() const;
@@ -266,6 +278,7 @@ class Session {
   int32_t release_index_ = -1;
   uint64_t next_epoch_ = 1;  // ring path: the epoch the next submitted call gets
   std::map<uint64_t, bool> has_out_;  // ring path: submitted epochs -> whether out= was given
+  std::map<uint64_t, OperandRef> fused_out_;  // submitted fused calls with out: their out
 };
 
 /// One attached client process. Thread-safe, except that each Session is used by one thread.
