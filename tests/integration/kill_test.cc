@@ -1,6 +1,6 @@
-// SIGKILL of a client at each phase: its daemon reclaims everything (clients, sessions, slots,
-// buffers, shared segments, descriptors), peers waiting on it get ABORTED rather than time
-// out, and the other clients' results stay exact.
+// SIGKILL of a client at each phase, and at random moments of its whole life: its daemon
+// reclaims everything (clients, sessions, slots, buffers, shared segments, descriptors), peers
+// waiting on it get ABORTED rather than time out, and the other clients' results stay exact.
 #include <dirent.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -8,6 +8,8 @@
 
 #include <cstring>
 #include <fstream>
+#include <iostream>
+#include <random>
 #include <thread>
 
 #include "cluster_util.h"
@@ -43,7 +45,7 @@ int CountSessionMappings(pid_t pid) {
   return n;
 }
 
-class KillAtPhase : public ::testing::TestWithParam<std::string> {
+class KillFixture : public ::testing::Test {
  protected:
   void SetUp() override {
     auto dir = demo::MakeRunDir();
@@ -137,6 +139,8 @@ class KillAtPhase : public ::testing::TestWithParam<std::string> {
   int baseline_fds_ = 0, baseline_shm_ = 0;
 };
 
+class KillAtPhase : public KillFixture, public ::testing::WithParamInterface<std::string> {};
+
 TEST_P(KillAtPhase, DaemonReclaimsEverythingAndPeersAbort) {
   const std::string phase = GetParam();
   const bool two_ranks = phase == "session" || phase == "queued" || phase == "exchange";
@@ -210,6 +214,44 @@ TEST_P(KillAtPhase, DaemonReclaimsEverythingAndPeersAbort) {
 INSTANTIATE_TEST_SUITE_P(Phases, KillAtPhase,
                          ::testing::Values("attach", "buffer", "session", "held", "queued",
                                            "exchange"));
+
+// A client that goes round its whole life (attach, buffers, a one-rank group, a session,
+// submitted, waited, held and out= calls, close) again and again, SIGKILLed 100 times at a
+// random moment (0 to 30 ms after its first attach): after every kill the daemon is back to
+// its baseline and the bystander's results stay exact.
+TEST_F(KillFixture, AClientKilledAtRandomMomentsLeavesNothingBehind) {
+  constexpr int kKills = 100;
+  const uint32_t seed = 20261201;
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> delay_us(0, 30000);
+  std::cout << "seed " << seed << "\n";
+  int attached_at_kill = 0;
+  for (int i = 0; i < kKills; ++i) {
+    const std::string ready = StrCat(dir_, "/cycle", i, ".ready");
+    const pid_t pid = SpawnPhaseClient("cycle", {daemons_[1].socket()}, 0, ready);
+    ASSERT_TRUE(Eventually([&] { return ::access(ready.c_str(), F_OK) == 0; }))
+        << "kill " << i << ": the client did not start";
+    // From its first attach on (a slow start would otherwise take the whole window).
+    ASSERT_TRUE(Eventually([&] { return Clients(1) == 2; })) << "kill " << i << ": never attached";
+    std::this_thread::sleep_for(std::chrono::microseconds(delay_us(rng)));
+    if (Clients(1) == 2) ++attached_at_kill;
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    ASSERT_TRUE(Eventually([&] { return Clients(1) == 1; })) << "kill " << i << ": clients";
+    ASSERT_TRUE(Eventually([&] { return Slots(1) == 2; })) << "kill " << i << ": slots";
+    ASSERT_TRUE(Eventually([&] {
+      return CountSessionMappings(daemons_[1].pid()) == baseline_shm_;
+    })) << "kill " << i << ": a session segment of the killed client is still mapped";
+    ASSERT_TRUE(Eventually([&] {
+      return CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") == baseline_fds_;
+    })) << "kill " << i << ": descriptors "
+        << CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") << " vs baseline "
+        << baseline_fds_;
+    ASSERT_TRUE(BystanderExact()) << "kill " << i;
+  }
+  std::cout << kKills << " kills, " << attached_at_kill
+            << " of them while the client was attached (the others between its rounds)\n";
+}
 
 }  // namespace
 }  // namespace ulysses

@@ -35,9 +35,12 @@ inline PhaseArgs ParsePhaseArgs(int argc, char** argv) {
   return a;
 }
 
+/// Writes this process's pid to `ready`.
+inline void Announce(const std::string& ready) { std::ofstream(ready) << getpid() << "\n"; }
+
 /// Writes this process's pid to `ready` and waits to be killed.
 [[noreturn]] inline void StopAtPhase(const std::string& ready) {
-  std::ofstream(ready) << getpid() << "\n";
+  Announce(ready);
   for (;;) pause();
 }
 
