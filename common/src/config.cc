@@ -1,12 +1,17 @@
 #include "ulysses/common/config.h"
 
+#include <grp.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <set>
 #include <span>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "ulysses/common/strings.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/logging.h"
@@ -60,6 +65,30 @@ absl::Status Read(const json& obj, const std::string& key, std::string_view wher
 
 }  // namespace
 
+absl::StatusOr<uint32_t> ResolveGroup(std::string_view group) {
+  if (group.empty() || group.size() > 256)
+    return absl::InvalidArgumentError("a group name or a gid, 1 to 256 characters");
+  if (std::all_of(group.begin(), group.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+    uint32_t gid = 0;
+    if (!absl::SimpleAtoi(absl::string_view(group.data(), group.size()), &gid) ||
+        gid == std::numeric_limits<uint32_t>::max())
+      return absl::InvalidArgumentError(StrCat("gid ", group, " is out of range"));
+    return gid;
+  }
+  const std::string name(group);
+  for (size_t size = 16384;; size *= 4) {
+    std::vector<char> buf(size);
+    struct group entry {};
+    struct group* found = nullptr;
+    const int rc = ::getgrnam_r(name.c_str(), &entry, buf.data(), buf.size(), &found);
+    if (rc == ERANGE && size < (1u << 20)) continue;  // a group with many members: more room
+    if (rc != 0)
+      return absl::InvalidArgumentError(StrCat("looking up group '", name, "': ", std::strerror(rc)));
+    if (found == nullptr) return absl::InvalidArgumentError(StrCat("no group named '", name, "'"));
+    return static_cast<uint32_t>(found->gr_gid);
+  }
+}
+
 std::string DefaultSocketPath(int32_t index) {
   return StrCat("/run/ulysses/gpu", index, ".sock");
 }
@@ -75,7 +104,8 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
   }
   ULY_RETURN_IF_ERROR(CheckKeys(root, "", {"log_level", "backend", "timeouts", "slots",
                                            "metrics", "ready_file", "devices",
-                                           "flight_recorder_size", "limits", "rings"}));
+                                           "flight_recorder_size", "limits", "rings",
+                                           "admin"}));
   DaemonConfig c;
   c.device = device;
   ULY_RETURN_IF_ERROR(Read(root, "flight_recorder_size", "", &c.flight_recorder_size));
@@ -112,6 +142,11 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
     const json& r = root["rings"];
     ULY_RETURN_IF_ERROR(CheckKeys(r, "rings", {"worker_spin_us"}));
     ULY_RETURN_IF_ERROR(Read(r, "worker_spin_us", "rings", &c.ring_spin_us));
+  }
+  if (root.contains("admin")) {
+    const json& a = root["admin"];
+    ULY_RETURN_IF_ERROR(CheckKeys(a, "admin", {"operator_group"}));
+    ULY_RETURN_IF_ERROR(Read(a, "operator_group", "admin", &c.operator_group));
   }
   if (root.contains("metrics")) {
     const json& m = root["metrics"];
@@ -167,6 +202,7 @@ constexpr KeyFlag kKeyFlags[] = {
     {"timeouts.drain_ms", "--drain-timeout-ms"},
     {"metrics.address", "--metrics-address"},
     {"rings.worker_spin_us", "--ring-spin-us"},
+    {"admin.operator_group", "--operator-group"},
 };
 
 absl::Status Invalid(std::string_view key, std::string_view rule) {
@@ -279,6 +315,10 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
   if (!c.metrics_address.empty()) {
     absl::StatusOr<HostPort> hp = ParseHostPort(c.metrics_address);
     if (!hp.ok()) return Invalid("metrics.address", StdView(hp.status().message()));
+  }
+  if (!c.operator_group.empty()) {
+    absl::StatusOr<uint32_t> gid = ResolveGroup(c.operator_group);
+    if (!gid.ok()) return Invalid("admin.operator_group", StdView(gid.status().message()));
   }
   std::set<int32_t> seen;
   for (size_t i = 0; i < c.devices.size(); ++i) {

@@ -68,8 +68,11 @@ class StagedSocket {
 
   std::string path() const { return dir_ + "/s"; }
 
-  /// Gives the socket `mode`, moves it to its final path and checks what is there now.
-  absl::Status Publish(mode_t mode) {
+  /// Gives the socket `mode` (and group `gid`, unless -1), moves it to its final path and
+  /// checks what is there now.
+  absl::Status Publish(mode_t mode, gid_t gid = static_cast<gid_t>(-1)) {
+    if (gid != static_cast<gid_t>(-1) && ::chown(path().c_str(), static_cast<uid_t>(-1), gid) != 0)
+      return ErrnoError(StrCat("chown(", path(), ", group ", gid, ") of the socket ", final_), errno);
     if (::chmod(path().c_str(), mode) != 0)
       return ErrnoError(StrCat("chmod(", path(), ") of the socket ", final_), errno);
     if (::rename(path().c_str(), final_.c_str()) != 0)
@@ -98,7 +101,8 @@ class StagedSocket {
 // connect; the socket gets `mode` there and is renamed to `path` only then. No connection is
 // ever accepted under looser permissions than `mode`. `path` was claimed before.
 absl::StatusOr<std::unique_ptr<grpc::Server>> ServeStaged(
-    const std::string& path, mode_t mode, const std::vector<grpc::Service*>& services) {
+    const std::string& path, mode_t mode, const std::vector<grpc::Service*>& services,
+    gid_t gid = static_cast<gid_t>(-1)) {
   ULY_ASSIGN_OR_RETURN(StagedSocket staged, StagedSocket::Make(path));
   grpc::ServerBuilder builder;
   int bound_port = 0;
@@ -108,7 +112,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeStaged(
   builder.SetMaxReceiveMessageSize(4 << 20);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", path));
-  ULY_RETURN_IF_ERROR(staged.Publish(mode));
+  ULY_RETURN_IF_ERROR(staged.Publish(mode, gid));
   return server;
 }
 
@@ -151,8 +155,15 @@ absl::Status Daemon::Start() {
   started_ = absl::Now();
   ULY_ASSIGN_OR_RETURN(server_, ServeStaged(config_.socket, 0660,
                                             {control_.get(), admin_.get(), peer_.get()}));
+  // The operators' group, when one is named, may use the operator socket too.
+  gid_t operators = static_cast<gid_t>(-1);
+  if (!config_.operator_group.empty()) {
+    ULY_ASSIGN_OR_RETURN(const uint32_t gid, ResolveGroup(config_.operator_group));
+    operators = static_cast<gid_t>(gid);
+  }
   ULY_ASSIGN_OR_RETURN(operator_server_,
-                       ServeStaged(operator_socket, 0600, {operator_admin_.get()}));
+                       ServeStaged(operator_socket, operators == static_cast<gid_t>(-1) ? 0600 : 0660,
+                                   {operator_admin_.get()}, operators));
   server_->GetHealthCheckService()->SetServingStatus(true);
   started_ok_ = true;
   if (absl::Status m = StartMetricsServer(); !m.ok()) return m;

@@ -19,6 +19,7 @@ void DaemonFlags::ApplyTo(DaemonConfig& c) const {
   if (drain_opt->count()) c.drain_timeout_ms = drain_timeout_ms;
   if (metrics_opt->count()) c.metrics_address = metrics_address;
   if (ring_spin_opt->count()) c.ring_spin_us = ring_spin_us;
+  if (operator_group_opt->count()) c.operator_group = operator_group;
 }
 
 void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
@@ -59,6 +60,10 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
                                    "How long a ring worker polls after its last call before it "
                                    "sleeps, 0 to 1000000 (config: rings.worker_spin_us; default 50)")
                         ->check(cli::Integer());
+  f.operator_group_opt = app.add_option("--operator-group", f.operator_group,
+                                        "A group (name or gid) whose members may use the "
+                                        "operator socket, then mode 0660 (config: "
+                                        "admin.operator_group; default: the daemon's uid alone)");
 }
 
 }  // namespace ulysses::daemon

@@ -381,4 +381,34 @@ TEST(DaemonConfig, RingWorkerSpinIsReadBoundedAndNamedWithItsFlag) {
   EXPECT_NE(typo.status().message().find("spin_us"), std::string::npos) << typo.status();
 }
 
+TEST(DaemonConfig, TheOperatorGroupIsAKnownGroupOrAGidNamedWithItsFlag) {
+  EXPECT_EQ(ParseDaemonConfig("{}", 0)->operator_group, "");
+  absl::StatusOr<DaemonConfig> c = ParseDaemonConfig(R"({"admin": {"operator_group": "0"}})", 0);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->operator_group, "0");
+  EXPECT_EQ(*ResolveGroup("0"), 0u);
+  EXPECT_EQ(*ResolveGroup("root"), 0u);  // every system names gid 0
+  EXPECT_TRUE(ParseDaemonConfig(R"({"admin": {"operator_group": "root"}})", 0).ok());
+  for (const auto& [bad, rule] :
+       {std::pair<const char*, const char*>{R"({"admin": {"operator_group": "no-such-group-x"}})",
+                                            "no group named 'no-such-group-x'"},
+        {R"({"admin": {"operator_group": "99999999999"}})", "out of range"},
+        {R"({"admin": {"operator_group": ""}})", nullptr}}) {
+    absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(bad, 0);
+    if (rule == nullptr) {  // empty: no operators' group
+      ASSERT_TRUE(r.ok()) << r.status();
+      continue;
+    }
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("admin.operator_group (--operator-group)"),
+              std::string::npos)
+        << r.status();
+    EXPECT_NE(r.status().message().find(rule), std::string::npos) << r.status();
+  }
+  absl::StatusOr<DaemonConfig> typo = ParseDaemonConfig(R"({"admin": {"group": "0"}})", 0);
+  ASSERT_FALSE(typo.ok());
+  EXPECT_NE(typo.status().message().find("admin.group: unknown key"), std::string::npos)
+      << typo.status();
+}
+
 }  // namespace ulysses

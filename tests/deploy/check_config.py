@@ -35,6 +35,7 @@ FULL = {
     "ready_file": "/run/ulysses/gpu0.ready",
     "flight_recorder_size": 64,
     "rings": {"worker_spin_us": 500},
+    "admin": {"operator_group": "0"},
     "limits": {"max_clients": 64, "clients_per_uid": 8, "buffers_per_client": 128,
                "buffer_bytes_per_client": 1 << 30, "buffer_bytes_per_uid": 1 << 31,
                "pending_fds_per_client": 16},
@@ -79,6 +80,8 @@ BAD = [
     ("negative ring spin", {"rings": {"worker_spin_us": -1}}, "rings.worker_spin_us"),
     ("ring spin over a second", {"rings": {"worker_spin_us": 1000001}}, "rings.worker_spin_us"),
     ("unknown key in rings", {"rings": {"spin": 5}}, "rings.spin"),
+    ("unknown key in admin", {"admin": {"group": "0"}}, "admin.group"),
+    ("operator group not a string", {"admin": {"operator_group": 0}}, "admin.operator_group"),
 ]
 
 # Good configs beyond the shipped ones: edge values both must accept.
@@ -93,6 +96,8 @@ GOOD_EDGES = [
     ("recorder of size 1000000", {"flight_recorder_size": 1000000}),
     ("no ring spin", {"rings": {"worker_spin_us": 0}}),
     ("ring spin of a second", {"rings": {"worker_spin_us": 1000000}}),
+    ("operator group by name", {"admin": {"operator_group": "root"}}),
+    ("no operator group (empty)", {"admin": {"operator_group": ""}}),
 ]
 
 # (flag, value, ok?, what stderr names): ulyssesd --check-config {} FLAG VALUE.
@@ -106,6 +111,8 @@ FLAGS = [
     ("--drain-timeout-ms", "0", True, ""),
     ("--ring-spin-us", "-1", False, "--ring-spin-us"),
     ("--ring-spin-us", "2000", True, ""),
+    ("--operator-group", "no-such-group-x", False, "--operator-group"),
+    ("--operator-group", "0", True, ""),
     ("--backend", "nccl", True, ""),
     ("--backend", "nvlink", True, ""),
     ("--backend", "gpu", False, "--backend"),

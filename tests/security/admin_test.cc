@@ -74,10 +74,46 @@ TEST_F(AdminTest, TheOperatorSocketIsTheDaemonsUidAlone) {
   EXPECT_EQ(st.st_mode & 07777, 0600u);
   EXPECT_EQ(st.st_uid, ::geteuid());
   if (::geteuid() != 0) GTEST_SKIP() << "connecting as a second uid needs root";
+  // The run folder lets others through, so that only the socket's own mode refuses them.
+  ASSERT_EQ(::chmod(dir_.c_str(), 0711), 0);
+  EXPECT_EQ(ConnectErrnoAs(65534, daemon_.socket()), EACCES)
+      << "the control socket (0660, the daemon's group) let uid 65534 in";
   // A process of another uid cannot connect, so it cannot drain.
   EXPECT_EQ(ConnectErrnoAs(65534, OperatorSocket()), EACCES)
       << "uid 65534 could connect to the operator socket";
   EXPECT_FALSE(Draining());
+}
+
+// With admin.operator_group the operator socket is 0660 with that group: its members get in,
+// others still do not, and the control socket keeps its own mode.
+TEST_F(AdminTest, AnOperatorsGroupMayUseTheOperatorSocket) {
+  const gid_t operators = 65534;
+  StartDaemon({"--operator-group", std::to_string(operators)});
+  struct stat st {};
+  ASSERT_EQ(::lstat(OperatorSocket().c_str(), &st), 0) << OperatorSocket();
+  EXPECT_EQ(st.st_mode & 07777, 0660u);
+  EXPECT_EQ(st.st_gid, operators);
+  EXPECT_EQ(st.st_uid, ::geteuid());
+  auto op = Operator();  // the daemon's uid still drains there
+  ASSERT_TRUE(Drain(op.get()).ok());
+  ASSERT_TRUE(Undrain(op.get()).ok());
+  if (::geteuid() != 0) GTEST_SKIP() << "connecting as a second uid needs root";
+  ASSERT_EQ(::chmod(dir_.c_str(), 0711), 0);
+  EXPECT_EQ(ConnectErrnoAs(65534, OperatorSocket()), 0)
+      << "a member of the operators' group (uid and gid 65534) could not connect";
+  EXPECT_EQ(ConnectErrnoAs(65533, OperatorSocket()), EACCES)
+      << "uid and gid 65533, outside the group, could connect";
+}
+
+TEST_F(AdminTest, AnUnknownOperatorsGroupStopsTheStartNamingIt) {
+  daemon_ = demo::DaemonProcess();
+  absl::StatusOr<demo::DaemonProcess> d =
+      demo::StartDaemon(ULYSSESD_PATH, dir_, 1, "host", {"--operator-group", "no-such-group-x"});
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.status().ToString().find("admin.operator_group (--operator-group): no group named "
+                                       "'no-such-group-x'"),
+            std::string::npos)
+      << d.status();
 }
 
 }  // namespace

@@ -46,9 +46,16 @@ struct DaemonConfig {
   uint64_t slot_memory_budget_bytes = 8ull << 30;  ///< receive-slot memory this daemon may hold
   std::string ready_file;             ///< written once the daemon serves (empty: none)
   std::string metrics_address;        ///< host:port of the metrics endpoint (empty: off)
+  /// The group (a name or a numeric gid) whose members may use the operator socket, which then
+  /// has mode 0660 and that group (admin.operator_group); empty: the daemon's uid alone (0600).
+  std::string operator_group;
   std::vector<DeviceEntry> devices;   ///< the node's daemons, for node-local rendezvous
   DaemonLimits limits;
 };
+
+/// The gid of `group`: a group name the system knows, or a decimal gid. INVALID_ARGUMENT
+/// stating the rule (no key prefix) otherwise.
+absl::StatusOr<uint32_t> ResolveGroup(std::string_view group);
 
 /// Every backend name a config or flag may give.
 /// The longest rings.worker_spin_us: one second.
