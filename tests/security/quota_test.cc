@@ -2,6 +2,10 @@
 // client and per uid, unclaimed descriptors, and a client that never reads its fd socket. Each
 // limit refuses with RESOURCE_EXHAUSTED naming it, counts the refusal in the metrics, and the
 // daemon keeps serving everyone else.
+#include <grp.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -100,6 +104,65 @@ TEST_F(QuotaTest, BoundClientsPerUidAreBounded) {
   a.reset();  // a slot of the uid frees up
   EXPECT_TRUE(Eventually([&] { return NumClients() == 1; }));
   EXPECT_NE(Connect("d"), nullptr);
+}
+
+// A client of a second uid (65534, in the daemon's group) is counted against its own uid's
+// quota: the first uid at its limit leaves it served, and it leaves the first uid's count as
+// it was.
+TEST_F(QuotaTest, OneUidAtItsQuotaLeavesAnotherUidServed) {
+  if (::geteuid() != 0) GTEST_SKIP() << "a client of a second uid needs root";
+  StartWithLimits(R"({"clients_per_uid": 2})");
+  auto a = Connect("a");
+  auto b = Connect("b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  ASSERT_EQ(::chmod(dir_.c_str(), 0711), 0);
+  const std::string drop = dir_ + "/other-uid";  // where the other uid writes its ready file
+  ASSERT_EQ(::mkdir(drop.c_str(), 0777), 0);
+  ASSERT_EQ(::chmod(drop.c_str(), 0777), 0);
+  const std::string ready = drop + "/ready", socket = daemon_.socket();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Uid and gid 65534, with the daemon's group (0) as a supplementary one: the control and
+    // fd sockets are 0660 of that group.
+    const gid_t groups[] = {::getegid()};
+    if (::setgroups(1, groups) != 0 || ::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(76);
+    if (::access(PHASE_CLIENT_PATH, X_OK) != 0) ::_exit(77);
+    ::execl(PHASE_CLIENT_PATH, PHASE_CLIENT_PATH, "--socket", socket.c_str(), "--members",
+            socket.c_str(), "--rank", "0", "--phase", "attach", "--ready", ready.c_str(),
+            static_cast<char*>(nullptr));
+    ::_exit(78);
+  }
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  } reap{child};
+  int exited = -1;
+  const bool attached = Eventually([&] {
+    int status = 0;
+    if (::waitpid(child, &status, WNOHANG) == child) {
+      exited = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+      return true;
+    }
+    return ::access(ready.c_str(), F_OK) == 0;
+  });
+  if (exited == 77) GTEST_SKIP() << "uid 65534 cannot reach " << PHASE_CLIENT_PATH;
+  ASSERT_TRUE(attached && exited == -1) << "the other uid's client exited with " << exited;
+  EXPECT_EQ(NumClients(), 3);
+  const std::string m = Metrics();
+  EXPECT_NE(m.find(StrCat("ulyssesd_uid_clients{uid=\"", ::getuid(), "\"} 2")), std::string::npos)
+      << m;
+  EXPECT_NE(m.find("ulyssesd_uid_clients{uid=\"65534\"} 1"), std::string::npos) << m;
+  // The first uid is still at its limit.
+  auto c = client::Client::Connect({daemon_.socket(), "c", absl::Seconds(10)});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("limits.clients_per_uid"), std::string::npos) << c.status();
+  ::kill(child, SIGKILL);
+  EXPECT_TRUE(Eventually([&] { return NumClients() == 2; })) << "the killed client stayed";
 }
 
 TEST_F(QuotaTest, BufferBytesArePerClientAndPerUid) {
