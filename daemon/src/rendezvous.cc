@@ -32,35 +32,66 @@ absl::Status ValidateArrival(const std::string& key, int64_t world_size, int64_t
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<std::string>> RendezvousTable::Arrive(
-    const std::string& key, int world_size, int rank, const std::string& agreement,
-    const std::string& payload, absl::Time deadline, const std::function<bool()>& cancelled) {
-  ULY_RETURN_IF_ERROR(ValidateArrival(key, world_size, rank, agreement, payload));
-  std::unique_lock<std::mutex> lock(mu_);
-  std::shared_ptr<Entry> e;
-  if (auto it = entries_.find(key); it != entries_.end()) {
-    e = it->second;
-  } else {
-    if (entries_.size() >= kMaxPendingRendezvous)
-      return absl::ResourceExhaustedError(StrCat("rendezvous ", key, ": ", entries_.size(),
-                                                 " keys are pending already (the limit)"));
-    // Built whole before it is published: no error path leaves a partial entry behind.
-    auto fresh = std::make_shared<Entry>();
-    fresh->world_size = world_size;
-    fresh->payloads.resize(world_size);
-    fresh->agreements.resize(world_size);
-    entries_.emplace(key, fresh);
-    e = std::move(fresh);
+RendezvousTable::RendezvousTable() : deadline_thread_([this] { DeadlineLoop(); }) {}
+
+RendezvousTable::~RendezvousTable() {
+  Answers answers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    while (!entries_.empty()) {
+      auto it = entries_.begin();
+      const std::string key = it->first;
+      FinishLocked(key, *it->second,
+                   absl::AbortedError(StrCat("rendezvous ", key, " aborted: the table is closing")),
+                   &answers);
+    }
   }
-  ++waiting_;
-  if (!e->finished) {
+  deadline_cv_.notify_all();
+  deadline_thread_.join();
+  for (auto& [done, verdict] : answers) done(std::move(verdict));
+}
+
+absl::StatusOr<uint64_t> RendezvousTable::Arrive(const std::string& key, int world_size, int rank,
+                                                 const std::string& agreement,
+                                                 const std::string& payload, absl::Time deadline,
+                                                 Done done) {
+  ULY_RETURN_IF_ERROR(ValidateArrival(key, world_size, rank, agreement, payload));
+  Answers answers;
+  uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::shared_ptr<Entry> e;
+    if (auto it = entries_.find(key); it != entries_.end()) {
+      e = it->second;
+    } else {
+      if (entries_.size() >= kMaxPendingRendezvous)
+        return absl::ResourceExhaustedError(StrCat("rendezvous ", key, ": ", entries_.size(),
+                                                   " keys are pending already (the limit)"));
+      // Built whole before it is published: no error path leaves a partial entry behind.
+      auto fresh = std::make_shared<Entry>();
+      fresh->serial = next_id_++;
+      fresh->world_size = world_size;
+      fresh->payloads.resize(world_size);
+      fresh->agreements.resize(world_size);
+      entries_.emplace(key, fresh);
+      e = std::move(fresh);
+    }
+    id = next_id_++;
+    e->waiters.push_back(Waiter{id, std::move(done)});
+    arrivals_.emplace(id, Arrival{e, key, rank});
+    ++waiting_;
     if (e->world_size != world_size) {
-      Finish(*e, absl::InvalidArgumentError(StrCat(
-                     "rendezvous ", key, ": world_size mismatch (", e->world_size, " vs ",
-                     world_size, " from rank ", rank, ")")));
+      FinishLocked(key, *e,
+                   absl::InvalidArgumentError(StrCat("rendezvous ", key, ": world_size mismatch (",
+                                                     e->world_size, " vs ", world_size,
+                                                     " from rank ", rank, ")")),
+                   &answers);
     } else if (e->payloads[rank].has_value()) {
-      Finish(*e, absl::InvalidArgumentError(
-                     StrCat("rendezvous ", key, ": rank ", rank, " arrived twice")));
+      FinishLocked(key, *e,
+                   absl::InvalidArgumentError(
+                       StrCat("rendezvous ", key, ": rank ", rank, " arrived twice")),
+                   &answers);
     } else {
       e->payloads[rank] = payload;
       e->agreements[rank] = agreement;
@@ -72,51 +103,84 @@ absl::StatusOr<std::vector<std::string>> RendezvousTable::Arrive(
                 StrCat("mismatch between ranks in ", key, ": rank 0 has {", e->agreements[0],
                        "}, rank ", r, " has {", e->agreements[r], "}"));
         }
-        Finish(*e, verdict);
+        FinishLocked(key, *e, verdict, &answers);
+      } else if (deadline < e->deadline) {
+        // The earliest deadline of the ranks waiting ends the step.
+        deadlines_.erase({e->deadline, e->serial});
+        e->deadline = deadline;
+        deadlines_.emplace(std::make_pair(deadline, e->serial), key);
+        deadline_cv_.notify_all();
       }
     }
   }
-  using Clock = std::chrono::system_clock;
-  const Clock::time_point until = absl::ToChronoTime(deadline);
-  const Clock::duration poll = absl::ToChronoMilliseconds(kArrivalPollInterval);
-  // The sender's liveness is polled, not signalled: a broken connection wakes nobody here.
-  while (!e->finished) {
-    if (cancelled && cancelled()) {
-      Finish(*e, absl::AbortedError(StrCat("rendezvous ", key, " aborted: rank ", rank,
-                                           "'s daemon went away during the rendezvous")));
-      break;
-    }
-    const Clock::time_point now = Clock::now();
-    if (now >= until) {
-      std::string missing;
-      for (int r = 0; r < e->world_size; ++r)
-        if (!e->payloads[r].has_value()) missing += (missing.empty() ? "" : ",") + std::to_string(r);
-      Finish(*e, absl::DeadlineExceededError(
-                     StrCat("rendezvous ", key, ": ranks [", missing,
-                            "] did not arrive before the deadline")));
-      break;
-    }
-    cv_.wait_until(lock, cancelled ? std::min(now + poll, until) : until);
-  }
-  // Every rank that took part reads the verdict once; the last one removes the entry so the
-  // key can be used again.
-  const int participants = e->arrived;
-  if (++e->leaving >= participants) {
-    auto it = entries_.find(key);
-    if (it != entries_.end() && it->second == e) entries_.erase(it);
-  }
-  --waiting_;
-  if (!e->verdict.ok()) return e->verdict;
-  std::vector<std::string> out;
-  out.reserve(e->world_size);
-  for (auto& p : e->payloads) out.push_back(*p);
-  return out;
+  for (auto& [answer, verdict] : answers) answer(std::move(verdict));
+  return id;
 }
 
-void RendezvousTable::Finish(Entry& e, absl::Status verdict) {
-  e.finished = true;
-  e.verdict = std::move(verdict);
-  cv_.notify_all();
+void RendezvousTable::Cancel(uint64_t id) {
+  Answers answers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = arrivals_.find(id);
+    if (it == arrivals_.end()) return;  // answered already
+    const std::string key = it->second.key;
+    const int rank = it->second.rank;
+    std::shared_ptr<Entry> e = it->second.entry;
+    FinishLocked(key, *e,
+                 absl::AbortedError(StrCat("rendezvous ", key, " aborted: rank ", rank,
+                                           "'s daemon went away during the rendezvous")),
+                 &answers);
+  }
+  for (auto& [done, verdict] : answers) done(std::move(verdict));
+}
+
+void RendezvousTable::FinishLocked(const std::string& key, Entry& e, const absl::Status& verdict,
+                                   Answers* out) {
+  Verdict answer = std::vector<std::string>();
+  if (verdict.ok()) {
+    answer->reserve(e.world_size);
+    for (auto& p : e.payloads) answer->push_back(*p);
+  } else {
+    answer = verdict;
+  }
+  for (Waiter& w : e.waiters) {
+    arrivals_.erase(w.id);
+    out->emplace_back(std::move(w.done), answer);
+  }
+  waiting_ -= e.waiters.size();
+  e.waiters.clear();
+  deadlines_.erase({e.deadline, e.serial});
+  // Every rank that took part has its answer: the key can be used again at once.
+  auto it = entries_.find(key);
+  if (it != entries_.end() && it->second.get() == &e) entries_.erase(it);
+}
+
+void RendezvousTable::DeadlineLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    if (deadlines_.empty()) {
+      deadline_cv_.wait(lock);
+      continue;
+    }
+    const absl::Time first = deadlines_.begin()->first.first;
+    if (absl::Now() < first) {
+      deadline_cv_.wait_until(lock, absl::ToChronoTime(first));
+      continue;
+    }
+    const std::string key = deadlines_.begin()->second;
+    std::shared_ptr<Entry> e = entries_.at(key);
+    std::string missing;
+    for (int r = 0; r < e->world_size; ++r)
+      if (!e->payloads[r].has_value()) missing += (missing.empty() ? "" : ",") + std::to_string(r);
+    Answers answers;
+    FinishLocked(key, *e,
+                 absl::DeadlineExceededError(StrCat("rendezvous ", key, ": ranks [", missing,
+                                                    "] did not arrive before the deadline")),
+                 &answers);
+    lock.unlock();
+    for (auto& [done, verdict] : answers) done(std::move(verdict));
+    lock.lock();
+  }
 }
 
 absl::Status ValidateAbort(const std::string& key, const std::string& reason) {
@@ -131,10 +195,16 @@ absl::Status ValidateAbort(const std::string& key, const std::string& reason) {
 
 absl::Status RendezvousTable::Abort(const std::string& key, const std::string& reason) {
   ULY_RETURN_IF_ERROR(ValidateAbort(key, reason));
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = entries_.find(key);
-  if (it == entries_.end() || it->second->finished) return absl::OkStatus();
-  Finish(*it->second, absl::AbortedError(StrCat("rendezvous ", key, " aborted: ", reason)));
+  Answers answers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(key);
+    if (it == entries_.end()) return absl::OkStatus();
+    std::shared_ptr<Entry> e = it->second;
+    FinishLocked(key, *e, absl::AbortedError(StrCat("rendezvous ", key, " aborted: ", reason)),
+                 &answers);
+  }
+  for (auto& [done, verdict] : answers) done(std::move(verdict));
   return absl::OkStatus();
 }
 

@@ -14,6 +14,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -46,26 +48,40 @@ absl::Status ValidateArrival(const std::string& key, int64_t world_size, int64_t
 /// kMaxRendezvousReasonBytes. INVALID_ARGUMENT names the field.
 absl::Status ValidateAbort(const std::string& key, const std::string& reason);
 
-/// How often an arrival waiting in a RendezvousTable polls whether its sender went away.
-inline constexpr absl::Duration kArrivalPollInterval = absl::Milliseconds(20);
-
-/// Server side: the meeting point of the ranks of one collective step. Thread-safe.
+/// Server side: the meeting point of the ranks of one collective step. Thread-safe. No arrival
+/// holds a thread while it waits: each is answered through its callback, by whoever decides the
+/// step (the arrival that completes it, an Abort or Cancel, or the table's one deadline thread).
 class RendezvousTable {
  public:
-  /// Blocks until all `world_size` ranks arrived under `key`, the deadline passes, or the key
-  /// is aborted. Returns every rank's payload in rank order. Agreement strings must be equal.
-  /// The fields are checked first (ValidateArrival); an error leaves the table unchanged.
-  /// `cancelled`, when given, is polled while this rank waits (every kArrivalPollInterval, under
-  /// the table's lock: it must be cheap and must not call into the table). Once it is true (the
-  /// daemon that sent this arrival went away), the key fails for every rank with ABORTED naming
-  /// `rank`. It changes nothing once the key has its verdict.
-  absl::StatusOr<std::vector<std::string>> Arrive(const std::string& key, int world_size,
-                                                  int rank, const std::string& agreement,
-                                                  const std::string& payload,
-                                                  absl::Time deadline,
-                                                  const std::function<bool()>& cancelled = nullptr);
-  /// Fails the key for every waiting (and later arriving) rank with ABORTED. INVALID_ARGUMENT
-  /// (and nothing aborted) when `key` or `reason` is over its bound.
+  /// Every rank's payload in rank order, or why the step failed (the same for every rank).
+  using Verdict = absl::StatusOr<std::vector<std::string>>;
+  /// Receives one arrival's verdict, once, never under the table's lock. It runs on the thread
+  /// that decided the step: the caller of the Arrive that completed or refused it, of Cancel or
+  /// Abort, or the table's deadline thread.
+  using Done = std::function<void(Verdict)>;
+
+  /// Starts the deadline thread.
+  RendezvousTable();
+  /// Answers every arrival still waiting with ABORTED, then joins the deadline thread.
+  ~RendezvousTable();
+  RendezvousTable(const RendezvousTable&) = delete;
+  RendezvousTable& operator=(const RendezvousTable&) = delete;
+
+  /// Registers rank `rank`'s arrival under `key`. Once all `world_size` ranks arrived (agreement
+  /// strings must be equal), `deadline` passes (the earliest of the ranks' deadlines counts), or
+  /// the key is aborted, `done` gets the verdict; every rank gets the same. Returns the
+  /// arrival's id, for Cancel. The fields are checked first (ValidateArrival), and an arrival
+  /// under a new key beyond kMaxPendingRendezvous is RESOURCE_EXHAUSTED: an error leaves the
+  /// table unchanged and `done` is never called. When this arrival decides the step, every
+  /// rank's `done`, this one's included, has run before Arrive returns.
+  absl::StatusOr<uint64_t> Arrive(const std::string& key, int world_size, int rank,
+                                  const std::string& agreement, const std::string& payload,
+                                  absl::Time deadline, Done done);
+  /// The daemon that sent arrival `id` went away (its call was cancelled): its key fails for
+  /// every rank with ABORTED naming its rank. Nothing once the key has its verdict.
+  void Cancel(uint64_t id);
+  /// Fails the key for every waiting rank with ABORTED. INVALID_ARGUMENT (and nothing aborted)
+  /// when `key` or `reason` is over its bound.
   absl::Status Abort(const std::string& key, const std::string& reason);
   /// Number of keys with ranks waiting (for tests and state).
   size_t pending() const;
@@ -73,21 +89,41 @@ class RendezvousTable {
   size_t waiting() const;
 
  private:
+  struct Waiter {
+    uint64_t id = 0;
+    Done done;
+  };
   struct Entry {
+    uint64_t serial = 0;  // orders entries of equal deadline in deadlines_
     int world_size = 0;
     std::vector<std::optional<std::string>> payloads;
     std::vector<std::string> agreements;
     int arrived = 0;
-    int leaving = 0;  // ranks that have returned once the entry finished
-    bool finished = false;
-    absl::Status verdict;
+    std::vector<Waiter> waiters;
+    absl::Time deadline = absl::InfiniteFuture();
   };
-  void Finish(Entry& e, absl::Status verdict);
+  struct Arrival {
+    std::shared_ptr<Entry> entry;
+    std::string key;
+    int rank = 0;
+  };
+  /// Answers taken out of the table under its lock, to be given after it is released.
+  using Answers = std::vector<std::pair<Done, Verdict>>;
+  /// Gives `key`'s entry its verdict: removes it and its arrivals and deadline, and moves every
+  /// waiter's answer into `out`. Caller holds mu_.
+  void FinishLocked(const std::string& key, Entry& e, const absl::Status& verdict, Answers* out);
+  /// Fails every entry whose deadline passed, until the table is destroyed.
+  void DeadlineLoop();
 
   mutable std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable deadline_cv_;  // the earliest deadline changed, or stop_
+  bool stop_ = false;
   std::map<std::string, std::shared_ptr<Entry>> entries_;
+  std::map<std::pair<absl::Time, uint64_t>, std::string> deadlines_;  // (deadline, serial) -> key
+  std::map<uint64_t, Arrival> arrivals_;  // waiting arrivals by id
+  uint64_t next_id_ = 1;
   size_t waiting_ = 0;
+  std::thread deadline_thread_;
 };
 
 /// Most channels a daemon keeps to other daemons, and how long an unused one is kept.

@@ -719,36 +719,68 @@ class AdminService final : public v1::Admin::Service {
   bool operator_socket_;
 };
 
-class PeerService final : public v1::Peer::Service {
+// Peer.Rendezvous, one rank's arrival at this daemon's table. It holds no thread while the
+// ranks meet: the table answers it from whichever thread decides the step. The arriving
+// daemon's call is cancelled when its connection breaks (it died): the step then fails for
+// every rank, naming it. Its own deadline is later than the table's (RendezvousClient adds a
+// margin), so a call past its time is not taken for a death.
+class RendezvousReactor final : public grpc::ServerUnaryReactor {
+ public:
+  RendezvousReactor(RendezvousTable& table, const v1::RendezvousRequest& req,
+                    v1::RendezvousResponse* resp, int64_t timeout_ms)
+      : table_(table) {
+    absl::StatusOr<uint64_t> id = table_.Arrive(
+        req.key(), req.world_size(), req.rank(), req.agreement(), req.payload(),
+        absl::Now() + absl::Milliseconds(timeout_ms), [this, resp](RendezvousTable::Verdict v) {
+          if (!v.ok()) return Finish(ToGrpcStatus(v.status()));
+          for (auto& p : *v) resp->add_payloads(std::move(p));
+          Finish(grpc::Status::OK);
+        });
+    if (!id.ok()) Finish(ToGrpcStatus(id.status()));
+    else arrival_ = *id;
+  }
+
+  // Called only once the handler returned, so after Arrive; nothing once the step has its verdict.
+  void OnCancel() override {
+    if (arrival_ != 0) table_.Cancel(arrival_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  RendezvousTable& table_;
+  uint64_t arrival_ = 0;  // 0: refused, never waited
+};
+
+class PeerService final : public v1::Peer::CallbackService {
  public:
   // `node_socket`: this instance serves the node socket; on the control socket, which every
   // client reaches, each call is PERMISSION_DENIED before its request is looked at.
   PeerService(Daemon* d, bool node_socket) : d_(d), node_socket_(node_socket) {}
 
-  grpc::Status Rendezvous(grpc::ServerContext* ctx, const v1::RendezvousRequest* req,
-                          v1::RendezvousResponse* resp) override {
-    if (!node_socket_) return NodeOnly("Rendezvous");
+  grpc::ServerUnaryReactor* Rendezvous(grpc::CallbackServerContext* ctx,
+                                       const v1::RendezvousRequest* req,
+                                       v1::RendezvousResponse* resp) override {
+    if (!node_socket_) return Answer(ctx, NodeOnly("Rendezvous"));
     absl::StatusOr<int64_t> ms = CheckRendezvousRequest(*req, d_->config().peer_timeout_ms);
-    if (!ms.ok()) return ToGrpcStatus(ms.status());
-    // The arriving daemon's call is cancelled when its connection breaks (it died): the step
-    // then fails for every rank, naming it. Its own deadline is later than the table's
-    // (RendezvousClient adds a margin), so a call past its time is not taken for a death.
-    const std::function<bool()> sender_gone = [ctx] { return ctx->IsCancelled(); };
-    absl::StatusOr<std::vector<std::string>> out = d_->rendezvous_table().Arrive(
-        req->key(), req->world_size(), req->rank(), req->agreement(), req->payload(),
-        absl::Now() + absl::Milliseconds(*ms), sender_gone);
-    if (!out.ok()) return ToGrpcStatus(out.status());
-    for (auto& p : *out) resp->add_payloads(p);
-    return grpc::Status::OK;
+    if (!ms.ok()) return Answer(ctx, ToGrpcStatus(ms.status()));
+    return new RendezvousReactor(d_->rendezvous_table(), *req, resp, *ms);
   }
 
-  grpc::Status AbortRendezvous(grpc::ServerContext*, const v1::AbortRendezvousRequest* req,
-                               v1::AbortRendezvousResponse*) override {
-    if (!node_socket_) return NodeOnly("AbortRendezvous");
-    return ToGrpcStatus(d_->rendezvous_table().Abort(req->key(), req->reason()));
+  grpc::ServerUnaryReactor* AbortRendezvous(grpc::CallbackServerContext* ctx,
+                                            const v1::AbortRendezvousRequest* req,
+                                            v1::AbortRendezvousResponse*) override {
+    if (!node_socket_) return Answer(ctx, NodeOnly("AbortRendezvous"));
+    return Answer(ctx, ToGrpcStatus(d_->rendezvous_table().Abort(req->key(), req->reason())));
   }
 
  private:
+  static grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, grpc::Status s) {
+    grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+    r->Finish(std::move(s));
+    return r;
+  }
+
   grpc::Status NodeOnly(const char* rpc) const {
     return ToGrpcStatus(absl::PermissionDeniedError(
         StrCat("Peer.", rpc, " is for the node's daemons only: they call it on the node socket ",

@@ -1,12 +1,13 @@
-// The rendezvous table's waits, and whom they end for when an arriving daemon goes away. The
-// rendezvous client's channels: one per member address was kept for ever (10 MB more per
-// 300 addresses a client made the daemon dial). And the address it dials for a member: that
+// The rendezvous table's answers (none holds a thread), and whom they end for when an arriving
+// daemon goes away. The rendezvous client's channels: one per member address was kept for
+// ever (10 MB more per 300 addresses a client made the daemon dial). And the address it dials for a member: that
 // daemon's node socket, whatever form of unix address names its control socket.
 #include "rendezvous.h"
 
-#include <atomic>
-#include <functional>
-#include <thread>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -76,84 +77,159 @@ TEST(NodeSocketAddressTest, AnAddressThatIsNoUnixSocketHasNone) {
   EXPECT_EQ(client.Abort("127.0.0.1:9", "k", "r").code(), absl::StatusCode::kInvalidArgument);
 }
 
-// The table's waits: an hour's deadline each, so that only the sender's departure (a call
-// cancelled when its daemon dies) can end them. ctest bounds these tests.
-using Arrival = absl::StatusOr<std::vector<std::string>>;
+// The table's waits. None holds a thread: each arrival is answered through its callback, by
+// whoever decides the step. Most waits here have an hour's deadline, so that only what the
+// test does can end them. ctest bounds these tests.
+using Verdict = RendezvousTable::Verdict;
 
-bool AwaitWaiting(const RendezvousTable& t, size_t n) {
-  const absl::Time give_up = absl::Now() + absl::Seconds(20);
-  while (t.waiting() != n && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(5));
-  return t.waiting() == n;
+// One arrival's answers, as the table gives them to its callback.
+class Answer {
+ public:
+  RendezvousTable::Done Callback() {
+    return [this](Verdict v) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++calls_;
+      verdict_ = std::move(v);
+      cv_.notify_all();
+    };
+  }
+  // The verdict, waiting at most 20 s for one (for the deadline thread's).
+  Verdict Get() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(20), [&] { return verdict_.has_value(); });
+    return verdict_.value_or(absl::UnknownError("no verdict"));
+  }
+  int calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::optional<Verdict> verdict_;
+  int calls_ = 0;
+};
+
+TEST(RendezvousTableTest, TheArrivalThatCompletesTheStepAnswersEveryRankBeforeItReturns) {
+  RendezvousTable table;
+  const absl::Time hour = absl::Now() + absl::Hours(1);
+  Answer a0, a1;
+  ASSERT_TRUE(table.Arrive("k", 2, 1, "a", "p1", hour, a1.Callback()).ok());
+  EXPECT_EQ(a1.calls(), 0);
+  EXPECT_EQ(table.waiting(), 1u);
+  EXPECT_EQ(table.pending(), 1u);
+  ASSERT_TRUE(table.Arrive("k", 2, 0, "a", "p0", hour, a0.Callback()).ok());
+  EXPECT_EQ(a0.calls(), 1);
+  EXPECT_EQ(a1.calls(), 1);
+  for (Answer* a : {&a0, &a1}) {
+    Verdict v = a->Get();
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_EQ(*v, (std::vector<std::string>{"p0", "p1"}));
+  }
+  EXPECT_EQ(table.pending(), 0u);
+  EXPECT_EQ(table.waiting(), 0u);
 }
 
 TEST(RendezvousTableTest, AnArrivalWhoseSenderWentAwayAbortsTheKeyForEveryRankNamingIt) {
   RendezvousTable table;
   const absl::Time hour = absl::Now() + absl::Hours(1);
-  std::atomic<bool> gone{false};
-  const std::function<bool()> rank1_gone = [&] { return gone.load(); };
-  Arrival r0 = absl::UnknownError("not run"), r1 = r0;
-  std::thread t0([&] { r0 = table.Arrive("join/g", 3, 0, "a", "p0", hour); });
-  std::thread t1([&] { r1 = table.Arrive("join/g", 3, 1, "a", "p1", hour, rank1_gone); });
-  const bool both = AwaitWaiting(table, 2);
-  EXPECT_TRUE(both);
-  gone = true;
-  if (!both) (void)table.Abort("join/g", "the ranks never arrived");
-  t0.join();
-  t1.join();
-  for (const Arrival* r : {&r0, &r1}) {
-    EXPECT_EQ(r->status().code(), absl::StatusCode::kAborted) << r->status();
-    EXPECT_NE(r->status().message().find("rank 1's daemon went away"), std::string::npos)
-        << r->status();
+  Answer a0, a1;
+  ASSERT_TRUE(table.Arrive("join/g", 3, 0, "a", "p0", hour, a0.Callback()).ok());
+  absl::StatusOr<uint64_t> rank1 = table.Arrive("join/g", 3, 1, "a", "p1", hour, a1.Callback());
+  ASSERT_TRUE(rank1.ok()) << rank1.status();
+  EXPECT_EQ(table.waiting(), 2u);
+  table.Cancel(*rank1);
+  for (Answer* a : {&a0, &a1}) {
+    ASSERT_EQ(a->calls(), 1);
+    Verdict v = a->Get();
+    EXPECT_EQ(v.status().code(), absl::StatusCode::kAborted) << v.status();
+    EXPECT_NE(v.status().message().find("rank 1's daemon went away"), std::string::npos)
+        << v.status();
   }
   EXPECT_EQ(table.pending(), 0u);
   EXPECT_EQ(table.waiting(), 0u);
   // The key is free again: rank 2, arriving late, meets a new step and not the aborted one.
-  Arrival late = table.Arrive("join/g", 1, 0, "a", "p", hour);
-  EXPECT_TRUE(late.ok()) << late.status();
+  Answer late;
+  ASSERT_TRUE(table.Arrive("join/g", 1, 0, "a", "p", hour, late.Callback()).ok());
+  EXPECT_TRUE(late.Get().ok()) << late.Get().status();
 }
 
 TEST(RendezvousTableTest, ASenderThatWentAwayChangesNothingOnceTheVerdictIsIn) {
   RendezvousTable table;
   const absl::Time hour = absl::Now() + absl::Hours(1);
-  const std::function<bool()> gone = [] { return true; };
   // Its arrival completes the step: every rank has the payloads.
-  Arrival r0 = absl::UnknownError("not run");
-  std::thread t0([&] { r0 = table.Arrive("k", 2, 0, "a", "p0", hour); });
-  ASSERT_TRUE(AwaitWaiting(table, 1));
-  Arrival r1 = table.Arrive("k", 2, 1, "a", "p1", hour, gone);
-  t0.join();
-  ASSERT_TRUE(r0.ok()) << r0.status();
-  ASSERT_TRUE(r1.ok()) << r1.status();
-  EXPECT_EQ(*r0, (std::vector<std::string>{"p0", "p1"}));
-  EXPECT_EQ(*r1, *r0);
-  // Its arrival gives the step another verdict: that one stands for every rank.
-  std::thread t2([&] { r0 = table.Arrive("m", 2, 0, "a", "p0", hour); });
-  ASSERT_TRUE(AwaitWaiting(table, 1));
-  r1 = table.Arrive("m", 2, 1, "b", "p1", hour, gone);
-  t2.join();
-  for (const Arrival* r : {&r0, &r1}) {
-    EXPECT_EQ(r->status().code(), absl::StatusCode::kInvalidArgument) << r->status();
-    EXPECT_NE(r->status().message().find("mismatch"), std::string::npos) << r->status();
+  Answer a0, a1;
+  absl::StatusOr<uint64_t> r0 = table.Arrive("k", 2, 0, "a", "p0", hour, a0.Callback());
+  absl::StatusOr<uint64_t> r1 = table.Arrive("k", 2, 1, "a", "p1", hour, a1.Callback());
+  ASSERT_TRUE(r0.ok() && r1.ok());
+  table.Cancel(*r1);
+  table.Cancel(*r0);
+  for (Answer* a : {&a0, &a1}) {
+    EXPECT_EQ(a->calls(), 1);
+    ASSERT_TRUE(a->Get().ok()) << a->Get().status();
+    EXPECT_EQ(*a->Get(), (std::vector<std::string>{"p0", "p1"}));
   }
-  // An arrival refused on its fields never waits, so never asks.
-  int asked = 0;
-  const std::function<bool()> counting = [&] { return ++asked > 0; };
-  EXPECT_EQ(table.Arrive("k", 2, 5, "a", "p", hour, counting).status().code(),
+  // Its arrival gives the step another verdict: that one stands for every rank.
+  Answer m0, m1;
+  r0 = table.Arrive("m", 2, 0, "a", "p0", hour, m0.Callback());
+  r1 = table.Arrive("m", 2, 1, "b", "p1", hour, m1.Callback());
+  ASSERT_TRUE(r0.ok() && r1.ok());
+  table.Cancel(*r1);
+  for (Answer* a : {&m0, &m1}) {
+    EXPECT_EQ(a->calls(), 1);
+    EXPECT_EQ(a->Get().status().code(), absl::StatusCode::kInvalidArgument) << a->Get().status();
+    EXPECT_NE(a->Get().status().message().find("mismatch"), std::string::npos)
+        << a->Get().status();
+  }
+  // An arrival refused on its fields never waits, so is never answered.
+  Answer refused;
+  EXPECT_EQ(table.Arrive("k", 2, 5, "a", "p", hour, refused.Callback()).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(asked, 0);
+  EXPECT_EQ(refused.calls(), 0);
   EXPECT_EQ(table.pending(), 0u);
   EXPECT_EQ(table.waiting(), 0u);
 }
 
-TEST(RendezvousTableTest, AWaitWithoutASenderCheckEndsAtItsDeadlineNamingTheMissingRanks) {
+TEST(RendezvousTableTest, AWaitEndsAtTheEarliestDeadlineNamingTheMissingRanks) {
   RendezvousTable table;
-  const std::function<bool()> alive = [] { return false; };
-  Arrival r = table.Arrive("k", 3, 1, "a", "p", absl::Now() + absl::Milliseconds(50), alive);
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
-  EXPECT_NE(r.status().message().find("ranks [0,2]"), std::string::npos) << r.status();
-  r = table.Arrive("k", 3, 1, "a", "p", absl::Now() + absl::Milliseconds(50));
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  Answer a;
+  ASSERT_TRUE(table.Arrive("k", 3, 1, "a", "p", absl::Now() + absl::Milliseconds(50), a.Callback())
+                  .ok());
+  Verdict v = a.Get();
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kDeadlineExceeded) << v.status();
+  EXPECT_NE(v.status().message().find("ranks [0,2]"), std::string::npos) << v.status();
   EXPECT_EQ(table.pending(), 0u);
+  // Rank 0 would wait an hour; rank 1's deadline ends the step for both.
+  Answer b0, b1;
+  ASSERT_TRUE(table.Arrive("k", 3, 0, "a", "p", absl::Now() + absl::Hours(1), b0.Callback()).ok());
+  ASSERT_TRUE(
+      table.Arrive("k", 3, 1, "a", "p", absl::Now() + absl::Milliseconds(50), b1.Callback()).ok());
+  for (Answer* x : {&b0, &b1}) {
+    Verdict w = x->Get();
+    EXPECT_EQ(w.status().code(), absl::StatusCode::kDeadlineExceeded) << w.status();
+    EXPECT_NE(w.status().message().find("ranks [2]"), std::string::npos) << w.status();
+  }
+  EXPECT_EQ(table.waiting(), 0u);
+}
+
+TEST(RendezvousTableTest, AbortAndTheTablesEndAnswerEveryRankWaiting) {
+  const absl::Time hour = absl::Now() + absl::Hours(1);
+  Answer a0, a1, left;
+  {
+    RendezvousTable table;
+    ASSERT_TRUE(table.Arrive("k", 3, 0, "a", "p", hour, a0.Callback()).ok());
+    ASSERT_TRUE(table.Arrive("k", 3, 2, "a", "p", hour, a1.Callback()).ok());
+    ASSERT_TRUE(table.Abort("k", "rank 1's client went away").ok());
+    for (Answer* a : {&a0, &a1}) {
+      EXPECT_EQ(a->Get().status().code(), absl::StatusCode::kAborted);
+      EXPECT_NE(a->Get().status().message().find("rank 1's client went away"), std::string::npos);
+    }
+    EXPECT_EQ(table.pending(), 0u);
+    ASSERT_TRUE(table.Arrive("other", 2, 0, "a", "p", hour, left.Callback()).ok());
+  }
+  EXPECT_EQ(left.calls(), 1);
+  EXPECT_EQ(left.Get().status().code(), absl::StatusCode::kAborted) << left.Get().status();
 }
 
 }  // namespace
