@@ -31,7 +31,7 @@
 namespace ulysses::daemon {
 namespace {
 
-std::string MetadataValue(const grpc::ServerContext* ctx, const char* key) {
+std::string MetadataValue(const grpc::ServerContextBase* ctx, const char* key) {
   auto range = ctx->client_metadata().equal_range(key);
   if (range.first == range.second) return "";
   return std::string(range.first->second.data(), range.first->second.size());
@@ -410,7 +410,8 @@ absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::st
   return c;
 }
 
-absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::Authenticate(const grpc::ServerContext* ctx) {
+absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::Authenticate(
+    const grpc::ServerContextBase* ctx) {
   const std::string id_text = MetadataValue(ctx, "ulysses-client-id");
   const std::string token = MetadataValue(ctx, "ulysses-token");
   uint64_t id = 0;

@@ -144,7 +144,7 @@ class Daemon {
   Backend* nccl_backend() { return nccl_impl_.get(); }
 
   // --- used by the services ---
-  absl::StatusOr<std::shared_ptr<ClientRecord>> Authenticate(const grpc::ServerContext* ctx);
+  absl::StatusOr<std::shared_ptr<ClientRecord>> Authenticate(const grpc::ServerContextBase* ctx);
   absl::StatusOr<std::shared_ptr<ClientRecord>> AttachClient(const std::string& name,
                                                              int64_t reported_pid = 0);
   /// Forgets a client and releases everything it held. Idempotent; logs one line.

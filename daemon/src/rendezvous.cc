@@ -1,8 +1,7 @@
 #include "rendezvous.h"
 
 #include <algorithm>
-#include <chrono>
-#include <thread>
+#include <optional>
 
 #include "ulysses/common/geometry.h"
 #include "ulysses/common/logging.h"
@@ -272,79 +271,90 @@ absl::Status RendezvousClient::Abort(const std::string& address, const std::stri
   req.set_reason(reason);
   v1::AbortRendezvousResponse resp;
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + RendezvousCall::kAbortTimeout));
   return FromGrpcStatus(stub->AbortRendezvous(&ctx, req, &resp));
+}
+
+absl::StatusOr<std::shared_ptr<RendezvousCall>> RendezvousClient::Start(
+    const std::string& address, const std::string& key, int world_size, int rank,
+    const std::string& agreement, const std::string& payload, absl::Duration timeout,
+    RendezvousDone done) {
+  ULY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, ChannelFor(address));
+  auto call = std::make_shared<RendezvousCall>();
+  call->address_ = address;
+  call->key_ = key;
+  call->rank_ = rank;
+  call->channel_ = std::move(channel);
+  call->stub_ = v1::Peer::NewStub(call->channel_);
+  call->done_ = std::move(done);
+  call->req_.set_key(key);
+  call->req_.set_world_size(world_size);
+  call->req_.set_rank(rank);
+  call->req_.set_agreement(agreement);
+  call->req_.set_payload(payload);
+  call->req_.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
+  // The server enforces the timeout; the channel gets a little more so that the server's verdict
+  // (the same on every rank) arrives rather than a local deadline.
+  call->ctx_.set_deadline(absl::ToChronoTime(absl::Now() + timeout + absl::Seconds(5)));
+  call->ctx_.set_wait_for_ready(true);
+  // The call keeps itself alive until its verdict is delivered.
+  call->stub_->async()->Rendezvous(&call->ctx_, &call->req_, &call->resp_,
+                                   [call](grpc::Status s) { call->Finished(s); });
+  return call;
+}
+
+void RendezvousCall::Finished(const grpc::Status& s) {
+  finished_.store(true);
+  RendezvousDone done = std::move(done_);
+  if (s.ok()) {
+    done(std::vector<std::string>(resp_.payloads().begin(), resp_.payloads().end()));
+    return;
+  }
+  absl::Status st = FromGrpcStatus(s);
+  // wait_for_ready turns a host not yet listening into a wait, so UNAVAILABLE here is a
+  // connection that broke under the call: the host died.
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE)
+    st = absl::UnavailableError(StrCat("rendezvous ", key_, ": rank 0's daemon, its host, went away (",
+                                       address_, kNodeSocketSuffix, ": ", st.message(), ")"));
+  else if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+    st = absl::Status(st.code(), StrCat("rendezvous with rank 0 at ", address_, kNodeSocketSuffix,
+                                        ": ", st.message()));
+  done(std::move(st));
+}
+
+void RendezvousCall::ClientGone() {
+  if (finished_.load() || gone_.exchange(true)) return;
+  abort_req_.set_key(key_);
+  abort_req_.set_reason(StrCat("rank ", rank_, "'s client went away while the ranks met"));
+  abort_ctx_.set_deadline(absl::ToChronoTime(absl::Now() + kAbortTimeout));
+  std::shared_ptr<RendezvousCall> self = shared_from_this();
+  // The abort goes first, so that rank 0 names the client; only then is this rank's own call
+  // cancelled, in case the verdict has not come (a cancelled call that has its answer ignores it).
+  stub_->async()->AbortRendezvous(&abort_ctx_, &abort_req_, &abort_resp_, [self](grpc::Status s) {
+    if (!s.ok())
+      Logger("peer")->warn("rendezvous {}: abort at {}: {}", self->key_, self->address_,
+                           s.error_message());
+    self->ctx_.TryCancel();
+  });
 }
 
 absl::StatusOr<std::vector<std::string>> RendezvousClient::Rendezvous(
     const std::string& address, const std::string& key, int world_size, int rank,
-    const std::string& agreement, const std::string& payload, absl::Duration timeout,
-    std::function<bool()> cancelled) {
-  ULY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, ChannelFor(address));
-  // While this rank waits, a watcher aborts the key once the client it serves went away.
-  std::mutex watch_mu;
-  std::condition_variable watch_cv;
-  bool finished = false;
-  std::thread watcher;
-  if (cancelled) {
-    watcher = std::thread([&] {
-      std::unique_lock<std::mutex> lock(watch_mu);
-      while (!finished) {
-        if (cancelled()) {
-          lock.unlock();
-          const std::string why = StrCat("rank ", rank, "'s client went away while the ranks met");
-          if (absl::Status st = Abort(address, key, why); !st.ok())
-            Logger("peer")->warn("rendezvous {}: abort at {}: {}", key, address,
-                                 std::string(st.message()));
-          return;
-        }
-        watch_cv.wait_for(lock, std::chrono::milliseconds(20));
-      }
-    });
-  }
-  struct StopWatcher {
-    std::mutex& mu;
-    std::condition_variable& cv;
-    bool& finished;
-    std::thread& watcher;
-    ~StopWatcher() {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        finished = true;
-      }
-      cv.notify_all();
-      if (watcher.joinable()) watcher.join();
-    }
-  } stop{watch_mu, watch_cv, finished, watcher};
-  auto stub = v1::Peer::NewStub(channel);
-  v1::RendezvousRequest req;
-  req.set_key(key);
-  req.set_world_size(world_size);
-  req.set_rank(rank);
-  req.set_agreement(agreement);
-  req.set_payload(payload);
-  req.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
-  v1::RendezvousResponse resp;
-  grpc::ClientContext ctx;
-  // The server enforces the timeout; the channel gets a little more so that the server's verdict
-  // (the same on every rank) arrives rather than a local deadline.
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout + absl::Seconds(5)));
-  ctx.set_wait_for_ready(true);
-  grpc::Status s = stub->Rendezvous(&ctx, req, &resp);
-  if (!s.ok()) {
-    absl::Status st = FromGrpcStatus(s);
-    // wait_for_ready turns a host not yet listening into a wait, so UNAVAILABLE here is a
-    // connection that broke under the call: the host died.
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE)
-      return absl::UnavailableError(StrCat("rendezvous ", key,
-                                           ": rank 0's daemon, its host, went away (", address,
-                                           kNodeSocketSuffix, ": ", st.message(), ")"));
-    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
-      return absl::Status(st.code(), StrCat("rendezvous with rank 0 at ", address,
-                                            kNodeSocketSuffix, ": ", st.message()));
-    return st;
-  }
-  return std::vector<std::string>(resp.payloads().begin(), resp.payloads().end());
+    const std::string& agreement, const std::string& payload, absl::Duration timeout) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::optional<RendezvousTable::Verdict> verdict;
+  ULY_ASSIGN_OR_RETURN(std::shared_ptr<RendezvousCall> call,
+                       Start(address, key, world_size, rank, agreement, payload, timeout,
+                             [&](RendezvousTable::Verdict v) {
+                               std::lock_guard<std::mutex> lock(mu);
+                               verdict = std::move(v);
+                               cv.notify_all();
+                             }));
+  std::unique_lock<std::mutex> lock(mu);
+  // Bounded: the call's own deadline is the timeout plus a margin.
+  cv.wait(lock, [&] { return verdict.has_value(); });
+  return std::move(*verdict);
 }
 
 }  // namespace ulysses::daemon

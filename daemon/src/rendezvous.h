@@ -7,6 +7,7 @@
 // mode 0600, and refuses it on the control socket.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -154,25 +155,65 @@ class ChannelCache {
   std::map<std::string, Entry> entries_;
 };
 
+/// The verdict of this daemon's arrival at rank 0's table, as RendezvousClient delivers it.
+using RendezvousDone = std::function<void(RendezvousTable::Verdict)>;
+
+/// One arrival of this daemon at rank 0's table, in flight (RendezvousClient::Start). It holds
+/// no thread while the ranks meet: its verdict comes on a gRPC callback thread.
+class RendezvousCall : public std::enable_shared_from_this<RendezvousCall> {
+ public:
+  /// Longest wait for rank 0 to answer ClientGone's abort.
+  static constexpr absl::Duration kAbortTimeout = absl::Seconds(5);
+
+  /// The client whose request this step serves went away: aborts the key at rank 0 for every
+  /// rank (Peer.AbortRendezvous), so the peers get ABORTED at once instead of waiting out the
+  /// timeout; once rank 0 answered the abort (or kAbortTimeout passed), this call is cancelled
+  /// if its verdict has not come by then. Thread-safe; only the first call acts, and none once
+  /// the verdict came (the key may be another step's by then).
+  void ClientGone();
+
+ private:
+  friend class RendezvousClient;
+  void Finished(const grpc::Status& s);
+
+  std::string address_;  // rank 0's member address
+  std::string key_;
+  int rank_ = 0;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Peer::Stub> stub_;
+  RendezvousDone done_;
+  grpc::ClientContext ctx_;
+  v1::RendezvousRequest req_;
+  v1::RendezvousResponse resp_;
+  std::atomic<bool> gone_{false};
+  std::atomic<bool> finished_{false};
+  grpc::ClientContext abort_ctx_;
+  v1::AbortRendezvousRequest abort_req_;
+  v1::AbortRendezvousResponse abort_resp_;
+};
+
 /// Client side: reaches rank 0's Peer service on the node socket of its member address
 /// (NodeSocketAddress). Channels are cached per node socket, bounded (ChannelCache).
 /// Thread-safe.
 class RendezvousClient {
  public:
   /// Arrives under `key` at rank 0's table (`address`: rank 0's member address, its control
-  /// socket) and waits for the verdict. INVALID_ARGUMENT, nothing dialled, when `address` is not
-  /// a unix socket address. `cancelled`,
-  /// when given, is polled while waiting (every 20 ms): once it is true (the client whose
-  /// request this step serves went away), the key is aborted for every rank, so the peers get
-  /// ABORTED at once instead of waiting out the timeout.
+  /// socket) and returns at once; `done` gets the verdict, once, on a gRPC callback thread (it
+  /// must not block). INVALID_ARGUMENT, nothing dialled and `done` never called, when `address`
+  /// is not a unix socket address.
+  absl::StatusOr<std::shared_ptr<RendezvousCall>> Start(const std::string& address,
+                                                        const std::string& key, int world_size,
+                                                        int rank, const std::string& agreement,
+                                                        const std::string& payload,
+                                                        absl::Duration timeout,
+                                                        RendezvousDone done);
+  /// Start, then waits for the verdict.
   absl::StatusOr<std::vector<std::string>> Rendezvous(const std::string& address,
                                                       const std::string& key, int world_size,
                                                       int rank, const std::string& agreement,
                                                       const std::string& payload,
-                                                      absl::Duration timeout,
-                                                      std::function<bool()> cancelled = nullptr);
-  /// Fails `key` at rank 0's table (`address` as for Rendezvous) for every rank
-  /// (AbortRendezvous).
+                                                      absl::Duration timeout);
+  /// Fails `key` at rank 0's table (`address` as for Start) for every rank (AbortRendezvous).
   absl::Status Abort(const std::string& address, const std::string& key,
                      const std::string& reason);
 

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <optional>
+#include <thread>
 
 #include "daemon.h"
 #include "requests.h"
@@ -94,7 +95,327 @@ std::string FusedAgreement(const FusedGeometry& g, FusedPath path) {
                 " num_slots=", g.num_slots, " max_pos=", g.max_pos, " path=", FusedPathName(path));
 }
 
-class ControlService final : public v1::Control::Service {
+// The collective steps of Control (JoinGroup, CreateSession) are served by the callback API:
+// while the ranks meet at rank 0's table, no thread waits for them. gRPC's callback threads
+// are few and shared by every callback call of the process, so nothing that blocks runs on
+// them: the rendezvous verdict arrives there, and a step whose own work can block (a session's
+// allocations, its peers' segments) does that work on a thread of its own. When the client
+// goes away (its call is cancelled) while the ranks meet, the step is aborted for every rank.
+
+// JoinGroup: checks, the rendezvous, then the group's backend from the ranks' offers (reads
+// and a record only, done on the thread that delivers the verdict).
+class JoinGroupReactor final : public grpc::ServerUnaryReactor {
+ public:
+  JoinGroupReactor(Daemon* d, grpc::CallbackServerContext* ctx, const v1::JoinGroupRequest* req,
+                   v1::GroupInfo* resp)
+      : d_(d), req_(*req), resp_(resp) {
+    absl::StatusOr<std::shared_ptr<ClientRecord>> c = d_->Authenticate(ctx);
+    absl::Status started = c.ok() ? Start(std::move(*c)) : c.status();
+    if (!started.ok()) Finish(ToGrpcStatus(started));
+  }
+
+  // Called only once the handler returned, so after Start.
+  void OnCancel() override {
+    std::shared_ptr<RendezvousCall> call;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      call = call_;
+    }
+    if (call) call->ClientGone();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Start(std::shared_ptr<ClientRecord> c) {
+    c_ = std::move(c);
+    absl::StatusOr<std::string> checked = CheckJoinRequest(req_);
+    if (!checked.ok()) return checked.status();
+    ULY_RETURN_IF_ERROR(CheckMembers(req_, d_->config().devices));
+    requested_ = *checked;
+    Backend* const nccl = d_->nccl_backend();
+    if (requested_ != "auto" && requested_ != d_->backend() && !(requested_ == "nccl" && nccl))
+      return absl::FailedPreconditionError(StrCat("backend: '", requested_,
+                                                  "' is not available: this daemon runs the ",
+                                                  d_->backend(), " backend (",
+                                                  d_->backend_reason(), ")"));
+    std::string members;
+    for (const auto& m : req_.members()) members += m + ",";
+    const std::string agreement = StrCat("name=", req_.name(), " world_size=", req_.world_size(),
+                                         " members=[", members, "] backend=", requested_);
+    ULY_ASSIGN_OR_RETURN(const int64_t timeout_ms,
+                         RendezvousTimeoutMs(req_.timeout_ms(), d_->config().peer_timeout_ms));
+    // Payload: this daemon's backend (and whether it also runs nccl) and device, so that every
+    // rank reaches the same verdict on the group's backend (ChooseGroupBackend).
+    const std::string mine = EncodeOffer({d_->backend(), nccl != nullptr, d_->config().device});
+    ULY_ASSIGN_OR_RETURN(
+        std::shared_ptr<RendezvousCall> call,
+        d_->rendezvous_client().Start(req_.members(0), StrCat("join/", req_.name()),
+                                      req_.world_size(), req_.rank(), agreement, mine,
+                                      absl::Milliseconds(timeout_ms),
+                                      [this](RendezvousTable::Verdict payloads) {
+                                        Finish(ToGrpcStatus(Complete(std::move(payloads))));
+                                      }));
+    std::lock_guard<std::mutex> lock(mu_);
+    call_ = std::move(call);
+    return absl::OkStatus();
+  }
+
+  absl::Status Complete(RendezvousTable::Verdict payloads) {
+    ULY_RETURN_IF_ERROR(payloads.status());
+    std::vector<BackendOffer> offers;
+    for (size_t r = 0; r < payloads->size(); ++r) {
+      ULY_ASSIGN_OR_RETURN(BackendOffer offer, DecodeOffer((*payloads)[r], static_cast<int>(r)));
+      offers.push_back(std::move(offer));
+    }
+    // Every process on the node can tell whether any two devices map each other's memory, so
+    // every rank judges every pair alike.
+    const DeviceReach reach = [](int32_t from, int32_t to) -> absl::StatusOr<bool> {
+      if (from == to) return true;
+      const int n = ipc::cuda::DeviceCount();
+      if (from < 0 || to < 0 || from >= n || to >= n) return false;
+      return ipc::cuda::CanAccessPeer(to, from);
+    };
+    ULY_ASSIGN_OR_RETURN(const BackendVerdict verdict,
+                         ChooseGroupBackend(requested_, offers, reach));
+    auto g = std::make_shared<Group>();
+    g->id = d_->NextId();
+    g->name = req_.name();
+    g->world_size = req_.world_size();
+    g->rank = req_.rank();
+    g->members.assign(req_.members().begin(), req_.members().end());
+    g->backend = verdict.backend;
+    const bool own = verdict.backend == d_->backend();
+    g->impl = own ? &d_->backend_impl() : d_->nccl_backend();
+    g->backend_reason =
+        own ? StrCat(verdict.reason, " (", d_->backend_reason(), ")") : verdict.reason;
+    g->owner_client = c_->id;
+    {
+      std::lock_guard<std::mutex> lock(c_->mu);
+      c_->groups[g->id] = g;
+    }
+    FillGroupInfo(*g, resp_);
+    return absl::OkStatus();
+  }
+
+  Daemon* d_;
+  const v1::JoinGroupRequest& req_;
+  v1::GroupInfo* resp_;
+  std::shared_ptr<ClientRecord> c_;
+  std::string requested_;
+  std::mutex mu_;
+  std::shared_ptr<RendezvousCall> call_;
+};
+
+// CreateSession: Prepare (checks, the slot budget, the segment and transport) on a thread of
+// its own, the rendezvous, then Complete (the peers' segments, the client's frame) on another.
+class CreateSessionReactor final : public grpc::ServerUnaryReactor {
+ public:
+  CreateSessionReactor(Daemon* d, grpc::CallbackServerContext* ctx,
+                       const v1::CreateSessionRequest* req, v1::SessionInfo* resp)
+      : d_(d), ctx_(ctx), req_(*req), resp_(resp) {
+    std::lock_guard<std::mutex> lock(mu_);
+    prepare_ = std::thread([this] {
+      absl::Status s = Prepare();
+      if (!s.ok()) Finish(ToGrpcStatus(s));
+    });
+  }
+
+  void OnCancel() override {
+    std::shared_ptr<RendezvousCall> call;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;  // Prepare, still running, aborts the step once it arrived
+      call = call_;
+    }
+    if (call) call->ClientGone();
+  }
+
+  // OnDone comes after Finish, and never on either thread; each has returned or is about to.
+  // (Prepare may still be storing the call under mu_: join without holding it.)
+  void OnDone() override {
+    std::thread prepare, complete;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      prepare.swap(prepare_);
+      complete.swap(complete_);
+    }
+    if (prepare.joinable()) prepare.join();
+    if (complete.joinable()) complete.join();
+    delete this;
+  }
+
+ private:
+  // Up to the rendezvous. An error before the group is known answers at once; every later one
+  // still arrives, with an error payload: every rank gets the same verdict at once, and every
+  // rank's session counter (the key) moves on.
+  absl::Status Prepare() {
+    ULY_ASSIGN_OR_RETURN(c_, d_->Authenticate(ctx_));
+    ClientRecord& c = *c_;
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      auto it = c.groups.find(req_.group_id());
+      if (it != c.groups.end()) g_ = it->second;
+    }
+    if (!g_)
+      return absl::NotFoundError(
+          StrCat("group_id: ", req_.group_id(), " not joined by this client"));
+    Backend& backend = g_->impl != nullptr ? *g_->impl : d_->backend_impl();
+    SessionRequest checked;
+    local_ = CheckCreateSessionRequest(req_, g_->world_size, g_->rank, backend.slots_in_segment(),
+                                       d_->config().peer_timeout_ms, &checked);
+    const SessionGeometry& geo = checked.geometry;
+    const std::optional<FusedSessionArgs>& fused = checked.fused;
+    if (d_->draining()) local_ = absl::UnavailableError("daemon is draining; no new sessions");
+    if (fused) agreement_ = FusedAgreement(fused->geometry, fused->path);
+    else if (IsHeadExchange(req_.kind())) agreement_ = SpecAgreement(geo);
+    else agreement_ = StrCat("kind=", static_cast<int>(req_.kind()));
+    id_ = d_->NextId();
+    const uint64_t seq = g_->sessions_created.fetch_add(1);
+    timeout_ = absl::Milliseconds(checked.timeout_ms);
+    const std::string key = StrCat("session/", g_->name, "/", seq);
+    // A fused session's weights are this rank's own: a rank that refuses them still arrives.
+    FusedWeightsHeld weights;
+    FusedSetup fused_setup;
+    if (local_.ok() && fused) {
+      absl::StatusOr<FusedWeightsHeld> held =
+          d_->ResolveFusedWeights(c, fused->geometry, fused->weights);
+      if (held.ok()) {
+        weights = std::move(*held);
+        fused_setup = FusedSetup{fused->geometry, fused->path, weights.weights};
+      } else {
+        local_ = held.status();
+      }
+    }
+    if (local_.ok()) {
+      const uint64_t bytes = Session::BytesNeeded(geo, backend);
+      local_ = d_->ReserveSlotMemory(bytes);
+      if (local_.ok()) needed_ = bytes;
+    }
+    if (local_.ok()) {
+      absl::StatusOr<std::unique_ptr<Session>> created =
+          Session::Create(id_, g_->id, c.id, geo, d_->peer_exports(), backend,
+                          fused ? &fused_setup : nullptr, std::move(weights.buffers));
+      if (created.ok()) {
+        session_ = std::move(*created);
+        if (fused) session_->set_fused_weights(fused->weights);
+        // The budget holds what the session holds (allocations round up to the device's
+        // granularity), so that its close gives back exactly what it took.
+        const uint64_t held = session_->reserved_bytes();
+        if (held > needed_) {
+          local_ = d_->ReserveSlotMemory(held - needed_);
+          if (local_.ok()) {
+            needed_ = held;
+          } else {
+            session_.reset();
+            d_->ReleaseSlotMemory(needed_);
+            needed_ = 0;
+          }
+        } else if (held < needed_) {
+          d_->ReleaseSlotMemory(needed_ - held);
+          needed_ = held;
+        }
+      } else {
+        local_ = created.status();
+        d_->ReleaseSlotMemory(needed_);
+        needed_ = 0;
+      }
+    }
+    const std::string payload = local_.ok() ? StrCat("ok:", session_->RendezvousPayload())
+                                            : StrCat("error:", local_.message());
+    absl::StatusOr<std::shared_ptr<RendezvousCall>> call = d_->rendezvous_client().Start(
+        g_->members[0], key, g_->world_size, g_->rank, agreement_, payload, timeout_,
+        [this](RendezvousTable::Verdict names) {
+          std::lock_guard<std::mutex> lock(mu_);
+          complete_ = std::thread([this, names = std::move(names)]() mutable {
+            Finish(ToGrpcStatus(Complete(std::move(names))));
+          });
+        });
+    if (!call.ok()) {
+      Finish(ToGrpcStatus(Complete(call.status())));
+      return absl::OkStatus();
+    }
+    bool gone = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      call_ = *call;
+      gone = cancelled_;
+    }
+    if (gone) (*call)->ClientGone();
+    return absl::OkStatus();
+  }
+
+  absl::Status Complete(RendezvousTable::Verdict names) {
+    ClientRecord& c = *c_;
+    absl::Status status = names.status();
+    if (status.ok() && !local_.ok()) status = local_;
+    if (status.ok()) {
+      std::vector<std::string> segs;
+      for (size_t r = 0; r < names->size() && status.ok(); ++r) {
+        const std::string& p = (*names)[r];
+        if (p.rfind("ok:", 0) == 0) segs.push_back(p.substr(3));
+        else status = absl::FailedPreconditionError(StrCat("rank ", r, " could not create its session: ", p.substr(6)));
+      }
+      if (status.ok()) status = session_->ConnectPeers(segs, timeout_);
+    }
+    if (status.ok()) {
+      const ClientSlotMapping slots = session_->transport().ClientMapping();
+      if (slots.device) {
+        int fds[3] = {session_->client_segment_fd(), slots.fd, slots.words_fd};
+        status = d_->SendToClient(c, StrCat("{\"session_id\": ", id_, "}"),
+                                  std::span<const int>(fds, slots.words_fd >= 0 ? 3 : 2));
+      } else {
+        status = d_->SendToClient(c, StrCat("{\"session_id\": ", id_, "}"),
+                                  session_->client_segment_fd());
+      }
+    }
+    if (!status.ok()) {
+      session_.reset();
+      d_->ReleaseSlotMemory(needed_);
+      return status;
+    }
+    {
+      // Ring clients release held slots through their segment instead of an RPC.
+      std::lock_guard<std::mutex> lock(c.mu);
+      if (c.rings && c.release_rows_used < static_cast<int32_t>(ipc::kMaxReleaseSessions)) {
+        const int32_t row = c.release_rows_used++;
+        session_->UseClientReleaseWords(row, &c.rings->header->released[row][0], c.rings);
+      }
+    }
+    std::shared_ptr<Session> shared(std::move(session_));
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      c.sessions[id_] = shared;
+    }
+    FillSessionInfo(*shared, *g_, resp_);
+    Logger("exec")->debug("client {}: session {} on group {} ({})", c.id, id_, g_->name,
+                          agreement_);
+    return absl::OkStatus();
+  }
+
+  Daemon* d_;
+  grpc::CallbackServerContext* ctx_;
+  const v1::CreateSessionRequest& req_;
+  v1::SessionInfo* resp_;
+  // Prepare's results, which Complete reads: written before the rendezvous starts.
+  std::shared_ptr<ClientRecord> c_;
+  std::shared_ptr<Group> g_;
+  absl::Status local_;  // this rank's own verdict on the request
+  std::string agreement_;
+  uint64_t id_ = 0;
+  absl::Duration timeout_;
+  uint64_t needed_ = 0;  // reserved against the slot budget
+  std::unique_ptr<Session> session_;
+
+  std::mutex mu_;  // guards what follows
+  bool cancelled_ = false;
+  std::shared_ptr<RendezvousCall> call_;
+  std::thread prepare_, complete_;
+};
+
+class ControlService final
+    : public v1::Control::WithCallbackMethod_JoinGroup<
+          v1::Control::WithCallbackMethod_CreateSession<v1::Control::Service>> {
  public:
   explicit ControlService(Daemon* d) : d_(d) {}
 
@@ -191,11 +512,10 @@ class ControlService final : public v1::Control::Service {
     });
   }
 
-  grpc::Status JoinGroup(grpc::ServerContext* ctx, const v1::JoinGroupRequest* req,
-                         v1::GroupInfo* resp) override {
-    return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
-      return DoJoin(c, *req, resp, ClientGone(ctx));
-    });
+  grpc::ServerUnaryReactor* JoinGroup(grpc::CallbackServerContext* ctx,
+                                      const v1::JoinGroupRequest* req,
+                                      v1::GroupInfo* resp) override {
+    return new JoinGroupReactor(d_, ctx, req, resp);
   }
 
   grpc::Status LeaveGroup(grpc::ServerContext* ctx, const v1::LeaveGroupRequest* req,
@@ -213,11 +533,10 @@ class ControlService final : public v1::Control::Service {
     });
   }
 
-  grpc::Status CreateSession(grpc::ServerContext* ctx, const v1::CreateSessionRequest* req,
-                             v1::SessionInfo* resp) override {
-    return AsClient(ctx, [&](ClientRecord& c) {
-      return DoCreateSession(c, *req, resp, ClientGone(ctx));
-    });
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
+                                          const v1::CreateSessionRequest* req,
+                                          v1::SessionInfo* resp) override {
+    return new CreateSessionReactor(d_, ctx, req, resp);
   }
 
   grpc::Status Call(grpc::ServerContext* ctx, const v1::CallRequest* req,
@@ -342,198 +661,6 @@ class ControlService final : public v1::Control::Service {
     resp->set_size_bytes(b->size);
     resp->set_name(b->name);
     resp->set_device(b->device);
-    return absl::OkStatus();
-  }
-
-  // Whether the client of this request went away (its process died, or it cancelled): the
-  // collective step it waits in is then aborted for every rank.
-  static std::function<bool()> ClientGone(grpc::ServerContext* ctx) {
-    return [ctx] { return ctx->IsCancelled(); };
-  }
-
-  absl::Status DoJoin(ClientRecord& c, const v1::JoinGroupRequest& req, v1::GroupInfo* resp,
-                      std::function<bool()> client_gone) {
-    absl::StatusOr<std::string> checked = CheckJoinRequest(req);
-    if (!checked.ok()) return checked.status();
-    ULY_RETURN_IF_ERROR(CheckMembers(req, d_->config().devices));
-    const std::string& requested = *checked;
-    Backend* const nccl = d_->nccl_backend();
-    if (requested != "auto" && requested != d_->backend() && !(requested == "nccl" && nccl))
-      return absl::FailedPreconditionError(StrCat("backend: '", requested,
-                                                  "' is not available: this daemon runs the ",
-                                                  d_->backend(), " backend (",
-                                                  d_->backend_reason(), ")"));
-    std::string members;
-    for (const auto& m : req.members()) members += m + ",";
-    const std::string agreement = StrCat("name=", req.name(), " world_size=", req.world_size(),
-                                         " members=[", members, "] backend=", requested);
-    ULY_ASSIGN_OR_RETURN(const int64_t timeout_ms,
-                         RendezvousTimeoutMs(req.timeout_ms(), d_->config().peer_timeout_ms));
-    const absl::Duration timeout = absl::Milliseconds(timeout_ms);
-    // Payload: this daemon's backend (and whether it also runs nccl) and device, so that every
-    // rank reaches the same verdict on the group's backend (ChooseGroupBackend).
-    const std::string mine = EncodeOffer({d_->backend(), nccl != nullptr, d_->config().device});
-    ULY_ASSIGN_OR_RETURN(std::vector<std::string> payloads,
-                         d_->rendezvous_client().Rendezvous(
-                             req.members(0), StrCat("join/", req.name()), req.world_size(),
-                             req.rank(), agreement, mine, timeout, std::move(client_gone)));
-    std::vector<BackendOffer> offers;
-    for (size_t r = 0; r < payloads.size(); ++r) {
-      ULY_ASSIGN_OR_RETURN(BackendOffer offer, DecodeOffer(payloads[r], static_cast<int>(r)));
-      offers.push_back(std::move(offer));
-    }
-    // Every process on the node can tell whether any two devices map each other's memory, so
-    // every rank judges every pair alike.
-    const DeviceReach reach = [](int32_t from, int32_t to) -> absl::StatusOr<bool> {
-      if (from == to) return true;
-      const int n = ipc::cuda::DeviceCount();
-      if (from < 0 || to < 0 || from >= n || to >= n) return false;
-      return ipc::cuda::CanAccessPeer(to, from);
-    };
-    ULY_ASSIGN_OR_RETURN(const BackendVerdict verdict, ChooseGroupBackend(requested, offers, reach));
-    auto g = std::make_shared<Group>();
-    g->id = d_->NextId();
-    g->name = req.name();
-    g->world_size = req.world_size();
-    g->rank = req.rank();
-    g->members.assign(req.members().begin(), req.members().end());
-    g->backend = verdict.backend;
-    const bool own = verdict.backend == d_->backend();
-    g->impl = own ? &d_->backend_impl() : nccl;
-    g->backend_reason =
-        own ? StrCat(verdict.reason, " (", d_->backend_reason(), ")") : verdict.reason;
-    g->owner_client = c.id;
-    {
-      std::lock_guard<std::mutex> lock(c.mu);
-      c.groups[g->id] = g;
-    }
-    FillGroupInfo(*g, resp);
-    return absl::OkStatus();
-  }
-
-  absl::Status DoCreateSession(ClientRecord& c, const v1::CreateSessionRequest& req,
-                               v1::SessionInfo* resp, std::function<bool()> client_gone) {
-    std::shared_ptr<Group> g;
-    {
-      std::lock_guard<std::mutex> lock(c.mu);
-      auto it = c.groups.find(req.group_id());
-      if (it != c.groups.end()) g = it->second;
-    }
-    if (!g) return absl::NotFoundError(StrCat("group_id: ", req.group_id(), " not joined by this client"));
-    // Every failure from here on still arrives at the rendezvous, with an error payload: every
-    // rank gets the same verdict at once, and every rank's session counter (the key) moves on.
-    Backend& backend = g->impl != nullptr ? *g->impl : d_->backend_impl();
-    SessionRequest checked;
-    absl::Status local = CheckCreateSessionRequest(req, g->world_size, g->rank,
-                                                   backend.slots_in_segment(),
-                                                   d_->config().peer_timeout_ms, &checked);
-    const SessionGeometry& geo = checked.geometry;
-    const std::optional<FusedSessionArgs>& fused = checked.fused;
-    if (d_->draining()) local = absl::UnavailableError("daemon is draining; no new sessions");
-    std::string agreement;
-    if (fused) agreement = FusedAgreement(fused->geometry, fused->path);
-    else if (IsHeadExchange(req.kind())) agreement = SpecAgreement(geo);
-    else agreement = StrCat("kind=", static_cast<int>(req.kind()));
-    const uint64_t id = d_->NextId();
-    const uint64_t seq = g->sessions_created.fetch_add(1);
-    const absl::Duration timeout = absl::Milliseconds(checked.timeout_ms);
-    const std::string key = StrCat("session/", g->name, "/", seq);
-    // A fused session's weights are this rank's own: a rank that refuses them still arrives.
-    FusedWeightsHeld weights;
-    FusedSetup fused_setup;
-    if (local.ok() && fused) {
-      absl::StatusOr<FusedWeightsHeld> held =
-          d_->ResolveFusedWeights(c, fused->geometry, fused->weights);
-      if (held.ok()) {
-        weights = std::move(*held);
-        fused_setup = FusedSetup{fused->geometry, fused->path, weights.weights};
-      } else {
-        local = held.status();
-      }
-    }
-    uint64_t needed = 0;  // reserved against the slot budget
-    if (local.ok()) {
-      const uint64_t bytes = Session::BytesNeeded(geo, backend);
-      local = d_->ReserveSlotMemory(bytes);
-      if (local.ok()) needed = bytes;
-    }
-    std::unique_ptr<Session> session;
-    if (local.ok()) {
-      absl::StatusOr<std::unique_ptr<Session>> created =
-          Session::Create(id, g->id, c.id, geo, d_->peer_exports(),
-                          backend, fused ? &fused_setup : nullptr,
-                          std::move(weights.buffers));
-      if (created.ok()) {
-        session = std::move(*created);
-        if (fused) session->set_fused_weights(fused->weights);
-        // The budget holds what the session holds (allocations round up to the device's
-        // granularity), so that its close gives back exactly what it took.
-        const uint64_t held = session->reserved_bytes();
-        if (held > needed) {
-          local = d_->ReserveSlotMemory(held - needed);
-          if (local.ok()) {
-            needed = held;
-          } else {
-            session.reset();
-            d_->ReleaseSlotMemory(needed);
-            needed = 0;
-          }
-        } else if (held < needed) {
-          d_->ReleaseSlotMemory(needed - held);
-          needed = held;
-        }
-      } else {
-        local = created.status();
-        d_->ReleaseSlotMemory(needed);
-        needed = 0;
-      }
-    }
-    const std::string payload = local.ok() ? StrCat("ok:", session->RendezvousPayload())
-                                           : StrCat("error:", local.message());
-    absl::StatusOr<std::vector<std::string>> names = d_->rendezvous_client().Rendezvous(
-        g->members[0], key, g->world_size, g->rank, agreement, payload, timeout,
-        std::move(client_gone));
-    absl::Status status = names.status();
-    if (status.ok() && !local.ok()) status = local;
-    if (status.ok()) {
-      std::vector<std::string> segs;
-      for (size_t r = 0; r < names->size() && status.ok(); ++r) {
-        const std::string& p = (*names)[r];
-        if (p.rfind("ok:", 0) == 0) segs.push_back(p.substr(3));
-        else status = absl::FailedPreconditionError(StrCat("rank ", r, " could not create its session: ", p.substr(6)));
-      }
-      if (status.ok()) status = session->ConnectPeers(segs, timeout);
-    }
-    if (status.ok()) {
-      const ClientSlotMapping slots = session->transport().ClientMapping();
-      if (slots.device) {
-        int fds[3] = {session->client_segment_fd(), slots.fd, slots.words_fd};
-        status = d_->SendToClient(c, StrCat("{\"session_id\": ", id, "}"),
-                                  std::span<const int>(fds, slots.words_fd >= 0 ? 3 : 2));
-      } else {
-        status = d_->SendToClient(c, StrCat("{\"session_id\": ", id, "}"),
-                                  session->client_segment_fd());
-      }
-    }
-    if (!status.ok()) {
-      d_->ReleaseSlotMemory(needed);
-      return status;
-    }
-    {
-      // Ring clients release held slots through their segment instead of an RPC.
-      std::lock_guard<std::mutex> lock(c.mu);
-      if (c.rings && c.release_rows_used < static_cast<int32_t>(ipc::kMaxReleaseSessions)) {
-        const int32_t row = c.release_rows_used++;
-        session->UseClientReleaseWords(row, &c.rings->header->released[row][0], c.rings);
-      }
-    }
-    std::shared_ptr<Session> shared(std::move(session));
-    {
-      std::lock_guard<std::mutex> lock(c.mu);
-      c.sessions[id] = shared;
-    }
-    FillSessionInfo(*shared, *g, resp);
-    Logger("exec")->debug("client {}: session {} on group {} ({})", c.id, id, g->name, agreement);
     return absl::OkStatus();
   }
 
