@@ -456,7 +456,7 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
     c->gone = true;
     ReleaseQuotaLocked(*c);
     c->fd_cv.notify_all();  // a RegisterBuffer waiting for a descriptor ends now
-    if (c->watch != nullptr) c->watch->TryCancel();  // frees the Watch stream's thread
+    if (c->watch != nullptr) c->watch->TryCancel();  // ends the Watch stream
     if (c->fd_socket.valid()) ::shutdown(c->fd_socket.get(), SHUT_RDWR);
     c->pidfd.reset();
     if (c->rings) {

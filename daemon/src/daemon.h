@@ -78,7 +78,7 @@ struct ClientRecord {
 
   std::mutex mu;  // guards everything below
   bool gone = false;  // reclaimed: nothing may be added any more
-  grpc::ServerContext* watch = nullptr;  // the open Watch stream, cancelled by Reclaim
+  grpc::CallbackServerContext* watch = nullptr;  // the open Watch stream, cancelled by Reclaim
   std::condition_variable fd_cv;
   ipc::UniqueFd fd_socket;  // bound once the client's hello arrives
   ipc::UniqueFd pidfd;      // readable once the client's process has exited

@@ -95,6 +95,56 @@ std::string FusedAgreement(const FusedGeometry& g, FusedPath path) {
                 " num_slots=", g.num_slots, " max_pos=", g.max_pos, " path=", FusedPathName(path));
 }
 
+// Control.Watch, the client's liveness stream. It holds no thread while it is open: it reads
+// until the stream ends (the client closed it, its connection broke, or Reclaim cancelled it),
+// then reclaims the client.
+class WatchReactor final : public grpc::ServerBidiReactor<v1::WatchRequest, v1::WatchEvent> {
+ public:
+  WatchReactor(Daemon* d, grpc::CallbackServerContext* ctx) : d_(d), ctx_(ctx) {
+    absl::StatusOr<std::shared_ptr<ClientRecord>> c = d_->Authenticate(ctx);
+    if (!c.ok()) {
+      Finish(ToGrpcStatus(c.status()));
+      return;
+    }
+    c_ = std::move(*c);
+    bool gone = false;
+    {
+      // Reclaim cancels the stream, so a client reclaimed for another reason (it never bound
+      // its fd socket, say) does not keep it open; one reclaimed already has nothing to watch.
+      std::lock_guard<std::mutex> lock(c_->mu);
+      gone = c_->gone;
+      if (!gone) c_->watch = ctx;
+    }
+    if (gone) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    StartRead(&req_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (ok) {
+      StartRead(&req_);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(c_->mu);
+      if (c_->watch == ctx_) c_->watch = nullptr;
+    }
+    // The stream ends when the client closes it or its process (and connection) is gone.
+    d_->Reclaim(c_->id, "liveness stream ended");
+    Finish(grpc::Status::OK);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  Daemon* d_;
+  grpc::CallbackServerContext* ctx_;
+  std::shared_ptr<ClientRecord> c_;
+  v1::WatchRequest req_;
+};
+
 // The collective steps of Control (JoinGroup, CreateSession) are served by the callback API:
 // while the ranks meet at rank 0's table, no thread waits for them. gRPC's callback threads
 // are few and shared by every callback call of the process, so nothing that blocks runs on
@@ -414,8 +464,8 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
 };
 
 class ControlService final
-    : public v1::Control::WithCallbackMethod_JoinGroup<
-          v1::Control::WithCallbackMethod_CreateSession<v1::Control::Service>> {
+    : public v1::Control::WithCallbackMethod_Watch<v1::Control::WithCallbackMethod_JoinGroup<
+          v1::Control::WithCallbackMethod_CreateSession<v1::Control::Service>>> {
  public:
   explicit ControlService(Daemon* d) : d_(d) {}
 
@@ -443,27 +493,9 @@ class ControlService final
     });
   }
 
-  grpc::Status Watch(grpc::ServerContext* ctx,
-                     grpc::ServerReaderWriter<v1::WatchEvent, v1::WatchRequest>* stream) override {
-    return AsClient(ctx, [&](ClientRecord& c) {
-      {
-        // Reclaim cancels the stream, so a client reclaimed for another reason (it never bound
-        // its fd socket, say) does not keep this thread.
-        std::lock_guard<std::mutex> lock(c.mu);
-        if (c.gone) return absl::OkStatus();
-        c.watch = ctx;
-      }
-      v1::WatchRequest req;
-      while (stream->Read(&req)) {
-      }
-      {
-        std::lock_guard<std::mutex> lock(c.mu);
-        c.watch = nullptr;
-      }
-      // The stream ends when the client closes it or its process (and connection) is gone.
-      d_->Reclaim(c.id, "liveness stream ended");
-      return absl::OkStatus();
-    });
+  grpc::ServerBidiReactor<v1::WatchRequest, v1::WatchEvent>* Watch(
+      grpc::CallbackServerContext* ctx) override {
+    return new WatchReactor(d_, ctx);
   }
 
   grpc::Status AllocBuffer(grpc::ServerContext* ctx, const v1::AllocBufferRequest* req,
