@@ -18,6 +18,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "httplib.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/impl/server_builder_option.h"
 #include "absl/strings/numbers.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/logging.h"
@@ -96,13 +97,26 @@ class StagedSocket {
   std::string final_;
 };
 
+// Takes server reflection off one server (linking gRPC's reflection library offers it to every
+// server). Its stream (ServerReflectionInfo) is served by the synchronous API, a thread for each
+// stream for as long as its caller keeps it open, so only the operator socket has it.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    std::erase_if(*plugins, [](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
+      return dynamic_cast<grpc::reflection::ProtoServerReflectionPlugin*>(p.get()) != nullptr;
+    });
+  }
+};
+
 // gRPC binds a unix socket itself, with the permissions the umask leaves, and serves it at
 // once. So each server binds inside a fresh directory of mode 0700, where nobody else can
 // connect; the socket gets `mode` there and is renamed to `path` only then. No connection is
 // ever accepted under looser permissions than `mode`. `path` was claimed before.
 absl::StatusOr<std::unique_ptr<grpc::Server>> ServeStaged(
     const std::string& path, mode_t mode, const std::vector<grpc::Service*>& services,
-    gid_t gid = static_cast<gid_t>(-1)) {
+    gid_t gid = static_cast<gid_t>(-1), bool reflection = false) {
   ULY_ASSIGN_OR_RETURN(StagedSocket staged, StagedSocket::Make(path));
   grpc::ServerBuilder builder;
   int bound_port = 0;
@@ -110,6 +124,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeStaged(
   for (grpc::Service* s : services) builder.RegisterService(s);
   // Every request is small (names are bounded at 256 bytes); this bounds what one can cost.
   builder.SetMaxReceiveMessageSize(4 << 20);
+  if (!reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", path));
   ULY_RETURN_IF_ERROR(staged.Publish(mode, gid));
@@ -163,7 +178,7 @@ absl::Status Daemon::Start() {
   }
   ULY_ASSIGN_OR_RETURN(operator_server_,
                        ServeStaged(operator_socket, operators == static_cast<gid_t>(-1) ? 0600 : 0660,
-                                   {operator_admin_.get()}, operators));
+                                   {operator_admin_.get()}, operators, /*reflection=*/true));
   server_->GetHealthCheckService()->SetServingStatus(true);
   started_ok_ = true;
   if (absl::Status m = StartMetricsServer(); !m.ok()) return m;

@@ -1,15 +1,63 @@
 // Admin calls that change the daemon's state need the operator socket: anyone who can reach
-// the control socket (mode 0660, the clients' group) could drain the daemon before.
+// the control socket (mode 0660, the clients' group) could drain the daemon before. Server
+// reflection is there alone too.
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 
+#include "grpcpp/generic/generic_stub.h"
 #include "hostile_client.h"
 #include "ulysses/common/sockets.h"
 
 namespace ulysses::security {
 namespace {
+
+// Sends one server reflection request (list_services) on `socket` and returns the answer's
+// bytes, or the call's status when there is none.
+absl::StatusOr<std::string> ListServicesByReflection(const std::string& socket) {
+  grpc::GenericStub stub(
+      grpc::CreateChannel("unix://" + socket, grpc::InsecureChannelCredentials()));
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call = stub.PrepareCall(
+      &ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  // One operation at a time: each completes before the next starts.
+  auto await = [&cq] {
+    void* tag = nullptr;
+    bool ok = false;
+    return cq.Next(&tag, &ok) && ok;
+  };
+  call->StartCall(nullptr);
+  await();
+  // ServerReflectionRequest{list_services: ""}: field 7, length-delimited, empty.
+  const char request[] = {0x3a, 0x00};
+  grpc::Slice slice(request, sizeof request);
+  call->Write(grpc::ByteBuffer(&slice, 1), nullptr);
+  await();
+  call->WritesDone(nullptr);
+  await();
+  grpc::ByteBuffer response;
+  call->Read(&response, nullptr);
+  const bool answered = await();
+  grpc::Status status;
+  call->Finish(&status, nullptr);
+  await();
+  cq.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq.Next(&tag, &ok)) {
+  }
+  if (!answered)
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return absl::InternalError("unreadable answer");
+  std::string bytes;
+  for (const grpc::Slice& s : slices)
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return bytes;
+}
 
 class AdminTest : public DaemonTest {
  protected:
@@ -114,6 +162,22 @@ TEST_F(AdminTest, AnUnknownOperatorsGroupStopsTheStartNamingIt) {
                                        "'no-such-group-x'"),
             std::string::npos)
       << d.status();
+}
+
+// Server reflection's stream is served by gRPC's synchronous API, a thread for each stream for as
+// long as its caller keeps it open: it is on the operator socket alone, where only the daemon's
+// uid connects, and not on the control socket, which every client reaches.
+TEST_F(AdminTest, ReflectionIsServedOnTheOperatorSocketAlone) {
+  absl::StatusOr<std::string> op = ListServicesByReflection(OperatorSocket());
+  ASSERT_TRUE(op.ok()) << op.status();
+  EXPECT_NE(op->find("ulysses.v1.Admin"), std::string::npos);
+  for (const std::string& socket :
+       {daemon_.socket(), daemon_.socket() + std::string(kNodeSocketSuffix)}) {
+    absl::StatusOr<std::string> other = ListServicesByReflection(socket);
+    EXPECT_EQ(other.status().code(), absl::StatusCode::kUnimplemented)
+        << socket << ": " << other.status();
+  }
+  EXPECT_TRUE(Serving());
 }
 
 }  // namespace
