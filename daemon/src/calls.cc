@@ -219,13 +219,25 @@ absl::StatusOr<std::shared_ptr<ClientRings>> Daemon::CreateRings(
                                                    sizeof(ipc::CompletionRing)));
   ULY_ASSIGN_OR_RETURN(rings->submit_bell, ipc::EventFd::Create());
   ULY_ASSIGN_OR_RETURN(rings->complete_bell, ipc::EventFd::Create());
-  JoinFinishedWorkers();
+  return rings;
+}
+
+void Daemon::StartRingWorker(const std::shared_ptr<ClientRecord>& c,
+                             const std::shared_ptr<ClientRings>& rings) {
+  std::thread previous;
   {
     // Started under the lock, so the worker's exit (which takes it) finds its entry.
     std::lock_guard<std::mutex> lock(workers_mu_);
+    if (stopping_.load() || rings->worker_running.load()) return;
+    if (auto it = workers_.find(c->id); it != workers_.end()) {
+      previous = std::move(it->second);  // this client's last worker, which has ended
+      workers_.erase(it);
+      std::erase(workers_done_, c->id);
+    }
+    rings->worker_running.store(true);
     workers_.emplace(c->id, std::thread([this, c, rings] { RingWorker(c, rings); }));
   }
-  return rings;
+  if (previous.joinable()) previous.join();  // it has returned or is about to
 }
 
 void Daemon::JoinFinishedWorkers() {
@@ -243,8 +255,12 @@ void Daemon::JoinFinishedWorkers() {
   for (std::thread& t : done) t.join();  // each has returned or is about to
 }
 
-// One thread per client drains its submit ring in order and posts one completion per
-// descriptor. It ends when the client is reclaimed (the header's abort word).
+// One thread per client, while the client has calls, drains its submit ring in order and posts
+// one completion per descriptor. It ends when the client is reclaimed (the header's abort word),
+// or when it has had nothing to do for kRingWorkerIdle: then the fd thread watches the submit
+// bell, and starts a worker again at the client's next ring. Its last check of the ring came
+// after its last wait on the bell (PopWait), so a descriptor pushed after that check leaves the
+// bell rung and is not lost.
 void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientRings> rings) {
   auto log = Logger("exec");
   // Calls enqueued on stream-ordered sessions, oldest first: their completions are posted when
@@ -319,7 +335,7 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     // With calls in flight, poll them every 20 us for 2 ms after the last progress, then about
     // every millisecond; with none, sleep on the doorbell.
     const absl::Time now = absl::Now();
-    const absl::Duration window = pending.empty()                           ? absl::Seconds(1)
+    const absl::Duration window = pending.empty()                           ? kRingWorkerIdle
                                   : now - last_progress < absl::Milliseconds(2) ? absl::Microseconds(20)
                                                                                 : absl::Milliseconds(1);
     absl::StatusOr<bool> got = ipc::PopWait(*rings->submit, &d, rings->submit_bell, now + window,
@@ -334,7 +350,8 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
       break;
     }
     if (!*got) {
-      if (!pending.empty() && !collect()) break;
+      if (pending.empty()) break;  // idle: the fd thread takes over the bell
+      if (!collect()) break;
       continue;
     }
     absl::StatusOr<CallArgs> args = ipc::CallArgsFromDescriptor(d);
@@ -352,12 +369,17 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     }
     if (!pending.empty() && !collect()) break;
   }
-  // The client is gone: its calls still in flight end with it (their sessions are reclaimed
-  // and cancelled with the client).
+  // Idle, or the client is gone: then its calls still in flight end with it (their sessions are
+  // reclaimed and cancelled with the client).
   for (PendingCall& p : pending)
     (void)FinishPending(p, absl::AbortedError("the client was reclaimed while its call was in flight"));
-  std::lock_guard<std::mutex> lock(workers_mu_);
-  workers_done_.push_back(c->id);
+  {
+    std::lock_guard<std::mutex> lock(workers_mu_);
+    rings->worker_running.store(false);
+    workers_done_.push_back(c->id);
+  }
+  // The fd thread rebuilds its poll set, now with this client's submit bell.
+  if (poll_wake_) (void)poll_wake_->Signal();
 }
 
 }  // namespace ulysses::daemon

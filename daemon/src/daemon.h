@@ -39,6 +39,9 @@ namespace ulysses::daemon {
 
 /// Longest a send on a client's fd socket waits for the client to read (SendToClient).
 inline constexpr int kClientSendTimeoutMs = 1000;
+/// How long a client's ring worker waits for a descriptor, with no call in flight, before it
+/// ends; the fd thread starts it again at the client's next ring of the submit bell.
+inline constexpr absl::Duration kRingWorkerIdle = absl::Seconds(1);
 
 /// A group as one client of this daemon joined it.
 struct Group {
@@ -63,6 +66,9 @@ struct ClientRings {
   ipc::CompletionRing* complete = nullptr;
   ipc::EventFd submit_bell;    // the client rings it after pushing a descriptor
   ipc::EventFd complete_bell;  // the daemon rings it after posting a completion
+  /// Whether a ring worker serves these rings now; written under Daemon::workers_mu_. While it
+  /// is false, the fd thread watches submit_bell and starts one at the next ring.
+  std::atomic<bool> worker_running{false};
 };
 
 /// One attached client process.
@@ -246,8 +252,13 @@ class Daemon {
   absl::StatusOr<CallResult> RunCall(ClientRecord& c, uint64_t session_id, const CallArgs& args,
                                      uint64_t expected_epoch, ExecuteMode mode, CallRecord* rec,
                                      std::shared_ptr<Session>* session);
-  /// Creates the client's segment and starts its ring worker.
+  /// Creates the client's segment and doorbells. No worker runs until the client rings.
   absl::StatusOr<std::shared_ptr<ClientRings>> CreateRings(const std::shared_ptr<ClientRecord>& c);
+  /// Starts the ring worker of `c` unless one runs (the fd thread, at a ring of its submit bell).
+  void StartRingWorker(const std::shared_ptr<ClientRecord>& c,
+                       const std::shared_ptr<ClientRings>& rings);
+  /// Serves `c`'s rings in order until the client is reclaimed, or until kRingWorkerIdle passes
+  /// with nothing to do.
   void RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientRings> rings);
 
   DaemonConfig config_;
@@ -268,8 +279,9 @@ class Daemon {
   std::unique_ptr<httplib::Server> metrics_http_;
   std::thread metrics_thread_;
   std::string metrics_bound_;
-  // Ring workers by client id. Every one is joined, none detached: a worker that ends puts its
-  // id in workers_done_, and the next CreateRings or Shutdown joins it; Shutdown joins the rest
+  // Ring workers by client id, at most one per client, running while the client has calls.
+  // Every one is joined, none detached: a worker that ends puts its id in workers_done_, and
+  // the fd thread (or Shutdown, or the client's next worker) joins it; Shutdown joins the rest
   // once Reclaim has set their abort words.
   std::mutex workers_mu_;
   std::map<uint64_t, std::thread> workers_;

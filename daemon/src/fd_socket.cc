@@ -1,8 +1,9 @@
-// The fd socket: one thread accepts connections, reads hellos and client frames, and watches
-// pidfds, all from one poll(2) set of non-blocking descriptors. Nothing in it waits on one
-// peer: a connection that sends half a frame only keeps its own buffered bytes, a connection
-// that never says hello is closed at its deadline, and an attached client that never binds is
-// reclaimed (docs/protocol.md section 1.2).
+// The fd socket: one thread accepts connections, reads hellos and client frames, watches
+// pidfds, and watches the submit bell of each client whose ring worker is idle (starting one
+// when it rings), all from one poll(2) set of non-blocking descriptors. Nothing in it waits on
+// one peer: a connection that sends half a frame only keeps its own buffered bytes, a
+// connection that never says hello is closed at its deadline, and an attached client that
+// never binds is reclaimed (docs/protocol.md section 1.2).
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -206,7 +207,7 @@ void Daemon::FdLoop() {
   std::map<uint64_t, ipc::FrameReader> readers;  // bound clients' partial frames, by client id
   absl::Time accept_paused_until = absl::InfinitePast();
 
-  enum class Kind { kWake, kListener, kPending, kSocket, kPidfd };
+  enum class Kind { kWake, kListener, kPending, kSocket, kPidfd, kSubmitBell };
   struct Watched {
     Kind kind;
     size_t pending_index = 0;
@@ -254,7 +255,13 @@ void Daemon::FdLoop() {
         fds.push_back(pollfd{c->pidfd.get(), POLLIN, 0});
         watched.push_back({Kind::kPidfd, 0, c});
       }
+      // A client whose ring worker is idle: its next ring starts one (never read here).
+      if (c->rings && !c->rings->worker_running.load()) {
+        fds.push_back(pollfd{c->rings->submit_bell.fd(), POLLIN, 0});
+        watched.push_back({Kind::kSubmitBell, 0, c});
+      }
     }
+    JoinFinishedWorkers();
     for (uint64_t id : never_bound)
       Reclaim(id, StrCat("did not bind its fd socket within ", config_.bind_timeout_ms,
                          " ms (timeouts.bind_ms)"));
@@ -312,6 +319,15 @@ void Daemon::FdLoop() {
         case Kind::kPidfd:
           Reclaim(w.client->id, "process exited");
           break;
+        case Kind::kSubmitBell: {
+          std::shared_ptr<ClientRings> rings;
+          {
+            std::lock_guard<std::mutex> lock(w.client->mu);
+            if (!w.client->gone) rings = w.client->rings;
+          }
+          if (rings) StartRingWorker(w.client, rings);
+          break;
+        }
       }
     }
     if (!finished.empty()) {

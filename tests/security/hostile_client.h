@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,6 +40,43 @@ inline int CountFds(pid_t pid) {
     if (e->d_name[0] != '.') ++n;
   ::closedir(d);
   return n;
+}
+
+/// Threads of process `pid` (from /proc/PID/status), -1 when unreadable.
+inline int CountThreads(pid_t pid) {
+  std::ifstream status(StrCat("/proc/", pid, "/status"));
+  std::string key;
+  while (status >> key) {
+    if (key == "Threads:") {
+      int n = -1;
+      status >> n;
+      return n;
+    }
+  }
+  return -1;
+}
+
+/// Threads of process `pid` whose name (/proc/PID/task/TID/comm) is `name`.
+inline int CountThreadsNamed(pid_t pid, const std::string& name) {
+  const std::string dir = StrCat("/proc/", pid, "/task");
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return 0;
+  int n = 0;
+  while (dirent* e = ::readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    std::string comm;
+    std::getline(std::ifstream(StrCat(dir, "/", e->d_name, "/comm")), comm);
+    if (comm == name) ++n;
+  }
+  ::closedir(d);
+  return n;
+}
+
+/// CountThreads less gRPC's timer threads, which gRPC starts whenever its timers need another
+/// (whatever the daemon serves), so that a count before and after an attack compares threads
+/// the attack could hold.
+inline int CountThreadsOutsideTimers(pid_t pid) {
+  return CountThreads(pid) - CountThreadsNamed(pid, "grpc_global_tim");
 }
 
 /// Connects to the unix socket `path` from a child process of uid and gid `uid` (the caller

@@ -19,20 +19,6 @@
 namespace ulysses::security {
 namespace {
 
-// Threads of process `pid` (from /proc/PID/status), -1 when unreadable.
-int CountThreads(pid_t pid) {
-  std::ifstream status(StrCat("/proc/", pid, "/status"));
-  std::string key;
-  while (status >> key) {
-    if (key == "Threads:") {
-      int n = -1;
-      status >> n;
-      return n;
-    }
-  }
-  return -1;
-}
-
 class QuotaTest : public DaemonTest {
  protected:
   void SetUp() override {}
@@ -226,7 +212,7 @@ TEST_F(QuotaTest, AClientThatNeverReadsItsFdSocketIsReclaimedNotWaitedFor) {
   ASSERT_TRUE(a.ok()) << a.status();
   absl::StatusOr<ipc::UniqueFd> sock = Bind(*a);  // and never read again
   ASSERT_TRUE(sock.ok()) << sock.status();
-  const int threads = CountThreads(daemon_.pid());
+  const int threads = CountThreadsOutsideTimers(daemon_.pid());
   grpc::Status s;
   int calls = 0;
   for (; calls < 4000 && s.ok(); ++calls) {
@@ -241,8 +227,8 @@ TEST_F(QuotaTest, AClientThatNeverReadsItsFdSocketIsReclaimedNotWaitedFor) {
   // Its frames filled the socket; the daemon gave up on it instead of holding a thread.
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << calls << " calls: " << s.error_message();
   EXPECT_EQ(NumClients(), 0);
-  EXPECT_TRUE(Eventually([&] { return CountThreads(daemon_.pid()) <= threads; }))
-      << CountThreads(daemon_.pid()) << " threads, " << threads << " before";
+  EXPECT_TRUE(Eventually([&] { return CountThreadsOutsideTimers(daemon_.pid()) <= threads; }))
+      << CountThreadsOutsideTimers(daemon_.pid()) << " threads, " << threads << " before";
   auto bystander = Connect("bystander");
   ASSERT_NE(bystander, nullptr);
   EXPECT_TRUE(bystander->AllocBuffer(4096, "b").ok());
