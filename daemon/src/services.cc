@@ -1,5 +1,8 @@
 // The gRPC services. Each handler authenticates, converts the request, calls into the daemon
-// and converts absl::Status to grpc::Status at the edge.
+// and converts absl::Status to grpc::Status at the edge. The calls that wait on others
+// (Control.Watch, JoinGroup, CreateSession, Peer.Rendezvous) are reactors of gRPC's callback
+// API, which hold no thread while they wait; the other unary calls of Control and Admin are
+// synchronous, each bounded (docs/architecture.md section 2.7).
 #include <unistd.h>
 
 #include <optional>
