@@ -1,7 +1,10 @@
-// Daemons that die during a rendezvous (item 14). Rank 0's daemon hosts a group's JoinGroup and
+// Daemons that die or hang during a rendezvous (item 14). Rank 0's daemon hosts a group's JoinGroup and
 // CreateSession rendezvous; each other rank's daemon waits in a Peer.Rendezvous call to it. The
 // daemons here have a peer timeout of 600 s, and ctest gives each test 120 s: a test passes
 // only when the survivors learn of the death long before that timeout.
+#include <signal.h>
+
+#include <chrono>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -71,7 +74,7 @@ class RendezvousFaultTest : public ::testing::Test {
   }
 
   /// JoinGroup of `name` by the daemons `ranks` (rank i of the group on daemon ranks[i]) in
-  /// threads; the rendezvous timeout is the daemons' (600 s).
+  /// threads; the rendezvous timeout is `timeout_ms`, 0: the daemons' (600 s).
   struct Joins {
     std::vector<absl::Status> status;
     std::vector<std::thread> threads;
@@ -83,14 +86,14 @@ class RendezvousFaultTest : public ::testing::Test {
   };
   void StartJoins(Joins& j, const std::string& name, int world_size,
                   const std::vector<std::string>& members, std::initializer_list<int> group_ranks,
-                  std::initializer_list<int> daemons) {
+                  std::initializer_list<int> daemons, int64_t timeout_ms = 0) {
     j.status.assign(group_ranks.size(), absl::UnknownError("not run"));
     auto d = daemons.begin();
     size_t i = 0;
     for (int rank : group_ranks) {
       client::Client& c = ClientOf(*d++);
-      j.threads.emplace_back([&j, &c, i, name, world_size, members, rank] {
-        j.status[i] = c.JoinGroup({name, world_size, rank, members, "host", 0}).status();
+      j.threads.emplace_back([&j, &c, i, name, world_size, members, rank, timeout_ms] {
+        j.status[i] = c.JoinGroup({name, world_size, rank, members, "host", timeout_ms}).status();
       });
       ++i;
     }
@@ -153,6 +156,38 @@ TEST_F(RendezvousFaultTest, AHostingDaemonKilledEndsTheWaitingRanksJoinGroupNami
   after.Join();
   EXPECT_TRUE(after.status[0].ok()) << after.status[0];
   EXPECT_TRUE(after.status[1].ok()) << after.status[1];
+}
+
+// A daemon that hangs (SIGSTOP) is not dead: its connections stay open, so the others wait for
+// the timeout the rendezvous asked for (2 s here) and fail DEADLINE_EXCEEDED. The daemon stays
+// stopped past that timeout; once it runs again nothing of that step is left in any table, and
+// the three daemons form a group. First the host (ranks 1 and 2 wait in its table, rank 0's
+// client never comes), then a rank that arrived (ranks 0 and 1 wait, rank 2 never comes).
+TEST_F(RendezvousFaultTest, AStoppedDaemonEndsTheRendezvousAtItsTimeoutAndRecovers) {
+  for (int stopped : {0, 1}) {
+    SCOPED_TRACE(stopped == 0 ? "the host stopped" : "rank 1's daemon stopped");
+    {
+      Joins j;
+      if (stopped == 0)
+        StartJoins(j, "hung-host", 3, Members({0, 1, 2}), {1, 2}, {1, 2}, 2000);
+      else
+        StartJoins(j, "hung-rank", 3, Members({0, 1, 2}), {0, 1}, {0, 1}, 2000);
+      AwaitArrivals(0, 2);
+      ASSERT_EQ(::kill(daemons_[stopped].pid(), SIGSTOP), 0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // past the timeout
+      ASSERT_EQ(::kill(daemons_[stopped].pid(), SIGCONT), 0);
+      j.Join();
+      for (size_t i = 0; i < j.status.size(); ++i)
+        EXPECT_EQ(j.status[i].code(), absl::StatusCode::kDeadlineExceeded)
+            << "rank " << i << ": " << j.status[i];
+    }
+    for (int r = 0; r < kRanks; ++r)
+      EXPECT_TRUE(Eventually([&] { return TableEmpty(r); })) << "daemon " << r;
+    Joins after;
+    StartJoins(after, StrCat("after-", stopped), 3, Members({0, 1, 2}), {0, 1, 2}, {0, 1, 2});
+    after.Join();
+    for (const absl::Status& st : after.status) EXPECT_TRUE(st.ok()) << st;
+  }
 }
 
 }  // namespace
