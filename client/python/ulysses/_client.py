@@ -686,17 +686,16 @@ class _Call:
         self.args: Any = None
 
 
-class Pending:
-    """A submitted call (:meth:`HeadExchange.submit`). :meth:`wait` gives its result; until
-    then its inputs, `out` and staging buffers stay alive. Wait for every submitted call (in
-    any order; calls complete in submission order); an unwaited Pending keeps its staging
-    buffers from reuse."""
+class _Submitted:
+    """What a submitted call and its wait share: the epoch, the call's operands and staging
+    buffers kept alive until the one wait, which gives the buffers back whatever happens.
+    Subclasses say how the result is collected (_collect)."""
 
-    def __init__(self, session: HeadExchange, epoch: int, call: _Call,
+    def __init__(self, session: Any, epoch: int, call: Any,
                  pool: List[Tuple[str, _SharedBuffer]]):
         self.session = session
         self.epoch = epoch
-        self._call: Optional[_Call] = call
+        self._call: Any = call
         self._pool = pool
 
     @property
@@ -704,30 +703,43 @@ class Pending:
         """Whether :meth:`wait` returned (or raised) already."""
         return self._call is None
 
-    def wait(self, timeout: Optional[float] = None) -> ArrayLike:
-        """Waits for the call (`timeout` seconds; None: 5 minutes) and returns what the op's
-        method returns: a view of the receive slot, or `out`. An error the daemon found in the
-        call is raised here. Once only: a second wait raises FailedPreconditionError."""
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Waits for the call (`timeout` seconds; None: 5 minutes) and returns what the call
+        would have returned. An error the daemon found in the call is raised here. Once only:
+        a second wait raises FailedPreconditionError."""
         call = self._call
         if call is None:
             raise FailedPreconditionError("epoch %d: already waited for" % self.epoch)
-        s = self.session
-        result = ctypes.c_void_p()
         ms = 0 if timeout is None else max(1, int(timeout * 1000))
         try:
-            _check(_capi.library().uly_session_wait(s._handle.ptr, self.epoch, ms,
-                                                    ctypes.byref(result)))
-            if call.out is not None and not call.copy_out_later:
-                # The result was copied to out: it holds nothing.
-                _capi.library().uly_result_free(result.value)
-                result = ctypes.c_void_p()
-            return s._finish(call, result)
+            return self._collect(call, ms)
         finally:
             self._call = None
-            s._give_back(self._pool)
+            self.session._give_back(self._pool)
+
+    def _collect(self, call: Any, ms: int) -> Any:
+        raise NotImplementedError
 
     def __repr__(self) -> str:
-        return "Pending(epoch=%d, done=%s)" % (self.epoch, self.done)
+        return "%s(epoch=%d, done=%s)" % (type(self).__name__, self.epoch, self.done)
+
+
+class Pending(_Submitted):
+    """A submitted call (:meth:`HeadExchange.submit`). :meth:`wait` gives what the op's method
+    returns (a view of the receive slot, or `out`); until then its inputs, `out` and staging
+    buffers stay alive. Wait for every submitted call (in any order; calls complete in
+    submission order); an unwaited Pending keeps its staging buffers from reuse."""
+
+    def _collect(self, call: "_Call", ms: int) -> ArrayLike:
+        s = self.session
+        result = ctypes.c_void_p()
+        _check(_capi.library().uly_session_wait(s._handle.ptr, self.epoch, ms,
+                                                ctypes.byref(result)))
+        if call.out is not None and not call.copy_out_later:
+            # The result was copied to out: it holds nothing.
+            _capi.library().uly_result_free(result.value)
+            result = ctypes.c_void_p()
+        return s._finish(call, result)
 
 
 class Client:

@@ -9,8 +9,8 @@ import numpy as np
 
 from . import _capi
 from . import _torch
-from ._client import (ArrayLike, Client, FailedPreconditionError, Group, InvalidArgumentError,
-                      _Operand, _Session, _SharedBuffer, _Slot, _check)
+from ._client import (ArrayLike, Client, Group, InvalidArgumentError, _Operand, _Session,
+                      _SharedBuffer, _Slot, _Submitted, _check)
 
 #: Names of the weights, their dtypes, and their shapes given (H, D, hidden, max_pos).
 _WEIGHTS = (
@@ -196,46 +196,20 @@ class _FusedCall:
         self.args: Any = None
 
 
-class FusedPending:
-    """A submitted fused call (:meth:`QkvNormRopeExchange.submit`). :meth:`wait` gives its
-    result; until then its inputs, `out` and staging buffers stay alive. Wait for every
+class FusedPending(_Submitted):
+    """A submitted fused call (:meth:`QkvNormRopeExchange.submit`). :meth:`wait` gives what
+    the call returns: ``(q, k, v)`` or one band (views of the slot), or `out` split the same
+    way; until then its inputs, `out` and staging buffers stay alive. Wait for every
     submitted call."""
 
-    def __init__(self, session: QkvNormRopeExchange, epoch: int, call: _FusedCall,
-                 pool: List[Tuple[str, _SharedBuffer]]):
-        self.session = session
-        self.epoch = epoch
-        self._call: Optional[_FusedCall] = call
-        self._pool = pool
-
-    @property
-    def done(self) -> bool:
-        """Whether :meth:`wait` returned (or raised) already."""
-        return self._call is None
-
-    def wait(self, timeout: Optional[float] = None) -> QkvResult:
-        """Waits for the call (`timeout` seconds; None: 5 minutes) and returns what the call
-        returns: ``(q, k, v)`` or one band (views of the slot), or `out` split the same way.
-        An error the daemon found in the call is raised here. Once only: a second wait raises
-        FailedPreconditionError."""
-        call = self._call
-        if call is None:
-            raise FailedPreconditionError("epoch %d: already waited for" % self.epoch)
+    def _collect(self, call: _FusedCall, ms: int) -> QkvResult:
         s = self.session
         results = (ctypes.c_void_p * _capi.MAX_FUSED_RESULTS)()
         count = ctypes.c_int32()
-        ms = 0 if timeout is None else max(1, int(timeout * 1000))
-        try:
-            _check(_capi.library().uly_session_qkv_norm_rope_wait(
-                s._handle.ptr, self.epoch, ms, results if call.want_results else None,
-                ctypes.byref(count)))
-            return s._fused_finish(call, results, count.value)
-        finally:
-            self._call = None
-            s._give_back(self._pool)
-
-    def __repr__(self) -> str:
-        return "FusedPending(epoch=%d, done=%s)" % (self.epoch, self.done)
+        _check(_capi.library().uly_session_qkv_norm_rope_wait(
+            s._handle.ptr, self.epoch, ms, results if call.want_results else None,
+            ctypes.byref(count)))
+        return s._fused_finish(call, results, count.value)
 
 
 def _host_weight(client: Client, name: str, value: Any, code: int) -> np.ndarray:
