@@ -116,15 +116,16 @@ struct ClientState : ulysses::BufferResolver {
         StrCat(name, ": data does not point into a shared buffer of this client"));
   }
 
-  // Records the registration `id` of the device allocation [base, base+size). The client
-  // re-registers an allocation that was freed and re-made at the same address under a new id;
-  // the old one is forgotten here too.
+  // Records the registration `id` of the device memory [base, base+size). The client
+  // re-registers memory that was freed and re-made at the same address under a new id and
+  // frees the old registration; overlapping ones it freed are forgotten here too (CUDA VMM
+  // registrations of neighbouring tensors may overlap and stay).
   void NoteDevice(const void* base, uint64_t size, uint64_t id) {
     const auto lo = reinterpret_cast<uintptr_t>(base);
     std::lock_guard<std::mutex> lock(mu);
     for (auto it = devices.begin(); it != devices.end();) {
       const bool overlaps = it->first < lo + size && lo < it->first + it->second.size;
-      if (overlaps && it->second.id != id) {
+      if (overlaps && it->second.id != id && !client->HoldsBuffer(it->second.id)) {
         sizes.erase(it->second.id);
         it = devices.erase(it);
       } else {

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <set>
@@ -216,13 +217,63 @@ class ClientImpl : public BufferResolver {
     return std::move(fds[0]);
   }
 
-  // Device allocations registered through their IPC handle: CUDA buffer id -> registration.
+  // Registered device memory, keyed by a CUDA buffer id: an allocation registered through its
+  // IPC handle (its id), or CUDA VMM mappings registered through their fds (the first one's).
   struct DeviceRegistration {
     uint64_t buffer_id = 0;  // the daemon's id
     void* base = nullptr;
     uint64_t size = 0;
+    std::vector<ipc::cuda::VmmRegion> mappings;  // VMM: the mappings, in address order
   };
   std::map<uint64_t, DeviceRegistration> device_regs;  // guarded by buf_mu
+
+  // The VMM registration whose first mappings are `regions` (same addresses, sizes and buffer
+  // ids), or null. Caller holds buf_mu.
+  const DeviceRegistration* FindVmm(const std::vector<ipc::cuda::VmmRegion>& regions) const {
+    auto it = device_regs.find(regions.front().buffer_id);
+    if (it == device_regs.end() || it->second.mappings.size() < regions.size()) return nullptr;
+    for (size_t i = 0; i < regions.size(); ++i) {
+      const ipc::cuda::VmmRegion& have = it->second.mappings[i];
+      if (have.base != regions[i].base || have.size != regions[i].size ||
+          have.buffer_id != regions[i].buffer_id)
+        return nullptr;
+    }
+    return &it->second;
+  }
+
+  // Takes out of device_regs the registrations that a new one of [base, base + size) (`key`;
+  // `regions` its VMM mappings, empty for an IPC allocation) makes stale, and returns their
+  // ids to free: one under the same key (the new one covers it), an IPC allocation overlapping
+  // the range (freed since: live allocations do not overlap), and VMM mappings overlapping it
+  // that are no longer the ones mapped there. Caller holds buf_mu.
+  std::vector<uint64_t> TakeStale(uint64_t key, void* base, uint64_t size,
+                                  const std::vector<ipc::cuda::VmmRegion>& regions) {
+    const auto* lo = static_cast<uint8_t*>(base);
+    auto mapped_now = [&](const ipc::cuda::VmmRegion& m) {
+      const auto* at = static_cast<uint8_t*>(m.base);
+      if (at + m.size <= lo || at >= lo + size) return true;  // outside the range: unknown here
+      for (const ipc::cuda::VmmRegion& r : regions)
+        if (r.base == m.base) return r.size == m.size && r.buffer_id == m.buffer_id;
+      return false;
+    };
+    std::vector<uint64_t> stale;
+    for (auto it = device_regs.begin(); it != device_regs.end();) {
+      const DeviceRegistration& r = it->second;
+      const auto* rlo = static_cast<uint8_t*>(r.base);
+      const bool overlaps = rlo < lo + size && lo < rlo + r.size;
+      bool gone = it->first == key;
+      if (!gone && overlaps)
+        gone = regions.empty() || r.mappings.empty() ||
+               !std::all_of(r.mappings.begin(), r.mappings.end(), mapped_now);
+      if (gone) {
+        stale.push_back(r.buffer_id);
+        it = device_regs.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return stale;
+  }
 
   absl::StatusOr<BufferInfo> Resolve(uint64_t id) const override {
     std::lock_guard<std::mutex> lock(buf_mu);
@@ -572,6 +623,7 @@ absl::StatusOr<Buffer> Client::RegisterDeviceBuffer(void* ptr, uint64_t bytes,
   if (device >= 0 && a.device != device)
     return absl::InvalidArgumentError(
         StrCat("ptr: memory of device ", a.device, ", not of device ", device));
+  if (a.vmm) return RegisterVmmBuffer(ptr, bytes, name, a.device);
   const uint64_t offset = static_cast<uint64_t>(static_cast<uint8_t*>(ptr) - static_cast<uint8_t*>(a.base));
   if (offset + bytes > a.size)
     return absl::InvalidArgumentError(StrCat("bytes: ", bytes, " at offset ", offset,
@@ -592,25 +644,11 @@ absl::StatusOr<Buffer> Client::RegisterDeviceBuffer(void* ptr, uint64_t bytes,
       return b;
     }
   }
-  if (a.vmm)
-    return absl::UnimplementedError(
-        "ptr: a CUDA VMM allocation (cuMemCreate) has no legacy IPC handle; allocate it with "
-        "cudaMalloc, or use AllocBuffer");
   // An allocation at the same base made earlier and since freed: its registration is stale.
   std::vector<uint64_t> stale;
   {
     std::lock_guard<std::mutex> lock(impl_->buf_mu);
-    for (auto it = impl_->device_regs.begin(); it != impl_->device_regs.end();) {
-      const auto* lo = static_cast<uint8_t*>(it->second.base);
-      const bool overlaps = lo < static_cast<uint8_t*>(a.base) + a.size &&
-                            static_cast<uint8_t*>(a.base) < lo + it->second.size;
-      if (overlaps) {
-        stale.push_back(it->second.buffer_id);
-        it = impl_->device_regs.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    stale = impl_->TakeStale(a.buffer_id, a.base, a.size, {});
   }
   for (uint64_t id : stale) (void)FreeBuffer(id);
   ULY_ASSIGN_OR_RETURN(std::string handle, ipc::cuda::IpcHandle(a.base));
@@ -633,6 +671,78 @@ absl::StatusOr<Buffer> Client::RegisterDeviceBuffer(void* ptr, uint64_t bytes,
   impl_->buffers[whole.id] = {whole, nullptr};
   impl_->device_regs[a.buffer_id] = ClientImpl::DeviceRegistration{whole.id, a.base, a.size};
   return b;
+}
+
+absl::StatusOr<Buffer> Client::RegisterVmmBuffer(void* ptr, uint64_t bytes,
+                                                 const std::string& name, int device) {
+  ULY_ASSIGN_OR_RETURN(std::vector<ipc::cuda::VmmRegion> regions,
+                       ipc::cuda::VmmRegions(ptr, bytes, ipc::cuda::kMaxVmmMappings));
+  void* base = regions.front().base;
+  const uint64_t span = static_cast<uint64_t>(static_cast<uint8_t*>(regions.back().base) -
+                                              static_cast<uint8_t*>(base)) +
+                        regions.back().size;
+  Buffer b;
+  b.data = ptr;
+  b.size = bytes;
+  b.device = true;
+  b.base_offset = static_cast<uint64_t>(static_cast<uint8_t*>(ptr) - static_cast<uint8_t*>(base));
+  b.device_index = device;
+  const uint64_t key = regions.front().buffer_id;
+  std::vector<uint64_t> stale;
+  {
+    std::lock_guard<std::mutex> lock(impl_->buf_mu);
+    if (const ClientImpl::DeviceRegistration* r = impl_->FindVmm(regions)) {
+      b.id = r->buffer_id;
+      b.registration_size = r->size;
+      return b;
+    }
+    stale = impl_->TakeStale(key, base, span, regions);
+  }
+  for (uint64_t id : stale) (void)FreeBuffer(id);
+  // Every mapping's fd first: one that cannot be shared fails the call before anything is sent.
+  std::vector<ipc::UniqueFd> fds;
+  for (const ipc::cuda::VmmRegion& r : regions) {
+    ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd, ipc::cuda::ExportMapped(r.base));
+    fds.push_back(std::move(fd));
+  }
+  v1::RegisterBufferRequest req;
+  req.set_name(name);
+  req.set_size_bytes(span);
+  req.set_allocation_id(key);
+  {
+    std::lock_guard<std::mutex> lock(impl_->fd_mu);
+    for (size_t i = 0; i < regions.size(); ++i) {
+      const uint64_t tag = impl_->next_tag++;
+      const int one[1] = {fds[i].get()};
+      ULY_RETURN_IF_ERROR(ipc::SendMessage(impl_->fd_socket.get(), StrCat("{\"tag\": ", tag, "}"),
+                                           std::span<const int>(one, 1)));
+      v1::VmmMapping* m = req.add_vmm_mappings();
+      m->set_tag(tag);
+      m->set_size_bytes(regions[i].size);
+    }
+  }
+  fds.clear();
+  v1::BufferInfo info;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  ULY_RETURN_IF_ERROR(FromGrpcStatus(impl_->stub->RegisterBuffer(&ctx, req, &info)));
+  b.id = info.buffer_id();
+  b.registration_size = info.size_bytes();
+  Buffer whole;
+  whole.id = info.buffer_id();
+  whole.data = base;
+  whole.size = info.size_bytes();
+  whole.device = true;
+  std::lock_guard<std::mutex> lock(impl_->buf_mu);
+  impl_->buffers[whole.id] = {whole, nullptr};
+  impl_->device_regs[key] =
+      ClientImpl::DeviceRegistration{whole.id, base, whole.size, std::move(regions)};
+  return b;
+}
+
+bool Client::HoldsBuffer(uint64_t buffer_id) const {
+  std::lock_guard<std::mutex> lock(impl_->buf_mu);
+  return impl_->buffers.count(buffer_id) > 0;
 }
 
 absl::StatusOr<Group> Client::JoinGroup(const GroupSpec& spec) {

@@ -108,6 +108,7 @@ absl::StatusOr<CallResult> Daemon::RunCall(ClientRecord& c, uint64_t session_id,
   if (plan->has_out) {
     ops.out = static_cast<uint8_t*>(held[3]->data) + plan->out.offset_bytes;
   }
+  for (int i = 0; i < 4; ++i) ops.keep[i] = held[i];
   rec->started = absl::Now();
   CallResult r;
   ULY_ASSIGN_OR_RETURN(r.outcome, s->Execute(*plan, ops, absl::Milliseconds(config_.call_timeout_ms),

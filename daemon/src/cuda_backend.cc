@@ -497,6 +497,21 @@ class CudaBackend final : public Backend {
     return b;
   }
 
+  absl::StatusOr<std::shared_ptr<Buffer>> ImportVmmBuffer(
+      std::span<const ipc::cuda::VmmMapping::Part> parts) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping m,
+                         ipc::cuda::VmmMapping::ImportParts(device_, parts, /*writable=*/true,
+                                                                            "vmm_mappings"));
+    auto mapping = std::make_shared<ipc::cuda::VmmMapping>(std::move(m));
+    auto b = std::make_shared<Buffer>();
+    b->size = mapping->size();
+    b->device = true;
+    b->data = mapping->data();
+    b->keep = mapping;
+    return b;
+  }
+
   absl::StatusOr<bool> CanReach(int peer_device) const override {
     if (peer_device == device_) return true;
     if (peer_device < 0 || peer_device >= ipc::cuda::DeviceCount()) return false;

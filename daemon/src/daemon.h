@@ -167,8 +167,9 @@ class Daemon {
   absl::Status ChargeBuffer(ClientRecord& c, uint64_t bytes);
   /// Gives back one buffer's charge (at most what `c` still has charged).
   void UnchargeBuffer(ClientRecord& c, uint64_t bytes);
-  /// Waits (bounded) for the fd the client sent under `tag`.
-  absl::StatusOr<ipc::UniqueFd> TakeIncomingFd(ClientRecord& c, uint64_t tag);
+  /// Waits (up to `wait`) for the fd the client sent under `tag`, and takes it.
+  absl::StatusOr<ipc::UniqueFd> TakeIncomingFd(ClientRecord& c, uint64_t tag,
+                                               absl::Duration wait = absl::Seconds(10));
   uint64_t NextId() { return next_id_.fetch_add(1); }
   RendezvousTable& rendezvous_table() { return rendezvous_table_; }
   /// What this daemon lends the node's other daemons (session segments, device slots).

@@ -84,9 +84,10 @@ absl::Status Daemon::SendToClient(ClientRecord& c, const std::string& header,
   return absl::UnavailableError(StrCat("client ", c.id, ": fd socket: ", sent.message()));
 }
 
-absl::StatusOr<ipc::UniqueFd> Daemon::TakeIncomingFd(ClientRecord& c, uint64_t tag) {
+absl::StatusOr<ipc::UniqueFd> Daemon::TakeIncomingFd(ClientRecord& c, uint64_t tag,
+                                                     absl::Duration wait) {
   std::unique_lock<std::mutex> lock(c.mu);
-  const bool arrived = c.fd_cv.wait_for(lock, std::chrono::seconds(10), [&] {
+  const bool arrived = c.fd_cv.wait_for(lock, absl::ToChronoNanoseconds(wait), [&] {
     return c.incoming_fds.count(tag) > 0 || !c.fd_socket.valid() || c.gone;
   });
   auto it = c.incoming_fds.find(tag);

@@ -156,6 +156,11 @@ class HostBackend final : public Backend {
     return absl::FailedPreconditionError(
         "cuda_ipc_handle: this daemon runs the host backend; register host memory (a memfd)");
   }
+  absl::StatusOr<std::shared_ptr<Buffer>> ImportVmmBuffer(
+      std::span<const ipc::cuda::VmmMapping::Part>) override {
+    return absl::FailedPreconditionError(
+        "vmm_mappings: this daemon runs the host backend; register host memory (a memfd)");
+  }
   absl::StatusOr<bool> CanReach(int) const override { return true; }
   std::string_view mps_mode() const override { return "none"; }
 };

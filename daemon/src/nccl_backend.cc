@@ -368,6 +368,10 @@ class NcclBackend final : public Backend {
                                                           uint64_t size_bytes) override {
     return gpu_->ImportIpcBuffer(handle, size_bytes);
   }
+  absl::StatusOr<std::shared_ptr<Buffer>> ImportVmmBuffer(
+      std::span<const ipc::cuda::VmmMapping::Part> parts) override {
+    return gpu_->ImportVmmBuffer(parts);
+  }
   // NCCL picks a transport for any pair of devices (peer access, host memory, network).
   absl::StatusOr<bool> CanReach(int) const override { return true; }
   std::string_view mps_mode() const override { return gpu_->mps_mode(); }

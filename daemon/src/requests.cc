@@ -4,6 +4,7 @@
 #include "rendezvous.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
+#include "ulysses/ipc/cuda_memory.h"
 
 namespace ulysses::daemon {
 namespace {
@@ -27,7 +28,22 @@ absl::Status CheckAllocRequest(const v1::AllocBufferRequest& req) {
 }
 
 absl::Status CheckRegisterRequest(const v1::RegisterBufferRequest& req) {
-  return CheckName("name", req.name());
+  ULY_RETURN_IF_ERROR(CheckName("name", req.name()));
+  if (req.vmm_mappings_size() == 0) return absl::OkStatus();
+  if (!req.cuda_ipc_handle().empty())
+    return absl::InvalidArgumentError("vmm_mappings: give them or cuda_ipc_handle, not both");
+  if (static_cast<size_t>(req.vmm_mappings_size()) > ipc::cuda::kMaxVmmMappings)
+    return absl::InvalidArgumentError(StrCat("vmm_mappings: ", req.vmm_mappings_size(),
+                                             " mappings, more than ", ipc::cuda::kMaxVmmMappings));
+  uint64_t total = 0;
+  for (int i = 0; i < req.vmm_mappings_size(); ++i) {
+    const uint64_t size = req.vmm_mappings(i).size_bytes();
+    if (size == 0 || size > kMaxBufferBytes - total)
+      return absl::InvalidArgumentError(StrCat("vmm_mappings[", i, "].size_bytes: ", size,
+                                               size == 0 ? " is 0" : " brings the buffer past 1 TiB"));
+    total += size;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> RendezvousTimeoutMs(int64_t timeout_ms, int64_t default_ms) {

@@ -24,8 +24,9 @@ inline constexpr uint64_t kMaxBufferBytes = 1ull << 40;
 /// AllocBuffer: `name` within kMaxNameBytes, `size_bytes` in [1, kMaxBufferBytes].
 absl::Status CheckAllocRequest(const v1::AllocBufferRequest& req);
 
-/// RegisterBuffer: `name` within kMaxNameBytes (the descriptor or handle is checked when it is
-/// taken).
+/// RegisterBuffer: `name` within kMaxNameBytes; at most ipc::cuda::kMaxVmmMappings VMM
+/// mappings, each of a nonzero size, and not together with an IPC handle (the descriptors
+/// and handles themselves are checked when they are taken).
 absl::Status CheckRegisterRequest(const v1::RegisterBufferRequest& req);
 
 /// JoinGroup: `name` of 1..kMaxNameBytes bytes, `world_size` in [1, kMaxWorldSize], `rank` in

@@ -666,10 +666,39 @@ class ControlService final
     return absl::OkStatus();
   }
 
+  // The descriptors of a VMM registration, taken in order; on any failure the ones that did
+  // arrive are taken too (and closed), so that none stays held against the client's quota.
+  absl::StatusOr<std::shared_ptr<Buffer>> ImportVmm(ClientRecord& c,
+                                                    const v1::RegisterBufferRequest& req) {
+    std::vector<ipc::UniqueFd> fds;
+    std::vector<ipc::cuda::VmmMapping::Part> parts;
+    absl::Status st;
+    for (const v1::VmmMapping& m : req.vmm_mappings()) {
+      if (!st.ok()) {
+        (void)d_->TakeIncomingFd(c, m.tag(), absl::ZeroDuration());
+        continue;
+      }
+      absl::StatusOr<ipc::UniqueFd> fd = d_->TakeIncomingFd(c, m.tag());
+      if (!fd.ok()) {
+        st = absl::Status(fd.status().code(),
+                          StrCat("vmm_mappings[", parts.size(), "]: ", fd.status().message()));
+        continue;
+      }
+      parts.push_back({fd->get(), m.size_bytes()});
+      fds.push_back(*std::move(fd));
+    }
+    ULY_RETURN_IF_ERROR(st);
+    ULY_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> b, d_->backend_impl().ImportVmmBuffer(parts));
+    b->allocation_id = req.allocation_id();
+    return b;
+  }
+
   absl::Status DoRegister(ClientRecord& c, const v1::RegisterBufferRequest& req,
                           v1::BufferInfo* resp) {
     auto b = std::make_shared<Buffer>();
-    if (!req.cuda_ipc_handle().empty()) {
+    if (req.vmm_mappings_size() > 0) {
+      ULY_ASSIGN_OR_RETURN(b, ImportVmm(c, req));
+    } else if (!req.cuda_ipc_handle().empty()) {
       ULY_ASSIGN_OR_RETURN(b, d_->backend_impl().ImportIpcBuffer(req.cuda_ipc_handle(),
                                                                   req.size_bytes()));
       b->allocation_id = req.allocation_id();

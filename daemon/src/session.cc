@@ -189,6 +189,8 @@ Session::~Session() {
   // No new peer can fetch the segment; the memory stays mapped in peers until they close their
   // sessions, and goes with the last mapping.
   if (export_id_ != 0) exports_.Withdraw(export_id_);
+  // The transport drains its stream as it goes; only then may the calls' buffers be unmapped.
+  transport_.reset();
 }
 
 absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
@@ -444,6 +446,8 @@ void Session::FailInFlightLocked(const absl::Status& why) {
     else finished_sync_.emplace(f.epoch, why);
     Logger("exec")->warn("session {} epoch {}: call failed: {}", id_, f.epoch,
                          std::string(why.message()));
+    for (const auto& k : f.keep)
+      if (k) failed_keep_.push_back(k);
   }
   inflight_.clear();
   Break();
@@ -611,7 +615,8 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
       return fail(st);
     }
     inflight_.push_back(InFlightCall{e, s, plan, call_shape, call_op, deadline, mode.async,
-                                     /*released_on_stream=*/mode.wait_ready});
+                                     /*released_on_stream=*/mode.wait_ready,
+                                     {ops.keep[0], ops.keep[1], ops.keep[2], ops.keep[3]}});
   }
   if (mode.async) {
     CallOutcome out = Outcome(plan, s, e);

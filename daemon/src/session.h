@@ -6,6 +6,7 @@
 // when that daemon dies.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -227,9 +228,13 @@ class Session {
     absl::Time deadline;
     bool async = false;
     bool released_on_stream = false;
+    std::array<std::shared_ptr<const void>, 4> keep;  // the operands' buffers (CallOperands)
   };
   mutable std::mutex inflight_mu_;
   std::deque<InFlightCall> inflight_;
+  // Buffers of calls that failed while queued on a stream: their kernels may still run until
+  // the transport drains its stream (its destruction), so they are held until then.
+  std::vector<std::shared_ptr<const void>> failed_keep_;
   std::vector<FinishedCall> finished_;              // async calls, for TakeFinished
   std::map<uint64_t, absl::StatusOr<CallOutcome>> finished_sync_;  // for their Execute
   // A held slot whose result the client released through its word becomes free. Caller holds

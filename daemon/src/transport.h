@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "absl/time/time.h"
 #include "ulysses/common/fused.h"
 #include "ulysses/common/geometry.h"
+#include "ulysses/ipc/cuda_memory.h"
 #include "ulysses/ipc/fd.h"
 #include "ulysses/kernels/qkv_norm_rope.h"
 
@@ -27,6 +29,9 @@ namespace ulysses::daemon {
 struct CallOperands {
   const void* inputs[3] = {nullptr, nullptr, nullptr};
   void* out = nullptr;
+  /// The operands' buffers (inputs, then out), held until the call completes: a FreeBuffer
+  /// while a stream-ordered call is still queued on the GPU does not unmap its memory.
+  std::shared_ptr<const void> keep[4];
 };
 
 /// What the owning client maps to read its results: the fd and its byte size. `device` is
@@ -171,6 +176,10 @@ class Backend {
   /// size the client claims, checked against the allocation. FAILED_PRECONDITION on the host.
   virtual absl::StatusOr<std::shared_ptr<Buffer>> ImportIpcBuffer(const std::string& handle,
                                                                   uint64_t size_bytes) = 0;
+  /// A client's device memory made of CUDA VMM allocations mapped back to back (their fds and
+  /// sizes, in address order), mapped here the same way. FAILED_PRECONDITION on the host.
+  virtual absl::StatusOr<std::shared_ptr<Buffer>> ImportVmmBuffer(
+      std::span<const ipc::cuda::VmmMapping::Part> parts) = 0;
   /// Whether `peer_device` can exchange with this daemon's device through this backend.
   virtual absl::StatusOr<bool> CanReach(int peer_device) const = 0;
   /// MPS mode: "mps", "no-mps" or "none".

@@ -32,6 +32,7 @@ absl::Status RtError(const char* call, cudaError_t err) {
 struct Driver {
   decltype(&::cuMemCreate) MemCreate = nullptr;
   decltype(&::cuMemRelease) MemRelease = nullptr;
+  decltype(&::cuMemRetainAllocationHandle) MemRetain = nullptr;
   decltype(&::cuMemExportToShareableHandle) MemExport = nullptr;
   decltype(&::cuMemImportFromShareableHandle) MemImport = nullptr;
   decltype(&::cuMemAddressReserve) AddressReserve = nullptr;
@@ -71,6 +72,7 @@ const Driver& Drv() {
     };
     r("cuMemCreate", &d.MemCreate);
     r("cuMemRelease", &d.MemRelease);
+    r("cuMemRetainAllocationHandle", &d.MemRetain);
     r("cuMemExportToShareableHandle", &d.MemExport);
     r("cuMemImportFromShareableHandle", &d.MemImport);
     r("cuMemAddressReserve", &d.AddressReserve);
@@ -217,6 +219,8 @@ VmmMapping& VmmMapping::operator=(VmmMapping&& o) noexcept {
     handle_ = o.handle_;
     size_ = o.size_;
     exportable_ = o.exportable_;
+    parts_ = std::move(o.parts_);
+    o.parts_.clear();
     o.ptr_ = 0;
     o.handle_ = 0;
     o.size_ = 0;
@@ -227,9 +231,18 @@ VmmMapping& VmmMapping::operator=(VmmMapping&& o) noexcept {
 void VmmMapping::Reset() noexcept {
   const Driver& d = Drv();
   if (ptr_ != 0) {
-    d.Unmap(ptr_, size_);
+    if (parts_.empty()) {
+      d.Unmap(ptr_, size_);
+    } else {
+      uint64_t at = 0;
+      for (uint64_t part : parts_) {
+        d.Unmap(ptr_ + at, part);
+        at += part;
+      }
+    }
     d.AddressFree(ptr_, size_);
   }
+  parts_.clear();
   if (handle_ != 0) d.MemRelease(handle_);
   if (handle_ != 0 && exportable_) g_live_bytes.fetch_sub(size_);
   ptr_ = 0;
@@ -285,6 +298,57 @@ absl::StatusOr<VmmMapping> VmmMapping::Import(int device, int fd, uint64_t bytes
   g_imported.fetch_add(1);
   ULY_ASSIGN_OR_RETURN(CUdeviceptr p, MapHandle(device, h, bytes, writable));
   m.ptr_ = p;
+  return m;
+}
+
+absl::StatusOr<VmmMapping> VmmMapping::ImportParts(int device, std::span<const Part> parts,
+                                                    bool writable, std::string_view what) {
+  const std::string name(what);
+  const Driver& d = Drv();
+  ULY_RETURN_IF_ERROR(d.status);
+  if (parts.empty()) return absl::InvalidArgumentError(absl::StrCat(name, ": none given"));
+  ULY_ASSIGN_OR_RETURN(const uint64_t g, Granularity(device));
+  uint64_t total = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (parts[i].size == 0 || parts[i].size % g != 0)
+      return absl::InvalidArgumentError(absl::StrCat(name, "[", i, "]: ", parts[i].size,
+                                                     " bytes, not a positive multiple of the "
+                                                     "granularity ", g));
+    if (parts[i].size > (uint64_t{1} << 40) - total)
+      return absl::InvalidArgumentError(absl::StrCat(name, ": more than 1 TiB in all"));
+    total += parts[i].size;
+  }
+  VmmMapping m;
+  CUdeviceptr base = 0;
+  ULY_CU(d.AddressReserve(&base, total, 0, 0, 0));
+  m.ptr_ = base;
+  m.size_ = total;
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = writable ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE : CU_MEM_ACCESS_FLAGS_PROT_READ;
+  uint64_t at = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    CUmemGenericAllocationHandle h = 0;
+    CUresult r = d.MemImport(&h, reinterpret_cast<void*>(static_cast<intptr_t>(parts[i].fd)),
+                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (r != CUDA_SUCCESS)
+      return absl::InvalidArgumentError(absl::StrCat(name, "[", i,
+                                                     "]: not a CUDA VMM allocation's descriptor: ",
+                                                     DrvError("import", r).message()));
+    g_imported.fetch_add(1);
+    // The mapping keeps the memory; the handle is not needed once it is made.
+    r = d.Map(base + at, parts[i].size, 0, h, 0);
+    d.MemRelease(h);
+    if (r != CUDA_SUCCESS)
+      return absl::InvalidArgumentError(absl::StrCat(name, "[", i, "]: ", parts[i].size,
+                                                     " bytes cannot be mapped: ",
+                                                     DrvError("cuMemMap", r).message()));
+    m.parts_.push_back(parts[i].size);
+    r = d.SetAccess(base + at, parts[i].size, &access, 1);
+    if (r != CUDA_SUCCESS) return DrvError("cuMemSetAccess", r);
+    at += parts[i].size;
+  }
   return m;
 }
 
@@ -370,6 +434,59 @@ absl::StatusOr<std::string> IpcHandle(void* base) {
   cudaIpcMemHandle_t h;
   ULY_CUDART(cudaIpcGetMemHandle(&h, base));
   return std::string(reinterpret_cast<const char*>(&h), sizeof h);
+}
+
+absl::StatusOr<std::vector<VmmRegion>> VmmRegions(const void* ptr, uint64_t bytes,
+                                                  size_t max_regions) {
+  const Driver& d = Drv();
+  ULY_RETURN_IF_ERROR(d.status);
+  ULY_RETURN_IF_ERROR(EnsureContext());
+  std::vector<VmmRegion> regions;
+  const CUdeviceptr end = reinterpret_cast<CUdeviceptr>(ptr) + bytes;
+  CUdeviceptr at = reinterpret_cast<CUdeviceptr>(ptr);
+  while (at < end) {
+    if (regions.size() == max_regions)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ptr: the ", bytes, " bytes span more than ", max_regions, " CUDA VMM mappings"));
+    int mapped = 0;
+    int ordinal = -1;
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    unsigned long long id = 0;
+    CUpointer_attribute names[] = {CU_POINTER_ATTRIBUTE_MAPPED, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                   CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR,
+                                   CU_POINTER_ATTRIBUTE_MAPPING_SIZE, CU_POINTER_ATTRIBUTE_BUFFER_ID};
+    void* values[] = {&mapped, &ordinal, &base, &size, &id};
+    static_assert(sizeof names / sizeof names[0] == sizeof values / sizeof values[0]);
+    ULY_CU(d.PointerAttributes(sizeof names / sizeof names[0], names, values, at));
+    if (mapped == 0 || size == 0 || base > at || at - base >= size)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ptr: byte ", at - reinterpret_cast<CUdeviceptr>(ptr), " of the ", bytes,
+          " bytes is not in a mapped CUDA VMM allocation"));
+    if (!regions.empty() && ordinal != regions.front().device)
+      return absl::InvalidArgumentError(absl::StrCat("ptr: the ", bytes,
+                                                     " bytes span mappings of devices ",
+                                                     regions.front().device, " and ", ordinal));
+    regions.push_back(VmmRegion{reinterpret_cast<void*>(base), size, id, ordinal});
+    at = base + size;
+  }
+  return regions;
+}
+
+absl::StatusOr<UniqueFd> ExportMapped(const void* base) {
+  const Driver& d = Drv();
+  ULY_RETURN_IF_ERROR(d.status);
+  CUmemGenericAllocationHandle h = 0;
+  ULY_CU(d.MemRetain(&h, const_cast<void*>(base)));
+  int fd = -1;
+  const CUresult r = d.MemExport(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  d.MemRelease(h);
+  if (r != CUDA_SUCCESS)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ptr: this CUDA VMM allocation cannot be shared as a POSIX file descriptor (make it with "
+        "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR among its requested handle types): ",
+        DrvError("cuMemExportToShareableHandle", r).message()));
+  return UniqueFd(fd);
 }
 
 bool IsDevicePointer(const void* ptr) {

@@ -21,12 +21,20 @@ void VmmMapping::Reset() noexcept {}
 absl::StatusOr<uint64_t> VmmMapping::Granularity(int) { return NoCuda(); }
 absl::StatusOr<VmmMapping> VmmMapping::Create(int, uint64_t) { return NoCuda(); }
 absl::StatusOr<VmmMapping> VmmMapping::Import(int, int, uint64_t, bool) { return NoCuda(); }
+absl::StatusOr<VmmMapping> VmmMapping::ImportParts(int, std::span<const Part>, bool,
+                                                    std::string_view) {
+  return NoCuda();
+}
 absl::StatusOr<UniqueFd> VmmMapping::Export() const { return NoCuda(); }
 IpcMapping::~IpcMapping() = default;
 IpcMapping& IpcMapping::operator=(IpcMapping&&) noexcept { return *this; }
 absl::StatusOr<IpcMapping> IpcMapping::Open(const std::string&) { return NoCuda(); }
 absl::StatusOr<AllocationInfo> QueryAllocation(const void*) { return NoCuda(); }
 absl::StatusOr<std::string> IpcHandle(void*) { return NoCuda(); }
+absl::StatusOr<std::vector<VmmRegion>> VmmRegions(const void*, uint64_t, size_t) {
+  return NoCuda();
+}
+absl::StatusOr<UniqueFd> ExportMapped(const void*) { return NoCuda(); }
 bool IsDevicePointer(const void*) { return false; }
 AllocationStats Stats() { return {}; }
 absl::Status Copy(void*, const void*, size_t) { return NoCuda(); }

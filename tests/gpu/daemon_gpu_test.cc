@@ -1,6 +1,7 @@
 // The daemon's GPU backend end to end: W ulyssesd processes on the GPUs present (sharing one GPU
 // when W exceeds them) and real clients, every result checked bit for bit against the index
 // semantics. Skips without a CUDA device.
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -9,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 
 #include "cluster_util.h"
 #include "gtest/gtest.h"
@@ -79,6 +81,165 @@ TEST_F(GpuCluster, IpcTensorsAndReallocationAtTheSameAddress) {
     ASSERT_TRUE(res->Release().ok());
     ASSERT_EQ(cudaFree(dev), cudaSuccess);  // the next round's cudaMalloc may reuse the address
   }
+}
+
+// Device memory of several CUDA VMM allocations mapped back to back, as torch's expandable
+// segments make it: a tensor over three of them is handed over as their fds, a second call on
+// it costs no new registration, and a piece unmapped and replaced at the same address is
+// registered afresh, so the call reads the new memory, never the old one.
+// The driver's VMM calls, through the runtime's entry points (the test links no libcuda, so
+// that it starts on machines without a driver and skips there).
+struct VmmDriver {
+  decltype(&::cuMemCreate) MemCreate = nullptr;
+  decltype(&::cuMemRelease) MemRelease = nullptr;
+  decltype(&::cuMemAddressReserve) AddressReserve = nullptr;
+  decltype(&::cuMemAddressFree) AddressFree = nullptr;
+  decltype(&::cuMemMap) Map = nullptr;
+  decltype(&::cuMemUnmap) Unmap = nullptr;
+  decltype(&::cuMemSetAccess) SetAccess = nullptr;
+  static const VmmDriver& Get() {
+    static const VmmDriver d = [] {
+      VmmDriver v;
+      auto r = [](const char* name, auto* fn) {
+        void* p = nullptr;
+        cudaDriverEntryPointQueryResult q{};
+        if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q) ==
+                cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+          *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);
+      };
+      r("cuMemCreate", &v.MemCreate);
+      r("cuMemRelease", &v.MemRelease);
+      r("cuMemAddressReserve", &v.AddressReserve);
+      r("cuMemAddressFree", &v.AddressFree);
+      r("cuMemMap", &v.Map);
+      r("cuMemUnmap", &v.Unmap);
+      r("cuMemSetAccess", &v.SetAccess);
+      return v;
+    }();
+    return d;
+  }
+  bool ok() const {
+    return MemCreate && MemRelease && AddressReserve && AddressFree && Map && Unmap && SetAccess;
+  }
+};
+
+class VmmPieces {
+ public:
+  static constexpr int kPieces = 3;
+  explicit VmmPieces(uint64_t granularity) : g_(granularity) {
+    prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop_.location.id = 0;
+    prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    EXPECT_EQ(VmmDriver::Get().AddressReserve(&base_, kPieces * g_, 0, 0, 0), CUDA_SUCCESS);
+    for (int i = 0; i < kPieces; ++i) Map(i);
+  }
+  ~VmmPieces() {
+    for (int i = 0; i < kPieces; ++i) Unmap(i);
+    VmmDriver::Get().AddressFree(base_, kPieces * g_);
+  }
+  // Replaces piece i by a new allocation at the same address.
+  void Remap(int i) {
+    Unmap(i);
+    Map(i);
+  }
+  uint8_t* at(uint64_t offset) const { return reinterpret_cast<uint8_t*>(base_ + offset); }
+
+ private:
+  void Map(int i) {
+    ASSERT_EQ(VmmDriver::Get().MemCreate(&handles_[i], g_, &prop_, 0), CUDA_SUCCESS);
+    ASSERT_EQ(VmmDriver::Get().Map(base_ + i * g_, g_, 0, handles_[i], 0), CUDA_SUCCESS);
+    CUmemAccessDesc access{};
+    access.location = prop_.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    ASSERT_EQ(VmmDriver::Get().SetAccess(base_ + i * g_, g_, &access, 1), CUDA_SUCCESS);
+  }
+  void Unmap(int i) {
+    if (handles_[i] == 0) return;
+    VmmDriver::Get().Unmap(base_ + i * g_, g_);
+    VmmDriver::Get().MemRelease(handles_[i]);
+    handles_[i] = 0;
+  }
+  uint64_t g_;
+  CUmemAllocationProp prop_{};
+  CUdeviceptr base_ = 0;
+  CUmemGenericAllocationHandle handles_[kPieces] = {};
+};
+
+TEST_F(GpuCluster, VmmTensorsOverSeveralMappingsAndAPieceMappedAgain) {
+  ASSERT_TRUE(VmmDriver::Get().ok()) << "the driver lacks the VMM entry points";
+  Start(1);
+  auto client = client::Client::Connect({Members(1)[0], "vmm"});
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto group = (*client)->JoinGroup({"vmm", 1, 0, Members(1), "nvlink", 0});
+  ASSERT_TRUE(group.ok()) << group.status();
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  absl::StatusOr<uint64_t> g = ipc::cuda::VmmMapping::Granularity(0);
+  ASSERT_TRUE(g.ok()) << g.status();
+  // A float32 tensor of 2g bytes from g/2 on: it lies over all three pieces.
+  const int H = 8, D = 64;
+  const int S = static_cast<int>(2 * *g / (H * D * sizeof(float)));
+  auto session = (*client)->CreateSession(*group, {H, D, DType::kFloat32, S, 2, {}, 0});
+  ASSERT_TRUE(session.ok()) << session.status();
+  const size_t n = static_cast<size_t>(S) * H * D;
+  VmmPieces pieces(*g);
+  uint8_t* x = pieces.at(*g / 2);
+  std::vector<float> host(n), got(n);
+  uint64_t first_id = 0;
+  for (int round = 0; round < 3; ++round) {
+    if (round == 2) pieces.Remap(1);
+    for (size_t i = 0; i < n; ++i) host[i] = static_cast<float>(round * 1000003 + i);
+    ASSERT_EQ(cudaMemcpy(x, host.data(), n * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    auto buf = (*client)->RegisterDeviceBuffer(x, n * sizeof(float), "x", 0);
+    ASSERT_TRUE(buf.ok()) << buf.status();
+    EXPECT_EQ(buf->registration_size, 3 * *g) << "the three whole mappings";
+    EXPECT_EQ(buf->base_offset, *g / 2);
+    if (round == 0) first_id = buf->id;
+    if (round == 1) EXPECT_EQ(buf->id, first_id) << "the same mappings: the registration is kept";
+    if (round == 2) {
+      EXPECT_NE(buf->id, first_id) << "a piece mapped again: registered afresh";
+      EXPECT_FALSE((*client)->HoldsBuffer(first_id)) << "the stale registration is freed";
+    }
+    auto res = (*session)->ScatterHeads(buf->Ref(), 1, S);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ASSERT_EQ(cudaMemcpy(got.data(), res->data, n * sizeof(float), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    // W = 1: the scatter is the identity on [B, S, H, D].
+    EXPECT_EQ(std::memcmp(got.data(), host.data(), n * sizeof(float)), 0) << "round " << round;
+    ASSERT_TRUE(res->Release().ok());
+  }
+  // A tensor inside the last piece alone: a registration of its own, beside the first.
+  auto whole = (*client)->RegisterDeviceBuffer(x, n * sizeof(float), "x", 0);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  const uint64_t held = whole->id;
+  auto tail = (*client)->RegisterDeviceBuffer(pieces.at(2 * *g + 64), 4096, "tail", 0);
+  ASSERT_TRUE(tail.ok()) << tail.status();
+  EXPECT_NE(tail->id, held);
+  EXPECT_EQ(tail->registration_size, *g);
+  EXPECT_TRUE((*client)->HoldsBuffer(held)) << "a neighbour's registration stays";
+
+  // An allocation that cannot be shared as a POSIX fd is refused, naming what it needs.
+  CUmemAllocationProp plain{};
+  plain.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  plain.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  plain.location.id = 0;
+  CUmemGenericAllocationHandle h = 0;
+  CUdeviceptr p = 0;
+  ASSERT_EQ(VmmDriver::Get().MemCreate(&h, *g, &plain, 0), CUDA_SUCCESS);
+  ASSERT_EQ(VmmDriver::Get().AddressReserve(&p, *g, 0, 0, 0), CUDA_SUCCESS);
+  ASSERT_EQ(VmmDriver::Get().Map(p, *g, 0, h, 0), CUDA_SUCCESS);
+  CUmemAccessDesc access{};
+  access.location = plain.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  ASSERT_EQ(VmmDriver::Get().SetAccess(p, *g, &access, 1), CUDA_SUCCESS);
+  auto refused = (*client)->RegisterDeviceBuffer(reinterpret_cast<void*>(p), 4096, "plain", 0);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("POSIX file descriptor"), std::string::npos)
+      << refused.status();
+  VmmDriver::Get().Unmap(p, *g);
+  VmmDriver::Get().MemRelease(h);
+  VmmDriver::Get().AddressFree(p, *g);
 }
 
 // A held result is never overwritten: poison fills only free slots, and the next call that

@@ -2,6 +2,7 @@
 2 daemons (sharing the GPU when there is one) and one thread per rank: scatter and gather of
 bfloat16 tensors bit-exact against torch, strided inputs, ``out=`` into CUDA tensors, the
 call ordered after torch's current stream, a tensor freed and allocated again between calls,
+the same on tensors of torch's expandable segments (CUDA VMM memory, in a process of its own),
 results released on drop, the fused session (qkv_norm_rope_exchange) on bfloat16 CUDA weights
 and inputs against the numpy reference of the host backend at atol = rtol = 1e-2, and
 examples/python/sp_attention.py on CUDA tensors. Skipped
@@ -200,13 +201,13 @@ def check_stream_order(sockets: List[str]) -> None:
     run_ranks(W, rank)
 
 
-def check_reallocated(sockets: List[str]) -> List[bool]:
+def check_reallocated(sockets: List[str], sl: int = 8192) -> List[bool]:
     """A tensor freed and allocated again between calls: the caching allocator gives its
     segment back (empty_cache) and a new tensor likely lands at the same address, in a new
-    allocation. The second call must read the new data. The tensors are 16 MiB so that each
-    has a segment of its own. Returns, per rank, whether the address was reused."""
+    allocation. The second call must read the new data. The tensors are 16 MiB (sl 8192) so
+    that each has a segment of its own. Returns, per rank, whether the address was reused."""
     W, name = len(sockets), unique("realloc")
-    sl, heads = 8192, 8
+    heads = 8
     HL = heads // W
     first = [inputs(600 + j, (1, sl, heads, D)) for j in range(W)]
     second = [inputs(700 + j, (1, sl, heads, D)) for j in range(W)]
@@ -337,6 +338,41 @@ def check_fused(sockets: List[str], layout: str, path: str = "auto") -> str:
     return report
 
 
+def legacy_ipc_capable(t: "torch.Tensor") -> bool:
+    """Whether the driver says `t`'s memory has a legacy CUDA IPC handle (cudaMalloc memory);
+    memory of CUDA VMM allocations, such as torch's expandable segments, has none."""
+    import ctypes
+    cu = ctypes.CDLL("libcuda.so.1")
+    flag = ctypes.c_int(-1)
+    attribute = 10  # CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+    rc = cu.cuPointerGetAttribute(ctypes.byref(flag), attribute, ctypes.c_uint64(t.data_ptr()))
+    assert rc == 0, "cuPointerGetAttribute: %d" % rc
+    return flag.value == 1
+
+
+def expandable_segments(sockets: List[str]) -> None:
+    """Run in a process of its own with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True:
+    the ops on tensors of CUDA VMM memory, and tensors of 48 MiB, over several of the
+    allocator's 20 MiB pieces, freed and allocated again between calls."""
+    x = torch.empty((1, 1 << 20), dtype=torch.bfloat16, device="cuda")
+    assert not legacy_ipc_capable(x), "the allocator does not use expandable segments"
+    del x
+    check_exchanges(sockets)
+    print("expandable segments: address reused:", check_reallocated(sockets, sl=3 * 8192))
+    print("expandable segments: ok")
+
+
+def check_expandable_segments(sockets: List[str]) -> None:
+    """The checks of expandable_segments() in a fresh process whose torch allocator hands out
+    CUDA VMM memory (the allocator's mode is fixed when CUDA starts in a process)."""
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    p = subprocess.run([sys.executable, __file__, "--expandable-segments", *sockets], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "expandable segments: ok" in p.stdout, p.stdout + p.stderr
+    print(p.stdout, end="")
+
+
 def check_example(world: int, dtype: str) -> None:
     """examples/python/sp_attention.py --device cuda: W daemons of the GPU backend, one rank
     process each, every rank's output against the single-process reference."""
@@ -393,6 +429,10 @@ if pytest is not None and __name__ != "__main__":
     def test_both_fused_paths_on_cuda_match_the_host_reference(gpu_sockets, path):
         check_fused(gpu_sockets[:2], "bshd", path)
 
+    @pytest.mark.parametrize("world", [1, 2])
+    def test_tensors_of_expandable_segments_are_bit_exact(gpu_sockets, world):
+        check_expandable_segments(gpu_sockets[:world])
+
     @pytest.mark.parametrize("world,dtype", [(1, "bfloat16"), (2, "bfloat16"), (2, "float32")])
     def test_the_example_layer_on_cuda_matches_its_reference(world, dtype):
         check_example(world, dtype)
@@ -403,6 +443,9 @@ if pytest is not None and __name__ != "__main__":
 def main() -> int:
     if SKIP is not None:
         print("test_gpu: skipped: %s" % SKIP)
+        return 0
+    if sys.argv[1:2] == ["--expandable-segments"]:
+        expandable_segments(sys.argv[2:])
         return 0
     shared, one_slot = Cluster(), Cluster()
     failed: List[str] = []
@@ -415,6 +458,8 @@ def main() -> int:
                    for w in (1, 2)]
         checks += [("re-allocated tensor W=%d" % w,
                     lambda w=w: print("  address reused:", check_reallocated(socks[:w])))
+                   for w in (1, 2)]
+        checks += [("expandable segments W=%d" % w, lambda w=w: check_expandable_segments(socks[:w]))
                    for w in (1, 2)]
         checks += [("release on drop", lambda: check_release_on_drop(slow)),
                    ("host and device operands", lambda: check_refusals(socks[0]))]

@@ -101,5 +101,74 @@ TEST_F(FdSocketTest, MalformedFdFramesAreDroppedAndTheClientStaysServed) {
       << CountFds(daemon_.pid()) << " descriptors, baseline " << baseline;
 }
 
+// Device memory as CUDA VMM mappings (one fd frame per mapping): the request is checked before
+// any descriptor is taken, and a registration that fails takes and closes every descriptor of
+// it that arrived, so none stays held against the client's quota.
+TEST_F(FdSocketTest, VmmRegistrationsAreCheckedAndLeaveNoDescriptorBehind) {
+  absl::StatusOr<Attached> a = Attach();
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::StatusOr<ipc::UniqueFd> sock = Bind(*a);
+  ASSERT_TRUE(sock.ok()) << sock.status();
+  const int baseline = CountFds(daemon_.pid());
+  ASSERT_GT(baseline, 0);
+  auto register_vmm = [&](const std::vector<std::pair<uint64_t, uint64_t>>& mappings,
+                          const std::string& ipc_handle = "") {
+    v1::RegisterBufferRequest req;
+    req.set_name("vmm");
+    req.set_cuda_ipc_handle(ipc_handle);
+    for (const auto& [tag, size] : mappings) {
+      v1::VmmMapping* m = req.add_vmm_mappings();
+      m->set_tag(tag);
+      m->set_size_bytes(size);
+    }
+    v1::BufferInfo info;
+    grpc::ClientContext ctx;
+    Authenticate(&ctx, *a);
+    return control_->RegisterBuffer(&ctx, req, &info);
+  };
+  auto expect = [](const grpc::Status& s, grpc::StatusCode code, const std::string& text) {
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    EXPECT_NE(s.error_message().find(text), std::string::npos) << s.error_message();
+  };
+  const uint64_t mib = 1 << 20;
+  std::vector<std::pair<uint64_t, uint64_t>> many;
+  for (uint64_t i = 0; i < 65; ++i) many.push_back({100 + i, 2 * mib});
+  expect(register_vmm(many), grpc::StatusCode::INVALID_ARGUMENT, "vmm_mappings: 65 mappings");
+  expect(register_vmm({{1, 2 * mib}, {2, 0}}), grpc::StatusCode::INVALID_ARGUMENT,
+         "vmm_mappings[1].size_bytes: 0");
+  expect(register_vmm({{1, 1ull << 40}, {2, 2 * mib}}), grpc::StatusCode::INVALID_ARGUMENT,
+         "vmm_mappings[1].size_bytes");
+  expect(register_vmm({{1, 2 * mib}}, std::string(64, 'h')), grpc::StatusCode::INVALID_ARGUMENT,
+         "not both");
+
+  absl::StatusOr<ipc::UniqueFd> memfd = ipc::CreateMemfd("vmm", 4096);
+  ASSERT_TRUE(memfd.ok()) << memfd.status();
+  const int one[1] = {memfd->get()};
+  // Three descriptors sent: the host backend refuses the memory, and all three are closed.
+  for (uint64_t tag : {21, 22, 23})
+    ASSERT_TRUE(ipc::SendMessage(sock->get(), ipc::EncodeFdFrame({tag}), one).ok());
+  expect(register_vmm({{21, 2 * mib}, {22, 2 * mib}, {23, 2 * mib}}),
+         grpc::StatusCode::FAILED_PRECONDITION, "vmm_mappings: this daemon runs the host backend");
+  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) == baseline; }))
+      << CountFds(daemon_.pid()) << " descriptors, baseline " << baseline;
+  // The second of three never sent: the call names it, and the other two are closed.
+  for (uint64_t tag : {31, 33})
+    ASSERT_TRUE(ipc::SendMessage(sock->get(), ipc::EncodeFdFrame({tag}), one).ok());
+  expect(register_vmm({{31, 2 * mib}, {32, 2 * mib}, {33, 2 * mib}}),
+         grpc::StatusCode::INVALID_ARGUMENT, "vmm_mappings[1]: tag: no fd arrived");
+  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) == baseline; }))
+      << CountFds(daemon_.pid()) << " descriptors, baseline " << baseline;
+  // The client is still served: a memfd registers.
+  ASSERT_TRUE(ipc::SealSize(memfd->get()).ok());
+  ASSERT_TRUE(ipc::SendMessage(sock->get(), ipc::EncodeFdFrame({40}), one).ok());
+  v1::RegisterBufferRequest req;
+  req.set_tag(40);
+  v1::BufferInfo info;
+  grpc::ClientContext ctx;
+  Authenticate(&ctx, *a);
+  grpc::Status s = control_->RegisterBuffer(&ctx, req, &info);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
 }  // namespace
 }  // namespace ulysses::security

@@ -298,11 +298,17 @@ class Client {
   /// allocator). The allocation containing it is handed to the daemon through its CUDA IPC
   /// handle once and cached (keyed by the allocation's CUDA buffer id, so a freed and re-made
   /// allocation at the same address is registered afresh); later calls for the same allocation
-  /// cost no RPC, and one driver query. The returned Buffer's Ref() addresses `ptr`. With
+  /// cost no RPC, and one driver query. Memory of CUDA VMM allocations (cuMemCreate with a
+  /// POSIX-fd handle type, such as torch's expandable segments) goes as the fds of the mappings
+  /// that cover [ptr, ptr + bytes), at most 64 of them, each mapping
+  /// its allocation whole; it is cached by the mappings' CUDA buffer ids, so a piece unmapped
+  /// and mapped again is registered afresh. The returned Buffer's Ref() addresses `ptr`. With
   /// `device` >= 0 the memory must be on that CUDA device (INVALID_ARGUMENT otherwise, before
   /// anything is registered).
   absl::StatusOr<Buffer> RegisterDeviceBuffer(void* ptr, uint64_t bytes, const std::string& name = "",
                                               int device = -1);
+  /// Whether `buffer_id` is a buffer this client holds (registered or allocated, not freed).
+  bool HoldsBuffer(uint64_t buffer_id) const;
   absl::Status FreeBuffer(uint64_t buffer_id);
   /// Collective: joins (forms) a group with the other ranks' daemons.
   absl::StatusOr<Group> JoinGroup(const GroupSpec& spec);
@@ -327,6 +333,9 @@ class Client {
 
  private:
   explicit Client(std::shared_ptr<ClientImpl> impl) : impl_(std::move(impl)) {}
+  // RegisterDeviceBuffer for memory of CUDA VMM allocations (their mappings' fds).
+  absl::StatusOr<Buffer> RegisterVmmBuffer(void* ptr, uint64_t bytes, const std::string& name,
+                                           int device);
   // Sends CreateSession and maps the new session's segment and slots.
   absl::StatusOr<std::unique_ptr<Session>> OpenSession(const v1::CreateSessionRequest& request,
                                                        const SessionGeometry& g);

@@ -9,7 +9,10 @@
 #include <cstddef>
 #include <array>
 #include <cstdint>
+#include <span>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -59,6 +62,16 @@ class VmmMapping {
   /// Maps an allocation exported by another process (`fd` from Export; the fd is not kept).
   /// `bytes` must equal the exporter's size(). `writable` false maps it read-only.
   static absl::StatusOr<VmmMapping> Import(int device, int fd, uint64_t bytes, bool writable);
+  /// One allocation of several mapped back to back, as ImportParts takes them.
+  struct Part {
+    int fd = -1;        ///< the allocation's POSIX fd (not kept)
+    uint64_t size = 0;  ///< bytes mapped from its start: a multiple of the granularity
+  };
+  /// Maps several allocations exported by another process back to back, in order, as that
+  /// process maps them (a tensor over the pieces of an expandable segment). The parts are
+  /// unmapped one by one on destruction. Errors name the parts as `name`[i].
+  static absl::StatusOr<VmmMapping> ImportParts(int device, std::span<const Part> parts,
+                                                bool writable, std::string_view name = "parts");
   /// A POSIX fd for the allocation, to pass over SCM_RIGHTS. Only for allocations created
   /// here (an imported handle cannot be exported again).
   absl::StatusOr<UniqueFd> Export() const;
@@ -75,6 +88,7 @@ class VmmMapping {
   uint64_t handle_ = 0;  // CUmemGenericAllocationHandle
   uint64_t size_ = 0;
   bool exportable_ = false;
+  std::vector<uint64_t> parts_;  // sizes of the parts mapped one by one (empty: one mapping)
 };
 
 /// Size of a legacy CUDA IPC memory handle (cudaIpcMemHandle_t).
@@ -110,6 +124,26 @@ struct AllocationInfo {
 absl::StatusOr<AllocationInfo> QueryAllocation(const void* ptr);
 /// The cudaIpcMemHandle_t bytes of the allocation starting at `base`.
 absl::StatusOr<std::string> IpcHandle(void* base);
+
+/// Most CUDA VMM mappings one registered device range may span (each one's fd is a descriptor
+/// the daemon holds unclaimed until RegisterBuffer takes it).
+inline constexpr size_t kMaxVmmMappings = 64;
+
+/// One mapping (cuMemMap) of a CUDA VMM allocation in this process, as the driver reports it.
+struct VmmRegion {
+  void* base = nullptr;    ///< CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR
+  uint64_t size = 0;       ///< CU_POINTER_ATTRIBUTE_MAPPING_SIZE
+  uint64_t buffer_id = 0;  ///< CU_POINTER_ATTRIBUTE_BUFFER_ID: new for every mapping made
+  int device = -1;
+};
+/// The mappings that cover [ptr, ptr + bytes), in address order (at most `max_regions`).
+/// INVALID_ARGUMENT when part of the range is not mapped device memory, when it spans more
+/// than `max_regions` mappings, or when its mappings are of different devices.
+absl::StatusOr<std::vector<VmmRegion>> VmmRegions(const void* ptr, uint64_t bytes,
+                                                  size_t max_regions);
+/// A POSIX fd of the VMM allocation mapped at `base` (retained, exported, released again).
+/// INVALID_ARGUMENT when the allocation was not made exportable as a POSIX fd.
+absl::StatusOr<UniqueFd> ExportMapped(const void* base);
 
 /// Process-wide counts of this module's device allocations, for the daemon's accounting.
 struct AllocationStats {
