@@ -288,6 +288,54 @@ TEST_F(StreamCluster, ACallMadeJustBeforeTheCloseRunsAndItsResultIsReadableAfter
       EXPECT_EQ(WrongScatterElements(got[dst][it], dst, it), 0) << "rank " << dst << " round " << it;
 }
 
+// A buffer freed while its call still waits on the client's stream: the daemon keeps the memory
+// mapped until the call ran, so the kernel reads the data, not an unmapped range (a GPU fault).
+TEST_F(StreamCluster, ABufferFreedWhileItsCallWaitsOnTheStreamStaysMappedUntilTheCallRan) {
+  Start(1);
+  // Without rings the call returns once the daemon enqueued it, so the free comes after.
+  auto c = client::Client::Connect({Members(1)[0], "free", absl::Seconds(10), false});
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto g = (*c)->JoinGroup({"free", 1, 0, Members(1), "nvlink", 0});
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, kSlots, {}, 0});
+  ASSERT_TRUE(s.ok()) << s.status();
+  const int64_t elems = int64_t{kB} * kS * kH * kD;
+  std::vector<float> in(elems), out(elems, -1.0f);
+  for (int64_t i = 0; i < elems; ++i)
+    in[i] = Value(0, 0, i / (kS * kH * kD), (i / (kH * kD)) % kS, (i / kD) % kH, i % kD);
+  auto x = (*c)->AllocBuffer(elems * 4, "x");
+  ASSERT_TRUE(x.ok()) << x.status();
+  ASSERT_EQ(cudaMemcpy(x->data, in.data(), elems * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  (*s)->set_stream(stream);
+  absl::StatusOr<client::Result> res;
+  {
+    Gate gate(stream);
+    res = (*s)->ScatterHeads(x->Ref(), kB, kS);
+    absl::Status freed = res.ok() ? (*c)->FreeBuffer(x->id) : absl::OkStatus();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    gate.Open();
+    ASSERT_TRUE(res.ok()) << res.status();
+    ASSERT_TRUE(freed.ok()) << freed;
+  }
+  ASSERT_EQ(cudaMemcpyAsync(out.data(), res->data, elems * 4, cudaMemcpyDeviceToHost, stream),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_TRUE((*s)->Synchronize().ok());
+  // W = 1: the scatter is the identity on [B, S, H, D].
+  EXPECT_EQ(std::memcmp(out.data(), in.data(), elems * 4), 0);
+  ASSERT_TRUE(res->Release().ok());
+  // The daemon and the GPU serve on: a call on a new buffer.
+  auto y = (*c)->AllocBuffer(elems * 4, "y");
+  ASSERT_TRUE(y.ok()) << y.status();
+  auto again = (*s)->ScatterHeads(y->Ref(), kB, kS);
+  EXPECT_TRUE(again.ok()) << again.status();
+  if (again.ok()) EXPECT_TRUE(again->Release().ok());
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaStreamDestroy(stream);
+}
+
 TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing) {
   Start(kW, {"--call-timeout-ms", "2000"});
   uint64_t baseline[kW];
