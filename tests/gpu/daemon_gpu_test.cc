@@ -169,6 +169,10 @@ class VmmPieces {
 
 TEST_F(GpuCluster, VmmTensorsOverSeveralMappingsAndAPieceMappedAgain) {
   ASSERT_TRUE(VmmDriver::Get().ok()) << "the driver lacks the VMM entry points";
+  ::unsetenv("ULYSSES_EXPERIMENTAL_VMM_TENSORS");
+  struct OptOut {
+    ~OptOut() { ::unsetenv("ULYSSES_EXPERIMENTAL_VMM_TENSORS"); }
+  } opt_out;
   Start(1);
   auto client = client::Client::Connect({Members(1)[0], "vmm"});
   ASSERT_TRUE(client.ok()) << client.status();
@@ -185,6 +189,14 @@ TEST_F(GpuCluster, VmmTensorsOverSeveralMappingsAndAPieceMappedAgain) {
   const size_t n = static_cast<size_t>(S) * H * D;
   VmmPieces pieces(*g);
   uint8_t* x = pieces.at(*g / 2);
+  // Without the opt-in, such memory is refused and the message says how to opt in.
+  auto refused_by_default = (*client)->RegisterDeviceBuffer(x, n * sizeof(float), "x", 0);
+  EXPECT_EQ(refused_by_default.status().code(), absl::StatusCode::kUnimplemented)
+      << refused_by_default.status();
+  EXPECT_NE(refused_by_default.status().message().find("ULYSSES_EXPERIMENTAL_VMM_TENSORS=1"),
+            std::string::npos)
+      << refused_by_default.status();
+  ASSERT_EQ(::setenv("ULYSSES_EXPERIMENTAL_VMM_TENSORS", "1", 1), 0);
   std::vector<float> host(n), got(n);
   uint64_t first_id = 0;
   for (int round = 0; round < 3; ++round) {
@@ -196,7 +208,9 @@ TEST_F(GpuCluster, VmmTensorsOverSeveralMappingsAndAPieceMappedAgain) {
     EXPECT_EQ(buf->registration_size, 3 * *g) << "the three whole mappings";
     EXPECT_EQ(buf->base_offset, *g / 2);
     if (round == 0) first_id = buf->id;
-    if (round == 1) EXPECT_EQ(buf->id, first_id) << "the same mappings: the registration is kept";
+    if (round == 1) {
+      EXPECT_EQ(buf->id, first_id) << "the same mappings: the registration is kept";
+    }
     if (round == 2) {
       EXPECT_NE(buf->id, first_id) << "a piece mapped again: registered afresh";
       EXPECT_FALSE((*client)->HoldsBuffer(first_id)) << "the stale registration is freed";

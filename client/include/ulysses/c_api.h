@@ -62,7 +62,7 @@ typedef enum uly_status {
   ULY_FAILED_PRECONDITION = 9, /**< session or slot state, ABI version, backend, no CUDA */
   ULY_ABORTED = 10,            /**< a peer failed, closed or died during a call */
   ULY_OUT_OF_RANGE = 11,
-  ULY_UNIMPLEMENTED = 12,      /**< Submit or wait on a client without rings */
+  ULY_UNIMPLEMENTED = 12,      /**< Submit without rings; a CUDA VMM tensor without the opt-in */
   ULY_INTERNAL = 13,
   ULY_UNAVAILABLE = 14,        /**< no daemon, daemon gone or draining */
   ULY_DATA_LOSS = 15,
@@ -242,8 +242,10 @@ ULY_API uly_status uly_session_poison_slots(uly_session* session, int32_t* poiso
  *  allocation holding `data` is handed to the daemon by CUDA IPC on first use and cached by
  *  its CUDA buffer id: later calls on the same allocation cost no registration, and memory
  *  freed and allocated again at the same address is registered afresh. Memory of cuMemCreate
- *  allocations (torch's expandable segments) goes as the POSIX fds of the mappings it covers,
- *  at most 64, each exportable as a POSIX fd (else ULY_INVALID_ARGUMENT). On a host-backend session a CUDA tensor is ULY_INVALID_ARGUMENT; in a
+ *  allocations (torch's expandable segments) is ULY_UNIMPLEMENTED unless the environment sets
+ *  ULYSSES_EXPERIMENTAL_VMM_TENSORS=1 (experimental, with a known defect: docs/api.md); then
+ *  it goes as the POSIX fds of the mappings it covers, at most 64, each exportable as a POSIX
+ *  fd (else ULY_INVALID_ARGUMENT). On a host-backend session a CUDA tensor is ULY_INVALID_ARGUMENT; in a
  *  library built without CUDA (uly_cuda_built() == 0) ULY_FAILED_PRECONDITION. Both name the
  *  tensor. */
 typedef struct uly_tensor {
