@@ -1,12 +1,19 @@
 // The fd socket takes bytes from any process that can reach it: every frame is decoded with
 // typed checks, a bad one is refused or dropped, and the daemon keeps serving everyone.
+#include <grp.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "hostile_client.h"
+#include "hostile_frames.h"
 #include "ulysses/client/client.h"
 #include "ulysses/ipc/shm.h"
 
@@ -24,27 +31,28 @@ void ExpectRefused(int sock, const std::string& sent) {
   }
 }
 
-using FdSocketTest = DaemonTest;
+class FdSocketTest : public DaemonTest {
+ protected:
+  // Attaches and binds a client (a_, sock_), then notes the daemon's descriptors (baseline_).
+  void AttachAndBind() {
+    absl::StatusOr<Attached> a = Attach();
+    ASSERT_TRUE(a.ok()) << a.status();
+    a_ = *a;
+    absl::StatusOr<ipc::UniqueFd> sock = Bind(a_);
+    ASSERT_TRUE(sock.ok()) << sock.status();
+    sock_ = std::move(*sock);
+    baseline_ = CountFds(daemon_.pid());
+    ASSERT_GT(baseline_, 0);
+  }
+  Attached a_;
+  ipc::UniqueFd sock_;
+  int baseline_ = 0;
+};
 
 TEST_F(FdSocketTest, MalformedHellosAreRefusedAndTheDaemonKeepsServing) {
   absl::StatusOr<Attached> a = Attach();
   ASSERT_TRUE(a.ok()) << a.status();
-  const std::string id = std::to_string(a->client_id);
-  const std::string token = "\"" + a->token + "\"";
-  const std::vector<std::string> hellos = {
-      "{\"client_id\": \"" + id + "\", \"token\": " + token + "}",
-      "{\"client_id\": null, \"token\": " + token + "}",
-      "{\"client_id\": " + id + ", \"token\": 7}",
-      "{\"client_id\": " + id + ", \"token\": null}",
-      "{\"client_id\": -" + id + ", \"token\": " + token + "}",
-      "{\"client_id\": " + id + ".5, \"token\": " + token + "}",
-      "{\"client_id\": " + id + ", \"token\": \"wrong\"}",
-      "{\"client_id\": " + id + "}",
-      "[" + id + ", " + token + "]",
-      "not json",
-      "",
-      std::string(2000, '[') + std::string(2000, ']'),
-  };
+  const std::vector<std::string> hellos = MalformedHellos(a->client_id, a->token);
   for (const std::string& hello : hellos) {
     absl::StatusOr<ipc::UniqueFd> sock = ipc::ConnectUnix(a->fd_socket);
     ASSERT_TRUE(sock.ok()) << sock.status();
@@ -60,29 +68,21 @@ TEST_F(FdSocketTest, MalformedHellosAreRefusedAndTheDaemonKeepsServing) {
 }
 
 TEST_F(FdSocketTest, MalformedFdFramesAreDroppedAndTheClientStaysServed) {
-  absl::StatusOr<Attached> a = Attach();
-  ASSERT_TRUE(a.ok()) << a.status();
-  absl::StatusOr<ipc::UniqueFd> sock = Bind(*a);
-  ASSERT_TRUE(sock.ok()) << sock.status();
-  const int baseline = CountFds(daemon_.pid());
-  ASSERT_GT(baseline, 0);
+  ASSERT_NO_FATAL_FAILURE(AttachAndBind());
+  const Attached* a = &a_;
+  const ipc::UniqueFd* sock = &sock_;
+  const int baseline = baseline_;
 
   absl::StatusOr<ipc::UniqueFd> memfd = ipc::CreateMemfd("hostile", 4096);
   ASSERT_TRUE(memfd.ok()) << memfd.status();
   ASSERT_TRUE(ipc::SealSize(memfd->get()).ok());
   const int one[1] = {memfd->get()};
   const int two[2] = {memfd->get(), memfd->get()};
-  struct Frame {
-    std::string payload;
-    std::span<const int> fds;
-  };
-  const std::vector<Frame> frames = {
-      {R"({"tag":"7"})", one},  {R"({"tag":-1})", one},  {R"({"tag":null})", one},
-      {R"({"tag":1.5})", one},  {R"({})", one},          {"not json", one},
-      {R"([7])", one},          {R"({"tag":5})", {}},    {R"({"tag":6})", two},
-  };
-  for (const Frame& f : frames) {
-    ASSERT_TRUE(ipc::SendMessage(sock->get(), f.payload, f.fds).ok());
+  for (const HostileFrame& f : MalformedFdFrames()) {
+    const std::span<const int> fds = f.fds == 0   ? std::span<const int>()
+                                     : f.fds == 1 ? std::span<const int>(one)
+                                                  : std::span<const int>(two);
+    ASSERT_TRUE(ipc::SendMessage(sock->get(), f.payload, fds).ok());
     ASSERT_TRUE(Serving()) << "daemon died on fd frame " << f.payload;
   }
   // The stream is still in step: a correct frame registers.
@@ -101,16 +101,61 @@ TEST_F(FdSocketTest, MalformedFdFramesAreDroppedAndTheClientStaysServed) {
       << CountFds(daemon_.pid()) << " descriptors, baseline " << baseline;
 }
 
+// The same hellos and frames from a process of another uid (65534, with the daemon's group so
+// that it reaches the sockets): each is refused or dropped, that client is still served, and
+// once it exits the daemon is back to its descriptors and clients, with a bystander served.
+TEST_F(FdSocketTest, TheSameFramesFromASecondUidAreRefusedAndEveryoneStaysServed) {
+  if (::geteuid() != 0) GTEST_SKIP() << "a process of a second uid needs root";
+  ASSERT_EQ(::chmod(dir_.c_str(), 0711), 0);
+  ASSERT_TRUE(Serving());  // this test's own channel is connected before the baseline
+  const int baseline = CountFds(daemon_.pid());
+  ASSERT_GT(baseline, 0);
+  const std::string before = DescribeFds(daemon_.pid());
+  const std::string socket = daemon_.socket();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const gid_t groups[] = {::getegid()};
+    if (::setgroups(1, groups) != 0 || ::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(76);
+    if (::access(HOSTILE_FRAMES_CLIENT_PATH, X_OK) != 0) ::_exit(77);
+    ::execl(HOSTILE_FRAMES_CLIENT_PATH, HOSTILE_FRAMES_CLIENT_PATH, socket.c_str(),
+            static_cast<char*>(nullptr));
+    ::_exit(78);
+  }
+  int exited = -1;
+  for (int i = 0; i < 1200 && exited < 0; ++i) {  // at most 120 s
+    int status = 0;
+    if (::waitpid(child, &status, WNOHANG) == child)
+      exited = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    else
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (exited < 0) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+  }
+  if (exited == 77) GTEST_SKIP() << "uid 65534 cannot reach " << HOSTILE_FRAMES_CLIENT_PATH;
+  ASSERT_EQ(exited, 0) << "the other uid's hostile client failed (its stderr says why)";
+  ASSERT_TRUE(Serving());
+  {
+    auto c = client::Client::Connect({daemon_.socket(), "bystander", absl::Seconds(10)});
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_TRUE((*c)->AllocBuffer(4096, "b").ok());
+  }
+  EXPECT_TRUE(Eventually([&] { return NumClients() == 0; })) << NumClients() << " clients left";
+  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) == baseline; }))
+      << CountFds(daemon_.pid()) << " descriptors, baseline " << baseline << "\nbefore:\n"
+      << before << "after:\n" << DescribeFds(daemon_.pid());
+}
+
 // Device memory as CUDA VMM mappings (one fd frame per mapping): the request is checked before
 // any descriptor is taken, and a registration that fails takes and closes every descriptor of
 // it that arrived, so none stays held against the client's quota.
 TEST_F(FdSocketTest, VmmRegistrationsAreCheckedAndLeaveNoDescriptorBehind) {
-  absl::StatusOr<Attached> a = Attach();
-  ASSERT_TRUE(a.ok()) << a.status();
-  absl::StatusOr<ipc::UniqueFd> sock = Bind(*a);
-  ASSERT_TRUE(sock.ok()) << sock.status();
-  const int baseline = CountFds(daemon_.pid());
-  ASSERT_GT(baseline, 0);
+  ASSERT_NO_FATAL_FAILURE(AttachAndBind());
+  const Attached* a = &a_;
+  const ipc::UniqueFd* sock = &sock_;
+  const int baseline = baseline_;
   auto register_vmm = [&](const std::vector<std::pair<uint64_t, uint64_t>>& mappings,
                           const std::string& ipc_handle = "") {
     v1::RegisterBufferRequest req;

@@ -42,6 +42,23 @@ inline int CountFds(pid_t pid) {
   return n;
 }
 
+/// What each open descriptor of process `pid` refers to (readlink of /proc/PID/fd/N), one per
+/// line, for failure messages.
+inline std::string DescribeFds(pid_t pid) {
+  const std::string dir = StrCat("/proc/", pid, "/fd");
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return "(unreadable)";
+  std::string out;
+  while (dirent* e = ::readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    char target[256] = {};
+    const ssize_t n = ::readlink((dir + "/" + e->d_name).c_str(), target, sizeof target - 1);
+    out += StrCat(e->d_name, " -> ", n > 0 ? std::string(target, n) : "?", "\n");
+  }
+  ::closedir(d);
+  return out;
+}
+
 /// Threads of process `pid` (from /proc/PID/status), -1 when unreadable.
 inline int CountThreads(pid_t pid) {
   std::ifstream status(StrCat("/proc/", pid, "/status"));
