@@ -9,6 +9,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <random>
 #include <thread>
 
@@ -17,6 +18,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "pair_round.h"
 #include "ulysses/client/client.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/v1/admin.grpc.pb.h"
@@ -117,7 +119,7 @@ class KillFixture : public ::testing::Test {
     return r.ok() && std::memcmp(r->data, bx_.data, 16 * 4 * 8 * 4) == 0;
   }
   pid_t SpawnPhaseClient(const std::string& phase, const std::vector<std::string>& members,
-                         int rank, const std::string& ready) {
+                         int rank, const std::string& ready, const std::string& tag = "-") {
     std::string m = members[0];
     for (size_t i = 1; i < members.size(); ++i) m += "," + members[i];
     const std::string rank_text = std::to_string(rank);
@@ -125,7 +127,7 @@ class KillFixture : public ::testing::Test {
     if (pid == 0) {
       ::execl(PHASE_CLIENT_PATH, PHASE_CLIENT_PATH, "--socket", daemons_[1].socket().c_str(),
               "--members", m.c_str(), "--rank", rank_text.c_str(), "--phase", phase.c_str(),
-              "--ready", ready.c_str(), static_cast<char*>(nullptr));
+              "--ready", ready.c_str(), "--tag", tag.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     return pid;
@@ -251,6 +253,74 @@ TEST_F(KillFixture, AClientKilledAtRandomMomentsLeavesNothingBehind) {
   }
   std::cout << kKills << " kills, " << attached_at_kill
             << " of them while the client was attached (the others between its rounds)\n";
+}
+
+// Rank 1 of a two-rank group (phase_client pair-cycle on daemon 1) goes round join, session,
+// three calls and close in step with rank 0 (this test, on daemon 0), and is SIGKILLed 30
+// times at a random moment (0 to 40 ms after it announced itself). Each time the survivor's
+// round ends in an error; a call in flight ends ABORTED by the peer's death, never by the
+// 30 s call timeout (a join or session the peer never reached ends at the 2 s rendezvous
+// timeout). Both daemons are then back to their baselines, the survivor's next group works,
+// and the bystander's results stay exact.
+TEST_F(KillFixture, APeerRankKilledAtRandomMomentsAbortsTheSurvivorAndLeavesNothingBehind) {
+  constexpr int kKills = 30;
+  const uint32_t seed = 20261202;
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> delay_us(0, 40000);
+  std::cout << "seed " << seed << "\n";
+  auto survivor = Connect(0, "survivor");
+  ASSERT_NE(survivor, nullptr);
+  auto x = survivor->AllocBuffer(16 * 4 * 8 * 4, "x");
+  ASSERT_TRUE(x.ok()) << x.status();
+  std::map<std::string, int> ended;  // the step at which the survivor's round ended
+  for (int k = 0; k < kKills; ++k) {
+    const std::string tag = StrCat("pair", k);
+    const std::string ready = StrCat(dir_, "/", tag, ".ready");
+    const pid_t pid = SpawnPhaseClient("pair-cycle", Members(), 1, ready, tag);
+    absl::Status survivor_end;
+    std::thread rank0([&] {
+      for (int i = 0;; ++i) {
+        survivor_end = testing_util::PairRound(*survivor, Members(), 0, StrCat(tag, "-", i), *x);
+        if (!survivor_end.ok()) return;
+      }
+    });
+    const bool announced = Eventually([&] { return ::access(ready.c_str(), F_OK) == 0; });
+    std::this_thread::sleep_for(std::chrono::microseconds(delay_us(rng)));
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    rank0.join();
+    ASSERT_TRUE(announced) << "kill " << k << ": rank 1 did not start";
+    ASSERT_FALSE(survivor_end.ok()) << "kill " << k;
+    const std::string msg(survivor_end.message());
+    const std::string step = msg.substr(0, msg.find(':'));
+    ++ended[StrCat(step, " ", absl::StatusCodeToString(survivor_end.code()))];
+    if (step == "call" || step == "close")
+      EXPECT_NE(survivor_end.code(), absl::StatusCode::kDeadlineExceeded)
+          << "kill " << k << ": the peer's death was seen only at the call timeout: "
+          << survivor_end;
+    ASSERT_TRUE(Eventually([&] { return Clients(1) == 1; })) << "kill " << k << ": clients";
+    ASSERT_TRUE(Eventually([&] { return Slots(1) == 2; })) << "kill " << k << ": daemon 1 slots";
+    ASSERT_TRUE(Eventually([&] { return Slots(0) == 0; })) << "kill " << k << ": daemon 0 slots";
+    ASSERT_TRUE(Eventually([&] {
+      return CountSessionMappings(daemons_[1].pid()) == baseline_shm_;
+    })) << "kill " << k << ": a session segment of the killed rank is still mapped";
+    ASSERT_TRUE(Eventually([&] {
+      return CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") == baseline_fds_;
+    })) << "kill " << k << ": descriptors "
+        << CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") << " vs baseline "
+        << baseline_fds_;
+    ASSERT_TRUE(BystanderExact()) << "kill " << k;
+  }
+  // The survivor is still served: a one-rank group of its own.
+  auto g = survivor->JoinGroup({"after", 1, 0, {daemons_[0].socket()}, "auto", 0});
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto s = survivor->CreateSession(*g, {4, 8, DType::kFloat32, 16, 2, {}, 0});
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto r = (*s)->ScatterHeads(x->Ref(), 1, 16);
+  EXPECT_TRUE(r.ok()) << r.status();
+  std::cout << kKills << " kills; the survivor's round ended at:";
+  for (const auto& [where, n] : ended) std::cout << " " << where << " x" << n;
+  std::cout << "\n";
 }
 
 }  // namespace

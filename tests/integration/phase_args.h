@@ -1,5 +1,5 @@
 // The command line of the SIGKILL tests' phase clients (phase_client, gpu_phase_client):
-//   --socket S --members S0,S1 --rank R --phase P --ready FILE
+//   --socket S --members S0,S1 --rank R --phase P --ready FILE [--tag T]
 // and what each does once it reached its phase: write its pid to the ready file and wait to be
 // killed.
 #pragma once
@@ -15,6 +15,7 @@ namespace ulysses::testing_util {
 
 struct PhaseArgs {
   std::string socket, phase, ready;
+  std::string tag;  ///< names the groups of the pair-cycle phase
   std::vector<std::string> members;
   int rank = 0;
 };
@@ -29,6 +30,7 @@ inline PhaseArgs ParsePhaseArgs(int argc, char** argv) {
     else if (k == "--rank") a.rank = std::stoi(v);
     else if (k == "--phase") a.phase = v;
     else if (k == "--ready") a.ready = v;
+    else if (k == "--tag") a.tag = v;
   }
   std::stringstream ss(members);
   for (std::string m; std::getline(ss, m, ',');) a.members.push_back(m);

@@ -2,13 +2,16 @@
 //   phase_client --socket S --members S0,S1 --rank R --phase P --ready FILE
 // Phases: attach, buffer, session, held (a result held), queued (calls submitted; the first
 // waits for the peer, the others sit in the ring), exchange (the peer's call waits for this
-// rank), cycle (announces itself at once, then goes round its whole life until killed).
+// rank), cycle (announces itself at once, then goes round its whole life until killed),
+// pair-cycle (rank 1 of two-rank groups named after --tag: announces itself, then goes round
+// PairRound with the test as rank 0 until killed).
 #include <unistd.h>
 
 #include <cstdio>
 #include <string>
 #include <thread>
 
+#include "pair_round.h"
 #include "phase_args.h"
 #include "ulysses/client/client.h"
 #include "ulysses/common/status.h"
@@ -63,6 +66,18 @@ int main(int argc, char** argv) {
     testing_util::Announce(args.ready);
     for (int i = 0;; ++i)
       if (absl::Status st = Cycle(socket, i); !st.ok()) return fail(st);
+  }
+  if (phase == "pair-cycle") {
+    testing_util::Announce(args.ready);
+    auto pc = client::Client::Connect({socket, "phase-pair"});
+    if (!pc.ok()) return fail(pc.status());
+    auto x = (*pc)->AllocBuffer(16 * 4 * 8 * 4, "x");
+    if (!x.ok()) return fail(x.status());
+    for (int i = 0;; ++i)
+      if (absl::Status st = testing_util::PairRound(**pc, members, rank,
+                                                    args.tag + "-" + std::to_string(i), *x);
+          !st.ok())
+        return fail(st);
   }
   auto c = client::Client::Connect({socket, "phase-" + phase});
   if (!c.ok()) return fail(c.status());
