@@ -101,9 +101,10 @@ TEST_F(FdSocketTest, MalformedFdFramesAreDroppedAndTheClientStaysServed) {
       << CountFds(daemon_.pid()) << " descriptors, baseline " << baseline;
 }
 
-// The same hellos and frames from a process of another uid (65534, with the daemon's group so
-// that it reaches the sockets): each is refused or dropped, that client is still served, and
-// once it exits the daemon is back to its descriptors and clients, with a bystander served.
+// The same hellos and frames, and hostile Control requests, from a process of another uid
+// (65534, with the daemon's group so that it reaches the sockets): each is refused or dropped,
+// that client is still served, and once it exits the daemon is back to its descriptors and
+// clients, with a bystander served.
 TEST_F(FdSocketTest, TheSameFramesFromASecondUidAreRefusedAndEveryoneStaysServed) {
   if (::geteuid() != 0) GTEST_SKIP() << "a process of a second uid needs root";
   ASSERT_EQ(::chmod(dir_.c_str(), 0711), 0);
@@ -117,8 +118,8 @@ TEST_F(FdSocketTest, TheSameFramesFromASecondUidAreRefusedAndEveryoneStaysServed
   if (child == 0) {
     const gid_t groups[] = {::getegid()};
     if (::setgroups(1, groups) != 0 || ::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(76);
-    if (::access(HOSTILE_FRAMES_CLIENT_PATH, X_OK) != 0) ::_exit(77);
-    ::execl(HOSTILE_FRAMES_CLIENT_PATH, HOSTILE_FRAMES_CLIENT_PATH, socket.c_str(),
+    if (::access(SECOND_UID_CLIENT_PATH, X_OK) != 0) ::_exit(77);
+    ::execl(SECOND_UID_CLIENT_PATH, SECOND_UID_CLIENT_PATH, socket.c_str(),
             static_cast<char*>(nullptr));
     ::_exit(78);
   }
@@ -134,8 +135,8 @@ TEST_F(FdSocketTest, TheSameFramesFromASecondUidAreRefusedAndEveryoneStaysServed
     ::kill(child, SIGKILL);
     ::waitpid(child, nullptr, 0);
   }
-  if (exited == 77) GTEST_SKIP() << "uid 65534 cannot reach " << HOSTILE_FRAMES_CLIENT_PATH;
-  ASSERT_EQ(exited, 0) << "the other uid's hostile client failed (its stderr says why)";
+  if (exited == 77) GTEST_SKIP() << "uid 65534 cannot reach " << SECOND_UID_CLIENT_PATH;
+  ASSERT_EQ(exited, 0) << "the other uid's client failed (its stderr says why)";
   ASSERT_TRUE(Serving());
   {
     auto c = client::Client::Connect({daemon_.socket(), "bystander", absl::Seconds(10)});

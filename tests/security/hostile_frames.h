@@ -1,6 +1,6 @@
 // The fd socket's malformed frames: hellos the daemon must refuse, and frames of a bound client
 // that it must drop. The tests send them from their own process and, through
-// hostile_frames_client, from a process of another uid.
+// second_uid_client, from a process of another uid.
 #pragma once
 
 #include <cstdint>

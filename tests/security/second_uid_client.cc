@@ -1,10 +1,11 @@
-// The fd socket's hostile frames from a process of its own, which the security tests run as
-// another uid than the daemon's:
-//   hostile_frames_client SOCKET
-// Attaches, sends every malformed hello (each must be refused), binds with a correct one, sends
-// every malformed frame of a bound client, then registers a buffer through a correct frame.
-// Exits 0 when the daemon refused and dropped each and still served this client; otherwise it
-// says what went wrong on stderr and exits 1.
+// Hostile input from a process of its own, which the security tests run as another uid than
+// the daemon's:
+//   second_uid_client SOCKET
+// Attaches, sends every malformed hello of the fd socket (each must be refused), binds with a
+// correct one, sends every malformed frame of a bound client, then Control requests that must
+// each be refused (bad buffers, groups, sessions, calls, and another client's token), and at
+// last registers a buffer through a correct frame. Exits 0 when the daemon refused and dropped
+// each and still served this client; otherwise it says what went wrong on stderr and exits 1.
 #include <cstdio>
 #include <span>
 #include <string>
@@ -22,7 +23,7 @@ using namespace ulysses;
 namespace {
 
 int Fail(const std::string& what) {
-  std::fprintf(stderr, "hostile_frames_client: %s\n", what.c_str());
+  std::fprintf(stderr, "second_uid_client: %s\n", what.c_str());
   return 1;
 }
 
@@ -45,7 +46,7 @@ std::string Refused(int sock) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) return Fail("usage: hostile_frames_client SOCKET");
+  if (argc != 2) return Fail("usage: second_uid_client SOCKET");
   const std::string socket = argv[1];
   auto stub = v1::Control::NewStub(
       grpc::CreateChannel("unix://" + socket, grpc::InsecureChannelCredentials()));
@@ -87,6 +88,93 @@ int main(int argc, char** argv) {
     if (!ipc::SendMessage(sock->get(), f.payload, fds).ok()) return Fail("send " + f.payload);
     ++dropped;
   }
+  // Control requests that must each be refused, the daemon serving on.
+  auto authed = [&](grpc::ClientContext* ctx) {
+    Deadline(ctx);
+    ctx->AddMetadata("ulysses-client-id", std::to_string(attached.client_id()));
+    ctx->AddMetadata("ulysses-token", attached.token());
+  };
+  int requests = 0;
+  // Refused at once: an error other than a deadline (a stall would end in one).
+  auto expect_refused = [&](const char* what, const grpc::Status& s) -> bool {
+    ++requests;
+    const bool refused = !s.ok() && s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED;
+    if (!refused)
+      std::fprintf(stderr, "second_uid_client: %s: %s\n", what,
+                   s.ok() ? "accepted" : s.error_message().c_str());
+    return refused;
+  };
+  bool all_refused = true;
+  {
+    v1::RegisterBufferRequest r;
+    for (int i = 0; i < 65; ++i) {
+      v1::VmmMapping* m = r.add_vmm_mappings();
+      m->set_tag(100 + i);
+      m->set_size_bytes(2 << 20);
+    }
+    v1::BufferInfo out;
+    grpc::ClientContext ctx;
+    authed(&ctx);
+    all_refused &= expect_refused("65 VMM mappings", stub->RegisterBuffer(&ctx, r, &out));
+  }
+  {
+    v1::AllocBufferRequest r;
+    r.set_size_bytes(uint64_t{1} << 41);
+    v1::BufferInfo out;
+    grpc::ClientContext ctx;
+    authed(&ctx);
+    all_refused &= expect_refused("a 2 TiB buffer", stub->AllocBuffer(&ctx, r, &out));
+  }
+  {
+    v1::JoinGroupRequest r;
+    r.set_name("hostile");
+    r.set_world_size(2147483647);
+    r.set_rank(0);
+    r.add_members(socket);
+    v1::GroupInfo out;
+    grpc::ClientContext ctx;
+    authed(&ctx);
+    all_refused &= expect_refused("world_size 2^31-1", stub->JoinGroup(&ctx, r, &out));
+  }
+  {
+    v1::JoinGroupRequest r;
+    r.set_name("hostile");
+    r.set_world_size(2);
+    r.set_rank(1);
+    r.add_members("dns:///127.0.0.1:1");
+    r.add_members(socket);
+    v1::GroupInfo out;
+    grpc::ClientContext ctx;
+    authed(&ctx);
+    all_refused &= expect_refused("a TCP member", stub->JoinGroup(&ctx, r, &out));
+  }
+  {
+    v1::CreateSessionRequest r;
+    r.set_group_id(987654321);
+    v1::SessionInfo out;
+    grpc::ClientContext ctx;
+    authed(&ctx);
+    all_refused &= expect_refused("a session of no group", stub->CreateSession(&ctx, r, &out));
+  }
+  {
+    v1::CallRequest r;
+    r.set_session_id(987654321);
+    v1::CallResponse out;
+    grpc::ClientContext ctx;
+    authed(&ctx);
+    all_refused &= expect_refused("a call of no session", stub->Call(&ctx, r, &out));
+  }
+  {
+    v1::FreeBufferRequest r;
+    r.set_buffer_id(1);
+    v1::FreeBufferResponse out;
+    grpc::ClientContext ctx;
+    Deadline(&ctx);
+    ctx.AddMetadata("ulysses-client-id", std::to_string(attached.client_id()));
+    ctx.AddMetadata("ulysses-token", "not-the-token");
+    all_refused &= expect_refused("a wrong token", stub->FreeBuffer(&ctx, r, &out));
+  }
+  if (!all_refused) return Fail("a hostile request was accepted");
   // Still in step and served: a correct frame registers.
   if (!ipc::SendMessage(sock->get(), ipc::EncodeFdFrame({9}), one).ok())
     return Fail("send the correct frame");
@@ -101,7 +189,7 @@ int main(int argc, char** argv) {
   grpc::Status s = stub->RegisterBuffer(&ctx, req, &info);
   if (!s.ok()) return Fail("register after the hostile frames: " + s.error_message());
   if (info.size_bytes() != 4096) return Fail(StrCat("registered ", info.size_bytes(), " bytes"));
-  std::printf("hostile_frames_client: %d hellos refused, %d frames sent, then served\n", refused,
-              dropped);
+  std::printf("second_uid_client: %d hellos refused, %d frames sent, %d requests refused, then "
+              "served\n", refused, dropped, requests);
   return 0;
 }
