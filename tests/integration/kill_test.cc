@@ -118,6 +118,22 @@ class KillFixture : public ::testing::Test {
     auto r = bystander_session_->ScatterHeads(bx_.Ref(), 1, 16);
     return r.ok() && std::memcmp(r->data, bx_.data, 16 * 4 * 8 * 4) == 0;
   }
+  // Daemon 1 is back to its baseline (only the bystander, its two slots, its session mapping
+  // and the descriptors counted in SetUp) and the bystander's results are exact. `what` names
+  // the moment in the failure messages.
+  void BackToBaseline(const std::string& what) {
+    ASSERT_TRUE(Eventually([&] { return Clients(1) == 1; })) << what << ": clients";
+    ASSERT_TRUE(Eventually([&] { return Slots(1) == 2; })) << what << ": slots";
+    ASSERT_TRUE(Eventually([&] {
+      return CountSessionMappings(daemons_[1].pid()) == baseline_shm_;
+    })) << what << ": a session segment of the killed client is still mapped";
+    ASSERT_TRUE(Eventually([&] {
+      return CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") == baseline_fds_;
+    })) << what << ": descriptors "
+        << CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") << " vs baseline "
+        << baseline_fds_;
+    ASSERT_TRUE(BystanderExact()) << what;
+  }
   pid_t SpawnPhaseClient(const std::string& phase, const std::vector<std::string>& members,
                          int rank, const std::string& ready, const std::string& tag = "-") {
     std::string m = members[0];
@@ -239,17 +255,7 @@ TEST_F(KillFixture, AClientKilledAtRandomMomentsLeavesNothingBehind) {
     if (Clients(1) == 2) ++attached_at_kill;
     ::kill(pid, SIGKILL);
     ::waitpid(pid, nullptr, 0);
-    ASSERT_TRUE(Eventually([&] { return Clients(1) == 1; })) << "kill " << i << ": clients";
-    ASSERT_TRUE(Eventually([&] { return Slots(1) == 2; })) << "kill " << i << ": slots";
-    ASSERT_TRUE(Eventually([&] {
-      return CountSessionMappings(daemons_[1].pid()) == baseline_shm_;
-    })) << "kill " << i << ": a session segment of the killed client is still mapped";
-    ASSERT_TRUE(Eventually([&] {
-      return CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") == baseline_fds_;
-    })) << "kill " << i << ": descriptors "
-        << CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") << " vs baseline "
-        << baseline_fds_;
-    ASSERT_TRUE(BystanderExact()) << "kill " << i;
+    ASSERT_NO_FATAL_FAILURE(BackToBaseline(StrCat("kill ", i)));
   }
   std::cout << kKills << " kills, " << attached_at_kill
             << " of them while the client was attached (the others between its rounds)\n";
@@ -298,18 +304,8 @@ TEST_F(KillFixture, APeerRankKilledAtRandomMomentsAbortsTheSurvivorAndLeavesNoth
       EXPECT_NE(survivor_end.code(), absl::StatusCode::kDeadlineExceeded)
           << "kill " << k << ": the peer's death was seen only at the call timeout: "
           << survivor_end;
-    ASSERT_TRUE(Eventually([&] { return Clients(1) == 1; })) << "kill " << k << ": clients";
-    ASSERT_TRUE(Eventually([&] { return Slots(1) == 2; })) << "kill " << k << ": daemon 1 slots";
     ASSERT_TRUE(Eventually([&] { return Slots(0) == 0; })) << "kill " << k << ": daemon 0 slots";
-    ASSERT_TRUE(Eventually([&] {
-      return CountSessionMappings(daemons_[1].pid()) == baseline_shm_;
-    })) << "kill " << k << ": a session segment of the killed rank is still mapped";
-    ASSERT_TRUE(Eventually([&] {
-      return CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") == baseline_fds_;
-    })) << "kill " << k << ": descriptors "
-        << CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") << " vs baseline "
-        << baseline_fds_;
-    ASSERT_TRUE(BystanderExact()) << "kill " << k;
+    ASSERT_NO_FATAL_FAILURE(BackToBaseline(StrCat("kill ", k)));
   }
   // The survivor is still served: a one-rank group of its own.
   auto g = survivor->JoinGroup({"after", 1, 0, {daemons_[0].socket()}, "auto", 0});
