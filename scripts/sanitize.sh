@@ -38,10 +38,17 @@ rm -rf "$reports"
 mkdir -p "$reports"
 supp="$PWD/scripts/sanitizers"
 # log_path sends every process's report to a file of its own, the daemons' included.
-export ASAN_OPTIONS="log_path=$reports/asan:detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1"
-export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
-export UBSAN_OPTIONS="log_path=$reports/ubsan:print_stacktrace=1:halt_on_error=1"
-export TSAN_OPTIONS="log_path=$reports/tsan:suppressions=$supp/tsan.supp:halt_on_error=0:second_deadlock_stack=1"
+# Only the mode's own options are set: the ThreadSanitizer runtime reads UBSAN_OPTIONS too, and
+# its log_path would name every report file "ubsan".
+case "$mode" in
+  address)
+    export ASAN_OPTIONS="log_path=$reports/asan:detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1"
+    export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+    export UBSAN_OPTIONS="log_path=$reports/ubsan:print_stacktrace=1:halt_on_error=1" ;;
+  thread)
+    unset UBSAN_OPTIONS
+    export TSAN_OPTIONS="log_path=$reports/tsan:suppressions=$supp/tsan.supp:halt_on_error=0:second_deadlock_stack=1" ;;
+esac
 regex=$(IFS='|'; echo "${tests[*]}")
 set +e
 ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 600 -R "^($regex)\." 2>&1 |

@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "ulysses/common/geometry.h"
+#include "ulysses/common/happens_before.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/sockets.h"
 #include "ulysses/common/status.h"
@@ -297,13 +298,16 @@ absl::StatusOr<std::shared_ptr<RendezvousCall>> RendezvousClient::Start(
   // (the same on every rank) arrives rather than a local deadline.
   call->ctx_.set_deadline(absl::ToChronoTime(absl::Now() + timeout + absl::Seconds(5)));
   call->ctx_.set_wait_for_ready(true);
-  // The call keeps itself alive until its verdict is delivered.
+  // The call keeps itself alive until its verdict is delivered. gRPC runs the callback after the
+  // call started, ordered by synchronization ThreadSanitizer cannot see (happens_before.h).
+  HappensBefore(&call->ctx_);
   call->stub_->async()->Rendezvous(&call->ctx_, &call->req_, &call->resp_,
                                    [call](grpc::Status s) { call->Finished(s); });
   return call;
 }
 
 void RendezvousCall::Finished(const grpc::Status& s) {
+  HappensAfter(&ctx_);
   finished_.store(true);
   RendezvousDone done = std::move(done_);
   if (s.ok()) {
@@ -330,7 +334,9 @@ void RendezvousCall::ClientGone() {
   std::shared_ptr<RendezvousCall> self = shared_from_this();
   // The abort goes first, so that rank 0 names the client; only then is this rank's own call
   // cancelled, in case the verdict has not come (a cancelled call that has its answer ignores it).
+  HappensBefore(&abort_ctx_);
   stub_->async()->AbortRendezvous(&abort_ctx_, &abort_req_, &abort_resp_, [self](grpc::Status s) {
+    HappensAfter(&self->abort_ctx_);
     if (!s.ok())
       Logger("peer")->warn("rendezvous {}: abort at {}: {}", self->key_, self->address_,
                            s.error_message());

@@ -14,6 +14,7 @@
 #include "ulysses/ipc/cuda_memory.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/backend_choice.h"
+#include "ulysses/common/happens_before.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
@@ -98,6 +99,11 @@ std::string FusedAgreement(const FusedGeometry& g, FusedPath path) {
                 " num_slots=", g.num_slots, " max_pos=", g.max_pos, " path=", FusedPathName(path));
 }
 
+// gRPC orders each reactor below: the handler that made it comes before its first reaction, a
+// StartRead or Finish before the reactions it leads to, every reaction before OnDone. It does so
+// with synchronization ThreadSanitizer cannot see, so each reactor says so on itself
+// (HappensBefore just before it hands itself back to gRPC, HappensAfter first in a reaction).
+
 // Control.Watch, the client's liveness stream. It holds no thread while it is open: it reads
 // until the stream ends (the client closed it, its connection broke, or Reclaim cancelled it),
 // then reclaims the client.
@@ -106,6 +112,7 @@ class WatchReactor final : public grpc::ServerBidiReactor<v1::WatchRequest, v1::
   WatchReactor(Daemon* d, grpc::CallbackServerContext* ctx) : d_(d), ctx_(ctx) {
     absl::StatusOr<std::shared_ptr<ClientRecord>> c = d_->Authenticate(ctx);
     if (!c.ok()) {
+      HappensBefore(this);
       Finish(ToGrpcStatus(c.status()));
       return;
     }
@@ -118,6 +125,7 @@ class WatchReactor final : public grpc::ServerBidiReactor<v1::WatchRequest, v1::
       gone = c_->gone;
       if (!gone) c_->watch = ctx;
     }
+    HappensBefore(this);
     if (gone) {
       Finish(grpc::Status::OK);
       return;
@@ -126,7 +134,9 @@ class WatchReactor final : public grpc::ServerBidiReactor<v1::WatchRequest, v1::
   }
 
   void OnReadDone(bool ok) override {
+    HappensAfter(this);
     if (ok) {
+      HappensBefore(this);
       StartRead(&req_);
       return;
     }
@@ -136,10 +146,14 @@ class WatchReactor final : public grpc::ServerBidiReactor<v1::WatchRequest, v1::
     }
     // The stream ends when the client closes it or its process (and connection) is gone.
     d_->Reclaim(c_->id, "liveness stream ended");
+    HappensBefore(this);
     Finish(grpc::Status::OK);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    HappensAfter(this);
+    delete this;
+  }
 
  private:
   Daemon* d_;
@@ -165,19 +179,25 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
     absl::StatusOr<std::shared_ptr<ClientRecord>> c = d_->Authenticate(ctx);
     absl::Status started = c.ok() ? Start(std::move(*c)) : c.status();
     if (!started.ok()) Finish(ToGrpcStatus(started));
+    HappensBefore(this);
   }
 
   // Called only once the handler returned, so after Start.
   void OnCancel() override {
+    HappensAfter(this);
     std::shared_ptr<RendezvousCall> call;
     {
       std::lock_guard<std::mutex> lock(mu_);
       call = call_;
     }
     if (call) call->ClientGone();
+    HappensBefore(this);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    HappensAfter(this);
+    delete this;
+  }
 
  private:
   absl::Status Start(std::shared_ptr<ClientRecord> c) {
@@ -207,7 +227,9 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
                                       req_.world_size(), req_.rank(), agreement, mine,
                                       absl::Milliseconds(timeout_ms),
                                       [this](RendezvousTable::Verdict payloads) {
-                                        Finish(ToGrpcStatus(Complete(std::move(payloads))));
+                                        const absl::Status s = Complete(std::move(payloads));
+                                        HappensBefore(this);
+                                        Finish(ToGrpcStatus(s));
                                       }));
     std::lock_guard<std::mutex> lock(mu_);
     call_ = std::move(call);
@@ -267,14 +289,18 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   CreateSessionReactor(Daemon* d, grpc::CallbackServerContext* ctx,
                        const v1::CreateSessionRequest* req, v1::SessionInfo* resp)
       : d_(d), ctx_(ctx), req_(*req), resp_(resp) {
-    std::lock_guard<std::mutex> lock(mu_);
-    prepare_ = std::thread([this] {
-      absl::Status s = Prepare();
-      if (!s.ok()) Finish(ToGrpcStatus(s));
-    });
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      prepare_ = std::thread([this] {
+        absl::Status s = Prepare();
+        if (!s.ok()) Finish(ToGrpcStatus(s));
+      });
+    }
+    HappensBefore(this);
   }
 
   void OnCancel() override {
+    HappensAfter(this);
     std::shared_ptr<RendezvousCall> call;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -282,11 +308,14 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
       call = call_;
     }
     if (call) call->ClientGone();
+    HappensBefore(this);
   }
 
   // OnDone comes after Finish, and never on either thread; each has returned or is about to.
-  // (Prepare may still be storing the call under mu_: join without holding it.)
+  // (Prepare may still be storing the call under mu_: join without holding it.) Joining them
+  // orders what they did before what follows; ThreadSanitizer sees that itself.
   void OnDone() override {
+    HappensAfter(this);
     std::thread prepare, complete;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -923,20 +952,30 @@ class RendezvousReactor final : public grpc::ServerUnaryReactor {
     absl::StatusOr<uint64_t> id = table_.Arrive(
         req.key(), req.world_size(), req.rank(), req.agreement(), req.payload(),
         absl::Now() + absl::Milliseconds(timeout_ms), [this, resp](RendezvousTable::Verdict v) {
-          if (!v.ok()) return Finish(ToGrpcStatus(v.status()));
+          if (!v.ok()) {
+            HappensBefore(this);
+            return Finish(ToGrpcStatus(v.status()));
+          }
           for (auto& p : *v) resp->add_payloads(std::move(p));
+          HappensBefore(this);
           Finish(grpc::Status::OK);
         });
     if (!id.ok()) Finish(ToGrpcStatus(id.status()));
     else arrival_ = *id;
+    HappensBefore(this);
   }
 
   // Called only once the handler returned, so after Arrive; nothing once the step has its verdict.
   void OnCancel() override {
+    HappensAfter(this);
     if (arrival_ != 0) table_.Cancel(arrival_);
+    HappensBefore(this);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    HappensAfter(this);
+    delete this;
+  }
 
  private:
   RendezvousTable& table_;
