@@ -773,6 +773,15 @@ absl::StatusOr<Group> Client::JoinGroup(const GroupSpec& spec) {
                info.backend_reason()};
 }
 
+absl::Status Client::LeaveGroup(const Group& group) {
+  v1::LeaveGroupRequest req;
+  req.set_group_id(group.id);
+  v1::LeaveGroupResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  return FromGrpcStatus(impl_->stub->LeaveGroup(&ctx, req, &resp));
+}
+
 absl::StatusOr<std::unique_ptr<Session>> Client::CreateSession(const Group& group,
                                                                const SessionSpec& spec) {
   SessionGeometry g;

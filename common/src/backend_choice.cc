@@ -16,11 +16,20 @@ absl::Status Refused(const std::string& why) {
 }  // namespace
 
 std::string EncodeOffer(const BackendOffer& offer) {
-  return StrCat(offer.backend, offer.nccl ? kAlsoNccl : "", ":", offer.device);
+  return StrCat(offer.backend, offer.nccl ? kAlsoNccl : "", ":", offer.device,
+                offer.instance.empty() ? "" : "/", offer.instance);
 }
 
 absl::StatusOr<BackendOffer> DecodeOffer(std::string_view payload, int rank) {
   BackendOffer out;
+  if (const size_t slash = payload.rfind('/'); slash != std::string_view::npos) {
+    out.instance = std::string(payload.substr(slash + 1));
+    payload = payload.substr(0, slash);
+    if (out.instance.empty() || out.instance.size() > kMaxOfferInstanceChars ||
+        out.instance.find_first_not_of("0123456789abcdef") != std::string::npos)
+      return absl::FailedPreconditionError(
+          StrCat("rank ", rank, " sent a malformed join payload (its instance)"));
+  }
   const size_t colon = payload.rfind(':');
   std::string_view name = payload.substr(0, colon == std::string_view::npos ? 0 : colon);
   if (name.size() > kAlsoNccl.size() && name.substr(name.size() - kAlsoNccl.size()) == kAlsoNccl) {

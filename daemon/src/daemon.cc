@@ -489,11 +489,26 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
     s->Abort(kAbortClientGone);
     slot_bytes += s->reserved_bytes();
   }
+  // Its groups' other ranks would otherwise wait out their next session's rendezvous.
+  for (auto& [id, g] : groups) EndGroup(*g, StrCat("rank ", g->rank, "'s client went away"));
   ReleaseSlotMemory(slot_bytes);
   if (poll_wake_) (void)poll_wake_->Signal();
   Logger("main")->info("client {} ({}, pid {}) gone: {}; released {} session(s), {} buffer(s)",
                        c->id, c->name, PidText(c->pid, c->reported_pid), reason, sessions.size(),
                        buffers.size());
+}
+
+std::string SessionKeyPrefix(const Group& g) {
+  return StrCat("session/", g.name, "/", g.instance.empty() ? "-" : g.instance, "/");
+}
+
+void Daemon::EndGroup(const Group& g, const std::string& why) {
+  if (g.world_size <= 1 || g.members.empty()) return;
+  const absl::Status s = rendezvous_client_.EndGroup(
+      g.members[0], SessionKeyPrefix(g), StrCat("group ", g.name, " ended: ", why));
+  if (!s.ok())
+    Logger("peer")->warn("group {}: its end could not be told to rank 0: {}", g.name,
+                         std::string(s.message()));
 }
 
 absl::Status Daemon::ReserveSlotMemory(uint64_t bytes) {

@@ -55,7 +55,11 @@ struct Group {
   Backend* impl = nullptr;  ///< the daemon's backend that runs it (Daemon::backend_impl or nccl_backend)
   uint64_t owner_client = 0;
   std::atomic<uint64_t> sessions_created{0};  // collective counter: same on every rank
+  std::string instance;  ///< rank 0's join nonce: the same on every rank, new for every join
 };
+
+/// The start of every session rendezvous key of group instance `g`: "session/<name>/<instance>/".
+std::string SessionKeyPrefix(const Group& g);
 
 /// The call fast path of one client: its shared segment, rings and doorbells.
 struct ClientRings {
@@ -175,6 +179,10 @@ class Daemon {
   /// What this daemon lends the node's other daemons (session segments, device slots).
   FdExports& peer_exports() { return peer_exports_; }
   RendezvousClient& rendezvous_client() { return rendezvous_client_; }
+  /// A rank of group instance `g` left it (`why`): its session rendezvous fail at once for
+  /// every rank, at rank 0's table (RendezvousClient::EndGroup; asynchronous, a failure is
+  /// logged). Nothing for a group of one.
+  void EndGroup(const Group& g, const std::string& why);
   std::vector<std::shared_ptr<ClientRecord>> Clients();
   /// Reserves receive-slot memory against the budget; RESOURCE_EXHAUSTED when over.
   absl::Status ReserveSlotMemory(uint64_t bytes);

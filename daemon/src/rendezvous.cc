@@ -61,6 +61,8 @@ absl::StatusOr<uint64_t> RendezvousTable::Arrive(const std::string& key, int wor
   uint64_t id = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (const std::string* why = EndedLocked(key, absl::Now()))
+      return absl::AbortedError(StrCat("rendezvous ", key, " aborted: ", *why));
     std::shared_ptr<Entry> e;
     if (auto it = entries_.find(key); it != entries_.end()) {
       e = it->second;
@@ -183,10 +185,12 @@ void RendezvousTable::DeadlineLoop() {
   }
 }
 
-absl::Status ValidateAbort(const std::string& key, const std::string& reason) {
+absl::Status ValidateAbort(const std::string& key, const std::string& reason, bool prefix) {
   if (key.empty() || key.size() > kMaxRendezvousKeyBytes)
     return absl::InvalidArgumentError(
         StrCat("key: ", key.size(), " bytes, expected 1..", kMaxRendezvousKeyBytes));
+  if (prefix && key.back() != '/')
+    return absl::InvalidArgumentError("key: a prefix must end in '/'");
   if (reason.size() > kMaxRendezvousReasonBytes)
     return absl::InvalidArgumentError(
         StrCat("reason: ", reason.size(), " bytes exceed ", kMaxRendezvousReasonBytes));
@@ -206,6 +210,52 @@ absl::Status RendezvousTable::Abort(const std::string& key, const std::string& r
   }
   for (auto& [done, verdict] : answers) done(std::move(verdict));
   return absl::OkStatus();
+}
+
+absl::Status RendezvousTable::EndGroup(const std::string& prefix, const std::string& reason) {
+  ULY_RETURN_IF_ERROR(ValidateAbort(prefix, reason, /*prefix=*/true));
+  Answers answers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const absl::Time now = absl::Now();
+    // Forget what is too old, then the oldest while the table is full.
+    for (auto it = ended_.begin(); it != ended_.end();)
+      it = now - it->second.at > kEndedGroupMemory ? ended_.erase(it) : std::next(it);
+    while (ended_.size() >= kMaxEndedGroups && ended_.count(prefix) == 0) {
+      auto oldest = ended_.begin();
+      for (auto it = ended_.begin(); it != ended_.end(); ++it)
+        if (it->second.serial < oldest->second.serial) oldest = it;
+      ended_.erase(oldest);
+    }
+    ended_[prefix] = Ended{reason, now, next_id_++};
+    // The waiting steps under the prefix: the keys from `prefix` up to the first that no
+    // longer starts with it.
+    for (auto it = entries_.lower_bound(prefix);
+         it != entries_.end() && it->first.compare(0, prefix.size(), prefix) == 0;) {
+      const std::string key = it->first;
+      std::shared_ptr<Entry> e = it->second;
+      ++it;  // FinishLocked erases the entry
+      FinishLocked(key, *e, absl::AbortedError(StrCat("rendezvous ", key, " aborted: ", reason)),
+                   &answers);
+    }
+  }
+  for (auto& [done, verdict] : answers) done(std::move(verdict));
+  return absl::OkStatus();
+}
+
+const std::string* RendezvousTable::EndedLocked(const std::string& key, absl::Time now) {
+  if (ended_.empty()) return nullptr;
+  // Every prefix of the key that ends in '/', shortest first.
+  for (size_t slash = key.find('/'); slash != std::string::npos; slash = key.find('/', slash + 1)) {
+    auto it = ended_.find(key.substr(0, slash + 1));
+    if (it != ended_.end() && now - it->second.at <= kEndedGroupMemory) return &it->second.reason;
+  }
+  return nullptr;
+}
+
+size_t RendezvousTable::ended_groups() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ended_.size();
 }
 
 size_t RendezvousTable::pending() const {
@@ -274,6 +324,34 @@ absl::Status RendezvousClient::Abort(const std::string& address, const std::stri
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + RendezvousCall::kAbortTimeout));
   return FromGrpcStatus(stub->AbortRendezvous(&ctx, req, &resp));
+}
+
+absl::Status RendezvousClient::EndGroup(const std::string& address, const std::string& prefix,
+                                        const std::string& reason) {
+  ULY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, ChannelFor(address));
+  struct Call {
+    std::unique_ptr<v1::Peer::Stub> stub;
+    grpc::ClientContext ctx;
+    v1::AbortRendezvousRequest req;
+    v1::AbortRendezvousResponse resp;
+  };
+  auto call = std::make_shared<Call>();
+  call->stub = v1::Peer::NewStub(channel);
+  call->req.set_key(prefix);
+  call->req.set_reason(reason);
+  call->req.set_prefix(true);
+  call->ctx.set_deadline(absl::ToChronoTime(absl::Now() + RendezvousCall::kAbortTimeout));
+  // The call keeps itself (and its stub) alive until gRPC answers it.
+  HappensBefore(&call->ctx);
+  call->stub->async()->AbortRendezvous(&call->ctx, &call->req, &call->resp,
+                                       [call, address](grpc::Status s) {
+                                         HappensAfter(&call->ctx);
+                                         if (!s.ok())
+                                           Logger("peer")->warn("end of group {} at {}: {}",
+                                                                call->req.key(), address,
+                                                                s.error_message());
+                                       });
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<RendezvousCall>> RendezvousClient::Start(

@@ -38,6 +38,11 @@ inline constexpr size_t kMaxRendezvousReasonBytes = 4096;
 inline constexpr size_t kMaxPendingRendezvous = 4096;
 /// Longest wait one rank may ask for.
 inline constexpr int64_t kMaxRendezvousTimeoutMs = 3600 * 1000;
+/// Ended groups (RendezvousTable::EndGroup) remembered at once, and for how long: a prefix names
+/// one group instance (its join's nonce), so an entry can never refuse a later group, and the
+/// bounds only cap the memory (an arrival of an ended group older than both waits its timeout).
+inline constexpr size_t kMaxEndedGroups = 4096;
+inline constexpr absl::Duration kEndedGroupMemory = absl::Milliseconds(kMaxRendezvousTimeoutMs);
 
 /// Checks the fields of one arrival before anything is allocated for it: `key` of
 /// 1..kMaxRendezvousKeyBytes bytes, world_size in [1, kMaxWorldSize], rank in
@@ -46,8 +51,9 @@ absl::Status ValidateArrival(const std::string& key, int64_t world_size, int64_t
                              const std::string& agreement, const std::string& payload);
 
 /// Checks an abort: `key` of 1..kMaxRendezvousKeyBytes bytes, `reason` within
-/// kMaxRendezvousReasonBytes. INVALID_ARGUMENT names the field.
-absl::Status ValidateAbort(const std::string& key, const std::string& reason);
+/// kMaxRendezvousReasonBytes, and a `prefix` abort's key ending in '/'. INVALID_ARGUMENT names
+/// the field.
+absl::Status ValidateAbort(const std::string& key, const std::string& reason, bool prefix = false);
 
 /// Server side: the meeting point of the ranks of one collective step. Thread-safe. No arrival
 /// holds a thread while it waits: each is answered through its callback, by whoever decides the
@@ -84,8 +90,16 @@ class RendezvousTable {
   /// Fails the key for every waiting rank with ABORTED. INVALID_ARGUMENT (and nothing aborted)
   /// when `key` or `reason` is over its bound.
   absl::Status Abort(const std::string& key, const std::string& reason);
+  /// A member of a group left it (its client went away or left): every step whose key starts
+  /// with `prefix` (one group instance's session keys, ending in '/') fails for every waiting
+  /// rank with ABORTED, and so does every later arrival under such a key, at once, for
+  /// kEndedGroupMemory (at most kMaxEndedGroups prefixes, the oldest forgotten first).
+  /// INVALID_ARGUMENT (and nothing changed) when the fields fail ValidateAbort.
+  absl::Status EndGroup(const std::string& prefix, const std::string& reason);
   /// Number of keys with ranks waiting (for tests and state).
   size_t pending() const;
+  /// Number of ended-group prefixes remembered (for tests and state).
+  size_t ended_groups() const;
   /// Number of arrivals not answered yet, over all keys (for tests and state).
   size_t waiting() const;
 
@@ -115,6 +129,14 @@ class RendezvousTable {
   void FinishLocked(const std::string& key, Entry& e, const absl::Status& verdict, Answers* out);
   /// Fails every entry whose deadline passed, until the table is destroyed.
   void DeadlineLoop();
+  /// Why `key` belongs to an ended group, or null. Caller holds mu_.
+  const std::string* EndedLocked(const std::string& key, absl::Time now);
+
+  struct Ended {
+    std::string reason;
+    absl::Time at;
+    uint64_t serial = 0;  // the order of EndGroup calls
+  };
 
   mutable std::mutex mu_;
   std::condition_variable deadline_cv_;  // the earliest deadline changed, or stop_
@@ -122,6 +144,7 @@ class RendezvousTable {
   std::map<std::string, std::shared_ptr<Entry>> entries_;
   std::map<std::pair<absl::Time, uint64_t>, std::string> deadlines_;  // (deadline, serial) -> key
   std::map<uint64_t, Arrival> arrivals_;  // waiting arrivals by id
+  std::map<std::string, Ended> ended_;    // EndGroup's prefixes
   uint64_t next_id_ = 1;
   size_t waiting_ = 0;
   std::thread deadline_thread_;
@@ -216,6 +239,12 @@ class RendezvousClient {
   /// Fails `key` at rank 0's table (`address` as for Start) for every rank (AbortRendezvous).
   absl::Status Abort(const std::string& address, const std::string& key,
                      const std::string& reason);
+  /// Ends the group instance whose step keys start with `prefix` at rank 0's table
+  /// (RendezvousTable::EndGroup through AbortRendezvous with `prefix` set) and returns at once:
+  /// the answer, logged when it is an error, comes on a gRPC callback thread within
+  /// RendezvousCall::kAbortTimeout. INVALID_ARGUMENT when `address` is not a unix socket address.
+  absl::Status EndGroup(const std::string& address, const std::string& prefix,
+                        const std::string& reason);
 
  private:
   /// The channel to the node socket of member address `address`.

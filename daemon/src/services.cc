@@ -220,7 +220,8 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
                          RendezvousTimeoutMs(req_.timeout_ms(), d_->config().peer_timeout_ms));
     // Payload: this daemon's backend (and whether it also runs nccl) and device, so that every
     // rank reaches the same verdict on the group's backend (ChooseGroupBackend).
-    const std::string mine = EncodeOffer({d_->backend(), nccl != nullptr, d_->config().device});
+    const std::string mine =
+        EncodeOffer({d_->backend(), nccl != nullptr, d_->config().device, RandomToken()});
     ULY_ASSIGN_OR_RETURN(
         std::shared_ptr<RendezvousCall> call,
         d_->rendezvous_client().Start(req_.members(0), StrCat("join/", req_.name()),
@@ -265,10 +266,16 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
     g->backend_reason =
         own ? StrCat(verdict.reason, " (", d_->backend_reason(), ")") : verdict.reason;
     g->owner_client = c_->id;
+    g->instance = offers[0].instance;
+    bool gone = false;
     {
       std::lock_guard<std::mutex> lock(c_->mu);
-      c_->groups[g->id] = g;
+      gone = c_->gone;
+      if (!gone) c_->groups[g->id] = g;
     }
+    // Reclaimed while the ranks met: the group's end is told here, since the reclaim did not
+    // know of it.
+    if (gone) d_->EndGroup(*g, StrCat("rank ", g->rank, "'s client went away"));
     FillGroupInfo(*g, resp_);
     return absl::OkStatus();
   }
@@ -355,7 +362,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
     id_ = d_->NextId();
     const uint64_t seq = g_->sessions_created.fetch_add(1);
     timeout_ = absl::Milliseconds(checked.timeout_ms);
-    const std::string key = StrCat("session/", g_->name, "/", seq);
+    const std::string key = StrCat(SessionKeyPrefix(*g_), seq);
     // A fused session's weights are this rank's own: a rank that refuses them still arrives.
     FusedWeightsHeld weights;
     FusedSetup fused_setup;
@@ -590,9 +597,13 @@ class ControlService final
         if (s->group_id() == req->group_id())
           return absl::FailedPreconditionError(
               StrCat("group_id: group ", req->group_id(), " still has session ", id));
-      if (c.groups.erase(req->group_id()) == 0)
+      auto it = c.groups.find(req->group_id());
+      if (it == c.groups.end())
         return absl::NotFoundError(
             StrCat("group_id: ", req->group_id(), " not joined by this client"));
+      // The other ranks' later sessions of the group end at once instead of waiting for this one.
+      d_->EndGroup(*it->second, StrCat("rank ", it->second->rank, " left the group"));
+      c.groups.erase(it);
       return absl::OkStatus();
     });
   }
@@ -1001,7 +1012,9 @@ class PeerService final : public v1::Peer::CallbackService {
                                             const v1::AbortRendezvousRequest* req,
                                             v1::AbortRendezvousResponse*) override {
     if (!node_socket_) return Answer(ctx, NodeOnly("AbortRendezvous"));
-    return Answer(ctx, ToGrpcStatus(d_->rendezvous_table().Abort(req->key(), req->reason())));
+    RendezvousTable& table = d_->rendezvous_table();
+    return Answer(ctx, ToGrpcStatus(req->prefix() ? table.EndGroup(req->key(), req->reason())
+                                                  : table.Abort(req->key(), req->reason())));
   }
 
  private:

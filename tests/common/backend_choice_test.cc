@@ -8,6 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "status_matchers.h"
+#include "ulysses/common/strings.h"
 
 namespace ulysses {
 namespace {
@@ -40,10 +41,27 @@ TEST(BackendOfferTest, RoundTripsAndRefusesMalformedPayloadsNamingTheRank) {
     EXPECT_EQ(back->device, o.device);
   }
   EXPECT_EQ(EncodeOffer({"nvlink", true, 3}), "nvlink+nccl:3");
-  for (const char* bad : {"", "nvlink", "nvlink:", ":3", "+nccl:3", "nvlink:x"})
+  for (const char* bad : {"", "nvlink", "nvlink:", ":3", "+nccl:3", "nvlink:x", "nvlink:3/",
+                          "nvlink:3/XYZ", "nvlink:3/0a/0b", "nvlink/0a:3"})
     EXPECT_THAT(DecodeOffer(bad, 2).status(),
                 StatusIs(kRefused, HasSubstr("rank 2 sent a malformed join payload")))
         << bad;
+}
+
+TEST(BackendOfferTest, ANonceOfTheJoinTravelsWithTheOffer) {
+  const BackendOffer o{"nvlink", true, 3, "00ff1234abcd"};
+  EXPECT_EQ(EncodeOffer(o), "nvlink+nccl:3/00ff1234abcd");
+  auto back = DecodeOffer(EncodeOffer(o), 0);
+  ASSERT_THAT(back.status(), IsOk());
+  EXPECT_EQ(back->instance, "00ff1234abcd");
+  EXPECT_EQ(back->device, 3);
+  EXPECT_TRUE(back->nccl);
+  // An offer without one (a daemon of a release before it) still decodes.
+  auto old = DecodeOffer("host:1", 0);
+  ASSERT_THAT(old.status(), IsOk());
+  EXPECT_EQ(old->instance, "");
+  EXPECT_THAT(DecodeOffer(StrCat("host:1/", std::string(kMaxOfferInstanceChars + 1, 'a')), 1).status(),
+              StatusIs(kRefused, HasSubstr("rank 1 sent a malformed join payload")));
 }
 
 TEST(GroupBackendTest, PeersThatAllReachRunNvlink) {

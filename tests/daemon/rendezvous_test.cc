@@ -232,5 +232,61 @@ TEST(RendezvousTableTest, AbortAndTheTablesEndAnswerEveryRankWaiting) {
   EXPECT_EQ(left.Get().status().code(), absl::StatusCode::kAborted) << left.Get().status();
 }
 
+TEST(RendezvousTableTest, AnEndedGroupFailsItsWaitingAndItsLaterStepsButNoOtherGroups) {
+  RendezvousTable table;
+  const absl::Time hour = absl::Now() + absl::Hours(1);
+  Answer waiting, sibling, other, later;
+  ASSERT_TRUE(table.Arrive("session/g/a1/0", 2, 0, "a", "p", hour, waiting.Callback()).ok());
+  ASSERT_TRUE(table.Arrive("session/g/a1b/0", 2, 0, "a", "p", hour, sibling.Callback()).ok());
+  ASSERT_TRUE(table.Arrive("session/h/a1/0", 2, 0, "a", "p", hour, other.Callback()).ok());
+  ASSERT_TRUE(table.EndGroup("session/g/a1/", "group g ended: rank 1's client went away").ok());
+  // The waiting step of that instance ends at once, naming why.
+  EXPECT_EQ(waiting.calls(), 1);
+  EXPECT_EQ(waiting.Get().status().code(), absl::StatusCode::kAborted);
+  EXPECT_NE(waiting.Get().status().message().find("rank 1's client went away"), std::string::npos)
+      << waiting.Get().status();
+  // Another instance whose key merely starts with the same characters, and another group, wait on.
+  EXPECT_EQ(sibling.calls(), 0);
+  EXPECT_EQ(other.calls(), 0);
+  EXPECT_EQ(table.pending(), 2u);
+  EXPECT_EQ(table.ended_groups(), 1u);
+  // A later step of the ended instance is refused before it waits, and leaves no entry.
+  absl::StatusOr<uint64_t> refused =
+      table.Arrive("session/g/a1/1", 2, 0, "a", "p", hour, later.Callback());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kAborted) << refused.status();
+  EXPECT_NE(refused.status().message().find("group g ended"), std::string::npos)
+      << refused.status();
+  EXPECT_EQ(later.calls(), 0);
+  EXPECT_EQ(table.pending(), 2u);
+  // The other keys still complete.
+  Answer sibling1, other1;
+  ASSERT_TRUE(table.Arrive("session/g/a1b/0", 2, 1, "a", "q", hour, sibling1.Callback()).ok());
+  ASSERT_TRUE(table.Arrive("session/h/a1/0", 2, 1, "a", "q", hour, other1.Callback()).ok());
+  EXPECT_TRUE(sibling.Get().ok()) << sibling.Get().status();
+  EXPECT_TRUE(other.Get().ok()) << other.Get().status();
+  EXPECT_EQ(table.pending(), 0u);
+}
+
+TEST(RendezvousTableTest, EndGroupChecksItsFieldsAndRemembersAtMostItsBound) {
+  RendezvousTable table;
+  EXPECT_EQ(table.EndGroup("session/g/a1", "r").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(table.EndGroup("", "r").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(table.EndGroup(std::string(kMaxRendezvousKeyBytes, '/') + "/", "r").code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(table.EndGroup("session/g/a1/", std::string(kMaxRendezvousReasonBytes + 1, 'r')).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(table.ended_groups(), 0u);
+  for (size_t i = 0; i < kMaxEndedGroups + 10; ++i)
+    ASSERT_TRUE(table.EndGroup(StrCat("session/g/", i, "/"), "r").ok());
+  EXPECT_EQ(table.ended_groups(), kMaxEndedGroups);
+  // The newest are kept.
+  Answer a;
+  EXPECT_EQ(table.Arrive(StrCat("session/g/", kMaxEndedGroups + 9, "/0"), 2, 0, "a", "p",
+                         absl::Now() + absl::Hours(1), a.Callback())
+                .status()
+                .code(),
+            absl::StatusCode::kAborted);
+}
+
 }  // namespace
 }  // namespace ulysses::daemon

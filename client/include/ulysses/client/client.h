@@ -314,6 +314,10 @@ class Client {
   absl::Status FreeBuffer(uint64_t buffer_id);
   /// Collective: joins (forms) a group with the other ranks' daemons.
   absl::StatusOr<Group> JoinGroup(const GroupSpec& spec);
+  /// Leaves a joined group whose sessions are all closed (FAILED_PRECONDITION naming one that
+  /// is not; NOT_FOUND for a group this client did not join). The other ranks' later sessions
+  /// of the group then fail at once with ABORTED naming this rank.
+  absl::Status LeaveGroup(const Group& group);
   /// Collective over the group: every rank passes the same spec.
   absl::StatusOr<std::unique_ptr<Session>> CreateSession(const Group& group,
                                                          const SessionSpec& spec);

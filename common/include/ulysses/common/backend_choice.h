@@ -12,14 +12,20 @@
 
 namespace ulysses {
 
+/// Longest BackendOffer::instance.
+inline constexpr size_t kMaxOfferInstanceChars = 64;
+
 /// What one rank's daemon offers a group; its JoinGroup rendezvous payload.
 struct BackendOffer {
   std::string backend;  ///< the backend the daemon runs: host, nvlink or nccl
   bool nccl = false;    ///< an nvlink daemon that can also run nccl for groups that need it
   int32_t device = -1;  ///< the daemon's device
+  /// A nonce of this join, hex digits; rank 0's names the group instance that the join makes
+  /// (its session keys), so that a later group of the same name never shares them.
+  std::string instance;
 };
 
-/// "<backend>[+nccl]:<device>".
+/// "<backend>[+nccl]:<device>[/<instance>]".
 std::string EncodeOffer(const BackendOffer& offer);
 /// The offer of rank `rank`; FAILED_PRECONDITION naming the rank when the payload is malformed.
 absl::StatusOr<BackendOffer> DecodeOffer(std::string_view payload, int rank);
