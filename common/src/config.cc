@@ -130,13 +130,16 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
     DaemonLimits& d = c.limits;
     ULY_RETURN_IF_ERROR(CheckKeys(l, "limits", {"max_clients", "clients_per_uid",
                                                 "buffers_per_client", "buffer_bytes_per_client",
-                                                "buffer_bytes_per_uid", "pending_fds_per_client"}));
+                                                "buffer_bytes_per_uid", "pending_fds_per_client",
+                                                "calls_in_progress_per_client"}));
     ULY_RETURN_IF_ERROR(Read(l, "max_clients", "limits", &d.max_clients));
     ULY_RETURN_IF_ERROR(Read(l, "clients_per_uid", "limits", &d.clients_per_uid));
     ULY_RETURN_IF_ERROR(Read(l, "buffers_per_client", "limits", &d.buffers_per_client));
     ULY_RETURN_IF_ERROR(Read(l, "buffer_bytes_per_client", "limits", &d.buffer_bytes_per_client));
     ULY_RETURN_IF_ERROR(Read(l, "buffer_bytes_per_uid", "limits", &d.buffer_bytes_per_uid));
     ULY_RETURN_IF_ERROR(Read(l, "pending_fds_per_client", "limits", &d.pending_fds_per_client));
+    ULY_RETURN_IF_ERROR(Read(l, "calls_in_progress_per_client", "limits",
+                             &d.calls_in_progress_per_client));
   }
   if (root.contains("rings")) {
     const json& r = root["rings"];
@@ -298,7 +301,8 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
        {std::pair<const char*, int64_t>{"limits.max_clients", c.limits.max_clients},
         {"limits.clients_per_uid", c.limits.clients_per_uid},
         {"limits.buffers_per_client", c.limits.buffers_per_client},
-        {"limits.pending_fds_per_client", c.limits.pending_fds_per_client}})
+        {"limits.pending_fds_per_client", c.limits.pending_fds_per_client},
+        {"limits.calls_in_progress_per_client", c.limits.calls_in_progress_per_client}})
     if (value < 1) return Invalid(key, StrCat("must be >= 1, got ", value));
   if (c.limits.buffer_bytes_per_client == 0)
     return Invalid("limits.buffer_bytes_per_client", "must be >= 1, got 0");

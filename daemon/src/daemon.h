@@ -85,6 +85,7 @@ struct ClientRecord {
   uid_t uid = 0;
   absl::Time since;
   std::atomic<uint64_t> calls{0};
+  std::atomic<int32_t> unary_in_progress{0};  // Control requests running (limits.calls_in_progress_per_client)
 
   std::mutex mu;  // guards everything below
   bool gone = false;  // reclaimed: nothing may be added any more
@@ -179,6 +180,8 @@ class Daemon {
   /// What this daemon lends the node's other daemons (session segments, device slots).
   FdExports& peer_exports() { return peer_exports_; }
   RendezvousClient& rendezvous_client() { return rendezvous_client_; }
+  /// Counts a refusal by `limit` and returns RESOURCE_EXHAUSTED: "<what> (limits.<name> = N)".
+  absl::Status RefuseOverLimit(Limit limit, const std::string& what);
   /// A rank of group instance `g` left it (`why`): its session rendezvous fail at once for
   /// every rank, at rank 0's table (RendezvousClient::EndGroup; asynchronous, a failure is
   /// logged). Nothing for a group of one.
@@ -244,8 +247,6 @@ class Daemon {
   /// that maps them, and leave nothing in /dev/shm.) Called only once this device's sockets
   /// proved free (nobody listens on them).
   void RemoveLeftovers();
-  /// Counts a refusal by `limit` and returns RESOURCE_EXHAUSTED: "<what> (limits.<name> = N)".
-  absl::Status RefuseOverLimit(Limit limit, const std::string& what);
   /// Counts `c`, about to bind as `uid`, among that uid's clients (limits.clients_per_uid).
   /// Caller holds c.mu.
   absl::Status AdmitToUidLocked(ClientRecord& c, uid_t uid);

@@ -30,6 +30,10 @@ constexpr std::array<LimitTraits, kNumLimits> kLimits = {{
      [](const DaemonLimits& l) -> uint64_t {
        return static_cast<uint64_t>(l.pending_fds_per_client);
      }},
+    {Limit::kCallsInProgressPerClient, "calls_in_progress_per_client",
+     [](const DaemonLimits& l) -> uint64_t {
+       return static_cast<uint64_t>(l.calls_in_progress_per_client);
+     }},
 }};
 
 const LimitTraits& Traits(Limit limit) { return kLimits[static_cast<size_t>(limit)]; }

@@ -28,8 +28,9 @@ enum class Limit : int {
   kBufferBytesPerClient,
   kBufferBytesPerUid,
   kPendingFdsPerClient,
+  kCallsInProgressPerClient,
 };
-inline constexpr size_t kNumLimits = 6;
+inline constexpr size_t kNumLimits = 7;
 
 /// The config key under `limits` ("buffer_bytes_per_uid").
 std::string_view LimitName(Limit limit);

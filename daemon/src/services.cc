@@ -685,7 +685,20 @@ class ControlService final
   grpc::Status AsClient(grpc::ServerContext* ctx, F&& f) {
     absl::StatusOr<std::shared_ptr<ClientRecord>> c = d_->Authenticate(ctx);
     if (!c.ok()) return ToGrpcStatus(c.status());
-    return ToGrpcStatus(f(**c));
+    ClientRecord& client = **c;
+    // Each request holds a thread of the synchronous server until it returns: one client may
+    // hold only so many, so that it cannot take the server's threads from the others.
+    const int32_t limit = d_->config().limits.calls_in_progress_per_client;
+    const int32_t before = client.unary_in_progress.fetch_add(1);
+    struct Leave {
+      std::atomic<int32_t>& n;
+      ~Leave() { n.fetch_sub(1); }
+    } leave{client.unary_in_progress};
+    if (before >= limit)
+      return ToGrpcStatus(d_->RefuseOverLimit(
+          Limit::kCallsInProgressPerClient,
+          StrCat("client ", client.id, " has ", before, " requests in progress already")));
+    return ToGrpcStatus(f(client));
   }
 
   absl::Status DoAlloc(ClientRecord& c, const v1::AllocBufferRequest& req, v1::BufferInfo* resp) {

@@ -10,6 +10,7 @@
 
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "hostile_client.h"
@@ -232,6 +233,67 @@ TEST_F(QuotaTest, AClientThatNeverReadsItsFdSocketIsReclaimedNotWaitedFor) {
   auto bystander = Connect("bystander");
   ASSERT_NE(bystander, nullptr);
   EXPECT_TRUE(bystander->AllocBuffer(4096, "b").ok());
+}
+
+// Requests in progress per client: two RegisterBuffer requests wait for descriptors that have
+// not come, and hold the client's two places; every further request of that client is
+// RESOURCE_EXHAUSTED naming the limit (and counted) until a place frees up, while another
+// client is served. Once the descriptors arrive both registrations complete, and the client
+// is served again.
+TEST_F(QuotaTest, RequestsInProgressPerClientAreBounded) {
+  StartWithLimits(R"({"calls_in_progress_per_client": 2})");
+  absl::StatusOr<Attached> a = Attach();
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::StatusOr<ipc::UniqueFd> sock = Bind(*a);
+  ASSERT_TRUE(sock.ok()) << sock.status();
+  auto register_tag = [&](uint64_t tag) {
+    v1::RegisterBufferRequest req;
+    req.set_tag(tag);
+    req.set_name(StrCat("waits-", tag));
+    v1::BufferInfo info;
+    grpc::ClientContext ctx;
+    Authenticate(&ctx, *a);
+    return control_->RegisterBuffer(&ctx, req, &info);
+  };
+  auto free_unknown = [&] {
+    v1::FreeBufferRequest req;
+    req.set_buffer_id(987654321);
+    v1::FreeBufferResponse resp;
+    grpc::ClientContext ctx;
+    Authenticate(&ctx, *a);
+    return control_->FreeBuffer(&ctx, req, &resp);
+  };
+  grpc::Status waited[2];
+  std::thread first([&] { waited[0] = register_tag(1); });
+  std::thread second([&] { waited[1] = register_tag(2); });
+  // Once both wait inside the daemon, a third request is refused at once.
+  grpc::Status refused;
+  EXPECT_TRUE(Eventually([&] {
+    refused = free_unknown();
+    return refused.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
+  })) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("limits.calls_in_progress_per_client"), std::string::npos)
+      << refused.error_message();
+  EXPECT_NE(Metrics().find("ulyssesd_limit{limit=\"calls_in_progress_per_client\"} 2"),
+            std::string::npos);
+  EXPECT_EQ(Metrics().find("ulyssesd_limit_refusals_total{limit=\"calls_in_progress_per_client\"} 0"),
+            std::string::npos);
+  auto bystander = Connect("bystander");
+  ASSERT_NE(bystander, nullptr);
+  EXPECT_TRUE(bystander->AllocBuffer(4096, "b").ok());
+  // The descriptors come: both registrations complete.
+  absl::StatusOr<ipc::UniqueFd> memfd = ipc::CreateMemfd("late", 4096);
+  ASSERT_TRUE(memfd.ok());
+  ASSERT_TRUE(ipc::SealSize(memfd->get()).ok());
+  const int one[1] = {memfd->get()};
+  for (uint64_t tag : {1, 2})
+    ASSERT_TRUE(ipc::SendMessage(sock->get(), ipc::EncodeFdFrame({tag}), one).ok());
+  first.join();
+  second.join();
+  EXPECT_TRUE(waited[0].ok()) << waited[0].error_message();
+  EXPECT_TRUE(waited[1].ok()) << waited[1].error_message();
+  // Places free again: the client's next request is answered on its merits.
+  EXPECT_EQ(free_unknown().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 }  // namespace

@@ -26,6 +26,9 @@ struct DaemonLimits {
   uint64_t buffer_bytes_per_client = 256ull << 30;  ///< bytes of those buffers
   uint64_t buffer_bytes_per_uid = 512ull << 30;     ///< bytes of all buffers of one uid
   int32_t pending_fds_per_client = 64;   ///< descriptors sent but not yet claimed by RegisterBuffer
+  /// Unary Control requests of one client in progress at once: each holds a thread of the
+  /// daemon's synchronous gRPC server while it runs (a Call may wait for its peers).
+  int32_t calls_in_progress_per_client = 32;
 };
 
 /// Everything a daemon needs to run. Defaults are usable as is.
