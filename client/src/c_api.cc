@@ -1003,4 +1003,12 @@ void uly_dlpack_free(void* managed) {
   if (m->deleter != nullptr) m->deleter(m);
 }
 
+uly_status uly_stream_wait(void* consumer, void* producer) {
+  return Guard([&]() -> absl::Status {
+    if (!ulysses::ipc::cuda::Built())
+      return absl::UnimplementedError("uly_stream_wait: the library was built without CUDA");
+    return ulysses::ipc::cuda::StreamWaitStream(consumer, producer);
+  });
+}
+
 }  // extern "C"

@@ -514,6 +514,18 @@ absl::Status SyncStream(void* stream) {
   return absl::OkStatus();
 }
 
+absl::Status StreamWaitStream(void* consumer, void* producer) {
+  if (consumer == producer) return absl::OkStatus();
+  cudaEvent_t ev = nullptr;
+  ULY_CUDART(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  cudaError_t err = cudaEventRecord(ev, static_cast<cudaStream_t>(producer));
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(static_cast<cudaStream_t>(consumer), ev, 0);
+  // An event destroyed with its wait enqueued still orders the wait.
+  cudaEventDestroy(ev);
+  if (err != cudaSuccess) return RtError("cudaEventRecord / cudaStreamWaitEvent", err);
+  return absl::OkStatus();
+}
+
 // Driver calls need a current context, which a thread that never called the runtime has not:
 // make the runtime's (the current device's primary context) current first.
 absl::Status EnsureContext() {

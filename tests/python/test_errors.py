@@ -209,7 +209,7 @@ def test_an_abi_of_another_major_version_is_refused(sockets):
 
 def test_a_caller_of_an_older_minor_version_is_served(sockets):
     lib = _capi.library()
-    assert lib.uly_abi_version() == _capi.ABI_VERSION == (1 << 16) | 4
+    assert lib.uly_abi_version() == _capi.ABI_VERSION == (1 << 16) | 5
     opts = _capi.new(_capi.ConnectOptions)
     opts.socket = sockets[0].encode()
     out = ctypes.c_void_p()
@@ -238,3 +238,12 @@ def test_a_missing_library_is_named(tmp_path):
     p = subprocess.run([sys.executable, "-c", "import ulysses; ulysses.connect()"], env=env,
                        capture_output=True, text=True)
     assert p.returncode != 0 and "set ULYSSES_LIBRARY" in p.stderr and "nope.so" in p.stderr
+
+
+def test_a_stream_waits_for_itself_without_cuda_work_and_a_build_without_cuda_says_so():
+    lib = _capi.library()
+    rc = lib.uly_stream_wait(None, None)
+    if lib.uly_cuda_built():
+        assert rc == 0, lib.uly_last_error()  # the same stream: nothing to order
+    else:
+        assert rc == 12 and b"without CUDA" in lib.uly_last_error()  # UNIMPLEMENTED

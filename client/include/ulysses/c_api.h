@@ -16,6 +16,7 @@
  * uly_session_qkv_norm_rope_exchange), ULY_DTYPE_INT32 for its positions, uly_session_describe.
  * 1.3: DLPack export of results (uly_result_to_dlpack, uly_dlpack_free). 1.4: fused calls
  * through the rings (uly_session_qkv_norm_rope_submit, uly_session_qkv_norm_rope_wait).
+ * 1.5: uly_stream_wait (a consumer stream ordered after a producer stream).
  *
  * Thread-safety: a uly_client may be used from several threads at once; each uly_session
  * from one thread at a time (calls on a session are ordered, like work on a CUDA stream).
@@ -42,7 +43,7 @@ extern "C" {
 
 /** The ABI version of this header: major << 16 | minor. */
 #define ULY_ABI_VERSION_MAJOR 1
-#define ULY_ABI_VERSION_MINOR 4
+#define ULY_ABI_VERSION_MINOR 5
 #define ULY_ABI_VERSION ((ULY_ABI_VERSION_MAJOR << 16) | ULY_ABI_VERSION_MINOR)
 
 /** Most dimensions a uly_tensor describes. The head-exchange ops take 4. */
@@ -336,6 +337,13 @@ ULY_API uly_status uly_result_to_dlpack(uly_result* result, void** managed);
 /** Runs the deleter of a DLManagedTensor that uly_result_to_dlpack made and no consumer
  *  took. NULL is ignored. */
 ULY_API void uly_dlpack_free(void* managed);
+/** Enqueues on CUDA stream `consumer` a wait for the work enqueued on stream `producer` so far
+ *  (since ABI 1.5): an event recorded on `producer` and waited on by `consumer`, so no host
+ *  thread waits. Each is a cudaStream_t; NULL is the legacy default stream. Nothing when both
+ *  are the same. What a consumer of a device result on another stream than its call's needs
+ *  first (the DLPack exchange protocol's `stream`). UNIMPLEMENTED in a library built without
+ *  CUDA; INTERNAL with CUDA's message when a stream is not valid. */
+ULY_API uly_status uly_stream_wait(void* consumer, void* producer);
 
 /* ---------------------------------------------------------------------------------------- */
 /* The fused session: qkv_norm_rope_exchange (since ABI 1.2)                                 */

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 ABI_VERSION_MAJOR = 1
-ABI_VERSION_MINOR = 4
+ABI_VERSION_MINOR = 5
 ABI_VERSION = (ABI_VERSION_MAJOR << 16) | ABI_VERSION_MINOR
 MAX_DIMS = 8
 
@@ -155,6 +155,7 @@ _SIGNATURES = {
     "uly_result_free": (None, [_vp]),
     "uly_result_to_dlpack": (_i32, [_vp, _P(_vp)]),
     "uly_dlpack_free": (None, [_vp]),
+    "uly_stream_wait": (_i32, [_vp, _vp]),
 }
 
 LIBRARY_NAME = "libulysses_client.so.%d" % ABI_VERSION_MAJOR

@@ -477,7 +477,7 @@ class _Session:
             return _torch.dlpack_slot_tensor(lib, managed.value, slot)
         bf16 = self._dtype_code == _capi.DTYPE_BFLOAT16
         typestr = "<i2" if bf16 else _NUMPY_DTYPES[self._dtype_code].str
-        return _torch.DeviceSlot(slot, typestr, bf16, part)
+        return _torch.DeviceSlot(slot, typestr, bf16, part, _capi.library())
 
     def _slot_array(self, slot: _Slot, like: Optional[np.dtype], part: int = 0) -> SlotArray:
         dtype = _NUMPY_DTYPES[self._dtype_code]

@@ -112,15 +112,23 @@ class DeviceSlot:
     valid in the order of the call's stream (torch's current stream at the call): work on
     that stream sees it; another stream must wait for that stream first. The interface's
     ``stream`` entry names that stream (1 for the legacy default stream), so consumers that
-    follow version 3 (cupy, numba) order their use after it. Read-only,
+    follow version 3 (cupy, numba) order their use after it. It is also a DLPack producer
+    (``__dlpack__``, ``__dlpack_device__``): ``torch.from_dlpack(slot)``, ``cupy.from_dlpack``
+    or ``jax.dlpack.from_dlpack`` view it without a copy, and a consumer that names another
+    stream gets a wait for the call's stream enqueued on its own (no host wait). Read-only,
     although the interface cannot say so (torch refuses the read-only flag): a kernel writing
     into it faults. bfloat16 results are exposed as int16 bits (``typestr`` ``<i2``); torch
     users get a bfloat16 tensor from the calls directly."""
 
-    __slots__ = ("__cuda_array_interface__", "_slot", "bfloat16", "__weakref__")
+    __slots__ = ("__cuda_array_interface__", "_slot", "_part", "_lib", "_device", "bfloat16",
+                 "__weakref__")
 
-    def __init__(self, slot: Any, typestr: str, bfloat16: bool, part: int = 0):
+    def __init__(self, slot: Any, typestr: str, bfloat16: bool, part: int = 0,
+                 lib: Any = None):
         self._slot = slot
+        self._part = part
+        self._lib = lib  # the C library (for the DLPack export); None: no DLPack
+        self._device: Optional[tuple] = None
         self.bfloat16 = bfloat16
         data, shape, _ = slot.parts[part]  # q, k or v of a fused call's slot: part 0, 1, 2
         stream = getattr(slot, "stream", None)
@@ -145,9 +153,136 @@ class DeviceSlot:
         """Gives the receive slot back now; do not read the data afterwards. Idempotent."""
         self._slot.release()
 
+    def _export(self) -> int:
+        """A DLManagedTensor of the result (its own reference on the slot)."""
+        if self._lib is None:
+            raise BufferError("DeviceSlot: made without the library; no DLPack export")
+        managed = ctypes.c_void_p()
+        status = self._lib.uly_result_to_dlpack(self._slot._handles[self._part].ptr,
+                                                ctypes.byref(managed))
+        if status != 0:
+            raise BufferError("DeviceSlot: " + self._lib.uly_last_error().decode("utf-8", "replace"))
+        return int(managed.value)
+
+    def __dlpack_device__(self) -> tuple:
+        """(kDLCUDA, device ordinal) of the slot, as the DLPack exchange protocol asks."""
+        if self._device is None:
+            managed = self._export()
+            try:
+                dl = _DLManagedTensor.from_address(managed).dl_tensor
+                self._device = (int(dl.device_type), int(dl.device_id))
+            finally:
+                self._lib.uly_dlpack_free(managed)
+        return self._device
+
+    def __dlpack__(self, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: Optional[bool] = None) -> Any:
+        """A "dltensor" capsule viewing the slot (DLPack 0.6+ legacy form, no copy). `stream`
+        is the consumer's CUDA stream as the protocol gives it: None or 1 the legacy default
+        stream, 2 the per-thread default stream, -1 no ordering, else a cudaStream_t. When it
+        is not the call's stream, a wait for the call's stream is enqueued on it first."""
+        if copy:
+            raise BufferError("DeviceSlot: the result is shared in place; no copy is made "
+                              "(copy=True)")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError("DeviceSlot: dl_device %r: the slot is on %r"
+                              % (tuple(dl_device), self.__dlpack_device__()))
+        if stream == 0:
+            raise ValueError("stream: 0 is ambiguous in the DLPack protocol; pass 1 for the "
+                             "legacy default stream")
+        if stream != -1:
+            consumer = _protocol_stream(1 if stream is None else int(stream))
+            producer = _protocol_stream(int(self._slot.stream or 1))
+            if consumer != producer:
+                status = self._lib.uly_stream_wait(consumer, producer)
+                if status != 0:
+                    raise BufferError("stream: " + self._lib.uly_last_error().decode(
+                        "utf-8", "replace"))
+        return _owned_capsule(self._lib, self._export())
+
     def __repr__(self) -> str:
         return "DeviceSlot(shape=%s, typestr=%r, epoch=%d, held=%s)" % (
             self.shape, self.__cuda_array_interface__["typestr"], self.epoch, self.held)
+
+
+def _protocol_stream(stream: int) -> Optional[int]:
+    """A stream as the DLPack protocol names it, as a cudaStream_t for the C library (None is
+    NULL, the legacy default stream)."""
+    if stream == 1:
+        return None
+    if stream == 2:
+        return 2  # cudaStreamPerThread
+    return stream
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", ctypes.c_uint32), ("shape", ctypes.c_void_p),
+                ("strides", ctypes.c_void_p), ("byte_offset", ctypes.c_uint64)]
+
+    @property
+    def device_type(self) -> int:
+        return self.device.device_type
+
+    @property
+    def device_id(self) -> int:
+        return self.device.device_id
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+# A capsule that no consumer took (its name still "dltensor") gives its tensor back when it
+# goes: the destructor runs the tensor's deleter. Consumers rename what they take.
+_DLTENSOR_NAME = ctypes.c_char_p(b"dltensor")
+_capsule_api: Any = None
+
+
+def _capsule_functions() -> Any:
+    global _capsule_api
+    if _capsule_api is None:
+        api = ctypes.pythonapi
+        new = api.PyCapsule_New
+        new.restype = ctypes.py_object
+        new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        valid = api.PyCapsule_IsValid
+        valid.restype = ctypes.c_int
+        valid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        pointer = api.PyCapsule_GetPointer
+        pointer.restype = ctypes.c_void_p
+        pointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        _capsule_api = (new, valid, pointer)
+    return _capsule_api
+
+
+_free_unconsumed: Any = None
+
+
+def _owned_capsule(lib: Any, managed: int) -> Any:
+    """A "dltensor" capsule of `managed` whose destructor frees it unless a consumer took it."""
+    global _free_unconsumed
+    new, valid, pointer = _capsule_functions()
+    if _free_unconsumed is None:
+        free = lib.uly_dlpack_free
+
+        @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+        def destructor(capsule: int) -> None:
+            if valid(capsule, _DLTENSOR_NAME):
+                free(pointer(capsule, _DLTENSOR_NAME))
+
+        _free_unconsumed = destructor  # kept for the life of the process
+    try:
+        # The name must outlive the capsule: _DLTENSOR_NAME's buffer lives as long as the module.
+        return new(managed, _DLTENSOR_NAME, ctypes.cast(_free_unconsumed, ctypes.c_void_p))
+    except BaseException:
+        lib.uly_dlpack_free(managed)
+        raise
 
 
 def current_stream(t: Any) -> int:

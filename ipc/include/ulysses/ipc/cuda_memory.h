@@ -162,6 +162,9 @@ absl::Status Copy(void* dst, const void* src, size_t bytes);
 absl::Status Fill(void* dst, int value, size_t bytes);
 /// cudaStreamSynchronize (`stream` a cudaStream_t; nullptr: the legacy default stream).
 absl::Status SyncStream(void* stream);
+/// Enqueues on `consumer` a wait for the work enqueued on `producer` so far (an event recorded
+/// on one, waited on by the other); no host thread waits. Nothing when they are the same.
+absl::Status StreamWaitStream(void* consumer, void* producer);
 
 
 /// 64-bit stream memory operations on device words, enqueued on `stream` (a cudaStream_t;
