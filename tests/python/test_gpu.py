@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
@@ -210,8 +211,15 @@ def check_reallocated(sockets: List[str], sl: int = 8192) -> List[bool]:
     """A tensor freed and allocated again between calls: the caching allocator gives its
     segment back (empty_cache) and a new tensor likely lands at the same address, in a new
     allocation. The second call must read the new data. The tensors are 16 MiB (sl 8192) so
-    that each has a segment of its own. Returns, per rank, whether the address was reused."""
+    that each has a segment of its own. Returns, per rank, whether the address was reused.
+
+    The ranks are threads of one process, so the free waits at a barrier for every rank: a
+    free that gives memory back to CUDA (cudaFree, or the unmapping of expandable segments)
+    waits for the whole device, which in this process includes the other rank's stream, and
+    that stream, waiting for its own next call, waits for this rank's next call (docs/api.md
+    section 10.2, ranks driven as threads of one process)."""
     W, name = len(sockets), unique("realloc")
+    everyone = threading.Barrier(W)
     heads = 8
     HL = heads // W
     first = [inputs(600 + j, (1, sl, heads, D)) for j in range(W)]
@@ -226,6 +234,7 @@ def check_reallocated(sockets: List[str], sl: int = 8192) -> List[bool]:
             want = torch.cat([first[j][:, :, r * HL:(r + 1) * HL] for j in range(W)], dim=1)
             assert_same(band, want, "scatter_heads before the free")
             del band
+            everyone.wait()  # no rank has a call outstanding now
             address = x.data_ptr()
             del x
             torch.cuda.synchronize(dev)
@@ -233,12 +242,63 @@ def check_reallocated(sockets: List[str], sl: int = 8192) -> List[bool]:
             x = torch.empty((1, sl, heads, D), dtype=torch.bfloat16, device=dev)
             reused = x.data_ptr() == address
             x.copy_(second[r])
+            everyone.wait()  # every rank's free is done before any rank calls again
             band = hx.scatter_heads(x)
             want = torch.cat([second[j][:, :, r * HL:(r + 1) * HL] for j in range(W)], dim=1)
             assert_same(band, want, "scatter_heads of the re-allocated tensor")
             return reused
 
     return run_ranks(W, rank)
+
+
+def check_device_slot_dlpack(sockets: List[str]) -> None:
+    """A result as a process without torch's fast path gets it (a DeviceSlot) through the
+    DLPack protocol: torch.from_dlpack views the slot without a copy, bit-exact, from another
+    stream than the call's, which the producer orders after the call's stream on the device
+    (the input is written after a long sleep on the call's stream, so an unordered read would
+    see the zeros before it). A capsule no consumer took gives its tensor back when it goes."""
+    W, name = len(sockets), unique("dlpack")
+    HL = H // W
+    xs = [inputs(900 + j, (B, SL, H, D)) for j in range(W)]
+
+    def rank(r: int) -> None:
+        dev = rank_device(r)
+        c, hx = session(sockets, r, name)
+        with c, hx:
+            src = xs[r].to(dev)
+            x = torch.zeros_like(src)
+            torch.cuda._sleep(200_000_000)  # a few tens of ms on the call's stream
+            x.copy_(src)
+            ds = hx.scatter_heads(x)
+            assert isinstance(ds, ulysses._torch.DeviceSlot), type(ds)
+            assert ds.__dlpack_device__() == (2, dev.index), ds.__dlpack_device__()
+            unconsumed = ds.__dlpack__(stream=-1)
+            del unconsumed
+            other = torch.cuda.Stream(dev)
+            with torch.cuda.stream(other):
+                t = torch.from_dlpack(ds)  # the consumer's stream is `other`
+                got = t.view(torch.int16).clone()
+            assert t.data_ptr() == ds.__cuda_array_interface__["data"][0], "a copy was made"
+            assert t.dtype == torch.bfloat16 and tuple(t.shape) == (B, W * SL, HL, D)
+            other.synchronize()
+            want = torch.cat([xs[j][:, :, r * HL:(r + 1) * HL] for j in range(W)], dim=1)
+            assert torch.equal(got.cpu(), want.view(torch.int16)), "not bit-exact"
+            try:
+                ds.__dlpack__(copy=True)
+                raise AssertionError("copy=True was accepted")
+            except BufferError as e:
+                assert "copy" in str(e), e
+            del t, got
+            ds.release()
+
+    # Device results come as DeviceSlot when torch is not imported; every rank's thread sees
+    # the same answer while they run.
+    fast_path = ulysses._torch.is_available
+    ulysses._torch.is_available = lambda: False
+    try:
+        run_ranks(W, rank)
+    finally:
+        ulysses._torch.is_available = fast_path
 
 
 def check_release_on_drop(socket: str) -> None:
@@ -434,6 +494,10 @@ if pytest is not None and __name__ != "__main__":
     def test_a_freed_and_reallocated_tensor_gives_the_new_data(gpu_sockets, world):
         print("address reused:", check_reallocated(gpu_sockets[:world]))
 
+    @pytest.mark.parametrize("world", [1, 2])
+    def test_a_device_slot_is_a_dlpack_producer_ordered_on_the_consumers_stream(gpu_sockets, world):
+        check_device_slot_dlpack(gpu_sockets[:world])
+
     def test_results_are_released_on_drop(cluster):
         sock, = cluster.start(1, ["--call-timeout-ms", "300"], backend="nvlink", gpus=GPUS)
         check_release_on_drop(sock)
@@ -483,6 +547,8 @@ def main() -> int:
                     lambda w=w: print("  address reused:", check_reallocated(socks[:w])))
                    for w in (1, 2)]
         checks += [("expandable segments W=%d" % w, lambda w=w: check_expandable_segments(socks[:w]))
+                   for w in (1, 2)]
+        checks += [("DLPack device slot W=%d" % w, lambda w=w: check_device_slot_dlpack(socks[:w]))
                    for w in (1, 2)]
         checks += [("release on drop", lambda: check_release_on_drop(slow)),
                    ("host and device operands", lambda: check_refusals(socks[0]))]
