@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -109,18 +110,39 @@ TEST_F(FdSocketTest, TheSameFramesFromASecondUidAreRefusedAndEveryoneStaysServed
   if (::geteuid() != 0) GTEST_SKIP() << "a process of a second uid needs root";
   ASSERT_EQ(::chmod(dir_.c_str(), 0711), 0);
   ASSERT_TRUE(Serving());  // this test's own channel is connected before the baseline
+  // A client of this uid with a session and a buffer, whose ids the other uid is given to
+  // forge descriptors with; its calls stay exact.
+  auto owner = client::Client::Connect({daemon_.socket(), "owner", absl::Seconds(10)});
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  auto group = (*owner)->JoinGroup({"owner", 1, 0, {daemon_.socket()}, "auto", 0});
+  ASSERT_TRUE(group.ok()) << group.status();
+  auto session = (*owner)->CreateSession(*group, {4, 8, DType::kFloat32, 16, 2, {}, 0});
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto x = (*owner)->AllocBuffer(16 * 4 * 8 * 4, "x");
+  ASSERT_TRUE(x.ok()) << x.status();
+  auto* xf = static_cast<float*>(x->data);
+  for (int i = 0; i < 16 * 4 * 8; ++i) xf[i] = static_cast<float>(i) * 0.5f - 3.0f;
+  auto exact = [&]() -> bool {
+    auto r = (*session)->ScatterHeads(x->Ref(), 1, 16);
+    if (!r.ok()) return false;
+    const bool same = std::memcmp(r->data, xf, 16 * 4 * 8 * 4) == 0;  // a group of one
+    return r->Release().ok() && same;
+  };
+  ASSERT_TRUE(exact());
   const int baseline = CountFdsButPipes(daemon_.pid());
   ASSERT_GT(baseline, 0);
   const std::string before = DescribeFds(daemon_.pid());
   const std::string socket = daemon_.socket();
+  const std::string other_session = std::to_string((*session)->id());
+  const std::string other_buffer = std::to_string(x->id);
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
     const gid_t groups[] = {::getegid()};
     if (::setgroups(1, groups) != 0 || ::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(76);
     if (::access(SECOND_UID_CLIENT_PATH, X_OK) != 0) ::_exit(77);
-    ::execl(SECOND_UID_CLIENT_PATH, SECOND_UID_CLIENT_PATH, socket.c_str(),
-            static_cast<char*>(nullptr));
+    ::execl(SECOND_UID_CLIENT_PATH, SECOND_UID_CLIENT_PATH, socket.c_str(), other_session.c_str(),
+            other_buffer.c_str(), static_cast<char*>(nullptr));
     ::_exit(78);
   }
   int exited = -1;
@@ -138,12 +160,13 @@ TEST_F(FdSocketTest, TheSameFramesFromASecondUidAreRefusedAndEveryoneStaysServed
   if (exited == 77) GTEST_SKIP() << "uid 65534 cannot reach " << SECOND_UID_CLIENT_PATH;
   ASSERT_EQ(exited, 0) << "the other uid's client failed (its stderr says why)";
   ASSERT_TRUE(Serving());
+  EXPECT_TRUE(exact()) << "the owner's session after the other uid's forged descriptors";
   {
     auto c = client::Client::Connect({daemon_.socket(), "bystander", absl::Seconds(10)});
     ASSERT_TRUE(c.ok()) << c.status();
     EXPECT_TRUE((*c)->AllocBuffer(4096, "b").ok());
   }
-  EXPECT_TRUE(Eventually([&] { return NumClients() == 0; })) << NumClients() << " clients left";
+  EXPECT_TRUE(Eventually([&] { return NumClients() == 1; })) << NumClients() << " clients left";
   EXPECT_TRUE(Eventually([&] { return CountFdsButPipes(daemon_.pid()) == baseline; }))
       << CountFdsButPipes(daemon_.pid()) << " descriptors, baseline " << baseline << "\nbefore:\n"
       << before << "after:\n" << DescribeFds(daemon_.pid());
