@@ -625,17 +625,7 @@ absl::StatusOr<Buffer> Client::RegisterDeviceBuffer(void* ptr, uint64_t bytes,
   if (device >= 0 && a.device != device)
     return absl::InvalidArgumentError(
         StrCat("ptr: memory of device ", a.device, ", not of device ", device));
-  if (a.vmm) {
-    // Experimental (docs/api.md): on the H200, a second client process of a daemon read zeros
-    // from such a tensor at W = 2; until that is understood the path is opt-in.
-    const char* opt_in = std::getenv("ULYSSES_EXPERIMENTAL_VMM_TENSORS");
-    if (opt_in == nullptr || std::string_view(opt_in) != "1")
-      return absl::UnimplementedError(
-          "ptr: memory of a CUDA VMM allocation (cuMemCreate, e.g. torch's expandable "
-          "segments); its registration is experimental: set ULYSSES_EXPERIMENTAL_VMM_TENSORS=1 "
-          "to use it, or allocate with cudaMalloc");
-    return RegisterVmmBuffer(ptr, bytes, name, a.device);
-  }
+  if (a.vmm) return RegisterVmmBuffer(ptr, bytes, name, a.device);
   const uint64_t offset = static_cast<uint64_t>(static_cast<uint8_t*>(ptr) - static_cast<uint8_t*>(a.base));
   if (offset + bytes > a.size)
     return absl::InvalidArgumentError(StrCat("bytes: ", bytes, " at offset ", offset,

@@ -169,10 +169,6 @@ class VmmPieces {
 
 TEST_F(GpuCluster, VmmTensorsOverSeveralMappingsAndAPieceMappedAgain) {
   ASSERT_TRUE(VmmDriver::Get().ok()) << "the driver lacks the VMM entry points";
-  ::unsetenv("ULYSSES_EXPERIMENTAL_VMM_TENSORS");
-  struct OptOut {
-    ~OptOut() { ::unsetenv("ULYSSES_EXPERIMENTAL_VMM_TENSORS"); }
-  } opt_out;
   Start(1);
   auto client = client::Client::Connect({Members(1)[0], "vmm"});
   ASSERT_TRUE(client.ok()) << client.status();
@@ -189,14 +185,6 @@ TEST_F(GpuCluster, VmmTensorsOverSeveralMappingsAndAPieceMappedAgain) {
   const size_t n = static_cast<size_t>(S) * H * D;
   VmmPieces pieces(*g);
   uint8_t* x = pieces.at(*g / 2);
-  // Without the opt-in, such memory is refused and the message says how to opt in.
-  auto refused_by_default = (*client)->RegisterDeviceBuffer(x, n * sizeof(float), "x", 0);
-  EXPECT_EQ(refused_by_default.status().code(), absl::StatusCode::kUnimplemented)
-      << refused_by_default.status();
-  EXPECT_NE(refused_by_default.status().message().find("ULYSSES_EXPERIMENTAL_VMM_TENSORS=1"),
-            std::string::npos)
-      << refused_by_default.status();
-  ASSERT_EQ(::setenv("ULYSSES_EXPERIMENTAL_VMM_TENSORS", "1", 1), 0);
   std::vector<float> host(n), got(n);
   uint64_t first_id = 0;
   for (int round = 0; round < 3; ++round) {

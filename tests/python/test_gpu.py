@@ -421,14 +421,7 @@ def expandable_segments(sockets: List[str]) -> None:
     allocator's 20 MiB pieces, freed and allocated again between calls."""
     x = torch.empty((1, 1 << 20), dtype=torch.bfloat16, device="cuda")
     assert not legacy_ipc_capable(x), "the allocator does not use expandable segments"
-    # Without the opt-in such a tensor is refused, and the message says how to opt in.
-    os.environ.pop("ULYSSES_EXPERIMENTAL_VMM_TENSORS", None)
-    c, hx = session(sockets[:1], 0, unique("vmm-refused"))
-    with c, hx:
-        raises(ulysses.UnimplementedError, lambda: hx.scatter_heads(x[:, :B * SL * H * D].view(B, SL, H, D)),
-               "ULYSSES_EXPERIMENTAL_VMM_TENSORS=1")
     del x
-    os.environ["ULYSSES_EXPERIMENTAL_VMM_TENSORS"] = "1"
     check_exchanges(sockets)
     print("expandable segments: address reused:", check_reallocated(sockets, sl=3 * 8192))
     print("expandable segments: ok")
@@ -436,9 +429,7 @@ def expandable_segments(sockets: List[str]) -> None:
 
 def check_expandable_segments(sockets: List[str]) -> None:
     """The checks of expandable_segments() in a fresh process whose torch allocator hands out
-    CUDA VMM memory (the allocator's mode is fixed when CUDA starts in a process). Such tensors
-    are registered only with ULYSSES_EXPERIMENTAL_VMM_TENSORS=1 (docs/api.md section 1.5:
-    at W = 2 a second client process of a daemon was seen reading zeros; KNOWN_FAILURES)."""
+    CUDA VMM memory (the allocator's mode is fixed when CUDA starts in a process)."""
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     p = subprocess.run([sys.executable, __file__, "--expandable-segments", *sockets], env=env,
                        capture_output=True, text=True, timeout=300)
@@ -461,10 +452,7 @@ def check_example(world: int, dtype: str) -> None:
 
 
 # Checks that fail for a known defect, not yet fixed: reported, not counted as failures.
-KNOWN_FAILURES = {
-    "expandable segments W=2": "docs/api.md section 1.5: a client process that follows another "
-                               "on the same daemon reads zeros from a VMM tensor allocated again",
-}
+KNOWN_FAILURES: dict = {}
 
 
 # -- pytest ----------------------------------------------------------------------------------
@@ -514,9 +502,7 @@ if pytest is not None and __name__ != "__main__":
     def test_both_fused_paths_on_cuda_match_the_host_reference(gpu_sockets, path):
         check_fused(gpu_sockets[:2], "bshd", path)
 
-    @pytest.mark.parametrize("world", [
-        1, pytest.param(2, marks=pytest.mark.xfail(reason=KNOWN_FAILURES["expandable segments W=2"],
-                                                   strict=False))])
+    @pytest.mark.parametrize("world", [1, 2])
     def test_tensors_of_expandable_segments_are_bit_exact(gpu_sockets, world):
         check_expandable_segments(gpu_sockets[:world])
 

@@ -243,10 +243,8 @@ ULY_API uly_status uly_session_poison_slots(uly_session* session, int32_t* poiso
  *  allocation holding `data` is handed to the daemon by CUDA IPC on first use and cached by
  *  its CUDA buffer id: later calls on the same allocation cost no registration, and memory
  *  freed and allocated again at the same address is registered afresh. Memory of cuMemCreate
- *  allocations (torch's expandable segments) is ULY_UNIMPLEMENTED unless the environment sets
- *  ULYSSES_EXPERIMENTAL_VMM_TENSORS=1 (experimental, with a known defect: docs/api.md); then
- *  it goes as the POSIX fds of the mappings it covers, at most 64, each exportable as a POSIX
- *  fd (else ULY_INVALID_ARGUMENT). On a host-backend session a CUDA tensor is ULY_INVALID_ARGUMENT; in a
+ *  allocations (torch's expandable segments) goes as the POSIX fds of the mappings it covers,
+ *  at most 64, each exportable as a POSIX fd (else ULY_INVALID_ARGUMENT). On a host-backend session a CUDA tensor is ULY_INVALID_ARGUMENT; in a
  *  library built without CUDA (uly_cuda_built() == 0) ULY_FAILED_PRECONDITION. Both name the
  *  tensor. */
 typedef struct uly_tensor {

@@ -299,9 +299,7 @@ class Client {
   /// handle once and cached (keyed by the allocation's CUDA buffer id, so a freed and re-made
   /// allocation at the same address is registered afresh); later calls for the same allocation
   /// cost no RPC, and one driver query. Memory of CUDA VMM allocations (cuMemCreate with a
-  /// POSIX-fd handle type, such as torch's expandable segments) is UNIMPLEMENTED unless the
-  /// environment sets ULYSSES_EXPERIMENTAL_VMM_TENSORS=1 (a known defect: docs/api.md); then
-  /// it goes as the fds of the mappings
+  /// POSIX-fd handle type, such as torch's expandable segments) goes as the fds of the mappings
   /// that cover [ptr, ptr + bytes), at most 64 of them, each mapping
   /// its allocation whole; it is cached by the mappings' CUDA buffer ids, so a piece unmapped
   /// and mapped again is registered afresh. The returned Buffer's Ref() addresses `ptr`. With
