@@ -346,10 +346,10 @@ TEST_F(KillFixture, APeerRankKilledAtRandomMomentsAbortsTheSurvivorAndLeavesNoth
     const std::string msg(survivor_end.message());
     const std::string step = msg.substr(0, msg.find(':'));
     ++ended[StrCat(step, " ", absl::StatusCodeToString(survivor_end.code()))];
-    if (step != "join")
+    if (step != "join") {
       EXPECT_NE(survivor_end.code(), absl::StatusCode::kDeadlineExceeded)
-          << "kill " << k << ": the peer's death was seen only at the call timeout: "
-          << survivor_end;
+          << "kill " << k << ": the peer's death was seen only at a timeout: " << survivor_end;
+    }
     ASSERT_TRUE(Eventually([&] { return Slots(0) == 0; })) << "kill " << k << ": daemon 0 slots";
     ASSERT_NO_FATAL_FAILURE(BackToBaseline(StrCat("kill ", k)));
   }
