@@ -687,6 +687,13 @@ const char* uly_group_backend_reason(const uly_group* group) {
   return group != nullptr ? group->group.backend_reason.c_str() : "";
 }
 
+uly_status uly_group_leave(uly_group* group) {
+  return Guard([&]() -> absl::Status {
+    ULY_RETURN_IF_ERROR(NotNull(group, "group"));
+    return group->client->client->LeaveGroup(group->group);
+  });
+}
+
 uly_status uly_session_create(uly_client* client, const uly_group* group,
                               const uly_session_spec* spec, uly_session** out) {
   return Guard([&]() -> absl::Status {

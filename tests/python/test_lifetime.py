@@ -186,3 +186,26 @@ def test_two_processes_form_one_group_on_one_daemon(sockets):
     name = unique()
     procs = [spawn([sockets[2], name, 3 + r, 2, r]) for r in (0, 1)]
     finish(procs)
+
+
+def test_a_rank_that_leaves_its_group_ends_the_other_ranks_next_session(sockets):
+    # Rank 1 leaves once its session is closed; rank 0's next session of the group is ABORTED
+    # naming it at once, not at the minute's rendezvous timeout.
+    from helpers import run_ranks
+    name = unique()
+    clients = [ulysses.connect(sockets[r]) for r in (0, 1)]
+    try:
+        groups = run_ranks(2, lambda r: clients[r].join_group(name, r, 2, members=sockets[:2]))
+        sessions = run_ranks(2, lambda r: clients[r].head_exchange(groups[r], 2, 2, "float32", 4))
+        with pytest.raises(ulysses.FailedPreconditionError, match="still has session"):
+            groups[1].leave()
+        for s in sessions:
+            s.close()
+        groups[1].leave()
+        with pytest.raises(ulysses.NotFoundError):
+            groups[1].leave()
+        with pytest.raises(ulysses.AbortedError, match="rank 1 left the group"):
+            clients[0].head_exchange(groups[0], 2, 2, "float32", 4, timeout=60)
+    finally:
+        for c in clients:
+            c.close()

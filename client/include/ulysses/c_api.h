@@ -16,7 +16,7 @@
  * uly_session_qkv_norm_rope_exchange), ULY_DTYPE_INT32 for its positions, uly_session_describe.
  * 1.3: DLPack export of results (uly_result_to_dlpack, uly_dlpack_free). 1.4: fused calls
  * through the rings (uly_session_qkv_norm_rope_submit, uly_session_qkv_norm_rope_wait).
- * 1.5: uly_stream_wait (a consumer stream ordered after a producer stream).
+ * 1.5: uly_stream_wait (a consumer stream ordered after a producer stream), uly_group_leave.
  *
  * Thread-safety: a uly_client may be used from several threads at once; each uly_session
  * from one thread at a time (calls on a session are ordered, like work on a CUDA stream).
@@ -198,6 +198,11 @@ ULY_API int32_t uly_group_world_size(const uly_group* group);
 /** The resolved backend and why it was chosen; valid while the handle lives. */
 ULY_API const char* uly_group_backend(const uly_group* group);
 ULY_API const char* uly_group_backend_reason(const uly_group* group);
+/** Leaves the group (since ABI 1.5): its sessions must all be closed first
+ *  (ULY_FAILED_PRECONDITION naming one that is not; ULY_NOT_FOUND when it was left already).
+ *  The other ranks' later sessions of the group then fail at once with ULY_ABORTED naming
+ *  this rank. The handle stays valid for uly_group_free. */
+ULY_API uly_status uly_group_leave(uly_group* group);
 
 /* ---------------------------------------------------------------------------------------- */
 /* Sessions                                                                                  */

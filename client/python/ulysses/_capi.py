@@ -156,6 +156,7 @@ _SIGNATURES = {
     "uly_result_to_dlpack": (_i32, [_vp, _P(_vp)]),
     "uly_dlpack_free": (None, [_vp]),
     "uly_stream_wait": (_i32, [_vp, _vp]),
+    "uly_group_leave": (_i32, [_vp]),
 }
 
 LIBRARY_NAME = "libulysses_client.so.%d" % ABI_VERSION_MAJOR

@@ -252,6 +252,12 @@ class Group:
         self.backend: str = lib.uly_group_backend(ptr).decode()
         self.backend_reason: str = lib.uly_group_backend_reason(ptr).decode()
 
+    def leave(self) -> None:
+        """Leaves the group; its sessions must be closed first (FailedPreconditionError).
+        The other ranks' later sessions of the group then fail at once with AbortedError
+        naming this rank, instead of waiting for it."""
+        _check(_capi.library().uly_group_leave(self._handle.ptr))
+
     def __repr__(self) -> str:
         return "Group(%r, rank=%d, world_size=%d, backend=%r)" % (
             self.name, self.rank, self.world_size, self.backend)
