@@ -13,6 +13,7 @@
 #include <random>
 #include <thread>
 
+#include "../util/fd_count.h"
 #include "cluster_util.h"
 #include "demo_lib.h"
 #include "gmock/gmock.h"
@@ -82,7 +83,7 @@ class KillFixture : public ::testing::Test {
     bx_ = *x;
     for (int i = 0; i < 16 * 4 * 8; ++i) static_cast<float*>(bx_.data)[i] = static_cast<float>(i);
     ASSERT_TRUE(BystanderExact());
-    baseline_fds_ = CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "");
+    baseline_fds_ = CountFdsButPipes(daemons_[1].pid());
     baseline_shm_ = CountSessionMappings(daemons_[1].pid());
     EXPECT_EQ(baseline_shm_, 1);  // the bystander's session
   }
@@ -128,9 +129,9 @@ class KillFixture : public ::testing::Test {
       return CountSessionMappings(daemons_[1].pid()) == baseline_shm_;
     })) << what << ": a session segment of the killed client is still mapped";
     ASSERT_TRUE(Eventually([&] {
-      return CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") == baseline_fds_;
+      return CountFdsButPipes(daemons_[1].pid()) == baseline_fds_;
     })) << what << ": descriptors "
-        << CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") << " vs baseline "
+        << CountFdsButPipes(daemons_[1].pid()) << " vs baseline "
         << baseline_fds_;
     ASSERT_TRUE(BystanderExact()) << what;
   }
@@ -213,8 +214,8 @@ TEST_P(KillAtPhase, DaemonReclaimsEverythingAndPeersAbort) {
     return CountSessionMappings(daemons_[1].pid()) == baseline_shm_;
   })) << "a session segment of the killed client is still mapped";
   EXPECT_TRUE(Eventually([&] {
-    return CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "") == baseline_fds_;
-  })) << "descriptors: " << CountEntries(StrCat("/proc/", daemons_[1].pid(), "/fd"), "")
+    return CountFdsButPipes(daemons_[1].pid()) == baseline_fds_;
+  })) << "descriptors: " << CountFdsButPipes(daemons_[1].pid())
       << " vs baseline " << baseline_fds_;
   if (phase == "exchange") {
     caller.join();

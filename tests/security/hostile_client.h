@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/clock.h"
+#include "../util/fd_count.h"
 #include "demo_lib.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -43,24 +44,6 @@ inline int CountFds(pid_t pid) {
   return n;
 }
 
-/// CountFds without pipes. The daemon makes no pipe per client, but a sanitizer runtime starts
-/// its symbolizer with two the first time a (suppressed) report needs a stack, at a moment no
-/// test controls.
-inline int CountFdsButPipes(pid_t pid) {
-  const std::string dir = StrCat("/proc/", pid, "/fd");
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return -1;
-  int n = 0;
-  while (dirent* e = ::readdir(d)) {
-    if (e->d_name[0] == '.') continue;
-    char target[64] = {};
-    const ssize_t len = ::readlink((dir + "/" + e->d_name).c_str(), target, sizeof target - 1);
-    if (len > 0 && std::string_view(target, len).substr(0, 5) == "pipe:") continue;
-    ++n;
-  }
-  ::closedir(d);
-  return n;
-}
 
 /// What each open descriptor of process `pid` refers to (readlink of /proc/PID/fd/N), one per
 /// line, for failure messages.
