@@ -297,18 +297,10 @@ def current_stream(t: Any) -> int:
     return int(torch.cuda.current_stream(t.device).cuda_stream)
 
 
-_capsule_new: Any = None
-
-
 def _dltensor_capsule(managed: int) -> Any:
     """A PyCapsule named "dltensor" around a DLManagedTensor pointer, as from_dlpack takes it."""
-    global _capsule_new
-    if _capsule_new is None:
-        f = ctypes.pythonapi.PyCapsule_New
-        f.restype = ctypes.py_object
-        f.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-        _capsule_new = f
-    return _capsule_new(managed, b"dltensor", None)
+    new, _, _ = _capsule_functions()
+    return new(managed, _DLTENSOR_NAME, None)
 
 
 def dlpack_slot_tensor(lib: Any, managed: int, slot: Any) -> Any:
