@@ -126,7 +126,7 @@ class NcclTransport final : public Transport {
   }
 
   absl::Status Connect(const std::vector<std::string>& handles,
-                       const std::vector<uint8_t*>& peer_segments,
+                       const std::vector<uint8_t*>& /*peer_segments*/,
                        absl::Duration timeout) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     const int W = setup_.geometry.world_size;
@@ -144,11 +144,6 @@ class NcclTransport final : public Transport {
       const std::string bytes = absl::HexStringToBytes(hex);
       std::memcpy(id_.internal, bytes.data(), sizeof id_.internal);
     }
-    own_abort_ = &reinterpret_cast<SessionControlBlock*>(setup_.own_segment)->abort;
-    peer_abort_.assign(W, nullptr);
-    for (int r = 0; r < W; ++r)
-      if (r != me)
-        peer_abort_[r] = &reinterpret_cast<SessionControlBlock*>(peer_segments[r])->abort;
     // Non-blocking init: a rank that never joins ends in DEADLINE_EXCEEDED here, not a hang.
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
@@ -171,10 +166,12 @@ class NcclTransport final : public Transport {
   // Pack every peer's block, one NCCL group of sends and receives, unpack every peer's block
   // into the slot; this rank's own block goes straight into its slot. All on the session's
   // stream, in that order; Flush waits for it.
-  absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot, uint64_t) override {
+  absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot,
+                       uint64_t epoch) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     if (comm_ == nullptr) return absl::FailedPreconditionError("the NCCL communicator is gone");
     deadline_ = absl::Now() + call_timeout_;
+    epoch_ = epoch;
     ULY_ASSIGN_OR_RETURN(const kernels::BlockOperands bops, BlockOperandsOf(plan, ops));
     const kernels::ExchangeShape shape = ShapeOf(setup_.geometry, plan);
     const int W = setup_.geometry.world_size;
@@ -279,16 +276,10 @@ class NcclTransport final : public Transport {
   // ABORTED when this session or a peer's is gone; DEADLINE_EXCEEDED past `deadline`. Either
   // aborts the communicator.
   absl::Status Interrupted(const char* what, absl::Time deadline) {
-    const uint64_t own = own_abort_ != nullptr ? own_abort_->load(std::memory_order_acquire) : 0;
-    if (own == kAbortPeerGone)
-      return Fail(absl::AbortedError(
-          StrCat("a peer rank's daemon is gone (its peer link hung up) while waiting for ", what)));
-    if (own != 0)
-      return Fail(absl::AbortedError(StrCat("session closed while waiting for ", what)));
-    for (size_t r = 0; r < peer_abort_.size(); ++r)
-      if (peer_abort_[r] != nullptr && peer_abort_[r]->load(std::memory_order_acquire) != 0)
-        return Fail(absl::AbortedError(
-            StrCat("rank ", r, " aborted the group (its session is gone or broken)")));
+    if (setup_.can_complete) {
+      if (absl::Status end = setup_.can_complete(epoch_); !end.ok())
+        return Fail(absl::AbortedError(StrCat(end.message(), " while waiting for ", what)));
+    }
     if (absl::Now() >= deadline)
       return Fail(absl::DeadlineExceededError(StrCat("timed out waiting for ", what)));
     return absl::OkStatus();
@@ -341,8 +332,9 @@ class NcclTransport final : public Transport {
   ncclUniqueId id_{};  // rank 0's, generated in Create; the others' from its handle
   ncclComm_t comm_ = nullptr;
   absl::Time deadline_ = absl::InfinitePast();
-  const std::atomic<uint64_t>* own_abort_ = nullptr;      // this session's abort word
-  std::vector<const std::atomic<uint64_t>*> peer_abort_;  // index = rank
+  // The epoch the transport works on: its waits end when a peer left before completing it.
+  // Set by PushAll; the communicator's setup counts as the first call's.
+  uint64_t epoch_ = 1;
 };
 
 // Client buffers, MPS and identity are the GPU backend's (`device`); sessions are NCCL's.

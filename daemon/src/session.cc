@@ -5,6 +5,7 @@
 #include <cstring>
 #include <thread>
 
+#include "ulysses/common/failpoint.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
@@ -83,6 +84,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
   session->ticket_ = EncodeTicket(ticket);
   session->fused_ = setup.fused;
   session->weight_buffers_ = std::move(weight_buffers);
+  const Session* self = session.get();  // owns the transport, so outlives it
+  setup.can_complete = [self](uint64_t epoch) { return self->CanComplete(epoch); };
   ULY_ASSIGN_OR_RETURN(session->transport_, backend.MakeTransport(setup));
   return session;
 }
@@ -235,21 +238,22 @@ absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
                  " does not match this session's layout"));
     bases[r] = static_cast<uint8_t*>(peers[r].data());
   }
-  ULY_RETURN_IF_ERROR(transport_->Connect(handles, bases, timeout));
-  peers_ = std::move(peers);
-  // A peer daemon that dies closes its end of the link: this rank aborts, which its own waits
-  // and every other rank's waits see at once. A peer that hangs keeps the link open; the call
+  // The peers are mapped and watched before the transport connects, so that its waits (NCCL's
+  // communicator setup) see a peer that aborts or whose daemon dies. A peer daemon that dies
+  // closes its end of the link: each rank watches every peer itself, so its waits for an epoch
+  // the peer did not complete end at once. A peer that hangs keeps the link open; the call
   // timeout covers it.
+  peers_ = std::move(peers);
   for (int r = 0; r < geometry_.world_size; ++r) {
     if (!links[r].valid()) continue;
     absl::StatusOr<uint64_t> w = exports_.Watch(std::move(links[r]), [this, r] {
-      int none = -1;
-      peer_gone_.compare_exchange_strong(none, r);
-      Abort(kAbortPeerGone);
+      peers_gone_.fetch_or(uint64_t{1} << r, std::memory_order_acq_rel);
+      slot_cv_.notify_all();
     });
     if (!w.ok()) return w.status();
     peer_watches_.push_back(*w);
   }
+  ULY_RETURN_IF_ERROR(transport_->Connect(handles, bases, timeout));
   return absl::OkStatus();
 }
 
@@ -260,18 +264,21 @@ SessionControlBlock* Session::Control(int rank) const {
 
 absl::Status Session::WaitWord(const std::atomic<uint64_t>& word, uint64_t target, int peer,
                                absl::Time deadline, const char* what) const {
-  const std::atomic<uint64_t>& own_abort = Control(geometry_.rank)->abort;
-  const std::atomic<uint64_t>& peer_abort = Control(peer)->abort;
-  // Slices, so that this session's own abort (its client is gone) also ends the wait.
+  // The peer's abort word ends the spin at once; whether it ends the wait is CanComplete's
+  // call (a peer that completed this epoch and then left does not).
+  const std::atomic<uint64_t>* peer_abort = &Control(peer)->abort;
+  // Slices, so that this session's own abort (its client is gone) and every other peer's end
+  // are seen too.
   for (;;) {
     const absl::Time slice = std::min(deadline, absl::Now() + absl::Milliseconds(20));
-    absl::Status s = ipc::WaitAtLeast(word, target, slice, &peer_abort,
+    absl::Status s = ipc::WaitAtLeast(word, target, slice, peer_abort,
                                       StrCat("session ", id_, " rank ", peer, " ", what));
     if (s.ok()) return s;
-    if (s.code() == absl::StatusCode::kAborted)
-      return absl::AbortedError(StrCat("session ", id_, ": rank ", peer,
-                                       " aborted the group (its session is gone or broken)"));
-    if (own_abort.load(std::memory_order_acquire) != 0) return OwnAbortError();
+    // The word may have been stored between the wait's last look at it and its look at the
+    // abort: a rank writes all of an epoch's words before it completes the epoch and leaves.
+    if (word.load(std::memory_order_acquire) >= target) return absl::OkStatus();
+    ULY_RETURN_IF_ERROR(CanComplete(target));
+    if (s.code() == absl::StatusCode::kAborted) peer_abort = nullptr;  // it completed `target`
     if (absl::Now() >= deadline)
       return absl::DeadlineExceededError(StrCat("session ", id_, ": timed out waiting for rank ",
                                                 peer, " (", what, ", epoch ", target, ")"));
@@ -279,10 +286,25 @@ absl::Status Session::WaitWord(const std::atomic<uint64_t>& word, uint64_t targe
 }
 
 absl::Status Session::OwnAbortError() const {
-  if (Control(geometry_.rank)->abort.load(std::memory_order_acquire) == kAbortPeerGone)
-    return absl::AbortedError(StrCat("session ", id_, ": the daemon of rank ", peer_gone_.load(),
-                                     " is gone (its peer link hung up)"));
   return absl::AbortedError(StrCat("session ", id_, ": closed while a call waited"));
+}
+
+absl::Status Session::CanComplete(uint64_t epoch) const {
+  if (Control(geometry_.rank)->abort.load(std::memory_order_acquire) != 0) return OwnAbortError();
+  if (peers_.empty()) return absl::OkStatus();  // not connected yet
+  const uint64_t gone = peers_gone_.load(std::memory_order_acquire);
+  for (int r = 0; r < geometry_.world_size; ++r) {
+    if (r == geometry_.rank) continue;
+    const bool daemon_gone = (gone >> r & 1) != 0;
+    if (!AbortEnds(*Control(r), epoch, daemon_gone)) continue;
+    if (daemon_gone && Control(r)->abort.load(std::memory_order_acquire) == 0)
+      return absl::AbortedError(StrCat("session ", id_, ": the daemon of rank ", r,
+                                       " is gone (its peer link hung up) before epoch ", epoch));
+    return absl::AbortedError(StrCat("session ", id_, ": rank ", r,
+                                     " aborted the group (its session is gone or broken) before ",
+                                     "epoch ", epoch));
+  }
+  return absl::OkStatus();
 }
 
 uint64_t Session::next_epoch() const {
@@ -349,6 +371,10 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
         --epoch_;
         return absl::AbortedError(StrCat("session ", id_, ": closed while a call waited for slot ", s));
       }
+      if (absl::Status end = CanComplete(e); !end.ok()) {
+        --epoch_;  // nothing was opened or written
+        return end;
+      }
       if (slot_cv_.wait_until(lock, absl::ToChronoTime(std::min(deadline, absl::Now() + poll))) ==
               std::cv_status::timeout &&
           absl::Now() >= deadline && !NotHeldLocked(s)) {
@@ -390,8 +416,10 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
   // Every block must be in place (a GPU backend's kernels finished) before the arrival words
   // announce them; release order makes the bytes visible before the word.
   if (status.ok()) status = transport_->Flush();
-  for (int dst = 0; dst < W && status.ok(); ++dst)
+  for (int dst = 0; dst < W && status.ok(); ++dst) {
     Control(dst)->slots[s].arrive[me].store(e, std::memory_order_release);
+    if (dst == 0) Failpoint("session.after_first_arrival");
+  }
   for (int src = 0; src < W && status.ok(); ++src)
     status = WaitWord(mine->slots[s].arrive[src], e, src, deadline, "writing its block");
   if (status.ok()) status = transport_->Finish(plan, ops, s);
@@ -409,6 +437,8 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
 CallOutcome Session::FinishCall(const CallPlan& plan, int s, uint64_t e, bool released_on_stream) {
   SessionControlBlock* mine = Control(geometry_.rank);
   mine->slots[s].done.store(e, std::memory_order_release);
+  // Every word this rank owes for epoch e is written: peers may see it leave from now on.
+  mine->completed.store(e, std::memory_order_release);
   // The result is the client's view until it releases it, unless it was copied out.
   const bool copied_out = plan.has_out;
   SetSlot(s, copied_out ? SlotState::kFree : SlotState::kHeld, e,
@@ -504,12 +534,9 @@ void Session::Poll() {
     } else if (*done) {
       failure = CheckCompleted(f.epoch, f.slot, f.call_shape, f.call_op);
     } else {
-      if (Control(geometry_.rank)->abort.load(std::memory_order_acquire) != 0)
-        failure = OwnAbortError();  // closed, or a peer's daemon is gone
-      for (int r = 0; r < geometry_.world_size && failure.ok(); ++r)
-        if (r != geometry_.rank && Control(r)->abort.load(std::memory_order_acquire) != 0)
-          failure = absl::AbortedError(StrCat("session ", id_, ": rank ", r,
-                                              " aborted the group (its session is gone or broken)"));
+      // Closed, or a peer left (session gone or broken, or its daemon gone) before completing
+      // this epoch. One that completed it stored its blocks and words already.
+      failure = CanComplete(f.epoch);
       if (failure.ok() && absl::Now() >= f.deadline)
         failure = absl::DeadlineExceededError(StrCat(
             "session ", id_, ": the call of epoch ", f.epoch,
@@ -582,11 +609,13 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
         break;
       }
       const uint64_t previous = slots_[s].epoch;
-      if (broken_.load() || mine->abort.load(std::memory_order_acquire) != 0) {
+      if (broken_.load()) {
         lk.unlock();
-        return fail(broken_.load() ? absl::AbortedError(StrCat("session ", id_,
-                                                              " broke while a call waited for slot ", s))
-                                   : OwnAbortError());
+        return fail(absl::AbortedError(StrCat("session ", id_, " broke while a call waited for slot ", s)));
+      }
+      if (absl::Status end = CanComplete(e); !end.ok()) {
+        lk.unlock();
+        return fail(end);
       }
       if (absl::Now() >= deadline) {
         lk.unlock();

@@ -75,8 +75,8 @@ class Session {
   /// slot handle.
   std::string RendezvousPayload() const;
   /// Maps the other ranks' segments and slots from their rendezvous payloads (rank order), and
-  /// watches each peer's daemon: when one dies, this session aborts (kAbortPeerGone), so a call
-  /// waiting on it ends at once with ABORTED instead of at its timeout.
+  /// watches each peer's daemon: when one dies before completing the epoch a call waits on, the
+  /// call ends at once with ABORTED instead of at its timeout.
   absl::Status ConnectPeers(const std::vector<std::string>& payloads, absl::Duration timeout);
 
   /// Runs one planned call: opens this rank's slot for the next epoch, writes this rank's block
@@ -105,9 +105,15 @@ class Session {
   /// The epoch the next call gets.
   uint64_t next_epoch() const;
 
-  /// Marks the session gone: peers waiting on it end with ABORTED, and a call waiting for a held
-  /// slot ends too. Idempotent.
+  /// Marks the session gone: peers waiting on it for an epoch it did not complete end with
+  /// ABORTED, and this rank's call waiting for a held slot ends too. Idempotent.
   void Abort(uint64_t code);
+
+  /// OK while a call of `epoch` can still complete: this session is not aborted, and no peer
+  /// left (its session aborted or its daemon gone) before completing `epoch`. ABORTED naming
+  /// the first such rank otherwise. A peer that completed `epoch` wrote every word and block it
+  /// owed for it, so its leaving afterwards fails nothing of `epoch`.
+  absl::Status CanComplete(uint64_t epoch) const;
 
   /// Gives back the slot holding the result of `epoch`. FAILED_PRECONDITION when no slot holds
   /// that epoch (never issued, copied out, or released already).
@@ -181,7 +187,7 @@ class Session {
   uint64_t export_id_ = 0;                 // segment_ as lent to the peers
   std::string ticket_;                     // EncodeTicket of that loan
   std::vector<uint64_t> peer_watches_;     // FdExports::Watch ids of the peers' links
-  std::atomic<int> peer_gone_{-1};         // the rank whose daemon died first, or -1
+  std::atomic<uint64_t> peers_gone_{0};    // bit r: rank r's daemon is gone (its link hung up)
   std::vector<ipc::SharedSegment> peers_;  // index = rank; this rank's entry is empty
   std::optional<FusedSetup> fused_;
   FusedWeightsArgs fused_weights_;

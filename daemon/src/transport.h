@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -149,6 +150,9 @@ struct TransportSetup {
   uint64_t slot_stride_bytes = 0;
   int segment_fd = -1;             ///< this rank's control segment fd
   uint64_t segment_bytes = 0;
+  /// OK while a call of the given epoch can still complete (Session::CanComplete): transports
+  /// that wait on the host ask it between polls.
+  std::function<absl::Status(uint64_t epoch)> can_complete;
 };
 
 /// The GPU a daemon serves, as operators and the device plugin name it. Empty on the host.

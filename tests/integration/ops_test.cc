@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -18,6 +19,7 @@
 #include "nlohmann/json.hpp"
 #include "ulysses/client/client.h"
 #include "ulysses/common/strings.h"
+#include "ulysses/kernels/reference.h"
 #include "ulysses/v1/admin.grpc.pb.h"
 #include "ulysses/v1/control.grpc.pb.h"
 
@@ -256,6 +258,82 @@ TEST_F(Ops, SigtermWaitsForARunningCallThenExitsZero) {
   auto st = daemons_[0].Stop(absl::Seconds(20));  // already exiting: this reaps it
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << *st;
+}
+
+// A rank that completed an epoch and then left owes its peers nothing for that epoch: the
+// peers still waiting in it finish it with the right data. Rank 1 is held (a failpoint)
+// between its first arrival store (into rank 0) and the others, so rank 0 completes epoch 1
+// while rank 2 still waits for rank 1's block; rank 0's daemon then drains and exits. Ranks 1
+// and 2 complete epoch 1; their next call fails at once, naming rank 0.
+TEST_F(Ops, ARankThatCompletedAnEpochAndExitedDoesNotFailItsPeersInThatEpoch) {
+  constexpr int W = 3, H = 6, D = 8, kSeqLocal = 4;
+  const std::string release = StrCat(::testing::TempDir(), "release-rank1-", ::getpid());
+  ::unlink(release.c_str());
+  env_ = [&](int r) {
+    return r == 1 ? std::vector<std::string>{StrCat("ULYSSES_FAILPOINTS=session.after_first_arrival=",
+                                                    release)}
+                  : std::vector<std::string>{};
+  };
+  Start(W, {"--call-timeout-ms", "30000"});
+  std::vector<std::unique_ptr<client::Client>> c(W);
+  for (int r = 0; r < W; ++r) {
+    c[r] = Connect(r, StrCat("r", r));
+    ASSERT_NE(c[r], nullptr);
+  }
+  std::vector<absl::StatusOr<client::Group>> g(W);
+  std::vector<absl::StatusOr<std::unique_ptr<client::Session>>> s(W);
+  std::vector<absl::StatusOr<client::Buffer>> x(W);
+  const int64_t elems = int64_t{kSeqLocal} * H * D;
+  {
+    std::vector<std::thread> ts;
+    for (int r = 0; r < W; ++r)
+      ts.emplace_back([&, r] {
+        g[r] = c[r]->JoinGroup({"left", W, r, Members(W), "auto", 10000});
+        if (!g[r].ok()) return;
+        s[r] = c[r]->CreateSession(*g[r], {H, D, DType::kFloat32, kSeqLocal, 2, {}, 10000});
+        x[r] = c[r]->AllocBuffer(elems * 4);
+      });
+    for (auto& t : ts) t.join();
+  }
+  for (int r = 0; r < W; ++r) {
+    ASSERT_TRUE(g[r].ok()) << g[r].status();
+    ASSERT_TRUE(s[r].ok()) << s[r].status();
+    ASSERT_TRUE(x[r].ok()) << x[r].status();
+    float* p = static_cast<float*>(x[r]->data);
+    for (int64_t i = 0; i < elems; ++i) p[i] = static_cast<float>(r * 100000 + i);
+  }
+  std::vector<absl::StatusOr<client::Result>> res(W);
+  std::vector<std::thread> callers;
+  for (int r = 1; r < W; ++r)
+    callers.emplace_back([&, r] { res[r] = (*s[r])->ScatterHeads(x[r]->Ref(), 1, kSeqLocal); });
+  res[0] = (*s[0])->ScatterHeads(x[0]->Ref(), 1, kSeqLocal);  // completes: rank 1 stored into it
+  ASSERT_TRUE(res[0].ok()) << res[0].status();
+  ASSERT_TRUE(res[0]->Release().ok());
+  ::kill(daemons_[0].pid(), SIGTERM);  // idle: drains at once and exits, closing its session
+  auto st = daemons_[0].Stop(absl::Seconds(20));
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << *st;
+  // Give ranks 1 and 2 time to see the hang-up of rank 0's peer link before rank 1 goes on.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  { std::ofstream(release.c_str()) << "go"; }
+  for (auto& t : callers) t.join();
+  kernels::ExchangeShape sh{W, 1, kSeqLocal, H, D, 4};
+  std::vector<kernels::ConstView> views;
+  for (int r = 0; r < W; ++r)
+    views.push_back(kernels::ContiguousConstView(x[r]->data, kSeqLocal, H, D));
+  auto want = kernels::ScatterHeadsRef(sh, views);
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (int r = 1; r < W; ++r) {
+    ASSERT_TRUE(res[r].ok()) << "rank " << r << ": " << res[r].status();
+    ASSERT_EQ(res[r]->bytes, (*want)[r].size());
+    EXPECT_EQ(std::memcmp(res[r]->data, (*want)[r].data(), res[r]->bytes), 0) << "rank " << r;
+    ASSERT_TRUE(res[r]->Release().ok());
+  }
+  // Epoch 2 cannot complete without rank 0: it fails at once, naming it.
+  auto next = (*s[2])->ScatterHeads(x[2]->Ref(), 1, kSeqLocal);
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kAborted) << next.status();
+  EXPECT_THAT(next.status().message(), HasSubstr("rank 0"));
+  ::unlink(release.c_str());
 }
 
 TEST_F(Ops, RanksIssuingDifferentCallsFailInsteadOfMixingData) {

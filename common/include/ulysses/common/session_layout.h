@@ -12,7 +12,7 @@
 namespace ulysses {
 
 inline constexpr uint64_t kSessionMagic = 0x554c595353455331ull;  // "ULYSSES1"
-inline constexpr uint32_t kSessionLayoutVersion = 3;
+inline constexpr uint32_t kSessionLayoutVersion = 4;
 inline constexpr uint64_t kSegmentAlign = 4096;
 
 /// Words of one receive slot. Epochs are per-session call numbers (1, 2, ...); slot s serves
@@ -62,21 +62,35 @@ struct SessionControlBlock {
   uint64_t slot_bytes;
   uint64_t slot_stride_bytes;
   uint64_t slots_offset_bytes;
-  /// Nonzero once the owner's session is gone or broken: every wait on this segment ends with
-  /// ABORTED. Values: kAbortClosed, kAbortClientGone, kAbortCallFailed, kAbortPeerGone.
+  /// Nonzero once the owner's session is gone or broken. Values: kAbortClosed,
+  /// kAbortClientGone, kAbortCallFailed. A wait on this rank for epoch e ends with ABORTED when
+  /// `abort` is set and `completed` is below e (AbortEnds).
   std::atomic<uint64_t> abort;
-  uint64_t reserved[2];
+  /// The last epoch whose call this rank completed; written by the owning daemon after every
+  /// other word of that epoch (its `open`, its arrivals in the peers' slots, its `done`). A rank
+  /// that completed epoch e owes nothing more for e, so its abort (or its daemon's exit) after
+  /// that does not fail the peers' calls of e.
+  std::atomic<uint64_t> completed;
+  uint64_t reserved;
   SlotWords slots[kMaxSlots];
   CallSignature signatures[kSignatureRing];
 };
 static_assert(offsetof(SessionControlBlock, abort) == 48);
+static_assert(offsetof(SessionControlBlock, completed) == 56);
 static_assert(offsetof(SessionControlBlock, slots) == 72);
 
 inline constexpr uint64_t kAbortClosed = 1;
 inline constexpr uint64_t kAbortClientGone = 2;
 inline constexpr uint64_t kAbortCallFailed = 3;
-/// The daemon of another rank of the group died (its peer link hung up).
-inline constexpr uint64_t kAbortPeerGone = 4;
+
+/// Whether the rank owning `cb` ends a wait for its words of epoch `epoch`: its session is gone
+/// or broken (or, with `gone`, its daemon is) before it completed that epoch. Read after the
+/// word waited for, so that a rank that wrote its words and then left is never mistaken for one
+/// that left without them.
+inline bool AbortEnds(const SessionControlBlock& cb, uint64_t epoch, bool gone = false) {
+  if (!gone && cb.abort.load(std::memory_order_acquire) == 0) return false;
+  return cb.completed.load(std::memory_order_acquire) < epoch;
+}
 
 /// GPU backends: the stream-ordered words of one receive slot, in device memory at the start of
 /// each rank's slot allocation (DeviceWords). The daemons' streams write and wait on them with
