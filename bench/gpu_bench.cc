@@ -266,18 +266,19 @@ class InProcess {
     return Cuda(cudaStreamSynchronize(stream_.get()), "flush sync");
   }
 
-  /// Enqueues the W*W blocks, in the daemon's order per source (src+1, ..., src).
+  /// Enqueues the W*W blocks as the daemons do: one launch per source for all its destinations.
   absl::Status EnqueueExchange() {
     const kernels::ExchangeShape shape = c_.shape();
     const int W = c_.world;
+    void* outs[kMaxWorldSize] = {};
+    for (int dst = 0; dst < W; ++dst) outs[dst] = slot_[dst].get();
+    const kernels::BlockKind kind = c_.op == OpKind::kScatterHeads ? kernels::BlockKind::kScatterHeads
+                                                                   : kernels::BlockKind::kGatherHeads;
     for (int src = 0; src < W; ++src) {
       const kernels::ConstView x = c_.input_view(in_[src].get());
-      for (int k = 1; k <= W; ++k) {
-        const int dst = (src + k) % W;
-        ULY_RETURN_IF_ERROR(c_.op == OpKind::kScatterHeads
-                                ? kernels::LaunchScatterHeadsBlock(shape, x, src, dst, slot_[dst].get(), stream_.get())
-                                : kernels::LaunchGatherHeadsBlock(shape, x, src, dst, slot_[dst].get(), stream_.get()));
-      }
+      ULY_RETURN_IF_ERROR(
+          kernels::LaunchBlocks(shape, kernels::BlockOperands{kind, {x, x, x}, 0, 0}, src, outs,
+                                stream_.get()));
     }
     return absl::OkStatus();
   }

@@ -170,28 +170,17 @@ class CudaTransport final : public Transport {
   }
 
   absl::Status Push(const CallPlan& plan, const CallOperands& ops, int dst, int slot) override {
+    void* outs[kMaxWorldSize] = {};
+    outs[dst] = slot_base_[dst] + SlotOffset(slot);
+    return LaunchBlocksTo(plan, ops, outs);
+  }
+
+  // This rank's blocks of the call into the destinations' slots `outs` (null: none), one launch.
+  absl::Status LaunchBlocksTo(const CallPlan& plan, const CallOperands& ops, void* const* outs) {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
-    const kernels::ExchangeShape shape = ShapeOf(setup_.geometry, plan);
-    const int me = setup_.geometry.rank;
-    void* out = slot_base_[dst] + SlotOffset(slot);
-    switch (plan.op) {
-      case OpKind::kScatterHeads:
-        return kernels::LaunchScatterHeadsBlock(shape, InputView(plan, ops, 0), me, dst, out,
-                                                stream_, cancel());
-      case OpKind::kGatherHeads:
-        return kernels::LaunchGatherHeadsBlock(shape, InputView(plan, ops, 0), me, dst, out,
-                                               stream_, cancel());
-      case OpKind::kScatterQkvHeadChunk:
-        return kernels::LaunchScatterQkvHeadChunkBlock(
-            shape, InputView(plan, ops, 0), InputView(plan, ops, 1), InputView(plan, ops, 2),
-            plan.head_offset, plan.head_count, me, dst, out, stream_, cancel());
-      case OpKind::kGatherOutputHeadChunk:
-        return kernels::LaunchGatherOutputHeadChunkBlock(shape, InputView(plan, ops, 0),
-                                                         plan.head_count, me, dst, out, stream_,
-                                                         cancel());
-      default:
-        return absl::InvalidArgumentError("op: unknown operation");
-    }
+    ULY_ASSIGN_OR_RETURN(const kernels::BlockOperands bops, BlockOperandsOf(plan, ops));
+    return kernels::LaunchBlocks(ShapeOf(setup_.geometry, plan), bops, setup_.geometry.rank, outs,
+                                 stream_, cancel());
   }
 
   bool PushesAtOnce(const CallPlan& plan) const override {
@@ -253,20 +242,17 @@ class CudaTransport final : public Transport {
       ULY_RETURN_IF_ERROR(memops.Wait(&ClientWords()->released[s], call.wait_released));
     for (int r = 0; r < W; ++r)
       if (r != me) ULY_RETURN_IF_ERROR(memops.Write(&words_[r]->slots[s].grant[me], e));
-    if (PushesAtOnce(plan)) {
-      for (int r = 0; r < W; ++r)
-        if (r != me) ULY_RETURN_IF_ERROR(memops.Wait(&mine.grant[r], e));
-      ULY_RETURN_IF_ERROR(memops.Flush());
-      ULY_RETURN_IF_ERROR(PushAll(plan, ops, s, e));
-    } else {
-      // Rotated from the rank after this one, so ranks do not all store into rank 0 first.
-      for (int k = 1; k <= W; ++k) {
-        const int dst = (me + k) % W;
-        if (dst != me) ULY_RETURN_IF_ERROR(memops.Wait(&mine.grant[dst], e));
-        ULY_RETURN_IF_ERROR(memops.Flush());
-        ULY_RETURN_IF_ERROR(Push(plan, ops, dst, s));
-      }
+    // One launch stores every block (the fused path: its GEMM, norm + RoPE and stores), once
+    // every destination granted its slot: a launch and a flush per destination cost more host
+    // time than the grants' skew costs the stream.
+    void* outs[kMaxWorldSize] = {};
+    for (int r = 0; r < W; ++r) {
+      if (r != me) ULY_RETURN_IF_ERROR(memops.Wait(&mine.grant[r], e));
+      outs[r] = slot_base_[r] + SlotOffset(s);
     }
+    ULY_RETURN_IF_ERROR(memops.Flush());
+    ULY_RETURN_IF_ERROR(PushesAtOnce(plan) ? PushAll(plan, ops, s, e)
+                                           : LaunchBlocksTo(plan, ops, outs));
     // Each write's memory barrier makes this stream's stores visible before the word.
     for (int r = 0; r < W; ++r)
       if (r != me) ULY_RETURN_IF_ERROR(memops.Write(&words_[r]->slots[s].arrive[me], e));

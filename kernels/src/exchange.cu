@@ -8,6 +8,7 @@
 #include "cancel.cuh"
 #include "cuda_check.h"
 #include "exchange_plan.h"
+#include "ulysses/common/geometry.h"
 #include "ulysses/common/status.h"
 #include "ulysses/kernels/exchange_cuda.h"
 
@@ -22,9 +23,7 @@ constexpr int kThreads = 256;
 // all rows), threadIdx.x strides over the row's units, so consecutive lanes touch consecutive
 // units of one row and the row decomposition (64-bit div/mod) is paid once per row.
 template <typename Unit>
-__global__ void __launch_bounds__(kThreads) RowCopyKernel(const RowCopyPlan p,
-                                                          const uint64_t* cancel) {
-  if (internal::BlockCancelled(cancel)) return;
+__device__ __forceinline__ void CopyRows(const RowCopyPlan& p) {
   const auto* src = static_cast<const char*>(p.src);
   auto* dst = static_cast<char*>(p.dst);
   const int64_t row_step = int64_t{gridDim.x} * blockDim.y;
@@ -36,6 +35,29 @@ __global__ void __launch_bounds__(kThreads) RowCopyKernel(const RowCopyPlan p,
       *reinterpret_cast<Unit*>(dst + o.dst + u * p.dst_unit_step) = value;
     }
   }
+}
+
+template <typename Unit>
+__global__ void __launch_bounds__(kThreads) RowCopyKernel(const RowCopyPlan p,
+                                                          const uint64_t* cancel) {
+  if (internal::BlockCancelled(cancel)) return;
+  CopyRows<Unit>(p);
+}
+
+// Several plans of one unit width and lane count in one launch: blockIdx.y picks the plan, and
+// each plan's rows are strided over gridDim.x blocks. A call's blocks for all its destinations
+// (and the q, k, v parts of a head chunk) go out as one launch instead of one each.
+constexpr int kPlansPerLaunch = 24;  // 8 destinations x 3 parts
+struct PlanBatch {
+  RowCopyPlan plans[kPlansPerLaunch];
+};
+static_assert(sizeof(PlanBatch) <= 4000, "a kernel's parameters stay within 4 KiB");
+
+template <typename Unit>
+__global__ void __launch_bounds__(kThreads) RowCopyBatchKernel(const PlanBatch b,
+                                                               const uint64_t* cancel) {
+  if (internal::BlockCancelled(cancel)) return;
+  CopyRows<Unit>(b.plans[blockIdx.y]);
 }
 
 // Blocks the current device holds resident at once (one wave): the kernel strides over the rest
@@ -73,6 +95,63 @@ absl::Status LaunchPlan(const RowCopyPlan& p, cudaStream_t stream,
   return absl::OkStatus();
 }
 
+// `count` plans of the same unit width and lane count, in one launch.
+absl::Status LaunchBatch(const RowCopyPlan* plans, int count, cudaStream_t stream,
+                         const uint64_t* cancel) {
+  if (count == 1) return LaunchPlan(plans[0], stream, cancel);
+  PlanBatch batch;
+  int64_t rows = 0;
+  for (int i = 0; i < count; ++i) {
+    batch.plans[i] = plans[i];
+    rows = std::max(rows, plans[i].rows);
+  }
+  const dim3 block(static_cast<unsigned>(plans[0].lanes),
+                   static_cast<unsigned>(kThreads / plans[0].lanes));
+  ULY_ASSIGN_OR_RETURN(const int64_t resident, ResidentBlocks());
+  const int64_t per_plan = std::max<int64_t>(1, resident / count);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((rows + block.y - 1) / block.y, per_plan));
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(count));
+  switch (plans[0].unit_bytes) {
+    case 16:
+      RowCopyBatchKernel<uint4><<<grid, block, 0, stream>>>(batch, cancel);
+      break;
+    case 4:
+      RowCopyBatchKernel<uint32_t><<<grid, block, 0, stream>>>(batch, cancel);
+      break;
+    case 2:
+      RowCopyBatchKernel<uint16_t><<<grid, block, 0, stream>>>(batch, cancel);
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("no copy kernel for ", plans[0].unit_bytes, "-byte units"));
+  }
+  ULY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+// Every plan, in as few launches as their unit widths and lane counts allow (plans with no
+// rows are skipped). All of them are planned before this runs, so a bad argument enqueued
+// nothing.
+absl::Status LaunchPlans(const RowCopyPlan* plans, int count, cudaStream_t stream,
+                         const uint64_t* cancel) {
+  bool done[kMaxWorldSize * 3] = {};
+  if (count > static_cast<int>(sizeof done)) return absl::InternalError("too many plans");
+  for (int i = 0; i < count; ++i) {
+    if (done[i]) continue;
+    RowCopyPlan group[kPlansPerLaunch];
+    int n = 0;
+    for (int j = i; j < count && n < kPlansPerLaunch; ++j) {
+      if (done[j] || plans[j].unit_bytes != plans[i].unit_bytes || plans[j].lanes != plans[i].lanes)
+        continue;
+      done[j] = true;
+      if (plans[j].rows > 0) group[n++] = plans[j];
+    }
+    // More plans of this kind than one launch takes: the rest start a group of their own.
+    if (n > 0) ULY_RETURN_IF_ERROR(LaunchBatch(group, n, stream, cancel));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status LaunchScatterHeadsBlock(const ExchangeShape& shape, ConstView x_src, int src, int dst,
@@ -100,8 +179,7 @@ absl::Status LaunchScatterQkvHeadChunkBlock(const ExchangeShape& shape, ConstVie
         plans[part], internal::PlanScatterQkvHeadChunkPart(shape, parts[part], part, head_offset,
                                                            head_count, src, dst, out_dst));
   }
-  for (const RowCopyPlan& plan : plans) ULY_RETURN_IF_ERROR(LaunchPlan(plan, stream, cancel));
-  return absl::OkStatus();
+  return LaunchPlans(plans, 3, stream, cancel);
 }
 
 absl::Status LaunchGatherOutputHeadChunkBlock(const ExchangeShape& shape, ConstView x_src,
@@ -140,6 +218,23 @@ absl::Status LaunchBlock(const ExchangeShape& shape, const BlockOperands& ops, i
                        internal::PlanBlock(shape, ops, src, dst, out_dst));
   for (int i = 0; i < b.count; ++i) ULY_RETURN_IF_ERROR(LaunchPlan(b.plans[i], stream));
   return absl::OkStatus();
+}
+
+absl::Status LaunchBlocks(const ExchangeShape& shape, const BlockOperands& ops, int src,
+                          void* const* out, cudaStream_t stream, const uint64_t* cancel) {
+  if (shape.world < 1 || shape.world > kMaxWorldSize)
+    return absl::InvalidArgumentError(absl::StrCat("shape.world: ", shape.world, " not in [1, ",
+                                                   kMaxWorldSize, "]"));
+  if (out == nullptr) return absl::InvalidArgumentError("out: null");
+  internal::RowCopyPlan plans[kMaxWorldSize * 3];
+  int count = 0;
+  for (int dst = 0; dst < shape.world; ++dst) {
+    if (out[dst] == nullptr) continue;
+    ULY_ASSIGN_OR_RETURN(const internal::BlockPlans b,
+                         internal::PlanBlock(shape, ops, src, dst, out[dst]));
+    for (int i = 0; i < b.count; ++i) plans[count++] = b.plans[i];
+  }
+  return LaunchPlans(plans, count, stream, cancel);
 }
 
 absl::Status LaunchPackBlock(const ExchangeShape& shape, const BlockOperands& ops, int src,

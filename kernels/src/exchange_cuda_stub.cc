@@ -34,6 +34,11 @@ absl::Status LaunchGatherOutputHeadChunkMerge(const ExchangeShape&, const void*,
   return NoCuda();
 }
 
+absl::Status LaunchBlocks(const ExchangeShape&, const BlockOperands&, int, void* const*,
+                          cudaStream_t, const uint64_t*) {
+  return NoCuda();
+}
+
 absl::Status LaunchCopyContiguousToView(const void*, const int64_t[4], int32_t, MutView,
                                         cudaStream_t, const uint64_t*) {
   return NoCuda();

@@ -261,6 +261,74 @@ TEST_P(GpuExchangeTest, HeadChunkBlocksMatchRef) {
   }
 }
 
+// LaunchBlocks: every block of one source in one launch (two when the views' vector widths
+// differ), against the block references; a null destination is left untouched.
+TEST_P(GpuExchangeTest, AllBlocksOfASourceInOneLaunchMatchRef) {
+  const ExchangeShape sh = Shape();
+  const int32_t hl = static_cast<int32_t>(LocalHeads(sh));
+  const int32_t offset = hl > 2 ? 1 : 0;
+  const int32_t count = hl > 2 ? hl - 2 : hl;
+  const Variant misaligned{Layout::kContiguous, true};
+  for (const Variant& variant : kVariants) {
+    SCOPED_TRACE(VariantName(variant));
+    std::vector<TwinView> q, k, v;
+    for (int j = 0; j < sh.world; ++j) {
+      q.push_back(MakeTwin(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize,
+                           30 * j + 3));
+      // k of another alignment than q and v: its plans need a launch of their own width.
+      k.push_back(MakeTwin(misaligned, sh.batch, sh.seq_local, sh.heads, sh.head_dim,
+                           sh.itemsize, 30 * j + 4));
+      v.push_back(MakeTwin(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize,
+                           30 * j + 5));
+    }
+    struct Case {
+      BlockKind kind;
+      int64_t out_bytes;
+      int skipped;  // destination left out (null), or -1
+    };
+    const Case cases[] = {
+        {BlockKind::kScatterHeads, sh.batch * GlobalSeq(sh) * hl * sh.head_dim * sh.itemsize, -1},
+        {BlockKind::kScatterHeads, sh.batch * GlobalSeq(sh) * hl * sh.head_dim * sh.itemsize,
+         sh.world - 1},
+        {BlockKind::kScatterQkvHeadChunk,
+         sh.batch * GlobalSeq(sh) * count * 3 * sh.head_dim * sh.itemsize, -1},
+    };
+    for (const Case& c : cases) {
+      SCOPED_TRACE(::testing::Message() << "kind " << static_cast<int>(c.kind) << " skipped "
+                                      << c.skipped);
+      std::vector<std::vector<uint8_t>> host_out;
+      std::vector<std::unique_ptr<DeviceBuffer>> device_out;
+      for (int dst = 0; dst < sh.world; ++dst) {
+        host_out.push_back(testing::RandomBytes(c.out_bytes, 700 + dst));
+        device_out.emplace_back(new DeviceBuffer(host_out.back()));
+      }
+      for (int src = 0; src < sh.world; ++src) {
+        const BlockOperands ops{c.kind,
+                                {q[src].device_view(), k[src].device_view(), v[src].device_view()},
+                                offset,
+                                count};
+        std::vector<void*> outs(sh.world);
+        for (int dst = 0; dst < sh.world; ++dst)
+          outs[dst] = dst == c.skipped ? nullptr : device_out[dst]->data();
+        const absl::Status status = LaunchBlocks(sh, ops, src, outs.data(), stream());
+        ASSERT_TRUE(status.ok()) << status;
+        for (int dst = 0; dst < sh.world; ++dst) {
+          if (dst == c.skipped) continue;
+          if (c.kind == BlockKind::kScatterHeads)
+            ScatterHeadsBlockRef(sh, q[src].host.view(), src, dst, host_out[dst].data());
+          else
+            ScatterQkvHeadChunkBlockRef(sh, q[src].host.view(), k[src].host.view(),
+                                        v[src].host.view(), offset, count, src, dst,
+                                        host_out[dst].data());
+        }
+      }
+      ASSERT_CUDA_OK(cudaStreamSynchronize(stream()));
+      for (int dst = 0; dst < sh.world; ++dst)
+        EXPECT_EQ(device_out[dst]->Download(), host_out[dst]) << "dst " << dst;
+    }
+  }
+}
+
 TEST_P(GpuExchangeTest, CopiesMatchRef) {
   const ExchangeShape sh = Shape();
   const int64_t shape[4] = {sh.batch, sh.seq_local, sh.heads, sh.head_dim};
@@ -376,6 +444,22 @@ TEST(GpuLauncherTest, RejectsBadArgumentsBeforeLaunching) {
   st = LaunchGatherOutputHeadChunkMerge(ok, fake, 1, 2, MutView{fake, {1, 1, 1, 1}}, nullptr);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_NE(st.message().find("exceeds local_heads"), std::string::npos) << st;
+
+  // LaunchBlocks plans every destination's block first: one bad block enqueues none.
+  void* outs[4] = {fake, fake, fake, fake};
+  const BlockOperands qkv{BlockKind::kScatterQkvHeadChunk, {x, x, ConstView{nullptr, {1, 1, 1, 1}}},
+                          0, 1};
+  st = LaunchBlocks(ok, qkv, 0, outs, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("v is null"), std::string::npos) << st;
+  bad = ok;
+  bad.world = 0;
+  st = LaunchBlocks(bad, BlockOperands{BlockKind::kScatterHeads, {x, x, x}, 0, 0}, 0, outs, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("shape.world"), std::string::npos) << st;
+  st = LaunchBlocks(ok, BlockOperands{BlockKind::kScatterHeads, {x, x, x}, 0, 0}, 0, nullptr, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("out"), std::string::npos) << st;
 }
 
 }  // namespace

@@ -72,6 +72,13 @@ absl::Status LaunchCopyViewToContiguous(ConstView src, const int64_t shape[4], i
 absl::Status LaunchBlock(const ExchangeShape& shape, const BlockOperands& ops, int src, int dst,
                          void* out_dst, cudaStream_t stream);
 
+/// Every block of source `src`: block (src, d) into `out[d]` for each d in [0, shape.world)
+/// whose `out[d]` is not null, as LaunchBlock would store it, in one launch (one per distinct
+/// vector width of the blocks, which is one unless the views' alignments differ). Plans every
+/// block before launching: a bad argument enqueues nothing.
+absl::Status LaunchBlocks(const ExchangeShape& shape, const BlockOperands& ops, int src,
+                          void* const* out, cudaStream_t stream, const uint64_t* cancel = nullptr);
+
 /// Bytes of one block of `ops` in packed form (equal for every (src, dst) pair): the block's
 /// rows back to back, in the order the block launcher visits them (for the head-chunk scatter,
 /// every q row, then every k row, then every v row). Host-only; built without CUDA too.
