@@ -131,7 +131,9 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
     ULY_RETURN_IF_ERROR(CheckKeys(l, "limits", {"max_clients", "clients_per_uid",
                                                 "buffers_per_client", "buffer_bytes_per_client",
                                                 "buffer_bytes_per_uid", "pending_fds_per_client",
-                                                "calls_in_progress_per_client"}));
+                                                "calls_in_progress_per_client",
+                                                "calls_in_progress_per_uid",
+                                                "admin_calls_in_progress"}));
     ULY_RETURN_IF_ERROR(Read(l, "max_clients", "limits", &d.max_clients));
     ULY_RETURN_IF_ERROR(Read(l, "clients_per_uid", "limits", &d.clients_per_uid));
     ULY_RETURN_IF_ERROR(Read(l, "buffers_per_client", "limits", &d.buffers_per_client));
@@ -140,6 +142,9 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
     ULY_RETURN_IF_ERROR(Read(l, "pending_fds_per_client", "limits", &d.pending_fds_per_client));
     ULY_RETURN_IF_ERROR(Read(l, "calls_in_progress_per_client", "limits",
                              &d.calls_in_progress_per_client));
+    ULY_RETURN_IF_ERROR(Read(l, "calls_in_progress_per_uid", "limits",
+                             &d.calls_in_progress_per_uid));
+    ULY_RETURN_IF_ERROR(Read(l, "admin_calls_in_progress", "limits", &d.admin_calls_in_progress));
   }
   if (root.contains("rings")) {
     const json& r = root["rings"];
@@ -302,7 +307,9 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
         {"limits.clients_per_uid", c.limits.clients_per_uid},
         {"limits.buffers_per_client", c.limits.buffers_per_client},
         {"limits.pending_fds_per_client", c.limits.pending_fds_per_client},
-        {"limits.calls_in_progress_per_client", c.limits.calls_in_progress_per_client}})
+        {"limits.calls_in_progress_per_client", c.limits.calls_in_progress_per_client},
+        {"limits.calls_in_progress_per_uid", c.limits.calls_in_progress_per_uid},
+        {"limits.admin_calls_in_progress", c.limits.admin_calls_in_progress}})
     if (value < 1) return Invalid(key, StrCat("must be >= 1, got ", value));
   if (c.limits.buffer_bytes_per_client == 0)
     return Invalid("limits.buffer_bytes_per_client", "must be >= 1, got 0");

@@ -182,6 +182,12 @@ class Daemon {
   RendezvousClient& rendezvous_client() { return rendezvous_client_; }
   /// Counts a refusal by `limit` and returns RESOURCE_EXHAUSTED: "<what> (limits.<name> = N)".
   absl::Status RefuseOverLimit(Limit limit, const std::string& what);
+  /// Counts one more Control request in progress for the uid of the bound client `c`
+  /// (limits.calls_in_progress_per_uid): true when counted, false for a client not bound yet
+  /// (nothing counted), RESOURCE_EXHAUSTED when its uid has that many in progress. A counted
+  /// request ends with LeaveUidRequest(c.uid).
+  absl::StatusOr<bool> EnterUidRequest(ClientRecord& c);
+  void LeaveUidRequest(uid_t uid);
   /// A rank of group instance `g` left it (`why`): its session rendezvous fail at once for
   /// every rank, at rank 0's table (RendezvousClient::EndGroup; asynchronous, a failure is
   /// logged). Nothing for a group of one.
@@ -317,6 +323,8 @@ class Daemon {
   struct UidUsage {
     int32_t clients = 0;
     uint64_t buffer_bytes = 0;
+    int32_t requests = 0;  // Control requests in progress (limits.calls_in_progress_per_uid)
+    bool Unused() const { return clients == 0 && buffer_bytes == 0 && requests == 0; }
   };
   std::mutex quota_mu_;
   std::map<uid_t, UidUsage> uid_usage_;

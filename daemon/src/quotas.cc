@@ -34,6 +34,14 @@ constexpr std::array<LimitTraits, kNumLimits> kLimits = {{
      [](const DaemonLimits& l) -> uint64_t {
        return static_cast<uint64_t>(l.calls_in_progress_per_client);
      }},
+    {Limit::kCallsInProgressPerUid, "calls_in_progress_per_uid",
+     [](const DaemonLimits& l) -> uint64_t {
+       return static_cast<uint64_t>(l.calls_in_progress_per_uid);
+     }},
+    {Limit::kAdminCallsInProgress, "admin_calls_in_progress",
+     [](const DaemonLimits& l) -> uint64_t {
+       return static_cast<uint64_t>(l.admin_calls_in_progress);
+     }},
 }};
 
 const LimitTraits& Traits(Limit limit) { return kLimits[static_cast<size_t>(limit)]; }
@@ -61,7 +69,7 @@ absl::Status Daemon::AdmitToUidLocked(ClientRecord& c, uid_t uid) {
   std::lock_guard<std::mutex> lock(quota_mu_);
   UidUsage& u = uid_usage_[uid];
   if (u.clients >= config_.limits.clients_per_uid) {
-    if (u.clients == 0 && u.buffer_bytes == 0) uid_usage_.erase(uid);
+    if (u.Unused()) uid_usage_.erase(uid);
     return RefuseOverLimit(Limit::kClientsPerUid,
                            StrCat("uid ", uid, " has ", u.clients, " clients bound already"));
   }
@@ -77,7 +85,7 @@ void Daemon::ReleaseQuotaLocked(ClientRecord& c) {
     UidUsage& u = it->second;
     if (c.counted_in_uid && u.clients > 0) --u.clients;
     u.buffer_bytes -= std::min(u.buffer_bytes, c.charged_bytes);
-    if (u.clients == 0 && u.buffer_bytes == 0) uid_usage_.erase(it);
+    if (u.Unused()) uid_usage_.erase(it);
   }
   c.counted_in_uid = false;
   c.charged_bytes = 0;
@@ -123,7 +131,33 @@ void Daemon::UnchargeBuffer(ClientRecord& c, uint64_t bytes) {
   auto it = uid_usage_.find(c.uid);
   if (it == uid_usage_.end()) return;
   it->second.buffer_bytes -= std::min(it->second.buffer_bytes, n);
-  if (it->second.clients == 0 && it->second.buffer_bytes == 0) uid_usage_.erase(it);
+  if (it->second.Unused()) uid_usage_.erase(it);
+}
+
+absl::StatusOr<bool> Daemon::EnterUidRequest(ClientRecord& c) {
+  uid_t uid = 0;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    if (!c.counted_in_uid) return false;  // not bound yet: its uid is not known
+    uid = c.uid;
+  }
+  std::lock_guard<std::mutex> lock(quota_mu_);
+  UidUsage& u = uid_usage_[uid];
+  if (u.requests >= config_.limits.calls_in_progress_per_uid) {
+    if (u.Unused()) uid_usage_.erase(uid);
+    return RefuseOverLimit(Limit::kCallsInProgressPerUid,
+                           StrCat("uid ", uid, " has ", u.requests, " requests in progress already"));
+  }
+  ++u.requests;
+  return true;
+}
+
+void Daemon::LeaveUidRequest(uid_t uid) {
+  std::lock_guard<std::mutex> lock(quota_mu_);
+  auto it = uid_usage_.find(uid);
+  if (it == uid_usage_.end()) return;
+  if (it->second.requests > 0) --it->second.requests;
+  if (it->second.Unused()) uid_usage_.erase(it);
 }
 
 void Daemon::FillQuotaGauges(GaugeSnapshot& g) {

@@ -29,8 +29,10 @@ enum class Limit : int {
   kBufferBytesPerUid,
   kPendingFdsPerClient,
   kCallsInProgressPerClient,
+  kCallsInProgressPerUid,
+  kAdminCallsInProgress,
 };
-inline constexpr size_t kNumLimits = 7;
+inline constexpr size_t kNumLimits = 9;
 
 /// The config key under `limits` ("buffer_bytes_per_uid").
 std::string_view LimitName(Limit limit);

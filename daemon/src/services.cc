@@ -14,6 +14,7 @@
 #include "ulysses/ipc/cuda_memory.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/backend_choice.h"
+#include "ulysses/common/failpoint.h"
 #include "ulysses/common/happens_before.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
@@ -698,6 +699,18 @@ class ControlService final
       return ToGrpcStatus(d_->RefuseOverLimit(
           Limit::kCallsInProgressPerClient,
           StrCat("client ", client.id, " has ", before, " requests in progress already")));
+    // And all clients of one uid together (each is bound for good once counted, so its uid
+    // does not change).
+    absl::StatusOr<bool> counted = d_->EnterUidRequest(client);
+    if (!counted.ok()) return ToGrpcStatus(counted.status());
+    struct LeaveUid {
+      Daemon* d;
+      const ClientRecord& c;
+      bool counted;
+      ~LeaveUid() {
+        if (counted) d->LeaveUidRequest(c.uid);
+      }
+    } leave_uid{d_, client, *counted};
     return ToGrpcStatus(f(client));
   }
 
@@ -784,6 +797,30 @@ class ControlService final
   Daemon* d_;
 };
 
+// One Admin request's place among those running on its socket (limits.admin_calls_in_progress):
+// each holds a thread of the synchronous server and carries no client identity, so a socket
+// takes only so many at once, and the operator socket counts apart from the control socket.
+class AdminPlace {
+ public:
+  AdminPlace(std::atomic<int32_t>& in_progress, Daemon& d)
+      : in_progress_(in_progress), before_(in_progress.fetch_add(1)), d_(d) {}
+  ~AdminPlace() { in_progress_.fetch_sub(1); }
+  AdminPlace(const AdminPlace&) = delete;
+  AdminPlace& operator=(const AdminPlace&) = delete;
+
+  bool admitted() const { return before_ < d_.config().limits.admin_calls_in_progress; }
+  grpc::Status refusal() const {
+    return ToGrpcStatus(d_.RefuseOverLimit(
+        Limit::kAdminCallsInProgress,
+        StrCat(before_, " Admin requests are in progress on this socket already")));
+  }
+
+ private:
+  std::atomic<int32_t>& in_progress_;
+  const int32_t before_;
+  Daemon& d_;
+};
+
 class AdminService final : public v1::Admin::Service {
  public:
   // `operator_socket`: this instance serves the operator socket, where the calls that change
@@ -792,6 +829,8 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
                         v1::DaemonState* resp) override {
+    const AdminPlace place(in_progress_, *d_);
+    if (!place.admitted()) return place.refusal();
     resp->set_version(ULYSSES_VERSION);
     resp->set_device(d_->config().device);
     resp->set_backend(d_->backend());
@@ -832,6 +871,9 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status ListClients(grpc::ServerContext*, const v1::ListClientsRequest*,
                            v1::ListClientsResponse* resp) override {
+    const AdminPlace place(in_progress_, *d_);
+    if (!place.admitted()) return place.refusal();
+    Failpoint("admin.list_clients");
     for (auto& c : d_->Clients()) {
       std::lock_guard<std::mutex> lock(c->mu);
       v1::ClientState* s = resp->add_clients();
@@ -853,6 +895,8 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status ListGroups(grpc::ServerContext*, const v1::ListGroupsRequest*,
                           v1::ListGroupsResponse* resp) override {
+    const AdminPlace place(in_progress_, *d_);
+    if (!place.admitted()) return place.refusal();
     for (auto& c : d_->Clients()) {
       std::lock_guard<std::mutex> lock(c->mu);
       for (auto& [id, g] : c->groups) {
@@ -866,6 +910,8 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
                             v1::ListSessionsResponse* resp) override {
+    const AdminPlace place(in_progress_, *d_);
+    if (!place.admitted()) return place.refusal();
     for (auto& c : d_->Clients()) {
       std::lock_guard<std::mutex> lock(c->mu);
       for (auto& [id, s] : c->sessions) FillSessionState(*c, id, *s, resp->add_sessions());
@@ -875,6 +921,8 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status GetSession(grpc::ServerContext*, const v1::GetSessionRequest* req,
                           v1::SessionState* resp) override {
+    const AdminPlace place(in_progress_, *d_);
+    if (!place.admitted()) return place.refusal();
     for (auto& c : d_->Clients()) {
       std::lock_guard<std::mutex> lock(c->mu);
       auto it = c->sessions.find(req->session_id());
@@ -888,6 +936,8 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status ListSlots(grpc::ServerContext*, const v1::ListSlotsRequest*,
                          v1::ListSlotsResponse* resp) override {
+    const AdminPlace place(in_progress_, *d_);
+    if (!place.admitted()) return place.refusal();
     const absl::Time now = absl::Now();
     for (auto& c : d_->Clients()) {
       std::lock_guard<std::mutex> lock(c->mu);
@@ -908,6 +958,8 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status ListRecentCalls(grpc::ServerContext*, const v1::ListRecentCallsRequest* req,
                                v1::ListRecentCallsResponse* resp) override {
+    const AdminPlace place(in_progress_, *d_);
+    if (!place.admitted()) return place.refusal();
     for (const CallRecord& r : d_->recorder().Recent(RecentCallsLimit(*req))) {
       v1::CallRecord* out = resp->add_calls();
       out->set_client_id(r.client_id);
@@ -930,6 +982,8 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status Drain(grpc::ServerContext*, const v1::DrainRequest*,
                      v1::DrainResponse* resp) override {
+    const AdminPlace place(in_progress_, *d_);
+    if (!place.admitted()) return place.refusal();
     if (!operator_socket_) return OperatorOnly("Drain");
     d_->Drain();
     resp->set_draining(true);
@@ -941,6 +995,8 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status Undrain(grpc::ServerContext*, const v1::UndrainRequest*,
                        v1::UndrainResponse*) override {
+    const AdminPlace place(in_progress_, *d_);
+    if (!place.admitted()) return place.refusal();
     if (!operator_socket_) return OperatorOnly("Undrain");
     d_->Undrain();
     return grpc::Status::OK;
@@ -948,11 +1004,14 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status GetMetrics(grpc::ServerContext*, const v1::GetMetricsRequest*,
                           v1::GetMetricsResponse* resp) override {
+    const AdminPlace place(in_progress_, *d_);
+    if (!place.admitted()) return place.refusal();
     resp->set_text(d_->RenderMetrics());
     return grpc::Status::OK;
   }
 
  private:
+  std::atomic<int32_t> in_progress_{0};  // this socket's Admin requests running (AdminPlace)
   grpc::Status OperatorOnly(const char* rpc) const {
     return ToGrpcStatus(absl::PermissionDeniedError(
         StrCat(rpc, " changes the daemon's state: call it on the operator socket ",

@@ -340,7 +340,8 @@ TEST(DaemonConfigTest, LimitsParsedDefaultedAndChecked) {
   absl::StatusOr<DaemonConfig> c = ParseDaemonConfig(
       R"({"limits": {"max_clients": 5, "clients_per_uid": 2, "buffers_per_client": 7,
                      "buffer_bytes_per_client": 4096, "buffer_bytes_per_uid": 8192,
-                     "pending_fds_per_client": 3, "calls_in_progress_per_client": 4}})",
+                     "pending_fds_per_client": 3, "calls_in_progress_per_client": 4,
+                     "calls_in_progress_per_uid": 5, "admin_calls_in_progress": 6}})",
       0);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->limits.max_clients, 5);
@@ -350,12 +351,16 @@ TEST(DaemonConfigTest, LimitsParsedDefaultedAndChecked) {
   EXPECT_EQ(c->limits.buffer_bytes_per_uid, 8192u);
   EXPECT_EQ(c->limits.pending_fds_per_client, 3);
   EXPECT_EQ(c->limits.calls_in_progress_per_client, 4);
+  EXPECT_EQ(c->limits.calls_in_progress_per_uid, 5);
+  EXPECT_EQ(c->limits.admin_calls_in_progress, 6);
   const DaemonLimits defaults;
   EXPECT_EQ(ParseDaemonConfig("{}", 0)->limits.max_clients, defaults.max_clients);
   for (const char* bad : {R"({"limits": {"max_clients": 0}})",
                           R"({"limits": {"buffer_bytes_per_uid": 0}})",
                           R"({"limits": {"pending_fds_per_client": -1}})",
                           R"({"limits": {"calls_in_progress_per_client": 0}})",
+                          R"({"limits": {"admin_calls_in_progress": 0}})",
+                          R"({"limits": {"calls_in_progress_per_uid": -2}})",
                           R"({"limits": {"clients": 1}})", R"({"limits": []})"}) {
     absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(bad, 0);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;

@@ -38,7 +38,8 @@ FULL = {
     "admin": {"operator_group": "0"},
     "limits": {"max_clients": 64, "clients_per_uid": 8, "buffers_per_client": 128,
                "buffer_bytes_per_client": 1 << 30, "buffer_bytes_per_uid": 1 << 31,
-               "pending_fds_per_client": 16, "calls_in_progress_per_client": 16},
+               "pending_fds_per_client": 16, "calls_in_progress_per_client": 16,
+               "calls_in_progress_per_uid": 32, "admin_calls_in_progress": 8},
     "devices": [{"index": 0, "socket": "/run/ulysses/gpu0.sock"}, {"index": 1}],
 }
 

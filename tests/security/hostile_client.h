@@ -149,15 +149,16 @@ class DaemonTest : public ::testing::Test {
     if (!dir_.empty()) demo::RemoveRunDir(dir_);
   }
 
-  /// (Re)starts the daemon with `extra` arguments.
-  void StartDaemon(const std::vector<std::string>& extra) {
+  /// (Re)starts the daemon with `extra` arguments and extra environment ("NAME=value").
+  void StartDaemon(const std::vector<std::string>& extra, const std::vector<std::string>& env = {}) {
     daemon_ = demo::DaemonProcess();
     if (dir_.empty()) {
       absl::StatusOr<std::string> dir = demo::MakeRunDir();
       ASSERT_TRUE(dir.ok()) << dir.status();
       dir_ = *dir;
     }
-    absl::StatusOr<demo::DaemonProcess> d = demo::StartDaemon(ULYSSESD_PATH, dir_, 0, "host", extra);
+    absl::StatusOr<demo::DaemonProcess> d = demo::StartDaemon(ULYSSESD_PATH, dir_, 0, "host", extra,
+                                                                absl::Seconds(30), env);
     ASSERT_TRUE(d.ok()) << d.status();
     daemon_ = std::move(*d);
     channel_ = grpc::CreateChannel("unix://" + daemon_.socket(), grpc::InsecureChannelCredentials());

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "hostile_client.h"
+#include "ulysses/common/sockets.h"
 #include "ulysses/client/client.h"
 #include "ulysses/ipc/shm.h"
 
@@ -24,13 +25,13 @@ class QuotaTest : public DaemonTest {
  protected:
   void SetUp() override {}
 
-  void StartWithLimits(const std::string& limits) {
+  void StartWithLimits(const std::string& limits, const std::vector<std::string>& env = {}) {
     absl::StatusOr<std::string> dir = demo::MakeRunDir();
     ASSERT_TRUE(dir.ok()) << dir.status();
     dir_ = *dir;
     const std::string config = dir_ + "/limits.json";
     std::ofstream(config) << "{\"limits\": " << limits << "}";
-    StartDaemon({"--config", config});
+    StartDaemon({"--config", config}, env);
   }
 
   std::string Metrics() {
@@ -38,6 +39,39 @@ class QuotaTest : public DaemonTest {
     grpc::ClientContext ctx;
     EXPECT_TRUE(admin_->GetMetrics(&ctx, {}, &resp).ok());
     return resp.text();
+  }
+
+  // Runs phase_client in `phase` as uid and gid 65534, with the daemon's group as a
+  // supplementary one (the control and fd sockets are 0660 of that group), and waits until it
+  // reports the phase done. -1 once it is ready (its pid in *child, for the caller to reap),
+  // else its exit status (77: uid 65534 cannot reach the program). Needs root.
+  int OtherUidClient(const std::string& phase, pid_t* child) {
+    EXPECT_EQ(::chmod(dir_.c_str(), 0711), 0);
+    const std::string drop = dir_ + "/other-uid-" + phase;  // where it writes its ready file
+    EXPECT_EQ(::mkdir(drop.c_str(), 0777), 0);
+    EXPECT_EQ(::chmod(drop.c_str(), 0777), 0);
+    const std::string ready = drop + "/ready", socket = daemon_.socket();
+    *child = ::fork();
+    if (*child < 0) return 79;
+    if (*child == 0) {
+      const gid_t groups[] = {::getegid()};
+      if (::setgroups(1, groups) != 0 || ::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(76);
+      if (::access(PHASE_CLIENT_PATH, X_OK) != 0) ::_exit(77);
+      ::execl(PHASE_CLIENT_PATH, PHASE_CLIENT_PATH, "--socket", socket.c_str(), "--members",
+              socket.c_str(), "--rank", "0", "--phase", phase.c_str(), "--ready", ready.c_str(),
+              static_cast<char*>(nullptr));
+      ::_exit(78);
+    }
+    int exited = -1;
+    const bool done = Eventually([&] {
+      int status = 0;
+      if (::waitpid(*child, &status, WNOHANG) == *child) {
+        exited = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+        return true;
+      }
+      return ::access(ready.c_str(), F_OK) == 0;
+    });
+    return done ? exited : 80;
   }
 
   std::unique_ptr<client::Client> Connect(const std::string& name) {
@@ -103,24 +137,8 @@ TEST_F(QuotaTest, OneUidAtItsQuotaLeavesAnotherUidServed) {
   auto b = Connect("b");
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
-  ASSERT_EQ(::chmod(dir_.c_str(), 0711), 0);
-  const std::string drop = dir_ + "/other-uid";  // where the other uid writes its ready file
-  ASSERT_EQ(::mkdir(drop.c_str(), 0777), 0);
-  ASSERT_EQ(::chmod(drop.c_str(), 0777), 0);
-  const std::string ready = drop + "/ready", socket = daemon_.socket();
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    // Uid and gid 65534, with the daemon's group (0) as a supplementary one: the control and
-    // fd sockets are 0660 of that group.
-    const gid_t groups[] = {::getegid()};
-    if (::setgroups(1, groups) != 0 || ::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(76);
-    if (::access(PHASE_CLIENT_PATH, X_OK) != 0) ::_exit(77);
-    ::execl(PHASE_CLIENT_PATH, PHASE_CLIENT_PATH, "--socket", socket.c_str(), "--members",
-            socket.c_str(), "--rank", "0", "--phase", "attach", "--ready", ready.c_str(),
-            static_cast<char*>(nullptr));
-    ::_exit(78);
-  }
+  pid_t child = -1;
+  const int exited = OtherUidClient("attach", &child);
   struct Reap {
     pid_t pid;
     ~Reap() {
@@ -128,17 +146,8 @@ TEST_F(QuotaTest, OneUidAtItsQuotaLeavesAnotherUidServed) {
       ::waitpid(pid, nullptr, 0);
     }
   } reap{child};
-  int exited = -1;
-  const bool attached = Eventually([&] {
-    int status = 0;
-    if (::waitpid(child, &status, WNOHANG) == child) {
-      exited = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-      return true;
-    }
-    return ::access(ready.c_str(), F_OK) == 0;
-  });
   if (exited == 77) GTEST_SKIP() << "uid 65534 cannot reach " << PHASE_CLIENT_PATH;
-  ASSERT_TRUE(attached && exited == -1) << "the other uid's client exited with " << exited;
+  ASSERT_EQ(exited, -1) << "the other uid's client exited with " << exited;
   EXPECT_EQ(NumClients(), 3);
   const std::string m = Metrics();
   EXPECT_NE(m.find(StrCat("ulyssesd_uid_clients{uid=\"", ::getuid(), "\"} 2")), std::string::npos)
@@ -294,6 +303,122 @@ TEST_F(QuotaTest, RequestsInProgressPerClientAreBounded) {
   EXPECT_TRUE(waited[1].ok()) << waited[1].error_message();
   // Places free again: the client's next request is answered on its merits.
   EXPECT_EQ(free_unknown().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+// Requests in progress of all clients of one uid together are bounded too: two clients of
+// the test's uid hold one request each, and a third is refused though its client has only one
+// in progress; a client of another uid is served meanwhile.
+TEST_F(QuotaTest, RequestsInProgressPerUidAreBounded) {
+  StartWithLimits(R"({"calls_in_progress_per_client": 8, "calls_in_progress_per_uid": 2})");
+  absl::StatusOr<Attached> a = Attach("a"), b = Attach("b");
+  ASSERT_TRUE(a.ok() && b.ok());
+  absl::StatusOr<ipc::UniqueFd> sock_a = Bind(*a), sock_b = Bind(*b);
+  ASSERT_TRUE(sock_a.ok() && sock_b.ok());
+  auto register_tag = [&](const Attached& who, uint64_t tag) {
+    v1::RegisterBufferRequest req;
+    req.set_tag(tag);
+    req.set_name(StrCat("waits-", tag));
+    v1::BufferInfo info;
+    grpc::ClientContext ctx;
+    Authenticate(&ctx, who);
+    return control_->RegisterBuffer(&ctx, req, &info);
+  };
+  auto free_unknown = [&](const Attached& who) {
+    v1::FreeBufferRequest req;
+    req.set_buffer_id(987654321);
+    v1::FreeBufferResponse resp;
+    grpc::ClientContext ctx;
+    Authenticate(&ctx, who);
+    return control_->FreeBuffer(&ctx, req, &resp);
+  };
+  grpc::Status waited[2];
+  std::thread first([&] { waited[0] = register_tag(*a, 1); });
+  std::thread second([&] { waited[1] = register_tag(*b, 2); });
+  grpc::Status refused;
+  EXPECT_TRUE(Eventually([&] {
+    refused = free_unknown(*a);
+    return refused.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
+  })) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("limits.calls_in_progress_per_uid"), std::string::npos)
+      << refused.error_message();
+  EXPECT_EQ(Metrics().find("ulyssesd_limit_refusals_total{limit=\"calls_in_progress_per_uid\"} 0"),
+            std::string::npos);
+  if (::geteuid() == 0) {  // another uid attaches and allocates a buffer meanwhile
+    pid_t child = -1;
+    const int exited = OtherUidClient("buffer", &child);
+    if (child > 0) {
+      ::kill(child, SIGKILL);
+      ::waitpid(child, nullptr, 0);
+    }
+    if (exited != 77) EXPECT_EQ(exited, -1) << "the other uid's client exited with " << exited;
+  }
+  absl::StatusOr<ipc::UniqueFd> memfd = ipc::CreateMemfd("late", 4096);
+  ASSERT_TRUE(memfd.ok());
+  ASSERT_TRUE(ipc::SealSize(memfd->get()).ok());
+  const int one[1] = {memfd->get()};
+  ASSERT_TRUE(ipc::SendMessage(sock_a->get(), ipc::EncodeFdFrame({1}), one).ok());
+  ASSERT_TRUE(ipc::SendMessage(sock_b->get(), ipc::EncodeFdFrame({2}), one).ok());
+  first.join();
+  second.join();
+  EXPECT_TRUE(waited[0].ok()) << waited[0].error_message();
+  EXPECT_TRUE(waited[1].ok()) << waited[1].error_message();
+  EXPECT_EQ(free_unknown(*a).error_code(), grpc::StatusCode::INVALID_ARGUMENT);  // served again
+}
+
+// Admin requests carry no client identity and each holds a server thread: each socket takes
+// only so many at once. Two ListClients are held inside the daemon (a failpoint); a third
+// Admin request on the control socket is refused, while the operator socket (counted apart)
+// and every client's Control requests are served.
+TEST_F(QuotaTest, AdminRequestsInProgressAreBoundedPerSocket) {
+  const std::string release = StrCat(::testing::TempDir(), "release-admin-", ::getpid());
+  ::unlink(release.c_str());
+  StartWithLimits(R"({"admin_calls_in_progress": 2})",
+                  {StrCat("ULYSSES_FAILPOINTS=admin.list_clients=", release)});
+  auto list_clients = [&] {
+    v1::ListClientsResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+    return admin_->ListClients(&ctx, {}, &resp);
+  };
+  auto get_state = [](v1::Admin::Stub& stub) {
+    v1::DaemonState st;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    return stub.GetState(&ctx, {}, &st);
+  };
+  grpc::Status held[2];
+  std::thread first([&] { held[0] = list_clients(); });
+  std::thread second([&] { held[1] = list_clients(); });
+  grpc::Status refused;
+  EXPECT_TRUE(Eventually([&] {
+    refused = get_state(*admin_);
+    return refused.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
+  })) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("limits.admin_calls_in_progress"), std::string::npos)
+      << refused.error_message();
+  auto op = v1::Admin::NewStub(grpc::CreateChannel(
+      "unix://" + daemon_.socket() + std::string(kOperatorSocketSuffix),
+      grpc::InsecureChannelCredentials()));
+  EXPECT_TRUE(get_state(*op).ok());
+  v1::GetMetricsResponse metrics;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(op->GetMetrics(&ctx, {}, &metrics).ok());
+  }
+  EXPECT_EQ(metrics.text().find("ulyssesd_limit_refusals_total{limit=\"admin_calls_in_progress\"} 0"),
+            std::string::npos);
+  EXPECT_NE(metrics.text().find("ulyssesd_limit{limit=\"admin_calls_in_progress\"} 2"),
+            std::string::npos);
+  auto bystander = Connect("bystander");
+  ASSERT_NE(bystander, nullptr);
+  EXPECT_TRUE(bystander->AllocBuffer(4096, "b").ok());
+  { std::ofstream(release.c_str()) << "go"; }
+  first.join();
+  second.join();
+  EXPECT_TRUE(held[0].ok()) << held[0].error_message();
+  EXPECT_TRUE(held[1].ok()) << held[1].error_message();
+  EXPECT_TRUE(get_state(*admin_).ok());  // places free again
+  ::unlink(release.c_str());
 }
 
 }  // namespace

@@ -29,6 +29,12 @@ struct DaemonLimits {
   /// Unary Control requests of one client in progress at once: each holds a thread of the
   /// daemon's synchronous gRPC server while it runs (a Call may wait for its peers).
   int32_t calls_in_progress_per_client = 32;
+  /// The same for all bound clients of one uid together.
+  int32_t calls_in_progress_per_uid = 128;
+  /// Admin requests in progress at once on one socket (the control socket's read-only Admin,
+  /// and apart from it the operator socket's): each holds a thread of the synchronous server,
+  /// and no client identity comes with them.
+  int32_t admin_calls_in_progress = 16;
 };
 
 /// Everything a daemon needs to run. Defaults are usable as is.
