@@ -99,6 +99,9 @@ absl::StatusOr<DaemonProcess> StartDaemon(const std::string& ulyssesd, const std
   // there are more ranks than GPUs); `device` also names the rank's socket.
   const int gpus = ipc::cuda::DeviceCount();
   const int cuda_device = gpus > 0 && backend != "host" ? device % gpus : device;
+  // A ready file left by a killed instance would pass for this one's: the wait below must see
+  // the new instance's own (the daemon removes a stale one too, but only once it runs).
+  if (::unlink(ready.c_str()) != 0 && errno != ENOENT) return ErrnoError("unlink " + ready, errno);
   std::vector<std::string> args = {ulyssesd, "--device", std::to_string(cuda_device), "--socket",
                                    socket, "--backend", backend, "--ready-file", ready};
   args.insert(args.end(), extra_args.begin(), extra_args.end());

@@ -19,6 +19,7 @@
 #include "hostile_client.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/client/client.h"
+#include "ulysses/common/status.h"
 
 namespace ulysses::security {
 namespace {
@@ -113,6 +114,66 @@ TEST_F(RestartTest, ARestartRemovesWhatAKilledInstanceLeft) {
   // A good restart serves.
   StartDaemon({});
   EXPECT_TRUE(Serving());
+}
+
+// A client attached across its daemon's death and restart: its next call ends with
+// UNAVAILABLE (not at its deadline), it never talks to the new instance with the old one's
+// ids, and a new connection to the restarted daemon is served, results exact.
+TEST_F(RestartTest, AClientAttachedAcrossARestartFailsAtOnceAndANewConnectionIsServed) {
+  auto run_call = [](client::Client& c, const std::string& socket)
+      -> absl::StatusOr<std::vector<float>> {
+    client::GroupSpec g;
+    g.name = "solo";
+    g.members = {socket};
+    ULY_ASSIGN_OR_RETURN(client::Group group, c.JoinGroup(g));
+    ULY_ASSIGN_OR_RETURN(std::unique_ptr<client::Session> s,
+                         c.CreateSession(group, {2, 4, DType::kFloat32, 8, 2, {}, 0}));
+    ULY_ASSIGN_OR_RETURN(client::Buffer x, c.AllocBuffer(8 * 2 * 4 * 4));
+    float* p = static_cast<float*>(x.data);
+    for (int i = 0; i < 8 * 2 * 4; ++i) p[i] = static_cast<float>(i);
+    ULY_ASSIGN_OR_RETURN(client::Result r, s->ScatterHeads(x.Ref(), 1, 8));
+    const float* out = static_cast<const float*>(r.data);
+    std::vector<float> v(out, out + r.bytes / sizeof(float));
+    ULY_RETURN_IF_ERROR(r.Release());
+    return v;
+  };
+  auto c = client::Client::Connect({daemon_.socket(), "survivor", absl::Seconds(10)});
+  ASSERT_TRUE(c.ok()) << c.status();
+  client::GroupSpec g;
+  g.name = "before";
+  g.members = {daemon_.socket()};
+  absl::StatusOr<client::Group> group = (*c)->JoinGroup(g);
+  ASSERT_TRUE(group.ok()) << group.status();
+  auto session = (*c)->CreateSession(*group, {2, 4, DType::kFloat32, 8, 2, {}, 0});
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto x = (*c)->AllocBuffer(8 * 2 * 4 * 4);
+  ASSERT_TRUE(x.ok()) << x.status();
+  ASSERT_TRUE((*session)->ScatterHeads(x->Ref(), 1, 8).ok());
+
+  daemon_.Kill();  // SIGKILL
+  auto after_death = (*session)->ScatterHeads(x->Ref(), 1, 8);
+  EXPECT_EQ(after_death.status().code(), absl::StatusCode::kUnavailable) << after_death.status();
+  StartDaemon({});
+  {
+    v1::DaemonState st;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    const grpc::Status gs = admin_->GetState(&ctx, {}, &st);
+    ASSERT_TRUE(gs.ok()) << gs.error_code() << " " << gs.error_message();
+  }
+  // The old connection stays dead: no call of it reaches the new instance as if it were its own.
+  auto after_restart = (*session)->ScatterHeads(x->Ref(), 1, 8);
+  EXPECT_FALSE(after_restart.ok());
+  EXPECT_FALSE((*c)->AllocBuffer(4096).ok());
+  EXPECT_EQ(NumClients(), 0);
+  // A new connection is served, and its result is exact: with W = 1, scatter_heads is the
+  // identity on a contiguous [1, 8, 2, 4] input.
+  auto fresh = client::Client::Connect({daemon_.socket(), "fresh", absl::Seconds(10)});
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  absl::StatusOr<std::vector<float>> v = run_call(**fresh, daemon_.socket());
+  ASSERT_TRUE(v.ok()) << v.status();
+  ASSERT_EQ(v->size(), 64u);
+  for (int i = 0; i < 64; ++i) EXPECT_EQ((*v)[i], static_cast<float>(i)) << i;
 }
 
 TEST_F(RestartTest, TheControlSocketIsNeverLooserThan0660) {
