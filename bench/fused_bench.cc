@@ -5,8 +5,10 @@
 // Per grid row (W, hidden, S_global; B = 1, bf16, D = 128) the rank projects
 // [S_global / W, hidden] x [hidden, 3 * hidden]. Variants, all on the same inputs and slots:
 //   fused_chunked   FusedQkvPlan::RunChunked (path 4a)
+//   fused_epilogue  FusedQkvPlan::RunEpilogue (path 4b; where the build and device have it)
 //   per_operator    FusedQkvPlan::RunPerOperator (GEMM, norm+RoPE, scatter)
 //   gemm            the same cuBLASLt GEMM alone (the floor)
+//   epilogue_gemm   the epilogue path's CUTLASS GEMM with its epilogue skipped (its own floor)
 //   control         fused_chunked again, as an A/A control
 // Method: outputs of both paths checked against the CPU reference on sampled tokens before
 // timing; warm-up; CUDA events around each sample, the L2 flushed before it (a 256 MiB memset);
@@ -134,6 +136,7 @@ struct Options {
   int rounds = 5, samples = 10, warmup = 3;
   int64_t chunk_rows = 0;
   int32_t push_blocks = 0;
+  std::string epilogue_schedule = "auto";
   std::string json_path;
   std::string mps = "auto";
   std::string commit = ULYSSES_GIT_COMMIT;
@@ -266,6 +269,10 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   c.weights = data.weights();
   c.chunk_rows = opt.chunk_rows;
   c.push_blocks = opt.push_blocks;
+  using kernels::EpilogueSchedule;
+  c.epilogue_schedule = opt.epilogue_schedule == "pingpong"    ? EpilogueSchedule::kPingpong
+                        : opt.epilogue_schedule == "pingpong2" ? EpilogueSchedule::kPingpongCluster2
+                                                               : EpilogueSchedule::kAuto;
   ULY_ASSIGN_OR_RETURN(std::unique_ptr<kernels::FusedQkvPlan> plan,
                        kernels::FusedQkvPlan::Create(c));
   ULY_RETURN_IF_ERROR(plan->Prepare(rows));
@@ -295,19 +302,23 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   auto per_operator = [&](cudaStream_t s) {
     return plan->RunPerOperator(x, pos, 1, rows, {slots.data(), ready.data(), ++epoch}, s);
   };
+  auto epilogue = [&](cudaStream_t s) {
+    return plan->RunEpilogue(x, pos, 1, rows, {slots.data(), ready.data(), ++epoch}, s);
+  };
   auto gemm = [&](cudaStream_t s) { return plan->RunProjection(x, rows, s); };
+  auto epilogue_gemm = [&](cudaStream_t s) { return plan->RunEpilogueGemmAlone(x, rows, s); };
+  const bool have_epilogue = plan->EpilogueUnavailable().empty();
 
   // Outputs before timing: each path into freshly poisoned slots, then the sampled check. The
   // poison goes on the call's stream: a memset on the legacy stream would not be ordered
   // before the call's work on these non-blocking streams.
-  std::string check_chunked, check_per_op;
-  for (int path = 0; path < 2; ++path) {
+  std::string checks[3];  // chunked, per-operator, epilogue
+  for (int path = 0; path < (have_epilogue ? 3 : 2); ++path) {
     BENCH_CUDA(cudaMemsetAsync(data.slots.as(), 0xff, size_t(slot_elems) * world * 2, stream));
-    ULY_RETURN_IF_ERROR(path == 0 ? chunked(stream) : per_operator(stream));
+    ULY_RETURN_IF_ERROR(path == 0 ? chunked(stream)
+                                  : path == 1 ? per_operator(stream) : epilogue(stream));
     BENCH_CUDA(cudaStreamSynchronize(stream));
-    ULY_ASSIGN_OR_RETURN(std::string verdict,
-                         CheckCall(data, shape, layout, rank, slots, positions));
-    (path == 0 ? check_chunked : check_per_op) = verdict;
+    ULY_ASSIGN_OR_RETURN(checks[path], CheckCall(data, shape, layout, rank, slots, positions));
   }
 
   std::vector<Variant> variants = {
@@ -315,6 +326,15 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
       {"per_operator", per_operator, {}},
       {"gemm", gemm, {}},
       {"control", chunked, {}},
+  };
+  if (have_epilogue) {
+    variants.insert(variants.begin() + 1, {"fused_epilogue", epilogue, {}});
+    variants.insert(variants.begin() + 4, {"epilogue_gemm", epilogue_gemm, {}});
+  }
+  auto median_of = [&](const char* name) {
+    for (const Variant& v : variants)
+      if (v.name == name) return Median(v.ms);
+    return 0.0;
   };
   Events ev;
   for (Variant& v : variants) {
@@ -327,8 +347,9 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
       for (int s = 0; s < opt.samples; ++s) ULY_RETURN_IF_ERROR(Sample(v, data, ev, stream));
     }
   }
-  const double chunked_ms = Median(variants[0].ms), per_op_ms = Median(variants[1].ms);
-  const double gemm_ms = Median(variants[2].ms), control_ms = Median(variants[3].ms);
+  const double chunked_ms = median_of("fused_chunked"), per_op_ms = median_of("per_operator");
+  const double gemm_ms = median_of("gemm"), control_ms = median_of("control");
+  const double epilogue_ms = median_of("fused_epilogue");
   const double flops = 2.0 * rows * 3.0 * data.hidden * data.hidden;
   auto r4 = [](double v) { return std::round(v * 1e4) / 1e4; };
   Json row;
@@ -337,7 +358,16 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   row["s_global"] = s_global;
   row["rows"] = rows;
   row["fused_chunked_ms"] = r4(chunked_ms);
-  row["fused_epilogue_ms"] = nullptr;  // path 4b is not built
+  if (have_epilogue) {
+    row["fused_epilogue_ms"] = r4(epilogue_ms);
+    row["epilogue_over_gemm"] = r4(epilogue_ms / gemm_ms);
+    row["epilogue_over_per_operator"] = r4(epilogue_ms / per_op_ms);
+    row["epilogue_gemm_ms"] = r4(median_of("epilogue_gemm"));
+    row["check_epilogue"] = checks[2];
+  } else {
+    row["fused_epilogue_ms"] = nullptr;
+    row["epilogue_unavailable"] = plan->EpilogueUnavailable();
+  }
   row["per_operator_ms"] = r4(per_op_ms);
   row["gemm_ms"] = r4(gemm_ms);
   row["gemm_tflops"] = std::round(flops / (gemm_ms * 1e-3) / 1e12 * 10) / 10;
@@ -346,8 +376,8 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   row["aa_control"] = r4(control_ms / chunked_ms);
   row["chunks"] = plan->NumChunks(rows);
   row["chunk_rows"] = plan->ChunkRows(rows);
-  row["check_chunked"] = check_chunked;
-  row["check_per_operator"] = check_per_op;
+  row["check_chunked"] = checks[0];
+  row["check_per_operator"] = checks[1];
   row["plan"] = plan->Describe(rows);
   return row;
 }
@@ -375,6 +405,9 @@ int Main(int argc, char** argv) {
   app.add_option("--chunk-rows", opt.chunk_rows, "rows per chunk of the chunked path (0: auto)");
   app.add_option("--push-blocks", opt.push_blocks,
                  "grid cap of the chunked store kernel (0: none)");
+  app.add_option("--epilogue-schedule", opt.epilogue_schedule,
+                 "the epilogue path's GEMM: auto, pingpong (single CTAs) or pingpong2 (clusters of 2)")
+      ->check(CLI::IsMember({"auto", "pingpong", "pingpong2"}));
   app.add_option("--json", opt.json_path, "write the JSON report here");
   app.add_option("--mps", opt.mps, "auto, yes or no: whether this runs under MPS");
   app.add_option("--commit", opt.commit, "commit recorded in the JSON");
@@ -416,9 +449,10 @@ int Main(int argc, char** argv) {
                             opt.rounds, " A/B/B/A rounds x ", opt.samples,
                             " samples, median; A/A control = fused_chunked twice");
   report["rows"] = Json::array();
-  std::printf("%-3s %-6s %-7s %-6s %10s %10s %10s %8s %9s %9s %7s  %s\n", "W", "hidden", "S_glob",
-              "rows", "gemm_ms", "per_op_ms", "chunk_ms", "TFLOP/s", "chunk/gem", "chunk/per",
-              "A/A", "check");
+  std::printf("%-3s %-6s %-7s %-6s %10s %10s %10s %10s %10s %8s %9s %9s %9s %9s %7s  %s\n", "W",
+              "hidden", "S_glob", "rows", "gemm_ms", "per_op_ms", "chunk_ms", "epi_ms",
+              "epigemm_ms", "TFLOP/s", "chunk/gem", "chunk/per", "epi/gemm", "epi/per", "A/A",
+              "check");
   int failures = 0;
   for (int32_t hidden : opt.hiddens) {
     int64_t max_s = 0, max_rows = 0;
@@ -445,16 +479,24 @@ int Main(int argc, char** argv) {
           continue;
         }
         const Json& r = *row;
-        const bool pass = r["check_chunked"].get<std::string>().rfind("pass", 0) == 0 &&
-                          r["check_per_operator"].get<std::string>().rfind("pass", 0) == 0;
+        const bool epi = !r["fused_epilogue_ms"].is_null();
+        auto passed = [&](const char* key) {
+          return r[key].get<std::string>().rfind("pass", 0) == 0;
+        };
+        const bool pass = passed("check_chunked") && passed("check_per_operator") &&
+                          (!epi || passed("check_epilogue"));
         if (!pass) ++failures;
-        std::printf("%-3d %-6d %-7ld %-6ld %10.4f %10.4f %10.4f %8.1f %9.4f %9.4f %7.4f  %s\n",
-                    world, hidden, static_cast<long>(s_global), static_cast<long>(s_global / world),
-                    r["gemm_ms"].get<double>(), r["per_operator_ms"].get<double>(),
-                    r["fused_chunked_ms"].get<double>(), r["gemm_tflops"].get<double>(),
-                    r["chunked_over_gemm"].get<double>(),
-                    r["chunked_over_per_operator"].get<double>(), r["aa_control"].get<double>(),
-                    pass ? "pass" : "FAIL");
+        auto value = [&](const char* key) { return epi ? r[key].get<double>() : NAN; };
+        std::printf(
+            "%-3d %-6d %-7ld %-6ld %10.4f %10.4f %10.4f %10.4f %10.4f %8.1f %9.4f %9.4f %9.4f "
+            "%9.4f %7.4f  %s\n",
+            world, hidden, static_cast<long>(s_global), static_cast<long>(s_global / world),
+            r["gemm_ms"].get<double>(), r["per_operator_ms"].get<double>(),
+            r["fused_chunked_ms"].get<double>(), value("fused_epilogue_ms"),
+            value("epilogue_gemm_ms"), r["gemm_tflops"].get<double>(), r["chunked_over_gemm"].get<double>(),
+            r["chunked_over_per_operator"].get<double>(), value("epilogue_over_gemm"),
+            value("epilogue_over_per_operator"), r["aa_control"].get<double>(),
+            pass ? "pass" : "FAIL");
         std::fflush(stdout);
         report["rows"].push_back(r);
       }

@@ -58,6 +58,14 @@ absl::Status FusedQkvPlan::RunChunked(const void*, const int32_t*, int64_t, int6
                                       const QkvDestinations&, cudaStream_t) {
   return NoCuda();
 }
+absl::Status FusedQkvPlan::RunEpilogue(const void*, const int32_t*, int64_t, int64_t,
+                                       const QkvDestinations&, cudaStream_t) {
+  return NoCuda();
+}
+absl::Status FusedQkvPlan::RunEpilogueGemmAlone(const void*, int64_t, cudaStream_t) {
+  return NoCuda();
+}
+std::string FusedQkvPlan::EpilogueUnavailable() const { return "built without CUDA"; }
 absl::Status FusedQkvPlan::RunProjection(const void*, int64_t, cudaStream_t) { return NoCuda(); }
 int64_t FusedQkvPlan::ChunkRows(int64_t rows) const { return rows; }
 int64_t FusedQkvPlan::NumChunks(int64_t) const { return 1; }

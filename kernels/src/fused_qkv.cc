@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda_check.h"
+#include "fused_epilogue.h"
 #include "ulysses/common/status.h"
 #include "ulysses/kernels/gemm.h"
 
@@ -81,6 +82,11 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 struct FusedQkvPlan::Impl {
   FusedQkvConfig config;
   std::unique_ptr<Bf16Gemm> gemm;
+  // The epilogue path's GEMMs: [0] single CTAs, [1] clusters of 2 (EpilogueSchedule); those
+  // the config can use are made, both null when epilogue_unavailable says why.
+  std::unique_ptr<internal::EpilogueGemm> epilogue[2];
+  std::string epilogue_unavailable;
+  DeviceMemory chunk_counters;  // [kMaxFusedChunks] of the epilogue path
   DeviceMemory projection;  // [max_tokens, 3*H*D] bf16
   DeviceMemory counters;    // [2] block counters: 0 main stream, 1 second stream
   Stream side;
@@ -93,6 +99,15 @@ struct FusedQkvPlan::Impl {
   uint16_t* qkv() const { return static_cast<uint16_t*>(projection.get()); }
 
   int64_t ChunkRows(int64_t rows) const { return FusedChunkRows(rows, config.chunk_rows); }
+
+  // The epilogue GEMM a call of `rows` rows runs on (null: none).
+  internal::EpilogueGemm* EpilogueFor(int64_t rows) const {
+    if (!epilogue_unavailable.empty()) return nullptr;
+    const EpilogueSchedule s = config.epilogue_schedule == EpilogueSchedule::kAuto
+                                   ? EpilogueScheduleFor(rows)
+                                   : config.epilogue_schedule;
+    return epilogue[s == EpilogueSchedule::kPingpongCluster2 ? 1 : 0].get();
+  }
 
   absl::StatusOr<QkvNormRopeShape> CallShape(const void* x, const int32_t* positions, int64_t batch,
                                              int64_t seq_local) const {
@@ -142,6 +157,26 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
       static_cast<size_t>(config.max_tokens * impl->features()) * sizeof(uint16_t)));
   ULY_RETURN_IF_ERROR(impl->counters.Allocate(2 * sizeof(unsigned int)));
   ULY_CUDA_RETURN_IF_ERROR(cudaMemset(impl->counters.get(), 0, 2 * sizeof(unsigned int)));
+  for (int i = 0; i < 2; ++i) {
+    const EpilogueSchedule schedule =
+        i == 0 ? EpilogueSchedule::kPingpong : EpilogueSchedule::kPingpongCluster2;
+    if (config.epilogue_schedule != EpilogueSchedule::kAuto &&
+        config.epilogue_schedule != schedule)
+      continue;
+    absl::StatusOr<std::unique_ptr<internal::EpilogueGemm>> epilogue =
+        internal::EpilogueGemm::Create(impl->features(), impl->hidden(), schedule);
+    if (!epilogue.ok()) {  // the other paths still serve
+      impl->epilogue[0].reset();
+      impl->epilogue_unavailable = std::string(epilogue.status().message());
+      break;
+    }
+    impl->epilogue[i] = std::move(*epilogue);
+  }
+  if (impl->epilogue_unavailable.empty()) {
+    ULY_RETURN_IF_ERROR(impl->chunk_counters.Allocate(kMaxFusedChunks * sizeof(unsigned int)));
+    ULY_CUDA_RETURN_IF_ERROR(
+        cudaMemset(impl->chunk_counters.get(), 0, kMaxFusedChunks * sizeof(unsigned int)));
+  }
   ULY_RETURN_IF_ERROR(impl->side.Create());
   ULY_RETURN_IF_ERROR(impl->start.Create());
   ULY_RETURN_IF_ERROR(impl->done.Create());
@@ -220,6 +255,50 @@ absl::Status FusedQkvPlan::RunChunked(const void* x, const int32_t* positions, i
   return absl::OkStatus();
 }
 
+absl::Status FusedQkvPlan::RunEpilogue(const void* x, const int32_t* positions, int64_t batch,
+                                       int64_t seq_local, const QkvDestinations& dests,
+                                       cudaStream_t stream) {
+  if (!impl_->epilogue_unavailable.empty())
+    return absl::FailedPreconditionError(
+        absl::StrCat("no epilogue path: ", impl_->epilogue_unavailable));
+  ULY_ASSIGN_OR_RETURN(const QkvNormRopeShape shape,
+                       impl_->CallShape(x, positions, batch, seq_local));
+  const FusedQkvConfig& c = impl_->config;
+  internal::EpilogueCall call;
+  call.shape = shape;
+  call.layout = c.layout;
+  call.src = c.rank;
+  call.x = x;
+  call.positions = positions;
+  call.weights = c.weights;
+  call.dests = dests;
+  // The chunked path's chunks, rounded up to whole tiles: the same number of chunks.
+  const int64_t tile = internal::kEpilogueTileRows;
+  call.chunk_rows = (impl_->ChunkRows(QkvRows(shape)) + tile - 1) / tile * tile;
+  call.chunk_counters = static_cast<unsigned int*>(impl_->chunk_counters.get());
+  call.projection = c.keep_projection ? impl_->qkv() : nullptr;
+  return impl_->EpilogueFor(QkvRows(shape))->Run(call, stream);
+}
+
+absl::Status FusedQkvPlan::RunEpilogueGemmAlone(const void* x, int64_t rows,
+                                                cudaStream_t stream) {
+  if (!impl_->epilogue_unavailable.empty())
+    return absl::FailedPreconditionError(
+        absl::StrCat("no epilogue path: ", impl_->epilogue_unavailable));
+  if (rows <= 0 || rows > impl_->config.max_tokens)
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows ", rows, " is not in [1, max_tokens=", impl_->config.max_tokens, "]"));
+  const FusedQkvConfig& c = impl_->config;
+  internal::EpilogueCall call;
+  call.shape = QkvNormRopeShape{c.world, c.heads, c.head_dim, c.max_pos, 1, rows};
+  call.x = x;
+  call.weights = c.weights;
+  call.gemm_alone = true;
+  return impl_->EpilogueFor(rows)->Run(call, stream);
+}
+
+std::string FusedQkvPlan::EpilogueUnavailable() const { return impl_->epilogue_unavailable; }
+
 int64_t FusedQkvPlan::ChunkRows(int64_t rows) const { return impl_->ChunkRows(rows); }
 
 int64_t FusedQkvPlan::NumChunks(int64_t rows) const {
@@ -237,7 +316,13 @@ std::string FusedQkvPlan::Describe(int64_t rows) const {
       ") on the caller's stream, each followed on a second stream by norm_rope_scatter",
       impl_->config.push_blocks > 0 ? absl::StrCat(" (", impl_->config.push_blocks, " blocks)")
                                     : std::string(),
-      " and its readiness words");
+      " and its readiness words\n", "epilogue: ",
+      impl_->epilogue_unavailable.empty()
+          ? absl::StrCat("gemm[", rows, "] (", impl_->EpilogueFor(rows)->Description(),
+                         ") storing into ",
+                         impl_->config.world, " destinations, readiness words per ",
+                         NumChunks(rows), " chunk(s)")
+          : absl::StrCat("unavailable (", impl_->epilogue_unavailable, ")"));
 }
 
 }  // namespace ulysses::kernels

@@ -10,18 +10,19 @@
 #include "absl/strings/str_cat.h"
 #include "cancel.cuh"
 #include "cuda_check.h"
+#include "norm_rope.cuh"
+#include "qkv_checks.h"
 #include "ulysses/common/status.h"
 #include "ulysses/kernels/qkv_norm_rope_cuda.h"
 
 namespace ulysses::kernels {
 namespace {
 
-constexpr int kDim = kFusedGpuHeadDim;
-constexpr int kLanes = 16;           // lanes per head
-constexpr int kVec = kDim / kLanes;  // bf16 elements per lane
+constexpr int kDim = internal::kHeadDim;
+constexpr int kLanes = internal::kHeadLanes;
+constexpr int kVec = internal::kHeadVec;
 constexpr int kThreads = 256;
 constexpr int kHeadsPerBlock = kThreads / kLanes;
-static_assert(kVec == 8, "a lane moves one 16-byte vector");
 
 enum class Mode { kInPlace, kScatter, kNormRopeScatter };
 
@@ -44,24 +45,6 @@ struct QkvKernelParams {
   unsigned int* counter;  // blocks finished; null: no readiness words
   const uint64_t* cancel;  // nonzero word: store nothing; null: always store
 };
-
-__device__ __forceinline__ float RoundBf16(float v) {
-  return __bfloat162float(__float2bfloat16_rn(v));
-}
-
-__device__ __forceinline__ void Unpack(const uint4& raw, float (&v)[kVec]) {
-  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < kVec / 2; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-__device__ __forceinline__ void StoreRelease(uint64_t* word, uint64_t value) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(word), "l"(value) : "memory");
-}
 
 // Grid-stride over items (row, plane, head). The two half-warps of a warp take consecutive
 // items and run the loop the same number of times, so the half-warp shuffles of the norm always
@@ -91,41 +74,15 @@ __global__ void __launch_bounds__(kThreads) QkvHeadKernel(const QkvKernelParams 
     const int64_t at = row * features + plane * hd + int64_t{head} * kDim + lane * kVec;
     uint4 raw = valid ? *reinterpret_cast<const uint4*>(p.qkv + at) : make_uint4(0, 0, 0, 0);
     if constexpr (kMode != Mode::kScatter) {
-      float y[kVec];
-      Unpack(raw, y);
-      // sum(y^2) in the order HeadSumSquares (the reference) adds it: each lane's 8 elements
-      // by fused multiply-adds, then the half-warp's xor butterfly (offsets 8, 4, 2, 1).
-      float sum_sq = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) sum_sq = __fmaf_rn(y[i], y[i], sum_sq);
-#pragma unroll
-      for (int offset = kLanes / 2; offset > 0; offset /= 2) {
-        sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
+      const bool apply = valid && plane < 2;
+      float w[kVec] = {};
+      internal::CosSin cs{};
+      if (apply) {
+        internal::LoadNormWeights(plane == 0 ? p.q_norm : p.k_norm, lane, w);
+        cs = internal::LoadCosSin(
+            internal::CosSinRow(p.cos_sin, p.positions[row], p.shape.max_pos), lane);
       }
-      if (valid && plane < 2) {
-        // 1 / sqrt(x) with both steps correctly rounded, as the reference computes it.
-        const float inv_rms =
-            __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(sum_sq * (1.0f / kDim), kFusedRmsEps)));
-        float w[kVec];
-        Unpack(*reinterpret_cast<const uint4*>((plane == 0 ? p.q_norm : p.k_norm) + lane * kVec),
-               w);
-        const int32_t pos = min(max(p.positions[row], 0), p.shape.max_pos - 1);
-        const float* cs = p.cos_sin + int64_t{pos} * kDim;
-        const float4 c = *reinterpret_cast<const float4*>(cs + lane * (kVec / 2));
-        const float4 s = *reinterpret_cast<const float4*>(cs + kDim / 2 + lane * (kVec / 2));
-        const float cv[4] = {c.x, c.y, c.z, c.w}, sv[4] = {s.x, s.y, s.z, s.w};
-        auto* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-        for (int i = 0; i < kVec / 2; ++i) {
-          const float a = RoundBf16(__fmul_rn(RoundBf16(__fmul_rn(y[2 * i], inv_rms)), w[2 * i]));
-          const float b =
-              RoundBf16(__fmul_rn(RoundBf16(__fmul_rn(y[2 * i + 1], inv_rms)), w[2 * i + 1]));
-          // Separate roundings (no FMA contraction), as the reference.
-          const float o0 = __fsub_rn(__fmul_rn(cv[i], a), __fmul_rn(sv[i], b));
-          const float o1 = __fadd_rn(__fmul_rn(sv[i], a), __fmul_rn(cv[i], b));
-          pairs[i] = __floats2bfloat162_rn(o0, o1);
-        }
-      }
+      internal::NormRopeHead(raw, apply, w, cs);
     }
     if (!valid) continue;
     if constexpr (kMode == Mode::kInPlace) {
@@ -150,7 +107,7 @@ __global__ void __launch_bounds__(kThreads) QkvHeadKernel(const QkvKernelParams 
       if (arrived == gridDim.x - 1) {
         __threadfence_system();
         for (int d = 0; d < p.shape.world; ++d) {
-          if (p.ready[d] != nullptr) StoreRelease(p.ready[d], p.epoch);
+          if (p.ready[d] != nullptr) internal::StoreRelease(p.ready[d], p.epoch);
         }
         atomicExch(p.counter, 0u);
       }
@@ -158,59 +115,17 @@ __global__ void __launch_bounds__(kThreads) QkvHeadKernel(const QkvKernelParams 
   }
 }
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-absl::Status CheckAligned(absl::string_view name, const void* p) {
-  if (p == nullptr) return absl::InvalidArgumentError(absl::StrCat(name, " is null"));
-  if (!Aligned16(p))
-    return absl::InvalidArgumentError(absl::StrCat(name, " is not 16-byte aligned"));
-  return absl::OkStatus();
-}
-
-absl::Status CheckShapeAndRows(const QkvNormRopeShape& s, int64_t row_begin, int64_t row_end) {
-  if (s.world < 1 || s.world > kMaxWorldSize)
-    return absl::InvalidArgumentError(
-        absl::StrCat("world ", s.world, " is not in [1, ", kMaxWorldSize, "]"));
-  if (s.heads <= 0 || s.heads % s.world != 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "heads (", s.heads, ") must be positive and divisible by world (", s.world, ")"));
-  if (s.head_dim != kDim)
-    return absl::InvalidArgumentError(
-        absl::StrCat("head_dim must be ", kDim, " for the CUDA kernels, got ", s.head_dim));
-  if (s.batch <= 0 || s.seq_local <= 0 || s.max_pos <= 0)
-    return absl::InvalidArgumentError("batch, seq_local and max_pos must be positive");
-  const int64_t rows = QkvRows(s);
-  if (rows * QkvFeatures(s) > kInt32Max)
-    return absl::InvalidArgumentError("B*S_l*3*H*D exceeds the int32 limit");
-  if (row_begin < 0 || row_end > rows || row_begin >= row_end)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rows [", row_begin, ", ", row_end, ") are not a non-empty range in [0, ", rows, ")"));
-  return absl::OkStatus();
-}
-
-absl::Status CheckWeights(const QkvWeights& w, const int32_t* positions) {
-  ULY_RETURN_IF_ERROR(CheckAligned("q_norm", w.q_norm));
-  ULY_RETURN_IF_ERROR(CheckAligned("k_norm", w.k_norm));
-  ULY_RETURN_IF_ERROR(CheckAligned("cos_sin", w.cos_sin));
-  if (positions == nullptr) return absl::InvalidArgumentError("positions is null");
-  return absl::OkStatus();
-}
+using internal::CheckAligned;
+using internal::CheckShapeAndRows;
+using internal::CheckWeights;
 
 absl::Status FillDestinations(const QkvNormRopeShape& s, QkvLayout layout, int src,
                               const QkvDestinations& dests, unsigned int* counter,
                               QkvKernelParams& p) {
-  if (layout != QkvLayout::kBshd && layout != QkvLayout::kFused)
-    return absl::InvalidArgumentError("layout must be bshd or fused");
-  if (src < 0 || src >= s.world)
-    return absl::InvalidArgumentError(
-        absl::StrCat("src rank ", src, " is outside [0, ", s.world, ")"));
-  if (dests.out == nullptr) return absl::InvalidArgumentError("dests.out is null");
-  if (dests.ready != nullptr && counter == nullptr)
-    return absl::InvalidArgumentError("counter is null but dests.ready is set");
+  ULY_RETURN_IF_ERROR(internal::CheckDestinations(s, layout, src, dests, counter));
   p.layout = layout;
   p.src = src;
   for (int d = 0; d < s.world; ++d) {
-    ULY_RETURN_IF_ERROR(CheckAligned(absl::StrCat("dests.out[", d, "]"), dests.out[d]));
     p.out[d] = static_cast<uint16_t*>(dests.out[d]);
     p.ready[d] = dests.ready != nullptr ? dests.ready[d] : nullptr;
   }

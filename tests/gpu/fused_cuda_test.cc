@@ -156,7 +156,8 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
     return slots;
   }
 
-  std::unique_ptr<FusedQkvPlan> MakePlan(int rank, QkvLayout layout, int64_t chunk_rows) const {
+  std::unique_ptr<FusedQkvPlan> MakePlan(int rank, QkvLayout layout, int64_t chunk_rows,
+                                         bool keep_projection = false) const {
     FusedQkvConfig c;
     c.world = shape_.world;
     c.rank = rank;
@@ -166,19 +167,35 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
     c.max_tokens = Rows();
     c.weights = DeviceWeights();
     c.chunk_rows = chunk_rows;
+    c.keep_projection = keep_projection;
     absl::StatusOr<std::unique_ptr<FusedQkvPlan>> plan = FusedQkvPlan::Create(c);
     EXPECT_TRUE(plan.ok()) << plan.status();
     return plan.ok() ? std::move(*plan) : nullptr;
   }
 
-  // Runs every rank's call (chunked, with `chunk_rows`, or per-operator) into W poisoned slots;
-  // returns the slots, each rank's raw projection as the path computed it, and checks the
-  // readiness words (one per chunk, or one for the per-operator call).
+  enum class Path { kPerOperator, kChunked, kEpilogue };
+
+  // Whether this build and device run the epilogue path; where the build has it, it must run.
+  bool EpilogueRuns() {
+    std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0);
+    if (plan == nullptr) return false;
+    const std::string why = plan->EpilogueUnavailable();
+#ifdef ULYSSES_HAVE_EPILOGUE_GEMM
+    EXPECT_EQ(why, "") << "the build has the epilogue GEMM";
+#endif
+    if (!why.empty()) std::cout << "epilogue path unavailable: " << why << "\n";
+    return why.empty();
+  }
+
+  // Runs every rank's call (chunked or epilogue, with `chunk_rows`, or per-operator) into W
+  // poisoned slots; returns the slots, each rank's raw projection as the path computed it, and
+  // checks the readiness words (one per chunk, or one for the per-operator call).
   struct PathResult {
     std::vector<std::vector<uint16_t>> slots;
     std::vector<std::vector<uint16_t>> proj;
   };
-  PathResult RunPath(QkvLayout layout, bool chunked, int64_t chunk_rows = 128) {
+  PathResult RunPath(QkvLayout layout, Path path, int64_t chunk_rows = 128) {
+    const bool chunked = path != Path::kPerOperator;
     const int world = shape_.world;
     PathResult out;
     std::vector<std::unique_ptr<DeviceBuffer>> slots;
@@ -195,7 +212,8 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     int64_t chunks = 1;
     for (int r = 0; r < world; ++r) {
-      std::unique_ptr<FusedQkvPlan> plan = MakePlan(r, layout, chunked ? chunk_rows : 0);
+      std::unique_ptr<FusedQkvPlan> plan =
+          MakePlan(r, layout, chunked ? chunk_rows : 0, path == Path::kEpilogue);
       if (plan == nullptr) return out;
       std::vector<uint64_t*> ready;
       for (int d = 0; d < world; ++d) {
@@ -207,8 +225,12 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
       if (chunked) {
         chunks = plan->NumChunks(Rows());
         EXPECT_EQ(chunks, FusedNumChunks(Rows(), chunk_rows));
-        const absl::Status s = plan->RunChunked(x_[r]->as<void>(), positions_[r]->as<int32_t>(),
-                                                shape_.batch, shape_.seq_local, dests, stream_);
+        const absl::Status s =
+            path == Path::kChunked
+                ? plan->RunChunked(x_[r]->as<void>(), positions_[r]->as<int32_t>(), shape_.batch,
+                                   shape_.seq_local, dests, stream_)
+                : plan->RunEpilogue(x_[r]->as<void>(), positions_[r]->as<int32_t>(),
+                                    shape_.batch, shape_.seq_local, dests, stream_);
         EXPECT_TRUE(s.ok()) << s;
         EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
       } else {
@@ -222,7 +244,8 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
         EXPECT_TRUE(s.ok()) << s;
         EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
       }
-      if (chunked) proj = DownloadProjection(*plan);  // the chunked path leaves it raw
+      // The chunked path leaves it raw; the epilogue path keeps it raw on request.
+      if (chunked) proj = DownloadProjection(*plan);
       out.proj.push_back(std::move(proj));
       if (r == 0) std::cout << plan->Describe(Rows()) << "\n";
     }
@@ -333,14 +356,15 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
   }
 
   // Where both paths' projections agree on a head, the kernels after the GEMM must too.
-  void CheckPathsAgree(QkvLayout layout, const PathResult& chunked, const PathResult& per_op) {
+  void CheckPathsAgree(QkvLayout layout, const PathResult& chunked, const PathResult& per_op,
+                       const char* name = "chunked") {
     ASSERT_EQ(per_op.slots.size(), chunked.slots.size());
     ASSERT_EQ(per_op.proj.size(), chunked.proj.size());
     for (int src = 0; src < static_cast<int>(chunked.proj.size()); ++src) {
       const HeadDiff diff =
           CompareHeads(Gather(chunked.slots, layout, src), Gather(per_op.slots, layout, src),
                        chunked.proj[src], per_op.proj[src]);
-      std::cout << "chunked vs per_operator src " << src << ": " << diff.total
+      std::cout << name << " vs per_operator src " << src << ": " << diff.total
                 << "; beyond tolerance: " << diff.propagated << " propagated, " << diff.unexplained
                 << " unexplained\n";
       EXPECT_EQ(diff.unexplained, 0) << "src " << src;
@@ -440,12 +464,32 @@ TEST_P(GpuFusedQkvTest, NormRopeKernelMatchesReferenceStep) {
 TEST_P(GpuFusedQkvTest, PathsMatchReferenceAndEachOther) {
   for (QkvLayout layout : {QkvLayout::kBshd, QkvLayout::kFused}) {
     SCOPED_TRACE(std::string(QkvLayoutName(layout)));
-    const PathResult per_op = RunPath(layout, /*chunked=*/false);
+    const PathResult per_op = RunPath(layout, Path::kPerOperator);
     CheckPath("per_operator", layout, per_op);
-    const PathResult chunked = RunPath(layout, /*chunked=*/true);
+    const PathResult chunked = RunPath(layout, Path::kChunked);
     CheckPath("chunked", layout, chunked);
     EXPECT_EQ(FusedNumChunks(Rows(), 128), (Rows() + 127) / 128);
     CheckPathsAgree(layout, chunked, per_op);
+  }
+}
+
+// The epilogue-fused GEMM: bit for bit the reference chain on its own (kept) projection, the
+// projection within the GEMM tolerance of the fp32 reference, and the per-operator path's
+// result wherever both projections agree on a head; readiness words per 128-row chunk.
+TEST_P(GpuFusedQkvTest, EpiloguePathMatchesReferenceAndThePerOperatorPath) {
+  if (!EpilogueRuns()) GTEST_SKIP() << "no epilogue path in this build or on this device";
+  for (QkvLayout layout : {QkvLayout::kBshd, QkvLayout::kFused}) {
+    SCOPED_TRACE(std::string(QkvLayoutName(layout)));
+    const PathResult epilogue = RunPath(layout, Path::kEpilogue);
+    CheckPath("epilogue", layout, epilogue);
+    for (int r = 0; r < shape_.world; ++r) {
+      const Bf16Diff d = CompareBf16(epilogue.proj[r].data(), proj_ref_[r].data(), Elems());
+      std::cout << "epilogue gemm rank " << r << ": " << d << "\n";
+      EXPECT_EQ(d.mismatches, 0);
+      EXPECT_LE(d.flips, d.elements / 100);
+    }
+    const PathResult per_op = RunPath(layout, Path::kPerOperator);
+    CheckPathsAgree(layout, epilogue, per_op, "epilogue");
   }
 }
 
@@ -483,6 +527,25 @@ TEST_P(GpuFusedQkvTest, LaunchersRejectBadArgumentsAndEnqueueNothing) {
                                  kSeqLocal + 1, plain, stream_)
                 .code(),
             absl::StatusCode::kResourceExhausted);
+  if (plan->EpilogueUnavailable().empty()) {
+    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<void>(), positions_[0]->as<int32_t>(), kBatch,
+                                kSeqLocal + 1, plain, stream_)
+                  .code(),
+              absl::StatusCode::kResourceExhausted);
+    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<uint8_t>() + 2, positions_[0]->as<int32_t>(), kBatch,
+                                kSeqLocal, plain, stream_)
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<void>(), positions_[0]->as<int32_t>(), kBatch,
+                                kSeqLocal, QkvDestinations{nullptr, nullptr, 0}, stream_)
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+  } else {
+    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<void>(), positions_[0]->as<int32_t>(), kBatch,
+                                kSeqLocal, plain, stream_)
+                  .code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
   ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
 }
 
@@ -509,11 +572,16 @@ TEST_P(GpuFusedQkvLargeRowsTest, ChunkedMatchesItsChainAndThePerOperatorPath) {
   EXPECT_GE(FusedChunkRows(Rows(), 0), 8192);
   for (QkvLayout layout : {QkvLayout::kBshd, QkvLayout::kFused}) {
     SCOPED_TRACE(std::string(QkvLayoutName(layout)));
-    const PathResult chunked = RunPath(layout, /*chunked=*/true, /*chunk_rows=*/0);
+    const PathResult chunked = RunPath(layout, Path::kChunked, /*chunk_rows=*/0);
     CheckChain("chunked", layout, chunked, 0);
-    const PathResult per_op = RunPath(layout, /*chunked=*/false);
+    const PathResult per_op = RunPath(layout, Path::kPerOperator);
     CheckChain("per_operator", layout, per_op, 0);
     CheckPathsAgree(layout, chunked, per_op);
+    if (EpilogueRuns()) {
+      const PathResult epilogue = RunPath(layout, Path::kEpilogue, /*chunk_rows=*/0);
+      CheckChain("epilogue", layout, epilogue, 0);
+      CheckPathsAgree(layout, epilogue, per_op, "epilogue");
+    }
   }
 }
 

@@ -4,7 +4,11 @@
 //   chunked       the GEMM split by token block on the caller's stream, and for each block, as
 //                 soon as its GEMM is done, the fused norm+RoPE+store on a second stream (so it
 //                 runs while the GEMM of the next block does), each block publishing its
-//                 readiness words.
+//                 readiness words;
+//   epilogue      one Hopper GEMM (CUTLASS, sm_90a) whose epilogue does the norm+RoPE and the
+//                 stores of each output tile, the projection never written to memory; the
+//                 tiles of a chunk publish its readiness words. Only where the build has it
+//                 and the device is sm_90 (EpilogueUnavailable says why not).
 // Usable from host C++ without CUDA headers. Without CUDA, Create returns FAILED_PRECONDITION.
 #pragma once
 
@@ -22,6 +26,16 @@ namespace ulysses::kernels {
 /// Most chunks a chunked call is split into.
 inline constexpr int32_t kMaxFusedChunks = 32;
 
+/// The epilogue path's GEMM (CUTLASS's warp-specialized ping-pong kernel: a tile per
+/// consumer warpgroup, one's epilogue beside the other's mainloop): kPingpong launches single
+/// CTAs; kPingpongCluster2 clusters of 2 CTAs along the rows, which share each w_qkv tile
+/// through TMA multicast. kAuto picks per call (EpilogueScheduleFor).
+enum class EpilogueSchedule { kAuto, kPingpong, kPingpongCluster2 };
+
+/// kAuto's rule, from the measurements of docs/benchmarks.md: clusters of 2 from 2048 rows a
+/// call up; below, single CTAs (a cluster of 2 over few row tiles measured 2-3x slower).
+EpilogueSchedule EpilogueScheduleFor(int64_t rows);
+
 /// What a plan is made for. The weights are device pointers the caller keeps alive and
 /// unchanged for the plan's lifetime.
 struct FusedQkvConfig {
@@ -38,6 +52,10 @@ struct FusedQkvConfig {
   int64_t chunk_rows = 0;
   /// Grid cap of the chunked path's norm+RoPE+store kernel (0: no cap).
   int32_t push_blocks = 0;
+  /// The epilogue path also stores its raw projection into projection() (for tests: it
+  /// costs a write of the whole projection).
+  bool keep_projection = false;
+  EpilogueSchedule epilogue_schedule = EpilogueSchedule::kAuto;
 };
 
 /// The chunked path's default: about four chunks of at least 512 rows, multiples of 128 rows.
@@ -80,6 +98,19 @@ class FusedQkvPlan {
   absl::Status RunChunked(const void* x, const int32_t* positions, int64_t batch, int64_t seq_local,
                           const QkvDestinations& dests, cudaStream_t stream);
 
+  /// The epilogue path; same result as RunChunked within the GEMM's rounding, and the same
+  /// readiness words (chunk i publishes dests.ready[dst][i]). FAILED_PRECONDITION when the
+  /// plan has no epilogue GEMM (EpilogueUnavailable).
+  absl::Status RunEpilogue(const void* x, const int32_t* positions, int64_t batch,
+                           int64_t seq_local, const QkvDestinations& dests, cudaStream_t stream);
+
+  /// The epilogue path's GEMM with its epilogue skipped (nothing stored): that kernel's floor,
+  /// for the benchmark. FAILED_PRECONDITION without an epilogue GEMM.
+  absl::Status RunEpilogueGemmAlone(const void* x, int64_t rows, cudaStream_t stream);
+
+  /// Why this plan cannot run the epilogue path (not built, not an sm_90 device), or empty.
+  std::string EpilogueUnavailable() const;
+
   /// The projection alone, into the plan's projection buffer (the benchmark's floor).
   absl::Status RunProjection(const void* x, int64_t rows, cudaStream_t stream);
 
@@ -88,7 +119,8 @@ class FusedQkvPlan {
   int64_t NumChunks(int64_t rows) const;
 
   /// The projection buffer [max_tokens, 3*H*D] bf16 (the last call's raw projection on the
-  /// chunked path, its normalized one on the per-operator path).
+  /// chunked path, and on the epilogue path with keep_projection; its normalized one on the
+  /// per-operator path).
   const void* projection() const;
 
   /// One line per path: the launch sequence, chunking and GEMM algorithms for `rows` rows.

@@ -1,0 +1,424 @@
+// The epilogue-fused GEMM of the fused QKV op (fused_epilogue.h): CUTLASS's sm_90a TMA
+// warp-specialized cooperative mainloop (two consumer warpgroups, a persistent tile scheduler)
+// with an epilogue of our own in the operator form that CUTLASS's
+// Sm90TmaWarpSpecializedAdapter runs in place of its TMA epilogues.
+//
+// Per 128x128 output tile (128 token rows of one head of one plane):
+//   1. the consumer threads round their accumulators to bf16 into a padded shared-memory tile;
+//   2. each half-warp takes whole rows of the tile, 16 bytes a lane, as the norm_rope.cu
+//      kernels do, and applies RMSNorm + RoPE (Q and K) through the same device function, so
+//      the step is bit for bit that of the other paths on the same projection;
+//   3. each row goes straight to its destination's slot (at QkvDestOffset);
+//   4. the tile counts itself on its chunk's counter; the chunk's last tile publishes the
+//      chunk's readiness word in every destination (release order after every store).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "cuda_check.h"
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/cluster_launch.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/device_kernel.h"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/gemm.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/kernel_hardware_info.h"
+#include "cutlass/util/packed_stride.hpp"
+#include "fused_epilogue.h"
+#include "norm_rope.cuh"
+#include "qkv_checks.h"
+#include "ulysses/common/status.h"
+#include "ulysses/kernels/fused_qkv.h"
+
+namespace ulysses::kernels::internal {
+namespace {
+
+constexpr int kTileM = static_cast<int>(kEpilogueTileRows);
+constexpr int kTileN = kHeadDim;  // one head of one plane per tile
+constexpr int kTileK = 64;
+constexpr int kPitch = kTileN + 8;  // bf16 elements per shared row: 16 bytes of padding
+constexpr int kSwizzle = 8;          // the tile scheduler's swizzle (1, 2, 4 or 8)
+
+// What the epilogue needs on the device; trivially copyable, passed in the kernel's params.
+struct EpilogueParams {
+  QkvNormRopeShape shape;
+  QkvLayout layout;
+  int32_t src;
+  int32_t rows;
+  int32_t chunk_tiles;  // M tiles per readiness chunk
+  int32_t n_tiles;      // tiles across the features
+  const int32_t* positions;
+  const uint16_t* q_norm;
+  const uint16_t* k_norm;
+  const float* cos_sin;
+  uint16_t* out[kMaxWorldSize];
+  uint64_t* ready[kMaxWorldSize];  // chunk i's word of dst at ready[dst] + i; null: none
+  uint64_t epoch;
+  const uint64_t* cancel;
+  unsigned int* counters;  // per chunk; null: no readiness words
+  uint16_t* projection;    // null: the raw projection is not kept
+  int32_t gemm_alone;      // nonzero: the epilogue returns at once
+};
+
+using Element = cutlass::bfloat16_t;
+using StrideCD = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+
+// kThreads: the threads that run one tile's epilogue: 256 (the cooperative kernel's two
+// consumer warpgroups share a tile) or 128 (the ping-pong kernel: each warpgroup its own tile,
+// one warpgroup's epilogue beside the other's mainloop; the kernel orders the two epilogues,
+// so they can share one staging tile).
+template <int kThreads>
+class NormRopeStoreEpilogue {
+ public:
+  static constexpr int kHalfWarps = kThreads / kHeadLanes;
+  static constexpr int kRowsPerThread = kTileM / kHalfWarps;
+
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  // Names only: the adapter and the kernel ask for these types; nothing here runs them.
+  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<Element, 1, float, float>;
+  using ElementOutput = Element;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using ElementC = Element;
+  using StrideC = StrideCD;
+  using ElementD = Element;
+  using StrideD = StrideCD;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+
+  struct SharedStorage {
+    alignas(128) uint16_t tile[kTileM * kPitch];
+    int cancelled;
+  };
+  using TensorStorage = SharedStorage;
+  using Arguments = EpilogueParams;
+  using Params = EpilogueParams;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
+                                                  void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
+                                              cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+
+  CUTLASS_HOST_DEVICE explicit NormRopeStoreEpilogue(Params const& params) : params_(params) {}
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
+            class FrgLayout, class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL, BlockShapeMNK, BlockCoordMNKL blk_coord_mnkl,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char* smem) {
+    using namespace cute;
+    const Params& p = params_;
+    if (p.gemm_alone != 0) return;
+    SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
+    // A user named barrier per consumer warpgroup (warpgroup 0 is the producer); CUTLASS
+    // offsets user ids past the ones it reserves.
+    const uint32_t barrier = kThreads == 256 ? 0 : threadIdx.x / 128;
+    const int m_tile = static_cast<int>(get<0>(blk_coord_mnkl));
+    const int n_tile = static_cast<int>(get<1>(blk_coord_mnkl));
+    const int lane = thread_idx % kHeadLanes, half_warp = thread_idx / kHeadLanes;
+    const int64_t hd = int64_t{p.shape.heads} * kHeadDim, features = 3 * hd;
+    const int64_t n = int64_t{n_tile} * kTileN;
+    const int plane = static_cast<int>(n / hd);
+    const int32_t head = static_cast<int32_t>((n % hd) / kHeadDim);
+    // This thread's rows of the tile: the two halves of a warp take rows 2w and 2w+1 (+16 j),
+    // so both run the same steps (the norm's shuffles need all 32 lanes). Their positions are
+    // loaded first, and their cos/sin while the tile is written, so that the rows' steps below
+    // wait on no global load.
+    int32_t pos[kRowsPerThread];
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int64_t row = int64_t{m_tile} * kTileM + half_warp + j * kHalfWarps;
+      pos[j] = plane < 2 && row < p.rows ? p.positions[row] : 0;
+    }
+    if (thread_idx == 0) {
+      storage.cancelled =
+          p.cancel != nullptr && *static_cast<const volatile uint64_t*>(p.cancel) != 0 ? 1 : 0;
+    }
+    // 1. Accumulators -> bf16 (round to nearest even, as cuBLASLt's bf16 output) -> shared.
+    Tensor s_tile = make_tensor(make_smem_ptr(storage.tile),
+                                Layout<Shape<Int<kTileM>, Int<kTileN>>, Stride<Int<kPitch>, _1>>{});
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor t_s = thr_mma.partition_C(s_tile);
+    CUTE_STATIC_ASSERT_V(size(t_s) == size(accumulators));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accumulators); ++i) {
+      t_s(i) = __bfloat16_as_ushort(__float2bfloat16_rn(accumulators(i)));
+    }
+    float w[kHeadVec] = {};
+    CosSin cs[kRowsPerThread] = {};
+    if (plane < 2) {
+      LoadNormWeights(plane == 0 ? p.q_norm : p.k_norm, lane, w);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kRowsPerThread; ++j) {
+        cs[j] = LoadCosSin(CosSinRow(p.cos_sin, pos[j], p.shape.max_pos), lane);
+      }
+    }
+    cutlass::arch::NamedBarrier::sync(kThreads, barrier);
+
+    // 2 and 3. Norm + RoPE and the stores, row by row.
+    const bool cancelled = storage.cancelled != 0;
+    const uint32_t hl = static_cast<uint32_t>(p.shape.heads / p.shape.world);
+    const uint32_t dst = static_cast<uint32_t>(head) / hl, h = static_cast<uint32_t>(head) % hl;
+    const uint32_t world = static_cast<uint32_t>(p.shape.world);
+    const uint32_t src_base = static_cast<uint32_t>(p.src * p.shape.seq_local);
+    const uint32_t plane_elems = static_cast<uint32_t>(QkvPlaneElems(p.shape));
+    uint16_t* out = p.out[dst];
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int r = half_warp + j * kHalfWarps;
+      const int64_t row = int64_t{m_tile} * kTileM + r;
+      const bool valid = row < p.rows;
+      uint4 raw = *reinterpret_cast<const uint4*>(storage.tile + r * kPitch + lane * kHeadVec);
+      if (valid && p.projection != nullptr) {
+        *reinterpret_cast<uint4*>(p.projection + row * features + n + lane * kHeadVec) = raw;
+      }
+      if (plane < 2) NormRopeHead(raw, valid, w, cs[j]);  // the same for every lane of the tile
+      if (valid && !cancelled) {
+        // QkvDestOffset in 32-bit arithmetic: every offset of a slot is below 2^31 (Run checks
+        // B*S_l*3*H*D), and a 64-bit division costs a long software sequence per row.
+        const uint32_t r32 = static_cast<uint32_t>(row), sl = static_cast<uint32_t>(p.shape.seq_local);
+        const uint32_t b = r32 / sl, token = b * sl * world + src_base + (r32 - b * sl);
+        const uint32_t at =
+            p.layout == QkvLayout::kFused
+                ? (token * hl + h) * 3 * kHeadDim + plane * kHeadDim + lane * kHeadVec
+                : plane * plane_elems + (token * hl + h) * kHeadDim + lane * kHeadVec;
+        *reinterpret_cast<uint4*>(out + at) = raw;
+      }
+    }
+
+    // 4. Readiness. The barrier orders every thread's stores before thread 0's system-scope
+    // fence and arrival (as a grid barrier does: one fence per tile, not one per thread); the
+    // chunk's last tile has seen every arrival (fence after the atomic) and publishes the words
+    // with release stores. The barrier also keeps the shared tile until every half-warp has
+    // read it.
+    cutlass::arch::NamedBarrier::sync(kThreads, barrier);
+    if (p.counters == nullptr || thread_idx != 0) return;
+    __threadfence_system();
+    const int32_t m_tiles = (p.rows + kTileM - 1) / kTileM;
+    const int32_t chunk = m_tile / p.chunk_tiles, first = chunk * p.chunk_tiles;
+    const unsigned int tiles =
+        static_cast<unsigned int>((min(m_tiles, first + p.chunk_tiles) - first) * p.n_tiles);
+    const unsigned int arrived = atomicAdd(p.counters + chunk, 1u);
+    if (arrived == tiles - 1) {
+      __threadfence_system();
+      for (int d = 0; d < p.shape.world; ++d) {
+        if (p.ready[d] != nullptr) StoreRelease(p.ready[d] + chunk, p.epoch);
+      }
+      atomicExch(p.counters + chunk, 0u);
+    }
+  }
+
+ private:
+  Params params_;
+};
+
+using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
+
+// The GEMM kernel of a schedule (KernelTmaWarpSpecializedCooperative or ...Pingpong).
+// x [rows, hidden] row-major is A (M x K, K-major); w_qkv [features, hidden] row-major is B as
+// K x N column-major (also K-major): the TN GEMM that Hopper's TMA + wgmma path wants.
+template <class Schedule, int kThreads, int kClusterM>
+struct KernelOf {
+  static constexpr int kCluster = kClusterM;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+  using Epilogue = NormRopeStoreEpilogue<kThreads>;
+  using CollectiveEpilogue =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8,
+      Element, cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      Schedule>::CollectiveOp;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
+                                           CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
+};
+template <int kClusterM>
+using PingpongKernel = KernelOf<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, kClusterM>;
+
+template <class K>
+class CutlassEpilogueGemm final : public EpilogueGemm {
+ public:
+  using GemmKernel = typename K::Kernel;
+  CutlassEpilogueGemm(int64_t features, int64_t hidden, int device, int sms, const char* name)
+      : features_(features), hidden_(hidden), device_(device), sms_(sms), name_(name) {}
+
+  static absl::Status Setup() {
+    ULY_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  GemmKernel::SharedStorageSize));
+    return absl::OkStatus();
+  }
+
+  absl::Status Run(const EpilogueCall& c, cudaStream_t stream) override {
+    const QkvNormRopeShape& s = c.shape;
+    ULY_RETURN_IF_ERROR(CheckShapeAndRows(s, 0, QkvRows(s)));
+    if (QkvFeatures(s) != features_ || QkvHidden(s) != hidden_)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shape: 3*H*D = ", QkvFeatures(s), " and hidden = ", QkvHidden(s),
+          " differ from the GEMM's ", features_, " and ", hidden_));
+    ULY_RETURN_IF_ERROR(CheckAligned("x", c.x));
+    ULY_RETURN_IF_ERROR(CheckAligned("weights.w_qkv", c.weights.w_qkv));
+    const int64_t rows = QkvRows(s);
+    if (!c.gemm_alone) ULY_RETURN_IF_ERROR(CheckEpilogueArguments(c, rows));
+    EpilogueParams e{};
+    e.gemm_alone = c.gemm_alone ? 1 : 0;
+    if (!c.gemm_alone) FillEpilogueParams(c, rows, e);
+    return Launch(c, rows, e, stream);
+  }
+
+  std::string Description() const override {
+    return absl::StrCat("cutlass sm90a tma warp-specialized ", name_, ", persistent, tile ",
+                        kTileM, "x", kTileN, "x", kTileK, ", cluster ", K::kCluster, "x1, swizzle ",
+                        kSwizzle,
+                        ", ", K::CollectiveMainloop::DispatchPolicy::Stages,
+                        " stages, epilogue norm_rope_store");
+  }
+
+ private:
+  static absl::Status CheckEpilogueArguments(const EpilogueCall& c, int64_t rows) {
+    const QkvNormRopeShape& s = c.shape;
+    ULY_RETURN_IF_ERROR(CheckWeights(c.weights, c.positions));
+    ULY_RETURN_IF_ERROR(CheckDestinations(s, c.layout, c.src, c.dests, c.chunk_counters));
+    if (c.chunk_rows <= 0 || c.chunk_rows % kEpilogueTileRows != 0)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk_rows ", c.chunk_rows, " is not a positive multiple of ", kEpilogueTileRows));
+    if ((rows + c.chunk_rows - 1) / c.chunk_rows > kMaxFusedChunks)
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk_rows ", c.chunk_rows, " makes more than ", kMaxFusedChunks,
+                       " chunks of ", rows, " rows"));
+    if (c.projection != nullptr) ULY_RETURN_IF_ERROR(CheckAligned("projection", c.projection));
+    return absl::OkStatus();
+  }
+
+  void FillEpilogueParams(const EpilogueCall& c, int64_t rows, EpilogueParams& e) const {
+    const QkvNormRopeShape& s = c.shape;
+    e.shape = s;
+    e.layout = c.layout;
+    e.src = c.src;
+    e.rows = static_cast<int32_t>(rows);
+    e.chunk_tiles = static_cast<int32_t>(c.chunk_rows / kEpilogueTileRows);
+    e.n_tiles = static_cast<int32_t>(features_ / kTileN);
+    e.positions = c.positions;
+    e.q_norm = static_cast<const uint16_t*>(c.weights.q_norm);
+    e.k_norm = static_cast<const uint16_t*>(c.weights.k_norm);
+    e.cos_sin = c.weights.cos_sin;
+    for (int d = 0; d < s.world; ++d) {
+      e.out[d] = static_cast<uint16_t*>(c.dests.out[d]);
+      e.ready[d] = c.dests.ready != nullptr ? c.dests.ready[d] : nullptr;
+    }
+    e.epoch = c.dests.epoch;
+    e.cancel = c.dests.cancel;
+    e.counters = c.dests.ready != nullptr ? c.chunk_counters : nullptr;
+    e.projection = static_cast<uint16_t*>(c.projection);
+  }
+
+  absl::Status Launch(const EpilogueCall& c, int64_t rows, const EpilogueParams& e,
+                      cudaStream_t stream) const {
+    const int m = static_cast<int>(rows), nf = static_cast<int>(features_),
+              k = static_cast<int>(hidden_);
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = device_;
+    hw.sm_count = sms_;
+    typename GemmKernel::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {m, nf, k, 1},
+        {static_cast<const Element*>(c.x),
+         cutlass::make_cute_packed_stride(typename GemmKernel::StrideA{}, cute::make_shape(m, k, 1)),
+         static_cast<const Element*>(c.weights.w_qkv),
+         cutlass::make_cute_packed_stride(typename GemmKernel::StrideB{},
+                                          cute::make_shape(nf, k, 1))},
+        e,
+        hw};
+    // Groups of kSwizzle tiles along the raster's minor side: a wave of tiles shares its rows
+    // of x and its columns of w_qkv in L2 (without it, each wave streams a whole operand).
+    args.scheduler.max_swizzle_size = kSwizzle;
+    if (GemmKernel::get_workspace_size(args) != 0)
+      return absl::InternalError("the epilogue GEMM asks for a workspace it was not given");
+    if (GemmKernel::can_implement(args) == false)
+      return absl::InvalidArgumentError(
+          absl::StrCat("the epilogue GEMM cannot run ", m, " x ", nf, " x ", k));
+    const typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, nullptr);
+    const dim3 grid = GemmKernel::get_grid_shape(params);
+    const dim3 block = GemmKernel::get_block_shape();
+    if constexpr (K::kCluster == 1) {
+      cutlass::device_kernel<GemmKernel>
+          <<<grid, block, GemmKernel::SharedStorageSize, stream>>>(params);
+      ULY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    } else {
+      const cutlass::Status st = cutlass::launch_kernel_on_cluster(
+          {grid, block, dim3(K::kCluster, 1, 1), GemmKernel::SharedStorageSize, stream},
+          reinterpret_cast<const void*>(&cutlass::device_kernel<GemmKernel>), params);
+      if (st != cutlass::Status::kSuccess)
+        return absl::InternalError(
+            absl::StrCat("cluster launch failed: ", cutlass::cutlassGetStatusString(st)));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  int64_t features_, hidden_;
+  int device_, sms_;
+  const char* name_;
+};
+
+template <class K>
+absl::StatusOr<std::unique_ptr<EpilogueGemm>> Make(int64_t features, int64_t hidden, int device,
+                                                   int sms, const char* name) {
+  ULY_RETURN_IF_ERROR(CutlassEpilogueGemm<K>::Setup());
+  return std::unique_ptr<EpilogueGemm>(
+      new CutlassEpilogueGemm<K>(features, hidden, device, sms, name));
+}
+
+}  // namespace
+
+std::string EpilogueGemm::Unavailable() { return {}; }
+
+absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t features,
+                                                                   int64_t hidden,
+                                                                   EpilogueSchedule schedule) {
+  if (features <= 0 || features % kTileN != 0 || hidden <= 0 || hidden % kTileN != 0)
+    return absl::InvalidArgumentError(absl::StrCat("features (", features, ") and hidden (",
+                                                   hidden, ") must be positive multiples of ",
+                                                   kTileN));
+  int device = 0, major = 0, minor = 0, sms = 0;
+  ULY_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  ULY_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  ULY_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  ULY_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (major != 9 || minor != 0)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the epilogue-fused GEMM needs an sm_90 GPU; device ", device, " is sm_", major, minor));
+  if (schedule == EpilogueSchedule::kPingpongCluster2)
+    return Make<PingpongKernel<2>>(features, hidden, device, sms, "ping-pong");
+  return Make<PingpongKernel<1>>(features, hidden, device, sms, "ping-pong");
+}
+
+}  // namespace ulysses::kernels::internal

@@ -1,0 +1,69 @@
+// The fused QKV op's epilogue-fused GEMM (path 4b of the fused session): a Hopper (sm_90a)
+// CUTLASS GEMM, 128x128 tiles, whose epilogue takes each tile (128 token rows of one 128-wide
+// head of Q, K or V) from the accumulators, rounds it to bf16, applies RMSNorm + interleaved
+// RoPE to Q and K heads, stores every row straight into its destination rank's slot and
+// counts the tile towards its chunk's readiness words. The projection is never written to
+// memory (except on request, for tests). Internal to ulysses::kernels; host-visible, no CUDA
+// or CUTLASS headers.
+//
+// Built only with CUTLASS's headers (ULYSSES_CUTLASS_DIR) and sm_90a among the CUDA
+// architectures; otherwise Create returns FAILED_PRECONDITION saying which is missing.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "ulysses/kernels/fused_qkv.h"
+#include "ulysses/kernels/qkv_norm_rope.h"
+#include "ulysses/kernels/qkv_norm_rope_cuda.h"
+
+namespace ulysses::kernels::internal {
+
+/// Rows of one GEMM tile: chunk boundaries of a call fall on multiples of it.
+inline constexpr int64_t kEpilogueTileRows = 128;
+
+/// One call: rows [0, B*S_l) of source rank `src` (shape.world ranks).
+struct EpilogueCall {
+  QkvNormRopeShape shape{};
+  QkvLayout layout = QkvLayout::kUnspecified;
+  int32_t src = 0;
+  const void* x = nullptr;  ///< [B*S_l, hidden] bf16
+  const int32_t* positions = nullptr;
+  QkvWeights weights{};
+  QkvDestinations dests{};  ///< dests.ready[dst][i]: chunk i's word (NumChunks per destination)
+  int64_t chunk_rows = 0;   ///< rows per readiness chunk, a multiple of kEpilogueTileRows
+  /// Device words, one per chunk, zero before the call and zero after it (the tiles of a
+  /// chunk count themselves on it); required when dests.ready is set.
+  unsigned int* chunk_counters = nullptr;
+  /// Non-null: every tile also stores its raw bf16 projection here ([B*S_l, 3*H*D]).
+  void* projection = nullptr;
+  /// The mainloop alone: every tile's epilogue returns at once (nothing stored, no readiness
+  /// words; positions, weights other than w_qkv and dests are not read). The benchmark's
+  /// measure of this kernel's GEMM.
+  bool gemm_alone = false;
+};
+
+class EpilogueGemm {
+ public:
+  /// Why the kernel is not in this build, or empty when it is.
+  static std::string Unavailable();
+
+  /// The GEMM for `features` = 3*H*D outputs of `hidden` inputs (both multiples of 128) on the
+  /// current device, which must be sm_90, with the mainloop schedule `schedule` (kAuto: the
+  /// default, EpilogueSchedule::kPingpong). FAILED_PRECONDITION when not built or not Hopper.
+  static absl::StatusOr<std::unique_ptr<EpilogueGemm>> Create(int64_t features, int64_t hidden,
+                                                              EpilogueSchedule schedule);
+  virtual ~EpilogueGemm() = default;
+
+  /// Checks the call (INVALID_ARGUMENT naming the argument; nothing enqueued) and enqueues it
+  /// on `stream`. Allocates nothing.
+  virtual absl::Status Run(const EpilogueCall& call, cudaStream_t stream) = 0;
+
+  /// The kernel's tile shape, cluster, schedule and stage count, for describe().
+  virtual std::string Description() const = 0;
+};
+
+}  // namespace ulysses::kernels::internal
