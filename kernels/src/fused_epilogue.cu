@@ -97,9 +97,16 @@ class NormRopeStoreEpilogue {
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
 
-  struct SharedStorage {
+  // A staging tile per group of threads that runs a tile's epilogue: the ping-pong kernel's
+  // two warpgroups never share one (with a short mainloop their epilogues were seen to
+  // overlap, and a shared tile was overwritten under the other's norm step).
+  static constexpr int kGroups = kThreads == 256 ? 1 : 2;
+  struct Staging {
     alignas(128) uint16_t tile[kTileM * kPitch];
     int cancelled;
+  };
+  struct SharedStorage {
+    Staging group[kGroups];
   };
   using TensorStorage = SharedStorage;
   using Arguments = EpilogueParams;
@@ -135,10 +142,11 @@ class NormRopeStoreEpilogue {
     using namespace cute;
     const Params& p = params_;
     if (p.gemm_alone != 0) return;
-    SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
-    // A user named barrier per consumer warpgroup (warpgroup 0 is the producer); CUTLASS
-    // offsets user ids past the ones it reserves.
-    const uint32_t barrier = kThreads == 256 ? 0 : threadIdx.x / 128;
+    // This group's staging tile and a user named barrier of its own (warpgroup 0 is the
+    // producer; CUTLASS offsets user ids past the ones it reserves).
+    const uint32_t group = kGroups == 1 ? 0 : threadIdx.x / 128 - 1;
+    Staging& storage = reinterpret_cast<SharedStorage*>(smem)->group[group];
+    const uint32_t barrier = group;
     const int m_tile = static_cast<int>(get<0>(blk_coord_mnkl));
     const int n_tile = static_cast<int>(get<1>(blk_coord_mnkl));
     const int lane = thread_idx % kHeadLanes, half_warp = thread_idx / kHeadLanes;

@@ -601,7 +601,7 @@ std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuFusedQkvTest,
-                         ::testing::Combine(::testing::Values(3072, 4096, 6144, 8192),
+                         ::testing::Combine(::testing::Values(512, 3072, 4096, 6144, 8192),
                                             ::testing::Values(1, 2, 4)),
                          ParamName);
 
