@@ -97,16 +97,9 @@ class NormRopeStoreEpilogue {
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
 
-  // A staging tile per group of threads that runs a tile's epilogue: the ping-pong kernel's
-  // two warpgroups never share one (with a short mainloop their epilogues were seen to
-  // overlap, and a shared tile was overwritten under the other's norm step).
-  static constexpr int kGroups = kThreads == 256 ? 1 : 2;
-  struct Staging {
+  struct SharedStorage {
     alignas(128) uint16_t tile[kTileM * kPitch];
     int cancelled;
-  };
-  struct SharedStorage {
-    Staging group[kGroups];
   };
   using TensorStorage = SharedStorage;
   using Arguments = EpilogueParams;
@@ -142,13 +135,16 @@ class NormRopeStoreEpilogue {
     using namespace cute;
     const Params& p = params_;
     if (p.gemm_alone != 0) return;
-    // This group's staging tile and a user named barrier of its own (warpgroup 0 is the
-    // producer; CUTLASS offsets user ids past the ones it reserves).
-    const uint32_t group = kGroups == 1 ? 0 : threadIdx.x / 128 - 1;
-    Staging& storage = reinterpret_cast<SharedStorage*>(smem)->group[group];
-    const uint32_t barrier = group;
+    SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
+    // A user named barrier per consumer warpgroup (warpgroup 0 is the producer); CUTLASS
+    // offsets user ids past the ones it reserves.
+    const uint32_t barrier = kThreads == 256 ? 0 : threadIdx.x / 128;
     const int m_tile = static_cast<int>(get<0>(blk_coord_mnkl));
     const int n_tile = static_cast<int>(get<1>(blk_coord_mnkl));
+    // The swizzled scheduler rounds the tile grid up to whole swizzle groups: a tile outside
+    // the problem (seen with 12 tiles across) has nothing to store and is no chunk's tile.
+    // Every thread of the group takes this branch alike, before any of its barriers.
+    if (n_tile >= p.n_tiles || m_tile * kTileM >= p.rows) return;
     const int lane = thread_idx % kHeadLanes, half_warp = thread_idx / kHeadLanes;
     const int64_t hd = int64_t{p.shape.heads} * kHeadDim, features = 3 * hd;
     const int64_t n = int64_t{n_tile} * kTileN;
