@@ -737,9 +737,10 @@ uly_status uly_session_create_fused(uly_client* client, const uly_group* group,
     if (spec->layout != ULY_QKV_LAYOUT_BSHD && spec->layout != ULY_QKV_LAYOUT_FUSED)
       return absl::InvalidArgumentError(
           StrCat("layout: ", spec->layout, " is not ULY_QKV_LAYOUT_BSHD (1) or ULY_QKV_LAYOUT_FUSED (2)"));
-    if (spec->path < ULY_FUSED_PATH_AUTO || spec->path > ULY_FUSED_PATH_CHUNKED)
+    if (spec->path < ULY_FUSED_PATH_AUTO || spec->path > ULY_FUSED_PATH_EPILOGUE)
       return absl::InvalidArgumentError(StrCat(
-          "path: ", spec->path, " is not ULY_FUSED_PATH_AUTO, _PER_OPERATOR or _CHUNKED (0..2)"));
+          "path: ", spec->path,
+          " is not ULY_FUSED_PATH_AUTO, _PER_OPERATOR, _CHUNKED or _EPILOGUE (0..3)"));
     if (spec->num_slots < 0) return absl::InvalidArgumentError("num_slots: must be >= 0");
     uc::FusedSessionSpec f;
     f.hidden = spec->hidden;

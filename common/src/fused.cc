@@ -92,15 +92,19 @@ std::string_view FusedPathName(FusedPath path) {
       return "per_operator";
     case FusedPath::kChunked:
       return "chunked";
+    case FusedPath::kEpilogue:
+      return "epilogue";
     default:
       return "auto";
   }
 }
 
 absl::StatusOr<FusedPath> ParseFusedPath(std::string_view name) {
-  for (FusedPath p : {FusedPath::kAuto, FusedPath::kPerOperator, FusedPath::kChunked})
+  for (FusedPath p :
+       {FusedPath::kAuto, FusedPath::kPerOperator, FusedPath::kChunked, FusedPath::kEpilogue})
     if (name == FusedPathName(p)) return p;
-  return Invalid("path", StrCat("'", name, "' is not one of auto, per_operator, chunked"));
+  return Invalid("path",
+                 StrCat("'", name, "' is not one of auto, per_operator, chunked, epilogue"));
 }
 
 SessionGeometry SlotGeometry(const FusedGeometry& g) {

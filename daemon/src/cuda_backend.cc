@@ -40,12 +40,13 @@ absl::Status UseDevice(int device) { return CudaStatus("cudaSetDevice", cudaSetD
 constexpr uint64_t kSlotAlign = 256;
 
 // The fused session's path rule (FusedPath::kAuto), from the measurements of docs/benchmarks.md
-// (1x H200, 2026-12-01): the chunked path is as fast as the per-operator one or faster on most
-// rows from 4096 to 16384 rows per rank (0.90-1.01, a few up to 1.06), and equal or slower
-// below 4096 (up to 1.05). At 32768 rows and more the chunked path fails its correctness check
-// (a known defect of the plan), so the rule never picks it there.
+// (1x H200 under MPS, 2026-12-03, 72 rows of the grid): from 2048 rows a call the epilogue path
+// is the fastest of the three on every row (0.80-0.97 of the per-operator path on most rows);
+// below 2048 rows it is slower than both others, and the chunked path is within 0.93-1.05 of
+// the per-operator one. Without the epilogue GEMM (not built, not sm_90), the chunked path
+// from 4096 rows (2026-12-01: 0.90-1.01 of the per-operator path there, up to 1.05 below).
+constexpr int64_t kEpilogueMinRows = 2048;
 constexpr int64_t kChunkedMinRows = 4096;
-constexpr int64_t kChunkedMaxRows = 32768;  // exclusive
 
 class CudaTransport final : public Transport {
  public:
@@ -96,6 +97,10 @@ class CudaTransport final : public Transport {
       c.max_tokens = f.geometry.max_tokens;
       c.weights = f.weights;
       ULY_ASSIGN_OR_RETURN(t->fused_plan_, kernels::FusedQkvPlan::Create(c));
+      const std::string no_epilogue = t->fused_plan_->EpilogueUnavailable();
+      if (f.path == FusedPath::kEpilogue && !no_epilogue.empty())
+        return absl::FailedPreconditionError(
+            StrCat("path: the epilogue path cannot run here: ", no_epilogue));
     }
     return std::unique_ptr<Transport>(std::move(t));
   }
@@ -204,6 +209,9 @@ class CudaTransport final : public Transport {
     if (path == FusedPath::kChunked)
       return fused_plan_->RunChunked(ops.inputs[0], positions, plan.batch, plan.seq_local, dests,
                                      stream_);
+    if (path == FusedPath::kEpilogue)
+      return fused_plan_->RunEpilogue(ops.inputs[0], positions, plan.batch, plan.seq_local, dests,
+                                      stream_);
     return fused_plan_->RunPerOperator(ops.inputs[0], positions, plan.batch, plan.seq_local, dests,
                                        stream_);
   }
@@ -321,12 +329,19 @@ class CudaTransport final : public Transport {
              "destination";
     const FusedSetup& f = *setup_.fused;
     std::string out = StrCat(
-        "nvlink: FusedQkvPlan on device ", device_, " (cuBLASLt bf16 GEMM, norm_rope kernels), ",
+        "nvlink: FusedQkvPlan on device ", device_,
+        " (cuBLASLt bf16 GEMM, norm_rope kernels; epilogue GEMM: ",
+        fused_plan_->EpilogueUnavailable().empty() ? "CUTLASS sm_90a"
+                                                   : fused_plan_->EpilogueUnavailable(),
+        "), ",
         QkvLayoutName(f.geometry.layout), " layout, stores straight into the W destinations' "
         "slots; path ", FusedPathName(f.path),
         f.path == FusedPath::kAuto
-            ? StrCat(" (rule: chunked for ", kChunkedMinRows, " <= rows < ", kChunkedMaxRows,
-                     ", per_operator otherwise)")
+            ? (fused_plan_->EpilogueUnavailable().empty()
+                   ? StrCat(" (rule: epilogue from ", kEpilogueMinRows,
+                            " rows, chunked below)")
+                   : StrCat(" (rule: chunked from ", kChunkedMinRows,
+                            " rows, per_operator below)"))
             : std::string());
     std::lock_guard<std::mutex> lock(prepared_mu_);
     if (prepared_.empty()) out += "\nno row count prepared yet";
@@ -374,12 +389,17 @@ class CudaTransport final : public Transport {
     if (asked != FusedPath::kAuto) {
       p.path = asked;
       p.why = StrCat("the session asks for ", FusedPathName(asked));
+    } else if (fused_plan_->EpilogueUnavailable().empty() && rows >= kEpilogueMinRows) {
+      p.path = FusedPath::kEpilogue;
+      p.why = StrCat("auto: from ", kEpilogueMinRows,
+                     " rows the epilogue GEMM measured fastest (no projection in memory)");
+    } else if (fused_plan_->EpilogueUnavailable().empty()) {
+      p.path = FusedPath::kChunked;
+      p.why = StrCat("auto: under ", kEpilogueMinRows, " rows the chunked path measured fastest");
     } else if (rows < kChunkedMinRows) {
       p.path = FusedPath::kPerOperator;
-      p.why = StrCat("auto: under ", kChunkedMinRows, " rows the chunked path measured no faster");
-    } else if (rows >= kChunkedMaxRows) {
-      p.path = FusedPath::kPerOperator;
-      p.why = StrCat("auto: the chunked path is not trusted at ", kChunkedMaxRows, " rows and more");
+      p.why = StrCat("auto: no epilogue GEMM (", fused_plan_->EpilogueUnavailable(),
+                     "); under ", kChunkedMinRows, " rows the chunked path measured no faster");
     } else {
       p.path = FusedPath::kChunked;
       p.why = StrCat("auto: ", fused_plan_->NumChunks(rows), " chunks of ",

@@ -121,7 +121,7 @@ absl::Status CheckCreateSessionRequest(const v1::CreateSessionRequest& req, int3
     ULY_RETURN_IF_ERROR(ValidateFusedGeometry(
         fused.geometry, reference_kernels ? FusedImpl::kReference : FusedImpl::kCuda));
     if (fused.path != FusedPath::kAuto && fused.path != FusedPath::kPerOperator &&
-        fused.path != FusedPath::kChunked)
+        fused.path != FusedPath::kChunked && fused.path != FusedPath::kEpilogue)
       return absl::InvalidArgumentError(
           StrCat("path: unknown path ", static_cast<int>(fused.path)));
     geo = SlotGeometry(fused.geometry);

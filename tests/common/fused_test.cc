@@ -335,7 +335,8 @@ TEST(QkvCallTest, RejectsOtherOpsBandsOutAndPositions) {
 }
 
 TEST(QkvCallTest, PathNamesRoundTrip) {
-  for (FusedPath p : {FusedPath::kAuto, FusedPath::kPerOperator, FusedPath::kChunked}) {
+  for (FusedPath p :
+       {FusedPath::kAuto, FusedPath::kPerOperator, FusedPath::kChunked, FusedPath::kEpilogue}) {
     absl::StatusOr<FusedPath> back = ParseFusedPath(FusedPathName(p));
     ASSERT_THAT(back, IsOk());
     EXPECT_EQ(*back, p);

@@ -168,7 +168,7 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
   std::vector<std::vector<uint16_t>> gpu_proj;
   int combo = 0;
   for (QkvLayout layout : {QkvLayout::kBshd, QkvLayout::kFused}) {
-    for (FusedPath path : {FusedPath::kPerOperator, FusedPath::kChunked}) {
+    for (FusedPath path : {FusedPath::kPerOperator, FusedPath::kChunked, FusedPath::kEpilogue}) {
       SCOPED_TRACE(StrCat(QkvLayoutName(layout), " ", FusedPathName(path)));
       std::vector<std::vector<uint16_t>> slots(world);
       std::vector<std::string> errors(world);

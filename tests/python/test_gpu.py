@@ -498,7 +498,7 @@ if pytest is not None and __name__ != "__main__":
     def test_the_fused_session_on_cuda_matches_the_host_reference(gpu_sockets, world, layout):
         check_fused(gpu_sockets[:world], layout)
 
-    @pytest.mark.parametrize("path", ["per_operator", "chunked"])
+    @pytest.mark.parametrize("path", ["per_operator", "chunked", "epilogue"])
     def test_both_fused_paths_on_cuda_match_the_host_reference(gpu_sockets, path):
         check_fused(gpu_sockets[:2], "bshd", path)
 
@@ -541,7 +541,7 @@ def main() -> int:
         checks += [("fused W=%d %s" % (w, lay), lambda w=w, lay=lay: check_fused(socks[:w], lay))
                    for w in (1, 2) for lay in ("bshd", "fused")]
         checks += [("fused W=2 bshd %s" % pa, lambda pa=pa: check_fused(socks, "bshd", pa))
-                   for pa in ("per_operator", "chunked")]
+                   for pa in ("per_operator", "chunked", "epilogue")]
         checks += [("example W=%d %s" % (w, dt), lambda w=w, dt=dt: check_example(w, dt))
                    for w, dt in ((1, "bfloat16"), (2, "bfloat16"), (2, "float32"))]
         for what, fn in checks:

@@ -363,7 +363,8 @@ typedef enum uly_qkv_layout {
 typedef enum uly_fused_path {
   ULY_FUSED_PATH_AUTO = 0,          /**< the daemon's rule per row count */
   ULY_FUSED_PATH_PER_OPERATOR = 1,  /**< GEMM, then norm + RoPE, then the stores */
-  ULY_FUSED_PATH_CHUNKED = 2        /**< GEMM by token block, each block's epilogue overlapped */
+  ULY_FUSED_PATH_CHUNKED = 2,       /**< GEMM by token block, each block's epilogue overlapped */
+  ULY_FUSED_PATH_EPILOGUE = 3       /**< one GEMM whose epilogue does norm + RoPE + stores */
 } uly_fused_path;
 
 /** Most results one fused call returns (q, k, v of layout bshd). */

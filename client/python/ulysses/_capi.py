@@ -38,7 +38,7 @@ OP_GATHER_OUTPUT_HEAD_CHUNK = 4
 
 # uly_qkv_layout, uly_fused_path
 QKV_LAYOUTS = {"bshd": 1, "fused": 2}
-FUSED_PATHS = {"auto": 0, "per_operator": 1, "chunked": 2}
+FUSED_PATHS = {"auto": 0, "per_operator": 1, "chunked": 2, "epilogue": 3}
 MAX_FUSED_RESULTS = 3
 #: Byte alignment the fused session needs of x and of its weights.
 FUSED_ALIGN_BYTES = 32

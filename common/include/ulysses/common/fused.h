@@ -33,8 +33,9 @@ enum class FusedPath : int32_t {
   kAuto = 0,         ///< picked per row count by the daemon's rule
   kPerOperator = 1,  ///< GEMM -> norm+RoPE in place -> stores into the destinations' slots
   kChunked = 2,      ///< GEMM by token block; each block's norm+RoPE+stores overlap the next GEMM
+  kEpilogue = 3,     ///< one GEMM whose epilogue does the norm+RoPE and the stores (sm_90a)
 };
-/// "auto", "per_operator" or "chunked".
+/// "auto", "per_operator", "chunked" or "epilogue".
 std::string_view FusedPathName(FusedPath path);
 /// Parses "auto", "per_operator" or "chunked".
 absl::StatusOr<FusedPath> ParseFusedPath(std::string_view name);
