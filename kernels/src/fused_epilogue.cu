@@ -1,7 +1,9 @@
 // The epilogue-fused GEMM of the fused QKV op (fused_epilogue.h): CUTLASS's sm_90a TMA
-// warp-specialized cooperative mainloop (two consumer warpgroups, a persistent tile scheduler)
-// with an epilogue of our own in the operator form that CUTLASS's
-// Sm90TmaWarpSpecializedAdapter runs in place of its TMA epilogues.
+// warp-specialized ping-pong mainloop (a tile per consumer warpgroup, a persistent swizzled
+// tile scheduler; single CTAs or clusters of 2) with an epilogue of our own in the operator
+// form that CUTLASS's Sm90TmaWarpSpecializedAdapter runs in place of its TMA epilogues. (The
+// epilogue also serves the cooperative kernel, 256 threads a tile; measured, not kept:
+// docs/benchmarks.md, 2026-12-03.)
 //
 // Per 128x128 output tile (128 token rows of one head of one plane):
 //   1. the consumer threads round their accumulators to bf16 into a padded shared-memory tile;
