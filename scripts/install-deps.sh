@@ -27,32 +27,5 @@ else
   echo "install-deps: done"
 fi
 
-# CUTLASS's C++ headers for the epilogue-fused GEMM, from the nvidia-cutlass wheel on PyPI
-# (pinned, hash-checked; nothing of it is imported), into /opt/ulysses/cutlass-<version>
-# (the CMake default of ULYSSES_CUTLASS_DIR).
-cutlass_version=4.2.0.0
-cutlass_sha256=f9599ada45c7bcb6bf53f7d3f0a7d154183e53451c01bfa59eecd37dd4a693f6
-cutlass_dir=/opt/ulysses/cutlass-$cutlass_version
-if [ -f "$cutlass_dir/include/cutlass/cutlass.h" ]; then
-  echo "install-deps: CUTLASS $cutlass_version present"
-else
-  tmp=$(mktemp -d)
-  trap 'rm -rf "$tmp"' EXIT
-  /usr/bin/python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" \
-    "nvidia-cutlass==$cutlass_version"
-  wheel=$(ls "$tmp"/nvidia_cutlass-"$cutlass_version"-*.whl)
-  echo "$cutlass_sha256  $wheel" | sha256sum -c --quiet
-  /usr/bin/python3 - "$wheel" "$tmp/x" <<'PY'
-import sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z:
-    for name in z.namelist():
-        if name.startswith(("cutlass_library/source/include/",
-                            "cutlass_library/source/tools/util/include/")):
-            z.extract(name, sys.argv[2])
-PY
-  $sudo mkdir -p "$cutlass_dir"
-  $sudo cp -r "$tmp/x/cutlass_library/source/include" "$cutlass_dir/"
-  $sudo mkdir -p "$cutlass_dir/tools/util"
-  $sudo cp -r "$tmp/x/cutlass_library/source/tools/util/include" "$cutlass_dir/tools/util/"
-  echo "install-deps: CUTLASS $cutlass_version headers in $cutlass_dir"
-fi
+# CUTLASS's C++ headers for the epilogue-fused GEMM (pinned; the CMake default place).
+"$(dirname "$0")/fetch-cutlass.sh"
