@@ -30,6 +30,10 @@ EpilogueSchedule EpilogueScheduleFor(int64_t rows) {
   return rows >= 2048 ? EpilogueSchedule::kPingpongCluster2 : EpilogueSchedule::kPingpong;
 }
 
+int64_t EpilogueChunkRows(int64_t rows, int64_t chunk_rows) {
+  return AlignUp(FusedChunkRows(rows, chunk_rows));
+}
+
 int64_t FusedNumChunks(int64_t rows, int64_t chunk_rows) {
   const int64_t chunk = FusedChunkRows(rows, chunk_rows);
   return (rows + chunk - 1) / chunk;

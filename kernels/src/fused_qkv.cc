@@ -272,9 +272,8 @@ absl::Status FusedQkvPlan::RunEpilogue(const void* x, const int32_t* positions, 
   call.positions = positions;
   call.weights = c.weights;
   call.dests = dests;
-  // The chunked path's chunks, rounded up to whole tiles: the same number of chunks.
-  const int64_t tile = internal::kEpilogueTileRows;
-  call.chunk_rows = (impl_->ChunkRows(QkvRows(shape)) + tile - 1) / tile * tile;
+  static_assert(internal::kEpilogueTileRows == 128, "EpilogueChunkRows rounds to 128 rows");
+  call.chunk_rows = EpilogueChunkRows(QkvRows(shape), c.chunk_rows);
   call.chunk_counters = static_cast<unsigned int*>(impl_->chunk_counters.get());
   call.projection = c.keep_projection ? impl_->qkv() : nullptr;
   return impl_->EpilogueFor(QkvRows(shape))->Run(call, stream);

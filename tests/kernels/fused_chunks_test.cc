@@ -51,5 +51,26 @@ TEST(FusedChunksTest, NeverMoreThanTheReadinessWordsPerDestination) {
   EXPECT_EQ(FusedChunkRows(int64_t{1} << 20, 128), (int64_t{1} << 20) / kMaxFusedChunks);
 }
 
+// The epilogue path publishes the chunked path's readiness words: its chunks, whole tiles
+// each, are as many.
+TEST(FusedChunksTest, EpilogueChunksAreWholeTilesAndAsManyAsTheChunkedPaths) {
+  for (int64_t rows : {1, 100, 127, 128, 129, 400, 511, 2048, 4000, 16384, 65536, 1 << 20}) {
+    for (int64_t configured : {0, 1, 128, 200, 512, 4096}) {
+      const int64_t chunk = EpilogueChunkRows(rows, configured);
+      EXPECT_EQ(chunk % 128, 0) << rows << " " << configured;
+      EXPECT_GE(chunk, FusedChunkRows(rows, configured));
+      EXPECT_EQ((rows + chunk - 1) / chunk, FusedNumChunks(rows, configured))
+          << rows << " " << configured;
+    }
+  }
+}
+
+TEST(FusedChunksTest, EpilogueScheduleClustersFrom2048Rows) {
+  EXPECT_EQ(EpilogueScheduleFor(1), EpilogueSchedule::kPingpong);
+  EXPECT_EQ(EpilogueScheduleFor(2047), EpilogueSchedule::kPingpong);
+  EXPECT_EQ(EpilogueScheduleFor(2048), EpilogueSchedule::kPingpongCluster2);
+  EXPECT_EQ(EpilogueScheduleFor(65536), EpilogueSchedule::kPingpongCluster2);
+}
+
 }  // namespace
 }  // namespace ulysses::kernels

@@ -69,6 +69,10 @@ int64_t FusedChunkRows(int64_t rows, int64_t chunk_rows);
 /// Chunks of that call: ceil(rows / FusedChunkRows(rows, chunk_rows)).
 int64_t FusedNumChunks(int64_t rows, int64_t chunk_rows);
 
+/// The epilogue path's readiness chunks: FusedChunkRows rounded up to whole 128-row tiles, so
+/// that a tile belongs to one chunk; the same number of chunks as FusedNumChunks.
+int64_t EpilogueChunkRows(int64_t rows, int64_t chunk_rows);
+
 /// Owns everything a call needs: the GEMM (descriptors, workspace), the [max_tokens, 3*H*D]
 /// projection buffer, the second stream, the events and the block counters. Create allocates;
 /// a call of a prepared row count allocates nothing. Not thread-safe: calls are issued by one
