@@ -2,8 +2,7 @@
 // warp-specialized ping-pong mainloop (a tile per consumer warpgroup, a persistent swizzled
 // tile scheduler; single CTAs or clusters of 2) with an epilogue of our own in the operator
 // form that CUTLASS's Sm90TmaWarpSpecializedAdapter runs in place of its TMA epilogues. (The
-// epilogue also serves the cooperative kernel, 256 threads a tile; measured, not kept:
-// docs/benchmarks.md, 2026-12-03.)
+// cooperative kernel was measured and not kept: docs/benchmarks.md, 2026-12-03.)
 //
 // Per 128x128 output tile (128 token rows of one head of one plane):
 //   1. the consumer threads round their accumulators to bf16 into a padded shared-memory tile;
@@ -74,13 +73,12 @@ struct EpilogueParams {
 using Element = cutlass::bfloat16_t;
 using StrideCD = cute::Stride<int64_t, cute::Int<1>, int64_t>;
 
-// kThreads: the threads that run one tile's epilogue: 256 (the cooperative kernel's two
-// consumer warpgroups share a tile) or 128 (the ping-pong kernel: each warpgroup its own tile,
-// one warpgroup's epilogue beside the other's mainloop; the kernel orders the two epilogues,
-// so they can share one staging tile).
-template <int kThreads>
+// The epilogue of one tile, run by the one consumer warpgroup of the ping-pong kernel that
+// owns the tile (one warpgroup's epilogue beside the other's mainloop; the kernel orders the
+// two epilogues, so they share one staging tile).
 class NormRopeStoreEpilogue {
  public:
+  static constexpr int kThreads = 128;
   static constexpr int kHalfWarps = kThreads / kHeadLanes;
   static constexpr int kRowsPerThread = kTileM / kHalfWarps;
 
@@ -140,7 +138,7 @@ class NormRopeStoreEpilogue {
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
     // A user named barrier per consumer warpgroup (warpgroup 0 is the producer); CUTLASS
     // offsets user ids past the ones it reserves.
-    const uint32_t barrier = kThreads == 256 ? 0 : threadIdx.x / 128;
+    const uint32_t barrier = threadIdx.x / kThreads;
     const int m_tile = static_cast<int>(get<0>(blk_coord_mnkl));
     const int n_tile = static_cast<int>(get<1>(blk_coord_mnkl));
     // The swizzled scheduler rounds the tile grid up to whole swizzle groups: a tile outside
@@ -246,14 +244,14 @@ class NormRopeStoreEpilogue {
 
 using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
 
-// The GEMM kernel of a schedule (KernelTmaWarpSpecializedCooperative or ...Pingpong).
+// The ping-pong GEMM kernel, single CTAs (kClusterM 1) or clusters of 2 along M.
 // x [rows, hidden] row-major is A (M x K, K-major); w_qkv [features, hidden] row-major is B as
 // K x N column-major (also K-major): the TN GEMM that Hopper's TMA + wgmma path wants.
-template <class Schedule, int kThreads, int kClusterM>
-struct KernelOf {
+template <int kClusterM>
+struct PingpongKernel {
   static constexpr int kCluster = kClusterM;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
-  using Epilogue = NormRopeStoreEpilogue<kThreads>;
+  using Epilogue = NormRopeStoreEpilogue;
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -261,20 +259,18 @@ struct KernelOf {
       Element, cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      Schedule>::CollectiveOp;
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
                                            CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
 };
-template <int kClusterM>
-using PingpongKernel = KernelOf<cutlass::gemm::KernelTmaWarpSpecializedPingpong, 128, kClusterM>;
 
 template <class K>
 class CutlassEpilogueGemm final : public EpilogueGemm {
  public:
   using GemmKernel = typename K::Kernel;
-  CutlassEpilogueGemm(int64_t features, int64_t hidden, int device, int sms, const char* name)
-      : features_(features), hidden_(hidden), device_(device), sms_(sms), name_(name) {}
+  CutlassEpilogueGemm(int64_t features, int64_t hidden, int device, int sms)
+      : features_(features), hidden_(hidden), device_(device), sms_(sms) {}
 
   static absl::Status Setup() {
     ULY_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>,
@@ -301,7 +297,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
   }
 
   std::string Description() const override {
-    return absl::StrCat("cutlass sm90a tma warp-specialized ", name_, ", persistent, tile ",
+    return absl::StrCat("cutlass sm90a tma warp-specialized ping-pong, persistent, tile ",
                         kTileM, "x", kTileN, "x", kTileK, ", cluster ", K::kCluster, "x1, swizzle ",
                         kSwizzle,
                         ", ", K::CollectiveMainloop::DispatchPolicy::Stages,
@@ -392,15 +388,13 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
  private:
   int64_t features_, hidden_;
   int device_, sms_;
-  const char* name_;
 };
 
 template <class K>
 absl::StatusOr<std::unique_ptr<EpilogueGemm>> Make(int64_t features, int64_t hidden, int device,
-                                                   int sms, const char* name) {
+                                                   int sms) {
   ULY_RETURN_IF_ERROR(CutlassEpilogueGemm<K>::Setup());
-  return std::unique_ptr<EpilogueGemm>(
-      new CutlassEpilogueGemm<K>(features, hidden, device, sms, name));
+  return std::unique_ptr<EpilogueGemm>(new CutlassEpilogueGemm<K>(features, hidden, device, sms));
 }
 
 }  // namespace
@@ -423,8 +417,8 @@ absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t featu
     return absl::FailedPreconditionError(absl::StrCat(
         "the epilogue-fused GEMM needs an sm_90 GPU; device ", device, " is sm_", major, minor));
   if (schedule == EpilogueSchedule::kPingpongCluster2)
-    return Make<PingpongKernel<2>>(features, hidden, device, sms, "ping-pong");
-  return Make<PingpongKernel<1>>(features, hidden, device, sms, "ping-pong");
+    return Make<PingpongKernel<2>>(features, hidden, device, sms);
+  return Make<PingpongKernel<1>>(features, hidden, device, sms);
 }
 
 }  // namespace ulysses::kernels::internal

@@ -100,6 +100,12 @@ struct FusedQkvPlan::Impl {
 
   int64_t ChunkRows(int64_t rows) const { return FusedChunkRows(rows, config.chunk_rows); }
 
+  absl::Status EpilogueAvailable() const {
+    if (epilogue_unavailable.empty()) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("no epilogue path: ", epilogue_unavailable));
+  }
+
   // The epilogue GEMM a call of `rows` rows runs on (null: none).
   internal::EpilogueGemm* EpilogueFor(int64_t rows) const {
     if (!epilogue_unavailable.empty()) return nullptr;
@@ -258,9 +264,7 @@ absl::Status FusedQkvPlan::RunChunked(const void* x, const int32_t* positions, i
 absl::Status FusedQkvPlan::RunEpilogue(const void* x, const int32_t* positions, int64_t batch,
                                        int64_t seq_local, const QkvDestinations& dests,
                                        cudaStream_t stream) {
-  if (!impl_->epilogue_unavailable.empty())
-    return absl::FailedPreconditionError(
-        absl::StrCat("no epilogue path: ", impl_->epilogue_unavailable));
+  ULY_RETURN_IF_ERROR(impl_->EpilogueAvailable());
   ULY_ASSIGN_OR_RETURN(const QkvNormRopeShape shape,
                        impl_->CallShape(x, positions, batch, seq_local));
   const FusedQkvConfig& c = impl_->config;
@@ -281,9 +285,7 @@ absl::Status FusedQkvPlan::RunEpilogue(const void* x, const int32_t* positions, 
 
 absl::Status FusedQkvPlan::RunEpilogueGemmAlone(const void* x, int64_t rows,
                                                 cudaStream_t stream) {
-  if (!impl_->epilogue_unavailable.empty())
-    return absl::FailedPreconditionError(
-        absl::StrCat("no epilogue path: ", impl_->epilogue_unavailable));
+  ULY_RETURN_IF_ERROR(impl_->EpilogueAvailable());
   if (rows <= 0 || rows > impl_->config.max_tokens)
     return absl::InvalidArgumentError(
         absl::StrCat("rows ", rows, " is not in [1, max_tokens=", impl_->config.max_tokens, "]"));

@@ -65,6 +65,15 @@ int RunToExit(const std::vector<std::string>& args, const std::string& log) {
 
 using RestartTest = DaemonTest;
 
+// A one-rank group `name` on `socket`.
+absl::StatusOr<client::Group> JoinSolo(client::Client& c, const std::string& socket,
+                                       const std::string& name) {
+  client::GroupSpec g;
+  g.name = name;
+  g.members = {socket};
+  return c.JoinGroup(g);
+}
+
 TEST_F(RestartTest, ARestartRemovesWhatAKilledInstanceLeft) {
   const std::string ready = dir_ + "/gpu0.ready";
   const pid_t old_pid = daemon_.pid();
@@ -72,10 +81,7 @@ TEST_F(RestartTest, ARestartRemovesWhatAKilledInstanceLeft) {
   {
     auto c = client::Client::Connect({daemon_.socket(), "victim", absl::Seconds(10)});
     ASSERT_TRUE(c.ok()) << c.status();
-    client::GroupSpec g;
-    g.name = "solo";
-    g.members = {daemon_.socket()};
-    absl::StatusOr<client::Group> group = (*c)->JoinGroup(g);
+    absl::StatusOr<client::Group> group = JoinSolo(**c, daemon_.socket(), "solo");
     ASSERT_TRUE(group.ok()) << group.status();
     client::SessionSpec spec;
     spec.num_heads = 2;
@@ -122,10 +128,7 @@ TEST_F(RestartTest, ARestartRemovesWhatAKilledInstanceLeft) {
 TEST_F(RestartTest, AClientAttachedAcrossARestartFailsAtOnceAndANewConnectionIsServed) {
   auto run_call = [](client::Client& c, const std::string& socket)
       -> absl::StatusOr<std::vector<float>> {
-    client::GroupSpec g;
-    g.name = "solo";
-    g.members = {socket};
-    ULY_ASSIGN_OR_RETURN(client::Group group, c.JoinGroup(g));
+    ULY_ASSIGN_OR_RETURN(client::Group group, JoinSolo(c, socket, "solo"));
     ULY_ASSIGN_OR_RETURN(std::unique_ptr<client::Session> s,
                          c.CreateSession(group, {2, 4, DType::kFloat32, 8, 2, {}, 0}));
     ULY_ASSIGN_OR_RETURN(client::Buffer x, c.AllocBuffer(8 * 2 * 4 * 4));
@@ -139,10 +142,7 @@ TEST_F(RestartTest, AClientAttachedAcrossARestartFailsAtOnceAndANewConnectionIsS
   };
   auto c = client::Client::Connect({daemon_.socket(), "survivor", absl::Seconds(10)});
   ASSERT_TRUE(c.ok()) << c.status();
-  client::GroupSpec g;
-  g.name = "before";
-  g.members = {daemon_.socket()};
-  absl::StatusOr<client::Group> group = (*c)->JoinGroup(g);
+  absl::StatusOr<client::Group> group = JoinSolo(**c, daemon_.socket(), "before");
   ASSERT_TRUE(group.ok()) << group.status();
   auto session = (*c)->CreateSession(*group, {2, 4, DType::kFloat32, 8, 2, {}, 0});
   ASSERT_TRUE(session.ok()) << session.status();
