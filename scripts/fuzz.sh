@@ -27,7 +27,7 @@ cc=${ULYSSES_FUZZ_CC:-$(command -v clang-14 || command -v clang)}
 if [ ! -f "$build/build.ninja" ]; then
   launcher=()
   command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DULYSSES_DEBUG_INFO=lines \
     -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_C_COMPILER="$cc" "${launcher[@]}" \
     -DULYSSES_WITH_CUDA=OFF -DULYSSES_FUZZ=ON -DULYSSES_BUILD_BENCH=OFF >/dev/null
 fi
