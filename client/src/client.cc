@@ -671,7 +671,7 @@ absl::StatusOr<Buffer> Client::RegisterDeviceBuffer(void* ptr, uint64_t bytes,
   whole.device = true;
   std::lock_guard<std::mutex> lock(impl_->buf_mu);
   impl_->buffers[whole.id] = {whole, nullptr};
-  impl_->device_regs[a.buffer_id] = ClientImpl::DeviceRegistration{whole.id, a.base, a.size};
+  impl_->device_regs[a.buffer_id] = ClientImpl::DeviceRegistration{whole.id, a.base, a.size, {}};
   return b;
 }
 

@@ -65,7 +65,7 @@ absl::StatusOr<ExportTicket> FdExports::Lend(int fd) {
   if (dup < 0) return ErrnoError("dup", errno);
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t id = next_id_++;
-  Entry e{RandomToken(), ipc::UniqueFd(dup)};
+  Entry e{RandomToken(), ipc::UniqueFd(dup), {}};
   ExportTicket t{path_, id, e.secret};
   entries_.emplace(id, std::move(e));
   return t;

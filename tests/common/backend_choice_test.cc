@@ -27,20 +27,20 @@ DeviceReach ReachExcept(std::set<std::pair<int32_t, int32_t>> blocked) {
 
 std::vector<BackendOffer> Offers(const std::string& backend, bool nccl, int n) {
   std::vector<BackendOffer> out;
-  for (int r = 0; r < n; ++r) out.push_back({backend, nccl, r});
+  for (int r = 0; r < n; ++r) out.push_back({backend, nccl, r, {}});
   return out;
 }
 
 TEST(BackendOfferTest, RoundTripsAndRefusesMalformedPayloadsNamingTheRank) {
-  for (const BackendOffer& o : {BackendOffer{"nvlink", true, 3}, BackendOffer{"nvlink", false, 0},
-                                BackendOffer{"host", false, 7}, BackendOffer{"nccl", false, 1}}) {
+  for (const BackendOffer& o : {BackendOffer{"nvlink", true, 3, {}}, BackendOffer{"nvlink", false, 0, {}},
+                                BackendOffer{"host", false, 7, {}}, BackendOffer{"nccl", false, 1, {}}}) {
     auto back = DecodeOffer(EncodeOffer(o), 2);
     ASSERT_THAT(back.status(), IsOk()) << EncodeOffer(o);
     EXPECT_EQ(back->backend, o.backend);
     EXPECT_EQ(back->nccl, o.nccl);
     EXPECT_EQ(back->device, o.device);
   }
-  EXPECT_EQ(EncodeOffer({"nvlink", true, 3}), "nvlink+nccl:3");
+  EXPECT_EQ(EncodeOffer({"nvlink", true, 3, {}}), "nvlink+nccl:3");
   for (const char* bad : {"", "nvlink", "nvlink:", ":3", "+nccl:3", "nvlink:x", "nvlink:3/",
                           "nvlink:3/XYZ", "nvlink:3/0a/0b", "nvlink/0a:3"})
     EXPECT_THAT(DecodeOffer(bad, 2).status(),

@@ -48,7 +48,7 @@ class FakeBuffers : public BufferResolver {
 };
 
 // The call tests' session: W=4, H=8 (H_l=2), D=16, bf16, max_tokens=1024.
-constexpr int64_t kW = 4, kH = 8, kHL = 2, kD = 16, kItem = 2;
+constexpr int64_t kW = 4, kH = 8, kD = 16, kItem = 2;  // H_l = kH / kW = 2
 
 SessionGeometry Geo(int32_t rank = 1) {
   SessionGeometry g;

@@ -177,7 +177,9 @@ TEST_F(Cluster, ABufferFreedUnderAQueuedCallAbortsThatCallOnEveryRank) {
   });
   auto w1 = (*s[0])->Wait(*e1, absl::Seconds(60));
   EXPECT_TRUE(w1.ok()) << w1.status();
-  if (w1.ok()) EXPECT_TRUE(w1->Release().ok());
+  if (w1.ok()) {
+    EXPECT_TRUE(w1->Release().ok());
+  }
   auto w2 = (*s[0])->Wait(*e2, absl::Seconds(60));
   rank1.join();
   EXPECT_TRUE(r1_first.ok()) << r1_first.status();

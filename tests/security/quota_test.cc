@@ -350,7 +350,9 @@ TEST_F(QuotaTest, RequestsInProgressPerUidAreBounded) {
       ::kill(child, SIGKILL);
       ::waitpid(child, nullptr, 0);
     }
-    if (exited != 77) EXPECT_EQ(exited, -1) << "the other uid's client exited with " << exited;
+    if (exited != 77) {
+      EXPECT_EQ(exited, -1) << "the other uid's client exited with " << exited;
+    }
   }
   absl::StatusOr<ipc::UniqueFd> memfd = ipc::CreateMemfd("late", 4096);
   ASSERT_TRUE(memfd.ok());

@@ -85,9 +85,9 @@ class VmmMapping {
  private:
   void Reset() noexcept;
   uint64_t ptr_ = 0;     // CUdeviceptr
-  uint64_t handle_ = 0;  // CUmemGenericAllocationHandle
+  [[maybe_unused]] uint64_t handle_ = 0;  // CUmemGenericAllocationHandle (unread without CUDA)
   uint64_t size_ = 0;
-  bool exportable_ = false;
+  [[maybe_unused]] bool exportable_ = false;
   std::vector<uint64_t> parts_;  // sizes of the parts mapped one by one (empty: one mapping)
 };
 
@@ -201,7 +201,7 @@ class StreamOps {
     ops_[count_++] = Op{wait, word, value};
     return absl::OkStatus();
   }
-  void* stream_;
+  [[maybe_unused]] void* stream_;  // unread in builds without CUDA
   std::array<Op, kCapacity> ops_{};
   int count_ = 0;
 };
@@ -224,7 +224,7 @@ class StreamMark {
   absl::StatusOr<bool> Passed() const;
 
  private:
-  void* event_ = nullptr;
+  [[maybe_unused]] void* event_ = nullptr;  // unread in builds without CUDA
 };
 
 }  // namespace ulysses::ipc::cuda
