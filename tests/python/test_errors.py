@@ -166,7 +166,7 @@ def test_the_c_abi_refuses_what_a_host_session_cannot_take(solo):
         t.shape[i] = n
     args = _capi.new(_capi.CallArgs)
     args.op = _capi.OP_SCATTER_HEADS
-    args.inputs[0] = ctypes.pointer(t)
+    args.inputs[0] = ctypes.addressof(t)
     result = ctypes.c_void_p()
     call = lambda: lib.uly_session_call(hx._handle.ptr, ctypes.byref(args), ctypes.byref(result))
 

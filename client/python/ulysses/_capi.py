@@ -75,9 +75,11 @@ class Tensor(ctypes.Structure):
                 ("shape", _i64 * MAX_DIMS), ("strides", _i64 * MAX_DIMS)]
 
 
+# The per-call structs take their Tensors' addresses (ctypes.addressof: the caller keeps the
+# Tensors alive), as a ctypes pointer object costs more to make than the rest of the arguments.
 class CallArgs(ctypes.Structure):
     _fields_ = [("struct_size", _u32), ("op", _i32), ("head_offset", _i32), ("head_count", _i32),
-                ("inputs", ctypes.POINTER(Tensor) * 3), ("out", ctypes.POINTER(Tensor)),
+                ("inputs", _vp * 3), ("out", _vp),
                 ("stream", _vp), ("timeout_ms", _i64)]
 
 
@@ -97,8 +99,8 @@ class FusedSessionSpec(ctypes.Structure):
 
 
 class FusedCallArgs(ctypes.Structure):
-    _fields_ = [("struct_size", _u32), ("reserved", _i32), ("x", ctypes.POINTER(Tensor)),
-                ("positions", ctypes.POINTER(Tensor)), ("out", ctypes.POINTER(Tensor)),
+    _fields_ = [("struct_size", _u32), ("reserved", _i32), ("x", _vp), ("positions", _vp),
+                ("out", _vp),
                 ("stream", _vp)]
 
 

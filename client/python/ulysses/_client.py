@@ -173,11 +173,10 @@ class _Slot:
         lib = _capi.library()
         self.parts: List[Tuple[Optional[int], Tuple[int, ...], int]] = []
         held = False
+        info = session._result_info  # the session's one ResultInfo, filled per result
         for p in ptrs:
-            info = _capi.new(_capi.ResultInfo)
             _check(lib.uly_result_get_info(p, ctypes.byref(info)))
-            self.parts.append((info.data, tuple(int(info.shape[i]) for i in range(info.ndim)),
-                               int(info.bytes)))
+            self.parts.append((info.data, tuple(info.shape[:info.ndim]), info.bytes))
             held = bool(info.held)
             self.epoch = int(info.epoch)
             self.slot = int(info.slot)
@@ -296,6 +295,7 @@ class _Session:
         # Staging buffers that submitted calls gave back, by role, for the next submits.
         self._spare: Dict[str, List[_SharedBuffer]] = {}
         self._held: "weakref.WeakSet[_Slot]" = weakref.WeakSet()
+        self._result_info = _capi.new(_capi.ResultInfo)  # reused by each _Slot (one thread)
         self._closed = False
 
     @property
@@ -405,12 +405,13 @@ class _Session:
         t.ndim = a.ndim
         for i in range(a.ndim):
             t.shape[i] = a.shape[i]
-        strides = self.client._shared_strides(a)
+        data = a.ctypes.data  # costs a ctypes helper object: read once
+        strides = self.client._shared_strides(a, data)
         if strides is not None and dense and not (
-                a.flags.c_contiguous and a.ctypes.data % _capi.FUSED_ALIGN_BYTES == 0):
+                a.flags.c_contiguous and data % _capi.FUSED_ALIGN_BYTES == 0):
             strides = None  # in a shared buffer, but not as the library takes it: staged
         if strides is not None:
-            t.data = a.ctypes.data
+            t.data = data
             if not dense:
                 for i, st in enumerate(strides):
                     t.strides[i] = st
@@ -620,7 +621,7 @@ class HeadExchange(_Session):
         args.head_offset = head_offset
         args.head_count = head_count
         for i, o in enumerate(operands):
-            args.inputs[i] = ctypes.pointer(o.tensor)
+            args.inputs[i] = ctypes.addressof(o.tensor)
         call = _Call(operands, out, is_torch)
         if out is not None:
             # gather_output_head_chunk writes a band only: a staged out starts as the caller's.
@@ -631,7 +632,7 @@ class HeadExchange(_Session):
                 # Not in a shared buffer: take the result from the slot and copy it over.
                 call.copy_out_later = True
             else:
-                args.out = ctypes.pointer(call.out_op.tensor)
+                args.out = ctypes.addressof(call.out_op.tensor)
         call.args = args
         return args, call
 
@@ -780,12 +781,15 @@ class Client:
 
         self._buffers[start] = weakref.ref(buf, gone)
 
-    def _shared_strides(self, a: np.ndarray) -> Optional[List[int]]:
+    def _shared_strides(self, a: np.ndarray,
+                        start: Optional[int] = None) -> Optional[List[int]]:
         """Element strides of `a` when it lies wholly inside one shared buffer of this client
-        with positive strides (size-1 dimensions count as stride 1); None otherwise."""
+        with positive strides (size-1 dimensions count as stride 1); None otherwise. `start`:
+        `a`'s data address, when the caller has it."""
         if a.size == 0:
             return None
-        start = a.ctypes.data
+        if start is None:
+            start = a.ctypes.data
         i = bisect.bisect_right(self._starts, start) - 1
         if i < 0:
             return None

@@ -117,8 +117,8 @@ class QkvNormRopeExchange(_Session):
                                 dense=True, pool=pool)
         cuda = self._check_out_kind([call.xo, call.po], out)
         args = _capi.new(_capi.FusedCallArgs)
-        args.x = ctypes.pointer(call.xo.tensor)
-        args.positions = ctypes.pointer(call.po.tensor)
+        args.x = ctypes.addressof(call.xo.tensor)
+        args.positions = ctypes.addressof(call.po.tensor)
         if cuda is not None:
             args.stream = _torch.current_stream(cuda) or None
         call.out = out
@@ -134,7 +134,7 @@ class QkvNormRopeExchange(_Session):
                                         dense=True, pool=pool)
             call.copy_out_later = call.out_op.staged is not None
             if not call.copy_out_later:
-                args.out = ctypes.pointer(call.out_op.tensor)
+                args.out = ctypes.addressof(call.out_op.tensor)
         call.want_results = out is None or call.copy_out_later
         call.args = args
         return call
