@@ -13,7 +13,10 @@ mode=${1:-}
 shift || true
 case "$mode" in
   address) build=${ULYSSES_FUZZ_BUILD:-build-fuzz}; flags=(-DULYSSES_FUZZ=ON) ;;
-  thread) build=${ULYSSES_TSAN_BUILD:-build-tsan}; flags=(-DULYSSES_SANITIZE=thread) ;;
+  # Full debug information: line tables name inlined frames without their scopes, and the
+  # suppressions of gRPC's own races (scripts/sanitizers/tsan.supp) match scoped names.
+  thread) build=${ULYSSES_TSAN_BUILD:-build-tsan}
+          flags=(-DULYSSES_SANITIZE=thread -DULYSSES_DEBUG_INFO=full) ;;
   *) echo "usage: scripts/sanitize.sh address|thread [TEST_EXECUTABLE...]" >&2; exit 64 ;;
 esac
 tests=("$@")
