@@ -18,6 +18,13 @@
 // W in --overhead-world, --overhead-sizes) reports the per-call times of inprocess, daemon_ring
 // and daemon_grpc.
 //
+// Part "overhead" also times each call with the host ahead of the device (inprocess_ahead,
+// daemon_ring_ahead): the stream is held at a gate while the host enqueues everything (the
+// in-process launches, or the daemon call and its release), the host waits --ahead-us so the
+// daemons' hosts have enqueued their side too, then opens the gate; CUDA events after the gate
+// and after the work time the device's part alone. That is a framework's case, whose host runs
+// ahead of its stream: what the daemon adds on the stream, without the enqueue latency.
+//
 // Method: outputs checked bit for bit before timing (in-process against the CPU reference up to
 // --reference-max-bytes, every daemon path against the in-process output); warm-up; the L2
 // flushed (a 256 MiB cudaMemsetAsync) before every sample, outside its time; rounds visit the
@@ -40,6 +47,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -55,6 +63,7 @@
 #include "ulysses/common/geometry.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
+#include "ulysses/ipc/cuda_memory.h"
 #include "ulysses/kernels/exchange.h"
 #include "ulysses/kernels/exchange_cuda.h"
 #include "ulysses/kernels/reference.h"
@@ -131,12 +140,46 @@ class EventPair {
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
 };
 
+// A device word that holds streams until the host opens it: Hold enqueues a wait for the
+// value of the next opening, Open writes it from a stream of its own (never held).
+class Gate {
+ public:
+  absl::Status Create() {
+    ULY_ASSIGN_OR_RETURN(word_, DeviceAlloc(sizeof(uint64_t)));
+    ULY_RETURN_IF_ERROR(Cuda(cudaMemset(word_.get(), 0, sizeof(uint64_t)), "gate reset"));
+    return opener_.Create();
+  }
+  /// The value the next Hold waits for and the next Open writes.
+  uint64_t Next() { return ++value_; }
+  absl::Status Hold(cudaStream_t s, uint64_t v) const { return ipc::cuda::StreamWait64(s, word(), v); }
+  absl::Status Open(uint64_t v) const { return ipc::cuda::StreamWrite64(opener_.get(), word(), v); }
+
+ private:
+  uint64_t* word() const { return static_cast<uint64_t*>(word_.get()); }
+  DeviceMem word_;
+  Stream opener_;
+  uint64_t value_ = 0;
+};
+
+void SleepUs(int64_t us) {
+  if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
+}
+
 // ---------------------------------------------------------------------------------------
 // A case
 // ---------------------------------------------------------------------------------------
 
 // kDaemonRingStream is not run by itself: it is kDaemonRing's samples timed on the stream.
-enum class Variant { kInProcess, kDaemonRing, kDaemonGrpc, kCopy, kDaemonRingStream };
+// The two *Ahead variants hold the stream at a gate until the host has enqueued the call.
+enum class Variant {
+  kInProcess,
+  kDaemonRing,
+  kDaemonGrpc,
+  kCopy,
+  kDaemonRingStream,
+  kInProcessAhead,
+  kDaemonRingAhead
+};
 
 const char* VariantName(Variant v) {
   switch (v) {
@@ -145,6 +188,8 @@ const char* VariantName(Variant v) {
     case Variant::kDaemonGrpc: return "daemon_grpc";
     case Variant::kCopy: return "copy";
     case Variant::kDaemonRingStream: return "daemon_ring_stream";
+    case Variant::kInProcessAhead: return "inprocess_ahead";
+    case Variant::kDaemonRingAhead: return "daemon_ring_ahead";
   }
   return "?";
 }
@@ -157,6 +202,7 @@ struct Case {
   int32_t head_dim = 128;
   bool exchange = false;  ///< a row of part "exchange"
   bool overhead = false;  ///< a row of part "overhead"
+  int64_t ahead_us = 0;   ///< part overhead: > 0 adds the *Ahead variants, the host this far ahead
 
   static constexpr int32_t kItem = 2;  // bf16
   int32_t heads() const { return heads_per_rank * world; }
@@ -173,6 +219,10 @@ struct Case {
   std::vector<Variant> variants() const {
     std::vector<Variant> v{Variant::kInProcess, Variant::kDaemonRing};
     if (overhead) v.push_back(Variant::kDaemonGrpc);
+    if (overhead && ahead_us > 0) {
+      v.push_back(Variant::kInProcessAhead);
+      v.push_back(Variant::kDaemonRingAhead);
+    }
     if (exchange) v.push_back(Variant::kCopy);
     return v;
   }
@@ -290,14 +340,24 @@ class InProcess {
     return absl::OkStatus();
   }
 
-  /// `n` samples of `v` (kInProcess or kCopy) in microseconds, the L2 flushed before each.
-  absl::StatusOr<std::vector<double>> Time(Variant v, int n) {
+  /// `n` samples of `v` (kInProcess, kInProcessAhead or kCopy) in microseconds, the L2 flushed
+  /// before each. kInProcessAhead holds the stream at `gate` until the launches are enqueued
+  /// and `ahead_us` more have passed.
+  absl::StatusOr<std::vector<double>> Time(Variant v, int n, Gate* gate = nullptr, int64_t ahead_us = 0) {
     std::vector<double> us;
+    const bool held = v == Variant::kInProcessAhead;
+    if (held && gate == nullptr) return absl::InternalError("inprocess_ahead without a gate");
     for (int i = 0; i < n; ++i) {
       ULY_RETURN_IF_ERROR(Flush());
+      const uint64_t g = held ? gate->Next() : 0;
+      if (held) ULY_RETURN_IF_ERROR(gate->Hold(stream_.get(), g));
       ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events_.start(), stream_.get()), "event"));
       ULY_RETURN_IF_ERROR(v == Variant::kCopy ? EnqueueCopy() : EnqueueExchange());
       ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events_.stop(), stream_.get()), "event"));
+      if (held) {
+        SleepUs(ahead_us);
+        ULY_RETURN_IF_ERROR(gate->Open(g));
+      }
       ULY_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(events_.stop()), "event sync"));
       float ms = 0;
       ULY_RETURN_IF_ERROR(Cuda(cudaEventElapsedTime(&ms, events_.start(), events_.stop()), "elapsed"));
@@ -395,6 +455,24 @@ class DaemonPath {
     ULY_ASSIGN_OR_RETURN(client::Result res, Call(r));
     ULY_RETURN_IF_ERROR(res.Release());
     ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events_[r].stop(), streams_[r].get()), "event"));
+    ULY_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(streams_[r].get()), "stream"));
+    float ms = 0;
+    ULY_RETURN_IF_ERROR(Cuda(cudaEventElapsedTime(&ms, events_[r].start(), events_[r].stop()), "elapsed"));
+    stream_us_[r].push_back(static_cast<double>(ms) * 1e3);
+    return absl::OkStatus();
+  }
+
+  /// Rank r's part of one iteration with the host ahead, in two halves: Enqueue holds the
+  /// rank's stream at `gate` (value g), then puts the events, the call and its release behind
+  /// it; once the gate is open, Collect waits for the stream and keeps the device's time.
+  absl::Status EnqueueHeld(int r, const Gate& gate, uint64_t g) {
+    ULY_RETURN_IF_ERROR(gate.Hold(streams_[r].get(), g));
+    ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events_[r].start(), streams_[r].get()), "event"));
+    ULY_ASSIGN_OR_RETURN(client::Result res, Call(r));
+    ULY_RETURN_IF_ERROR(res.Release());
+    return Cuda(cudaEventRecord(events_[r].stop(), streams_[r].get()), "event");
+  }
+  absl::Status CollectHeld(int r) {
     ULY_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(streams_[r].get()), "stream"));
     float ms = 0;
     ULY_RETURN_IF_ERROR(Cuda(cudaEventElapsedTime(&ms, events_[r].start(), events_[r].stop()), "elapsed"));
@@ -557,8 +635,22 @@ absl::StatusOr<CaseResult> RunCase(const Case& c, Cluster& cluster, int grpc_set
              "daemon results equal the in-process output bit for bit)"));
 
   auto flush = [&]() { return a.Flush(); };
+  Gate gate;
+  if (c.ahead_us > 0) ULY_RETURN_IF_ERROR(gate.Create());
   auto sample = [&](Variant v, int n) -> absl::StatusOr<std::vector<double>> {
     if (v == Variant::kInProcess || v == Variant::kCopy) return a.Time(v, n);
+    if (v == Variant::kInProcessAhead) return a.Time(v, n, &gate, c.ahead_us);
+    if (v == Variant::kDaemonRingAhead) {
+      for (int i = 0; i < n; ++i) {
+        ULY_RETURN_IF_ERROR(flush());
+        const uint64_t g = gate.Next();
+        ULY_RETURN_IF_ERROR(RunCollective(c.world, [&](int r) { return ring.EnqueueHeld(r, gate, g); }));
+        SleepUs(c.ahead_us);
+        ULY_RETURN_IF_ERROR(gate.Open(g));
+        ULY_RETURN_IF_ERROR(RunCollective(c.world, [&](int r) { return ring.CollectHeld(r); }));
+      }
+      return ring.TakeStreamUs(n);
+    }
     DaemonPath& d = v == Variant::kDaemonRing ? ring : *grpc;
     ULY_ASSIGN_OR_RETURN(BlockTimes t, RunBlock(c.world, n, [&](int r) { return d.Work(r); }, flush));
     if (v != Variant::kDaemonRing) (void)d.TakeStreamUs(0);  // only the ring's are reported
@@ -698,7 +790,11 @@ int Main(int argc, char** argv) {
   app.add_option("--parts", parts, "exchange and/or overhead")->delimiter(',');
   app.add_option("--heads-per-rank", heads_per_rank, "H/W (H = this times W); bf16")->check(CLI::PositiveNumber);
   app.add_option("--head-dim", head_dim, "D")->check(CLI::PositiveNumber);
-  int64_t ring_spin_us = -1;
+  int64_t ring_spin_us = -1, ahead_us = 300;
+  app.add_option("--ahead-us", ahead_us,
+                 "Part overhead: how far the host runs ahead of a held stream in the *_ahead variants "
+                 "(0: not run)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1000000}));
   app.add_option("--ring-spin-us", ring_spin_us,
                  "The daemons' rings.worker_spin_us (default: the daemon's own, 50)")
       ->check(CLI::Range(int64_t{-1}, ulysses::kMaxRingSpinUs));
@@ -756,6 +852,7 @@ int Main(int argc, char** argv) {
     c.heads_per_rank = heads_per_rank;
     c.head_dim = head_dim;
     (exchange ? c.exchange : c.overhead) = true;
+    if (!exchange) c.ahead_us = ahead_us;
     return absl::OkStatus();
   };
   absl::Status grid_status;
@@ -895,17 +992,19 @@ int Main(int argc, char** argv) {
   }
   if (part_set.count("overhead")) {
     std::printf("\ndaemon overhead, scatter_heads, per-call time (us)\n");
-    std::printf("%3s %12s %12s %12s %12s %12s %9s %9s %9s %9s %9s %7s\n", "W", "bytes/rank", "inprocess",
-                "ring", "ring-stream", "grpc", "ring-inp", "grpc-inp", "dmn-plan", "dmn-enq", "dmn-fin",
-                "A/A");
+    std::printf("%3s %12s %12s %12s %12s %12s %9s %9s %9s %9s %9s %9s %9s %9s %7s\n", "W", "bytes/rank",
+                "inprocess", "ring", "ring-stream", "grpc", "ring-inp", "grpc-inp", "inp-ahead", "ring-ahead",
+                "ahead-add", "dmn-plan", "dmn-enq", "dmn-fin", "A/A");
     for (const CaseResult& r : results) {
       if (!r.c.overhead) continue;
       const double a = r.median(Variant::kInProcess), ring = r.median(Variant::kDaemonRing);
       const double grpc = r.median(Variant::kDaemonGrpc);
       const double ring_stream = r.median(Variant::kDaemonRingStream);
-      std::printf("%3d %12llu %12.1f %12.1f %12.1f %12.1f %9.1f %9.1f %9.1f %9.1f %9.1f %7.3f\n", r.c.world,
-                  static_cast<unsigned long long>(r.c.bytes), a, ring, ring_stream, grpc, ring - a, grpc - a,
-                  r.phases.plan_us, r.phases.enqueue_us, r.phases.finish_us, r.aa());
+      const double a_ahead = r.median(Variant::kInProcessAhead), ring_ahead = r.median(Variant::kDaemonRingAhead);
+      std::printf("%3d %12llu %12.1f %12.1f %12.1f %12.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %7.3f\n",
+                  r.c.world, static_cast<unsigned long long>(r.c.bytes), a, ring, ring_stream, grpc, ring - a,
+                  grpc - a, a_ahead, ring_ahead, ring_ahead - a_ahead, r.phases.plan_us, r.phases.enqueue_us,
+                  r.phases.finish_us, r.aa());
       Json j;
       j["part"] = "overhead";
       j["op"] = "scatter_heads";
@@ -920,6 +1019,11 @@ int Main(int argc, char** argv) {
       j["daemon_finish_us"] = Us(r.phases.finish_us);
       j["daemon_phase_calls"] = r.phases.calls;
       j["daemon_grpc_us"] = Us(grpc);
+      if (r.c.ahead_us > 0) {
+        j["ahead_us"] = r.c.ahead_us;
+        j["inprocess_ahead_us"] = Us(a_ahead);
+        j["daemon_ring_ahead_us"] = Us(ring_ahead);
+      }
       j["a_a_control"] = Ratio(r.aa());
       j["check"] = "pass";
       j["reference_checked"] = r.reference_checked;
@@ -940,7 +1044,10 @@ int Main(int argc, char** argv) {
   out["head_dim"] = head_dim;
   out["method"] = StrCat("L2 flushed (256 MiB memset) before each sample; ", m.warmup, " warm-up, ", m.rounds,
                          " rounds (variants forward then reversed) x ", m.samples,
-                         " samples per variant; median; A/A = in-process second visits / first");
+                         " samples per variant; median; A/A = in-process second visits / first",
+                         ahead_us > 0 ? StrCat("; *_ahead: the stream held at a gate while the host enqueues, "
+                                               "opened ", ahead_us, " us later, timed by events after the gate")
+                                      : std::string());
   out["rows"] = rows;
   if (!status.ok()) out["failed"] = std::string(status.message());
   const std::string text = out.dump();

@@ -18,11 +18,18 @@ bytes_per_rank / (H * D * 2), W ranks as W threads of this process, one daemon e
   script times: per sample the slowest rank's wall time of the call (and, on the GPU, the
   release of its result); the median of all samples.
 
+With --ahead-us (GPU), each side is also timed with the host ahead of its stream, a
+framework's case: the stream is held by a spin kernel (torch.cuda._sleep) for about that long
+while the host issues the call and its release; CUDA events after the spin and after the
+release time the device's part alone (python_ahead_us; cpp_ahead_us from the C++ bench's
+daemon_ring_ahead_us; torch_a2a_ahead_us the same for all_to_all_single).
+
 Method: each Python case checks its result bit for bit against the numpy reference before
 timing, then warms up and takes --rounds x --samples samples; the two sides run one after the
 other, never at once. It prints a table and one JSON line (--json FILE writes it too):
 gpu, commit, date, backend, world_size, mps, rows[{world_size, bytes_per_rank, seq_local,
-python_us, cpp_us, python_minus_cpp_us, python_over_cpp}].
+python_us, cpp_us, python_minus_cpp_us, python_over_cpp, torch_a2a_us and, with --ahead-us,
+python_ahead_us, cpp_ahead_us, torch_a2a_ahead_us}].
 
     python3 bench/python_overhead.py                         # host backend, small grid
     python3 bench/python_overhead.py --backend nvlink --json bench/results/DATE-h200-python-overhead.json
@@ -189,15 +196,62 @@ class PythonSide:
         run_ranks(self.W, body)
         return [max(per_rank[r][i] for r in range(self.W)) for i in range(samples)]
 
+    def time_ahead(self, samples: int, cycles: int) -> List[float]:
+        """GPU: `samples` samples with the host ahead: per sample and rank, the rank's stream
+        held by a spin of `cycles` clocks while the call and its release are issued, the time
+        between events after the spin and after the release (us); the slowest rank's."""
+        import torch
+        barrier = threading.Barrier(self.W)
+        per_rank = [[0.0] * samples for _ in range(self.W)]
+
+        def body(r: int) -> None:
+            torch.cuda.set_device(0)
+            torch.cuda.set_stream(self.streams[r])
+            _, hx, x, _ = self.ranks[r]
+            start = torch.cuda.Event(enable_timing=True)
+            stop = torch.cuda.Event(enable_timing=True)
+            for i in range(samples):
+                barrier.wait()
+                if r == 0:
+                    self.flush.zero_()
+                    torch.cuda.synchronize()
+                barrier.wait()
+                torch.cuda._sleep(cycles)
+                start.record()
+                ulysses.release(hx.scatter_heads(x))
+                stop.record()
+                stop.synchronize()
+                per_rank[r][i] = start.elapsed_time(stop) * 1e3
+
+        run_ranks(self.W, body)
+        return [max(per_rank[r][i] for r in range(self.W)) for i in range(samples)]
+
     def close(self) -> None:
         for c, hx, _, _ in self.ranks:
             hx.close()
             c.close()
 
 
+def spin_cycles(ahead_us: int) -> int:
+    """Clocks of torch.cuda._sleep that hold a stream for about `ahead_us` (measured here)."""
+    import torch
+    probe = 1 << 20
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(probe)  # the first launch loads the kernel
+    start.record()
+    torch.cuda._sleep(probe)
+    stop.record()
+    stop.synchronize()
+    return max(1, int(probe * ahead_us / (start.elapsed_time(stop) * 1e3)))
+
+
+CppTimes = Dict[Tuple[int, int], Tuple[float, Optional[float]]]
+
+
 def cpp_times(args: argparse.Namespace, device: bool, worlds: List[int],
-              sizes: List[int]) -> Tuple[Dict[Tuple[int, int], float], Optional[bool]]:
-    """{(W, bytes_per_rank): us} from the C++ bench, and its MPS verdict (GPU only)."""
+              sizes: List[int]) -> Tuple[CppTimes, Optional[bool]]:
+    """{(W, bytes_per_rank): (us, us with the host ahead or None)} from the C++ bench, and its
+    MPS verdict (GPU only)."""
     build = ROOT / "build"
     with tempfile.TemporaryDirectory(prefix="ulysses-pyoverhead-") as tmp:
         out = os.path.join(tmp, "cpp.json")
@@ -206,16 +260,18 @@ def cpp_times(args: argparse.Namespace, device: bool, worlds: List[int],
                   "--samples", str(max(args.samples, 2)), "--json", out]
         if args.ulyssesd:
             common += ["--ulyssesd", args.ulyssesd]
-        times: Dict[Tuple[int, int], float] = {}
+        times: CppTimes = {}
         if device:
             prog = args.cpp_bench or str(build / "bench/ulysses-gpu-bench")
             cmd = [prog, "--parts", "overhead", "--overhead-world", ",".join(map(str, worlds)),
-                   "--overhead-sizes", ",".join(map(str, sizes)), "--mps", args.mps] + common
+                   "--overhead-sizes", ",".join(map(str, sizes)), "--mps", args.mps,
+                   "--ahead-us", str(args.ahead_us)] + common
             run(cmd)
             doc = json.loads(Path(out).read_text())
             for row in doc["rows"]:
                 if row.get("part") == "overhead":
-                    times[(row["world_size"], row["bytes_per_rank"])] = row["daemon_ring_us"]
+                    times[(row["world_size"], row["bytes_per_rank"])] = (
+                        row["daemon_ring_us"], row.get("daemon_ring_ahead_us"))
             return times, bool(doc.get("mps"))
         prog = args.cpp_bench or str(build / "bench/ulysses-bench")
         for w in worlds:
@@ -224,18 +280,20 @@ def cpp_times(args: argparse.Namespace, device: bool, worlds: List[int],
             run([prog, "--ranks", str(w), "--ops", "scatter_heads", "--batch", "1", "--dtype",
                  "bf16", "--seq-local", ",".join(map(str, seqs))] + common)
             for case in json.loads(Path(out).read_text())["cases"]:
-                times[(case["world"], case["bytes_per_rank"])] = \
-                    case["b_daemon"]["work_max_median_us"]
+                times[(case["world"], case["bytes_per_rank"])] = (
+                    case["b_daemon"]["work_max_median_us"], None)
         return times, None
 
 
 def torch_a2a_times(sizes: List[int], heads_per_rank: int, head_dim: int, warmup: int,
-                    samples: int) -> Dict[int, float]:
-    """{bytes_per_rank: us} of torch.distributed.all_to_all_single over NCCL in a group of one
+                    samples: int, cycles: int) -> Dict[int, Tuple[float, Optional[float]]]:
+    """{bytes_per_rank: (us, us with the host ahead or None)} of
+    torch.distributed.all_to_all_single over NCCL in a group of one
     (this process, GPU 0) on the same bytes: the call a framework would make instead, timed
     like the Python side (the rank's stream current, L2 flushed outside the sample, the sample
     ending when the stream has the result). A group of more ranks needs a process per rank
-    and a GPU per rank (NCCL refuses two ranks on one GPU), so W = 1 is what one GPU can show."""
+    and a GPU per rank (NCCL refuses two ranks on one GPU), so W = 1 is what one GPU can show.
+    With `cycles` > 0 also timed with the host ahead (PythonSide.time_ahead's method)."""
     import torch
     import torch.distributed as dist
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -246,7 +304,9 @@ def torch_a2a_times(sizes: List[int], heads_per_rank: int, head_dim: int, warmup
         stream = torch.cuda.Stream(device=0)
         torch.cuda.set_stream(stream)
         flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        out: Dict[int, float] = {}
+        out: Dict[int, Tuple[float, Optional[float]]] = {}
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
         for b in sizes:
             seq = b // (heads_per_rank * head_dim * 2)
             x = torch.randn(1, seq, heads_per_rank, head_dim, device="cuda").to(torch.bfloat16)
@@ -264,7 +324,18 @@ def torch_a2a_times(sizes: List[int], heads_per_rank: int, head_dim: int, warmup
                 stream.synchronize()
                 if i >= warmup:
                     times.append((time.perf_counter() - t0) * 1e6)
-            out[b] = statistics.median(times)
+            ahead: List[float] = []
+            for i in range(warmup + samples if cycles > 0 else 0):
+                flush.zero_()
+                torch.cuda.synchronize()
+                torch.cuda._sleep(cycles)
+                start.record()
+                dist.all_to_all_single(y, x)
+                stop.record()
+                stop.synchronize()
+                if i >= warmup:
+                    ahead.append(start.elapsed_time(stop) * 1e3)
+            out[b] = (statistics.median(times), statistics.median(ahead) if ahead else None)
         return out
     finally:
         dist.destroy_process_group()
@@ -344,6 +415,9 @@ def main() -> int:
     ap.add_argument("--torch-a2a", action="store_true",
                     help="GPU, W = 1: also time torch.distributed.all_to_all_single (NCCL, a "
                          "group of one) on the same bytes (torch_a2a_us)")
+    ap.add_argument("--ahead-us", type=int, default=0,
+                    help="GPU: also time each side with the host this far ahead of a held "
+                         "stream (python_ahead_us, cpp_ahead_us, torch_a2a_ahead_us; 0: not)")
     ap.add_argument("--profile", default=None,
                     help="after timing each case, run its samples again under cProfile and "
                          "write the functions by own time into this text file")
@@ -365,16 +439,20 @@ def main() -> int:
                 raise SystemExit("python_overhead: --sizes: %d bytes per rank is not a multiple "
                                  "of a token's H*D*2 = %d bytes at W=%d" % (b, token, w))
 
-    cpp: Dict[Tuple[int, int], float] = {}
+    if args.ahead_us < 0:
+        raise SystemExit("python_overhead: --ahead-us must be >= 0")
+    cpp: CppTimes = {}
     mps: Optional[bool] = None
     if not args.no_cpp:
         cpp, mps = cpp_times(args, device, worlds, sizes)
 
     rows = []
     total = args.rounds * args.samples
-    a2a: Dict[int, float] = {}
+    a2a: Dict[int, Tuple[float, Optional[float]]] = {}
+    cycles = spin_cycles(args.ahead_us) if device and args.ahead_us > 0 else 0
     if args.torch_a2a and device and 1 in worlds:
-        a2a = torch_a2a_times(sizes, args.heads_per_rank, args.head_dim, args.warmup, total)
+        a2a = torch_a2a_times(sizes, args.heads_per_rank, args.head_dim, args.warmup, total,
+                              cycles)
     for w in worlds:
         cluster = Cluster()
         try:
@@ -388,19 +466,27 @@ def main() -> int:
                     side.check()
                     side.time(args.warmup)
                     us = statistics.median(side.time(total))
+                    us_ahead = None
+                    if cycles > 0:
+                        side.time_ahead(args.warmup, cycles)
+                        us_ahead = statistics.median(side.time_ahead(total, cycles))
                     if args.profile:
                         write_profile(args.profile, "W=%d %s/rank" % (w, size_name(b)),
                                       side, total)
                 finally:
                     side.close()
-                c = cpp.get((w, b))
-                rows.append({"world_size": w, "bytes_per_rank": b, "seq_local": seq,
-                             "python_us": round(us, 1),
-                             "cpp_us": None if c is None else round(c, 1),
-                             "python_minus_cpp_us": None if c is None else round(us - c, 1),
-                             "python_over_cpp": None if not c else round(us / c, 3),
-                             "torch_a2a_us": (round(a2a[b], 1) if w == 1 and b in a2a
-                                              else None)})
+                c, c_ahead = cpp.get((w, b), (None, None))
+                t, t_ahead = a2a.get(b, (None, None)) if w == 1 else (None, None)
+                r1 = lambda v: None if v is None else round(v, 1)  # noqa: E731
+                row = {"world_size": w, "bytes_per_rank": b, "seq_local": seq,
+                       "python_us": round(us, 1), "cpp_us": r1(c),
+                       "python_minus_cpp_us": None if c is None else round(us - c, 1),
+                       "python_over_cpp": None if not c else round(us / c, 3),
+                       "torch_a2a_us": r1(t)}
+                if cycles > 0:
+                    row.update({"python_ahead_us": r1(us_ahead), "cpp_ahead_us": r1(c_ahead),
+                                "torch_a2a_ahead_us": r1(t_ahead)})
+                rows.append(row)
                 print("W=%d %s/rank: python %.1f us, C++ %s" % (
                     w, size_name(b), us, "-" if c is None else "%.1f us" % c),
                     file=sys.stderr, flush=True)
@@ -409,14 +495,17 @@ def main() -> int:
 
     print("Python vs C++ per-call time, scatter_heads bf16, %s backend, D=%d, H=%d*W" % (
         "nvlink" if device else "host", args.head_dim, args.heads_per_rank))
-    print("%3s %10s %8s %12s %12s %10s %8s %10s" % ("W", "bytes/rank", "S_l", "python us",
-                                                    "C++ us", "py-C++", "py/C++", "a2a us"))
+    print("%3s %10s %8s %12s %12s %10s %8s %10s %10s %10s %10s" % (
+        "W", "bytes/rank", "S_l", "python us", "C++ us", "py-C++", "py/C++", "a2a us",
+        "py ahead", "C++ ahead", "a2a ahead"))
     for r in rows:
         fmt = lambda v, f: "-" if v is None else f % v  # noqa: E731
-        print("%3d %10s %8d %12.1f %12s %10s %8s %10s" % (
+        print("%3d %10s %8d %12.1f %12s %10s %8s %10s %10s %10s %10s" % (
             r["world_size"], size_name(r["bytes_per_rank"]), r["seq_local"], r["python_us"],
             fmt(r["cpp_us"], "%.1f"), fmt(r["python_minus_cpp_us"], "%.1f"),
-            fmt(r["python_over_cpp"], "%.3f"), fmt(r["torch_a2a_us"], "%.1f")))
+            fmt(r["python_over_cpp"], "%.3f"), fmt(r["torch_a2a_us"], "%.1f"),
+            fmt(r.get("python_ahead_us"), "%.1f"), fmt(r.get("cpp_ahead_us"), "%.1f"),
+            fmt(r.get("torch_a2a_ahead_us"), "%.1f")))
     doc = {
         "bench": "python_overhead",
         "gpu": device_name(device),
@@ -435,6 +524,7 @@ def main() -> int:
                        " with out= in shared buffers", args.warmup, args.rounds, args.samples,
                        "ulysses-gpu-bench --parts overhead (daemon_ring_us)" if device else
                        "ulysses-bench (b_daemon.work_max_median_us)")),
+        "ahead_us": args.ahead_us if cycles > 0 else None,
         "rows": rows,
     }
     line = json.dumps(doc)
