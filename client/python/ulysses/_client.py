@@ -234,7 +234,7 @@ class SlotArray(np.ndarray):
 def release(result: Any) -> None:
     """Releases the receive slot of a result (a :class:`SlotArray`, a :class:`DeviceSlot` or a
     torch tensor that a call returned, or a numpy view of one). Idempotent."""
-    slot = getattr(result, "_slot", None) or getattr(result, "_ulysses_slot", None)
+    slot = getattr(result, "_ulysses_slot", None) or getattr(result, "_slot", None)
     if slot is not None:
         slot.release()
 
@@ -427,24 +427,27 @@ class _Session:
                       dense: bool) -> _Operand:
         """A torch CUDA tensor as a uly_tensor of kind CUDA (the library registers its
         allocation with the daemon; nothing is copied)."""
-        if value.device.type != "cuda":
+        if not value.is_cuda:
             raise InvalidArgumentError("%s: a %s tensor; ulysses takes CPU and CUDA tensors"
                                        % (name, value.device.type))
-        if value.dim() > _capi.MAX_DIMS:
-            raise InvalidArgumentError("%s: ndim %d, at most %d"
-                                       % (name, value.dim(), _capi.MAX_DIMS))
+        shape = value.shape
+        ndim = len(shape)
+        if ndim > _capi.MAX_DIMS:
+            raise InvalidArgumentError("%s: ndim %d, at most %d" % (name, ndim, _capi.MAX_DIMS))
         if _torch_dtype_code(value.dtype) != code:
             raise InvalidArgumentError(_dtype_mismatch(name, value.dtype, code,
                                                        self._dtype_code))
         if dense and not value.is_contiguous():
             raise InvalidArgumentError("%s: must be contiguous (call .contiguous())" % name)
         t.device_kind = _capi.DEVICE_CUDA
-        shape = value.shape
-        t.ndim = len(shape)
-        t.shape[:t.ndim] = shape
+        t.ndim = ndim
+        t.shape[:ndim] = shape
         if not dense:
-            # A size-1 dimension's stride is arbitrary in torch; any positive one will do.
-            t.strides[:t.ndim] = [st if n != 1 else 1 for n, st in zip(shape, value.stride())]
+            stride = value.stride()
+            if 1 in shape:
+                # A size-1 dimension's stride is arbitrary in torch; any positive one will do.
+                stride = [st if n != 1 else 1 for n, st in zip(shape, stride)]
+            t.strides[:ndim] = stride
         t.data = value.data_ptr()
         t.device_index = value.get_device()
         return _Operand(t, None, None, cuda=value)

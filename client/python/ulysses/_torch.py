@@ -34,7 +34,8 @@ def is_dtype(obj: Any) -> bool:
 
 
 def is_device_tensor(t: Any) -> bool:
-    return t.device.type != "cpu"
+    # is_cpu is a flag of the tensor; t.device builds a torch.device object each time.
+    return not t.is_cpu
 
 
 def current_cuda_device() -> Optional[int]:
@@ -285,15 +286,21 @@ def _owned_capsule(lib: Any, managed: int) -> Any:
         raise
 
 
-def current_stream(t: Any) -> int:
+_raw_stream: Any = None  # torch._C._cuda_getCurrentRawStream, or False where torch lacks it
+
+
+def current_stream(t: Any, device: Optional[int] = None) -> int:
     """The cudaStream_t of torch's current stream on the device of CUDA tensor `t` (0 for the
-    legacy default stream)."""
+    legacy default stream); `device`: t's device index, when the caller has it."""
+    global _raw_stream
     torch = _torch()
     # The raw lookup costs a fifth of a microsecond; building a torch.cuda.Stream costs about
     # six. Older torch builds without it take the public way.
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(t.get_device()))
+    raw = _raw_stream
+    if raw is None:
+        raw = _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or False
+    if raw:
+        return raw(t.get_device() if device is None else device)
     return int(torch.cuda.current_stream(t.device).cuda_stream)
 
 
@@ -303,13 +310,21 @@ def _dltensor_capsule(managed: int) -> Any:
     return new(managed, _DLTENSOR_NAME, None)
 
 
+_from_capsule: Any = None
+
+
 def dlpack_slot_tensor(lib: Any, managed: int, slot: Any) -> Any:
     """A CUDA SlotTensor over a result exported by uly_result_to_dlpack (the DLManagedTensor
     `managed`), no copy: the tensor's storage holds its own reference on the result, so the
     slot stays held while any view of the storage lives (or until release())."""
-    torch = _torch()
+    global _from_capsule
+    if _from_capsule is None:
+        torch = _torch()
+        # The C entry that torch.utils.dlpack.from_dlpack ends in for a capsule (its Python
+        # wrapper first asks the argument for __dlpack__).
+        _from_capsule = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
     try:
-        t = torch.utils.dlpack.from_dlpack(_dltensor_capsule(managed))
+        t = _from_capsule(_dltensor_capsule(managed))
     except BaseException:
         lib.uly_dlpack_free(managed)  # no consumer took it: its deleter runs here
         raise
