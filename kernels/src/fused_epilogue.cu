@@ -125,7 +125,10 @@ class NormRopeStoreEpilogue {
     return true;
   }
 
-  CUTLASS_HOST_DEVICE explicit NormRopeStoreEpilogue(Params const& params) : params_(params) {}
+  // `params` is the kernel's (a __grid_constant__ parameter): kept by address, not copied. A
+  // copy is a per-thread struct of 1 KiB (the W destinations' pointers) that the dynamic
+  // index by destination puts on the stack, in local memory.
+  CUTLASS_HOST_DEVICE explicit NormRopeStoreEpilogue(Params const& params) : params_(&params) {}
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
             class FrgLayout, class TiledMma, class ResidueMNK>
@@ -133,7 +136,7 @@ class NormRopeStoreEpilogue {
                                  cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char* smem) {
     using namespace cute;
-    const Params& p = params_;
+    const Params& p = *params_;
     if (p.gemm_alone != 0) return;
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
     // A user named barrier per consumer warpgroup (warpgroup 0 is the producer); CUTLASS
@@ -239,7 +242,7 @@ class NormRopeStoreEpilogue {
   }
 
  private:
-  Params params_;
+  Params const* params_;
 };
 
 using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
