@@ -455,16 +455,13 @@ class DaemonPath {
     ULY_ASSIGN_OR_RETURN(client::Result res, Call(r));
     ULY_RETURN_IF_ERROR(res.Release());
     ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events_[r].stop(), streams_[r].get()), "event"));
-    ULY_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(streams_[r].get()), "stream"));
-    float ms = 0;
-    ULY_RETURN_IF_ERROR(Cuda(cudaEventElapsedTime(&ms, events_[r].start(), events_[r].stop()), "elapsed"));
-    stream_us_[r].push_back(static_cast<double>(ms) * 1e3);
-    return absl::OkStatus();
+    return CollectHeld(r);
   }
 
   /// Rank r's part of one iteration with the host ahead, in two halves: Enqueue holds the
   /// rank's stream at `gate` (value g), then puts the events, the call and its release behind
-  /// it; once the gate is open, Collect waits for the stream and keeps the device's time.
+  /// it; once the gate is open, CollectHeld waits for the stream and keeps the events' time
+  /// (Work's end as well).
   absl::Status EnqueueHeld(int r, const Gate& gate, uint64_t g) {
     ULY_RETURN_IF_ERROR(gate.Hold(streams_[r].get(), g));
     ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events_[r].start(), streams_[r].get()), "event"));

@@ -216,12 +216,8 @@ class PythonSide:
                     self.flush.zero_()
                     torch.cuda.synchronize()
                 barrier.wait()
-                torch.cuda._sleep(cycles)
-                start.record()
-                ulysses.release(hx.scatter_heads(x))
-                stop.record()
-                stop.synchronize()
-                per_rank[r][i] = start.elapsed_time(stop) * 1e3
+                per_rank[r][i] = held_sample_us(
+                    cycles, lambda: ulysses.release(hx.scatter_heads(x)), start, stop)
 
         run_ranks(self.W, body)
         return [max(per_rank[r][i] for r in range(self.W)) for i in range(samples)]
@@ -230,6 +226,18 @@ class PythonSide:
         for c, hx, _, _ in self.ranks:
             hx.close()
             c.close()
+
+
+def held_sample_us(cycles: int, issue: Any, start: Any, stop: Any) -> float:
+    """One sample with the host ahead: the current stream held by a spin of `cycles` clocks
+    while `issue()` is called, then the time between events after the spin and after it (us)."""
+    import torch
+    torch.cuda._sleep(cycles)
+    start.record()
+    issue()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) * 1e3
 
 
 def spin_cycles(ahead_us: int) -> int:
@@ -328,13 +336,9 @@ def torch_a2a_times(sizes: List[int], heads_per_rank: int, head_dim: int, warmup
             for i in range(warmup + samples if cycles > 0 else 0):
                 flush.zero_()
                 torch.cuda.synchronize()
-                torch.cuda._sleep(cycles)
-                start.record()
-                dist.all_to_all_single(y, x)
-                stop.record()
-                stop.synchronize()
+                us = held_sample_us(cycles, lambda: dist.all_to_all_single(y, x), start, stop)
                 if i >= warmup:
-                    ahead.append(start.elapsed_time(stop) * 1e3)
+                    ahead.append(us)
             out[b] = (statistics.median(times), statistics.median(ahead) if ahead else None)
         return out
     finally:

@@ -289,9 +289,9 @@ def _owned_capsule(lib: Any, managed: int) -> Any:
 _raw_stream: Any = None  # torch._C._cuda_getCurrentRawStream, or False where torch lacks it
 
 
-def current_stream(t: Any, device: Optional[int] = None) -> int:
+def current_stream(t: Any) -> int:
     """The cudaStream_t of torch's current stream on the device of CUDA tensor `t` (0 for the
-    legacy default stream); `device`: t's device index, when the caller has it."""
+    legacy default stream)."""
     global _raw_stream
     torch = _torch()
     # The raw lookup costs a fifth of a microsecond; building a torch.cuda.Stream costs about
@@ -300,7 +300,7 @@ def current_stream(t: Any, device: Optional[int] = None) -> int:
     if raw is None:
         raw = _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or False
     if raw:
-        return raw(t.get_device() if device is None else device)
+        return raw(t.get_device())
     return int(torch.cuda.current_stream(t.device).cuda_stream)
 
 
