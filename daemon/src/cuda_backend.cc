@@ -68,6 +68,12 @@ class CudaTransport final : public Transport {
     for (cudaStream_t* st : {&t->stream_, &t->rescue_})
       ULY_RETURN_IF_ERROR(
           CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(st, cudaStreamNonBlocking)));
+    {
+      void* p = nullptr;
+      ULY_RETURN_IF_ERROR(CudaStatus("cudaHostAlloc",
+                                     cudaHostAlloc(&p, kHostWordsBytes, cudaHostAllocDefault)));
+      t->host_words_.reset(p);
+    }
     t->events_.assign(setup.geometry.num_slots, nullptr);
     t->event_epoch_.assign(setup.geometry.num_slots, 0);
     for (cudaEvent_t& ev : t->events_)
@@ -135,6 +141,7 @@ class CudaTransport final : public Transport {
     }
     for (cudaEvent_t ev : events_)
       if (ev != nullptr) cudaEventDestroy(ev);
+    host_words_.reset();  // after the rescue stream's copies into it
     fused_plan_.reset();  // its work was ordered before this stream's end
   }
 
@@ -306,6 +313,51 @@ class CudaTransport final : public Transport {
                             std::string(st.message()));
   }
 
+  // Reads the words through copies on the rescue stream (never blocked by this session's
+  // waits) into pinned memory, waited for at most a second: a rescue stream that cannot run is
+  // itself the finding.
+  std::string DescribeStuck(int slot, uint64_t epoch) override {
+    if (!UseDevice(device_).ok() || slot < 0 || slot >= setup_.geometry.num_slots) return {};
+    const int W = setup_.geometry.world_size;
+    const int me = setup_.geometry.rank;
+    constexpr size_t kClientAt = kMaxWorldSize * sizeof(DeviceSlotWords);
+    auto* host = static_cast<uint8_t*>(host_words_.get());
+    cudaError_t err = cudaSuccess;
+    for (int r = 0; r < W && err == cudaSuccess; ++r)
+      if (words_.size() == static_cast<size_t>(W) && words_[r] != nullptr)
+        err = cudaMemcpyAsync(host + r * sizeof(DeviceSlotWords), &words_[r]->slots[slot],
+                              sizeof(DeviceSlotWords), cudaMemcpyDeviceToHost, rescue_);
+    const uint64_t* client_words[] = {&ClientWords()->ready[slot], &ClientWords()->released[slot],
+                                      cancel()};
+    for (int i = 0; i < 3 && err == cudaSuccess; ++i)
+      err = cudaMemcpyAsync(host + kClientAt + i * sizeof(uint64_t), client_words[i],
+                            sizeof(uint64_t), cudaMemcpyDeviceToHost, rescue_);
+    if (err != cudaSuccess) return StrCat("unreadable (", cudaGetErrorName(err), ")");
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while ((err = cudaStreamQuery(rescue_)) == cudaErrorNotReady) {
+      if (std::chrono::steady_clock::now() > give_up)
+        return "unreadable (the rescue stream's copies did not run within 1 s)";
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    if (err != cudaSuccess) return StrCat("unreadable (", cudaGetErrorName(err), ")");
+    auto word = [](uint64_t v) { return v >= kUnblockEpoch ? std::string("unblock") : StrCat(v); };
+    auto at = [&](int r) {
+      return reinterpret_cast<const DeviceSlotWords*>(host + r * sizeof(DeviceSlotWords));
+    };
+    const auto* client = reinterpret_cast<const uint64_t*>(host + kClientAt);
+    std::string out = StrCat("rank ", me, " slot ", slot, " epoch ", epoch, ": ready ",
+                             word(client[0]), ", released ", word(client[1]), ", cancel ",
+                             word(client[2]), ", done ", word(at(me)->done));
+    for (int r = 0; r < W; ++r) {
+      if (r == me || words_.size() != static_cast<size_t>(W) || words_[r] == nullptr) continue;
+      out += StrCat("; from rank ", r, ": grant ", word(at(me)->grant[r]), ", arrive ",
+                    word(at(me)->arrive[r]), "; to rank ", r, ": grant ",
+                    word(at(r)->grant[me]), ", arrive ", word(at(r)->arrive[me]), ", its done ",
+                    word(at(r)->done));
+    }
+    return out;
+  }
+
   absl::Status Poison(int slot) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     ULY_RETURN_IF_ERROR(CudaStatus(
@@ -326,7 +378,7 @@ class CudaTransport final : public Transport {
   std::string Describe() const override {
     if (!fused_plan_)
       return "nvlink: CUDA exchange kernels storing into every destination's slot, one launch per "
-             "destination";
+             "call";
     const FusedSetup& f = *setup_.fused;
     std::string out = StrCat(
         "nvlink: FusedQkvPlan on device ", device_,
@@ -436,6 +488,14 @@ class CudaTransport final : public Transport {
   std::vector<cudaEvent_t> events_;      // per slot: recorded after the call's done write
   std::vector<uint64_t> event_epoch_;    // the epoch each slot's event was recorded for
   std::vector<uint64_t> unblock_;        // kUnblockEpoch, one per word of this rank's slots
+  struct FreeHost {
+    void operator()(void* p) const { cudaFreeHost(p); }
+  };
+  // Pinned host memory that DescribeStuck's copies of the words land in (the rescue stream's);
+  // freed after that stream drained.
+  static constexpr size_t kHostWordsBytes =
+      kMaxWorldSize * sizeof(DeviceSlotWords) + 4 * sizeof(uint64_t);
+  std::unique_ptr<void, FreeHost> host_words_;
   // Fused sessions: the prepared plan, and per row count seen the path it runs and why. The
   // calls run on the session's call thread; describe() reads the table from other threads.
   std::unique_ptr<kernels::FusedQkvPlan> fused_plan_;

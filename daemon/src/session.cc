@@ -523,6 +523,14 @@ std::vector<FinishedCall> Session::TakeFinished() {
   return out;
 }
 
+std::string Session::StuckWords(const InFlightCall& f) const {
+  const std::string words = transport_->DescribeStuck(f.slot, f.epoch);
+  if (words.empty()) return {};
+  Logger("exec")->warn("session {} epoch {} slot {} did not finish; its protocol words: {}", id_,
+                       f.epoch, f.slot, words);
+  return StrCat("; protocol words: ", words);
+}
+
 void Session::Poll() {
   std::lock_guard<std::mutex> lock(inflight_mu_);
   while (!inflight_.empty()) {
@@ -537,11 +545,12 @@ void Session::Poll() {
       // Closed, or a peer left (session gone or broken, or its daemon gone) before completing
       // this epoch. One that completed it stored its blocks and words already.
       failure = CanComplete(f.epoch);
+      if (!failure.ok()) (void)StuckWords(f);  // where this rank's stream stood, for the logs
       if (failure.ok() && absl::Now() >= f.deadline)
         failure = absl::DeadlineExceededError(StrCat(
             "session ", id_, ": the call of epoch ", f.epoch,
             " did not finish within the call timeout (a peer or the client's stream never arrived, "
-            "or the stream never gave back the slot's previous result)"));
+            "or the stream never gave back the slot's previous result)", StuckWords(f)));
       if (failure.ok()) return;  // still running
     }
     if (!failure.ok()) {

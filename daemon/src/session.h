@@ -236,6 +236,9 @@ class Session {
     bool released_on_stream = false;
     std::array<std::shared_ptr<const void>, 4> keep;  // the operands' buffers (CallOperands)
   };
+  // ", protocol words: ..." for a call that timed out on a stream-ordered transport (also
+  // logged), empty elsewhere.
+  std::string StuckWords(const InFlightCall& f) const;
   mutable std::mutex inflight_mu_;
   std::deque<InFlightCall> inflight_;
   // Buffers of calls that failed while queued on a stream: their kernels may still run until

@@ -108,6 +108,9 @@ class Transport {
   /// drains without its client or peers (a failed call, a timeout, close). Idempotent; call it
   /// again to unblock waits a late peer write re-armed.
   virtual void Cancel() {}
+  /// For a stream-ordered call that did not finish in time: the protocol words it waits on, as
+  /// the device holds them now (which hand-off never came). Bounded; empty when not applicable.
+  virtual std::string DescribeStuck(int slot, uint64_t epoch) { return {}; }
 
   /// Byte offset of `slot` inside the client's mapping.
   virtual uint64_t SlotOffset(int slot) const = 0;

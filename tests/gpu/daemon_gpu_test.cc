@@ -401,6 +401,44 @@ TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
   EXPECT_TRUE(ok.ok()) << ok.status();
 }
 
+// A call that times out reports where its stream stood: the protocol words of its slot as the
+// device holds them (docs/protocol.md section 9.6), in the flight recorder's record of the call.
+// Rank 1 never calls, so rank 0's stream granted its slot to rank 1 and waits for rank 1's grant.
+TEST_F(GpuCluster, ATimedOutCallRecordsItsProtocolWords) {
+  Start(2, {"--call-timeout-ms", "1500"});
+  auto c0 = client::Client::Connect({Members(2)[0], "caller"});
+  auto c1 = client::Client::Connect({Members(2)[1], "absent"});
+  ASSERT_TRUE(c0.ok() && c1.ok());
+  absl::StatusOr<client::Group> g0, g1;
+  std::thread j([&] { g1 = (*c1)->JoinGroup({"words", 2, 1, Members(2), "nvlink", 0}); });
+  g0 = (*c0)->JoinGroup({"words", 2, 0, Members(2), "nvlink", 0});
+  j.join();
+  ASSERT_TRUE(g0.ok() && g1.ok()) << g0.status() << " " << g1.status();
+  const client::SessionSpec spec{4, 64, DType::kBFloat16, 64, 2, {}, 0};
+  absl::StatusOr<std::unique_ptr<client::Session>> s0, s1;
+  std::thread cs([&] { s1 = (*c1)->CreateSession(*g1, spec); });
+  s0 = (*c0)->CreateSession(*g0, spec);
+  cs.join();
+  ASSERT_TRUE(s0.ok() && s1.ok()) << s0.status() << " " << s1.status();
+  auto x = (*c0)->AllocBuffer(64 * 4 * 64 * 2, "x");
+  ASSERT_TRUE(x.ok());
+  auto res = (*s0)->ScatterHeads(x->Ref(), 1, 64);
+  ASSERT_FALSE(res.ok());
+  EXPECT_EQ(res.status().code(), absl::StatusCode::kDeadlineExceeded) << res.status();
+  v1::ListRecentCallsResponse calls;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(Admin(0)->ListRecentCalls(&ctx, {}, &calls).ok());
+  std::string message;
+  for (const v1::CallRecord& c : calls.calls())
+    if (c.session_id() == (*s0)->id() && c.epoch() == 1) message = c.message();
+  EXPECT_NE(message.find("protocol words: rank 0 slot 0 epoch 1: ready "), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("done 0; from rank 1: grant 0, arrive 0; to rank 1: grant 1, arrive 0, "
+                         "its done 0"),
+            std::string::npos)
+      << message;
+}
+
 // The slot budget holds what each session holds, as allocated (allocations round up to the
 // device's granularity), and gets exactly that back when the session closes: closing one of
 // two sessions leaves the other's share, closing both leaves nothing.
