@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -120,9 +121,14 @@ absl::StatusOr<DaemonProcess> StartDaemon(const std::string& ulyssesd, const std
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
+  const pid_t launcher = ::getpid();
   pid_t pid = ::fork();
   if (pid < 0) return ErrnoError("fork", errno);
   if (pid == 0) {
+    // The daemon goes with its launcher (the demo, a bench, a test): one killed by a timeout
+    // leaves no daemon behind holding its socket, its GPU memory or an MPS server. SIGTERM,
+    // so it drains and stops as on any shutdown. The launcher may already be gone.
+    if (::prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || ::getppid() != launcher) _exit(127);
     int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd >= 0) {
       ::dup2(fd, 2);

@@ -41,7 +41,9 @@ class DaemonProcess {
 
 /// Starts `ulyssesd --device N --socket DIR/gpuN.sock --backend B --ready-file ...` and waits
 /// for its ready file (bounded by `timeout`). `env` ("NAME=value") is added to the daemon's
-/// environment only.
+/// environment only. The daemon gets SIGTERM when the thread that started it ends
+/// (PR_SET_PDEATHSIG), so a launcher killed by a timeout leaves no daemon behind: start it
+/// from a thread that lives as long as the daemon should (the main thread).
 absl::StatusOr<DaemonProcess> StartDaemon(const std::string& ulyssesd, const std::string& dir,
                                           int device, const std::string& backend,
                                           const std::vector<std::string>& extra_args = {},

@@ -2,6 +2,7 @@
 // exchanges (scatter -> identity attention -> gather, and the head-chunk path), verifies every
 // result against the reference, and prints a summary ending with one JSON line.
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -188,8 +189,11 @@ int main(int argc, char** argv) {
       if (a == "--run-dir") { ++i; continue; }
       args.push_back(a);
     }
+    const pid_t launcher = getpid();
     pid_t pid = fork();
     if (pid == 0) {
+      // A client goes with the demo, as its daemons do (demo::StartDaemon).
+      if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || getppid() != launcher) _exit(127);
       std::vector<char*> av;
       for (auto& a : args) av.push_back(a.data());
       av.push_back(nullptr);

@@ -31,11 +31,11 @@ inline std::unique_ptr<v1::Control::Stub> ControlStub(const std::string& socket)
   return v1::Control::NewStub(ChannelTo(socket));
 }
 
-/// Polls `cond` until it holds or 20 s pass; returns its last value. For state the daemon
+/// Polls `cond` until it holds or `limit` passes; returns its last value. For state the daemon
 /// reaches on its own (reclaim after a client dies), never as a readiness sleep.
 template <typename F>
-bool Eventually(F cond) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+bool Eventually(F cond, absl::Duration limit = absl::Seconds(20)) {
+  const absl::Time deadline = absl::Now() + limit;
   while (absl::Now() < deadline) {
     if (cond()) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));

@@ -2,10 +2,12 @@
 // reclaims everything (clients, sessions, slots, buffers, shared segments, descriptors), peers
 // waiting on it get ABORTED rather than time out, and the other clients' results stay exact.
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -359,6 +361,77 @@ TEST_F(KillFixture, APeerRankKilledAtRandomMomentsAbortsTheSurvivorAndLeavesNoth
   std::cout << kKills << " kills; the survivor's round ended at:";
   for (const auto& [where, n] : ended) std::cout << " " << where << " x" << n;
   std::cout << "\n";
+}
+
+// Pids of the processes whose command line names `needle` (the daemons of one run folder).
+std::vector<pid_t> ProcessesNaming(const std::string& needle) {
+  std::vector<pid_t> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream f(e.path() / "cmdline");
+    std::string cmd((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (cmd.find(needle) != std::string::npos) out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+// A launcher killed outright (the demo here; a bench or a test run past its timeout alike)
+// takes its daemons and client processes with it: each gets SIGTERM, drains and exits, and
+// nothing is left holding the sockets. This process adopts the orphans (a subreaper) to see
+// how they end.
+TEST(Launcher, TheDemosDaemonsAndClientsEndWithIt) {
+  ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 1), 0) << std::strerror(errno);
+  auto dir = demo::MakeRunDir();
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  std::vector<std::string> args = {ULYSSES_DEMO_PATH, "--ranks", "2", "--backend", "host",
+                                   "--run-dir", *dir, "--hold-seconds", "600"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t launcher = ::fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    ::execv(argv[0], argv.data());
+    _exit(127);
+  }
+  // Both daemons serve and the clients hold their sessions: two processes per rank name the
+  // run folder besides the demo (a daemon's socket, a client's --run-dir).
+  std::vector<pid_t> named;
+  EXPECT_TRUE(Eventually(
+      [&] {
+        named = ProcessesNaming(*dir);
+        return named.size() == 5;
+      },
+      absl::Seconds(60)))
+      << named.size() << " processes name " << *dir;
+  ASSERT_EQ(::kill(launcher, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(launcher, &status, 0), launcher);
+  // Every orphan comes here; each must end on its own, by the SIGTERM of its death signal.
+  std::map<pid_t, int> ended;
+  auto all_ended = [&] {
+    for (pid_t p; (p = ::waitpid(-1, &status, WNOHANG)) > 0;) ended[p] = status;
+    for (pid_t p : named)
+      if (p != launcher && ended.count(p) == 0) return false;
+    return true;
+  };
+  EXPECT_TRUE(Eventually(all_ended, absl::Seconds(60)))
+      << ended.size() << " of the " << named.size() - 1 << " processes ended";
+  ::prctl(PR_SET_CHILD_SUBREAPER, 0);
+  for (pid_t p : named) {
+    if (p == launcher) continue;
+    auto it = ended.find(p);
+    if (it == ended.end()) {
+      ::kill(p, SIGKILL);  // not to outlive the test
+      continue;
+    }
+    const int st = it->second;
+    EXPECT_TRUE((WIFEXITED(st) && WEXITSTATUS(st) == 0) ||
+                (WIFSIGNALED(st) && WTERMSIG(st) == SIGTERM))
+        << "process " << p << ": status " << st;
+  }
+  demo::RemoveRunDir(*dir);
 }
 
 }  // namespace
