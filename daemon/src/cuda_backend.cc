@@ -68,12 +68,11 @@ class CudaTransport final : public Transport {
     for (cudaStream_t* st : {&t->stream_, &t->rescue_})
       ULY_RETURN_IF_ERROR(
           CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(st, cudaStreamNonBlocking)));
-    {
-      void* p = nullptr;
-      ULY_RETURN_IF_ERROR(CudaStatus("cudaHostAlloc",
-                                     cudaHostAlloc(&p, kHostWordsBytes, cudaHostAllocDefault)));
+    // DescribeStuck's landing place; a session works without it (the words then go unread).
+    if (void* p = nullptr; cudaHostAlloc(&p, kHostWordsBytes, cudaHostAllocDefault) == cudaSuccess)
       t->host_words_.reset(p);
-    }
+    else
+      (void)cudaGetLastError();
     t->events_.assign(setup.geometry.num_slots, nullptr);
     t->event_epoch_.assign(setup.geometry.num_slots, 0);
     for (cudaEvent_t& ev : t->events_)
@@ -322,6 +321,7 @@ class CudaTransport final : public Transport {
     const int me = setup_.geometry.rank;
     constexpr size_t kClientAt = kMaxWorldSize * sizeof(DeviceSlotWords);
     auto* host = static_cast<uint8_t*>(host_words_.get());
+    if (host == nullptr) return "unreadable (no pinned host memory for them)";
     cudaError_t err = cudaSuccess;
     for (int r = 0; r < W && err == cudaSuccess; ++r)
       if (words_.size() == static_cast<size_t>(W) && words_[r] != nullptr)
