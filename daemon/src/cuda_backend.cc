@@ -17,6 +17,7 @@
 #include "fd_exports.h"
 #include "transport.h"
 #include "ulysses/common/logging.h"
+#include "ulysses/common/protocol_words.h"
 #include "ulysses/common/session_layout.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
@@ -340,22 +341,17 @@ class CudaTransport final : public Transport {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     if (err != cudaSuccess) return StrCat("unreadable (", cudaGetErrorName(err), ")");
-    auto word = [](uint64_t v) { return v >= kUnblockEpoch ? std::string("unblock") : StrCat(v); };
     auto at = [&](int r) {
       return reinterpret_cast<const DeviceSlotWords*>(host + r * sizeof(DeviceSlotWords));
     };
     const auto* client = reinterpret_cast<const uint64_t*>(host + kClientAt);
-    std::string out = StrCat("rank ", me, " slot ", slot, " epoch ", epoch, ": ready ",
-                             word(client[0]), ", released ", word(client[1]), ", cancel ",
-                             word(client[2]), ", done ", word(at(me)->done));
+    SlotWordsReport report{me, slot, epoch, client[0], client[1], client[2], at(me)->done, {}};
     for (int r = 0; r < W; ++r) {
       if (r == me || words_.size() != static_cast<size_t>(W) || words_[r] == nullptr) continue;
-      out += StrCat("; from rank ", r, ": grant ", word(at(me)->grant[r]), ", arrive ",
-                    word(at(me)->arrive[r]), "; to rank ", r, ": grant ",
-                    word(at(r)->grant[me]), ", arrive ", word(at(r)->arrive[me]), ", its done ",
-                    word(at(r)->done));
+      report.peers.push_back({r, at(me)->grant[r], at(me)->arrive[r], at(r)->grant[me],
+                              at(r)->arrive[me], at(r)->done});
     }
-    return out;
+    return FormatSlotWords(report);
   }
 
   absl::Status Poison(int slot) override {
