@@ -61,6 +61,7 @@
 #include "ulysses/client/client.h"
 #include "ulysses/common/config.h"
 #include "ulysses/common/geometry.h"
+#include "ulysses/common/protocol_words.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/cuda_memory.h"
@@ -936,14 +937,22 @@ int Main(int argc, char** argv) {
   if (!status.ok()) {
     // The daemons' logs say why a call failed: kept, and their warnings shown.
     Say(StrCat("daemon logs kept in ", *run_dir, " (w<W>/gpu<rank>.log); their warnings:"));
+    bool ready_never_written = false;
     for (int w : world_list)
       for (int r = 0; r < w; ++r) {
         std::ifstream log(StrCat(*run_dir, "/w", w, "/gpu", r, ".log"));
         // The level letter follows the time: "... W [exec] ...", "... E [...] ...".
         for (std::string line; std::getline(log, line);)
-          if (line.find(" W [") != std::string::npos || line.find(" E [") != std::string::npos)
+          if (line.find(" W [") != std::string::npos || line.find(" E [") != std::string::npos) {
             std::cerr << "  w" << w << "/gpu" << r << ": " << line << "\n";
+            if (ReportsReadyNotWritten(line)) ready_never_written = true;
+          }
       }
+    if (ready_never_written)
+      Say("a client's ready word was never written: this bench drives every rank from one "
+          "process, and one rank's wait for its result can hold another rank's ready write "
+          "on a hardware queue their streams share (docs/architecture.md section 8; "
+          "docs/benchmarks.md, 2026-12-03 evening)");
     // The cases that finished are still reported (tables and JSON), with the failure.
   } else {
     demo::RemoveRunDir(*run_dir);
