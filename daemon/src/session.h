@@ -236,8 +236,8 @@ class Session {
     bool released_on_stream = false;
     std::array<std::shared_ptr<const void>, 4> keep;  // the operands' buffers (CallOperands)
   };
-  // ", protocol words: ..." for a call that timed out on a stream-ordered transport (also
-  // logged), empty elsewhere.
+  // "; protocol words: ..." for a call that did not finish on a stream-ordered transport, and
+  // the same in the log at warn; empty where the transport has no words.
   std::string StuckWords(const InFlightCall& f) const;
   mutable std::mutex inflight_mu_;
   std::deque<InFlightCall> inflight_;
