@@ -317,17 +317,19 @@ class CudaTransport final : public Transport {
   // waits) into pinned memory, waited for at most a second: a rescue stream that cannot run is
   // itself the finding.
   std::string DescribeStuck(int slot, uint64_t epoch) override {
-    if (!UseDevice(device_).ok() || slot < 0 || slot >= setup_.geometry.num_slots) return {};
     const int W = setup_.geometry.world_size;
+    // Only a connected transport has calls in flight (every rank's words mapped).
+    if (!UseDevice(device_).ok() || slot < 0 || slot >= setup_.geometry.num_slots ||
+        words_.size() != static_cast<size_t>(W))
+      return {};
     const int me = setup_.geometry.rank;
     constexpr size_t kClientAt = kMaxWorldSize * sizeof(DeviceSlotWords);
     auto* host = static_cast<uint8_t*>(host_words_.get());
     if (host == nullptr) return "unreadable (no pinned host memory for them)";
     cudaError_t err = cudaSuccess;
     for (int r = 0; r < W && err == cudaSuccess; ++r)
-      if (words_.size() == static_cast<size_t>(W) && words_[r] != nullptr)
-        err = cudaMemcpyAsync(host + r * sizeof(DeviceSlotWords), &words_[r]->slots[slot],
-                              sizeof(DeviceSlotWords), cudaMemcpyDeviceToHost, rescue_);
+      err = cudaMemcpyAsync(host + r * sizeof(DeviceSlotWords), &words_[r]->slots[slot],
+                            sizeof(DeviceSlotWords), cudaMemcpyDeviceToHost, rescue_);
     const uint64_t* client_words[] = {&ClientWords()->ready[slot], &ClientWords()->released[slot],
                                       cancel()};
     for (int i = 0; i < 3 && err == cudaSuccess; ++i)
@@ -346,11 +348,10 @@ class CudaTransport final : public Transport {
     };
     const auto* client = reinterpret_cast<const uint64_t*>(host + kClientAt);
     SlotWordsReport report{me, slot, epoch, client[0], client[1], client[2], at(me)->done, {}};
-    for (int r = 0; r < W; ++r) {
-      if (r == me || words_.size() != static_cast<size_t>(W) || words_[r] == nullptr) continue;
-      report.peers.push_back({r, at(me)->grant[r], at(me)->arrive[r], at(r)->grant[me],
-                              at(r)->arrive[me], at(r)->done});
-    }
+    for (int r = 0; r < W; ++r)
+      if (r != me)
+        report.peers.push_back({r, at(me)->grant[r], at(me)->arrive[r], at(r)->grant[me],
+                                at(r)->arrive[me], at(r)->done});
     return FormatSlotWords(report);
   }
 

@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <type_traits>
 
@@ -28,6 +29,36 @@ class GpuCluster : public testing_util::ClusterTest {
   void SetUp() override {
     if (ipc::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
     backend_ = "nvlink";
+  }
+
+  // One client per rank of the 2 daemons started, a group `group` of both and a session of
+  // `spec` in it, made collectively.
+  struct TwoRanks {
+    std::unique_ptr<client::Client> c0, c1;
+    std::optional<client::Group> g0, g1;
+    std::unique_ptr<client::Session> s0, s1;
+  };
+  void OpenTwoRanks(const std::string& group, const std::string& name0, const std::string& name1,
+                    const client::SessionSpec& spec, TwoRanks* out) {
+    auto c0 = client::Client::Connect({Members(2)[0], name0});
+    auto c1 = client::Client::Connect({Members(2)[1], name1});
+    ASSERT_TRUE(c0.ok() && c1.ok());
+    absl::StatusOr<client::Group> g0, g1;
+    std::thread j([&] { g1 = (*c1)->JoinGroup({group, 2, 1, Members(2), "nvlink", 0}); });
+    g0 = (*c0)->JoinGroup({group, 2, 0, Members(2), "nvlink", 0});
+    j.join();
+    ASSERT_TRUE(g0.ok() && g1.ok()) << g0.status() << " " << g1.status();
+    absl::StatusOr<std::unique_ptr<client::Session>> s0, s1;
+    std::thread cs([&] { s1 = (*c1)->CreateSession(*g1, spec); });
+    s0 = (*c0)->CreateSession(*g0, spec);
+    cs.join();
+    ASSERT_TRUE(s0.ok() && s1.ok()) << s0.status() << " " << s1.status();
+    out->c0 = std::move(*c0);
+    out->c1 = std::move(*c1);
+    out->g0 = std::move(*g0);
+    out->g1 = std::move(*g1);
+    out->s0 = std::move(*s0);
+    out->s1 = std::move(*s1);
   }
 };
 
@@ -362,21 +393,10 @@ TEST_F(GpuCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
 // the configured call timeout, and the survivor keeps serving new sessions.
 TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
   Start(2, {"--call-timeout-ms", "3000"});
-  auto c0 = client::Client::Connect({Members(2)[0], "survivor"});
-  auto c1 = client::Client::Connect({Members(2)[1], "victim"});
-  ASSERT_TRUE(c0.ok() && c1.ok());
-  absl::StatusOr<client::Group> g0, g1;
-  std::thread j([&] { g1 = (*c1)->JoinGroup({"kill", 2, 1, Members(2), "nvlink", 0}); });
-  g0 = (*c0)->JoinGroup({"kill", 2, 0, Members(2), "nvlink", 0});
-  j.join();
-  ASSERT_TRUE(g0.ok() && g1.ok()) << g0.status() << " " << g1.status();
   const client::SessionSpec spec{4, 64, DType::kBFloat16, 64, 2, {}, 0};
-  absl::StatusOr<std::unique_ptr<client::Session>> s0, s1;
-  std::thread cs([&] { s1 = (*c1)->CreateSession(*g1, spec); });
-  s0 = (*c0)->CreateSession(*g0, spec);
-  cs.join();
-  ASSERT_TRUE(s0.ok() && s1.ok()) << s0.status() << " " << s1.status();
-  auto x = (*c0)->AllocBuffer(64 * 4 * 64 * 2, "x");
+  TwoRanks t;
+  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks("kill", "survivor", "victim", spec, &t));
+  auto x = t.c0->AllocBuffer(64 * 4 * 64 * 2, "x");
   ASSERT_TRUE(x.ok());
   // Rank 1 never calls; its daemon dies while rank 0's call waits for it.
   std::thread killer([&] {
@@ -384,7 +404,7 @@ TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
     daemons_[1].Kill();
   });
   const absl::Time t0 = absl::Now();
-  auto res = (*s0)->ScatterHeads(x->Ref(), 1, 64);
+  auto res = t.s0->ScatterHeads(x->Ref(), 1, 64);
   const absl::Duration took = absl::Now() - t0;
   killer.join();
   ASSERT_FALSE(res.ok());
@@ -393,36 +413,25 @@ TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
       << res.status();
   EXPECT_LT(took, absl::Seconds(20)) << "the call waited " << took;
   // The survivor still serves: a one-rank session on it works.
-  auto solo = (*c0)->JoinGroup({"solo", 1, 0, {Members(2)[0]}, "nvlink", 0});
+  auto solo = t.c0->JoinGroup({"solo", 1, 0, {Members(2)[0]}, "nvlink", 0});
   ASSERT_TRUE(solo.ok()) << solo.status();
-  auto s = (*c0)->CreateSession(*solo, spec);
+  auto s = t.c0->CreateSession(*solo, spec);
   ASSERT_TRUE(s.ok()) << s.status();
   auto ok = (*s)->ScatterHeads(x->Ref(), 1, 64);
   EXPECT_TRUE(ok.ok()) << ok.status();
 }
 
 // A call that times out reports where its stream stood: the protocol words of its slot as the
-// device holds them (docs/protocol.md section 9.6), in the flight recorder's record of the call.
+// device holds them (docs/protocol.md section 9.3), in the flight recorder's record of the call.
 // Rank 1 never calls, so rank 0's stream granted its slot to rank 1 and waits for rank 1's grant.
 TEST_F(GpuCluster, ATimedOutCallRecordsItsProtocolWords) {
   Start(2, {"--call-timeout-ms", "1500"});
-  auto c0 = client::Client::Connect({Members(2)[0], "caller"});
-  auto c1 = client::Client::Connect({Members(2)[1], "absent"});
-  ASSERT_TRUE(c0.ok() && c1.ok());
-  absl::StatusOr<client::Group> g0, g1;
-  std::thread j([&] { g1 = (*c1)->JoinGroup({"words", 2, 1, Members(2), "nvlink", 0}); });
-  g0 = (*c0)->JoinGroup({"words", 2, 0, Members(2), "nvlink", 0});
-  j.join();
-  ASSERT_TRUE(g0.ok() && g1.ok()) << g0.status() << " " << g1.status();
-  const client::SessionSpec spec{4, 64, DType::kBFloat16, 64, 2, {}, 0};
-  absl::StatusOr<std::unique_ptr<client::Session>> s0, s1;
-  std::thread cs([&] { s1 = (*c1)->CreateSession(*g1, spec); });
-  s0 = (*c0)->CreateSession(*g0, spec);
-  cs.join();
-  ASSERT_TRUE(s0.ok() && s1.ok()) << s0.status() << " " << s1.status();
-  auto x = (*c0)->AllocBuffer(64 * 4 * 64 * 2, "x");
+  TwoRanks t;
+  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks("words", "caller", "absent",
+                                       {4, 64, DType::kBFloat16, 64, 2, {}, 0}, &t));
+  auto x = t.c0->AllocBuffer(64 * 4 * 64 * 2, "x");
   ASSERT_TRUE(x.ok());
-  auto res = (*s0)->ScatterHeads(x->Ref(), 1, 64);
+  auto res = t.s0->ScatterHeads(x->Ref(), 1, 64);
   ASSERT_FALSE(res.ok());
   EXPECT_EQ(res.status().code(), absl::StatusCode::kDeadlineExceeded) << res.status();
   v1::ListRecentCallsResponse calls;
@@ -430,7 +439,7 @@ TEST_F(GpuCluster, ATimedOutCallRecordsItsProtocolWords) {
   ASSERT_TRUE(Admin(0)->ListRecentCalls(&ctx, {}, &calls).ok());
   std::string message;
   for (const v1::CallRecord& c : calls.calls())
-    if (c.session_id() == (*s0)->id() && c.epoch() == 1) message = c.message();
+    if (c.session_id() == t.s0->id() && c.epoch() == 1) message = c.message();
   EXPECT_NE(message.find("protocol words: rank 0 slot 0 epoch 1: ready "), std::string::npos)
       << message;
   EXPECT_NE(message.find("done 0; from rank 1: grant 0, arrive 0; to rank 1: grant 1, arrive 0, "
