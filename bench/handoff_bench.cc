@@ -1,0 +1,338 @@
+// ulysses-handoff-bench: how long one hand-off between two streams takes on one GPU, the unit
+// the daemon's per-call overhead is made of (docs/benchmarks.md, "The hand-off floor").
+//
+// Two sides play ping-pong on two device words for --rounds round trips. The ping side stores
+// word B = i and waits for word A >= i; the pong side waits for B >= i and stores A = i. Both
+// sides enqueue all their rounds before the ping side's stream is let go at a gate, so the
+// host never paces the GPU: CUDA events on the ping stream time the device alone, and half a
+// round trip is one hand-off. Modes:
+//   memop:        both sides stream memory operations (cuStreamWriteValue64 / WaitValue64),
+//                 as the client's ready and done words.
+//   call:         ping as the client (write ready, wait done); pong as the daemon at W = 1
+//                 (wait ready, one empty kernel, write done): the W = 1 call's protocol with a
+//                 kernel that moves nothing.
+//   call_store:   as call, but the pong side's kernel stores the done word itself (release
+//                 store) instead of a memory operation after it.
+//   call_poll:    as call, but the ping side waits for done in a one-thread polling kernel
+//                 instead of a memory-operation wait.
+//   spin:         one resident kernel per side polls with acquire loads and answers with
+//                 release stores: the memory system's floor, no stream scheduling at all.
+// Sides: `process` (two streams of this process) and `processes` (the pong side in a child
+// process, through a CUDA IPC handle: two CUDA contexts, as a client and its daemon).
+// First, what one operation costs the device on one stream, enqueued ahead behind the gate:
+// an empty kernel, a word write, a wait that is already satisfied, both, an event record.
+#include <cuda_runtime.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/escaping.h"
+#include "nlohmann/json.hpp"
+#include "handoff_kernels.h"
+#include "ulysses/ipc/cuda_memory.h"
+
+extern char** environ;
+
+namespace {
+
+namespace cu = ulysses::ipc::cuda;
+
+using ulysses::bench::kWordA;
+using ulysses::bench::kWordB;
+using ulysses::bench::kWordCount;
+
+void Die(const std::string& what) {
+  std::fprintf(stderr, "ulysses-handoff-bench: %s\n", what.c_str());
+  std::exit(1);
+}
+void Check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) Die(std::string(what) + ": " + cudaGetErrorString(err));
+}
+void Check(const absl::Status& st) {
+  if (!st.ok()) Die(std::string(st.message()));
+}
+
+enum class Mode { kMemop, kCall, kCallStore, kCallPoll, kSpin };
+Mode ModeOf(const std::string& name) {
+  if (name == "memop") return Mode::kMemop;
+  if (name == "call") return Mode::kCall;
+  if (name == "call_store") return Mode::kCallStore;
+  if (name == "call_poll") return Mode::kCallPoll;
+  if (name == "spin") return Mode::kSpin;
+  Die("--modes: " + name + " is none of memop, call, call_store, call_poll, spin");
+  return Mode::kMemop;
+}
+
+// Enqueues the pong side's `rounds` answers on `stream`.
+void EnqueuePong(Mode mode, uint64_t* words, uint64_t base, int rounds, cudaStream_t stream) {
+  if (mode == Mode::kSpin) {
+    Check(ulysses::bench::LaunchSpinSide(words, base, rounds, false, stream), "spin kernel launch");
+    return;
+  }
+  for (int i = 1; i <= rounds; ++i) {
+    const uint64_t v = base + static_cast<uint64_t>(i);
+    Check(cu::StreamWait64(stream, &words[kWordB], v));
+    if (mode == Mode::kCallStore) {
+      Check(ulysses::bench::LaunchStore(&words[kWordA], v, stream), "store kernel launch");
+      continue;
+    }
+    if (mode == Mode::kCall || mode == Mode::kCallPoll)
+      Check(ulysses::bench::LaunchEmpty(stream), "empty kernel launch");
+    Check(cu::StreamWrite64(stream, &words[kWordA], v));
+  }
+}
+
+// Enqueues the ping side behind the gate (a word of mapped host memory that this process's
+// host opens: no stream of its own, which could share a hardware queue with the waiting one),
+// between two timing events.
+void EnqueuePing(Mode mode, uint64_t* words, const uint64_t* gate_word, uint64_t base, int rounds,
+                 cudaStream_t stream, cudaEvent_t start, cudaEvent_t end, uint64_t gate) {
+  Check(cu::StreamWait64(stream, gate_word, gate));
+  Check(cudaEventRecord(start, stream), "cudaEventRecord");
+  if (mode == Mode::kSpin) {
+    Check(ulysses::bench::LaunchSpinSide(words, base, rounds, true, stream), "spin kernel launch");
+  } else {
+    for (int i = 1; i <= rounds; ++i) {
+      const uint64_t v = base + static_cast<uint64_t>(i);
+      Check(cu::StreamWrite64(stream, &words[kWordB], v));
+      if (mode == Mode::kCallPoll)
+        Check(ulysses::bench::LaunchPoll(&words[kWordA], v, stream), "poll kernel launch");
+      else
+        Check(cu::StreamWait64(stream, &words[kWordA], v));
+    }
+  }
+  Check(cudaEventRecord(end, stream), "cudaEventRecord");
+}
+
+// Waits for `event` at most `limit`; false when it did not pass.
+bool WaitBounded(cudaEvent_t event, std::chrono::seconds limit) {
+  const auto give_up = std::chrono::steady_clock::now() + limit;
+  cudaError_t q;
+  while ((q = cudaEventQuery(event)) == cudaErrorNotReady) {
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  Check(q, "cudaEventQuery");
+  return true;
+}
+
+// The child process: maps the words, enqueues its answers, says so on stdout, and waits.
+int RunPong(const std::string& handle_hex, Mode mode, uint64_t base, int rounds) {
+  auto mapping = cu::IpcMapping::Open(absl::HexStringToBytes(handle_hex));
+  Check(mapping.status());
+  auto* words = static_cast<uint64_t*>(mapping->data());
+  cudaStream_t stream;
+  Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  cudaEvent_t done;
+  Check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+  EnqueuePong(mode, words, base, rounds, stream);
+  Check(cudaEventRecord(done, stream), "cudaEventRecord");
+  std::printf("enqueued\n");
+  std::fflush(stdout);
+  if (!WaitBounded(done, std::chrono::seconds(10))) Die("pong side: the rounds did not finish");
+  return 0;
+}
+
+struct Child {
+  pid_t pid = -1;
+  FILE* out = nullptr;
+};
+
+Child SpawnPong(const std::string& handle_hex, const std::string& mode, uint64_t base, int rounds) {
+  int fds[2];
+  if (pipe(fds) != 0) Die("pipe failed");
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&actions, fds[0]);
+  const std::string base_s = std::to_string(base), rounds_s = std::to_string(rounds);
+  std::vector<char*> argv = {const_cast<char*>("ulysses-handoff-bench"),
+                             const_cast<char*>("--pong-handle"), const_cast<char*>(handle_hex.c_str()),
+                             const_cast<char*>("--modes"), const_cast<char*>(mode.c_str()),
+                             const_cast<char*>("--pong-base"), const_cast<char*>(base_s.c_str()),
+                             const_cast<char*>("--rounds"), const_cast<char*>(rounds_s.c_str()),
+                             nullptr};
+  Child child;
+  if (posix_spawn(&child.pid, "/proc/self/exe", &actions, nullptr, argv.data(), environ) != 0)
+    Die("posix_spawn of the pong side failed");
+  posix_spawn_file_actions_destroy(&actions);
+  close(fds[1]);
+  child.out = fdopen(fds[0], "r");
+  return child;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ulysses-handoff-bench: the latency of one stream hand-off on one GPU"};
+  std::vector<std::string> modes = {"memop", "call", "call_store", "call_poll", "spin"};
+  std::vector<std::string> sides = {"process", "processes"};
+  int rounds = 50, reps = 21;
+  std::string pong_handle, json_path, label;
+  uint64_t pong_base = 0;
+  app.add_option("--modes", modes, "memop, call, call_store, call_poll, spin");
+  app.add_option("--sides", sides, "process (two streams here), processes (a child process)");
+  // Everything of a sample is enqueued before the gate opens, so the rounds must fit the
+  // driver's command queue: an enqueue that waits for room would wait for the gate.
+  app.add_option("--rounds", rounds, "round trips per sample")->check(CLI::Range(1, 200));
+  app.add_option("--reps", reps, "samples per case (the median is reported)")
+      ->check(CLI::Range(1, 100));
+  app.add_option("--json", json_path, "also write the JSON here");
+  app.add_option("--label", label, "recorded in the JSON as is (e.g. how MPS was run)");
+  app.add_option("--pong-handle", pong_handle, "(internal) run as the child's pong side");
+  app.add_option("--pong-base", pong_base, "(internal) the child's first value - 1");
+  CLI11_PARSE(app, argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+
+  for (const std::string& m : modes) ModeOf(m);
+  for (const std::string& side : sides)
+    if (side != "process" && side != "processes")
+      Die("--sides: " + side + " is neither process nor processes");
+
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("ulysses-handoff-bench: no CUDA device; nothing to measure\n");
+    return 0;
+  }
+  if (!pong_handle.empty()) return RunPong(pong_handle, ModeOf(modes.at(0)), pong_base, rounds);
+
+  cudaDeviceProp prop{};
+  Check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  uint64_t* words = nullptr;
+  Check(cudaMalloc(&words, kWordCount * sizeof(uint64_t)), "cudaMalloc");
+  Check(cudaMemset(words, 0, kWordCount * sizeof(uint64_t)), "cudaMemset");
+  auto handle = cu::IpcHandle(words);
+  Check(handle.status());
+  const std::string handle_hex = absl::BytesToHexString(*handle);
+  uint64_t* gate_host = nullptr;
+  uint64_t* gate_device = nullptr;
+  Check(cudaHostAlloc(reinterpret_cast<void**>(&gate_host), sizeof(uint64_t), cudaHostAllocMapped),
+        "cudaHostAlloc");
+  *gate_host = 0;
+  Check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&gate_device), gate_host, 0),
+        "cudaHostGetDevicePointer");
+  cudaStream_t ping, pong;
+  for (cudaStream_t* s : {&ping, &pong})
+    Check(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking), "cudaStreamCreate");
+  cudaEvent_t start, end, pong_done;
+  Check(cudaEventCreate(&start), "cudaEventCreate");
+  Check(cudaEventCreate(&end), "cudaEventCreate");
+  Check(cudaEventCreateWithFlags(&pong_done, cudaEventDisableTiming), "cudaEventCreate");
+
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+
+  nlohmann::json rows = nlohmann::json::array();
+  uint64_t base = 0, gate = 0;
+  // What one operation of each kind costs the device on one stream: `rounds` of them behind
+  // the gate, nothing to wait for (the waited word is already past).
+  cudaEvent_t marker;
+  Check(cudaEventCreateWithFlags(&marker, cudaEventDisableTiming), "cudaEventCreate");
+  std::printf("%-10s %-12s %12s\n", "one stream", "operation", "us each");
+  for (const char* op : {"kernel", "write", "wait", "write_wait", "event"}) {
+    const std::string kind = op;
+    std::vector<double> op_us;
+    for (int rep = 0; rep < reps; ++rep) {
+      Check(cu::StreamWait64(ping, gate_device, ++gate));
+      Check(cudaEventRecord(start, ping), "cudaEventRecord");
+      for (int i = 0; i < rounds; ++i) {
+        if (kind == "kernel") Check(ulysses::bench::LaunchEmpty(ping), "empty kernel launch");
+        if (kind == "write" || kind == "write_wait") Check(cu::StreamWrite64(ping, &words[kWordA], 0));
+        if (kind == "wait" || kind == "write_wait") Check(cu::StreamWait64(ping, &words[kWordB], 0));
+        if (kind == "event") Check(cudaEventRecord(marker, ping), "cudaEventRecord");
+      }
+      Check(cudaEventRecord(end, ping), "cudaEventRecord");
+      __atomic_store_n(gate_host, gate, __ATOMIC_RELEASE);
+      if (!WaitBounded(end, std::chrono::seconds(10))) Die("the one-stream operations did not finish");
+      float ms = 0;
+      Check(cudaEventElapsedTime(&ms, start, end), "cudaEventElapsedTime");
+      op_us.push_back(ms * 1e3 / rounds);
+    }
+    std::printf("%-10s %-12s %12.2f\n", "", op, median(op_us));
+    rows.push_back({{"sides", "one stream"}, {"mode", kind}, {"per_operation_us", median(op_us)}});
+  }
+  std::printf("%-10s %-12s %12s %12s\n", "sides", "mode", "round trip us", "hand-off us");
+  bool any_stall = false;
+  for (const std::string& side : sides) {
+    if (any_stall) break;
+    for (const std::string& mode_name : modes) {
+      const Mode mode = ModeOf(mode_name);
+      std::vector<double> rt_us;
+      bool stalled = false;
+      for (int rep = 0; rep < reps && !stalled; ++rep) {
+        Child child;
+        if (side == "process") {
+          EnqueuePong(mode, words, base, rounds, pong);
+          Check(cudaEventRecord(pong_done, pong), "cudaEventRecord");
+        } else {
+          child = SpawnPong(handle_hex, mode_name, base, rounds);
+        }
+        EnqueuePing(mode, words, gate_device, base, rounds, ping, start, end, ++gate);
+        if (child.out != nullptr) {
+          char line[64] = {};
+          if (std::fgets(line, sizeof line, child.out) == nullptr) Die("the pong side ended early");
+        }
+        // Both sides enqueued: let the ping side go.
+        __atomic_store_n(gate_host, gate, __ATOMIC_RELEASE);
+        stalled = !WaitBounded(end, std::chrono::seconds(10));
+        if (child.pid > 0) {
+          int status = 0;
+          waitpid(child.pid, &status, 0);
+          std::fclose(child.out);
+          if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) stalled = true;
+        } else if (!stalled) {
+          stalled = !WaitBounded(pong_done, std::chrono::seconds(10));
+        }
+        if (stalled) break;
+        float ms = 0;
+        Check(cudaEventElapsedTime(&ms, start, end), "cudaEventElapsedTime");
+        rt_us.push_back(ms * 1e3 / rounds);
+        base += static_cast<uint64_t>(rounds);
+      }
+      if (stalled) {
+        std::printf("%-10s %-12s %12s %12s\n", side.c_str(), mode_name.c_str(), "stalled", "-");
+        rows.push_back({{"sides", side}, {"mode", mode_name}, {"stalled", true}});
+        // A stalled stream cannot be reused safely: stop here with what was measured.
+        any_stall = true;
+        break;
+      }
+      const double rt = median(rt_us);
+      std::printf("%-10s %-12s %12.2f %12.2f\n", side.c_str(), mode_name.c_str(), rt, rt / 2);
+      rows.push_back({{"sides", side},
+                      {"mode", mode_name},
+                      {"round_trip_us", rt},
+                      {"handoff_us", rt / 2},
+                      {"samples_us", rt_us}});
+    }
+  }
+  const char* mps = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
+  nlohmann::json out = {{"bench", "handoff"},
+                        {"gpu", prop.name},
+#ifdef ULYSSES_GIT_COMMIT
+                        {"commit", ULYSSES_GIT_COMMIT},
+#endif
+                        {"mps_pipe_set", mps != nullptr},
+                        {"label", label},
+                        {"rounds", rounds},
+                        {"reps", reps},
+                        {"rows", rows}};
+  std::printf("%s\n", out.dump().c_str());
+  if (!json_path.empty()) {
+    FILE* f = std::fopen(json_path.c_str(), "w");
+    if (f == nullptr) Die("--json: cannot write " + json_path);
+    std::fprintf(f, "%s\n", out.dump(1).c_str());
+    std::fclose(f);
+  }
+  return any_stall ? 2 : 0;
+}
