@@ -141,24 +141,36 @@ class EventPair {
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
 };
 
-// A device word that holds streams until the host opens it: Hold enqueues a wait for the
-// value of the next opening, Open writes it from a stream of its own (never held).
+// A word that holds streams until the host opens it: Hold enqueues a wait for the value of the
+// next opening; Open stores it from the host into mapped pinned memory. No stream opens it: a
+// stream of this process could share a hardware queue with a held one and sit behind its wait
+// (under MPS a process has few queues; docs/benchmarks.md, "The hand-off floor").
 class Gate {
  public:
   absl::Status Create() {
-    ULY_ASSIGN_OR_RETURN(word_, DeviceAlloc(sizeof(uint64_t)));
-    ULY_RETURN_IF_ERROR(Cuda(cudaMemset(word_.get(), 0, sizeof(uint64_t)), "gate reset"));
-    return opener_.Create();
+    void* host = nullptr;
+    ULY_RETURN_IF_ERROR(Cuda(cudaHostAlloc(&host, sizeof(uint64_t), cudaHostAllocMapped), "gate"));
+    host_.reset(static_cast<uint64_t*>(host));
+    *host_ = 0;
+    void* device = nullptr;
+    ULY_RETURN_IF_ERROR(Cuda(cudaHostGetDevicePointer(&device, host, 0), "gate mapping"));
+    device_ = static_cast<uint64_t*>(device);
+    return absl::OkStatus();
   }
   /// The value the next Hold waits for and the next Open writes.
   uint64_t Next() { return ++value_; }
-  absl::Status Hold(cudaStream_t s, uint64_t v) const { return ipc::cuda::StreamWait64(s, word(), v); }
-  absl::Status Open(uint64_t v) const { return ipc::cuda::StreamWrite64(opener_.get(), word(), v); }
+  absl::Status Hold(cudaStream_t s, uint64_t v) const { return ipc::cuda::StreamWait64(s, device_, v); }
+  absl::Status Open(uint64_t v) const {
+    __atomic_store_n(host_.get(), v, __ATOMIC_RELEASE);
+    return absl::OkStatus();
+  }
 
  private:
-  uint64_t* word() const { return static_cast<uint64_t*>(word_.get()); }
-  DeviceMem word_;
-  Stream opener_;
+  struct FreeHost {
+    void operator()(uint64_t* p) const { (void)cudaFreeHost(p); }
+  };
+  std::unique_ptr<uint64_t, FreeHost> host_;
+  uint64_t* device_ = nullptr;
   uint64_t value_ = 0;
 };
 
