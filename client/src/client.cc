@@ -369,7 +369,15 @@ class StreamWords {
     if (closed_) return false;
     ULY_RETURN_IF_ERROR(ipc::cuda::StreamWrite64(stream, &words_->released[slot], epoch));
     ULY_RETURN_IF_ERROR(MarkLocked(stream));
+    last_release_[slot] = {epoch, stream};
     return true;
+  }
+  // Whether `slot`'s result of `epoch` was given back by a release word already enqueued on
+  // `stream`: a ready word written on `stream` from now on implies it.
+  bool ReleasedOn(int slot, uint64_t epoch, void* stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = last_release_.find(slot);
+    return it != last_release_.end() && it->second.epoch == epoch && it->second.stream == stream;
   }
   // Marks `stream` after work enqueued on it that names these mappings.
   absl::Status Mark(void* stream) {
@@ -417,7 +425,22 @@ class StreamWords {
   std::shared_ptr<void> words_mapping_, slots_mapping_;
   ClientDeviceWords* const words_;
   std::map<void*, std::unique_ptr<ipc::cuda::StreamMark>> marks_;
+  struct StreamRelease {
+    uint64_t epoch = 0;
+    void* stream = nullptr;
+  };
+  std::map<int, StreamRelease> last_release_;  // per slot, the last release on a stream
 };
+
+// ULYSSES_RELEASE_IN_ORDER=0 never claims a release implied by the ready word, so the daemon's
+// stream always waits for the release word: the baseline the benchmark compares with.
+bool ReleaseInOrderEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("ULYSSES_RELEASE_IN_ORDER");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return enabled;
+}
 
 // Stores `epoch` into a host release word unless a later one is there (this client is the
 // word's only writer; the epochs of a slot only grow).
@@ -1069,6 +1092,14 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
           h->epoch(), "; release it before the call that needs the slot"));
     // Stream order instead of a host wait: the daemon's stream starts once this stream wrote
     // the ready word, and this stream's later work waits for the done word.
+    // The slot's previous result given back on this stream: this ready word implies it, and
+    // the daemon's stream skips its wait for the release word.
+    const uint64_t previous = d.epoch > static_cast<uint64_t>(geometry_.num_slots)
+                                  ? d.epoch - static_cast<uint64_t>(geometry_.num_slots)
+                                  : 0;
+    if (previous != 0 && ReleaseInOrderEnabled() &&
+        stream_words_->ReleasedOn(slot, previous, stream_))
+      d.flags |= ipc::kDescriptorReleasedInOrder;
     ULY_RETURN_IF_ERROR(stream_words_->Ready(stream_, slot, d.epoch));
     d.flags |= ipc::kDescriptorStreamOrdered;
   } else {

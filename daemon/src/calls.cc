@@ -357,7 +357,8 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     }
     absl::StatusOr<CallArgs> args = ipc::CallArgsFromDescriptor(d);
     const ExecuteMode mode{/*async=*/true,
-                           /*wait_ready=*/(d.flags & ipc::kDescriptorStreamOrdered) != 0};
+                           /*wait_ready=*/(d.flags & ipc::kDescriptorStreamOrdered) != 0,
+                           /*released_in_order=*/(d.flags & ipc::kDescriptorReleasedInOrder) != 0};
     PendingCall p;
     absl::StatusOr<CallResult> r = args.ok() ? Call(*c, d.session_id, *args, d.epoch, mode, &p)
                                              : RefuseDescriptor(*c, d.session_id, d.epoch,

@@ -613,7 +613,11 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
       const bool writing = prev.state == SlotState::kWriting;
       const bool on_stream = prev.stream_release != 0 && prev.stream_release == prev.epoch;
       if (!writing && (on_stream || NotHeldLocked(s))) {
-        wait_released = on_stream ? prev.stream_release : 0;
+        // The client's ready word, written after its release on the same stream, implies it.
+        // The claim is about epoch e - num_slots: only then is that the result held here.
+        const bool implied = mode.wait_ready && mode.released_in_order &&
+                             prev.epoch + static_cast<uint64_t>(geometry_.num_slots) == e;
+        wait_released = on_stream && !implied ? prev.stream_release : 0;
         slots_[s] = SlotEntry{SlotState::kWriting, e, absl::Now()};
         break;
       }

@@ -48,6 +48,10 @@ struct ExecuteMode {
   bool async = false;
   /// The client's stream writes the call's ready word (see StreamCall::wait_ready).
   bool wait_ready = false;
+  /// With wait_ready: the client's stream gave the slot's previous result back before the
+  /// ready word, so the daemon's stream need not wait for the release word
+  /// (ipc::kDescriptorReleasedInOrder).
+  bool released_in_order = false;
 };
 
 /// A finished asynchronous call.

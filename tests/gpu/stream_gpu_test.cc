@@ -228,6 +228,60 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
   EXPECT_EQ(timed, 2);
 }
 
+// The same on one stream: the release is enqueued on the stream the next call uses, so the
+// call's ready word implies it and the daemon's stream does not wait for the release word
+// (ipc::kDescriptorReleasedInOrder). The first result is still read before it is overwritten.
+TEST_F(StreamCluster, AReleaseOnTheCallsOwnStreamIsImpliedByItsReadyWord) {
+  Start(1);
+  const int64_t elems = int64_t{kB} * kS * kH * kD;
+  auto c = client::Client::Connect({Members(1)[0], "in-order"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto g = (*c)->JoinGroup({"in-order", 1, 0, Members(1), "nvlink", 0});
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, /*num_slots=*/1, {}, 0});
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::vector<float> in[3];
+  std::vector<client::Buffer> x(3);
+  std::vector<float*> out(3, nullptr);
+  for (int it = 0; it < 3; ++it) {
+    in[it].resize(elems);
+    for (int64_t i = 0; i < elems; ++i)
+      in[it][i] = Value(0, it, 0, i / (kH * kD), (i / kD) % kH, i % kD);
+    auto buf = (*c)->AllocBuffer(elems * 4, "x");
+    ASSERT_TRUE(buf.ok()) << buf.status();
+    x[it] = *buf;
+    ASSERT_EQ(cudaMemcpy(x[it].data, in[it].data(), elems * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&out[it]), elems * 4), cudaSuccess);
+  }
+  cudaStream_t a = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+  (*s)->set_stream(a);
+  {
+    // Three calls of the one slot on stream a, each result read and released on a, all of it
+    // enqueued behind a closed gate: every later call's only order is a's.
+    Gate gate(a);
+    struct OpenOnExit {
+      Gate& g;
+      ~OpenOnExit() { g.Open(); }
+    } open_on_exit{gate};
+    for (int it = 0; it < 3; ++it) {
+      auto r = (*s)->ScatterHeads(x[it].Ref(), kB, kS);
+      ASSERT_TRUE(r.ok()) << "call " << it << ": " << r.status();
+      ASSERT_EQ(cudaMemcpyAsync(out[it], r->data, elems * 4, cudaMemcpyDeviceToHost, a),
+                cudaSuccess);
+      ASSERT_TRUE(r->Release().ok());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT_EQ(cudaStreamQuery(a), cudaErrorNotReady) << "the gate did not hold the stream";
+  }
+  ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+  ASSERT_TRUE((*s)->Synchronize().ok());
+  for (int it = 0; it < 3; ++it)
+    EXPECT_EQ(std::memcmp(out[it], in[it].data(), elems * 4), 0) << "result " << it << " is wrong";
+  cudaStreamDestroy(a);
+  for (float* p : out) cudaFreeHost(p);
+}
+
 // A session closed right after its last call: the close lets that call run first, so its
 // result (read on the stream after the close) holds the exchange, and the stream that waits for
 // the call passes. Repeated: the close races the daemon's ring worker for the descriptor.

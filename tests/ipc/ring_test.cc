@@ -573,5 +573,18 @@ TEST(CallDescriptorTest, EpochZeroOpAndInputCountAreRefusedByName) {
   EXPECT_THAT(std::string(CallArgsFromDescriptor(d).status().message()), HasSubstr("num_inputs"));
 }
 
+TEST(CallDescriptorTest, FlagsAreKnownBitsAndReleasedInOrderNeedsStreamOrder) {
+  CallDescriptor d = ValidDescriptor();
+  d.flags = kDescriptorStreamOrdered | kDescriptorReleasedInOrder;
+  EXPECT_TRUE(CallArgsFromDescriptor(d).ok());
+  d.flags = kDescriptorReleasedInOrder;
+  absl::Status st = CallArgsFromDescriptor(d).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("flags: released-in-order"));
+  d.flags = 4;
+  EXPECT_THAT(std::string(CallArgsFromDescriptor(d).status().message()),
+              HasSubstr("flags: unknown bits 0x4"));
+}
+
 }  // namespace
 }  // namespace ulysses::ipc

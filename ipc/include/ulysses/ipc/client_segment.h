@@ -43,6 +43,11 @@ static_assert(sizeof(OperandDescriptor) == 48);
 /// produced (GPU sessions; the daemon's stream waits for it). Without it the client ordered
 /// its inputs on the host before submitting.
 inline constexpr uint16_t kDescriptorStreamOrdered = 1;
+/// With kDescriptorStreamOrdered: the result the call's slot held before (epoch - num_slots)
+/// was given back by a release word written on this call's stream before its ready word, so
+/// the ready word implies the release and the daemon's stream does not wait for the release
+/// word. A client that claims it falsely can only overwrite its own view of that slot.
+inline constexpr uint16_t kDescriptorReleasedInOrder = 2;
 
 struct CallDescriptor {
   uint64_t session_id;
