@@ -2,9 +2,13 @@
 // same kernels launched in-process and against a plain device-to-device copy (DESIGN.md
 // section 8).
 //
-// W ulyssesd processes (--backend nvlink) all serve the one GPU; W client threads in this process
-// each own a Client and a Session. Every rank's input is one cudaMalloc'd tensor of this
-// process, registered with its daemon (RegisterDeviceBuffer) and read by every variant:
+// W ulyssesd processes (--backend nvlink) all serve the one GPU. The ring path's clients are W
+// processes, one per rank (--ranks processes, the default: how frameworks run; each makes its
+// rank's input with the same bits and checks its result against the CPU's), or W threads of
+// this process (--ranks threads: the test mode whose ranks can hold each other on a shared
+// hardware queue, docs/architecture.md section 8). The other variants' clients are threads of
+// this process; their inputs are cudaMalloc'd tensors here, registered with the daemons
+// (RegisterDeviceBuffer):
 //   inprocess    the W*W LaunchScatterHeadsBlock / LaunchGatherHeadsBlock launches on one
 //                stream into W slots of this process (CUDA events around them)
 //   daemon_ring  the call through the daemons, rings on (default ConnectOptions)
@@ -31,7 +35,13 @@
 // variants forward then reversed (in-process, daemon, ..., daemon, in-process); the median of
 // all samples per variant; the A/A control is in-process's second visits against its first.
 #include <cuda_runtime_api.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -54,6 +64,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_split.h"
 #include "bench_util.h"
 #include "demo_lib.h"
 #include "grpcpp/grpcpp.h"
@@ -73,6 +84,8 @@
 #ifndef ULYSSES_GIT_COMMIT
 #define ULYSSES_GIT_COMMIT "unknown"
 #endif
+
+extern char** environ;
 
 namespace ulysses::bench {
 namespace {
@@ -216,6 +229,7 @@ struct Case {
   bool exchange = false;  ///< a row of part "exchange"
   bool overhead = false;  ///< a row of part "overhead"
   int64_t ahead_us = 0;   ///< part overhead: > 0 adds the *Ahead variants, the host this far ahead
+  bool rank_processes = true;  ///< the ring's ranks in processes of their own (else threads here)
 
   static constexpr int32_t kItem = 2;  // bf16
   int32_t heads() const { return heads_per_rank * world; }
@@ -566,6 +580,322 @@ class DaemonPath {
 };
 
 // ---------------------------------------------------------------------------------------
+// The ring with each rank's client in a process of its own (--rank-processes)
+// ---------------------------------------------------------------------------------------
+
+// One process per rank is how frameworks run, and it keeps one rank's waits off another
+// rank's hardware queues (docs/architecture.md section 8). The children share one gate: a
+// page of a memfd that every child registers with CUDA as mapped host memory, held by each
+// child's stream and opened by this process's store. Commands and answers are lines on the
+// children's stdin and stdout:
+//   (at start)                                                     -> ok <session id>
+//   poison          poison this rank's slots                       -> ok
+//   check           one call into them, compared with the CPU's    -> ok | error ...
+//   arm K           answer, then spin until the start word is K, and time one call: event,
+//                   call, release, event, wait for the stream (as the threads' Work)
+//                                                                  -> us <wall> <on stream>
+//   hold G          stream: wait gate >= G, event, call, release, event -> ok
+//   collect         wait for the stream and the session            -> us <device time>
+//   quit            close and exit
+// The memfd page holds the gate (word 0) and the start word (word 1).
+struct RankChildArgs {
+  OpKind op = OpKind::kScatterHeads;
+  int rank = -1;
+  int gate_fd = -1;
+  int world = 1;
+  uint64_t bytes = 0;
+  int heads_per_rank = 8;
+  int head_dim = 128;
+  std::string group;
+  std::vector<std::string> members;
+};
+
+// Rank `dst`'s result from every rank's FillInput bits, as the CPU computes it: scatter_heads
+// [1, W*S_l, H/W, D] (source src's band of dst's heads at positions src*S_l + s), gather_heads
+// [1, S_l, H, D] (source src's heads at src*H/W + h, from its positions dst*S_l + s).
+std::vector<uint16_t> ExpectedResult(const Case& c, int dst) {
+  const int64_t S = c.seq_local(), H = c.heads(), Hl = c.heads_per_rank, D = c.head_dim;
+  const uint64_t elems = c.bytes / Case::kItem;
+  const size_t row = static_cast<size_t>(D) * Case::kItem;
+  std::vector<uint16_t> out(elems), x(elems);
+  for (int src = 0; src < c.world; ++src) {
+    FillInput(x.data(), elems, src, c.op);
+    for (int64_t t = 0; t < S; ++t)
+      for (int64_t h = 0; h < Hl; ++h) {
+        if (c.op == OpKind::kScatterHeads)
+          std::memcpy(&out[((src * S + t) * Hl + h) * D], &x[(t * H + dst * Hl + h) * D], row);
+        else
+          std::memcpy(&out[(t * H + src * Hl + h) * D], &x[((dst * S + t) * Hl + h) * D], row);
+      }
+  }
+  return out;
+}
+
+int RunRankChild(const RankChildArgs& a) {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  auto reply = [](const std::string& line) {
+    std::string one = line;
+    for (char& ch : one)
+      if (ch == '\n') ch = ' ';
+    std::printf("%s\n", one.c_str());
+    std::fflush(stdout);
+  };
+  auto run = [&]() -> absl::Status {
+    Case c;
+    c.op = a.op;
+    c.world = a.world;
+    c.bytes = a.bytes;
+    c.heads_per_rank = a.heads_per_rank;
+    c.head_dim = a.head_dim;
+    void* page = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, a.gate_fd, 0);
+    if (page == MAP_FAILED) return ErrnoError("mmap of the gate", errno);
+    ULY_RETURN_IF_ERROR(Cuda(cudaHostRegister(page, 4096, cudaHostRegisterMapped), "gate register"));
+    void* gate = nullptr;
+    ULY_RETURN_IF_ERROR(Cuda(cudaHostGetDevicePointer(&gate, page, 0), "gate mapping"));
+    const uint64_t elems = c.bytes / Case::kItem;
+    std::vector<uint16_t> host(elems);
+    FillInput(host.data(), elems, a.rank, c.op);
+    ULY_ASSIGN_OR_RETURN(DeviceMem input, DeviceAlloc(c.bytes));
+    ULY_RETURN_IF_ERROR(Cuda(cudaMemcpy(input.get(), host.data(), c.bytes, cudaMemcpyHostToDevice), "input"));
+    ULY_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> cl,
+                         client::Client::Connect({a.members[a.rank], StrCat("bench-rank-", a.rank)}));
+    ULY_ASSIGN_OR_RETURN(client::Group group,
+                         cl->JoinGroup({a.group, a.world, a.rank, a.members, "nvlink", 0}));
+    client::SessionSpec spec;
+    spec.num_heads = c.heads();
+    spec.head_dim = c.head_dim;
+    spec.dtype = DType::kBFloat16;
+    spec.max_tokens = c.seq_local();
+    spec.num_slots = kSlots;
+    ULY_ASSIGN_OR_RETURN(std::unique_ptr<client::Session> session, cl->CreateSession(group, spec));
+    ULY_ASSIGN_OR_RETURN(client::Buffer in, cl->RegisterDeviceBuffer(input.get(), c.bytes, "bench-in"));
+    Stream stream;
+    EventPair events;
+    ULY_RETURN_IF_ERROR(stream.Create());
+    ULY_RETURN_IF_ERROR(events.Create());
+    session->set_stream(stream.get());
+    auto call = [&]() {
+      return c.op == OpKind::kScatterHeads ? session->ScatterHeads(in.Ref(), 1, c.seq_local())
+                                           : session->GatherHeads(in.Ref(), 1, c.world * c.seq_local());
+    };
+    reply(StrCat("ok ", session->id()));  // ready for commands
+    const auto* start_word = static_cast<const uint64_t*>(page) + 1;
+    for (std::string line; std::getline(std::cin, line);) {
+      if (line == "quit") break;
+      if (line == "poison") {
+        ULY_RETURN_IF_ERROR(session->PoisonSlots().status());
+        reply("ok");
+      } else if (line == "check") {
+        ULY_ASSIGN_OR_RETURN(client::Result res, call());
+        ULY_RETURN_IF_ERROR(session->Synchronize());
+        std::vector<uint16_t> got(elems);
+        ULY_RETURN_IF_ERROR(Cuda(cudaMemcpy(got.data(), res.data, c.bytes, cudaMemcpyDeviceToHost), "result"));
+        ULY_RETURN_IF_ERROR(res.Release());
+        const std::vector<uint16_t> want = ExpectedResult(c, a.rank);
+        const int64_t e = FirstDifference(reinterpret_cast<const uint8_t*>(got.data()),
+                                          reinterpret_cast<const uint8_t*>(want.data()), c.bytes);
+        if (e >= 0) return absl::InternalError(StrCat("rank ", a.rank, ": element ", e, " differs from the CPU's"));
+        reply("ok");
+      } else if (line.rfind("arm ", 0) == 0) {
+        const uint64_t k = std::stoull(line.substr(4));
+        reply("ok");
+        while (__atomic_load_n(start_word, __ATOMIC_ACQUIRE) < k) {
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events.start(), stream.get()), "event"));
+        ULY_ASSIGN_OR_RETURN(client::Result res, call());
+        ULY_RETURN_IF_ERROR(res.Release());
+        ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events.stop(), stream.get()), "event"));
+        ULY_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream.get()), "stream"));
+        const double wall = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+        ULY_RETURN_IF_ERROR(session->Synchronize());  // a failed call's error, outside the time
+        float ms = 0;
+        ULY_RETURN_IF_ERROR(Cuda(cudaEventElapsedTime(&ms, events.start(), events.stop()), "elapsed"));
+        reply(StrCat("us ", wall, " ", static_cast<double>(ms) * 1e3));
+      } else if (line.rfind("hold ", 0) == 0) {
+        const uint64_t g = std::stoull(line.substr(5));
+        ULY_RETURN_IF_ERROR(ipc::cuda::StreamWait64(stream.get(), static_cast<const uint64_t*>(gate), g));
+        ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events.start(), stream.get()), "event"));
+        ULY_ASSIGN_OR_RETURN(client::Result res, call());
+        ULY_RETURN_IF_ERROR(res.Release());
+        ULY_RETURN_IF_ERROR(Cuda(cudaEventRecord(events.stop(), stream.get()), "event"));
+        reply("ok");
+      } else if (line == "collect") {
+        ULY_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream.get()), "stream"));
+        ULY_RETURN_IF_ERROR(session->Synchronize());
+        float ms = 0;
+        ULY_RETURN_IF_ERROR(Cuda(cudaEventElapsedTime(&ms, events.start(), events.stop()), "elapsed"));
+        reply(StrCat("us ", static_cast<double>(ms) * 1e3));
+      } else {
+        return absl::InvalidArgumentError(StrCat("unknown command '", line, "'"));
+      }
+    }
+    return absl::OkStatus();
+  };
+  absl::Status st = run();
+  if (!st.ok()) {
+    reply(StrCat("error ", st.message()));
+    return 1;
+  }
+  return 0;
+}
+
+// This process's side: W children, the gate, and the commands in lockstep.
+class RankProcesses {
+ public:
+  ~RankProcesses() { Stop(); }
+
+  absl::Status Start(const Case& c, const Cluster& cluster) {
+    gate_fd_ = ::memfd_create("ulysses-bench-gate", 0);  // inherited by the children
+    if (gate_fd_ < 0) return ErrnoError("memfd_create", errno);
+    if (::ftruncate(gate_fd_, 4096) != 0) return ErrnoError("ftruncate", errno);
+    void* page = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, gate_fd_, 0);
+    if (page == MAP_FAILED) return ErrnoError("mmap", errno);
+    gate_ = static_cast<uint64_t*>(page);
+    std::string members;
+    for (const std::string& m : cluster.members()) members += (members.empty() ? "" : ",") + m;
+    static int groups = 0;
+    const std::string group = StrCat("bench-procs-", c.world, "-", c.bytes, "-", ++groups);
+    for (int r = 0; r < c.world; ++r) {
+      int to[2], from[2];
+      if (::pipe(to) != 0 || ::pipe(from) != 0) return ErrnoError("pipe", errno);
+      posix_spawn_file_actions_t fa;
+      posix_spawn_file_actions_init(&fa);
+      posix_spawn_file_actions_adddup2(&fa, to[0], STDIN_FILENO);
+      posix_spawn_file_actions_adddup2(&fa, from[1], STDOUT_FILENO);
+      for (int fd : {to[0], to[1], from[0], from[1]}) posix_spawn_file_actions_addclose(&fa, fd);
+      const std::vector<std::string> args = {
+          kTool, "--rank-child", std::to_string(r), "--child-gate-fd", std::to_string(gate_fd_),
+          "--child-op", std::string(OpName(c.op)),
+          "--child-world", std::to_string(c.world), "--child-bytes", std::to_string(c.bytes),
+          "--heads-per-rank", std::to_string(c.heads_per_rank), "--head-dim", std::to_string(c.head_dim),
+          "--child-group", group, "--child-members", members};
+      std::vector<char*> argv;
+      for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
+      argv.push_back(nullptr);
+      Child child;
+      const int err = posix_spawn(&child.pid, "/proc/self/exe", &fa, nullptr, argv.data(), environ);
+      posix_spawn_file_actions_destroy(&fa);
+      ::close(to[0]);
+      ::close(from[1]);
+      child.in = ::fdopen(to[1], "w");
+      child.out = ::fdopen(from[0], "r");
+      if (err != 0) return ErrnoError("posix_spawn of a rank process", err);
+      children_.push_back(child);
+    }
+    for (Child& child : children_) {  // each has its session
+      ULY_ASSIGN_OR_RETURN(std::string line, ReadLine(child));
+      if (line.rfind("ok ", 0) != 0) return absl::InternalError(StrCat("a rank process answered '", line, "'"));
+      session_ids_.push_back(std::stoull(line.substr(3)));
+    }
+    ULY_RETURN_IF_ERROR(Command("poison", "ok"));
+    return Command("check", "ok");
+  }
+
+  /// Each rank's session id on its daemon.
+  const std::vector<uint64_t>& session_ids() const { return session_ids_; }
+
+  /// One isolated call per rank, started at once through the start word: the slowest rank's
+  /// wall time of call, release and synchronize (its on-stream time kept for TakeStreamUs).
+  absl::StatusOr<double> Work() {
+    const uint64_t k = ++start_value_;
+    ULY_RETURN_IF_ERROR(Command(StrCat("arm ", k), "ok"));
+    __atomic_store_n(gate_ + 1, k, __ATOMIC_RELEASE);
+    double wall = 0, on_stream = 0;
+    for (Child& child : children_) {
+      ULY_ASSIGN_OR_RETURN(std::string line, ReadLine(child));
+      double w = 0, st = 0;
+      if (std::sscanf(line.c_str(), "us %lf %lf", &w, &st) != 2)
+        return absl::InternalError(StrCat("a rank process answered '", line, "'"));
+      wall = std::max(wall, w);
+      on_stream = std::max(on_stream, st);
+    }
+    stream_us_.push_back(on_stream);
+    return wall;
+  }
+  /// The on-stream times of the Work calls so far; forgets them.
+  std::vector<double> TakeStreamUs() { return std::exchange(stream_us_, {}); }
+
+  /// One sample: every rank's call enqueued behind the gate, the gate opened `ahead_us` later;
+  /// the slowest rank's device time.
+  absl::StatusOr<double> Sample(int64_t ahead_us) {
+    const uint64_t g = ++gate_value_;
+    ULY_RETURN_IF_ERROR(Command(StrCat("hold ", g), "ok"));
+    SleepUs(ahead_us);
+    __atomic_store_n(gate_, g, __ATOMIC_RELEASE);
+    ULY_RETURN_IF_ERROR(SendAll("collect"));
+    double slowest = 0;
+    for (Child& child : children_) {
+      ULY_ASSIGN_OR_RETURN(std::string line, ReadLine(child));
+      if (line.rfind("us ", 0) != 0) return absl::InternalError(StrCat("a rank process answered '", line, "'"));
+      slowest = std::max(slowest, std::stod(line.substr(3)));
+    }
+    return slowest;
+  }
+
+  void Stop() {
+    if (gate_ != nullptr) __atomic_store_n(gate_, ~uint64_t{0} >> 1, __ATOMIC_RELEASE);  // let any held stream go
+    for (Child& child : children_) {
+      if (child.in != nullptr) {
+        std::fputs("quit\n", child.in);
+        std::fclose(child.in);
+      }
+    }
+    for (Child& child : children_) {
+      int status = 0;
+      if (child.pid > 0) ::waitpid(child.pid, &status, 0);
+      if (child.out != nullptr) std::fclose(child.out);
+    }
+    children_.clear();
+    if (gate_ != nullptr) ::munmap(gate_, 4096);
+    gate_ = nullptr;
+    if (gate_fd_ >= 0) ::close(gate_fd_);
+    gate_fd_ = -1;
+  }
+
+ private:
+  struct Child {
+    pid_t pid = -1;
+    FILE* in = nullptr;
+    FILE* out = nullptr;
+  };
+  static absl::StatusOr<std::string> ReadLine(Child& child) {
+    char buf[512];
+    if (std::fgets(buf, sizeof buf, child.out) == nullptr)
+      return absl::InternalError(StrCat("rank process ", child.pid, " ended"));
+    std::string line(buf);
+    while (!line.empty() && line.back() == '\n') line.pop_back();
+    if (line.rfind("error ", 0) == 0) return absl::InternalError(StrCat("rank process: ", line.substr(6)));
+    return line;
+  }
+  absl::Status SendAll(const std::string& cmd) {
+    for (Child& child : children_) {
+      if (std::fprintf(child.in, "%s\n", cmd.c_str()) < 0 || std::fflush(child.in) != 0)
+        return absl::InternalError("a rank process is gone");
+    }
+    return absl::OkStatus();
+  }
+  absl::Status ExpectAll(const std::string& want) {
+    for (Child& child : children_) {
+      ULY_ASSIGN_OR_RETURN(std::string line, ReadLine(child));
+      if (line != want) return absl::InternalError(StrCat("a rank process answered '", line, "'"));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Command(const std::string& cmd, const std::string& want) {
+    ULY_RETURN_IF_ERROR(SendAll(cmd));
+    return ExpectAll(want);
+  }
+
+  std::vector<Child> children_;
+  std::vector<uint64_t> session_ids_;
+  std::vector<double> stream_us_;
+  int gate_fd_ = -1;
+  uint64_t* gate_ = nullptr;  // word 0: the gate; word 1: the start word
+  uint64_t gate_value_ = 0, start_value_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------
 // One case: check, warm up, rounds
 // ---------------------------------------------------------------------------------------
 
@@ -630,19 +960,28 @@ absl::StatusOr<CaseResult> RunCase(const Case& c, Cluster& cluster, int grpc_set
   // Declared first, destroyed last: the daemons' registrations of its inputs go before them.
   InProcess a(c);
   ULY_RETURN_IF_ERROR(a.Open(c.bytes <= m.reference_max_bytes));
-  DaemonPath ring(c, cluster, 0);
+  // The ring path: each rank's client in a process of its own, or a thread of this one.
+  RankProcesses procs;
+  std::optional<DaemonPath> ring;
   std::optional<DaemonPath> grpc;
-  ULY_RETURN_IF_ERROR(ring.Open(a));
+  if (c.rank_processes) {
+    ULY_RETURN_IF_ERROR(procs.Start(c, cluster));
+  } else {
+    ring.emplace(c, cluster, 0);
+    ULY_RETURN_IF_ERROR(ring->Open(a));
+  }
   if (c.overhead) {
     grpc.emplace(c, cluster, grpc_set);
     ULY_RETURN_IF_ERROR(grpc->Open(a));
   }
 
   ULY_ASSIGN_OR_RETURN(res.reference_checked, a.RunAndCheck());
-  ULY_RETURN_IF_ERROR(ring.Check(a));
+  if (ring) ULY_RETURN_IF_ERROR(ring->Check(a));
   if (grpc) ULY_RETURN_IF_ERROR(grpc->Check(a));
   Say(StrCat(c.name(), ": check passed (", res.reference_checked ? "in-process equals the CPU reference; " : "",
-             "daemon results equal the in-process output bit for bit)"));
+             c.rank_processes ? "the rank processes' results equal the CPU reference bit for bit"
+                              : "daemon results equal the in-process output bit for bit",
+             grpc ? (c.rank_processes ? "; the RPC path's equal the in-process output" : "") : "", ")"));
 
   auto flush = [&]() { return a.Flush(); };
   Gate gate;
@@ -650,18 +989,27 @@ absl::StatusOr<CaseResult> RunCase(const Case& c, Cluster& cluster, int grpc_set
   auto sample = [&](Variant v, int n) -> absl::StatusOr<std::vector<double>> {
     if (v == Variant::kInProcess || v == Variant::kCopy) return a.Time(v, n);
     if (v == Variant::kInProcessAhead) return a.Time(v, n, &gate, c.ahead_us);
+    if (c.rank_processes && (v == Variant::kDaemonRing || v == Variant::kDaemonRingAhead)) {
+      std::vector<double> t;
+      for (int i = 0; i < n; ++i) {
+        ULY_RETURN_IF_ERROR(flush());
+        ULY_ASSIGN_OR_RETURN(double us, v == Variant::kDaemonRing ? procs.Work() : procs.Sample(c.ahead_us));
+        t.push_back(us);
+      }
+      return t;
+    }
     if (v == Variant::kDaemonRingAhead) {
       for (int i = 0; i < n; ++i) {
         ULY_RETURN_IF_ERROR(flush());
         const uint64_t g = gate.Next();
-        ULY_RETURN_IF_ERROR(RunCollective(c.world, [&](int r) { return ring.EnqueueHeld(r, gate, g); }));
+        ULY_RETURN_IF_ERROR(RunCollective(c.world, [&](int r) { return ring->EnqueueHeld(r, gate, g); }));
         SleepUs(c.ahead_us);
         ULY_RETURN_IF_ERROR(gate.Open(g));
-        ULY_RETURN_IF_ERROR(RunCollective(c.world, [&](int r) { return ring.CollectHeld(r); }));
+        ULY_RETURN_IF_ERROR(RunCollective(c.world, [&](int r) { return ring->CollectHeld(r); }));
       }
-      return ring.TakeStreamUs(n);
+      return ring->TakeStreamUs(n);
     }
-    DaemonPath& d = v == Variant::kDaemonRing ? ring : *grpc;
+    DaemonPath& d = v == Variant::kDaemonRing ? *ring : *grpc;
     ULY_ASSIGN_OR_RETURN(BlockTimes t, RunBlock(c.world, n, [&](int r) { return d.Work(r); }, flush));
     if (v != Variant::kDaemonRing) (void)d.TakeStreamUs(0);  // only the ring's are reported
     return t.work_max_us;
@@ -670,12 +1018,15 @@ absl::StatusOr<CaseResult> RunCase(const Case& c, Cluster& cluster, int grpc_set
   auto keep = [&](Variant v, int n) -> absl::StatusOr<std::vector<double>> {
     ULY_ASSIGN_OR_RETURN(std::vector<double> t, sample(v, n));
     Append(&res.us[v], t);
-    if (v == Variant::kDaemonRing) Append(&res.us[Variant::kDaemonRingStream], ring.TakeStreamUs(n));
+    if (v == Variant::kDaemonRing)
+      Append(&res.us[Variant::kDaemonRingStream], ring ? ring->TakeStreamUs(n) : procs.TakeStreamUs());
     return t;
   };
   const std::vector<Variant> order = c.variants();
-  if (m.warmup > 0)
+  if (m.warmup > 0) {
     for (Variant v : order) ULY_RETURN_IF_ERROR(sample(v, m.warmup).status());
+    if (!ring) (void)procs.TakeStreamUs();
+  }
   const int n1 = (m.samples + 1) / 2, n2 = m.samples / 2;
   for (int round = 0; round < m.rounds; ++round) {
     for (Variant v : order) {
@@ -690,13 +1041,14 @@ absl::StatusOr<CaseResult> RunCase(const Case& c, Cluster& cluster, int grpc_set
     }
   }
   if (c.overhead) {
-    ULY_ASSIGN_OR_RETURN(res.phases, RingPhases(cluster, ring.session_ids()));
+    ULY_ASSIGN_OR_RETURN(res.phases, RingPhases(cluster, ring ? ring->session_ids() : procs.session_ids()));
   }
   std::string line = StrCat(c.name(), ":");
   for (Variant v : order) line += StrCat(" ", VariantName(v), " ", res.median(v), " us");
   Say(StrCat(line, ", A/A ", res.aa()));
+  procs.Stop();
   if (grpc) ULY_RETURN_IF_ERROR(grpc->Close());
-  ULY_RETURN_IF_ERROR(ring.Close());
+  if (ring) ULY_RETURN_IF_ERROR(ring->Close());
   return res;
 }
 
@@ -820,7 +1172,30 @@ int Main(int argc, char** argv) {
   app.add_option("--ulyssesd", ulyssesd, "Path of ulyssesd (default: from this build)");
   app.add_option("--commit", commit, "Commit recorded in the JSON");
   app.add_flag("--quick", quick, "A small grid (W 1,2; 1M,16M; overhead 64K,1M,16M; 2 rounds x 6 samples)");
+  std::string ranks_as = "processes";
+  app.add_option("--ranks", ranks_as,
+                 "The ring path's clients: processes (one per rank, as frameworks run) or threads "
+                 "(all in this process: the hazard of docs/architecture.md section 8)")
+      ->check(CLI::IsMember({"processes", "threads"}));
+  RankChildArgs child;
+  std::string child_members, child_op = "scatter_heads";
+  app.add_option("--rank-child", child.rank, "(internal) run as rank R's client process")->group("");
+  app.add_option("--child-gate-fd", child.gate_fd, "(internal)")->group("");
+  app.add_option("--child-world", child.world, "(internal)")->group("");
+  app.add_option("--child-bytes", child.bytes, "(internal)")->group("");
+  app.add_option("--child-group", child.group, "(internal)")->group("");
+  app.add_option("--child-members", child_members, "(internal)")->group("");
+  app.add_option("--child-op", child_op, "(internal)")->group("");
   CLI11_PARSE(app, argc, argv);
+  if (child.rank >= 0) {
+    child.op = child_op == "gather_heads" ? OpKind::kGatherHeads : OpKind::kScatterHeads;
+    child.heads_per_rank = heads_per_rank;
+    child.head_dim = head_dim;
+    child.members = absl::StrSplit(child_members, ',');
+    if (child.rank >= static_cast<int>(child.members.size()) || child.gate_fd < 0)
+      return Fail(absl::InvalidArgumentError("--rank-child: needs --child-members with that rank and --child-gate-fd"));
+    return RunRankChild(child);
+  }
   if (quick) {
     worlds = {1, 2};
     overhead_worlds = {1, 2};
@@ -863,6 +1238,7 @@ int Main(int argc, char** argv) {
     c.head_dim = head_dim;
     (exchange ? c.exchange : c.overhead) = true;
     if (!exchange) c.ahead_us = ahead_us;
+    c.rank_processes = ranks_as == "processes";
     return absl::OkStatus();
   };
   absl::Status grid_status;
@@ -960,11 +1336,11 @@ int Main(int argc, char** argv) {
             if (ReportsReadyNotWritten(line)) ready_never_written = true;
           }
       }
-    if (ready_never_written)
-      Say("a client's ready word was never written: this bench drives every rank from one "
+    if (ready_never_written && ranks_as == "threads")
+      Say("a client's ready word was never written: --ranks threads drives every rank from one "
           "process, and one rank's wait for its result can hold another rank's ready write "
           "on a hardware queue their streams share (docs/architecture.md section 8; "
-          "docs/benchmarks.md, 2026-12-03 evening)");
+          "docs/benchmarks.md, 2026-12-03 evening); --ranks processes does not");
     // The cases that finished are still reported (tables and JSON), with the failure.
   } else {
     demo::RemoveRunDir(*run_dir);
@@ -1056,6 +1432,7 @@ int Main(int argc, char** argv) {
   out["world_size"] = Json(std::vector<int>(world_list.begin(), world_list.end()));
   out["mps"] = mps;
   out["mps_mode"] = mps_mode;
+  out["ranks"] = ranks_as;  // the ring path's clients: a process per rank, or threads here
   out["ring_spin_us"] = ring_spin_us >= 0 ? ring_spin_us : ulysses::DaemonConfig{}.ring_spin_us;
   out["dtype"] = "bf16";
   out["heads_per_rank"] = heads_per_rank;
