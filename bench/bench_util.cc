@@ -1,6 +1,11 @@
 #include "bench_util.h"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -8,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <iostream>
@@ -16,6 +22,8 @@
 
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
+
+extern char** environ;
 
 namespace ulysses::bench {
 namespace {
@@ -207,6 +215,126 @@ absl::Status Cluster::Stop() {
   }
   daemons_.clear();
   members_.clear();
+  return status;
+}
+
+// ---------------------------------------------------------------------------------------
+// LineProcess
+// ---------------------------------------------------------------------------------------
+
+absl::Status LineProcess::Start(const std::vector<std::string>& argv) {
+  if (pid_ > 0) return absl::FailedPreconditionError("LineProcess: already started");
+  if (argv.empty()) return absl::InvalidArgumentError("argv: empty");
+  // Close-on-exec: the child keeps only its own ends, dup'ed to its stdin and stdout.
+  int to[2] = {-1, -1}, from[2] = {-1, -1};
+  if (::pipe2(to, O_CLOEXEC) != 0) return ErrnoError("pipe2", errno);
+  if (::pipe2(from, O_CLOEXEC) != 0) {
+    const int err = errno;
+    ::close(to[0]);
+    ::close(to[1]);
+    return ErrnoError("pipe2", err);
+  }
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, to[0], STDIN_FILENO);
+  posix_spawn_file_actions_adddup2(&fa, from[1], STDOUT_FILENO);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int err = ::posix_spawn(&pid, argv[0].c_str(), &fa, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  ::close(to[0]);
+  ::close(from[1]);
+  in_ = to[1];
+  out_ = from[0];
+  if (err != 0) {
+    Stop();
+    return ErrnoError(StrCat("posix_spawn ", argv[0]), err);
+  }
+  pid_ = pid;
+  return absl::OkStatus();
+}
+
+absl::Status LineProcess::Send(const std::string& line) {
+  const std::string data = line + "\n";
+  size_t done = 0;
+  while (done < data.size()) {
+    // MSG_NOSIGNAL is for sockets: a pipe whose reader is gone raises SIGPIPE unless ignored,
+    // so block it around the write and take EPIPE as the answer.
+    sigset_t pipe_only, old;
+    sigemptyset(&pipe_only);
+    sigaddset(&pipe_only, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_only, &old);
+    const ssize_t n = in_ >= 0 ? ::write(in_, data.data() + done, data.size() - done) : -1;
+    const int err = in_ >= 0 ? errno : EPIPE;
+    if (n < 0 && err == EPIPE) {
+      // Take the SIGPIPE this write left pending, so that unblocking does not deliver it.
+      const timespec zero{0, 0};
+      (void)sigtimedwait(&pipe_only, nullptr, &zero);
+    }
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+    if (n < 0 && err == EINTR) continue;
+    if (n <= 0) return absl::InternalError(StrCat("process ", pid_, " is gone (", std::strerror(err), ")"));
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> LineProcess::ReadLine(absl::Duration timeout) {
+  const absl::Time give_up = absl::Now() + timeout;
+  size_t eol;
+  while ((eol = buffered_.find('\n')) == std::string::npos) {
+    if (out_ < 0) return absl::InternalError(StrCat("process ", pid_, " ended"));
+    const absl::Duration left = give_up - absl::Now();
+    if (left <= absl::ZeroDuration())
+      return absl::DeadlineExceededError(
+          StrCat("process ", pid_, " did not answer within ", absl::FormatDuration(timeout)));
+    pollfd pfd{out_, POLLIN, 0};
+    const int64_t ms = std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1000);
+    const int n = ::poll(&pfd, 1, static_cast<int>(ms));
+    if (n < 0 && errno != EINTR) return ErrnoError("poll", errno);
+    if (n <= 0) continue;
+    char buf[4096];
+    const ssize_t got = ::read(out_, buf, sizeof buf);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return absl::InternalError(StrCat("process ", pid_, " ended"));
+    buffered_.append(buf, static_cast<size_t>(got));
+  }
+  std::string line = buffered_.substr(0, eol);
+  buffered_.erase(0, eol + 1);
+  return line;
+}
+
+int LineProcess::Stop(const std::string& quit_line, absl::Duration grace) {
+  if (!quit_line.empty() && in_ >= 0 && pid_ > 0) (void)Send(quit_line);
+  if (in_ >= 0) ::close(in_);
+  in_ = -1;
+  int status = -1;
+  if (pid_ > 0) {
+    const absl::Time give_up = absl::Now() + grace;
+    for (;;) {
+      int st = 0;
+      const pid_t got = ::waitpid(pid_, &st, WNOHANG);
+      if (got == pid_) {
+        status = st;
+        break;
+      }
+      if (got < 0 && errno != EINTR) break;
+      if (absl::Now() >= give_up) {
+        ::kill(pid_, SIGKILL);
+        while (::waitpid(pid_, &st, 0) < 0 && errno == EINTR) {
+        }
+        status = st;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  pid_ = -1;
+  if (out_ >= 0) ::close(out_);
+  out_ = -1;
+  buffered_.clear();
   return status;
 }
 

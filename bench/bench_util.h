@@ -1,6 +1,9 @@
-// Pieces the benches share: sample statistics, W threads run in lockstep, and a cluster of W
-// ulyssesd processes with one or more sets of clients (one client per rank per set).
+// Pieces the benches share: sample statistics, W threads run in lockstep, a cluster of W
+// ulyssesd processes with one or more sets of clients (one client per rank per set), and child
+// processes driven by lines.
 #pragma once
+
+#include <sys/types.h>
 
 #include <cstdint>
 #include <functional>
@@ -11,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "demo_lib.h"
 #include "ulysses/client/client.h"
 
@@ -65,6 +69,40 @@ absl::StatusOr<BlockTimes> RunBlock(int world, int iterations,
 /// Runs `fn(rank)` once on `world` threads at the same time (for collective setup calls);
 /// returns the first error.
 absl::Status RunCollective(int world, const std::function<absl::Status(int)>& fn);
+
+// ---------------------------------------------------------------------------------------
+// A child process driven by lines
+// ---------------------------------------------------------------------------------------
+
+/// A program run with its stdin and stdout as pipes of this process: commands are lines
+/// written to it, answers lines read from it. Stop (or destruction) ends it on every path.
+class LineProcess {
+ public:
+  LineProcess() = default;
+  ~LineProcess() { Stop(); }
+  LineProcess(const LineProcess&) = delete;
+  LineProcess& operator=(const LineProcess&) = delete;
+
+  /// Runs `argv[0]` (a path) with `argv` and this process's environment. The child keeps only
+  /// its two pipes of these and the descriptors of this process that are not close-on-exec.
+  absl::Status Start(const std::vector<std::string>& argv);
+  /// Writes `line` and a newline; INTERNAL when the child is gone.
+  absl::Status Send(const std::string& line);
+  /// The next line (without its newline), waiting at most `timeout`: DEADLINE_EXCEEDED after
+  /// that, INTERNAL when the child closed its stdout (it ended).
+  absl::StatusOr<std::string> ReadLine(absl::Duration timeout);
+  /// Writes `quit_line` unless empty, closes the child's stdin, waits at most `grace` for it
+  /// to exit, then kills it (SIGKILL) and reaps it; closes both pipes. Idempotent. Its exit
+  /// status as waitpid gives it, or -1 when there was no child.
+  int Stop(const std::string& quit_line = "", absl::Duration grace = absl::Seconds(10));
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+  int in_ = -1;   // the child's stdin, written here
+  int out_ = -1;  // the child's stdout, read here
+  std::string buffered_;
+};
 
 // ---------------------------------------------------------------------------------------
 // W daemons and their clients

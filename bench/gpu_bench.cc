@@ -36,11 +36,9 @@
 // all samples per variant; the A/A control is in-process's second visits against its first.
 #include <cuda_runtime_api.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -84,8 +82,6 @@
 #ifndef ULYSSES_GIT_COMMIT
 #define ULYSSES_GIT_COMMIT "unknown"
 #endif
-
-extern char** environ;
 
 namespace ulysses::bench {
 namespace {
@@ -743,6 +739,10 @@ int RunRankChild(const RankChildArgs& a) {
 // This process's side: W children, the gate, and the commands in lockstep.
 class RankProcesses {
  public:
+  /// How long a rank process may take to answer a command (its CPU check at 1 GiB per rank
+  /// takes seconds; a stuck call ends in an error at the daemons' call timeout before this).
+  static constexpr absl::Duration kAnswer = absl::Seconds(300);
+
   ~RankProcesses() { Stop(); }
 
   absl::Status Start(const Case& c, const Cluster& cluster) {
@@ -757,35 +757,17 @@ class RankProcesses {
     static int groups = 0;
     const std::string group = StrCat("bench-procs-", c.world, "-", c.bytes, "-", ++groups);
     for (int r = 0; r < c.world; ++r) {
-      int to[2], from[2];
-      if (::pipe(to) != 0 || ::pipe(from) != 0) return ErrnoError("pipe", errno);
-      posix_spawn_file_actions_t fa;
-      posix_spawn_file_actions_init(&fa);
-      posix_spawn_file_actions_adddup2(&fa, to[0], STDIN_FILENO);
-      posix_spawn_file_actions_adddup2(&fa, from[1], STDOUT_FILENO);
-      for (int fd : {to[0], to[1], from[0], from[1]}) posix_spawn_file_actions_addclose(&fa, fd);
-      const std::vector<std::string> args = {
-          kTool, "--rank-child", std::to_string(r), "--child-gate-fd", std::to_string(gate_fd_),
-          "--child-op", std::string(OpName(c.op)),
-          "--child-world", std::to_string(c.world), "--child-bytes", std::to_string(c.bytes),
-          "--heads-per-rank", std::to_string(c.heads_per_rank), "--head-dim", std::to_string(c.head_dim),
-          "--child-group", group, "--child-members", members};
-      std::vector<char*> argv;
-      for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
-      argv.push_back(nullptr);
-      Child child;
-      const int err = posix_spawn(&child.pid, "/proc/self/exe", &fa, nullptr, argv.data(), environ);
-      posix_spawn_file_actions_destroy(&fa);
-      ::close(to[0]);
-      ::close(from[1]);
-      child.in = ::fdopen(to[1], "w");
-      child.out = ::fdopen(from[0], "r");
-      if (err != 0) return ErrnoError("posix_spawn of a rank process", err);
-      children_.push_back(child);
+      children_.push_back(std::make_unique<LineProcess>());
+      ULY_RETURN_IF_ERROR(children_.back()->Start(
+          {"/proc/self/exe", "--rank-child", std::to_string(r), "--child-gate-fd",
+           std::to_string(gate_fd_), "--child-op", std::string(OpName(c.op)), "--child-world",
+           std::to_string(c.world), "--child-bytes", std::to_string(c.bytes), "--heads-per-rank",
+           std::to_string(c.heads_per_rank), "--head-dim", std::to_string(c.head_dim),
+           "--child-group", group, "--child-members", members}));
     }
-    for (Child& child : children_) {  // each has its session
-      ULY_ASSIGN_OR_RETURN(std::string line, ReadLine(child));
-      if (line.rfind("ok ", 0) != 0) return absl::InternalError(StrCat("a rank process answered '", line, "'"));
+    for (int r = 0; r < c.world; ++r) {  // each has its session
+      ULY_ASSIGN_OR_RETURN(std::string line, Answer(r));
+      if (line.rfind("ok ", 0) != 0) return Unexpected(r, line);
       session_ids_.push_back(std::stoull(line.substr(3)));
     }
     ULY_RETURN_IF_ERROR(Command("poison", "ok"));
@@ -802,11 +784,10 @@ class RankProcesses {
     ULY_RETURN_IF_ERROR(Command(StrCat("arm ", k), "ok"));
     __atomic_store_n(gate_ + 1, k, __ATOMIC_RELEASE);
     double wall = 0, on_stream = 0;
-    for (Child& child : children_) {
-      ULY_ASSIGN_OR_RETURN(std::string line, ReadLine(child));
+    for (int r = 0; r < static_cast<int>(children_.size()); ++r) {
+      ULY_ASSIGN_OR_RETURN(std::string line, Answer(r));
       double w = 0, st = 0;
-      if (std::sscanf(line.c_str(), "us %lf %lf", &w, &st) != 2)
-        return absl::InternalError(StrCat("a rank process answered '", line, "'"));
+      if (std::sscanf(line.c_str(), "us %lf %lf", &w, &st) != 2) return Unexpected(r, line);
       wall = std::max(wall, w);
       on_stream = std::max(on_stream, st);
     }
@@ -825,27 +806,22 @@ class RankProcesses {
     __atomic_store_n(gate_, g, __ATOMIC_RELEASE);
     ULY_RETURN_IF_ERROR(SendAll("collect"));
     double slowest = 0;
-    for (Child& child : children_) {
-      ULY_ASSIGN_OR_RETURN(std::string line, ReadLine(child));
-      if (line.rfind("us ", 0) != 0) return absl::InternalError(StrCat("a rank process answered '", line, "'"));
+    for (int r = 0; r < static_cast<int>(children_.size()); ++r) {
+      ULY_ASSIGN_OR_RETURN(std::string line, Answer(r));
+      if (line.rfind("us ", 0) != 0) return Unexpected(r, line);
       slowest = std::max(slowest, std::stod(line.substr(3)));
     }
     return slowest;
   }
 
+  /// Lets any held stream and spinning child go, asks every child to quit (at most 10 s each,
+  /// then SIGKILL), and releases the gate. Idempotent.
   void Stop() {
-    if (gate_ != nullptr) __atomic_store_n(gate_, ~uint64_t{0} >> 1, __ATOMIC_RELEASE);  // let any held stream go
-    for (Child& child : children_) {
-      if (child.in != nullptr) {
-        std::fputs("quit\n", child.in);
-        std::fclose(child.in);
-      }
+    if (gate_ != nullptr) {
+      __atomic_store_n(gate_, ~uint64_t{0} >> 1, __ATOMIC_RELEASE);
+      __atomic_store_n(gate_ + 1, ~uint64_t{0} >> 1, __ATOMIC_RELEASE);
     }
-    for (Child& child : children_) {
-      int status = 0;
-      if (child.pid > 0) ::waitpid(child.pid, &status, 0);
-      if (child.out != nullptr) std::fclose(child.out);
-    }
+    for (auto& child : children_) child->Stop("quit");
     children_.clear();
     if (gate_ != nullptr) ::munmap(gate_, 4096);
     gate_ = nullptr;
@@ -854,40 +830,32 @@ class RankProcesses {
   }
 
  private:
-  struct Child {
-    pid_t pid = -1;
-    FILE* in = nullptr;
-    FILE* out = nullptr;
-  };
-  static absl::StatusOr<std::string> ReadLine(Child& child) {
-    char buf[512];
-    if (std::fgets(buf, sizeof buf, child.out) == nullptr)
-      return absl::InternalError(StrCat("rank process ", child.pid, " ended"));
-    std::string line(buf);
-    while (!line.empty() && line.back() == '\n') line.pop_back();
-    if (line.rfind("error ", 0) == 0) return absl::InternalError(StrCat("rank process: ", line.substr(6)));
+  static absl::Status Unexpected(int rank, const std::string& line) {
+    return absl::InternalError(StrCat("rank process ", rank, " answered '", line, "'"));
+  }
+  // Rank r's next answer; its "error ..." becomes the error.
+  absl::StatusOr<std::string> Answer(int r) {
+    absl::StatusOr<std::string> line = children_[r]->ReadLine(kAnswer);
+    if (!line.ok())
+      return absl::Status(line.status().code(), StrCat("rank process ", r, ": ", line.status().message()));
+    if (line->rfind("error ", 0) == 0)
+      return absl::InternalError(StrCat("rank process ", r, ": ", line->substr(6)));
     return line;
   }
   absl::Status SendAll(const std::string& cmd) {
-    for (Child& child : children_) {
-      if (std::fprintf(child.in, "%s\n", cmd.c_str()) < 0 || std::fflush(child.in) != 0)
-        return absl::InternalError("a rank process is gone");
-    }
-    return absl::OkStatus();
-  }
-  absl::Status ExpectAll(const std::string& want) {
-    for (Child& child : children_) {
-      ULY_ASSIGN_OR_RETURN(std::string line, ReadLine(child));
-      if (line != want) return absl::InternalError(StrCat("a rank process answered '", line, "'"));
-    }
+    for (auto& child : children_) ULY_RETURN_IF_ERROR(child->Send(cmd));
     return absl::OkStatus();
   }
   absl::Status Command(const std::string& cmd, const std::string& want) {
     ULY_RETURN_IF_ERROR(SendAll(cmd));
-    return ExpectAll(want);
+    for (int r = 0; r < static_cast<int>(children_.size()); ++r) {
+      ULY_ASSIGN_OR_RETURN(std::string line, Answer(r));
+      if (line != want) return Unexpected(r, line);
+    }
+    return absl::OkStatus();
   }
 
-  std::vector<Child> children_;
+  std::vector<std::unique_ptr<LineProcess>> children_;
   std::vector<uint64_t> session_ids_;
   std::vector<double> stream_us_;
   int gate_fd_ = -1;
