@@ -369,15 +369,20 @@ class StreamWords {
     if (closed_) return false;
     ULY_RETURN_IF_ERROR(ipc::cuda::StreamWrite64(stream, &words_->released[slot], epoch));
     ULY_RETURN_IF_ERROR(MarkLocked(stream));
-    last_release_[slot] = {epoch, stream};
+    // The stream by its id, not its handle: a handle can name another stream later (made at
+    // the address of a destroyed one, or the per-thread default stream of another thread).
+    // No id: no later ready word is taken to imply this release.
+    absl::StatusOr<uint64_t> id = ipc::cuda::StreamId(stream);
+    last_release_[slot] = {epoch, id.ok() ? *id : 0};
     return true;
   }
   // Whether `slot`'s result of `epoch` was given back by a release word already enqueued on
-  // `stream`: a ready word written on `stream` from now on implies it.
-  bool ReleasedOn(int slot, uint64_t epoch, void* stream) {
+  // the stream whose id is `stream_id`: a ready word written on it from now on implies it.
+  bool ReleasedOn(int slot, uint64_t epoch, uint64_t stream_id) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = last_release_.find(slot);
-    return it != last_release_.end() && it->second.epoch == epoch && it->second.stream == stream;
+    return it != last_release_.end() && it->second.epoch == epoch && it->second.stream_id != 0 &&
+           it->second.stream_id == stream_id;
   }
   // Marks `stream` after work enqueued on it that names these mappings.
   absl::Status Mark(void* stream) {
@@ -425,11 +430,11 @@ class StreamWords {
   std::shared_ptr<void> words_mapping_, slots_mapping_;
   ClientDeviceWords* const words_;
   std::map<void*, std::unique_ptr<ipc::cuda::StreamMark>> marks_;
-  struct StreamRelease {
+  struct LastRelease {
     uint64_t epoch = 0;
-    void* stream = nullptr;
+    uint64_t stream_id = 0;  // 0: unknown
   };
-  std::map<int, StreamRelease> last_release_;  // per slot, the last release on a stream
+  std::map<int, LastRelease> last_release_;  // per slot, the last release on a stream
 };
 
 // ULYSSES_RELEASE_IN_ORDER=0 never claims a release implied by the ready word, so the daemon's
@@ -1097,9 +1102,11 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
     const uint64_t previous = d.epoch > static_cast<uint64_t>(geometry_.num_slots)
                                   ? d.epoch - static_cast<uint64_t>(geometry_.num_slots)
                                   : 0;
-    if (previous != 0 && ReleaseInOrderEnabled() &&
-        stream_words_->ReleasedOn(slot, previous, stream_))
-      d.flags |= ipc::kDescriptorReleasedInOrder;
+    if (previous != 0 && ReleaseInOrderEnabled()) {
+      absl::StatusOr<uint64_t> id = ipc::cuda::StreamId(stream_);
+      if (id.ok() && stream_words_->ReleasedOn(slot, previous, *id))
+        d.flags |= ipc::kDescriptorReleasedInOrder;
+    }
     ULY_RETURN_IF_ERROR(stream_words_->Ready(stream_, slot, d.epoch));
     d.flags |= ipc::kDescriptorStreamOrdered;
   } else {

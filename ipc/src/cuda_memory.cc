@@ -514,6 +514,12 @@ absl::Status SyncStream(void* stream) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint64_t> StreamId(void* stream) {
+  unsigned long long id = 0;
+  ULY_CUDART(cudaStreamGetId(static_cast<cudaStream_t>(stream), &id));
+  return static_cast<uint64_t>(id);
+}
+
 absl::Status StreamWaitStream(void* consumer, void* producer) {
   if (consumer == producer) return absl::OkStatus();
   cudaEvent_t ev = nullptr;

@@ -40,6 +40,7 @@ AllocationStats Stats() { return {}; }
 absl::Status Copy(void*, const void*, size_t) { return NoCuda(); }
 absl::Status Fill(void*, int, size_t) { return NoCuda(); }
 absl::Status SyncStream(void*) { return NoCuda(); }
+absl::StatusOr<uint64_t> StreamId(void*) { return NoCuda(); }
 absl::Status StreamWaitStream(void*, void*) { return NoCuda(); }
 absl::Status StreamWrite64(void*, uint64_t*, uint64_t) { return NoCuda(); }
 absl::Status StreamWait64(void*, const uint64_t*, uint64_t) { return NoCuda(); }

@@ -162,6 +162,10 @@ absl::Status Copy(void* dst, const void* src, size_t bytes);
 absl::Status Fill(void* dst, int value, size_t bytes);
 /// cudaStreamSynchronize (`stream` a cudaStream_t; nullptr: the legacy default stream).
 absl::Status SyncStream(void* stream);
+/// The CUDA runtime's id of `stream` (cudaStreamGetId): one stream, one id, for the life of its
+/// context. Unlike the handle it tells apart a stream made after another was destroyed at the
+/// same address, and the per-thread default stream of two threads.
+absl::StatusOr<uint64_t> StreamId(void* stream);
 /// Enqueues on `consumer` a wait for the work enqueued on `producer` so far (an event recorded
 /// on one, waited on by the other); no host thread waits. Nothing when they are the same.
 absl::Status StreamWaitStream(void* consumer, void* producer);
