@@ -119,8 +119,10 @@ class KillFixture : public ::testing::Test {
     ASSERT_TRUE(Eventually([&] {
       return CountSessionMappings(daemons_[1].pid()) == baseline_shm_;
     })) << what << ": a session segment of the killed client is still mapped";
+    // At most the baseline: a descriptor the daemon held only for a moment when SetUp counted
+    // (seen once under TSan: 28 against 29) is not one the killed client left behind.
     ASSERT_TRUE(Eventually([&] {
-      return CountFdsButPipes(daemons_[1].pid()) == baseline_fds_;
+      return CountFdsButPipes(daemons_[1].pid()) <= baseline_fds_;
     })) << what << ": descriptors "
         << CountFdsButPipes(daemons_[1].pid()) << " vs baseline "
         << baseline_fds_;
@@ -207,7 +209,7 @@ TEST_P(KillAtPhase, DaemonReclaimsEverythingAndPeersAbort) {
     return CountSessionMappings(daemons_[1].pid()) == baseline_shm_;
   })) << "a session segment of the killed client is still mapped";
   EXPECT_TRUE(Eventually([&] {
-    return CountFdsButPipes(daemons_[1].pid()) == baseline_fds_;
+    return CountFdsButPipes(daemons_[1].pid()) <= baseline_fds_;  // as BackToBaseline
   })) << "descriptors: " << CountFdsButPipes(daemons_[1].pid())
       << " vs baseline " << baseline_fds_;
   if (phase == "exchange") {
