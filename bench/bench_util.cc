@@ -262,14 +262,18 @@ absl::Status LineProcess::Send(const std::string& line) {
   while (done < data.size()) {
     // MSG_NOSIGNAL is for sockets: a pipe whose reader is gone raises SIGPIPE unless ignored,
     // so block it around the write and take EPIPE as the answer.
-    sigset_t pipe_only, old;
+    // A write that the reader's close cuts short raises SIGPIPE even when it wrote part of
+    // the data, so whatever this write left pending is taken, not only after EPIPE.
+    sigset_t pipe_only, old, pending;
     sigemptyset(&pipe_only);
     sigaddset(&pipe_only, SIGPIPE);
     pthread_sigmask(SIG_BLOCK, &pipe_only, &old);
+    sigpending(&pending);
+    const bool was_pending = sigismember(&pending, SIGPIPE) == 1;
     const ssize_t n = in_ >= 0 ? ::write(in_, data.data() + done, data.size() - done) : -1;
     const int err = in_ >= 0 ? errno : EPIPE;
-    if (n < 0 && err == EPIPE) {
-      // Take the SIGPIPE this write left pending, so that unblocking does not deliver it.
+    sigpending(&pending);
+    if (!was_pending && sigismember(&pending, SIGPIPE) == 1) {
       const timespec zero{0, 0};
       (void)sigtimedwait(&pipe_only, nullptr, &zero);
     }
