@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <string>
 #include <thread>
 #include <vector>
@@ -59,6 +60,16 @@ void Check(cudaError_t err, const char* what) {
 }
 void Check(const absl::Status& st) {
   if (!st.ok()) Die(std::string(st.message()));
+}
+
+// Today's UTC date, "2026-12-04".
+std::string UtcDate() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[16];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d", &tm);
+  return buf;
 }
 
 enum class Mode { kMemop, kCall, kCallStore, kCallPoll, kSpin };
@@ -324,6 +335,7 @@ int main(int argc, char** argv) {
 #endif
                         {"mps_pipe_set", mps != nullptr},
                         {"label", label},
+                        {"date", UtcDate()},
                         {"rounds", rounds},
                         {"reps", reps},
                         {"rows", rows}};
