@@ -281,6 +281,17 @@ void FillInput(uint16_t* data, uint64_t elems, int rank, OpKind op) {
   }
 }
 
+// The session every rank of a case opens: its geometry, bf16, kSlots slots.
+client::SessionSpec SpecOf(const Case& c) {
+  client::SessionSpec spec;
+  spec.num_heads = c.heads();
+  spec.head_dim = c.head_dim;
+  spec.dtype = DType::kBFloat16;
+  spec.max_tokens = c.seq_local();
+  spec.num_slots = kSlots;
+  return spec;
+}
+
 std::unique_ptr<uint8_t[]> HostBytes(uint64_t bytes) {
   return std::unique_ptr<uint8_t[]>(new (std::nothrow) uint8_t[bytes]);
 }
@@ -450,13 +461,8 @@ class DaemonPath {
       ULY_ASSIGN_OR_RETURN(in_[r], cluster_.client(r, set_).RegisterDeviceBuffer(a.input(r), c_.bytes, "bench-in"));
     }
     return RunCollective(W, [&](int r) -> absl::Status {
-      client::SessionSpec spec;
-      spec.num_heads = c_.heads();
-      spec.head_dim = c_.head_dim;
-      spec.dtype = DType::kBFloat16;
-      spec.max_tokens = c_.seq_local();
-      spec.num_slots = kSlots;
-      ULY_ASSIGN_OR_RETURN(sessions_[r], cluster_.client(r, set_).CreateSession(cluster_.group(r, set_), spec));
+      ULY_ASSIGN_OR_RETURN(sessions_[r],
+                           cluster_.client(r, set_).CreateSession(cluster_.group(r, set_), SpecOf(c_)));
       sessions_[r]->set_stream(streams_[r].get());
       return absl::OkStatus();
     });
@@ -657,13 +663,7 @@ int RunRankChild(const RankChildArgs& a) {
                          client::Client::Connect({a.members[a.rank], StrCat("bench-rank-", a.rank)}));
     ULY_ASSIGN_OR_RETURN(client::Group group,
                          cl->JoinGroup({a.group, a.world, a.rank, a.members, "nvlink", 0}));
-    client::SessionSpec spec;
-    spec.num_heads = c.heads();
-    spec.head_dim = c.head_dim;
-    spec.dtype = DType::kBFloat16;
-    spec.max_tokens = c.seq_local();
-    spec.num_slots = kSlots;
-    ULY_ASSIGN_OR_RETURN(std::unique_ptr<client::Session> session, cl->CreateSession(group, spec));
+    ULY_ASSIGN_OR_RETURN(std::unique_ptr<client::Session> session, cl->CreateSession(group, SpecOf(c)));
     ULY_ASSIGN_OR_RETURN(client::Buffer in, cl->RegisterDeviceBuffer(input.get(), c.bytes, "bench-in"));
     Stream stream;
     EventPair events;

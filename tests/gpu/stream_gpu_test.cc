@@ -145,6 +145,19 @@ TEST_F(StreamCluster, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
 // come on another stream. The daemon's stream waits for the release on the device, so the
 // slot is not overwritten before the read, and the daemon's host does not wait: another
 // session of the same client is served meanwhile.
+// Rank 0's W = 1 input of iteration `it` ([B*S, H, D] float32): its values in `in`, the same
+// bytes in a shared buffer of `c` in `x`.
+void MakeInput(client::Client& c, int it, std::vector<float>* in, client::Buffer* x) {
+  const int64_t elems = int64_t{kB} * kS * kH * kD;
+  in->resize(elems);
+  for (int64_t i = 0; i < elems; ++i)
+    (*in)[i] = Value(0, it, 0, i / (kH * kD), (i / kD) % kH, i % kD);
+  auto buf = c.AllocBuffer(elems * 4, "x");
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  *x = *buf;
+  ASSERT_EQ(cudaMemcpy(x->data, in->data(), elems * 4, cudaMemcpyHostToDevice), cudaSuccess);
+}
+
 TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
   Start(1);
   const int64_t elems = int64_t{kB} * kS * kH * kD;  // W = 1: the result has the input's size
@@ -163,15 +176,7 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
   ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&out1), elems * 4), cudaSuccess);
   ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&out2), elems * 4), cudaSuccess);
   std::vector<client::Buffer> x(2);
-  for (int it = 0; it < 2; ++it) {
-    in[it].resize(elems);
-    for (int64_t i = 0; i < elems; ++i)
-      in[it][i] = Value(0, it, 0, i / (kH * kD), (i / kD) % kH, i % kD);
-    auto buf = (*c)->AllocBuffer(elems * 4, "x");
-    ASSERT_TRUE(buf.ok()) << buf.status();
-    x[it] = *buf;
-    ASSERT_EQ(cudaMemcpy(x[it].data, in[it].data(), elems * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  }
+  for (int it = 0; it < 2; ++it) ASSERT_NO_FATAL_FAILURE(MakeInput(**c, it, &in[it], &x[it]));
   cudaStream_t a = nullptr, b = nullptr, other = nullptr;
   for (cudaStream_t* st : {&a, &b, &other})
     ASSERT_EQ(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking), cudaSuccess);
@@ -244,13 +249,7 @@ TEST_F(StreamCluster, AReleaseOnTheCallsOwnStreamIsImpliedByItsReadyWord) {
   std::vector<client::Buffer> x(3);
   std::vector<float*> out(3, nullptr);
   for (int it = 0; it < 3; ++it) {
-    in[it].resize(elems);
-    for (int64_t i = 0; i < elems; ++i)
-      in[it][i] = Value(0, it, 0, i / (kH * kD), (i / kD) % kH, i % kD);
-    auto buf = (*c)->AllocBuffer(elems * 4, "x");
-    ASSERT_TRUE(buf.ok()) << buf.status();
-    x[it] = *buf;
-    ASSERT_EQ(cudaMemcpy(x[it].data, in[it].data(), elems * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_NO_FATAL_FAILURE(MakeInput(**c, it, &in[it], &x[it]));
     ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&out[it]), elems * 4), cudaSuccess);
   }
   cudaStream_t a = nullptr;
