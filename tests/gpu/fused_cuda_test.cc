@@ -378,16 +378,17 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
   std::vector<std::unique_ptr<DeviceBuffer>> x_, positions_;
 };
 
-using Param = std::tuple<int32_t, int32_t>;  // hidden, world
+// hidden, world, batch, seq_local
+using Param = std::tuple<int32_t, int32_t, int64_t, int64_t>;
 
 class GpuFusedQkvTest : public FusedGpuBase<Param> {
  protected:
   using Refs = std::vector<std::vector<uint16_t>>;
 
   void SetUp() override {
-    const auto [hidden, world] = GetParam();
-    Init(QkvNormRopeShape{world, hidden / kFusedGpuHeadDim, kFusedGpuHeadDim, kMaxPos, kBatch,
-                          kSeqLocal},
+    const auto [hidden, world, batch, seq_local] = GetParam();
+    Init(QkvNormRopeShape{world, hidden / kFusedGpuHeadDim, kFusedGpuHeadDim, kMaxPos, batch,
+                          seq_local},
          1000 + hidden + world);
     if (IsSkipped() || HasFatalFailure()) return;
     // The reference, one rank at a time, rows across threads; computed once per shape.
@@ -523,26 +524,26 @@ TEST_P(GpuFusedQkvTest, LaunchersRejectBadArgumentsAndEnqueueNothing) {
             absl::StatusCode::kInvalidArgument);
   std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0);
   ASSERT_NE(plan, nullptr);
-  EXPECT_EQ(plan->RunPerOperator(x_[0]->as<void>(), positions_[0]->as<int32_t>(), kBatch,
-                                 kSeqLocal + 1, plain, stream_)
+  EXPECT_EQ(plan->RunPerOperator(x_[0]->as<void>(), positions_[0]->as<int32_t>(), shape_.batch,
+                                 shape_.seq_local + 1, plain, stream_)
                 .code(),
             absl::StatusCode::kResourceExhausted);
   if (plan->EpilogueUnavailable().empty()) {
-    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<void>(), positions_[0]->as<int32_t>(), kBatch,
-                                kSeqLocal + 1, plain, stream_)
+    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<void>(), positions_[0]->as<int32_t>(), shape_.batch,
+                                shape_.seq_local + 1, plain, stream_)
                   .code(),
               absl::StatusCode::kResourceExhausted);
-    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<uint8_t>() + 2, positions_[0]->as<int32_t>(), kBatch,
-                                kSeqLocal, plain, stream_)
+    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<uint8_t>() + 2, positions_[0]->as<int32_t>(), shape_.batch,
+                                shape_.seq_local, plain, stream_)
                   .code(),
               absl::StatusCode::kInvalidArgument);
-    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<void>(), positions_[0]->as<int32_t>(), kBatch,
-                                kSeqLocal, QkvDestinations{nullptr, nullptr, 0}, stream_)
+    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<void>(), positions_[0]->as<int32_t>(), shape_.batch,
+                                shape_.seq_local, QkvDestinations{nullptr, nullptr, 0}, stream_)
                   .code(),
               absl::StatusCode::kInvalidArgument);
   } else {
-    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<void>(), positions_[0]->as<int32_t>(), kBatch,
-                                kSeqLocal, plain, stream_)
+    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<void>(), positions_[0]->as<int32_t>(), shape_.batch,
+                                shape_.seq_local, plain, stream_)
                   .code(),
               absl::StatusCode::kFailedPrecondition);
   }
@@ -596,13 +597,29 @@ INSTANTIATE_TEST_SUITE_P(LargeRows, GpuFusedQkvLargeRowsTest,
                          LargeParamName);
 
 std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
-  return "hidden" + std::to_string(std::get<0>(info.param)) + "_W" +
-         std::to_string(std::get<1>(info.param));
+  const auto [hidden, world, batch, seq_local] = info.param;
+  std::string name = "hidden" + std::to_string(hidden) + "_W" + std::to_string(world);
+  if (batch != kBatch || seq_local != kSeqLocal)
+    name += "_B" + std::to_string(batch) + "_Sl" + std::to_string(seq_local);
+  return name;
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuFusedQkvTest,
                          ::testing::Combine(::testing::Values(512, 3072, 4096, 6144, 8192),
-                                            ::testing::Values(1, 2, 4)),
+                                            ::testing::Values(1, 2, 4), ::testing::Values(kBatch),
+                                            ::testing::Values(kSeqLocal)),
+                         ParamName);
+
+// Shards shorter than the 8 rows a thread of the epilogue steps by (and than a 128-row tile):
+// every step and every tile crosses batch boundaries, so each row's destination token comes
+// from the epilogue's stepped (batch, position) arithmetic, wrapped one or more times.
+INSTANTIATE_TEST_SUITE_P(ShortShards, GpuFusedQkvTest,
+                         ::testing::Combine(::testing::Values(512), ::testing::Values(1, 2, 4),
+                                            ::testing::Values(int64_t{40}),
+                                            ::testing::Values(int64_t{5})),
+                         ParamName);
+INSTANTIATE_TEST_SUITE_P(OddShards, GpuFusedQkvTest,
+                         ::testing::Values(Param{512, 2, 3, 67}, Param{1024, 4, 25, 9}),
                          ParamName);
 
 }  // namespace
