@@ -125,11 +125,6 @@ class NormRopeStoreEpilogue {
     return true;
   }
 
-  // The tile row of a thread's j-th row (the order the comment in operator() gives).
-  static constexpr CUTLASS_HOST_DEVICE int RowOf(int half_warp, int j) {
-    return half_warp + j * kHalfWarps;
-  }
-
   // `params` is the kernel's (a __grid_constant__ parameter): kept by address, not copied. A
   // copy is a per-thread struct of 1 KiB (the W destinations' pointers) that the dynamic
   // index by destination puts on the stack, in local memory.
@@ -165,7 +160,7 @@ class NormRopeStoreEpilogue {
     int32_t pos[kRowsPerThread];
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kRowsPerThread; ++j) {
-      const int64_t row = int64_t{m_tile} * kTileM + RowOf(half_warp, j);
+      const int64_t row = int64_t{m_tile} * kTileM + half_warp + j * kHalfWarps;
       pos[j] = plane < 2 && row < p.rows ? p.positions[row] : 0;
     }
     if (thread_idx == 0) {
@@ -201,24 +196,11 @@ class NormRopeStoreEpilogue {
     const uint32_t src_base = static_cast<uint32_t>(p.src * p.shape.seq_local);
     const uint32_t plane_elems = static_cast<uint32_t>(QkvPlaneElems(p.shape));
     uint16_t* out = p.out[dst];
-    // The token (in the destination's whole sequence) of this thread's row, kept as (batch,
-    // position in the shard) and stepped from row to row: one division per tile, not one per
-    // row (a 32-bit division by a runtime divisor is a long sequence on the rows' path).
-    const uint32_t sl = static_cast<uint32_t>(p.shape.seq_local);
-    const uint32_t first_row = static_cast<uint32_t>(m_tile * kTileM + RowOf(half_warp, 0));
-    uint32_t b = first_row / sl, t = first_row - b * sl;
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kRowsPerThread; ++j) {
-      const int r = RowOf(half_warp, j);
+      const int r = half_warp + j * kHalfWarps;
       const int64_t row = int64_t{m_tile} * kTileM + r;
       const bool valid = row < p.rows;
-      if (j > 0) {
-        t += kHalfWarps;
-        while (t >= sl) {
-          t -= sl;
-          ++b;
-        }
-      }
       uint4 raw = *reinterpret_cast<const uint4*>(storage.tile + r * kPitch + lane * kHeadVec);
       if (valid && p.projection != nullptr) {
         *reinterpret_cast<uint4*>(p.projection + row * features + n + lane * kHeadVec) = raw;
@@ -226,8 +208,9 @@ class NormRopeStoreEpilogue {
       if (plane < 2) NormRopeHead(raw, valid, w, cs[j]);  // the same for every lane of the tile
       if (valid && !cancelled) {
         // QkvDestOffset in 32-bit arithmetic: every offset of a slot is below 2^31 (Run checks
-        // B*S_l*3*H*D).
-        const uint32_t token = b * sl * world + src_base + t;
+        // B*S_l*3*H*D), and a 64-bit division costs a long software sequence per row.
+        const uint32_t r32 = static_cast<uint32_t>(row), sl = static_cast<uint32_t>(p.shape.seq_local);
+        const uint32_t b = r32 / sl, token = b * sl * world + src_base + (r32 - b * sl);
         const uint32_t at =
             p.layout == QkvLayout::kFused
                 ? (token * hl + h) * 3 * kHeadDim + plane * kHeadDim + lane * kHeadVec
