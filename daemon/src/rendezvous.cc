@@ -306,6 +306,11 @@ std::shared_ptr<grpc::Channel> ChannelCache::Get(const std::string& address, abs
   return it->second.channel;
 }
 
+RendezvousClient::~RendezvousClient() {
+  std::lock_guard<std::mutex> lock(mu_);
+  channels_.clear();
+}
+
 absl::StatusOr<std::shared_ptr<grpc::Channel>> RendezvousClient::ChannelFor(
     const std::string& address) {
   ULY_ASSIGN_OR_RETURN(const std::string node, NodeSocketAddress(address));

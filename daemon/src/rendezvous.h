@@ -167,6 +167,8 @@ class ChannelCache {
   std::shared_ptr<grpc::Channel> Get(const std::string& address, absl::Time now);
   size_t size() const { return entries_.size(); }
   bool contains(const std::string& address) const { return entries_.count(address) > 0; }
+  /// Drops every channel (one a call still holds stays alive with it).
+  void clear() { entries_.clear(); }
 
  private:
   struct Entry {
@@ -220,6 +222,13 @@ class RendezvousCall : public std::enable_shared_from_this<RendezvousCall> {
 /// Thread-safe.
 class RendezvousClient {
  public:
+  RendezvousClient() = default;
+  /// Drops the channels under the lock every use of them takes: the last use was on a gRPC
+  /// callback thread, which the destroying thread knows nothing else of.
+  ~RendezvousClient();
+  RendezvousClient(const RendezvousClient&) = delete;
+  RendezvousClient& operator=(const RendezvousClient&) = delete;
+
   /// Arrives under `key` at rank 0's table (`address`: rank 0's member address, its control
   /// socket) and returns at once; `done` gets the verdict, once, on a gRPC callback thread (it
   /// must not block). INVALID_ARGUMENT, nothing dialled and `done` never called, when `address`

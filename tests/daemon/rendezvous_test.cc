@@ -43,6 +43,21 @@ TEST(ChannelCacheTest, ChannelsUnusedPastTheIdleTimeAreDropped) {
   EXPECT_TRUE(cache.contains("/run/b.sock"));
 }
 
+TEST(ChannelCacheTest, ClearDropsEveryChannelAndAHeldOneStaysUsable) {
+  ChannelCache cache(8, absl::Minutes(5));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  std::shared_ptr<grpc::Channel> held = cache.Get("/run/c.sock", t0);
+  (void)cache.Get("/run/d.sock", t0);
+  cache.clear();
+  EXPECT_EQ(cache.size(), 0u);
+  EXPECT_FALSE(cache.contains("/run/c.sock"));
+  ASSERT_NE(held, nullptr);
+  EXPECT_EQ(held.use_count(), 1);  // the cache let go of it; the caller's copy is whole
+  (void)held->GetState(false);
+  // The next use makes a new channel.
+  EXPECT_NE(cache.Get("/run/c.sock", t0 + absl::Seconds(1)), held);
+}
+
 TEST(NodeSocketAddressTest, EachUnixFormGetsTheSuffixOnItsPath) {
   struct Case {
     const char* member;
