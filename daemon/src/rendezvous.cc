@@ -306,7 +306,41 @@ std::shared_ptr<grpc::Channel> ChannelCache::Get(const std::string& address, abs
   return it->second.channel;
 }
 
+namespace {
+// One EndGroup call to rank 0's table, alive until gRPC answers it.
+struct EndGroupCall {
+  std::unique_ptr<v1::Peer::Stub> stub;
+  grpc::ClientContext ctx;
+  v1::AbortRendezvousRequest req;
+  v1::AbortRendezvousResponse resp;
+};
+}  // namespace
+
+struct RendezvousClient::EndGroupCalls {
+  std::mutex mu;
+  std::condition_variable ended;
+  std::map<const EndGroupCall*, std::shared_ptr<EndGroupCall>> calls;
+};
+
+RendezvousClient::RendezvousClient() : end_group_calls_(std::make_shared<EndGroupCalls>()) {}
+
 RendezvousClient::~RendezvousClient() {
+  EndGroupCalls& in_flight = *end_group_calls_;
+  std::vector<std::shared_ptr<EndGroupCall>> pending;
+  {
+    std::lock_guard<std::mutex> lock(in_flight.mu);
+    for (const auto& [key, call] : in_flight.calls) pending.push_back(call);
+  }
+  // Outside the lock: a cancel may run the callback, which takes it.
+  for (const auto& call : pending) call->ctx.TryCancel();
+  pending.clear();
+  {
+    std::unique_lock<std::mutex> lock(in_flight.mu);
+    if (!in_flight.ended.wait_for(lock, absl::ToChronoNanoseconds(kEndGroupDrain),
+                                  [&] { return in_flight.calls.empty(); }))
+      Logger("peer")->warn("{} end-of-group call(s) still unanswered at shutdown",
+                           in_flight.calls.size());
+  }
   std::lock_guard<std::mutex> lock(mu_);
   channels_.clear();
 }
@@ -334,28 +368,30 @@ absl::Status RendezvousClient::Abort(const std::string& address, const std::stri
 absl::Status RendezvousClient::EndGroup(const std::string& address, const std::string& prefix,
                                         const std::string& reason) {
   ULY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, ChannelFor(address));
-  struct Call {
-    std::unique_ptr<v1::Peer::Stub> stub;
-    grpc::ClientContext ctx;
-    v1::AbortRendezvousRequest req;
-    v1::AbortRendezvousResponse resp;
-  };
-  auto call = std::make_shared<Call>();
+  auto call = std::make_shared<EndGroupCall>();
   call->stub = v1::Peer::NewStub(channel);
   call->req.set_key(prefix);
   call->req.set_reason(reason);
   call->req.set_prefix(true);
   call->ctx.set_deadline(absl::ToChronoTime(absl::Now() + RendezvousCall::kAbortTimeout));
-  // The call keeps itself (and its stub) alive until gRPC answers it.
+  // The call keeps itself (and its stub) alive until gRPC answers it, and is listed until its
+  // callback is done, so that the destructor can wait for it.
+  std::shared_ptr<EndGroupCalls> in_flight = end_group_calls_;
+  {
+    std::lock_guard<std::mutex> lock(in_flight->mu);
+    in_flight->calls.emplace(call.get(), call);
+  }
   HappensBefore(&call->ctx);
-  call->stub->async()->AbortRendezvous(&call->ctx, &call->req, &call->resp,
-                                       [call, address](grpc::Status s) {
-                                         HappensAfter(&call->ctx);
-                                         if (!s.ok())
-                                           Logger("peer")->warn("end of group {} at {}: {}",
-                                                                call->req.key(), address,
-                                                                s.error_message());
-                                       });
+  call->stub->async()->AbortRendezvous(
+      &call->ctx, &call->req, &call->resp, [call, address, in_flight](grpc::Status s) {
+        HappensAfter(&call->ctx);
+        if (!s.ok() && s.error_code() != grpc::StatusCode::CANCELLED)  // cancelled: shutdown
+          Logger("peer")->warn("end of group {} at {}: {}", call->req.key(), address,
+                               s.error_message());
+        std::lock_guard<std::mutex> lock(in_flight->mu);
+        in_flight->calls.erase(call.get());
+        in_flight->ended.notify_all();
+      });
   return absl::OkStatus();
 }
 

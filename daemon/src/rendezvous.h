@@ -222,10 +222,15 @@ class RendezvousCall : public std::enable_shared_from_this<RendezvousCall> {
 /// Thread-safe.
 class RendezvousClient {
  public:
-  RendezvousClient() = default;
-  /// Drops the channels under the lock every use of them takes: the last use was on a gRPC
-  /// callback thread, which the destroying thread knows nothing else of.
+  RendezvousClient();
+  /// Cancels the EndGroup calls still in flight and waits (at most kEndGroupDrain) for their
+  /// callbacks, which log: none may run once the daemon is gone (at exit, the logger registry
+  /// is destroyed under them). Then drops the channels under the lock every use of them
+  /// takes: the last use was on a gRPC callback thread, which the destroying thread knows
+  /// nothing else of.
   ~RendezvousClient();
+  /// Longest the destructor waits for the callbacks of cancelled EndGroup calls.
+  static constexpr absl::Duration kEndGroupDrain = absl::Seconds(2);
   RendezvousClient(const RendezvousClient&) = delete;
   RendezvousClient& operator=(const RendezvousClient&) = delete;
 
@@ -260,6 +265,9 @@ class RendezvousClient {
   absl::StatusOr<std::shared_ptr<grpc::Channel>> ChannelFor(const std::string& address);
   std::mutex mu_;
   ChannelCache channels_;
+  /// EndGroup's calls until their callbacks ran; shared with those callbacks.
+  struct EndGroupCalls;
+  std::shared_ptr<EndGroupCalls> end_group_calls_;
 };
 
 /// Turns a member address ("unix:///p", "unix:/p", "/p" or "host:port") into a gRPC target.
