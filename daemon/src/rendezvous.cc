@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <set>
 
 #include "ulysses/common/geometry.h"
 #include "ulysses/common/happens_before.h"
@@ -319,7 +320,7 @@ struct EndGroupCall {
 struct RendezvousClient::EndGroupCalls {
   std::mutex mu;
   std::condition_variable ended;
-  std::map<const EndGroupCall*, std::shared_ptr<EndGroupCall>> calls;
+  std::set<std::shared_ptr<EndGroupCall>> calls;
 };
 
 RendezvousClient::RendezvousClient() : end_group_calls_(std::make_shared<EndGroupCalls>()) {}
@@ -329,7 +330,7 @@ RendezvousClient::~RendezvousClient() {
   std::vector<std::shared_ptr<EndGroupCall>> pending;
   {
     std::lock_guard<std::mutex> lock(in_flight.mu);
-    for (const auto& [key, call] : in_flight.calls) pending.push_back(call);
+    pending.assign(in_flight.calls.begin(), in_flight.calls.end());
   }
   // Outside the lock: a cancel may run the callback, which takes it.
   for (const auto& call : pending) call->ctx.TryCancel();
@@ -379,7 +380,7 @@ absl::Status RendezvousClient::EndGroup(const std::string& address, const std::s
   std::shared_ptr<EndGroupCalls> in_flight = end_group_calls_;
   {
     std::lock_guard<std::mutex> lock(in_flight->mu);
-    in_flight->calls.emplace(call.get(), call);
+    in_flight->calls.insert(call);
   }
   HappensBefore(&call->ctx);
   call->stub->async()->AbortRendezvous(
@@ -389,7 +390,7 @@ absl::Status RendezvousClient::EndGroup(const std::string& address, const std::s
           Logger("peer")->warn("end of group {} at {}: {}", call->req.key(), address,
                                s.error_message());
         std::lock_guard<std::mutex> lock(in_flight->mu);
-        in_flight->calls.erase(call.get());
+        in_flight->calls.erase(call);
         in_flight->ended.notify_all();
       });
   return absl::OkStatus();

@@ -231,8 +231,6 @@ class RendezvousClient {
   ~RendezvousClient();
   /// Longest the destructor waits for the callbacks of cancelled EndGroup calls.
   static constexpr absl::Duration kEndGroupDrain = absl::Seconds(2);
-  RendezvousClient(const RendezvousClient&) = delete;
-  RendezvousClient& operator=(const RendezvousClient&) = delete;
 
   /// Arrives under `key` at rank 0's table (`address`: rank 0's member address, its control
   /// socket) and returns at once; `done` gets the verdict, once, on a gRPC callback thread (it

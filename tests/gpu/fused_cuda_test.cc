@@ -533,8 +533,8 @@ TEST_P(GpuFusedQkvTest, LaunchersRejectBadArgumentsAndEnqueueNothing) {
                                 shape_.seq_local + 1, plain, stream_)
                   .code(),
               absl::StatusCode::kResourceExhausted);
-    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<uint8_t>() + 2, positions_[0]->as<int32_t>(), shape_.batch,
-                                shape_.seq_local, plain, stream_)
+    EXPECT_EQ(plan->RunEpilogue(x_[0]->as<uint8_t>() + 2, positions_[0]->as<int32_t>(),
+                                shape_.batch, shape_.seq_local, plain, stream_)
                   .code(),
               absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(plan->RunEpilogue(x_[0]->as<void>(), positions_[0]->as<int32_t>(), shape_.batch,
@@ -610,9 +610,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GpuFusedQkvTest,
                                             ::testing::Values(kSeqLocal)),
                          ParamName);
 
-// Shards shorter than the 8 rows a thread of the epilogue steps by (and than a 128-row tile):
-// every step and every tile crosses batch boundaries, so each row's destination token comes
-// from the epilogue's stepped (batch, position) arithmetic, wrapped one or more times.
+// Shards shorter than the 8 rows between a thread's rows in the epilogue (and than a 128-row
+// tile): every tile crosses batch boundaries, many of them, so each row's destination token
+// depends on the row's batch being found right.
 INSTANTIATE_TEST_SUITE_P(ShortShards, GpuFusedQkvTest,
                          ::testing::Combine(::testing::Values(512), ::testing::Values(1, 2, 4),
                                             ::testing::Values(int64_t{40}),
