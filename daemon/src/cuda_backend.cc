@@ -15,6 +15,7 @@
 #include "call_views.h"
 #include "out_write_cuda.h"
 #include "fd_exports.h"
+#include "fused_runner.h"
 #include "transport.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/protocol_words.h"
@@ -39,15 +40,6 @@ absl::Status UseDevice(int device) { return CudaStatus("cudaSetDevice", cudaSetD
 
 // Slots are 256-byte aligned inside the allocation (16-byte vector stores need 16).
 constexpr uint64_t kSlotAlign = 256;
-
-// The fused session's path rule (FusedPath::kAuto), from the measurements of docs/benchmarks.md
-// (1x H200 under MPS, 2026-12-03, 72 rows of the grid): from 2048 rows a call the epilogue path
-// is the fastest of the three on every row (0.80-0.97 of the per-operator path on most rows);
-// below 2048 rows it is slower than both others, and the chunked path is within 0.93-1.05 of
-// the per-operator one. Without the epilogue GEMM (not built, not sm_90), the chunked path
-// from 4096 rows (2026-12-01: 0.90-1.01 of the per-operator path there, up to 1.05 below).
-constexpr int64_t kEpilogueMinRows = 2048;
-constexpr int64_t kChunkedMinRows = 4096;
 
 class CudaTransport final : public Transport {
  public:
@@ -92,21 +84,8 @@ class CudaTransport final : public Transport {
     if (setup.fused) {
       // Everything a fused call needs is made here (GEMM workspace, projection buffer, second
       // stream, events); a call at a row count seen before allocates nothing.
-      const FusedSetup& f = *setup.fused;
-      kernels::FusedQkvConfig c;
-      c.world = f.geometry.world_size;
-      c.rank = f.geometry.rank;
-      c.heads = f.geometry.num_heads;
-      c.head_dim = f.geometry.head_dim;
-      c.max_pos = f.geometry.max_pos;
-      c.layout = f.geometry.layout;
-      c.max_tokens = f.geometry.max_tokens;
-      c.weights = f.weights;
-      ULY_ASSIGN_OR_RETURN(t->fused_plan_, kernels::FusedQkvPlan::Create(c));
-      const std::string no_epilogue = t->fused_plan_->EpilogueUnavailable();
-      if (f.path == FusedPath::kEpilogue && !no_epilogue.empty())
-        return absl::FailedPreconditionError(
-            StrCat("path: the epilogue path cannot run here: ", no_epilogue));
+      ULY_ASSIGN_OR_RETURN(t->fused_,
+                           FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores));
     }
     return std::unique_ptr<Transport>(std::move(t));
   }
@@ -142,7 +121,7 @@ class CudaTransport final : public Transport {
     for (cudaEvent_t ev : events_)
       if (ev != nullptr) cudaEventDestroy(ev);
     host_words_.reset();  // after the rescue stream's copies into it
-    fused_plan_.reset();  // its work was ordered before this stream's end
+    fused_.reset();  // its work was ordered before this stream's end
   }
 
   std::string LocalHandle() const override {
@@ -204,23 +183,24 @@ class CudaTransport final : public Transport {
   // Readiness is the stream protocol's (Enqueue's arrival words), so no per-launch words.
   absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot,
                        uint64_t epoch) override {
-    if (!Traits(plan.op).fused || !fused_plan_)
+    if (!Traits(plan.op).fused || !fused_)
       return absl::InvalidArgumentError(StrCat("op: ", OpName(plan.op), " is pushed per destination"));
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     const int64_t rows = plan.batch * plan.seq_local;
-    ULY_ASSIGN_OR_RETURN(const FusedPath path, PreparedPath(rows));
+    ULY_ASSIGN_OR_RETURN(const FusedPath path, fused_->PreparedPath(rows));
+    kernels::FusedQkvPlan& fused = fused_->plan();
     void* outs[kMaxWorldSize] = {};
     for (int r = 0; r < setup_.geometry.world_size; ++r) outs[r] = slot_base_[r] + SlotOffset(slot);
     const kernels::QkvDestinations dests{outs, nullptr, epoch, cancel()};
     const auto* positions = static_cast<const int32_t*>(ops.inputs[1]);
     if (path == FusedPath::kChunked)
-      return fused_plan_->RunChunked(ops.inputs[0], positions, plan.batch, plan.seq_local, dests,
+      return fused.RunChunked(ops.inputs[0], positions, plan.batch, plan.seq_local, dests,
                                      stream_);
     if (path == FusedPath::kEpilogue)
-      return fused_plan_->RunEpilogue(ops.inputs[0], positions, plan.batch, plan.seq_local, dests,
+      return fused.RunEpilogue(ops.inputs[0], positions, plan.batch, plan.seq_local, dests,
                                       stream_);
-    return fused_plan_->RunPerOperator(ops.inputs[0], positions, plan.batch, plan.seq_local, dests,
-                                       stream_);
+    return fused.RunPerOperator(ops.inputs[0], positions, plan.batch, plan.seq_local, dests,
+                                stream_);
   }
 
   absl::Status Flush() override {
@@ -373,30 +353,15 @@ class CudaTransport final : public Transport {
   }
   uint64_t DeviceBytes() const override { return slots_.size() + client_words_.size(); }
   std::string Describe() const override {
-    if (!fused_plan_)
+    if (!fused_)
       return "nvlink: CUDA exchange kernels storing into every destination's slot, one launch per "
              "call";
-    const FusedSetup& f = *setup_.fused;
-    std::string out = StrCat(
-        "nvlink: FusedQkvPlan on device ", device_,
-        " (cuBLASLt bf16 GEMM, norm_rope kernels; epilogue GEMM: ",
-        fused_plan_->EpilogueUnavailable().empty() ? "CUTLASS sm_90a"
-                                                   : fused_plan_->EpilogueUnavailable(),
-        "), ",
-        QkvLayoutName(f.geometry.layout), " layout, stores straight into the W destinations' "
-        "slots; path ", FusedPathName(f.path),
-        f.path == FusedPath::kAuto
-            ? (fused_plan_->EpilogueUnavailable().empty()
-                   ? StrCat(" (rule: epilogue from ", kEpilogueMinRows,
-                            " rows, chunked below)")
-                   : StrCat(" (rule: chunked from ", kChunkedMinRows,
-                            " rows, per_operator below)"))
-            : std::string());
-    std::lock_guard<std::mutex> lock(prepared_mu_);
-    if (prepared_.empty()) out += "\nno row count prepared yet";
-    for (const auto& [rows, p] : prepared_)
-      out += StrCat("\nrows ", rows, ": ", FusedPathName(p.path), " (", p.why, "): ", p.launches);
-    return out;
+    const std::string no_epilogue = fused_->plan().EpilogueUnavailable();
+    return StrCat("nvlink: FusedQkvPlan on device ", device_,
+                  " (cuBLASLt bf16 GEMM, norm_rope kernels; epilogue GEMM: ",
+                  no_epilogue.empty() ? "CUTLASS sm_90a" : no_epilogue, "), ",
+                  QkvLayoutName(setup_.fused->geometry.layout),
+                  " layout, stores straight into the W destinations' slots; ", fused_->Describe());
   }
 
  private:
@@ -413,58 +378,7 @@ class CudaTransport final : public Transport {
   // The local end of a call on the stream, not waited for: the out= copy or the merge.
   absl::Status EnqueueFinish(const CallPlan& plan, const CallOperands& ops, int slot) {
     const uint8_t* data = slot_base_[setup_.geometry.rank] + SlotOffset(slot);
-    if (Traits(plan.op).fused) {
-      if (!plan.has_out) return absl::OkStatus();
-      return CudaStatus(
-          "cudaMemcpyAsync",
-          cudaMemcpyAsync(ops.out, data,
-                          static_cast<size_t>(plan.slot_elems) * setup_.geometry.itemsize(),
-                          cudaMemcpyDeviceToDevice, stream_));
-    }
     return EnqueueOutWrite(setup_.geometry, plan, ops, data, stream_, cancel()).status();
-  }
-
-  // The path for `rows` rows, preparing the plan's GEMMs the first time this row count comes
-  // (host work: descriptors and algorithm choice; no device allocation).
-  absl::StatusOr<FusedPath> PreparedPath(int64_t rows) {
-    {
-      std::lock_guard<std::mutex> lock(prepared_mu_);
-      auto it = prepared_.find(rows);
-      if (it != prepared_.end()) return it->second.path;
-    }
-    ULY_RETURN_IF_ERROR(fused_plan_->Prepare(rows));
-    Prepared p;
-    const FusedPath asked = setup_.fused->path;
-    if (asked != FusedPath::kAuto) {
-      p.path = asked;
-      p.why = StrCat("the session asks for ", FusedPathName(asked));
-    } else if (fused_plan_->EpilogueUnavailable().empty() && rows >= kEpilogueMinRows) {
-      p.path = FusedPath::kEpilogue;
-      p.why = StrCat("auto: from ", kEpilogueMinRows,
-                     " rows the epilogue GEMM measured fastest (no projection in memory)");
-    } else if (fused_plan_->EpilogueUnavailable().empty()) {
-      p.path = FusedPath::kChunked;
-      p.why = StrCat("auto: under ", kEpilogueMinRows, " rows the chunked path measured fastest");
-    } else if (rows < kChunkedMinRows) {
-      p.path = FusedPath::kPerOperator;
-      p.why = StrCat("auto: no epilogue GEMM (", fused_plan_->EpilogueUnavailable(),
-                     "); under ", kChunkedMinRows, " rows the chunked path measured no faster");
-    } else {
-      p.path = FusedPath::kChunked;
-      p.why = StrCat("auto: ", fused_plan_->NumChunks(rows), " chunks of ",
-                     fused_plan_->ChunkRows(rows), " rows overlap the stores with the GEMM");
-    }
-    // FusedQkvPlan::Describe gives one line per path, each starting with the path's name.
-    const std::string lines = fused_plan_->Describe(rows);
-    const std::string_view name = FusedPathName(p.path);
-    for (size_t at = 0; at < lines.size();) {
-      const size_t end = std::min(lines.find('\n', at), lines.size());
-      if (lines.compare(at, name.size(), name) == 0) p.launches = lines.substr(at, end - at);
-      at = end + 1;
-    }
-    std::lock_guard<std::mutex> lock(prepared_mu_);
-    prepared_[rows] = p;
-    return p.path;
   }
 
   const int device_;
@@ -493,16 +407,7 @@ class CudaTransport final : public Transport {
   static constexpr size_t kHostWordsBytes =
       kMaxWorldSize * sizeof(DeviceSlotWords) + 4 * sizeof(uint64_t);
   std::unique_ptr<void, FreeHost> host_words_;
-  // Fused sessions: the prepared plan, and per row count seen the path it runs and why. The
-  // calls run on the session's call thread; describe() reads the table from other threads.
-  std::unique_ptr<kernels::FusedQkvPlan> fused_plan_;
-  struct Prepared {
-    FusedPath path = FusedPath::kPerOperator;
-    std::string why;
-    std::string launches;
-  };
-  mutable std::mutex prepared_mu_;
-  std::map<int64_t, Prepared> prepared_;
+  std::unique_ptr<FusedRunner> fused_;  // fused sessions only
 };
 
 class CudaBackend final : public Backend {

@@ -3,8 +3,11 @@
 // its client map. A call packs this rank's block for every peer into a send staging buffer,
 // moves the blocks with one group of ncclSend/ncclRecv, and unpacks what arrived into the
 // local slot with the same destination-side plans the nvlink kernels store with, so the slot
-// ends bit-identical. Client buffers are the GPU backend's (CUDA IPC, VMM). Built only with
-// CUDA and NCCL.
+// ends bit-identical. A qkv_norm_rope_exchange session's call first computes this rank's
+// normalized projection (the per-operator path's GEMM and norm + RoPE), then moves it the same
+// way, as the head-chunk exchange of its q, k and v (layout fused) or as three head scatters,
+// one per plane (layout bshd). Client buffers are the GPU backend's (CUDA IPC, VMM). Built
+// only with CUDA and NCCL.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -15,6 +18,7 @@
 
 #include "absl/strings/escaping.h"
 #include "call_views.h"
+#include "fused_runner.h"
 #include "out_write_cuda.h"
 #include "transport.h"
 #include "ulysses/common/logging.h"
@@ -79,12 +83,12 @@ class NcclTransport final : public Transport {
  public:
   static absl::StatusOr<std::unique_ptr<Transport>> Create(int device, absl::Duration call_timeout,
                                                            const TransportSetup& setup) {
-    if (setup.fused)
-      return absl::UnimplementedError(
-          "kind: the nccl backend does not run qkv_norm_rope_exchange sessions; use the nvlink "
-          "backend, or the per-operator ops (scatter_qkv_head_chunk) on nccl");
     ULY_RETURN_IF_ERROR(UseDevice(device));
     std::unique_ptr<NcclTransport> t(new NcclTransport(device, call_timeout, setup));
+    if (setup.fused) {
+      ULY_ASSIGN_OR_RETURN(t->fused_,
+                           FusedRunner::Create(*setup.fused, FusedExchange::kTransportMoves));
+    }
     const int W = setup.geometry.world_size;
     t->stride_ = AlignUp(setup.slot_bytes, kAlign);
     ULY_ASSIGN_OR_RETURN(
@@ -114,6 +118,7 @@ class NcclTransport final : public Transport {
       cudaStreamSynchronize(stream_);
       cudaStreamDestroy(stream_);
     }
+    fused_.reset();  // its work was ordered before this stream's end
   }
 
   // nccl|<rank>|<unique id, hex> (rank 0), nccl|<rank>| (the others): rank 0's id reaches every
@@ -164,29 +169,33 @@ class NcclTransport final : public Transport {
   bool PushesAtOnce(const CallPlan&) const override { return true; }
 
   // Pack every peer's block, one NCCL group of sends and receives, unpack every peer's block
-  // into the slot; this rank's own block goes straight into its slot. All on the session's
-  // stream, in that order; Flush waits for it.
+  // into the slot; this rank's own block goes straight into its slot. A fused call first
+  // computes what it moves. All on the session's stream, in that order; Flush waits for it.
   absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot,
                        uint64_t epoch) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     if (comm_ == nullptr) return absl::FailedPreconditionError("the NCCL communicator is gone");
     deadline_ = absl::Now() + call_timeout_;
     epoch_ = epoch;
-    ULY_ASSIGN_OR_RETURN(const kernels::BlockOperands bops, BlockOperandsOf(plan, ops));
-    const kernels::ExchangeShape shape = ShapeOf(setup_.geometry, plan);
+    ULY_ASSIGN_OR_RETURN(const Exchange x, ExchangeOf(plan, ops));
     const int W = setup_.geometry.world_size;
     const int me = setup_.geometry.rank;
     uint8_t* out = Slot(slot);
-    ULY_RETURN_IF_ERROR(kernels::LaunchBlock(shape, bops, me, me, out, stream_));
+    for (const Part& p : x.parts)
+      ULY_RETURN_IF_ERROR(kernels::LaunchBlock(x.shape, p.ops, me, me, out + p.out_offset, stream_));
     if (W == 1) return absl::OkStatus();
-    ULY_ASSIGN_OR_RETURN(const int64_t bytes, kernels::PackedBlockBytes(shape, bops));
-    if (static_cast<uint64_t>(bytes) > block_capacity_)
+    uint64_t bytes = 0;  // one peer's staged block: its parts back to back
+    for (const Part& p : x.parts) bytes += p.packed_bytes;
+    if (bytes > block_capacity_)
       return absl::InternalError(StrCat("a block of ", bytes, " bytes exceeds the staging of ",
                                         block_capacity_, " bytes per rank"));
     for (int k = 1; k < W; ++k) {
       const int dst = (me + k) % W;
-      ULY_RETURN_IF_ERROR(
-          kernels::LaunchPackBlock(shape, bops, me, dst, Staged(send_, dst), stream_));
+      uint8_t* at = Staged(send_, dst);
+      for (const Part& p : x.parts) {
+        ULY_RETURN_IF_ERROR(kernels::LaunchPackBlock(x.shape, p.ops, me, dst, at, stream_));
+        at += p.packed_bytes;
+      }
     }
     ULY_RETURN_IF_ERROR(NcclStatus("ncclGroupStart", ncclGroupStart(), comm_));
     for (int k = 1; k < W; ++k) {
@@ -208,8 +217,12 @@ class NcclTransport final : public Transport {
     ULY_RETURN_IF_ERROR(WaitComm("ncclGroupEnd", deadline_));
     for (int k = 1; k < W; ++k) {
       const int src = (me + k) % W;
-      ULY_RETURN_IF_ERROR(
-          kernels::LaunchUnpackBlock(shape, bops, src, me, Staged(recv_, src), out, stream_));
+      const uint8_t* at = Staged(recv_, src);
+      for (const Part& p : x.parts) {
+        ULY_RETURN_IF_ERROR(
+            kernels::LaunchUnpackBlock(x.shape, p.ops, src, me, at, out + p.out_offset, stream_));
+        at += p.packed_bytes;
+      }
     }
     return absl::OkStatus();
   }
@@ -257,11 +270,20 @@ class NcclTransport final : public Transport {
   // daemon's device allocation counters.
   uint64_t DeviceBytes() const override { return slots_.size() + send_.size() + recv_.size(); }
   std::string Describe() const override {
-    return StrCat("nccl: NCCL ", NcclVersion(), ", communicator of ", setup_.geometry.world_size,
-                  " ranks on device ", device_,
-                  "; per call: pack kernels (one per peer) into send staging, one group of "
-                  "ncclSend/ncclRecv, unpack kernels into the slot; the own block is stored "
-                  "straight into the slot");
+    std::string out = StrCat("nccl: NCCL ", NcclVersion(), ", communicator of ",
+                             setup_.geometry.world_size, " ranks on device ", device_,
+                             "; per call: ");
+    if (fused_)
+      out += StrCat("FusedQkvPlan's projection (cuBLASLt bf16 GEMM) and norm_rope kernel in "
+                    "place, then its ",
+                    QkvLayoutName(setup_.fused->geometry.layout), " layout's ",
+                    setup_.fused->geometry.layout == QkvLayout::kBshd
+                        ? "three head scatters (one per plane): "
+                        : "head-chunk scatter: ");
+    out += "pack kernels (one per peer) into send staging, one group of ncclSend/ncclRecv, "
+           "unpack kernels into the slot; the own block is stored straight into the slot";
+    if (fused_) out += StrCat("; ", fused_->Describe());
+    return out;
   }
 
  private:
@@ -269,6 +291,65 @@ class NcclTransport final : public Transport {
       : device_(device), call_timeout_(call_timeout), setup_(setup) {}
 
   uint8_t* Slot(int slot) const { return static_cast<uint8_t*>(slots_.data()) + SlotOffset(slot); }
+
+  // A call's data as the block, pack and unpack kernels take it: one exchange (a head-exchange
+  // op), or for a fused call the exchanges of its normalized projection. A part's blocks land
+  // out_offset bytes into the slot; a peer's staged block holds the parts back to back.
+  struct Part {
+    kernels::BlockOperands ops;
+    uint64_t out_offset = 0;
+    uint64_t packed_bytes = 0;  // one block of it, packed
+  };
+  struct Exchange {
+    kernels::ExchangeShape shape;
+    std::vector<Part> parts;
+  };
+
+  // A fused call's projection and norm + RoPE are enqueued here, on the session's stream.
+  absl::StatusOr<Exchange> ExchangeOf(const CallPlan& plan, const CallOperands& ops) {
+    Exchange x;
+    if (!Traits(plan.op).fused) {
+      x.shape = ShapeOf(setup_.geometry, plan);
+      ULY_ASSIGN_OR_RETURN(const kernels::BlockOperands bops, BlockOperandsOf(plan, ops));
+      x.parts.push_back(Part{bops, 0, 0});
+    } else {
+      if (!fused_)
+        return absl::InvalidArgumentError(StrCat("op: ", OpName(plan.op), " needs a fused session"));
+      ULY_RETURN_IF_ERROR(fused_->PreparedPath(plan.batch * plan.seq_local).status());
+      ULY_RETURN_IF_ERROR(fused_->plan().RunNormRope(ops.inputs[0],
+                                                     static_cast<const int32_t*>(ops.inputs[1]),
+                                                     plan.batch, plan.seq_local, stream_));
+      const FusedGeometry& g = setup_.fused->geometry;
+      x.shape = kernels::ExchangeShape{g.world_size, plan.batch, plan.seq_local, g.num_heads,
+                                       g.head_dim,   2};
+      // q, k and v of the projection [B * S_l, 3*H*D]: [B, S_l, H, D] views of its planes.
+      const int64_t hd = int64_t{g.num_heads} * g.head_dim, features = 3 * hd;
+      const auto* proj = static_cast<const uint16_t*>(fused_->plan().projection());
+      kernels::ConstView planes[3];
+      for (int p = 0; p < 3; ++p)
+        planes[p] = kernels::ConstView{proj + p * hd,
+                                       {plan.seq_local * features, features, g.head_dim, 1}};
+      const int32_t local_heads = g.num_heads / g.world_size;
+      if (g.layout == QkvLayout::kFused) {
+        // [B, S_g, H_l, 3D]: the head-chunk scatter of the whole band.
+        x.parts.push_back(Part{{kernels::BlockKind::kScatterQkvHeadChunk,
+                                {planes[0], planes[1], planes[2]}, 0, local_heads}, 0, 0});
+      } else {
+        // Three [B, S_g, H_l, D] planes one after the other: a head scatter into each.
+        const uint64_t plane_bytes = static_cast<uint64_t>(plan.batch) * g.world_size *
+                                     plan.seq_local * local_heads * g.head_dim * 2;
+        for (int p = 0; p < 3; ++p)
+          x.parts.push_back(Part{{kernels::BlockKind::kScatterHeads,
+                                  {planes[p], planes[p], planes[p]}, 0, 0},
+                                 p * plane_bytes, 0});
+      }
+    }
+    for (Part& p : x.parts) {
+      ULY_ASSIGN_OR_RETURN(const int64_t n, kernels::PackedBlockBytes(x.shape, p.ops));
+      p.packed_bytes = static_cast<uint64_t>(n);
+    }
+    return x;
+  }
   uint8_t* Staged(const ipc::cuda::VmmMapping& m, int rank) const {
     return static_cast<uint8_t*>(m.data()) + block_capacity_ * static_cast<uint64_t>(rank);
   }
@@ -329,6 +410,7 @@ class NcclTransport final : public Transport {
   ipc::cuda::VmmMapping send_;
   ipc::cuda::VmmMapping recv_;
   cudaStream_t stream_ = nullptr;
+  std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   ncclUniqueId id_{};  // rank 0's, generated in Create; the others' from its handle
   ncclComm_t comm_ = nullptr;
   absl::Time deadline_ = absl::InfinitePast();

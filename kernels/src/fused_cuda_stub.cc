@@ -50,6 +50,10 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
   return NoCuda();
 }
 absl::Status FusedQkvPlan::Prepare(int64_t) { return NoCuda(); }
+absl::Status FusedQkvPlan::RunNormRope(const void*, const int32_t*, int64_t, int64_t,
+                                       cudaStream_t) {
+  return NoCuda();
+}
 absl::Status FusedQkvPlan::RunPerOperator(const void*, const int32_t*, int64_t, int64_t,
                                           const QkvDestinations&, cudaStream_t) {
   return NoCuda();

@@ -210,6 +210,16 @@ absl::Status FusedQkvPlan::RunProjection(const void* x, int64_t rows, cudaStream
   return impl_->gemm->Run(x, impl_->config.weights.w_qkv, impl_->qkv(), rows, stream);
 }
 
+absl::Status FusedQkvPlan::RunNormRope(const void* x, const int32_t* positions, int64_t batch,
+                                       int64_t seq_local, cudaStream_t stream) {
+  ULY_ASSIGN_OR_RETURN(const QkvNormRopeShape shape,
+                       impl_->CallShape(x, positions, batch, seq_local));
+  const int64_t rows = QkvRows(shape);
+  const FusedQkvConfig& c = impl_->config;
+  ULY_RETURN_IF_ERROR(impl_->gemm->Run(x, c.weights.w_qkv, impl_->qkv(), rows, stream));
+  return LaunchNormRope(shape, c.weights, positions, 0, rows, impl_->qkv(), stream);
+}
+
 absl::Status FusedQkvPlan::RunPerOperator(const void* x, const int32_t* positions, int64_t batch,
                                           int64_t seq_local, const QkvDestinations& dests,
                                           cudaStream_t stream) {
@@ -217,8 +227,7 @@ absl::Status FusedQkvPlan::RunPerOperator(const void* x, const int32_t* position
                        impl_->CallShape(x, positions, batch, seq_local));
   const int64_t rows = QkvRows(shape);
   const FusedQkvConfig& c = impl_->config;
-  ULY_RETURN_IF_ERROR(impl_->gemm->Run(x, c.weights.w_qkv, impl_->qkv(), rows, stream));
-  ULY_RETURN_IF_ERROR(LaunchNormRope(shape, c.weights, positions, 0, rows, impl_->qkv(), stream));
+  ULY_RETURN_IF_ERROR(RunNormRope(x, positions, batch, seq_local, stream));
   return LaunchQkvScatter(shape, c.layout, impl_->qkv(), c.rank, 0, rows, dests, impl_->counter(0),
                           stream);
 }

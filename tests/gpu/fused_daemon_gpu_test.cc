@@ -1,7 +1,11 @@
-// The qkv_norm_rope_exchange session on the GPU backend end to end: W ulyssesd processes sharing
-// this GPU (backend nvlink), real clients with device buffers (AllocBuffer), B = 2, S_l = 200,
-// hidden in {3072, 4096} (D = 128), W in {1, 2, 4}, both layouts and both GPU paths. Every
-// rank's head band is checked
+// The qkv_norm_rope_exchange session on the GPU backends end to end: W ulyssesd processes sharing
+// this GPU, real clients with device buffers (AllocBuffer), B = 2, S_l = 200, hidden in
+// {3072, 4096} (D = 128), W in {1, 2, 4}, both layouts; on nvlink the three GPU paths, on nccl
+// (each daemon its own NCCL_HOSTID, NCCL's socket transport: a test mode) its per-operator
+// path. Every rank's head band is checked
+//  (0) on the per-operator path, bit for bit against the same plan's projection and norm + RoPE
+//      run in this process, then exchanged by the CPU reference: the transport moves exactly
+//      what the kernels computed;
 //  (1) against the reference chain (norm + RoPE, then the exchange) run on the GPU's own
 //      projection, the same cuBLASLt GEMM run in this process: what the kernels after the GEMM
 //      must reproduce, at atol = rtol = 1e-2, nothing beyond it but two-ulp RoPE cancellations;
@@ -70,15 +74,24 @@ void CountBeyond(const uint16_t* got, const uint16_t* want, int64_t n, int64_t* 
   }
 }
 
-using Param = std::tuple<int32_t, int32_t>;  // hidden, world
+using Param = std::tuple<int32_t, int32_t, std::string>;  // hidden, world, backend
+
+// The GPU's own results for every rank, from the session's plan run in this process on the
+// same device operands: the raw projection and the per-operator path's norm + RoPE of it.
+struct GpuResults {
+  std::vector<std::vector<uint16_t>> projection, normalized;
+};
 
 class GpuFusedSession : public testing_util::ClusterTest,
                         public ::testing::WithParamInterface<Param> {
  protected:
   void SetUp() override {
     if (ipc::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    backend_ = "nvlink";
-    const auto [hidden, world] = GetParam();
+    const auto& [hidden, world, backend] = GetParam();
+    backend_ = backend;
+    // NCCL refuses two ranks on one GPU: each daemon its own host.
+    if (backend_ == "nccl")
+      env_ = [](int r) { return std::vector<std::string>{StrCat("NCCL_HOSTID=ulysses-fused-", r)}; };
     shape_ = QkvNormRopeShape{world, hidden / kFusedGpuHeadDim, kFusedGpuHeadDim, kMaxPos, kBatch,
                               kSeqLocal};
     problem_ = kernels::testing::MakeQkvProblem(shape_, 4000 + hidden + world);
@@ -122,12 +135,11 @@ class GpuFusedSession : public testing_util::ClusterTest,
     return out;
   }
 
-  // The GPU's own projection of every rank: the session's GEMM (m = B*S_l on both paths here,
-  // the chunked path making a single chunk of these rows) run in this process on the same
-  // device operands.
-  std::vector<std::vector<uint16_t>> GpuProjections(const client::Buffer& weights,
-                                                    const std::vector<client::Buffer>& xs) {
-    std::vector<std::vector<uint16_t>> out;
+  // The session's GEMM (m = B*S_l on every path here, the chunked path making a single chunk
+  // of these rows) and the per-operator path's norm + RoPE, run in this process.
+  GpuResults GpuOwn(const client::Buffer& weights, const std::vector<client::Buffer>& xs,
+                    const std::vector<client::Buffer>& positions) {
+    GpuResults out;
     kernels::FusedQkvConfig c;
     c.world = shape_.world;
     c.heads = shape_.heads;
@@ -141,13 +153,26 @@ class GpuFusedSession : public testing_util::ClusterTest,
     EXPECT_TRUE(plan.ok()) << plan.status();
     if (!plan.ok()) return out;
     EXPECT_EQ((*plan)->NumChunks(kRows), 1);
-    for (const client::Buffer& x : xs) {
-      EXPECT_TRUE((*plan)->RunProjection(x.data, kRows, nullptr).ok());
+    EXPECT_TRUE((*plan)->Prepare(kRows).ok());
+    auto read = [&](std::vector<std::vector<uint16_t>>& to) {
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      out.emplace_back(static_cast<size_t>(kRows * Features()));
-      EXPECT_TRUE(ipc::cuda::Copy(out.back().data(), (*plan)->projection(), out.back().size() * 2).ok());
+      to.emplace_back(static_cast<size_t>(kRows * Features()));
+      EXPECT_TRUE(ipc::cuda::Copy(to.back().data(), (*plan)->projection(), to.back().size() * 2).ok());
+    };
+    for (size_t r = 0; r < xs.size(); ++r) {
+      EXPECT_TRUE((*plan)->RunProjection(xs[r].data, kRows, nullptr).ok());
+      read(out.projection);
+      EXPECT_TRUE((*plan)->RunNormRope(xs[r].data, static_cast<const int32_t*>(positions[r].data),
+                                       kBatch, kSeqLocal, nullptr).ok());
+      read(out.normalized);
     }
     return out;
+  }
+
+  // The paths this backend runs.
+  std::vector<FusedPath> Paths() const {
+    if (backend_ == "nccl") return {FusedPath::kPerOperator};
+    return {FusedPath::kPerOperator, FusedPath::kChunked, FusedPath::kEpilogue};
   }
 
   QkvNormRopeShape shape_{};
@@ -165,15 +190,15 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
   offsets_[2] = offsets_[1] + 256;
   offsets_[3] = offsets_[2] + 256;
   const uint64_t weight_bytes = offsets_[3] + problem_.cos_sin.size() * 4;
-  std::vector<std::vector<uint16_t>> gpu_proj;
+  GpuResults gpu;
   int combo = 0;
   for (QkvLayout layout : {QkvLayout::kBshd, QkvLayout::kFused}) {
-    for (FusedPath path : {FusedPath::kPerOperator, FusedPath::kChunked, FusedPath::kEpilogue}) {
+    for (FusedPath path : Paths()) {
       SCOPED_TRACE(StrCat(QkvLayoutName(layout), " ", FusedPathName(path)));
       std::vector<std::vector<uint16_t>> slots(world);
       std::vector<std::string> errors(world);
       std::vector<std::unique_ptr<client::Client>> clients(world);
-      std::vector<client::Buffer> weights(world), xs(world);
+      std::vector<client::Buffer> weights(world), xs(world), poss(world);
       std::vector<std::thread> threads;
       for (int r = 0; r < world; ++r) {
         threads.emplace_back([&, r] {
@@ -182,7 +207,7 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
           if (!c.ok()) return fail(c.status().ToString());
           clients[r] = std::move(*c);
           client::Client& cl = *clients[r];
-          auto group = cl.JoinGroup({StrCat("fg", combo), world, r, Members(world), "nvlink", 60000});
+          auto group = cl.JoinGroup({StrCat("fg", combo), world, r, Members(world), backend_, 60000});
           if (!group.ok()) return fail(group.status().ToString());
           auto w = cl.AllocBuffer(weight_bytes, "weights");
           auto x = cl.AllocBuffer(problem_.x[r].size() * 2, "x");
@@ -200,6 +225,7 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
           if (!up) return fail("upload");
           weights[r] = *w;
           xs[r] = *x;
+          poss[r] = *pos;
           client::FusedSessionSpec spec;
           spec.hidden = static_cast<int32_t>(hidden);
           spec.num_heads = shape_.heads;
@@ -254,8 +280,21 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
       }
       for (auto& t : threads) t.join();
       for (int r = 0; r < world; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
-      if (gpu_proj.size() != static_cast<size_t>(world)) gpu_proj = GpuProjections(weights[0], xs);
-      ASSERT_EQ(gpu_proj.size(), static_cast<size_t>(world));
+      if (gpu.projection.size() != static_cast<size_t>(world)) gpu = GpuOwn(weights[0], xs, poss);
+      ASSERT_EQ(gpu.projection.size(), static_cast<size_t>(world));
+      const std::vector<std::vector<uint16_t>>& gpu_proj = gpu.projection;
+      // (0) The per-operator path moves exactly what its kernels computed.
+      if (path == FusedPath::kPerOperator) {
+        std::vector<std::vector<uint16_t>> exact(world, std::vector<uint16_t>(SlotElems(), 0xffff));
+        for (int src = 0; src < world; ++src)
+          for (int dst = 0; dst < world; ++dst)
+            kernels::ScatterQkvBlockRef(shape_, layout, gpu.normalized[src].data(), src, dst,
+                                        exact[dst].data());
+        for (int dst = 0; dst < world; ++dst) {
+          const Bf16Diff d = CompareBf16(slots[dst].data(), exact[dst].data(), SlotElems());
+          EXPECT_EQ(d.equal, d.elements) << "dst " << dst << ": " << d;
+        }
+      }
       // (1) Against the reference chain on the GPU's own projection, whole slots (an element
       // never written is NaN and fails).
       std::vector<std::vector<uint16_t>> own(world, std::vector<uint16_t>(SlotElems(), 0xffff));
@@ -305,10 +344,15 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuFusedSession,
                          ::testing::Combine(::testing::Values(3072, 4096),
-                                            ::testing::Values(1, 2, 4)),
+                                            ::testing::Values(1, 2, 4),
+#if ULYSSES_TEST_NCCL
+                                            ::testing::Values("nvlink", "nccl")),
+#else
+                                            ::testing::Values("nvlink")),
+#endif
                          [](const ::testing::TestParamInfo<Param>& i) {
-                           return StrCat("hidden", std::get<0>(i.param), "_W",
-                                         std::get<1>(i.param));
+                           return StrCat(std::get<2>(i.param), "_hidden", std::get<0>(i.param),
+                                         "_W", std::get<1>(i.param));
                          });
 
 }  // namespace

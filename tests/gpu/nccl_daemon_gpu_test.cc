@@ -11,6 +11,7 @@
 #include "gpu_workload.h"
 #include "gtest/gtest.h"
 #include "ulysses/client/client.h"
+#include "ulysses/common/session_layout.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/cuda_memory.h"
 
@@ -305,6 +306,67 @@ TEST_F(NcclCluster, AutoDaemonsRunNvlinkAndNcclWhenAskedFor) {
   for (auto& t : threads) t.join();
   EXPECT_EQ(errors[0], "");
   EXPECT_EQ(errors[1], "");
+}
+
+// A fused session on nccl runs the per-operator path (auto picks it); the paths whose kernels
+// store straight into the peers' slots are refused on every rank, naming the path, before any
+// rendezvous. (Its results: fused_daemon_gpu_test.cc.)
+TEST_F(NcclCluster, FusedSessionRunsPerOperatorAndRefusesThePathsThatStoreIntoPeers) {
+  Start(2);
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int r = 0; r < 2; ++r) clients.push_back(Connect(r, "fused"));
+  const int32_t H = 2, D = kFusedGpuHeadDim, hidden = H * D, max_pos = 64, S = 8;
+  const uint64_t w_bytes = uint64_t{3} * hidden * hidden * 2, norm_at = AlignUp(w_bytes, 256);
+  const uint64_t cos_at = norm_at + 512, total = cos_at + uint64_t{max_pos} * D * 4;
+  int combo = 0;
+  for (FusedPath path : {FusedPath::kChunked, FusedPath::kEpilogue, FusedPath::kAuto}) {
+    SCOPED_TRACE(FusedPathName(path));
+    auto groups = JoinAll(clients, StrCat("fused", combo++));
+    ASSERT_EQ(groups.size(), 2u);
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        auto fail = [&](const std::string& e) { errors[r] = e; };
+        auto w = clients[r]->AllocBuffer(total, "weights");
+        auto x = clients[r]->AllocBuffer(uint64_t{S} * hidden * 2, "x");
+        auto pos = clients[r]->AllocBuffer(S * 4, "positions");
+        if (!w.ok() || !x.ok() || !pos.ok()) return fail("alloc");
+        client::FusedSessionSpec spec;
+        spec.hidden = hidden;
+        spec.num_heads = H;
+        spec.layout = QkvLayout::kFused;
+        spec.max_tokens = S;
+        spec.max_pos = max_pos;
+        spec.path = path;
+        spec.weights.w_qkv = w->Tensor(DType::kBFloat16, {3 * hidden, hidden}, 0);
+        spec.weights.q_norm = w->Tensor(DType::kBFloat16, {D}, norm_at);
+        spec.weights.k_norm = w->Tensor(DType::kBFloat16, {D}, norm_at + 256);
+        spec.weights.cos_sin = w->Tensor(DType::kFloat32, {max_pos, D}, cos_at);
+        spec.timeout_ms = 60000;
+        auto session = clients[r]->CreateFusedSession(groups[r], spec);
+        if (path != FusedPath::kAuto) {
+          if (session.ok()) return fail("created");
+          if (session.status().code() != absl::StatusCode::kFailedPrecondition ||
+              session.status().message().find(StrCat("path: ", FusedPathName(path))) ==
+                  std::string::npos)
+            return fail(session.status().ToString());
+          return;
+        }
+        if (!session.ok()) return fail(session.status().ToString());
+        auto views = (*session)->QkvNormRopeExchange(x->Ref(), pos->Ref(), 1, S);
+        if (!views.ok()) return fail(views.status().ToString());
+        auto described = (*session)->Describe();
+        if (!described.ok()) return fail(described.status().ToString());
+        if (described->rfind("nccl: ", 0) != 0 ||
+            described->find(StrCat("rows ", S, ": per_operator (auto: ")) == std::string::npos)
+          return fail("describe: " + *described);
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(errors[0], "");
+    EXPECT_EQ(errors[1], "");
+  }
 }
 
 }  // namespace

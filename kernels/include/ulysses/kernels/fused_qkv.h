@@ -97,6 +97,12 @@ class FusedQkvPlan {
   absl::Status RunPerOperator(const void* x, const int32_t* positions, int64_t batch,
                               int64_t seq_local, const QkvDestinations& dests, cudaStream_t stream);
 
+  /// The per-operator path without its stores: the projection of `x`, then norm + RoPE in
+  /// place, so that projection() holds this rank's [batch * seq_local, 3*H*D] result for a
+  /// transport that moves it itself (the nccl backend). Same arguments as RunPerOperator.
+  absl::Status RunNormRope(const void* x, const int32_t* positions, int64_t batch,
+                           int64_t seq_local, cudaStream_t stream);
+
   /// The chunked path; same result as RunPerOperator within the GEMM's rounding. Chunk i
   /// publishes dests.ready[dst][i] for every dst (NumChunks words per destination).
   absl::Status RunChunked(const void* x, const int32_t* positions, int64_t batch, int64_t seq_local,
@@ -124,7 +130,7 @@ class FusedQkvPlan {
 
   /// The projection buffer [max_tokens, 3*H*D] bf16 (the last call's raw projection on the
   /// chunked path, and on the epilogue path with keep_projection; its normalized one on the
-  /// per-operator path).
+  /// per-operator path and after RunNormRope).
   const void* projection() const;
 
   /// One line per path: the launch sequence, chunking and GEMM algorithms for `rows` rows.

@@ -1,0 +1,129 @@
+#include "fused_runner.h"
+
+#include <algorithm>
+
+#include "ulysses/common/status.h"
+#include "ulysses/common/strings.h"
+
+namespace ulysses::daemon {
+namespace {
+
+// The path rule (FusedPath::kAuto) where the plan stores into the slots, from the measurements
+// of docs/benchmarks.md (1x H200 under MPS, 2026-12-03, 72 rows of the grid): from 2048 rows a
+// call the epilogue path is the fastest of the three on every row (0.80-0.97 of the
+// per-operator path on most rows); below 2048 rows it is slower than both others, and the
+// chunked path is within 0.93-1.05 of the per-operator one. Without the epilogue GEMM (not
+// built, not sm_90), the chunked path from 4096 rows (2026-12-01: 0.90-1.01 of the
+// per-operator path there, up to 1.05 below).
+constexpr int64_t kEpilogueMinRows = 2048;
+constexpr int64_t kChunkedMinRows = 4096;
+
+// Line `name` of FusedQkvPlan::Describe (one line per path, each starting with its name).
+std::string PlanLine(const std::string& lines, std::string_view name) {
+  for (size_t at = 0; at < lines.size();) {
+    const size_t end = std::min(lines.find('\n', at), lines.size());
+    if (lines.compare(at, name.size(), name) == 0) return lines.substr(at, end - at);
+    at = end + 1;
+  }
+  return {};
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<FusedRunner>> FusedRunner::Create(const FusedSetup& setup,
+                                                                  FusedExchange exchange) {
+  if (exchange == FusedExchange::kTransportMoves && setup.path != FusedPath::kAuto &&
+      setup.path != FusedPath::kPerOperator)
+    return absl::FailedPreconditionError(StrCat(
+        "path: ", FusedPathName(setup.path),
+        " stores straight into the destinations' slots, which this backend's ranks cannot map; "
+        "it runs per_operator (or auto) only"));
+  kernels::FusedQkvConfig c;
+  c.world = setup.geometry.world_size;
+  c.rank = setup.geometry.rank;
+  c.heads = setup.geometry.num_heads;
+  c.head_dim = setup.geometry.head_dim;
+  c.max_pos = setup.geometry.max_pos;
+  c.layout = setup.geometry.layout;
+  c.max_tokens = setup.geometry.max_tokens;
+  c.weights = setup.weights;
+  std::unique_ptr<FusedRunner> runner(new FusedRunner(setup, exchange));
+  ULY_ASSIGN_OR_RETURN(runner->plan_, kernels::FusedQkvPlan::Create(c));
+  const std::string no_epilogue = runner->plan_->EpilogueUnavailable();
+  if (setup.path == FusedPath::kEpilogue && !no_epilogue.empty())
+    return absl::FailedPreconditionError(
+        StrCat("path: the epilogue path cannot run here: ", no_epilogue));
+  return runner;
+}
+
+FusedRunner::Prepared FusedRunner::Choose(int64_t rows) const {
+  Prepared p;
+  const FusedPath asked = setup_.path;
+  const std::string no_epilogue = plan_->EpilogueUnavailable();
+  if (exchange_ == FusedExchange::kTransportMoves) {
+    p.path = FusedPath::kPerOperator;
+    p.why = asked == FusedPath::kAuto
+                ? "auto: the only path where the transport moves the result"
+                : StrCat("the session asks for ", FusedPathName(asked));
+  } else if (asked != FusedPath::kAuto) {
+    p.path = asked;
+    p.why = StrCat("the session asks for ", FusedPathName(asked));
+  } else if (no_epilogue.empty() && rows >= kEpilogueMinRows) {
+    p.path = FusedPath::kEpilogue;
+    p.why = StrCat("auto: from ", kEpilogueMinRows,
+                   " rows the epilogue GEMM measured fastest (no projection in memory)");
+  } else if (no_epilogue.empty()) {
+    p.path = FusedPath::kChunked;
+    p.why = StrCat("auto: under ", kEpilogueMinRows, " rows the chunked path measured fastest");
+  } else if (rows < kChunkedMinRows) {
+    p.path = FusedPath::kPerOperator;
+    p.why = StrCat("auto: no epilogue GEMM (", no_epilogue, "); under ", kChunkedMinRows,
+                   " rows the chunked path measured no faster");
+  } else {
+    p.path = FusedPath::kChunked;
+    p.why = StrCat("auto: ", plan_->NumChunks(rows), " chunks of ", plan_->ChunkRows(rows),
+                   " rows overlap the stores with the GEMM");
+  }
+  p.launches = PlanLine(plan_->Describe(rows), FusedPathName(p.path));
+  if (exchange_ == FusedExchange::kTransportMoves) {
+    // The plan's line ends in its own stores; here the transport's exchange follows instead.
+    const size_t stores = p.launches.find(" -> scatter");
+    if (stores != std::string::npos) p.launches.resize(stores);
+    p.launches += " in place, then the transport's exchange";
+  }
+  return p;
+}
+
+absl::StatusOr<FusedPath> FusedRunner::PreparedPath(int64_t rows) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = prepared_.find(rows);
+    if (it != prepared_.end()) return it->second.path;
+  }
+  ULY_RETURN_IF_ERROR(plan_->Prepare(rows));
+  Prepared p = Choose(rows);
+  const FusedPath path = p.path;
+  std::lock_guard<std::mutex> lock(mu_);
+  prepared_[rows] = std::move(p);
+  return path;
+}
+
+std::string FusedRunner::Describe() const {
+  const std::string no_epilogue = plan_->EpilogueUnavailable();
+  std::string out = StrCat("path ", FusedPathName(setup_.path));
+  if (setup_.path == FusedPath::kAuto) {
+    if (exchange_ == FusedExchange::kTransportMoves)
+      out += " (rule: per_operator, the only path where the transport moves the result)";
+    else if (no_epilogue.empty())
+      out += StrCat(" (rule: epilogue from ", kEpilogueMinRows, " rows, chunked below)");
+    else
+      out += StrCat(" (rule: chunked from ", kChunkedMinRows, " rows, per_operator below)");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (prepared_.empty()) out += "\nno row count prepared yet";
+  for (const auto& [rows, p] : prepared_)
+    out += StrCat("\nrows ", rows, ": ", FusedPathName(p.path), " (", p.why, "): ", p.launches);
+  return out;
+}
+
+}  // namespace ulysses::daemon

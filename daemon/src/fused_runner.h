@@ -1,0 +1,66 @@
+// A qkv_norm_rope_exchange session's plan on a GPU backend (nvlink, nccl): the FusedQkvPlan
+// made once from the session's setup, and for each row count a call has brought the path its
+// calls run, why, and the launches. Built only with CUDA.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "transport.h"
+#include "ulysses/kernels/fused_qkv.h"
+
+namespace ulysses::daemon {
+
+/// Who stores a call's result into the destinations' slots.
+enum class FusedExchange {
+  /// The plan's kernels store straight into every destination's mapped slot, so every path
+  /// can run (nvlink).
+  kPlanStores,
+  /// The plan only computes this rank's normalized projection (FusedQkvPlan::RunNormRope);
+  /// the transport moves it (nccl, whose ranks cannot map each other's memory). Only the
+  /// per-operator path exists then.
+  kTransportMoves,
+};
+
+class FusedRunner {
+ public:
+  /// Makes the plan on the current device (GEMM workspace, projection buffer, second stream,
+  /// events): every allocation a call needs. FAILED_PRECONDITION, naming `path`, when the
+  /// session asks for a path this runner cannot run.
+  static absl::StatusOr<std::unique_ptr<FusedRunner>> Create(const FusedSetup& setup,
+                                                             FusedExchange exchange);
+
+  kernels::FusedQkvPlan& plan() { return *plan_; }
+
+  /// The path of a call of `rows` rows. The first call of a row count prepares the plan's
+  /// GEMMs for it (host work only: descriptors and algorithm choice, no device allocation) and
+  /// records the choice. Thread-safe.
+  absl::StatusOr<FusedPath> PreparedPath(int64_t rows);
+
+  /// "path <name>" and, for auto, the rule; then one line per prepared row count: its path,
+  /// why, and its launches. Thread-safe.
+  std::string Describe() const;
+
+ private:
+  FusedRunner(const FusedSetup& setup, FusedExchange exchange) : setup_(setup), exchange_(exchange) {}
+
+  struct Prepared {
+    FusedPath path = FusedPath::kPerOperator;
+    std::string why;
+    std::string launches;
+  };
+  Prepared Choose(int64_t rows) const;
+
+  const FusedSetup setup_;
+  const FusedExchange exchange_;
+  std::unique_ptr<kernels::FusedQkvPlan> plan_;
+  // Calls run on the session's call thread; describe() reads the table from other threads.
+  mutable std::mutex mu_;
+  std::map<int64_t, Prepared> prepared_;
+};
+
+}  // namespace ulysses::daemon
