@@ -1003,7 +1003,9 @@ absl::StatusOr<std::vector<Result>> Session::QkvNormRopeExchange(const OperandRe
                                                                  const OperandRef& out) {
   ULY_ASSIGN_OR_RETURN(CallArgs a, FusedCallArgs(x, positions, batch, seq_local, out));
   ULY_ASSIGN_OR_RETURN(Result whole, Call(a));
-  return FusedViews(std::move(whole), out);
+  ULY_ASSIGN_OR_RETURN(std::vector<Result> views, FusedViews(std::move(whole), out));
+  Remember(views);
+  return views;
 }
 
 absl::StatusOr<uint64_t> Session::SubmitQkvNormRopeExchange(const OperandRef& x,
@@ -1027,7 +1029,9 @@ absl::StatusOr<std::vector<Result>> Session::WaitQkvNormRopeExchange(uint64_t ep
     fused_out_.erase(it);
   }
   ULY_ASSIGN_OR_RETURN(Result whole, Wait(epoch, timeout));
-  return FusedViews(std::move(whole), out);
+  ULY_ASSIGN_OR_RETURN(std::vector<Result> views, FusedViews(std::move(whole), out));
+  Remember(views);
+  return views;
 }
 
 absl::StatusOr<int> Session::PoisonSlots() {
@@ -1151,6 +1155,12 @@ absl::Status Session::Synchronize(absl::Duration timeout) {
 }
 
 absl::StatusOr<Result> Session::Wait(uint64_t epoch, absl::Duration timeout) {
+  absl::StatusOr<Result> r = WaitImpl(epoch, timeout);
+  if (r.ok()) Remember({*r});
+  return r;
+}
+
+absl::StatusOr<Result> Session::WaitImpl(uint64_t epoch, absl::Duration timeout) {
   if (!client_->has_rings())
     return absl::UnimplementedError("Wait needs the call rings (ConnectOptions::use_rings)");
   ULY_ASSIGN_OR_RETURN(ipc::Completion c, client_->Await(id_, epoch, absl::Now() + timeout));
@@ -1182,6 +1192,36 @@ std::shared_ptr<SlotHold> Session::NewHold(uint64_t epoch, int32_t slot) {
 }
 
 absl::StatusOr<Result> Session::Call(const CallArgs& args) {
+  absl::StatusOr<Result> r = CallImpl(args);
+  if (r.ok()) Remember({*r});
+  return r;
+}
+
+void Session::Remember(const std::vector<Result>& views) {
+  last_ = views;
+  last_hold_ = views.empty() ? nullptr : views[0].hold_;
+  last_held_ = last_hold_.lock() != nullptr;
+  for (Result& v : last_) v.hold_.reset();  // the session's copy never holds the slot
+}
+
+absl::StatusOr<std::vector<Result>> Session::LastOutputs() const {
+  if (last_.empty())
+    return absl::FailedPreconditionError(StrCat("session ", id_, ": no call has returned yet"));
+  std::shared_ptr<SlotHold> hold;
+  if (last_held_) {
+    hold = last_hold_.lock();
+    if (hold == nullptr || hold->released())
+      return absl::FailedPreconditionError(StrCat(
+          "session ", id_, ": the result of epoch ", last_[0].epoch,
+          " was given back (every view of it dropped, or one released), so its slot may be "
+          "reused; keep a Result of it, or call with out="));
+  }
+  std::vector<Result> views = last_;
+  for (Result& v : views) v.hold_ = hold;
+  return views;
+}
+
+absl::StatusOr<Result> Session::CallImpl(const CallArgs& args) {
   if (client_->has_rings() && stream_protocol() && stream_ordered_) {
     // Stream-ordered: the result is known now and valid in the stream's order; the daemon's
     // completion only matters when it reports an error (raised at the next call or Synchronize).
@@ -1204,7 +1244,7 @@ absl::StatusOr<Result> Session::Call(const CallArgs& args) {
   }
   if (client_->has_rings()) {
     ULY_ASSIGN_OR_RETURN(uint64_t epoch, Submit(args));
-    return Wait(epoch);
+    return WaitImpl(epoch, absl::Minutes(5));
   }
   if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
   // The same verdict the daemon reaches, before anything leaves this process.

@@ -455,6 +455,71 @@ TEST_F(FusedCluster, DaemonRefusesBadWeightsPositionsAndCapacityItself) {
 }
 
 // Ranks that issue different calls at one epoch fail instead of mixing data.
+// LastOutputs gives the views the last call returned, sharing its hold: while a view still
+// holds the slot, and always for a call copied into out; refused before any call and once the
+// result was given back.
+TEST_F(FusedCluster, LastOutputsGivesTheLastCallsViewsWhileTheyAreHeld) {
+  constexpr int kWorld = 2;
+  Start(kWorld);
+  const QkvProblem p = kernels::testing::MakeQkvProblem(Shape(kWorld, 8), 21);
+  std::vector<std::string> errors(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      auto fail = [&](const std::string& e) { errors[r] = e; };
+      FusedRank rank;
+      if (absl::Status s = SetUpRank(p, r, QkvLayout::kBshd, "last", &rank); !s.ok())
+        return fail(s.ToString());
+      auto session = rank.client->CreateFusedSession(rank.group, rank.spec);
+      if (!session.ok()) return fail(session.status().ToString());
+      client::Session& sess = **session;
+      if (auto none = sess.LastOutputs();
+          none.status().code() != absl::StatusCode::kFailedPrecondition)
+        return fail(StrCat("before any call: ", none.status().ToString()));
+      auto views = sess.QkvNormRopeExchange(rank.x.Ref(), rank.positions.Ref(), kBatch, kSeqLocal);
+      if (!views.ok() || views->size() != 3) return fail("call 1");
+      const uint64_t epoch = (*views)[0].epoch;
+      auto last = sess.LastOutputs();
+      if (!last.ok() || last->size() != 3) return fail(StrCat("call 1: ", last.status().ToString()));
+      for (int i = 0; i < 3; ++i) {
+        const client::Result& a = (*views)[i];
+        const client::Result& b = (*last)[i];
+        if (b.epoch != epoch || b.data != a.data || b.bytes != a.bytes || b.shape != a.shape ||
+            !b.held())
+          return fail(StrCat("view ", i, " differs from the call's"));
+      }
+      // The bytes are the call's result.
+      const std::vector<uint16_t> want = Expected(p, QkvLayout::kBshd, r);
+      if (std::memcmp((*last)[0].data, want.data(), want.size() * 2) != 0)
+        return fail("LastOutputs' views do not read the call's result");
+      // The call's own views dropped, the copies LastOutputs gave still hold the slot.
+      views->clear();
+      if (!sess.LastOutputs().ok()) return fail("copies dropped the hold");
+      // Released through any copy: given back for all, and refused from now on.
+      if (!(*last)[1].Release().ok()) return fail("release");
+      auto gone = sess.LastOutputs();
+      if (gone.status().code() != absl::StatusCode::kFailedPrecondition ||
+          gone.status().message().find(StrCat("epoch ", epoch, " was given back")) ==
+              std::string::npos)
+        return fail(StrCat("after release: ", gone.status().ToString()));
+      last->clear();
+      // A call copied into out: the views point into out and hold nothing.
+      auto copied = sess.QkvNormRopeExchange(rank.x.Ref(), rank.positions.Ref(), kBatch,
+                                             kSeqLocal, rank.out.Ref());
+      if (!copied.ok()) return fail(copied.status().ToString());
+      copied->clear();
+      auto into_out = sess.LastOutputs();
+      if (!into_out.ok() || into_out->size() != 3 || (*into_out)[0].data != rank.out.data ||
+          (*into_out)[0].held())
+        return fail("out=: " + into_out.status().ToString());
+      if (std::memcmp(rank.out.data, want.data(), want.size() * 2) != 0)
+        return fail("out= holds another result");
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
 TEST_F(FusedCluster, RanksIssuingDifferentCallsFail) {
   constexpr int kWorld = 2;
   Start(kWorld, {"--call-timeout-ms", "5000"});

@@ -150,6 +150,51 @@ def test_a_call_holds_one_slot_until_every_view_is_gone(cluster):
 
 
 @pytest.mark.parametrize("layout", ["bshd", "fused"])
+def test_last_outputs_gives_the_last_result_while_it_is_held(cluster, layout):
+    sock, = cluster.start(1)
+    p = FusedProblem(1, H, D, B, SL, MAX_POS, seed=9)
+    (c, sess), = open_fused([sock], p, layout, num_slots=2)
+    try:
+        with pytest.raises(ulysses.FailedPreconditionError, match="no call"):
+            sess.last_outputs()
+        got = sess(p.x[0], p.positions[0])
+        views = got if layout == "bshd" else (got,)
+        want = [np.array(v) for v in views]
+        again = sess.last_outputs()
+        again = again if layout == "bshd" else (again,)
+        assert len(again) == len(want)
+        assert all(same_bits(a, w) and a.held for a, w in zip(again, want))
+        # The call's own views dropped, the ones last_outputs gave still hold the slot.
+        del got, views
+        gc.collect()
+        third = sess.last_outputs()
+        third = third if layout == "bshd" else (third,)
+        assert same_bits(third[-1], want[-1])
+        ulysses.release(again[0])  # given back for every view
+        with pytest.raises(ulysses.FailedPreconditionError, match="epoch 1 was given back"):
+            sess.last_outputs()
+        del again, third
+        gc.collect()
+        # A call into out=: the out, split as the call returned it.
+        out = np.empty(sess.out_shape(B, SL), np.uint16)
+        sess(p.x[0], p.positions[0], out=out)
+        last = sess.last_outputs()
+        if layout == "bshd":
+            assert len(last) == 3 and all(np.shares_memory(a, out) for a in last)
+            assert same_bits(last[2], want[2])
+        else:
+            assert last is out and same_bits(out, want[0])
+        # Every view of a result dropped: given back, and refused.
+        r = sess(p.x[0], p.positions[0])
+        del r
+        gc.collect()
+        with pytest.raises(ulysses.FailedPreconditionError, match="epoch 3 was given back"):
+            sess.last_outputs()
+    finally:
+        close_all([(c, sess)])
+
+
+@pytest.mark.parametrize("layout", ["bshd", "fused"])
 def test_submitted_calls_give_what_the_call_gives(sockets, layout):
     """submit/wait through the rings: three calls queued at once (a view, out= in a shared
     buffer, out= in a plain array, x staged), waited in order, bit for bit the synchronous

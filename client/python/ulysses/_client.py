@@ -299,6 +299,9 @@ class _Session:
         self._held: "weakref.WeakSet[_Slot]" = weakref.WeakSet()
         self._result_info = _capi.new(_capi.ResultInfo)  # reused by each _Slot (one thread)
         self._closed = False
+        # last_outputs: how to give the last call's result again, never holding anything
+        # itself (weak references to its slot or to the out it copied into).
+        self._last: Optional[Tuple[Any, ...]] = None
 
     @property
     def world_size(self) -> int:
@@ -318,6 +321,46 @@ class _Session:
         """Releases every slot a result of this session still holds."""
         for slot in list(self._held):
             slot.release()
+
+    def last_outputs(self) -> Any:
+        """What the last call of this session that returned gave, again: views of its slot
+        (a fused call's ``(q, k, v)`` or one band; any other call's one view), or the `out` it
+        copied into. Views share the call's slot, so they are given only while a result of
+        that call still holds it; the session's own record never holds a slot. Raises
+        FailedPreconditionError before any call, and once that result was given back (every
+        view dropped, or one released): its slot may be reused by then."""
+        if self._last is None:
+            raise FailedPreconditionError("session %d: no call has returned yet" % self.id)
+        kind, ref, extra = self._last
+        target = ref()
+        if kind == "out":
+            if target is None:
+                raise FailedPreconditionError(
+                    "session %d: the out of the last call is gone" % self.id)
+            return self._split_out(target)
+        if target is None or not target.held:
+            raise FailedPreconditionError(
+                "session %d: the result of epoch %d was given back (every view of it dropped, "
+                "or one released), so its slot may be reused; keep a view of it, or call with "
+                "out=" % (self.id, extra[0]))
+        epoch, like, torch_input, single = extra
+        views = tuple(self._result(target, like, torch_input, i) for i in range(len(target.parts)))
+        return views[0] if single else views
+
+    def _remember_slot(self, slot: _Slot, like: Optional[np.dtype], torch_input: bool,
+                       single: bool) -> None:
+        self._last = ("slot", weakref.ref(slot), (slot.epoch, like, torch_input, single))
+
+    def _remember_out(self, out: Any) -> None:
+        try:
+            ref: Any = weakref.ref(out)
+        except TypeError:  # an array kind without weak references: the caller's anyway
+            ref = lambda: out  # noqa: E731
+        self._last = ("out", ref, None)
+
+    def _split_out(self, out: Any) -> Any:
+        """What a call that copied into `out` returns (the fused session splits it)."""
+        return out
 
     def poison_slots(self) -> int:
         """Fills this rank's receive slots that are not held with NaN (all bits set); returns
@@ -659,11 +702,14 @@ class HeadExchange(_Session):
                     slot.release()
             elif out_op.staged is not None:
                 np.copyto(out_op.array, out_op.staged)
+            self._remember_out(out)
             return out
         slot = _Slot(result.value, self, call.args.stream)
         first = call.operands[0]
         like = first.array.dtype if first.array is not None else None
-        return self._result(slot, like, bool(call.is_torch and call.is_torch[0]))
+        torch_input = bool(call.is_torch and call.is_torch[0])
+        self._remember_slot(slot, like, torch_input, True)
+        return self._result(slot, like, torch_input)
 
     def _call(self, op: int, inputs: Sequence[Tuple[str, Any]], out: Optional[ArrayLike],
               head_offset: int = 0, head_count: int = 0) -> ArrayLike:

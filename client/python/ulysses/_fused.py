@@ -143,6 +143,7 @@ class QkvNormRopeExchange(_Session):
         """What a fused call returns, once its results (handles, or none with out) are here."""
         out, out_op = call.out, call.out_op
         if not call.want_results:
+            self._remember_out(out)
             return self._split_out(out)
         slot = _Slot([results[i] for i in range(count)], self, call.args.stream)
         if out is not None:
@@ -160,10 +161,12 @@ class QkvNormRopeExchange(_Session):
                         np.copyto(out_op.array[i], plane)
             finally:
                 slot.release()
+            self._remember_out(out)
             return self._split_out(out)
         like = call.xo.array.dtype if call.xo.array is not None else None
-        views = [self._result(slot, like, bool(call.is_torch and call.is_torch[0]), i)
-                 for i in range(len(slot.parts))]
+        torch_input = bool(call.is_torch and call.is_torch[0])
+        self._remember_slot(slot, like, torch_input, len(slot.parts) == 1)
+        views = [self._result(slot, like, torch_input, i) for i in range(len(slot.parts))]
         return views[0] if len(views) == 1 else tuple(views)
 
     def _split_out(self, out: Any) -> QkvResult:

@@ -210,6 +210,13 @@ class Session {
   /// run to their end first (waited for up to 10 s; past that the close aborts them), so their
   /// results stay readable after the close.
   absl::Status Close();
+  /// The views the last call of this session that returned gave (a fused call's q, k, v or
+  /// its one band; any other call's one Result), for code that did not keep them. They share
+  /// that call's hold: valid while a view the call returned still holds the slot, or always
+  /// when the call copied into `out` (they point into it). The session's own record never
+  /// holds a slot. FAILED_PRECONDITION when no call returned yet, or when that result was
+  /// given back (every view dropped, or one released): its slot may be reused by then.
+  absl::StatusOr<std::vector<Result>> LastOutputs() const;
   /// Fills this rank's receive slots that are not held with NaN (all bits set); for tests.
   /// Returns how many slots were filled.
   absl::StatusOr<int> PoisonSlots();
@@ -244,6 +251,10 @@ class Session {
   friend class Client;
   Session() = default;
   absl::StatusOr<CallPlan> Plan(const CallArgs& args) const;
+  absl::StatusOr<Result> CallImpl(const CallArgs& args);
+  absl::StatusOr<Result> WaitImpl(uint64_t epoch, absl::Duration timeout);
+  // Records the views a call returned for LastOutputs (without their hold).
+  void Remember(const std::vector<Result>& views);
   absl::StatusOr<CallArgs> FusedCallArgs(const OperandRef& x, const OperandRef& positions,
                                          int64_t batch, int64_t seq_local,
                                          const OperandRef& out) const;
@@ -270,6 +281,11 @@ class Session {
   uint64_t slot_offset_ = 0;
   uint64_t slot_stride_ = 0;
   std::vector<std::weak_ptr<SlotHold>> holds_;  // per slot: the last result handed out
+  // LastOutputs: the last call's views without their hold, that hold (weak), and whether the
+  // call held a slot at all (false: it copied into out).
+  std::vector<Result> last_;
+  std::weak_ptr<SlotHold> last_hold_;
+  bool last_held_ = false;
   absl::Status OrderAfterStream() const;
   const uint8_t* base_ = nullptr;
   bool closed_ = false;
