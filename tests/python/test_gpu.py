@@ -4,7 +4,8 @@ bfloat16 tensors bit-exact against torch, strided inputs, ``out=`` into CUDA ten
 call ordered after torch's current stream, a tensor freed and allocated again between calls,
 the same on tensors of torch's expandable segments (CUDA VMM memory, in a process of its own),
 results released on drop, the fused session (qkv_norm_rope_exchange) on bfloat16 CUDA weights
-and inputs against the numpy reference of the host backend at atol = rtol = 1e-2, and
+and inputs against the numpy reference of the host backend at atol = rtol = 1e-2 (and its
+last_outputs), and
 examples/python/sp_attention.py on CUDA tensors. Skipped
 without torch, without a CUDA device, or with a libulysses_client built without CUDA.
 
@@ -366,12 +367,22 @@ def check_fused(sockets: List[str], layout: str, path: str = "auto") -> str:
             got = sess(x, pos)
             views = list(got) if layout == "bshd" else [got]
             assert all(t.is_cuda and t.dtype == torch.bfloat16 and t.held for t in views)
+            # last_outputs: the same slot's views again, holding it with the call's.
+            again = sess.last_outputs()
+            again = list(again) if layout == "bshd" else [again]
+            assert len(again) == len(views) and all(
+                a.is_cuda and a.held and a.data_ptr() == v.data_ptr()
+                for a, v in zip(again, views)), "last_outputs"
+            del again
             band = torch.stack(views) if layout == "bshd" else views[0]
             out = torch.full(sess.out_shape(b, sl), float("nan"), dtype=torch.bfloat16,
                              device=dev)
             copied = sess(x, pos, out=out)
             assert (copied is out) if layout == "fused" else (copied[2].data_ptr() ==
                                                                out[2].data_ptr())
+            last = sess.last_outputs()  # a call into out=: the out, split as returned
+            assert (last is out) if layout == "fused" else (last[2].data_ptr() ==
+                                                            out[2].data_ptr())
             lines = []
             for what, t in (("slot", band), ("out=", out)):
                 settle(t)
