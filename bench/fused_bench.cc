@@ -10,6 +10,8 @@
 //   gemm            the same cuBLASLt GEMM alone (the floor)
 //   epilogue_gemm   the epilogue path's CUTLASS GEMM with its epilogue skipped (its own floor)
 //   control         fused_chunked again, as an A/A control
+// --readiness none (the default) runs the paths as the daemon does, without per-chunk readiness
+// words; --readiness words makes every chunk publish them too (the runs before 2026-12-04).
 // Method: outputs of both paths checked against the CPU reference on sampled tokens before
 // timing; warm-up; CUDA events around each sample, the L2 flushed before it (a 256 MiB memset);
 // rounds visit the variants in A/B/B/A order (forward, then reversed); the median of all samples
@@ -137,6 +139,10 @@ struct Options {
   int64_t chunk_rows = 0;
   int32_t push_blocks = 0;
   std::string epilogue_schedule = "auto";
+  // "none": the paths store without readiness words, as the daemon runs them (its stream
+  // protocol announces the whole call); "words": every chunk also publishes its readiness word
+  // per destination, for a consumer that reads chunk by chunk (the runs before 2026-12-04).
+  std::string readiness = "none";
   std::string json_path;
   std::string mps = "auto";
   std::string commit = ULYSSES_GIT_COMMIT;
@@ -294,16 +300,17 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
     ready.push_back(words.as<uint64_t>() + d * kernels::kMaxFusedChunks);
   }
   uint64_t epoch = 0;
+  uint64_t* const* words_or_none = opt.readiness == "words" ? ready.data() : nullptr;
   const void* x = data.d_x.as();
   const int32_t* pos = d_pos.as<int32_t>();
   auto chunked = [&](cudaStream_t s) {
-    return plan->RunChunked(x, pos, 1, rows, {slots.data(), ready.data(), ++epoch}, s);
+    return plan->RunChunked(x, pos, 1, rows, {slots.data(), words_or_none, ++epoch}, s);
   };
   auto per_operator = [&](cudaStream_t s) {
-    return plan->RunPerOperator(x, pos, 1, rows, {slots.data(), ready.data(), ++epoch}, s);
+    return plan->RunPerOperator(x, pos, 1, rows, {slots.data(), words_or_none, ++epoch}, s);
   };
   auto epilogue = [&](cudaStream_t s) {
-    return plan->RunEpilogue(x, pos, 1, rows, {slots.data(), ready.data(), ++epoch}, s);
+    return plan->RunEpilogue(x, pos, 1, rows, {slots.data(), words_or_none, ++epoch}, s);
   };
   auto gemm = [&](cudaStream_t s) { return plan->RunProjection(x, rows, s); };
   auto epilogue_gemm = [&](cudaStream_t s) { return plan->RunEpilogueGemmAlone(x, rows, s); };
@@ -408,6 +415,10 @@ int Main(int argc, char** argv) {
   app.add_option("--epilogue-schedule", opt.epilogue_schedule,
                  "the epilogue path's GEMM: auto, pingpong (single CTAs) or pingpong2 (clusters of 2)")
       ->check(CLI::IsMember({"auto", "pingpong", "pingpong2"}));
+  app.add_option("--readiness", opt.readiness,
+                 "none: the paths as the daemon runs them; words: each chunk also publishes its "
+                 "readiness word per destination")
+      ->check(CLI::IsMember({"none", "words"}));
   app.add_option("--json", opt.json_path, "write the JSON report here");
   app.add_option("--mps", opt.mps, "auto, yes or no: whether this runs under MPS");
   app.add_option("--commit", opt.commit, "commit recorded in the JSON");
@@ -445,6 +456,7 @@ int Main(int argc, char** argv) {
   report["date"] = date;
   report["mps"] = mps;
   report["layout"] = opt.layout;
+  report["readiness"] = opt.readiness;
   report["method"] = StrCat("CUDA events, L2 flushed (256 MiB memset) before each sample, ",
                             opt.rounds, " A/B/B/A rounds x ", opt.samples,
                             " samples, median; A/A control = fused_chunked twice");
