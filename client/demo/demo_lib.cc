@@ -57,6 +57,24 @@ absl::StatusOr<int> DaemonProcess::Stop(absl::Duration grace) {
   return status;
 }
 
+absl::StatusOr<int> DaemonProcess::WaitExit(absl::Duration timeout) {
+  if (pid_ <= 0) return absl::FailedPreconditionError("daemon: not running");
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    int status = 0;
+    const pid_t r = ::waitpid(pid_, &status, WNOHANG);
+    if (r == pid_) {
+      pid_ = -1;
+      return status;
+    }
+    if (r < 0) return ErrnoError("waitpid", errno);
+    if (absl::Now() > deadline)
+      return absl::DeadlineExceededError(
+          StrCat("daemon still running after ", absl::FormatDuration(timeout)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
 void DaemonProcess::Kill() {
   if (pid_ <= 0) return;
   ::kill(pid_, SIGKILL);

@@ -31,6 +31,9 @@ class DaemonProcess {
   absl::StatusOr<int> Stop(absl::Duration grace = absl::Seconds(10));
   /// SIGKILL and reap.
   void Kill();
+  /// Waits up to `timeout` for the daemon to exit on its own (sends nothing) and reaps it:
+  /// the exit status as waitpid reports it, or DEADLINE_EXCEEDED while it still runs.
+  absl::StatusOr<int> WaitExit(absl::Duration timeout);
   pid_t pid() const { return pid_; }
   const std::string& socket() const { return socket_; }
 

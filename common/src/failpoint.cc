@@ -42,4 +42,12 @@ void Failpoint(std::string_view point) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
 }
 
+bool FailpointFired(std::string_view point) {
+  const auto& points = Points();
+  if (points.empty()) return false;
+  const auto it = points.find(point);
+  struct stat st;
+  return it != points.end() && ::stat(it->second.c_str(), &st) == 0;
+}
+
 }  // namespace ulysses

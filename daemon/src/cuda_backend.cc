@@ -487,6 +487,13 @@ class CudaBackend final : public Backend {
   }
 
   std::string_view mps_mode() const override { return info_.mps ? "mps" : "no-mps"; }
+  // A context that took a sticky error (an illegal address, a launch failure, an ECC error)
+  // or that its MPS server tore down answers every call with that error, this one included.
+  absl::Status DeviceHealth() const override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    size_t free_bytes = 0, total_bytes = 0;
+    return CudaStatus("cudaMemGetInfo", cudaMemGetInfo(&free_bytes, &total_bytes));
+  }
   DeviceIdentity identity() const override {
     return DeviceIdentity{info_.uuid, info_.pci_bus_id, info_.numa_node};
   }

@@ -21,6 +21,7 @@
 #include "grpcpp/impl/server_builder_option.h"
 #include "absl/strings/numbers.h"
 #include "nlohmann/json.hpp"
+#include "ulysses/common/failpoint.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/sockets.h"
 #include "ulysses/common/status.h"
@@ -352,7 +353,20 @@ void Daemon::Drain() {
                        active_calls_.load());
 }
 
+absl::Status Daemon::CheckDevice() {
+  absl::Status health = FailpointFired("device.lost")
+                            ? absl::InternalError("the failpoint device.lost fired")
+                            : (backend_impl_ ? backend_impl_->DeviceHealth() : absl::OkStatus());
+  if (health.ok() || device_lost_.exchange(true)) return health;
+  draining_.store(true);
+  if (server_) server_->GetHealthCheckService()->SetServingStatus(false);
+  Logger("main")->error("device {}: lost ({}); its sessions cannot run any more",
+                        config_.device, std::string(health.message()));
+  return health;
+}
+
 void Daemon::Undrain() {
+  if (device_lost_.load()) return;  // stopping: the device is gone
   if (!draining_.exchange(false)) return;
   if (server_ && !stopping_.load()) server_->GetHealthCheckService()->SetServingStatus(true);
   Logger("main")->info("serving again");

@@ -206,6 +206,10 @@ class Daemon {
   void Undrain();
   /// Waits until no call runs (or `timeout`); true when idle.
   bool WaitIdle(absl::Duration timeout);
+  /// Whether the device still serves this daemon (Backend::DeviceHealth, or the failpoint
+  /// "device.lost" fired). The first failure logs it and turns health to NOT_SERVING; the
+  /// caller then stops the daemon, for a supervisor to start it again.
+  absl::Status CheckDevice();
   int active_calls() const { return active_calls_.load(); }
   /// "mps", "no-mps" or "none" (host backend).
   const std::string& mps_mode() const { return mps_mode_; }
@@ -286,6 +290,7 @@ class Daemon {
   absl::Time started_;
   std::atomic<uint64_t> next_id_{1};
   std::atomic<bool> draining_{false};
+  std::atomic<bool> device_lost_{false};
   std::atomic<int> active_calls_{0};
   std::mutex idle_mu_;
   std::condition_variable idle_cv_;

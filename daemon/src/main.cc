@@ -1,10 +1,13 @@
 // ulyssesd: one daemon per GPU (or simulated GPU on the host backend).
 #include <signal.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <limits>
 #include <optional>
+#include <thread>
 
 #include "CLI/CLI.hpp"
 #include "absl/debugging/failure_signal_handler.h"
@@ -14,6 +17,9 @@
 #include "ulysses/common/cli.h"
 #include "ulysses/common/config.h"
 #include "ulysses/common/logging.h"
+
+// The exit status of a daemon that stopped because its device no longer serves it.
+constexpr int kExitDeviceLost = 3;
 
 int main(int argc, char** argv) {
   // A fatal signal prints the faulting thread's stack on stderr before the process dies.
@@ -78,8 +84,26 @@ int main(int argc, char** argv) {
     daemon.Shutdown();
     return 1;
   }
+  // Wait for a signal, asking every second whether the device still serves this daemon. A
+  // lost one (a sticky CUDA error, an MPS server that tore the context down) cannot come back
+  // in this process: stop, with kExitDeviceLost, for the supervisor to start a new one. If the
+  // broken context makes the shutdown hang, a watchdog ends the process with the same code.
   int sig = 0;
-  sigwait(&set, &sig);
+  for (;;) {
+    const timespec tick{1, 0};
+    sig = sigtimedwait(&set, nullptr, &tick);
+    if (sig > 0) break;
+    if (absl::Status lost = daemon.CheckDevice(); !lost.ok()) {
+      ulysses::Logger("main")->error("stopping (exit status {}) for a supervisor to restart it",
+                                     kExitDeviceLost);
+      std::thread([] {
+        std::this_thread::sleep_for(std::chrono::seconds(30));
+        std::_Exit(kExitDeviceLost);
+      }).detach();
+      daemon.Shutdown();
+      return kExitDeviceLost;
+    }
+  }
   // Drain: refuse new clients and sessions, let running calls finish (bounded), then stop. A
   // second signal stops at once.
   ulysses::Logger("main")->info("signal {}: draining before shutdown", sig);

@@ -449,6 +449,7 @@ class NcclBackend final : public Backend {
   // NCCL picks a transport for any pair of devices (peer access, host memory, network).
   absl::StatusOr<bool> CanReach(int) const override { return true; }
   std::string_view mps_mode() const override { return gpu_->mps_mode(); }
+  absl::Status DeviceHealth() const override { return gpu_->DeviceHealth(); }
   DeviceIdentity identity() const override { return gpu_->identity(); }
 
  private:

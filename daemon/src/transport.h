@@ -191,6 +191,10 @@ class Backend {
   virtual absl::StatusOr<bool> CanReach(int peer_device) const = 0;
   /// MPS mode: "mps", "no-mps" or "none".
   virtual std::string_view mps_mode() const = 0;
+  /// OK while the device still serves this daemon; else why not (a GPU backend whose CUDA
+  /// context took a sticky error, or whose MPS server tore it down). Cheap and non-blocking:
+  /// the daemon asks about once a second.
+  virtual absl::Status DeviceHealth() const { return absl::OkStatus(); }
   virtual DeviceIdentity identity() const { return {}; }
 };
 

@@ -208,6 +208,36 @@ TEST_F(Ops, DrainFlipsHealthRefusesNewWorkAndUndrainRestores) {
   EXPECT_TRUE((*c)->CreateSession(*g, {4, 8, DType::kFloat32, 8, 2, {}, 0}).ok());
 }
 
+// A daemon whose device stops serving it (here the failpoint device.lost; on a GPU a sticky
+// CUDA error or a torn-down MPS client) notices within about a second, turns health to
+// NOT_SERVING, stops, and exits with status 3 for its supervisor to start a new one. Its
+// client's next call fails instead of hanging.
+TEST_F(Ops, ALostDeviceStopsTheDaemonWithExitStatusThree) {
+  const std::string lost = StrCat(::testing::TempDir(), "/device-lost-", ::getpid());
+  ::unlink(lost.c_str());
+  env_ = [&](int) { return std::vector<std::string>{StrCat("ULYSSES_FAILPOINTS=device.lost=", lost)}; };
+  Start(1);
+  auto c = client::Client::Connect({daemons_[0].socket(), "on-a-lost-device"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto g = (*c)->JoinGroup({"lost", 1, 0, Members(1), "auto", 0});
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto s = (*c)->CreateSession(*g, {4, 8, DType::kFloat32, 8, 2, {}, 0});
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto x = (*c)->AllocBuffer(8 * 4 * 8 * 4);
+  ASSERT_TRUE(x.ok());
+  ASSERT_TRUE((*s)->ScatterHeads(x->Ref(), 1, 8).ok());
+  // Still serving: the check runs every second and finds nothing.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  EXPECT_FALSE(State(0).draining());
+  { std::ofstream(lost) << "lost\n"; }
+  auto st = daemons_[0].WaitExit(absl::Seconds(20));
+  ::unlink(lost.c_str());
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 3) << *st;
+  auto after = (*s)->ScatterHeads(x->Ref(), 1, 8);
+  EXPECT_FALSE(after.ok());
+}
+
 TEST_F(Ops, SigtermWaitsForARunningCallThenExitsZero) {
   Start(2, {"--call-timeout-ms", "20000"});
   std::unique_ptr<client::Client> c0, c1;
