@@ -5,6 +5,7 @@
 // device.
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <thread>
 
 #include "cluster_util.h"
@@ -43,6 +44,16 @@ class NcclCluster : public testing_util::ClusterTest {
       if (g.ok()) out.push_back(*g);
     }
     return out;
+  }
+
+  // Runs fn(r) for every rank r at once, one thread each; fn returns "" or what went wrong.
+  // The ranks' answers, by rank.
+  static std::vector<std::string> OnEveryRank(int world, const std::function<std::string(int)>& fn) {
+    std::vector<std::string> errors(world);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) threads.emplace_back([&, r] { errors[r] = fn(r); });
+    for (auto& t : threads) t.join();
+    return errors;
   }
 
   std::vector<std::unique_ptr<client::Session>> CreateAll(
@@ -94,35 +105,22 @@ TEST_F(NcclCluster, OutCopiesIntoAStridedView) {
   const int H = 4, D = 32, S = 8, HL = H / 2;
   auto sessions = CreateAll(clients, groups, {H, D, DType::kFloat32, S, 2, {}, 0});
   ASSERT_EQ(sessions.size(), 2u);
-  std::vector<std::string> errors(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      auto fail = [&](const std::string& e) { errors[r] = e; };
-      const size_t n = static_cast<size_t>(S) * H * D;
-      auto x = clients[r]->AllocBuffer(n * 4, "x");
-      auto out = clients[r]->AllocBuffer(2 * n * 4, "out");
-      if (!x.ok() || !out.ok()) return fail("alloc");
-      std::vector<float> xh(n);
-      for (size_t i = 0; i < n; ++i) xh[i] = static_cast<float>(r * 100000 + i);
-      if (!ipc::cuda::Copy(x->data, xh.data(), n * 4).ok()) return fail("upload");
-      if (!ipc::cuda::Fill(out->data, 0xff, 2 * n * 4).ok()) return fail("fill");
-      const std::array<int64_t, 4> strides{2 * S * HL * D * 2, HL * D * 2, D, 1};
-      auto res = sessions[r]->ScatterHeads(x->Ref(), 1, S, out->Ref(0, strides));
-      if (!res.ok()) return fail(res.status().ToString());
-      std::vector<float> outh(2 * n);
-      if (!ipc::cuda::Copy(outh.data(), out->data, 2 * n * 4).ok()) return fail("read out");
-      for (int g = 0; g < 2 * S; ++g)
-        for (int h = 0; h < HL; ++h)
-          for (int d = 0; d < D; ++d) {
-            const int src = g / S, s = g % S;
-            const float want = static_cast<float>(src * 100000 + (s * H + r * HL + h) * D + d);
-            const float have = outh[static_cast<size_t>(g) * HL * D * 2 + h * D + d];
-            if (have != want) return fail(StrCat("out[", g, ",", h, ",", d, "] = ", have));
-          }
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = OnEveryRank(2, [&](int r) -> std::string {
+    const size_t n = static_cast<size_t>(S) * H * D;
+    auto x = clients[r]->AllocBuffer(n * 4, "x");
+    auto out = clients[r]->AllocBuffer(2 * n * 4, "out");
+    if (!x.ok() || !out.ok()) return "alloc";
+    std::vector<float> xh(n);
+    for (size_t i = 0; i < n; ++i) xh[i] = static_cast<float>(r * 100000 + i);
+    if (!ipc::cuda::Copy(x->data, xh.data(), n * 4).ok()) return "upload";
+    if (!ipc::cuda::Fill(out->data, 0xff, 2 * n * 4).ok()) return "fill";
+    const std::array<int64_t, 4> strides{2 * S * HL * D * 2, HL * D * 2, D, 1};
+    auto res = sessions[r]->ScatterHeads(x->Ref(), 1, S, out->Ref(0, strides));
+    if (!res.ok()) return res.status().ToString();
+    std::vector<float> outh(2 * n);
+    if (!ipc::cuda::Copy(outh.data(), out->data, 2 * n * 4).ok()) return "read out";
+    return testing_util::CheckStridedScatterOut(outh, r, S, H, HL, D);
+  });
   EXPECT_EQ(errors[0], "");
   EXPECT_EQ(errors[1], "");
 }
@@ -142,21 +140,18 @@ TEST_F(NcclCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
     ASSERT_EQ(groups.size(), 2u);
     auto sessions = CreateAll(clients, groups, {8, 128, DType::kBFloat16, 256, 2, {}, 0});
     ASSERT_EQ(sessions.size(), 2u);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        auto x = clients[r]->AllocBuffer(256 * 8 * 128 * 2, "x");
-        auto out = clients[r]->AllocBuffer(2 * 256 * 4 * 128 * 2, "out");
-        if (!x.ok() || !out.ok()) return void(errors[r] = "alloc");
-        for (int i = 0; i < 21; ++i) {
-          auto res = sessions[r]->ScatterHeads(x->Ref(), 1, 256, out->Ref());
-          if (!res.ok()) return void(errors[r] = res.status().ToString());
-          if (i == 0) after_first[r] = State(r).device_allocations();
-        }
-        after_many[r] = State(r).device_allocations();
-      });
-    }
-    for (auto& t : threads) t.join();
+    errors = OnEveryRank(2, [&](int r) -> std::string {
+      auto x = clients[r]->AllocBuffer(256 * 8 * 128 * 2, "x");
+      auto out = clients[r]->AllocBuffer(2 * 256 * 4 * 128 * 2, "out");
+      if (!x.ok() || !out.ok()) return "alloc";
+      for (int i = 0; i < 21; ++i) {
+        auto res = sessions[r]->ScatterHeads(x->Ref(), 1, 256, out->Ref());
+        if (!res.ok()) return res.status().ToString();
+        if (i == 0) after_first[r] = State(r).device_allocations();
+      }
+      after_many[r] = State(r).device_allocations();
+      return "";
+    });
   }
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(errors[r], "") << "rank " << r;
@@ -283,27 +278,22 @@ TEST_F(NcclCluster, AutoDaemonsRunNvlinkAndNcclWhenAskedFor) {
   auto nccl_sessions = CreateAll(clients, via_nccl, spec);
   ASSERT_EQ(nvlink_sessions.size(), 2u);
   ASSERT_EQ(nccl_sessions.size(), 2u);
-  std::vector<std::string> errors(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      const size_t n = static_cast<size_t>(S) * H * D;
-      auto x = clients[r]->AllocBuffer(n * 2, "x");
-      if (!x.ok()) return void(errors[r] = "alloc");
-      std::vector<uint16_t> xh(n);
-      for (size_t i = 0; i < n; ++i) xh[i] = static_cast<uint16_t>(0x3c00 + (r * 7919 + i) % 1024);
-      if (!ipc::cuda::Copy(x->data, xh.data(), n * 2).ok()) return void(errors[r] = "upload");
-      auto a = nvlink_sessions[r]->ScatterHeads(x->Ref(), 1, S);
-      auto b = nccl_sessions[r]->ScatterHeads(x->Ref(), 1, S);
-      if (!a.ok() || !b.ok()) return void(errors[r] = StrCat(a.status(), " / ", b.status()));
-      std::vector<uint16_t> ah(a->bytes / 2), bh(b->bytes / 2);
-      if (a->bytes != b->bytes || !ipc::cuda::Copy(ah.data(), a->data, a->bytes).ok() ||
-          !ipc::cuda::Copy(bh.data(), b->data, b->bytes).ok())
-        return void(errors[r] = "read");
-      if (ah != bh) errors[r] = "nvlink and nccl results differ";
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = OnEveryRank(2, [&](int r) -> std::string {
+    const size_t n = static_cast<size_t>(S) * H * D;
+    auto x = clients[r]->AllocBuffer(n * 2, "x");
+    if (!x.ok()) return "alloc";
+    std::vector<uint16_t> xh(n);
+    for (size_t i = 0; i < n; ++i) xh[i] = static_cast<uint16_t>(0x3c00 + (r * 7919 + i) % 1024);
+    if (!ipc::cuda::Copy(x->data, xh.data(), n * 2).ok()) return "upload";
+    auto a = nvlink_sessions[r]->ScatterHeads(x->Ref(), 1, S);
+    auto b = nccl_sessions[r]->ScatterHeads(x->Ref(), 1, S);
+    if (!a.ok() || !b.ok()) return StrCat(a.status(), " / ", b.status());
+    std::vector<uint16_t> ah(a->bytes / 2), bh(b->bytes / 2);
+    if (a->bytes != b->bytes || !ipc::cuda::Copy(ah.data(), a->data, a->bytes).ok() ||
+        !ipc::cuda::Copy(bh.data(), b->data, b->bytes).ok())
+      return "read";
+    return ah != bh ? "nvlink and nccl results differ" : "";
+  });
   EXPECT_EQ(errors[0], "");
   EXPECT_EQ(errors[1], "");
 }
@@ -323,47 +313,42 @@ TEST_F(NcclCluster, FusedSessionRunsPerOperatorAndRefusesThePathsThatStoreIntoPe
     SCOPED_TRACE(FusedPathName(path));
     auto groups = JoinAll(clients, StrCat("fused", combo++));
     ASSERT_EQ(groups.size(), 2u);
-    std::vector<std::string> errors(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        auto fail = [&](const std::string& e) { errors[r] = e; };
-        auto w = clients[r]->AllocBuffer(total, "weights");
-        auto x = clients[r]->AllocBuffer(uint64_t{S} * hidden * 2, "x");
-        auto pos = clients[r]->AllocBuffer(S * 4, "positions");
-        if (!w.ok() || !x.ok() || !pos.ok()) return fail("alloc");
-        client::FusedSessionSpec spec;
-        spec.hidden = hidden;
-        spec.num_heads = H;
-        spec.layout = QkvLayout::kFused;
-        spec.max_tokens = S;
-        spec.max_pos = max_pos;
-        spec.path = path;
-        spec.weights.w_qkv = w->Tensor(DType::kBFloat16, {3 * hidden, hidden}, 0);
-        spec.weights.q_norm = w->Tensor(DType::kBFloat16, {D}, norm_at);
-        spec.weights.k_norm = w->Tensor(DType::kBFloat16, {D}, norm_at + 256);
-        spec.weights.cos_sin = w->Tensor(DType::kFloat32, {max_pos, D}, cos_at);
-        spec.timeout_ms = 60000;
-        auto session = clients[r]->CreateFusedSession(groups[r], spec);
-        if (path != FusedPath::kAuto) {
-          if (session.ok()) return fail("created");
-          if (session.status().code() != absl::StatusCode::kFailedPrecondition ||
-              session.status().message().find(StrCat("path: ", FusedPathName(path))) ==
-                  std::string::npos)
-            return fail(session.status().ToString());
-          return;
-        }
-        if (!session.ok()) return fail(session.status().ToString());
-        auto views = (*session)->QkvNormRopeExchange(x->Ref(), pos->Ref(), 1, S);
-        if (!views.ok()) return fail(views.status().ToString());
-        auto described = (*session)->Describe();
-        if (!described.ok()) return fail(described.status().ToString());
-        if (described->rfind("nccl: ", 0) != 0 ||
-            described->find(StrCat("rows ", S, ": per_operator (auto: ")) == std::string::npos)
-          return fail("describe: " + *described);
-      });
-    }
-    for (auto& t : threads) t.join();
+    const std::vector<std::string> errors = OnEveryRank(2, [&](int r) -> std::string {
+      auto w = clients[r]->AllocBuffer(total, "weights");
+      auto x = clients[r]->AllocBuffer(uint64_t{S} * hidden * 2, "x");
+      auto pos = clients[r]->AllocBuffer(S * 4, "positions");
+      if (!w.ok() || !x.ok() || !pos.ok()) return "alloc";
+      client::FusedSessionSpec spec;
+      spec.hidden = hidden;
+      spec.num_heads = H;
+      spec.layout = QkvLayout::kFused;
+      spec.max_tokens = S;
+      spec.max_pos = max_pos;
+      spec.path = path;
+      spec.weights.w_qkv = w->Tensor(DType::kBFloat16, {3 * hidden, hidden}, 0);
+      spec.weights.q_norm = w->Tensor(DType::kBFloat16, {D}, norm_at);
+      spec.weights.k_norm = w->Tensor(DType::kBFloat16, {D}, norm_at + 256);
+      spec.weights.cos_sin = w->Tensor(DType::kFloat32, {max_pos, D}, cos_at);
+      spec.timeout_ms = 60000;
+      auto session = clients[r]->CreateFusedSession(groups[r], spec);
+      if (path != FusedPath::kAuto) {
+        if (session.ok()) return "created";
+        if (session.status().code() != absl::StatusCode::kFailedPrecondition ||
+            session.status().message().find(StrCat("path: ", FusedPathName(path))) ==
+                std::string::npos)
+          return session.status().ToString();
+        return "";
+      }
+      if (!session.ok()) return session.status().ToString();
+      auto views = (*session)->QkvNormRopeExchange(x->Ref(), pos->Ref(), 1, S);
+      if (!views.ok()) return views.status().ToString();
+      auto described = (*session)->Describe();
+      if (!described.ok()) return described.status().ToString();
+      if (described->rfind("nccl: ", 0) != 0 ||
+          described->find(StrCat("rows ", S, ": per_operator (auto: ")) == std::string::npos)
+        return "describe: " + *described;
+      return "";
+    });
     EXPECT_EQ(errors[0], "");
     EXPECT_EQ(errors[1], "");
   }
