@@ -1004,7 +1004,7 @@ absl::StatusOr<std::vector<Result>> Session::QkvNormRopeExchange(const OperandRe
   ULY_ASSIGN_OR_RETURN(CallArgs a, FusedCallArgs(x, positions, batch, seq_local, out));
   ULY_ASSIGN_OR_RETURN(Result whole, Call(a));
   ULY_ASSIGN_OR_RETURN(std::vector<Result> views, FusedViews(std::move(whole), out));
-  Remember(views);
+  Remember(views.data(), views.size());
   return views;
 }
 
@@ -1030,7 +1030,7 @@ absl::StatusOr<std::vector<Result>> Session::WaitQkvNormRopeExchange(uint64_t ep
   }
   ULY_ASSIGN_OR_RETURN(Result whole, Wait(epoch, timeout));
   ULY_ASSIGN_OR_RETURN(std::vector<Result> views, FusedViews(std::move(whole), out));
-  Remember(views);
+  Remember(views.data(), views.size());
   return views;
 }
 
@@ -1156,7 +1156,7 @@ absl::Status Session::Synchronize(absl::Duration timeout) {
 
 absl::StatusOr<Result> Session::Wait(uint64_t epoch, absl::Duration timeout) {
   absl::StatusOr<Result> r = WaitImpl(epoch, timeout);
-  if (r.ok()) Remember({*r});
+  if (r.ok()) Remember(&*r, 1);
   return r;
 }
 
@@ -1193,13 +1193,13 @@ std::shared_ptr<SlotHold> Session::NewHold(uint64_t epoch, int32_t slot) {
 
 absl::StatusOr<Result> Session::Call(const CallArgs& args) {
   absl::StatusOr<Result> r = CallImpl(args);
-  if (r.ok()) Remember({*r});
+  if (r.ok()) Remember(&*r, 1);
   return r;
 }
 
-void Session::Remember(const std::vector<Result>& views) {
-  last_ = views;
-  last_hold_ = views.empty() ? nullptr : views[0].hold_;
+void Session::Remember(const Result* views, size_t count) {
+  last_.assign(views, views + count);  // reuses the record's storage: no allocation
+  last_hold_ = count == 0 ? nullptr : views[0].hold_;
   last_held_ = last_hold_.lock() != nullptr;
   for (Result& v : last_) v.hold_.reset();  // the session's copy never holds the slot
 }

@@ -336,8 +336,10 @@ class NcclTransport final : public Transport {
                                 {planes[0], planes[1], planes[2]}, 0, local_heads}, 0, 0});
       } else {
         // Three [B, S_g, H_l, D] planes one after the other: a head scatter into each.
-        const uint64_t plane_bytes = static_cast<uint64_t>(plan.batch) * g.world_size *
-                                     plan.seq_local * local_heads * g.head_dim * 2;
+        const uint64_t plane_bytes = static_cast<uint64_t>(kernels::QkvPlaneElems(
+                                         {g.world_size, g.num_heads, g.head_dim, g.max_pos,
+                                          plan.batch, plan.seq_local})) *
+                                     2;
         for (int p = 0; p < 3; ++p)
           x.parts.push_back(Part{{kernels::BlockKind::kScatterHeads,
                                   {planes[p], planes[p], planes[p]}, 0, 0},

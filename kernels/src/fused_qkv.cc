@@ -130,6 +130,14 @@ struct FusedQkvPlan::Impl {
     return QkvNormRopeShape{config.world,   config.heads, config.head_dim,
                             config.max_pos, batch,        seq_local};
   }
+
+  // The projection of a checked call into qkv(), then norm + RoPE in place.
+  absl::Status ProjectAndNormRope(const QkvNormRopeShape& shape, const void* x,
+                                  const int32_t* positions, cudaStream_t stream) {
+    const int64_t rows = QkvRows(shape);
+    ULY_RETURN_IF_ERROR(gemm->Run(x, config.weights.w_qkv, qkv(), rows, stream));
+    return LaunchNormRope(shape, config.weights, positions, 0, rows, qkv(), stream);
+  }
 };
 
 FusedQkvPlan::FusedQkvPlan(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -214,10 +222,7 @@ absl::Status FusedQkvPlan::RunNormRope(const void* x, const int32_t* positions, 
                                        int64_t seq_local, cudaStream_t stream) {
   ULY_ASSIGN_OR_RETURN(const QkvNormRopeShape shape,
                        impl_->CallShape(x, positions, batch, seq_local));
-  const int64_t rows = QkvRows(shape);
-  const FusedQkvConfig& c = impl_->config;
-  ULY_RETURN_IF_ERROR(impl_->gemm->Run(x, c.weights.w_qkv, impl_->qkv(), rows, stream));
-  return LaunchNormRope(shape, c.weights, positions, 0, rows, impl_->qkv(), stream);
+  return impl_->ProjectAndNormRope(shape, x, positions, stream);
 }
 
 absl::Status FusedQkvPlan::RunPerOperator(const void* x, const int32_t* positions, int64_t batch,
@@ -225,11 +230,10 @@ absl::Status FusedQkvPlan::RunPerOperator(const void* x, const int32_t* position
                                           cudaStream_t stream) {
   ULY_ASSIGN_OR_RETURN(const QkvNormRopeShape shape,
                        impl_->CallShape(x, positions, batch, seq_local));
-  const int64_t rows = QkvRows(shape);
   const FusedQkvConfig& c = impl_->config;
-  ULY_RETURN_IF_ERROR(RunNormRope(x, positions, batch, seq_local, stream));
-  return LaunchQkvScatter(shape, c.layout, impl_->qkv(), c.rank, 0, rows, dests, impl_->counter(0),
-                          stream);
+  ULY_RETURN_IF_ERROR(impl_->ProjectAndNormRope(shape, x, positions, stream));
+  return LaunchQkvScatter(shape, c.layout, impl_->qkv(), c.rank, 0, QkvRows(shape), dests,
+                          impl_->counter(0), stream);
 }
 
 absl::Status FusedQkvPlan::RunChunked(const void* x, const int32_t* positions, int64_t batch,

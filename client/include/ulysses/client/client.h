@@ -254,7 +254,7 @@ class Session {
   absl::StatusOr<Result> CallImpl(const CallArgs& args);
   absl::StatusOr<Result> WaitImpl(uint64_t epoch, absl::Duration timeout);
   // Records the views a call returned for LastOutputs (without their hold).
-  void Remember(const std::vector<Result>& views);
+  void Remember(const Result* views, size_t count);
   absl::StatusOr<CallArgs> FusedCallArgs(const OperandRef& x, const OperandRef& positions,
                                          int64_t batch, int64_t seq_local,
                                          const OperandRef& out) const;
