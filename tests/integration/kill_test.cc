@@ -366,14 +366,25 @@ TEST_F(KillFixture, APeerRankKilledAtRandomMomentsAbortsTheSurvivorAndLeavesNoth
 }
 
 // Pids of the processes whose command line names `needle` (the daemons of one run folder).
-std::vector<pid_t> ProcessesNaming(const std::string& needle) {
+std::string Cmdline(const std::filesystem::path& proc_dir) {
+  std::ifstream f(proc_dir / "cmdline");
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// Processes whose command line names `needle`; `copies` counts those among them whose command
+// line is `launcher`'s (the launcher itself, and a child it forked that has not run its own
+// program yet).
+std::vector<pid_t> ProcessesNaming(const std::string& needle, pid_t launcher, int* copies) {
+  const std::string launcher_cmd = Cmdline(std::filesystem::path("/proc") / std::to_string(launcher));
   std::vector<pid_t> out;
+  *copies = 0;
   for (const auto& e : std::filesystem::directory_iterator("/proc")) {
     const std::string name = e.path().filename().string();
     if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream f(e.path() / "cmdline");
-    std::string cmd((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    if (cmd.find(needle) != std::string::npos) out.push_back(std::stoi(name));
+    const std::string cmd = Cmdline(e.path());
+    if (cmd.find(needle) == std::string::npos) continue;
+    out.push_back(std::stoi(name));
+    if (cmd == launcher_cmd) ++*copies;
   }
   return out;
 }
@@ -398,15 +409,19 @@ TEST(Launcher, TheDemosDaemonsAndClientsEndWithIt) {
     _exit(127);
   }
   // Both daemons serve and the clients hold their sessions: two processes per rank name the
-  // run folder besides the demo (a daemon's socket, a client's --run-dir).
+  // run folder besides the demo (a daemon's socket, a client's --run-dir), each running its
+  // own program (a child forked but not yet started carries the demo's command line; killed
+  // then, it exits 127 without having been a daemon or a client).
   std::vector<pid_t> named;
+  int launcher_copies = 0;
   EXPECT_TRUE(Eventually(
       [&] {
-        named = ProcessesNaming(*dir);
-        return named.size() == 5;
+        named = ProcessesNaming(*dir, launcher, &launcher_copies);
+        return named.size() == 5 && launcher_copies == 1;
       },
       absl::Seconds(60)))
-      << named.size() << " processes name " << *dir;
+      << named.size() << " processes name " << *dir << ", " << launcher_copies
+      << " with the demo's command line";
   ASSERT_EQ(::kill(launcher, SIGKILL), 0);
   int status = 0;
   ASSERT_EQ(::waitpid(launcher, &status, 0), launcher);
