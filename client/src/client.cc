@@ -339,6 +339,28 @@ class ClientImpl : public BufferResolver {
   }
 };
 
+// Whether the environment variable `name` is set to exactly `value` (its callers keep the
+// answer).
+bool EnvIs(const char* name, std::string_view value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::string_view(v) == value;
+}
+
+// ULYSSES_RELEASE_IN_ORDER=0 never claims a release implied by the ready word, so the daemon's
+// stream always waits for the release word: the baseline the benchmark compares with.
+bool ReleaseInOrderEnabled() {
+  static const bool enabled = !EnvIs("ULYSSES_RELEASE_IN_ORDER", "0");
+  return enabled;
+}
+
+// Whether a stream release is carried by the slot's next ready word (the default) instead of
+// written as a word of its own: ULYSSES_RELEASE_WORD=1 writes it (the benchmark's A/B), as
+// does ULYSSES_RELEASE_IN_ORDER=0.
+bool ReleaseCarriedEnabled() {
+  static const bool enabled = ReleaseInOrderEnabled() && !EnvIs("ULYSSES_RELEASE_WORD", "1");
+  return enabled;
+}
+
 // The client side of one session's stream-ordered protocol (docs/protocol.md section 9): this
 // client's device words (ready and released, written only by its streams) and, per stream that
 // named them, a mark after the last such work. Shared by the session and the results it
@@ -361,28 +383,47 @@ class StreamWords {
     if (closed_) return absl::FailedPreconditionError("the session is closed");
     return ipc::cuda::StreamWrite64(stream, &words_->ready[slot], epoch);
   }
-  // Enqueues released[slot] = epoch on `stream`, after the work that reads the result; the
-  // daemon's stream waits for it before the slot's next call stores into the slot. False when
-  // the session closed (its slots are gone: nothing to release).
+  // Gives slot `slot`'s result of `epoch` back after the work enqueued on `stream` so far (the
+  // work that reads it). By default nothing is written: an event marks that point, and the
+  // slot's next call carries the release (CarryRelease), whose ready word the daemon's stream
+  // waits for anyway. With ULYSSES_RELEASE_WORD=1 (or ULYSSES_RELEASE_IN_ORDER=0, or when the
+  // mark cannot be recorded) the stream writes released[slot] = epoch, which the daemon's
+  // stream waits for unless a ready word on the same stream implies it. False when the session
+  // closed (its slots are gone: nothing to release).
   absl::StatusOr<bool> Release(void* stream, int slot, uint64_t epoch) {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return false;
-    ULY_RETURN_IF_ERROR(ipc::cuda::StreamWrite64(stream, &words_->released[slot], epoch));
-    ULY_RETURN_IF_ERROR(MarkLocked(stream));
     // The stream by its id, not its handle: a handle can name another stream later (made at
     // the address of a destroyed one, or the per-thread default stream of another thread).
-    // No id: no later ready word is taken to imply this release.
+    // No id: no later ready word on "the same stream" is taken to imply this release.
     absl::StatusOr<uint64_t> id = ipc::cuda::StreamId(stream);
-    last_release_[slot] = {epoch, id.ok() ? *id : 0};
+    const uint64_t stream_id = id.ok() ? *id : 0;
+    if (ReleaseCarriedEnabled()) {
+      std::unique_ptr<ipc::cuda::StreamMark>& mark = release_marks_[slot];
+      if (!mark) mark = std::make_unique<ipc::cuda::StreamMark>();
+      if (mark->Record(stream).ok()) {
+        last_release_[slot] = {epoch, stream_id, /*written=*/false};
+        return true;
+      }
+    }
+    ULY_RETURN_IF_ERROR(ipc::cuda::StreamWrite64(stream, &words_->released[slot], epoch));
+    ULY_RETURN_IF_ERROR(MarkLocked(stream));
+    last_release_[slot] = {epoch, stream_id, /*written=*/true};
     return true;
   }
-  // Whether `slot`'s result of `epoch` was given back by a release word already enqueued on
-  // the stream whose id is `stream_id`: a ready word written on it from now on implies it.
-  bool ReleasedOn(int slot, uint64_t epoch, uint64_t stream_id) {
+  // Before a call's ready word on `stream` (id `stream_id`): whether that ready word implies
+  // the release of `slot`'s result of `epoch`, so the daemon's stream need not wait for the
+  // release word. True when the release was on the same stream, or when it was marked (not
+  // written) on another one: then `stream` is first made to wait for that mark, so its ready
+  // word still comes after the work that read the result.
+  absl::StatusOr<bool> CarryRelease(void* stream, int slot, uint64_t epoch, uint64_t stream_id) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = last_release_.find(slot);
-    return it != last_release_.end() && it->second.epoch == epoch && it->second.stream_id != 0 &&
-           it->second.stream_id == stream_id;
+    if (it == last_release_.end() || it->second.epoch != epoch) return false;
+    if (it->second.stream_id != 0 && it->second.stream_id == stream_id) return true;
+    if (it->second.written) return false;
+    ULY_RETURN_IF_ERROR(release_marks_[slot]->OrderBefore(stream));
+    return true;
   }
   // Marks `stream` after work enqueued on it that names these mappings.
   absl::Status Mark(void* stream) {
@@ -433,19 +474,11 @@ class StreamWords {
   struct LastRelease {
     uint64_t epoch = 0;
     uint64_t stream_id = 0;  // 0: unknown
+    bool written = false;    // released[slot] written on the stream; else only marked
   };
   std::map<int, LastRelease> last_release_;  // per slot, the last release on a stream
+  std::map<int, std::unique_ptr<ipc::cuda::StreamMark>> release_marks_;  // per slot
 };
-
-// ULYSSES_RELEASE_IN_ORDER=0 never claims a release implied by the ready word, so the daemon's
-// stream always waits for the release word: the baseline the benchmark compares with.
-bool ReleaseInOrderEnabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("ULYSSES_RELEASE_IN_ORDER");
-    return v == nullptr || std::string_view(v) != "0";
-  }();
-  return enabled;
-}
 
 // Stores `epoch` into a host release word unless a later one is there (this client is the
 // word's only writer; the epochs of a slot only grow).
@@ -458,10 +491,10 @@ class SlotHold {
  public:
   // `word`: this slot's release word in the client segment, or null (release by RPC).
   // `stream` (device sessions): the release is ordered after the work enqueued on it so far
-  // (the work that reads the view). With `stream_words` (a stream-ordered call) the stream
-  // writes the slot's device release word, which the daemon's stream waits for; the host word
-  // then only tells the daemon's bookkeeping (Admin) that the result was given back. Without
-  // them a host function on the stream stores the host word.
+  // (the work that reads the view). With `stream_words` (a stream-ordered call) the release is
+  // marked on the stream and carried by the slot's next call (StreamWords::Release); the host
+  // word then only tells the daemon's bookkeeping (Admin) that the result was given back.
+  // Without them a host function on the stream stores the host word.
   SlotHold(std::shared_ptr<ClientImpl> client, uint64_t session, uint64_t epoch, int32_t slot,
            std::atomic<uint64_t>* word, bool device = false, void* stream = nullptr,
            std::shared_ptr<StreamWords> stream_words = nullptr)
@@ -1108,8 +1141,9 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
                                   : 0;
     if (previous != 0 && ReleaseInOrderEnabled()) {
       absl::StatusOr<uint64_t> id = ipc::cuda::StreamId(stream_);
-      if (id.ok() && stream_words_->ReleasedOn(slot, previous, *id))
-        d.flags |= ipc::kDescriptorReleasedInOrder;
+      ULY_ASSIGN_OR_RETURN(const bool carried,
+                           stream_words_->CarryRelease(stream_, slot, previous, id.ok() ? *id : 0));
+      if (carried) d.flags |= ipc::kDescriptorReleasedInOrder;
     }
     ULY_RETURN_IF_ERROR(stream_words_->Ready(stream_, slot, d.epoch));
     d.flags |= ipc::kDescriptorStreamOrdered;

@@ -633,4 +633,11 @@ absl::StatusOr<bool> StreamMark::Passed() const {
   return true;
 }
 
+absl::Status StreamMark::OrderBefore(void* consumer) const {
+  if (event_ == nullptr) return absl::OkStatus();
+  ULY_CUDART(cudaStreamWaitEvent(static_cast<cudaStream_t>(consumer),
+                                 static_cast<cudaEvent_t>(event_), 0));
+  return absl::OkStatus();
+}
+
 }  // namespace ulysses::ipc::cuda

@@ -53,5 +53,6 @@ absl::Status LaunchHostFunc(void*, void (*)(void*), void*) { return NoCuda(); }
 StreamMark::~StreamMark() = default;
 absl::Status StreamMark::Record(void*) { return NoCuda(); }
 absl::StatusOr<bool> StreamMark::Passed() const { return true; }
+absl::Status StreamMark::OrderBefore(void*) const { return NoCuda(); }
 
 }  // namespace ulysses::ipc::cuda

@@ -194,7 +194,8 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
     ASSERT_EQ(cudaMemcpyAsync(out1, first->data, elems * 4, cudaMemcpyDeviceToHost, a),
               cudaSuccess);
     ASSERT_TRUE(first->Release().ok());
-    // The next call of the one slot, on stream b: it returns, and b waits for a's release.
+    // The next call of the one slot, on stream b: it returns, and b waits for a's release
+    // (b's ready word follows the point where a released the result).
     (*s1)->set_stream(b);
     auto second = (*s1)->ScatterHeads(x[1].Ref(), kB, kS);
     ASSERT_TRUE(second.ok()) << second.status();

@@ -226,6 +226,9 @@ class StreamMark {
   absl::Status Record(void* stream);
   /// Whether the stream has passed the last Record (true when never recorded).
   absl::StatusOr<bool> Passed() const;
+  /// Enqueues on `consumer` a wait for the work before the last Record (nothing when never
+  /// recorded); no host thread waits. Valid after the recorded stream was destroyed.
+  absl::Status OrderBefore(void* consumer) const;
 
  private:
   [[maybe_unused]] void* event_ = nullptr;  // unread in builds without CUDA
