@@ -14,6 +14,7 @@
 
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
+#include "release_ledger.h"
 #include "ulysses/common/session_layout.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
@@ -28,6 +29,8 @@
 #include "ulysses/v1/control.grpc.pb.h"
 
 namespace ulysses::client {
+
+using internal::ReleaseLedger;
 
 // How long Session::Close waits for the calls pushed before it (stream-ordered sessions).
 constexpr absl::Duration kCloseDrain = absl::Seconds(10);
@@ -386,10 +389,11 @@ class StreamWords {
   // Gives slot `slot`'s result of `epoch` back after the work enqueued on `stream` so far (the
   // work that reads it). By default nothing is written: an event marks that point, and the
   // slot's next call carries the release (CarryRelease), whose ready word the daemon's stream
-  // waits for anyway. With ULYSSES_RELEASE_WORD=1 (or ULYSSES_RELEASE_IN_ORDER=0, or when the
-  // mark cannot be recorded) the stream writes released[slot] = epoch, which the daemon's
-  // stream waits for unless a ready word on the same stream implies it. False when the session
-  // closed (its slots are gone: nothing to release).
+  // waits for anyway. The stream writes released[slot] = epoch instead, which the daemon's
+  // stream waits for unless a ready word on the same stream implies it, with
+  // ULYSSES_RELEASE_WORD=1 (or ULYSSES_RELEASE_IN_ORDER=0), when the mark cannot be recorded,
+  // and when the slot's next call already went without carrying it (ReleaseLedger). False
+  // when the session closed (its slots are gone: nothing to release).
   absl::StatusOr<bool> Release(void* stream, int slot, uint64_t epoch) {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return false;
@@ -398,17 +402,17 @@ class StreamWords {
     // No id: no later ready word on "the same stream" is taken to imply this release.
     absl::StatusOr<uint64_t> id = ipc::cuda::StreamId(stream);
     const uint64_t stream_id = id.ok() ? *id : 0;
-    if (ReleaseCarriedEnabled()) {
+    if (ledger_.OnRelease(slot, epoch, ReleaseCarriedEnabled()) == ReleaseLedger::Give::kMark) {
       std::unique_ptr<ipc::cuda::StreamMark>& mark = release_marks_[slot];
       if (!mark) mark = std::make_unique<ipc::cuda::StreamMark>();
       if (mark->Record(stream).ok()) {
-        last_release_[slot] = {epoch, stream_id, /*written=*/false};
+        ledger_.Released(slot, epoch, stream_id, /*written=*/false);
         return true;
       }
     }
     ULY_RETURN_IF_ERROR(ipc::cuda::StreamWrite64(stream, &words_->released[slot], epoch));
     ULY_RETURN_IF_ERROR(MarkLocked(stream));
-    last_release_[slot] = {epoch, stream_id, /*written=*/true};
+    ledger_.Released(slot, epoch, stream_id, /*written=*/true);
     return true;
   }
   // Before a call's ready word on `stream` (id `stream_id`): whether that ready word implies
@@ -418,12 +422,16 @@ class StreamWords {
   // word still comes after the work that read the result.
   absl::StatusOr<bool> CarryRelease(void* stream, int slot, uint64_t epoch, uint64_t stream_id) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = last_release_.find(slot);
-    if (it == last_release_.end() || it->second.epoch != epoch) return false;
-    if (it->second.stream_id != 0 && it->second.stream_id == stream_id) return true;
-    if (it->second.written) return false;
-    ULY_RETURN_IF_ERROR(release_marks_[slot]->OrderBefore(stream));
-    return true;
+    switch (ledger_.OnCall(slot, epoch, stream_id)) {
+      case ReleaseLedger::Carry::kNo:
+        return false;
+      case ReleaseLedger::Carry::kSameStream:
+        return true;
+      case ReleaseLedger::Carry::kAfterMark:
+        ULY_RETURN_IF_ERROR(release_marks_[slot]->OrderBefore(stream));
+        return true;
+    }
+    return false;
   }
   // Marks `stream` after work enqueued on it that names these mappings.
   absl::Status Mark(void* stream) {
@@ -471,12 +479,7 @@ class StreamWords {
   std::shared_ptr<void> words_mapping_, slots_mapping_;
   ClientDeviceWords* const words_;
   std::map<void*, std::unique_ptr<ipc::cuda::StreamMark>> marks_;
-  struct LastRelease {
-    uint64_t epoch = 0;
-    uint64_t stream_id = 0;  // 0: unknown
-    bool written = false;    // released[slot] written on the stream; else only marked
-  };
-  std::map<int, LastRelease> last_release_;  // per slot, the last release on a stream
+  ReleaseLedger ledger_;  // how each slot's results were given back
   std::map<int, std::unique_ptr<ipc::cuda::StreamMark>> release_marks_;  // per slot
 };
 
