@@ -21,33 +21,32 @@ class ReleaseLedger {
     kAfterMark,   ///< marked on another stream: order this stream after the mark first
   };
 
-  /// How to give back `slot`'s result of `epoch`. kWord when `marks` is off, or when the slot's
-  /// next call already went without carrying this release: that call was made while the
-  /// release was still on its way (the result dropped on another thread), and its daemon
-  /// waits for the word.
+  /// How to give back `slot`'s result of `epoch`. kWord when `marks` is off, or when the call
+  /// that needed the slot after this result was already made: it went without carrying this
+  /// release (a carried release is recorded before its call), so its daemon waits for the
+  /// word. That happens when results are taken after later calls were submitted, or dropped
+  /// on another thread while the next call is made.
   Give OnRelease(int slot, uint64_t epoch, bool marks) const {
     if (!marks) return Give::kWord;
-    auto u = uncarried_.find(slot);
-    return u != uncarried_.end() && u->second == epoch ? Give::kWord : Give::kMark;
+    auto c = called_.find(slot);
+    return c != called_.end() && epoch <= c->second ? Give::kWord : Give::kMark;
   }
 
   /// Records the release of `slot`'s result of `epoch` on the stream with id `stream_id`
   /// (0: unknown), given back as a word (`written`) or a mark.
   void Released(int slot, uint64_t epoch, uint64_t stream_id, bool written) {
     last_[slot] = Last{epoch, stream_id, written};
-    auto u = uncarried_.find(slot);
-    if (u != uncarried_.end() && u->second == epoch) uncarried_.erase(u);
   }
 
   /// Before the ready word of a call on the stream with id `stream_id` (0: unknown) whose slot
-  /// held the result of `previous` last. A release not recorded yet is remembered as not
-  /// carried, so that it is written as a word when it comes (OnRelease).
+  /// held the result of `previous` last. Remembers that the slot's calls reached past
+  /// `previous`: a release of it or of an earlier result that comes later is a word
+  /// (OnRelease).
   Carry OnCall(int slot, uint64_t previous, uint64_t stream_id) {
+    uint64_t& called = called_[slot];
+    if (previous > called) called = previous;
     auto it = last_.find(slot);
-    if (it == last_.end() || it->second.epoch != previous) {
-      uncarried_[slot] = previous;
-      return Carry::kNo;
-    }
+    if (it == last_.end() || it->second.epoch != previous) return Carry::kNo;
     if (stream_id != 0 && it->second.stream_id == stream_id) return Carry::kSameStream;
     return it->second.written ? Carry::kNo : Carry::kAfterMark;
   }
@@ -59,7 +58,7 @@ class ReleaseLedger {
     bool written = false;    // given back as a release word; else only marked
   };
   std::map<int, Last> last_;          // per slot, the last release on a stream
-  std::map<int, uint64_t> uncarried_;  // per slot, a previous result a call went without
+  std::map<int, uint64_t> called_;    // per slot, the latest `previous` a call was made after
 };
 
 }  // namespace ulysses::client::internal

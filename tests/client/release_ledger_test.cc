@@ -59,6 +59,21 @@ TEST(ReleaseLedger, AReleaseThatComesAfterTheNextCallIsAWord) {
   EXPECT_EQ(l.OnRelease(kSlot + 1, 3, /*marks=*/true), Give::kMark);
 }
 
+// Calls submitted before the results of the slot's earlier calls are taken (num_slots = 1:
+// calls 1, 2 and 3, then result 1 taken and dropped): call 2 went without result 1's release,
+// and so did call 3 without result 2's; each release, coming later, is a word.
+TEST(ReleaseLedger, ReleasesOfResultsTakenAfterLaterCallsAreWords) {
+  ReleaseLedger l;
+  ASSERT_EQ(l.OnCall(kSlot, 1, kStreamA), Carry::kNo);  // call 2
+  ASSERT_EQ(l.OnCall(kSlot, 2, kStreamA), Carry::kNo);  // call 3
+  EXPECT_EQ(l.OnRelease(kSlot, 1, /*marks=*/true), Give::kWord);
+  l.Released(kSlot, 1, kStreamA, /*written=*/true);
+  EXPECT_EQ(l.OnRelease(kSlot, 2, /*marks=*/true), Give::kWord);
+  l.Released(kSlot, 2, kStreamA, /*written=*/true);
+  // Result 3, whose next call is not made yet, is marked.
+  EXPECT_EQ(l.OnRelease(kSlot, 3, /*marks=*/true), Give::kMark);
+}
+
 // A previous result that was never given back on a stream (copied to out=, say): nothing to
 // carry, and the slot's next held result is marked as usual.
 TEST(ReleaseLedger, AResultNeverReleasedOnAStreamLeavesLaterReleasesMarked) {
