@@ -282,6 +282,55 @@ TEST_F(StreamCluster, AReleaseOnTheCallsOwnStreamIsImpliedByItsReadyWord) {
   for (float* p : out) cudaFreeHost(p);
 }
 
+// Calls submitted before the results of their slot's earlier calls are taken, results waited
+// for on the host (no set_stream: the legacy stream). One slot: calls 1 and 2 submitted, then
+// result 1 taken, read and released. Call 2 could not carry result 1's release, so the
+// release is a word, which call 2's daemon waits for. Both results are read intact, and
+// nothing waits out the call timeout. (On a stream of its own that waits for each call's
+// done, the same order would deadlock: the stream reaches the release only after call 2.)
+TEST_F(StreamCluster, AResultTakenAfterItsSlotsNextCallWasSubmittedIsGivenBackByAWord) {
+  Start(1);
+  const int64_t elems = int64_t{kB} * kS * kH * kD;
+  auto c = client::Client::Connect({Members(1)[0], "late-take"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto g = (*c)->JoinGroup({"late-take", 1, 0, Members(1), "nvlink", 0});
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, /*num_slots=*/1, {}, 0});
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::vector<float> in[3];
+  std::vector<client::Buffer> x(3);
+  for (int it = 0; it < 3; ++it) ASSERT_NO_FATAL_FAILURE(MakeInput(**c, it, &in[it], &x[it]));
+  auto submit = [&](int it) -> absl::StatusOr<uint64_t> {
+    CallArgs args;
+    args.op = OpKind::kScatterHeads;
+    args.batch = kB;
+    args.seq = kS;
+    args.inputs[0] = x[it].Ref();
+    return (*s)->Submit(args);
+  };
+  std::vector<float> got(elems);
+  uint64_t epochs[3] = {};
+  for (int it = 0; it < 2; ++it) {
+    auto e = submit(it);
+    ASSERT_TRUE(e.ok()) << "call " << it << ": " << e.status();
+    epochs[it] = *e;
+  }
+  for (int it = 0; it < 3; ++it) {
+    auto r = (*s)->Wait(epochs[it], absl::Seconds(20));
+    ASSERT_TRUE(r.ok()) << "result " << it << ": " << r.status();
+    ASSERT_EQ(cudaMemcpy(got.data(), r->data, elems * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(std::memcmp(got.data(), in[it].data(), elems * 4), 0) << "result " << it;
+    ASSERT_TRUE(r->Release().ok());
+    if (it == 1) {
+      // And a call made after the release, as usual, carries it.
+      auto e = submit(2);
+      ASSERT_TRUE(e.ok()) << "call 2: " << e.status();
+      epochs[2] = *e;
+    }
+  }
+  ASSERT_TRUE((*s)->Synchronize(absl::Seconds(20)).ok());
+}
+
 // A session closed right after its last call: the close lets that call run first, so its
 // result (read on the stream after the close) holds the exchange, and the stream that waits for
 // the call passes. Repeated: the close races the daemon's ring worker for the descriptor.
