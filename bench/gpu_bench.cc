@@ -62,6 +62,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "bench_util.h"
 #include "demo_lib.h"
@@ -1128,6 +1129,11 @@ int Main(int argc, char** argv) {
   app.add_option("--ring-spin-us", ring_spin_us,
                  "The daemons' rings.worker_spin_us (default: the daemon's own, 50)")
       ->check(CLI::Range(int64_t{-1}, ulysses::kMaxRingSpinUs));
+  int daemon_queues = 0;
+  app.add_option("--daemon-queues", daemon_queues,
+                 "CUDA_DEVICE_MAX_CONNECTIONS of the daemons only (default: this environment's, "
+                 "else CUDA's 8); docs/benchmarks.md measures 1 to 16")
+      ->check(CLI::Range(1, 32));
   app.add_option("--warmup", m.warmup, "Untimed samples per variant before the rounds")->check(CLI::NonNegativeNumber);
   app.add_option("--rounds", m.rounds, "Rounds (variants forward, then reversed)")->check(CLI::PositiveNumber);
   app.add_option("--samples", m.samples, "Samples per variant per round (split over its two visits)")
@@ -1173,6 +1179,8 @@ int Main(int argc, char** argv) {
     m.rounds = 2;
     m.samples = 6;
   }
+
+  if (daemon_queues > 0) g_daemon_connections = std::to_string(daemon_queues);
 
   std::set<std::string> part_set;
   for (const std::string& p : parts) {
@@ -1402,6 +1410,11 @@ int Main(int argc, char** argv) {
   out["mps_mode"] = mps_mode;
   out["ranks"] = ranks_as;  // the ring path's clients: a process per rank, or threads here
   out["ring_spin_us"] = ring_spin_us >= 0 ? ring_spin_us : ulysses::DaemonConfig{}.ring_spin_us;
+  // The daemons' CUDA_DEVICE_MAX_CONNECTIONS, as they got it.
+  if (int queues = 0; absl::SimpleAtoi(g_daemon_connections, &queues))
+    out["daemon_queues"] = queues;
+  else
+    out["daemon_queues"] = g_daemon_connections;
   out["dtype"] = "bf16";
   out["heads_per_rank"] = heads_per_rank;
   out["head_dim"] = head_dim;
