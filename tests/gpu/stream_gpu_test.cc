@@ -158,17 +158,33 @@ void MakeInput(client::Client& c, int it, std::vector<float>* in, client::Buffer
   ASSERT_EQ(cudaMemcpy(x->data, in->data(), elems * 4, cudaMemcpyHostToDevice), cudaSuccess);
 }
 
+// A client of a one-rank nvlink group named `name` and `sessions` float32 sessions of one
+// slot in it (the sessions go before the client).
+struct OneRank {
+  std::unique_ptr<client::Client> client;
+  std::vector<std::unique_ptr<client::Session>> sessions;
+};
+void OpenOneRank(const std::vector<std::string>& members, const std::string& name, int sessions,
+                 OneRank* r) {
+  auto c = client::Client::Connect({members[0], name});
+  ASSERT_TRUE(c.ok()) << c.status();
+  r->client = std::move(*c);
+  auto g = r->client->JoinGroup({name, 1, 0, members, "nvlink", 0});
+  ASSERT_TRUE(g.ok()) << g.status();
+  for (int i = 0; i < sessions; ++i) {
+    auto s = r->client->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, /*num_slots=*/1, {}, 0});
+    ASSERT_TRUE(s.ok()) << s.status();
+    r->sessions.push_back(std::move(*s));
+  }
+}
+
 TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
   Start(1);
   const int64_t elems = int64_t{kB} * kS * kH * kD;  // W = 1: the result has the input's size
-  auto c = client::Client::Connect({Members(1)[0], "reuse"});
-  ASSERT_TRUE(c.ok()) << c.status();
-  auto g = (*c)->JoinGroup({"reuse", 1, 0, Members(1), "nvlink", 0});
-  ASSERT_TRUE(g.ok()) << g.status();
-  auto s1 = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, /*num_slots=*/1, {}, 0});
-  ASSERT_TRUE(s1.ok()) << s1.status();
-  auto s2 = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, /*num_slots=*/1, {}, 0});
-  ASSERT_TRUE(s2.ok()) << s2.status();
+  OneRank r;
+  ASSERT_NO_FATAL_FAILURE(OpenOneRank(Members(1), "reuse", 2, &r));
+  client::Session* s1 = r.sessions[0].get();
+  client::Session* s2 = r.sessions[1].get();
   std::vector<float> in[2];
   // Pinned: a copy into pageable memory would wait on the host for the gated stream.
   float* out1 = nullptr;
@@ -176,12 +192,12 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
   ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&out1), elems * 4), cudaSuccess);
   ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&out2), elems * 4), cudaSuccess);
   std::vector<client::Buffer> x(2);
-  for (int it = 0; it < 2; ++it) ASSERT_NO_FATAL_FAILURE(MakeInput(**c, it, &in[it], &x[it]));
+  for (int it = 0; it < 2; ++it) ASSERT_NO_FATAL_FAILURE(MakeInput(*r.client, it, &in[it], &x[it]));
   cudaStream_t a = nullptr, b = nullptr, other = nullptr;
   for (cudaStream_t* st : {&a, &b, &other})
     ASSERT_EQ(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking), cudaSuccess);
-  (*s1)->set_stream(a);
-  auto first = (*s1)->ScatterHeads(x[0].Ref(), kB, kS);
+  s1->set_stream(a);
+  auto first = s1->ScatterHeads(x[0].Ref(), kB, kS);
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
   {
@@ -196,24 +212,24 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
     ASSERT_TRUE(first->Release().ok());
     // The next call of the one slot, on stream b: it returns, and b waits for a's release
     // (b's ready word follows the point where a released the result).
-    (*s1)->set_stream(b);
-    auto second = (*s1)->ScatterHeads(x[1].Ref(), kB, kS);
+    s1->set_stream(b);
+    auto second = s1->ScatterHeads(x[1].Ref(), kB, kS);
     ASSERT_TRUE(second.ok()) << second.status();
     ASSERT_EQ(cudaMemcpyAsync(out2, second->data, elems * 4, cudaMemcpyDeviceToHost, b),
               cudaSuccess);
     // Another session of the client is served while the first one's slot waits.
-    (*s2)->set_stream(other);
-    auto served = (*s2)->ScatterHeads(x[0].Ref(), kB, kS);
+    s2->set_stream(other);
+    auto served = s2->ScatterHeads(x[0].Ref(), kB, kS);
     ASSERT_TRUE(served.ok()) << served.status();
     ASSERT_TRUE(served->Release().ok());
-    ASSERT_TRUE((*s2)->Synchronize(absl::Seconds(20)).ok());
+    ASSERT_TRUE(s2->Synchronize(absl::Seconds(20)).ok());
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     EXPECT_EQ(cudaStreamQuery(b), cudaErrorNotReady) << "the second call ran before the release";
     std::fprintf(stderr, "second session served, the second call waits; opening the gate\n");
   }
   ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);
-  ASSERT_TRUE((*s1)->Synchronize().ok());
+  ASSERT_TRUE(s1->Synchronize().ok());
   EXPECT_EQ(std::memcmp(out1, in[0].data(), elems * 4), 0) << "the first result was overwritten";
   EXPECT_EQ(std::memcmp(out2, in[1].data(), elems * 4), 0) << "the second result is wrong";
   for (cudaStream_t st : {a, b, other}) cudaStreamDestroy(st);
@@ -226,7 +242,7 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
   ASSERT_TRUE(Admin(0)->ListRecentCalls(&ctx, {}, &recent).ok());
   int timed = 0;
   for (const v1::CallRecord& call : recent.calls()) {
-    if (call.session_id() != (*s1)->id()) continue;
+    if (call.session_id() != s1->id()) continue;
     ++timed;
     EXPECT_GE(call.enqueued_unix_us(), call.started_unix_us()) << "epoch " << call.epoch();
     EXPECT_LE(call.enqueued_unix_us(), call.done_unix_us()) << "epoch " << call.epoch();
@@ -240,22 +256,19 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
 TEST_F(StreamCluster, AReleaseOnTheCallsOwnStreamIsImpliedByItsReadyWord) {
   Start(1);
   const int64_t elems = int64_t{kB} * kS * kH * kD;
-  auto c = client::Client::Connect({Members(1)[0], "in-order"});
-  ASSERT_TRUE(c.ok()) << c.status();
-  auto g = (*c)->JoinGroup({"in-order", 1, 0, Members(1), "nvlink", 0});
-  ASSERT_TRUE(g.ok()) << g.status();
-  auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, /*num_slots=*/1, {}, 0});
-  ASSERT_TRUE(s.ok()) << s.status();
+  OneRank r;
+  ASSERT_NO_FATAL_FAILURE(OpenOneRank(Members(1), "in-order", 1, &r));
+  client::Session* s = r.sessions[0].get();
   std::vector<float> in[3];
   std::vector<client::Buffer> x(3);
   std::vector<float*> out(3, nullptr);
   for (int it = 0; it < 3; ++it) {
-    ASSERT_NO_FATAL_FAILURE(MakeInput(**c, it, &in[it], &x[it]));
+    ASSERT_NO_FATAL_FAILURE(MakeInput(*r.client, it, &in[it], &x[it]));
     ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&out[it]), elems * 4), cudaSuccess);
   }
   cudaStream_t a = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
-  (*s)->set_stream(a);
+  s->set_stream(a);
   {
     // Three calls of the one slot on stream a, each result read and released on a, all of it
     // enqueued behind a closed gate: every later call's only order is a's.
@@ -265,7 +278,7 @@ TEST_F(StreamCluster, AReleaseOnTheCallsOwnStreamIsImpliedByItsReadyWord) {
       ~OpenOnExit() { g.Open(); }
     } open_on_exit{gate};
     for (int it = 0; it < 3; ++it) {
-      auto r = (*s)->ScatterHeads(x[it].Ref(), kB, kS);
+      auto r = s->ScatterHeads(x[it].Ref(), kB, kS);
       ASSERT_TRUE(r.ok()) << "call " << it << ": " << r.status();
       ASSERT_EQ(cudaMemcpyAsync(out[it], r->data, elems * 4, cudaMemcpyDeviceToHost, a),
                 cudaSuccess);
@@ -275,7 +288,7 @@ TEST_F(StreamCluster, AReleaseOnTheCallsOwnStreamIsImpliedByItsReadyWord) {
     EXPECT_EQ(cudaStreamQuery(a), cudaErrorNotReady) << "the gate did not hold the stream";
   }
   ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
-  ASSERT_TRUE((*s)->Synchronize().ok());
+  ASSERT_TRUE(s->Synchronize().ok());
   for (int it = 0; it < 3; ++it)
     EXPECT_EQ(std::memcmp(out[it], in[it].data(), elems * 4), 0) << "result " << it << " is wrong";
   cudaStreamDestroy(a);
@@ -291,22 +304,19 @@ TEST_F(StreamCluster, AReleaseOnTheCallsOwnStreamIsImpliedByItsReadyWord) {
 TEST_F(StreamCluster, AResultTakenAfterItsSlotsNextCallWasSubmittedIsGivenBackByAWord) {
   Start(1);
   const int64_t elems = int64_t{kB} * kS * kH * kD;
-  auto c = client::Client::Connect({Members(1)[0], "late-take"});
-  ASSERT_TRUE(c.ok()) << c.status();
-  auto g = (*c)->JoinGroup({"late-take", 1, 0, Members(1), "nvlink", 0});
-  ASSERT_TRUE(g.ok()) << g.status();
-  auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, /*num_slots=*/1, {}, 0});
-  ASSERT_TRUE(s.ok()) << s.status();
+  OneRank r;
+  ASSERT_NO_FATAL_FAILURE(OpenOneRank(Members(1), "late-take", 1, &r));
+  client::Session* s = r.sessions[0].get();
   std::vector<float> in[3];
   std::vector<client::Buffer> x(3);
-  for (int it = 0; it < 3; ++it) ASSERT_NO_FATAL_FAILURE(MakeInput(**c, it, &in[it], &x[it]));
+  for (int it = 0; it < 3; ++it) ASSERT_NO_FATAL_FAILURE(MakeInput(*r.client, it, &in[it], &x[it]));
   auto submit = [&](int it) -> absl::StatusOr<uint64_t> {
     CallArgs args;
     args.op = OpKind::kScatterHeads;
     args.batch = kB;
     args.seq = kS;
     args.inputs[0] = x[it].Ref();
-    return (*s)->Submit(args);
+    return s->Submit(args);
   };
   std::vector<float> got(elems);
   uint64_t epochs[3] = {};
@@ -316,7 +326,7 @@ TEST_F(StreamCluster, AResultTakenAfterItsSlotsNextCallWasSubmittedIsGivenBackBy
     epochs[it] = *e;
   }
   for (int it = 0; it < 3; ++it) {
-    auto r = (*s)->Wait(epochs[it], absl::Seconds(20));
+    auto r = s->Wait(epochs[it], absl::Seconds(20));
     ASSERT_TRUE(r.ok()) << "result " << it << ": " << r.status();
     ASSERT_EQ(cudaMemcpy(got.data(), r->data, elems * 4, cudaMemcpyDeviceToHost), cudaSuccess);
     EXPECT_EQ(std::memcmp(got.data(), in[it].data(), elems * 4), 0) << "result " << it;
@@ -328,7 +338,7 @@ TEST_F(StreamCluster, AResultTakenAfterItsSlotsNextCallWasSubmittedIsGivenBackBy
       epochs[2] = *e;
     }
   }
-  ASSERT_TRUE((*s)->Synchronize(absl::Seconds(20)).ok());
+  ASSERT_TRUE(s->Synchronize(absl::Seconds(20)).ok());
 }
 
 // A session closed right after its last call: the close lets that call run first, so its
