@@ -227,6 +227,7 @@ struct Case {
   bool overhead = false;  ///< a row of part "overhead"
   int64_t ahead_us = 0;   ///< part overhead: > 0 adds the *Ahead variants, the host this far ahead
   bool rank_processes = true;  ///< the ring's ranks in processes of their own (else threads here)
+  bool grpc = true;  ///< part overhead: also time the gRPC path (a second session per daemon)
 
   static constexpr int32_t kItem = 2;  // bf16
   int32_t heads() const { return heads_per_rank * world; }
@@ -242,7 +243,7 @@ struct Case {
   }
   std::vector<Variant> variants() const {
     std::vector<Variant> v{Variant::kInProcess, Variant::kDaemonRing};
-    if (overhead) v.push_back(Variant::kDaemonGrpc);
+    if (overhead && grpc) v.push_back(Variant::kDaemonGrpc);
     if (overhead && ahead_us > 0) {
       v.push_back(Variant::kInProcessAhead);
       v.push_back(Variant::kDaemonRingAhead);
@@ -939,7 +940,7 @@ absl::StatusOr<CaseResult> RunCase(const Case& c, Cluster& cluster, int grpc_set
     ring.emplace(c, cluster, 0);
     ULY_RETURN_IF_ERROR(ring->Open(a));
   }
-  if (c.overhead) {
+  if (c.overhead && c.grpc) {
     grpc.emplace(c, cluster, grpc_set);
     ULY_RETURN_IF_ERROR(grpc->Open(a));
   }
@@ -1130,6 +1131,10 @@ int Main(int argc, char** argv) {
                  "The daemons' rings.worker_spin_us (default: the daemon's own, 50)")
       ->check(CLI::Range(int64_t{-1}, ulysses::kMaxRingSpinUs));
   int daemon_queues = 0;
+  bool no_grpc = false;
+  app.add_flag("--no-grpc", no_grpc,
+               "Part overhead: leave out the gRPC path, so each daemon serves the ring path's "
+               "session alone");
   app.add_option("--daemon-queues", daemon_queues,
                  "CUDA_DEVICE_MAX_CONNECTIONS of the daemons only (default: this environment's, "
                  "else CUDA's 8); docs/benchmarks.md measures 1 to 16")
@@ -1215,6 +1220,7 @@ int Main(int argc, char** argv) {
     (exchange ? c.exchange : c.overhead) = true;
     if (!exchange) c.ahead_us = ahead_us;
     c.rank_processes = ranks_as == "processes";
+    c.grpc = !no_grpc;
     return absl::OkStatus();
   };
   absl::Status grid_status;
@@ -1255,8 +1261,8 @@ int Main(int argc, char** argv) {
     uint64_t budget = uint64_t{1} << 30;
     bool need_grpc = false;
     for (const Case& c : cases) {
-      need_grpc = need_grpc || c.overhead;
-      budget = std::max(budget, (c.overhead ? 2 : 1) * kSlots * 3 * c.bytes + (uint64_t{1} << 30));
+      need_grpc = need_grpc || (c.overhead && c.grpc);
+      budget = std::max(budget, (c.overhead && c.grpc ? 2 : 1) * kSlots * 3 * c.bytes + (uint64_t{1} << 30));
     }
     const std::string dir = StrCat(*run_dir, "/w", W), config = StrCat(dir, "/daemon.json");
     if (::mkdir(dir.c_str(), 0700) != 0) {
@@ -1388,7 +1394,7 @@ int Main(int argc, char** argv) {
       j["daemon_enqueue_us"] = Us(r.phases.enqueue_us);
       j["daemon_finish_us"] = Us(r.phases.finish_us);
       j["daemon_phase_calls"] = r.phases.calls;
-      j["daemon_grpc_us"] = Us(grpc);
+      j["daemon_grpc_us"] = r.c.grpc ? Json(Us(grpc)) : Json(nullptr);
       if (r.c.ahead_us > 0) {
         j["ahead_us"] = r.c.ahead_us;
         j["inprocess_ahead_us"] = Us(a_ahead);
@@ -1415,6 +1421,7 @@ int Main(int argc, char** argv) {
     out["daemon_queues"] = queues;
   else
     out["daemon_queues"] = g_daemon_connections;
+  out["grpc_path"] = !no_grpc;  // false: each daemon served the ring path's session alone
   out["dtype"] = "bf16";
   out["heads_per_rank"] = heads_per_rank;
   out["head_dim"] = head_dim;

@@ -136,11 +136,41 @@ bool WaitBounded(cudaEvent_t event, std::chrono::seconds limit) {
   return true;
 }
 
+// The pong process's shape, to compare with the daemon's context: how many streams it makes
+// (the rounds run on the last; the others stay idle, or ran one empty kernel each when
+// `touch`), and its hardware-queue count (CUDA_DEVICE_MAX_CONNECTIONS; 0: the environment's).
+struct PongShape {
+  int streams = 1;
+  bool touch = false;
+  int queues = 0;
+  bool legacy = false;    // a device memset on the legacy default stream first
+  bool destroy = false;   // the idle streams are destroyed before the rounds
+  int idle_ms = 0;        // the process sleeps this long between the above and the rounds
+};
+
 // The child process: maps the words, enqueues its answers, says so on stdout, and waits.
-int RunPong(const std::string& handle_hex, Mode mode, uint64_t base, int rounds) {
+int RunPong(const std::string& handle_hex, Mode mode, uint64_t base, int rounds,
+            const PongShape& shape) {
   auto mapping = cu::IpcMapping::Open(absl::HexStringToBytes(handle_hex));
   Check(mapping.status());
   auto* words = static_cast<uint64_t*>(mapping->data());
+  std::vector<cudaStream_t> idle(static_cast<size_t>(shape.streams - 1));
+  for (cudaStream_t& s : idle) {
+    Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    if (shape.touch) {
+      Check(ulysses::bench::LaunchEmpty(s), "empty kernel launch");
+      Check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    }
+  }
+  if (shape.legacy) {
+    void* scratch = nullptr;
+    Check(cudaMalloc(&scratch, 4096), "cudaMalloc");
+    Check(cudaMemset(scratch, 0, 4096), "cudaMemset");
+    Check(cudaFree(scratch), "cudaFree");
+  }
+  if (shape.destroy)
+    for (cudaStream_t s : idle) Check(cudaStreamDestroy(s), "cudaStreamDestroy");
+  if (shape.idle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(shape.idle_ms));
   cudaStream_t stream;
   Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   cudaEvent_t done;
@@ -158,7 +188,8 @@ struct Child {
   FILE* out = nullptr;
 };
 
-Child SpawnPong(const std::string& handle_hex, const std::string& mode, uint64_t base, int rounds) {
+Child SpawnPong(const std::string& handle_hex, const std::string& mode, uint64_t base, int rounds,
+                const PongShape& shape) {
   int fds[2];
   if (pipe(fds) != 0) Die("pipe failed");
   posix_spawn_file_actions_t actions;
@@ -166,14 +197,32 @@ Child SpawnPong(const std::string& handle_hex, const std::string& mode, uint64_t
   posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
   posix_spawn_file_actions_addclose(&actions, fds[0]);
   const std::string base_s = std::to_string(base), rounds_s = std::to_string(rounds);
+  const std::string streams_s = std::to_string(shape.streams);
   std::vector<char*> argv = {const_cast<char*>("ulysses-handoff-bench"),
                              const_cast<char*>("--pong-handle"), const_cast<char*>(handle_hex.c_str()),
                              const_cast<char*>("--modes"), const_cast<char*>(mode.c_str()),
                              const_cast<char*>("--pong-base"), const_cast<char*>(base_s.c_str()),
                              const_cast<char*>("--rounds"), const_cast<char*>(rounds_s.c_str()),
-                             nullptr};
+                             const_cast<char*>("--pong-streams"), const_cast<char*>(streams_s.c_str())};
+  const std::string idle_s = std::to_string(shape.idle_ms);
+  if (shape.touch) argv.push_back(const_cast<char*>("--pong-touch"));
+  if (shape.legacy) argv.push_back(const_cast<char*>("--pong-legacy"));
+  if (shape.destroy) argv.push_back(const_cast<char*>("--pong-destroy"));
+  argv.push_back(const_cast<char*>("--pong-idle-ms"));
+  argv.push_back(const_cast<char*>(idle_s.c_str()));
+  argv.push_back(nullptr);
+  // The child's environment: this one's, with its own queue count when one is asked for.
+  std::vector<std::string> env_store;
+  for (char** e = environ; *e != nullptr; ++e)
+    if (shape.queues == 0 || std::string(*e).rfind("CUDA_DEVICE_MAX_CONNECTIONS=", 0) != 0)
+      env_store.emplace_back(*e);
+  if (shape.queues > 0)
+    env_store.push_back("CUDA_DEVICE_MAX_CONNECTIONS=" + std::to_string(shape.queues));
+  std::vector<char*> envp;
+  for (std::string& e : env_store) envp.push_back(e.data());
+  envp.push_back(nullptr);
   Child child;
-  if (posix_spawn(&child.pid, "/proc/self/exe", &actions, nullptr, argv.data(), environ) != 0)
+  if (posix_spawn(&child.pid, "/proc/self/exe", &actions, nullptr, argv.data(), envp.data()) != 0)
     Die("posix_spawn of the pong side failed");
   posix_spawn_file_actions_destroy(&actions);
   close(fds[1]);
@@ -201,6 +250,22 @@ int main(int argc, char** argv) {
   app.add_option("--label", label, "recorded in the JSON as is (e.g. how MPS was run)");
   app.add_option("--pong-handle", pong_handle, "(internal) run as the child's pong side");
   app.add_option("--pong-base", pong_base, "(internal) the child's first value - 1");
+  PongShape shape;
+  app.add_option("--pong-streams", shape.streams,
+                 "streams the child process makes; its rounds run on the last (processes only)")
+      ->check(CLI::Range(1, 64));
+  app.add_flag("--pong-touch", shape.touch,
+               "the child's idle streams each run one empty kernel first");
+  app.add_option("--pong-queues", shape.queues,
+                 "CUDA_DEVICE_MAX_CONNECTIONS of the child process only (0: this environment's)")
+      ->check(CLI::Range(0, 32));
+  app.add_flag("--pong-legacy", shape.legacy,
+               "the child first runs a device memset on the legacy default stream");
+  app.add_flag("--pong-destroy", shape.destroy,
+               "the child destroys its idle streams before its rounds");
+  app.add_option("--pong-idle-ms", shape.idle_ms,
+                 "the child sleeps this long before its rounds")
+      ->check(CLI::Range(0, 10000));
   CLI11_PARSE(app, argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
 
@@ -214,7 +279,8 @@ int main(int argc, char** argv) {
     std::printf("ulysses-handoff-bench: no CUDA device; nothing to measure\n");
     return 0;
   }
-  if (!pong_handle.empty()) return RunPong(pong_handle, ModeOf(modes.at(0)), pong_base, rounds);
+  if (!pong_handle.empty())
+    return RunPong(pong_handle, ModeOf(modes.at(0)), pong_base, rounds, shape);
 
   cudaDeviceProp prop{};
   Check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
@@ -287,7 +353,7 @@ int main(int argc, char** argv) {
           EnqueuePong(mode, words, base, rounds, pong);
           Check(cudaEventRecord(pong_done, pong), "cudaEventRecord");
         } else {
-          child = SpawnPong(handle_hex, mode_name, base, rounds);
+          child = SpawnPong(handle_hex, mode_name, base, rounds, shape);
         }
         EnqueuePing(mode, words, gate_device, base, rounds, ping, start, end, ++gate);
         if (child.out != nullptr) {
@@ -338,6 +404,12 @@ int main(int argc, char** argv) {
                         {"date", UtcDate()},
                         {"rounds", rounds},
                         {"reps", reps},
+                        {"pong_streams", shape.streams},
+                        {"pong_touch", shape.touch},
+                        {"pong_queues", shape.queues},
+                        {"pong_legacy", shape.legacy},
+                        {"pong_destroy", shape.destroy},
+                        {"pong_idle_ms", shape.idle_ms},
                         {"rows", rows}};
   std::printf("%s\n", out.dump().c_str());
   if (!json_path.empty()) {

@@ -5,6 +5,7 @@
 // IPC handles or daemon-allocated VMM buffers. Built only with CUDA.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -41,12 +42,82 @@ absl::Status UseDevice(int device) { return CudaStatus("cudaSetDevice", cudaSetD
 // Slots are 256-byte aligned inside the allocation (16-byte vector stores need 16).
 constexpr uint64_t kSlotAlign = 256;
 
+// The streams of this daemon's sessions on its device, kept for the next session.
+//
+// A stream maps to one of the context's hardware queues, and a queue that has run a kernel
+// stays in the context's schedule after its stream is destroyed. Each such queue beyond the
+// first about doubles how long a stream of the context blocked on a word takes to resume once
+// the word is written (2.0 against 3.9 us a hand-off, docs/benchmarks.md, "what slows a
+// context's hand-offs"), and a call is a chain of such hand-offs. So a closed session's
+// stream, drained, comes back here and the next session runs on it: a daemon serving one
+// session at a time keeps one queue busy however many sessions it opens in turn. Sessions
+// open at the same time each keep a stream of their own, since a stream waiting for one
+// client's word must not hold back another's call.
+//
+// The rescue stream writes and copies words and never waits, so one serves every session.
+class DeviceStreams {
+ public:
+  static absl::StatusOr<std::shared_ptr<DeviceStreams>> Create(int device) {
+    ULY_RETURN_IF_ERROR(UseDevice(device));
+    std::shared_ptr<DeviceStreams> d(new DeviceStreams(device));
+    ULY_RETURN_IF_ERROR(CudaStatus(
+        "cudaStreamCreate", cudaStreamCreateWithFlags(&d->rescue_, cudaStreamNonBlocking)));
+    return d;
+  }
+  ~DeviceStreams() {
+    (void)UseDevice(device_);
+    for (cudaStream_t s : idle_) cudaStreamDestroy(s);
+    if (rescue_ != nullptr) {
+      cudaStreamSynchronize(rescue_);
+      cudaStreamDestroy(rescue_);
+    }
+  }
+  DeviceStreams(const DeviceStreams&) = delete;
+  DeviceStreams& operator=(const DeviceStreams&) = delete;
+
+  /// A stream for a new session: the one given back last, else a new one.
+  absl::StatusOr<cudaStream_t> Take() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!idle_.empty()) {
+        cudaStream_t s = idle_.back();
+        idle_.pop_back();
+        return s;
+      }
+    }
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    cudaStream_t s = nullptr;
+    ULY_RETURN_IF_ERROR(
+        CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)));
+    made_.fetch_add(1);
+    return s;
+  }
+  /// Gives back a stream that has no work left.
+  void Give(cudaStream_t s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_.push_back(s);
+  }
+  cudaStream_t rescue() const { return rescue_; }
+  /// Session streams made so far (not counting the rescue stream).
+  uint64_t made() const { return made_.load(); }
+
+ private:
+  explicit DeviceStreams(int device) : device_(device) {}
+
+  const int device_;
+  cudaStream_t rescue_ = nullptr;
+  std::mutex mu_;
+  std::vector<cudaStream_t> idle_;
+  std::atomic<uint64_t> made_{0};
+};
+
 class CudaTransport final : public Transport {
  public:
   static absl::StatusOr<std::unique_ptr<Transport>> Create(int device, FdExports* exports,
+                                                           std::shared_ptr<DeviceStreams> streams,
                                                            const TransportSetup& setup) {
     ULY_RETURN_IF_ERROR(UseDevice(device));
-    std::unique_ptr<CudaTransport> t(new CudaTransport(device, exports, setup));
+    std::unique_ptr<CudaTransport> t(new CudaTransport(device, exports, std::move(streams), setup));
     t->stride_ = AlignUp(setup.slot_bytes, kSlotAlign);
     // The stream-ordered words first (DeviceWords), then the slots; one allocation, so one
     // handle gives peers and the client both.
@@ -58,9 +129,8 @@ class CudaTransport final : public Transport {
     ULY_ASSIGN_OR_RETURN(t->client_words_,
                          ipc::cuda::VmmMapping::Create(device, sizeof(ClientDeviceWords)));
     ULY_ASSIGN_OR_RETURN(t->client_words_fd_, t->client_words_.Export());
-    for (cudaStream_t* st : {&t->stream_, &t->rescue_})
-      ULY_RETURN_IF_ERROR(
-          CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(st, cudaStreamNonBlocking)));
+    ULY_ASSIGN_OR_RETURN(t->stream_, t->streams_->Take());
+    t->rescue_ = t->streams_->rescue();
     // DescribeStuck's landing place; a session works without it (the words then go unread).
     if (void* p = nullptr; cudaHostAlloc(&p, kHostWordsBytes, cudaHostAllocDefault) == cudaSuccess)
       t->host_words_.reset(p);
@@ -110,16 +180,13 @@ class CudaTransport final : public Transport {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
         Cancel();
       }
-      if (rescue_ != nullptr) cudaStreamSynchronize(rescue_);  // the cancel's words are written
+      cudaStreamSynchronize(rescue_);  // the cancel's words are written
       cudaStreamSynchronize(stream_);
-      cudaStreamDestroy(stream_);
-    }
-    if (rescue_ != nullptr) {
-      cudaStreamSynchronize(rescue_);
-      cudaStreamDestroy(rescue_);
+      streams_->Give(stream_);
     }
     for (cudaEvent_t ev : events_)
       if (ev != nullptr) cudaEventDestroy(ev);
+    if (rescue_ != nullptr) cudaStreamSynchronize(rescue_);
     host_words_.reset();  // after the rescue stream's copies into it
     fused_.reset();  // its work was ordered before this stream's end
   }
@@ -365,8 +432,9 @@ class CudaTransport final : public Transport {
   }
 
  private:
-  CudaTransport(int device, FdExports* exports, const TransportSetup& setup)
-      : device_(device), exports_(exports), setup_(setup) {}
+  CudaTransport(int device, FdExports* exports, std::shared_ptr<DeviceStreams> streams,
+                const TransportSetup& setup)
+      : device_(device), exports_(exports), streams_(std::move(streams)), setup_(setup) {}
 
   const uint64_t* cancel() const {
     return &static_cast<const DeviceWords*>(slots_.data())->cancel;
@@ -383,6 +451,7 @@ class CudaTransport final : public Transport {
 
   const int device_;
   FdExports* const exports_;
+  const std::shared_ptr<DeviceStreams> streams_;  // stream_ comes from and goes back there
   const TransportSetup setup_;
   uint64_t stride_ = 0;
   uint64_t words_bytes_ = 0;               // DeviceWords, before the slots
@@ -394,8 +463,8 @@ class CudaTransport final : public Transport {
   std::vector<DeviceWords*> words_;            // every rank's words as mapped here
   ipc::cuda::VmmMapping client_words_;         // ClientDeviceWords, written by the client
   ipc::UniqueFd client_words_fd_;
-  cudaStream_t stream_ = nullptr;
-  cudaStream_t rescue_ = nullptr;  // Cancel's writes: never waits on anything
+  cudaStream_t stream_ = nullptr;  // this session's alone while it is open
+  cudaStream_t rescue_ = nullptr;  // the device's, shared: Cancel's writes, never waits
   std::vector<cudaEvent_t> events_;      // per slot: recorded after the call's done write
   std::vector<uint64_t> event_epoch_;    // the epoch each slot's event was recorded for
   std::vector<uint64_t> unblock_;        // kUnblockEpoch, one per word of this rank's slots
@@ -412,15 +481,17 @@ class CudaTransport final : public Transport {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, FdExports* exports, ipc::cuda::DeviceInfo info)
-      : device_(device), exports_(exports), info_(std::move(info)) {}
+  CudaBackend(int device, FdExports* exports, ipc::cuda::DeviceInfo info,
+              std::shared_ptr<DeviceStreams> streams)
+      : device_(device), exports_(exports), info_(std::move(info)), streams_(std::move(streams)) {}
 
   std::string_view name() const override { return "nvlink"; }
   bool slots_in_segment() const override { return false; }
 
   absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransportSetup& setup) override {
-    return CudaTransport::Create(device_, exports_, setup);
+    return CudaTransport::Create(device_, exports_, streams_, setup);
   }
+  uint64_t StreamsMade() const override { return streams_->made(); }
 
   absl::StatusOr<std::shared_ptr<Buffer>> AllocBuffer(uint64_t bytes) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
@@ -502,6 +573,7 @@ class CudaBackend final : public Backend {
   const int device_;
   FdExports* const exports_;
   const ipc::cuda::DeviceInfo info_;
+  const std::shared_ptr<DeviceStreams> streams_;  // the sessions' (each transport holds it too)
   std::mutex ipc_mu_;
   std::map<std::string, std::weak_ptr<ipc::cuda::IpcMapping>> ipc_open_;
 };
@@ -516,7 +588,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* 
   ULY_ASSIGN_OR_RETURN(ipc::UniqueFd probe_fd, probe.Export());
   Logger("main")->info("device {}: {} ({}, {}), MPS {}", device, info.name, info.uuid,
                        info.pci_bus_id, info.mps ? "on" : "off");
-  return std::unique_ptr<Backend>(new CudaBackend(device, exports, std::move(info)));
+  ULY_ASSIGN_OR_RETURN(std::shared_ptr<DeviceStreams> streams, DeviceStreams::Create(device));
+  return std::unique_ptr<Backend>(
+      new CudaBackend(device, exports, std::move(info), std::move(streams)));
 }
 
 }  // namespace ulysses::daemon

@@ -407,6 +407,7 @@ GaugeSnapshot Daemon::Gauges() {
   const ipc::cuda::AllocationStats a = ipc::cuda::Stats();
   g.device_bytes = a.live_bytes;
   g.device_allocations = a.created + a.imported + a.ipc_opened;
+  g.device_streams = backend_impl_ ? backend_impl_->StreamsMade() : 0;
   FillQuotaGauges(g);
   return g;
 }

@@ -153,6 +153,9 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
   Header(out, "ulyssesd_device_allocations_total", "counter",
          "Device allocations made or opened (VMM created or imported, CUDA IPC opened).");
   out += StrCat("ulyssesd_device_allocations_total ", g.device_allocations, "\n");
+  Header(out, "ulyssesd_device_streams_total", "counter",
+         "Session streams made on the device (a closed session's stream serves the next).");
+  out += StrCat("ulyssesd_device_streams_total ", g.device_streams, "\n");
   return out;
 }
 

@@ -61,6 +61,7 @@ struct GaugeSnapshot {
   std::array<int64_t, 3> slots_by_state{};  // free, writing, held
   uint64_t device_bytes = 0;        // device memory the daemon holds (GPU backends)
   uint64_t device_allocations = 0;  // device allocations made or opened since start
+  uint64_t device_streams = 0;      // session streams made since start (GPU backends)
   /// Each configured limit (config object `limits`) and how many requests it refused.
   struct LimitGauge {
     std::string name;

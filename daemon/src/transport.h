@@ -196,6 +196,9 @@ class Backend {
   /// the daemon asks about once a second.
   virtual absl::Status DeviceHealth() const { return absl::OkStatus(); }
   virtual DeviceIdentity identity() const { return {}; }
+  /// GPU backends: the session streams made since start. Sessions opened in turn reuse one,
+  /// so this is the most sessions that were open at once.
+  virtual uint64_t StreamsMade() const { return 0; }
 };
 
 /// The host backend: buffers are memfds, slots live in the session segments, the CPU

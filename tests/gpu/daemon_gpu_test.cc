@@ -384,6 +384,53 @@ TEST_F(GpuCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
   }
 }
 
+// Sessions opened one after another run on one stream of the daemon: a closed session's
+// stream, drained, serves the next, and the calls on it are as correct as on a new one. Two
+// sessions open at the same time have a stream each.
+TEST_F(GpuCluster, SessionsOpenedInTurnShareOneStream) {
+  Start(1);
+  auto client = client::Client::Connect({Members(1)[0], "turns"});
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto group = (*client)->JoinGroup({"turns", 1, 0, Members(1), "nvlink", 0});
+  ASSERT_TRUE(group.ok()) << group.status();
+  const int H = 4, D = 32, S = 8;
+  const client::SessionSpec spec{H, D, DType::kFloat32, S, 2, {}, 0};
+  const size_t n = static_cast<size_t>(S) * H * D;
+  auto x = (*client)->AllocBuffer(n * 4, "x");
+  ASSERT_TRUE(x.ok()) << x.status();
+  const uint64_t baseline = State(0).device_bytes();
+  auto call_checked = [&](client::Session& session, int round) {
+    // At W = 1 a scatter gives every head back in place: the result is the input.
+    std::vector<float> xh(n), got(n);
+    for (size_t i = 0; i < n; ++i) xh[i] = static_cast<float>(round * 100000 + i);
+    ASSERT_TRUE(ipc::cuda::Copy(x->data, xh.data(), n * 4).ok());
+    auto res = session.ScatterHeads(x->Ref(), 1, S);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ASSERT_EQ(res->bytes, n * 4);
+    ASSERT_TRUE(ipc::cuda::Copy(got.data(), res->data, n * 4).ok());
+    EXPECT_EQ(std::memcmp(got.data(), xh.data(), n * 4), 0) << "round " << round;
+    ASSERT_TRUE(res->Release().ok());
+  };
+  for (int round = 0; round < 3; ++round) {
+    {
+      auto session = (*client)->CreateSession(*group, spec);
+      ASSERT_TRUE(session.ok()) << session.status();
+      call_checked(**session, round);
+    }
+    // The session's slots are freed after its stream went back.
+    ASSERT_TRUE(testing_util::Eventually([&] { return State(0).device_bytes() == baseline; }))
+        << "round " << round << ": " << State(0).device_bytes() << " bytes held, baseline "
+        << baseline;
+  }
+  EXPECT_EQ(State(0).device_streams(), 1u);
+  auto a = (*client)->CreateSession(*group, spec);
+  auto b = (*client)->CreateSession(*group, spec);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+  call_checked(**a, 3);
+  call_checked(**b, 4);
+  EXPECT_EQ(State(0).device_streams(), 2u);
+}
+
 // A peer daemon killed while a call waits on it: the survivor's call ends with an error within
 // the configured call timeout, and the survivor keeps serving new sessions.
 TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
