@@ -143,6 +143,7 @@ struct PongShape {
   int streams = 1;
   bool touch = false;
   int queues = 0;
+  bool copy = false;      // the idle streams each write a word and copy from pageable memory
   bool legacy = false;    // a device memset on the legacy default stream first
   bool destroy = false;   // the idle streams are destroyed before the rounds
   int idle_ms = 0;        // the process sleeps this long between the above and the rounds
@@ -159,6 +160,15 @@ int RunPong(const std::string& handle_hex, Mode mode, uint64_t base, int rounds,
     Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
     if (shape.touch) {
       Check(ulysses::bench::LaunchEmpty(s), "empty kernel launch");
+      Check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    }
+    if (shape.copy) {
+      // What the daemon's rescue stream does at a session's close: no kernel.
+      const std::vector<uint64_t> host(4, 0);
+      Check(cu::StreamWrite64(s, &words[ulysses::bench::kWordScratch], 0));
+      Check(cudaMemcpyAsync(&words[ulysses::bench::kWordScratch], host.data(), sizeof(uint64_t),
+                            cudaMemcpyHostToDevice, s),
+            "cudaMemcpyAsync");
       Check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
     }
   }
@@ -207,6 +217,7 @@ Child SpawnPong(const std::string& handle_hex, const std::string& mode, uint64_t
   const std::string idle_s = std::to_string(shape.idle_ms);
   if (shape.touch) argv.push_back(const_cast<char*>("--pong-touch"));
   if (shape.legacy) argv.push_back(const_cast<char*>("--pong-legacy"));
+  if (shape.copy) argv.push_back(const_cast<char*>("--pong-copy"));
   if (shape.destroy) argv.push_back(const_cast<char*>("--pong-destroy"));
   argv.push_back(const_cast<char*>("--pong-idle-ms"));
   argv.push_back(const_cast<char*>(idle_s.c_str()));
@@ -259,6 +270,8 @@ int main(int argc, char** argv) {
   app.add_option("--pong-queues", shape.queues,
                  "CUDA_DEVICE_MAX_CONNECTIONS of the child process only (0: this environment's)")
       ->check(CLI::Range(0, 32));
+  app.add_flag("--pong-copy", shape.copy,
+               "the child's idle streams each write a word and copy 8 bytes from pageable memory");
   app.add_flag("--pong-legacy", shape.legacy,
                "the child first runs a device memset on the legacy default stream");
   app.add_flag("--pong-destroy", shape.destroy,
@@ -408,6 +421,7 @@ int main(int argc, char** argv) {
                         {"pong_touch", shape.touch},
                         {"pong_queues", shape.queues},
                         {"pong_legacy", shape.legacy},
+                        {"pong_copy", shape.copy},
                         {"pong_destroy", shape.destroy},
                         {"pong_idle_ms", shape.idle_ms},
                         {"rows", rows}};

@@ -7,8 +7,9 @@
 
 namespace ulysses::bench {
 
-/// The shared words of a ping-pong: A (pong -> ping), B (ping -> pong).
-inline constexpr int kWordA = 0, kWordB = 1, kWordCount = 2;
+/// The shared words of a ping-pong: A (pong -> ping), B (ping -> pong), and one the pong
+/// process may write before its rounds (--pong-copy).
+inline constexpr int kWordA = 0, kWordB = 1, kWordScratch = 2, kWordCount = 3;
 
 /// An empty kernel of one warp on `stream`.
 cudaError_t LaunchEmpty(cudaStream_t stream);
