@@ -49,8 +49,9 @@ constexpr uint64_t kSlotAlign = 256;
 // first about doubles how long a stream of the context blocked on a word takes to resume once
 // the word is written (2.0 against 3.9 us a hand-off, docs/benchmarks.md, "what slows a
 // context's hand-offs"), and a call is a chain of such hand-offs. So a closed session's
-// stream, drained, comes back here and the next session runs on it: a daemon serving one
-// session at a time keeps one queue busy however many sessions it opens in turn. Sessions
+// stream, drained, comes back here and the next session runs on it: sessions opened in turn
+// do not spread the daemon's kernels over ever more queues. (The daemon's context still
+// hands off more slowly than the bench's one-stream process; docs/benchmarks.md.) Sessions
 // open at the same time each keep a stream of their own, since a stream waiting for one
 // client's word must not hold back another's call.
 //
