@@ -21,6 +21,8 @@
 // process, through a CUDA IPC handle: two CUDA contexts, as a client and its daemon).
 // First, what one operation costs the device on one stream, enqueued ahead behind the gate:
 // an empty kernel, a word write, a wait that is already satisfied, both, an event record.
+// The child's process can be shaped (--pong-streams, --pong-steps, ...) to find what in a
+// waiting process slows its hand-offs (docs/benchmarks.md, "what slows a context's hand-offs").
 #include <cuda_runtime.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -28,6 +30,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -37,6 +40,8 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "handoff_kernels.h"
 #include "ulysses/ipc/cuda_memory.h"
@@ -147,7 +152,58 @@ struct PongShape {
   bool legacy = false;    // a device memset on the legacy default stream first
   bool destroy = false;   // the idle streams are destroyed before the rounds
   int idle_ms = 0;        // the process sleeps this long between the above and the rounds
+  // Setup steps in order, run after the above (comma-separated): make:NAME, kernel:NAME,
+  // copy:NAME, destroy:NAME, legacy, sleep:MS. The rounds run on the stream named "work"
+  // (made last when no step made it).
+  std::string steps;
 };
+
+// Runs the --pong-steps script; returns the stream named "work" (null when none was made).
+cudaStream_t RunPongSteps(const std::string& script, uint64_t* words) {
+  std::map<std::string, cudaStream_t> streams;
+  auto named = [&](const std::string& name) {
+    auto it = streams.find(name);
+    if (it == streams.end()) Die("--pong-steps: no stream '" + name + "' was made before its use");
+    return it->second;
+  };
+  for (absl::string_view step : absl::StrSplit(script, ',', absl::SkipEmpty())) {
+    const std::vector<std::string> kv = absl::StrSplit(step, absl::MaxSplits(':', 1));
+    const std::string& verb = kv[0];
+    const std::string arg = kv.size() > 1 ? kv[1] : "";
+    if (verb == "make") {
+      cudaStream_t st = nullptr;
+      Check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+      streams[arg] = st;
+    } else if (verb == "kernel") {
+      Check(ulysses::bench::LaunchEmpty(named(arg)), "empty kernel launch");
+      Check(cudaStreamSynchronize(named(arg)), "cudaStreamSynchronize");
+    } else if (verb == "copy") {
+      const std::vector<uint64_t> host(4, 0);
+      Check(cu::StreamWrite64(named(arg), &words[ulysses::bench::kWordScratch], 0));
+      Check(cudaMemcpyAsync(&words[ulysses::bench::kWordScratch], host.data(), sizeof(uint64_t),
+                            cudaMemcpyHostToDevice, named(arg)),
+            "cudaMemcpyAsync");
+      Check(cudaStreamSynchronize(named(arg)), "cudaStreamSynchronize");
+    } else if (verb == "destroy") {
+      Check(cudaStreamDestroy(named(arg)), "cudaStreamDestroy");
+      streams.erase(arg);
+    } else if (verb == "legacy") {
+      void* scratch = nullptr;
+      Check(cudaMalloc(&scratch, 4096), "cudaMalloc");
+      Check(cudaMemset(scratch, 0, 4096), "cudaMemset");
+      Check(cudaFree(scratch), "cudaFree");
+    } else if (verb == "sleep") {
+      int ms = 0;
+      if (!absl::SimpleAtoi(arg, &ms) || ms < 0) Die("--pong-steps: sleep:" + arg + " is no duration");
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    } else {
+      Die("--pong-steps: '" + std::string(step) +
+          "' is none of make:NAME, kernel:NAME, copy:NAME, destroy:NAME, legacy, sleep:MS");
+    }
+  }
+  auto it = streams.find("work");
+  return it == streams.end() ? nullptr : it->second;
+}
 
 // The child process: maps the words, enqueues its answers, says so on stdout, and waits.
 int RunPong(const std::string& handle_hex, Mode mode, uint64_t base, int rounds,
@@ -181,8 +237,9 @@ int RunPong(const std::string& handle_hex, Mode mode, uint64_t base, int rounds,
   if (shape.destroy)
     for (cudaStream_t s : idle) Check(cudaStreamDestroy(s), "cudaStreamDestroy");
   if (shape.idle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(shape.idle_ms));
-  cudaStream_t stream;
-  Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  cudaStream_t stream = RunPongSteps(shape.steps, words);
+  if (stream == nullptr)
+    Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   cudaEvent_t done;
   Check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
   EnqueuePong(mode, words, base, rounds, stream);
@@ -221,6 +278,10 @@ Child SpawnPong(const std::string& handle_hex, const std::string& mode, uint64_t
   if (shape.destroy) argv.push_back(const_cast<char*>("--pong-destroy"));
   argv.push_back(const_cast<char*>("--pong-idle-ms"));
   argv.push_back(const_cast<char*>(idle_s.c_str()));
+  if (!shape.steps.empty()) {
+    argv.push_back(const_cast<char*>("--pong-steps"));
+    argv.push_back(const_cast<char*>(shape.steps.c_str()));
+  }
   argv.push_back(nullptr);
   // The child's environment: this one's, with its own queue count when one is asked for.
   std::vector<std::string> env_store;
@@ -276,6 +337,9 @@ int main(int argc, char** argv) {
                "the child first runs a device memset on the legacy default stream");
   app.add_flag("--pong-destroy", shape.destroy,
                "the child destroys its idle streams before its rounds");
+  app.add_option("--pong-steps", shape.steps,
+                 "the child's setup, in order, after the flags above: make:NAME, kernel:NAME, "
+                 "copy:NAME, destroy:NAME, legacy, sleep:MS; its rounds run on stream 'work'");
   app.add_option("--pong-idle-ms", shape.idle_ms,
                  "the child sleeps this long before its rounds")
       ->check(CLI::Range(0, 10000));
@@ -424,6 +488,7 @@ int main(int argc, char** argv) {
                         {"pong_copy", shape.copy},
                         {"pong_destroy", shape.destroy},
                         {"pong_idle_ms", shape.idle_ms},
+                        {"pong_steps", shape.steps},
                         {"rows", rows}};
   std::printf("%s\n", out.dump().c_str());
   if (!json_path.empty()) {
