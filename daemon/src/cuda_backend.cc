@@ -44,16 +44,16 @@ constexpr uint64_t kSlotAlign = 256;
 
 // The streams of this daemon's sessions on its device, kept for the next session.
 //
-// A stream maps to one of the context's hardware queues, and a queue that has run a kernel
-// stays in the context's schedule after its stream is destroyed. Each such queue beyond the
-// first about doubles how long a stream of the context blocked on a word takes to resume once
-// the word is written (2.0 against 3.9 us a hand-off, docs/benchmarks.md, "what slows a
-// context's hand-offs"), and a call is a chain of such hand-offs. So a closed session's
-// stream, drained, comes back here and the next session runs on it: sessions opened in turn
-// do not spread the daemon's kernels over ever more queues. (The daemon's context still
-// hands off more slowly than the bench's one-stream process; docs/benchmarks.md.) Sessions
-// open at the same time each keep a stream of their own, since a stream waiting for one
-// client's word must not hold back another's call.
+// A stream maps to one of the context's hardware queues, and a queue that has run work (a
+// kernel, or even a word write and a copy) stays counted after its stream is destroyed. Each
+// such queue beyond the first can double how long a blocked stream of the context takes to
+// resume once its word is written (2.0 against 3.9 us a hand-off, docs/benchmarks.md, "what
+// slows a context's hand-offs"), and a call is a chain of such hand-offs. So a closed
+// session's stream, drained, comes back here and the next session runs on it: sessions
+// opened in turn do not spread the daemon's work over ever more queues. (The daemon's context
+// still hands off more slowly than the bench's one-stream process; docs/benchmarks.md.)
+// Sessions open at the same time each keep a stream of their own, since a stream waiting for
+// one client's word must not hold back another's call.
 //
 // The rescue stream writes and copies words and never waits, so one serves every session.
 class DeviceStreams {
