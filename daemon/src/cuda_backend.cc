@@ -181,14 +181,14 @@ class CudaTransport final : public Transport {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
         Cancel();
       }
-      cudaStreamSynchronize(rescue_);  // the cancel's words are written
       cudaStreamSynchronize(stream_);
       streams_->Give(stream_);
     }
     for (cudaEvent_t ev : events_)
       if (ev != nullptr) cudaEventDestroy(ev);
+    // The cancel's words are written and DescribeStuck's copies landed before host_words_ goes.
     if (rescue_ != nullptr) cudaStreamSynchronize(rescue_);
-    host_words_.reset();  // after the rescue stream's copies into it
+    host_words_.reset();
     fused_.reset();  // its work was ordered before this stream's end
   }
 

@@ -31,6 +31,20 @@ class GpuCluster : public testing_util::ClusterTest {
     backend_ = "nvlink";
   }
 
+  // A client of the one daemon started, in a group `name` of its own.
+  struct Alone {
+    std::unique_ptr<client::Client> client;
+    std::optional<client::Group> group;
+  };
+  void JoinAlone(const std::string& name, Alone* out) {
+    auto c = client::Client::Connect({Members(1)[0], name});
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto g = (*c)->JoinGroup({name, 1, 0, Members(1), "nvlink", 0});
+    ASSERT_TRUE(g.ok()) << g.status();
+    out->client = std::move(*c);
+    out->group = std::move(*g);
+  }
+
   // One client per rank of the 2 daemons started, a group `group` of both and a session of
   // `spec` in it, made collectively.
   struct TwoRanks {
@@ -87,12 +101,11 @@ INSTANTIATE_TEST_SUITE_P(
 // same address must be registered afresh, never confused with the old one.
 TEST_F(GpuCluster, IpcTensorsAndReallocationAtTheSameAddress) {
   Start(1);
-  auto client = client::Client::Connect({Members(1)[0], "ipc"});
-  ASSERT_TRUE(client.ok()) << client.status();
-  auto group = (*client)->JoinGroup({"ipc", 1, 0, Members(1), "nvlink", 0});
-  ASSERT_TRUE(group.ok()) << group.status();
+  Alone a;
+  ASSERT_NO_FATAL_FAILURE(JoinAlone("ipc", &a));
+  client::Client* client = a.client.get();
   const int H = 8, D = 64, S = 32;
-  auto session = (*client)->CreateSession(*group, {H, D, DType::kFloat32, S, 2, {}, 0});
+  auto session = client->CreateSession(*a.group, {H, D, DType::kFloat32, S, 2, {}, 0});
   ASSERT_TRUE(session.ok()) << session.status();
   const size_t n = static_cast<size_t>(S) * H * D;
   std::vector<float> host(n), got(n);
@@ -101,7 +114,7 @@ TEST_F(GpuCluster, IpcTensorsAndReallocationAtTheSameAddress) {
     ASSERT_EQ(cudaMalloc(&dev, n * sizeof(float)), cudaSuccess);
     for (size_t i = 0; i < n; ++i) host[i] = static_cast<float>(round * 1000003 + i);
     ASSERT_EQ(cudaMemcpy(dev, host.data(), n * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
-    auto buf = (*client)->RegisterDeviceBuffer(dev, n * sizeof(float), "x");
+    auto buf = client->RegisterDeviceBuffer(dev, n * sizeof(float), "x");
     ASSERT_TRUE(buf.ok()) << buf.status();
     auto res = (*session)->ScatterHeads(buf->Ref(), 1, S);
     ASSERT_TRUE(res.ok()) << res.status();
@@ -389,14 +402,14 @@ TEST_F(GpuCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
 // sessions open at the same time have a stream each.
 TEST_F(GpuCluster, SessionsOpenedInTurnShareOneStream) {
   Start(1);
-  auto client = client::Client::Connect({Members(1)[0], "turns"});
-  ASSERT_TRUE(client.ok()) << client.status();
-  auto group = (*client)->JoinGroup({"turns", 1, 0, Members(1), "nvlink", 0});
-  ASSERT_TRUE(group.ok()) << group.status();
+  Alone alone;
+  ASSERT_NO_FATAL_FAILURE(JoinAlone("turns", &alone));
+  client::Client* client = alone.client.get();
+  const client::Group& group = *alone.group;
   const int H = 4, D = 32, S = 8;
   const client::SessionSpec spec{H, D, DType::kFloat32, S, 2, {}, 0};
   const size_t n = static_cast<size_t>(S) * H * D;
-  auto x = (*client)->AllocBuffer(n * 4, "x");
+  auto x = client->AllocBuffer(n * 4, "x");
   ASSERT_TRUE(x.ok()) << x.status();
   const uint64_t baseline = State(0).device_bytes();
   auto call_checked = [&](client::Session& session, int round) {
@@ -413,7 +426,7 @@ TEST_F(GpuCluster, SessionsOpenedInTurnShareOneStream) {
   };
   for (int round = 0; round < 3; ++round) {
     {
-      auto session = (*client)->CreateSession(*group, spec);
+      auto session = client->CreateSession(group, spec);
       ASSERT_TRUE(session.ok()) << session.status();
       call_checked(**session, round);
     }
@@ -423,8 +436,8 @@ TEST_F(GpuCluster, SessionsOpenedInTurnShareOneStream) {
         << baseline;
   }
   EXPECT_EQ(State(0).device_streams(), 1u);
-  auto a = (*client)->CreateSession(*group, spec);
-  auto b = (*client)->CreateSession(*group, spec);
+  auto a = client->CreateSession(group, spec);
+  auto b = client->CreateSession(group, spec);
   ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
   call_checked(**a, 3);
   call_checked(**b, 4);
