@@ -55,7 +55,9 @@ constexpr uint64_t kSlotAlign = 256;
 // Sessions open at the same time each keep a stream of their own, since a stream waiting for
 // one client's word must not hold back another's call.
 //
-// The rescue stream writes and copies words and never waits, so one serves every session.
+// The rescue stream writes and copies words and never waits, so one serves every session. It
+// runs work only for a session whose stream is blocked (a failed call, a timeout, a close with
+// calls in flight, DescribeStuck): a session that closes with its stream idle cancels there.
 class DeviceStreams {
  public:
   static absl::StatusOr<std::shared_ptr<DeviceStreams>> Create(int device) {
@@ -167,19 +169,26 @@ class CudaTransport final : public Transport {
     if (stream_ != nullptr) {
       // Cancel even when this stream is idle: a client stream may wait for the done word of a
       // call this daemon never enqueued (its descriptor still in the ring at the close), and
-      // only the cancel's words end that wait. Calls still enqueued may wait for a client or
-      // peer that will never come: cancel again while late peer writes re-arm a wait, until
-      // the stream is idle.
-      Cancel();
-      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-      while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
-        if (std::chrono::steady_clock::now() > give_up) {
-          Logger("exec")->error("device {}: a session stream did not drain after its cancel",
-                                device_);
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      // only the cancel's words end that wait. An idle stream takes that cancel itself (its
+      // writes wait for nothing): the rescue stream, another hardware queue, then runs no work
+      // when sessions close in order, and work on a second queue is what slows this context's
+      // hand-offs (DeviceStreams). Calls still enqueued may wait for a client or peer that
+      // will never come: cancel on the rescue stream, again while late peer writes re-arm a
+      // wait, until the stream is idle.
+      if (cudaStreamQuery(stream_) == cudaSuccess) {
+        CancelOn(stream_);
+      } else {
         Cancel();
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
+          if (std::chrono::steady_clock::now() > give_up) {
+            Logger("exec")->error("device {}: a session stream did not drain after its cancel",
+                                  device_);
+            break;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          Cancel();
+        }
       }
       cudaStreamSynchronize(stream_);
       streams_->Give(stream_);
@@ -338,28 +347,7 @@ class CudaTransport final : public Transport {
     return true;
   }
 
-  void Cancel() override {
-    if (UseDevice(device_).ok() == false) return;
-    namespace cu = ipc::cuda;
-    DeviceWords* mine = words_.empty() ? static_cast<DeviceWords*>(slots_.data())
-                                       : words_[setup_.geometry.rank];
-    // cancel first (kernels that pass a wait after this store nothing), then every word this
-    // rank's stream waits on. The rescue stream is never blocked, so this completes.
-    absl::Status st = cu::StreamWrite64(rescue_, &mine->cancel, 1);
-    if (st.ok())
-      st = CudaStatus("cudaMemcpyAsync",
-                      cudaMemcpyAsync(mine->slots, unblock_.data(), unblock_.size() * sizeof(uint64_t),
-                                      cudaMemcpyHostToDevice, rescue_));
-    for (uint64_t* client_words : {ClientWords()->ready, ClientWords()->released})
-      if (st.ok())
-        st = CudaStatus("cudaMemcpyAsync",
-                        cudaMemcpyAsync(client_words, unblock_.data(),
-                                        setup_.geometry.num_slots * sizeof(uint64_t),
-                                        cudaMemcpyHostToDevice, rescue_));
-    if (!st.ok())
-      Logger("exec")->error("device {}: cancel of a session stream: {}", device_,
-                            std::string(st.message()));
-  }
+  void Cancel() override { CancelOn(rescue_); }
 
   // Reads the words through copies on the rescue stream (never blocked by this session's
   // waits) into pinned memory, waited for at most a second: a rescue stream that cannot run is
@@ -433,6 +421,31 @@ class CudaTransport final : public Transport {
   }
 
  private:
+  // Cancel()'s writes, enqueued on `on`: a stream no wait of this session blocks.
+  void CancelOn(cudaStream_t on) {
+    if (UseDevice(device_).ok() == false) return;
+    namespace cu = ipc::cuda;
+    DeviceWords* mine = words_.empty() ? static_cast<DeviceWords*>(slots_.data())
+                                       : words_[setup_.geometry.rank];
+    // cancel first (kernels that pass a wait after this store nothing), then every word this
+    // rank's stream waits on. `on` is never blocked (the rescue stream, or this session's
+    // stream when idle), so this completes.
+    absl::Status st = cu::StreamWrite64(on, &mine->cancel, 1);
+    if (st.ok())
+      st = CudaStatus("cudaMemcpyAsync",
+                      cudaMemcpyAsync(mine->slots, unblock_.data(), unblock_.size() * sizeof(uint64_t),
+                                      cudaMemcpyHostToDevice, on));
+    for (uint64_t* client_words : {ClientWords()->ready, ClientWords()->released})
+      if (st.ok())
+        st = CudaStatus("cudaMemcpyAsync",
+                        cudaMemcpyAsync(client_words, unblock_.data(),
+                                        setup_.geometry.num_slots * sizeof(uint64_t),
+                                        cudaMemcpyHostToDevice, on));
+    if (!st.ok())
+      Logger("exec")->error("device {}: cancel of a session stream: {}", device_,
+                            std::string(st.message()));
+  }
+
   CudaTransport(int device, FdExports* exports, std::shared_ptr<DeviceStreams> streams,
                 const TransportSetup& setup)
       : device_(device), exports_(exports), streams_(std::move(streams)), setup_(setup) {}
