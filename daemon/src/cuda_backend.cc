@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
@@ -58,13 +59,25 @@ constexpr uint64_t kSlotAlign = 256;
 // The rescue stream writes and copies words and never waits, so one serves every session. It
 // runs work only for a session whose stream is blocked (a failed call, a timeout, a close with
 // calls in flight, DescribeStuck): a session that closes with its stream idle cancels there.
+//
+// The device's pinned host memory that DescribeStuck's copies land in is here too, made once:
+// freeing pinned memory can wait for the whole device, so a session's close frees none.
 class DeviceStreams {
  public:
+  // What DescribeStuck reads per call: every rank's slot words, then the client's three.
+  static constexpr size_t kClientWordsAt = kMaxWorldSize * sizeof(DeviceSlotWords);
+  static constexpr size_t kHostWordsBytes = kClientWordsAt + 4 * sizeof(uint64_t);
+
   static absl::StatusOr<std::shared_ptr<DeviceStreams>> Create(int device) {
     ULY_RETURN_IF_ERROR(UseDevice(device));
     std::shared_ptr<DeviceStreams> d(new DeviceStreams(device));
     ULY_RETURN_IF_ERROR(CudaStatus(
         "cudaStreamCreate", cudaStreamCreateWithFlags(&d->rescue_, cudaStreamNonBlocking)));
+    // Without it the daemon works; stuck calls' words then go unread.
+    if (cudaHostAlloc(&d->host_words_, kHostWordsBytes, cudaHostAllocDefault) != cudaSuccess) {
+      d->host_words_ = nullptr;
+      (void)cudaGetLastError();
+    }
     return d;
   }
   ~DeviceStreams() {
@@ -74,6 +87,7 @@ class DeviceStreams {
       cudaStreamSynchronize(rescue_);
       cudaStreamDestroy(rescue_);
     }
+    if (host_words_ != nullptr) cudaFreeHost(host_words_);
   }
   DeviceStreams(const DeviceStreams&) = delete;
   DeviceStreams& operator=(const DeviceStreams&) = delete;
@@ -101,6 +115,14 @@ class DeviceStreams {
     idle_.push_back(s);
   }
   cudaStream_t rescue() const { return rescue_; }
+  /// The pinned words (kHostWordsBytes; null when there are none), for the holder of the lock.
+  struct HostWords {
+    std::unique_lock<std::mutex> lock;
+    uint8_t* bytes;
+  };
+  HostWords host_words() {
+    return HostWords{std::unique_lock<std::mutex>(host_mu_), static_cast<uint8_t*>(host_words_)};
+  }
   /// Session streams made so far (not counting the rescue stream).
   uint64_t made() const { return made_.load(); }
 
@@ -109,6 +131,8 @@ class DeviceStreams {
 
   const int device_;
   cudaStream_t rescue_ = nullptr;
+  std::mutex host_mu_;  // one DescribeStuck at a time
+  void* host_words_ = nullptr;
   std::mutex mu_;
   std::vector<cudaStream_t> idle_;
   std::atomic<uint64_t> made_{0};
@@ -132,13 +156,12 @@ class CudaTransport final : public Transport {
     ULY_ASSIGN_OR_RETURN(t->client_words_,
                          ipc::cuda::VmmMapping::Create(device, sizeof(ClientDeviceWords)));
     ULY_ASSIGN_OR_RETURN(t->client_words_fd_, t->client_words_.Export());
+    // What a cancel writes over this rank's slot words (every wait passes); set before the
+    // stream is taken, since a failed Create's destructor cancels on it.
+    t->unblock_.assign(sizeof(DeviceSlotWords) / sizeof(uint64_t) * setup.geometry.num_slots,
+                       kUnblockEpoch);
     ULY_ASSIGN_OR_RETURN(t->stream_, t->streams_->Take());
     t->rescue_ = t->streams_->rescue();
-    // DescribeStuck's landing place; a session works without it (the words then go unread).
-    if (void* p = nullptr; cudaHostAlloc(&p, kHostWordsBytes, cudaHostAllocDefault) == cudaSuccess)
-      t->host_words_.reset(p);
-    else
-      (void)cudaGetLastError();
     t->events_.assign(setup.geometry.num_slots, nullptr);
     t->event_epoch_.assign(setup.geometry.num_slots, 0);
     for (cudaEvent_t& ev : t->events_)
@@ -151,9 +174,6 @@ class CudaTransport final : public Transport {
                                    cudaMemsetAsync(t->client_words_.data(), 0,
                                                    sizeof(ClientDeviceWords), t->stream_)));
     ULY_RETURN_IF_ERROR(CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(t->stream_)));
-    // What a cancel writes over this rank's slot words (every wait passes).
-    t->unblock_.assign(sizeof(DeviceSlotWords) / sizeof(uint64_t) * setup.geometry.num_slots,
-                       kUnblockEpoch);
     if (setup.fused) {
       // Everything a fused call needs is made here (GEMM workspace, projection buffer, second
       // stream, events); a call at a row count seen before allocates nothing.
@@ -163,42 +183,53 @@ class CudaTransport final : public Transport {
     return std::unique_ptr<Transport>(std::move(t));
   }
 
+  // A transport whose Drain failed is never destroyed (Session keeps it for the process's
+  // life); one never drained (a failed Create) has an idle stream, so Drain ends at once.
   ~CudaTransport() override {
-    if (ticket_.id != 0) exports_->Withdraw(ticket_.id);
+    if (!drained_) (void)Drain();
     (void)UseDevice(device_);
     if (stream_ != nullptr) {
-      // Cancel even when this stream is idle: a client stream may wait for the done word of a
-      // call this daemon never enqueued (its descriptor still in the ring at the close), and
-      // only the cancel's words end that wait. An idle stream takes that cancel itself (its
-      // writes wait for nothing): the rescue stream, another hardware queue, then runs no work
-      // when sessions close in order, and work on a second queue is what slows this context's
-      // hand-offs (DeviceStreams). Calls still enqueued may wait for a client or peer that
-      // will never come: cancel on the rescue stream, again while late peer writes re-arm a
-      // wait, until the stream is idle.
-      if (cudaStreamQuery(stream_) == cudaSuccess) {
-        CancelOn(stream_);
-      } else {
-        Cancel();
-        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-        while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
-          if (std::chrono::steady_clock::now() > give_up) {
-            Logger("exec")->error("device {}: a session stream did not drain after its cancel",
-                                  device_);
-            break;
-          }
-          std::this_thread::sleep_for(std::chrono::milliseconds(1));
-          Cancel();
-        }
-      }
       cudaStreamSynchronize(stream_);
       streams_->Give(stream_);
     }
     for (cudaEvent_t ev : events_)
       if (ev != nullptr) cudaEventDestroy(ev);
-    // The cancel's words are written and DescribeStuck's copies landed before host_words_ goes.
+    // DescribeStuck's copies read the mapped words, and a cancel's writes land in them: both
+    // ran before the mappings go.
     if (rescue_ != nullptr) cudaStreamSynchronize(rescue_);
-    host_words_.reset();
     fused_.reset();  // its work was ordered before this stream's end
+  }
+
+  // Cancels even when the stream is idle: a client stream may wait for the done word of a call
+  // this daemon never enqueued (its descriptor still in the ring at the close), and only the
+  // cancel's words end that wait. An idle stream takes that cancel itself (its writes wait
+  // for nothing): the rescue stream, another hardware queue, then runs no work when sessions
+  // close in order, and work on a second queue is what slows this context's hand-offs
+  // (DeviceStreams). Calls still enqueued may wait for a client or peer that will never come:
+  // cancel on the rescue stream, again while late peer writes (or the client's, to its own
+  // words) re-arm a wait, until the stream is idle; past 30 s, give up.
+  bool Drain() override {
+    drained_ = true;
+    if (ticket_.id != 0) exports_->Withdraw(std::exchange(ticket_.id, 0));
+    if (stream_ == nullptr || !UseDevice(device_).ok()) return true;
+    if (cudaStreamQuery(stream_) == cudaSuccess) {
+      CancelOn(stream_);
+      return true;
+    }
+    Cancel();
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
+      if (std::chrono::steady_clock::now() > give_up) {
+        Logger("exec")->error(
+            "device {}: a session stream did not drain within 30 s of its cancel; its stream "
+            "and device memory ({} bytes) stay in place for the daemon's life, not reused",
+            device_, DeviceBytes());
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      Cancel();
+    }
+    return true;
   }
 
   std::string LocalHandle() const override {
@@ -359,8 +390,9 @@ class CudaTransport final : public Transport {
         words_.size() != static_cast<size_t>(W))
       return {};
     const int me = setup_.geometry.rank;
-    constexpr size_t kClientAt = kMaxWorldSize * sizeof(DeviceSlotWords);
-    auto* host = static_cast<uint8_t*>(host_words_.get());
+    constexpr size_t kClientAt = DeviceStreams::kClientWordsAt;
+    const DeviceStreams::HostWords held = streams_->host_words();
+    uint8_t* const host = held.bytes;
     if (host == nullptr) return "unreadable (no pinned host memory for them)";
     cudaError_t err = cudaSuccess;
     for (int r = 0; r < W && err == cudaSuccess; ++r)
@@ -397,7 +429,9 @@ class CudaTransport final : public Transport {
         "cudaMemsetAsync",
         cudaMemsetAsync(static_cast<uint8_t*>(slots_.data()) + SlotOffset(slot), 0xff,
                         setup_.slot_bytes, stream_)));
-    return Flush();
+    // Stream-ordered like the calls: after the calls enqueued before, before any later one.
+    // Not waited for: a call before it may wait for its client or a peer (docs/protocol.md).
+    return absl::OkStatus();
   }
 
   uint64_t SlotOffset(int slot) const override {
@@ -482,15 +516,8 @@ class CudaTransport final : public Transport {
   std::vector<cudaEvent_t> events_;      // per slot: recorded after the call's done write
   std::vector<uint64_t> event_epoch_;    // the epoch each slot's event was recorded for
   std::vector<uint64_t> unblock_;        // kUnblockEpoch, one per word of this rank's slots
-  struct FreeHost {
-    void operator()(void* p) const { cudaFreeHost(p); }
-  };
-  // Pinned host memory that DescribeStuck's copies of the words land in (the rescue stream's);
-  // freed after that stream drained.
-  static constexpr size_t kHostWordsBytes =
-      kMaxWorldSize * sizeof(DeviceSlotWords) + 4 * sizeof(uint64_t);
-  std::unique_ptr<void, FreeHost> host_words_;
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
+  bool drained_ = false;                // Drain ran (the stream is idle, or abandoned)
 };
 
 class CudaBackend final : public Backend {

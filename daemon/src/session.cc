@@ -164,7 +164,8 @@ int Session::Poison() {
   int n = 0;
   for (int s = 0; s < geometry_.num_slots; ++s) {
     std::lock_guard<std::mutex> lock(slot_mu_);
-    if (!NotHeldLocked(s)) continue;
+    // A slot whose call is still running is not free either: its result is on the way.
+    if (slots_[s].state == SlotState::kWriting || !NotHeldLocked(s)) continue;
     if (absl::Status st = transport_->Poison(s); !st.ok()) {
       Logger("exec")->warn("session {}: poison slot {}: {}", id_, s, std::string(st.message()));
       continue;
@@ -192,7 +193,20 @@ Session::~Session() {
   // No new peer can fetch the segment; the memory stays mapped in peers until they close their
   // sessions, and goes with the last mapping.
   if (export_id_ != 0) exports_.Withdraw(export_id_);
-  // The transport drains its stream as it goes; only then may the calls' buffers be unmapped.
+  // The transport drains its stream first; only then may the calls' buffers be unmapped. A
+  // stream that never drains may still read and write them: they stay, with the transport.
+  if (!transport_->Drain()) {
+    std::lock_guard<std::mutex> lock(inflight_mu_);
+    auto* left = new std::vector<std::shared_ptr<const void>>(std::move(failed_keep_));
+    for (const InFlightCall& f : inflight_)
+      for (const auto& k : f.keep)
+        if (k) left->push_back(k);
+    (void)transport_.release();
+    Logger("exec")->error("session {}: its device work did not end; its transport and the "
+                          "{} buffers its calls used stay for the daemon's life",
+                          id_, left->size());
+    return;
+  }
   transport_.reset();
 }
 
@@ -653,6 +667,10 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
     if (absl::Status st =
             transport_->Enqueue(plan, ops, StreamCall{s, e, mode.wait_ready, wait_released});
         !st.ok()) {
+      // Part of the call may be on the stream already: its buffers stay until the stream
+      // drains, as a failed in-flight call's do.
+      for (const auto& k : ops.keep)
+        if (k) failed_keep_.push_back(k);
       inflight.unlock();
       return fail(st);
     }

@@ -108,6 +108,10 @@ class Transport {
   /// drains without its client or peers (a failed call, a timeout, close). Idempotent; call it
   /// again to unblock waits a late peer write re-armed.
   virtual void Cancel() {}
+  /// Before the transport goes: ends this rank's device work (a stream-ordered transport
+  /// cancels and waits, bounded, until its stream is idle). False when the work did not end:
+  /// the caller then keeps the transport, and what the calls used, for the process's life.
+  virtual bool Drain() { return true; }
   /// For a stream-ordered call that did not finish in time: the protocol words it waits on, as
   /// the device holds them now (which hand-off never came). Bounded; empty when not applicable.
   virtual std::string DescribeStuck(int slot, uint64_t epoch) { return {}; }

@@ -326,7 +326,7 @@ TEST_F(GpuCluster, HeldSlotIsNeverOverwrittenAndOutCopiesToStridedView) {
         return fail("the held slot changed");
       std::vector<float> outh(2 * n);
       if (!ipc::cuda::Copy(outh.data(), out->data, 2 * n * 4).ok()) return fail("read out");
-      if (std::string bad = testing_util::CheckStridedScatterOut(outh, r, S, H, HL, D);
+      if (std::string bad = testing_util::CheckScatterOut(outh, r, S, H, HL, D, 2 * HL * D);
           !bad.empty())
         return fail(bad);
       if (!first->Release().ok()) return fail("release");
@@ -501,6 +501,59 @@ TEST_F(GpuCluster, ATimedOutCallRecordsItsProtocolWords) {
                          "its done 0"),
             std::string::npos)
       << message;
+}
+
+// PoisonSlots while a call waits on the GPU for its peer: the request returns without
+// waiting for that call, leaves its slot alone (the result arrives intact once the peer
+// calls) and fills only the free slot.
+TEST_F(GpuCluster, PoisonWhileACallWaitsForItsPeerSkipsItsSlotAndReturns) {
+  Start(2);
+  const int H = 4, D = 32, S = 16, HL = H / 2;
+  TwoRanks t;
+  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks("poison-wait", "early", "late",
+                                       {H, D, DType::kFloat32, S, 2, {}, 0}, &t));
+  const size_t n = static_cast<size_t>(S) * H * D;
+  client::Client* clients[2] = {t.c0.get(), t.c1.get()};
+  std::vector<client::Buffer> x;
+  for (int r = 0; r < 2; ++r) {
+    auto b = clients[r]->AllocBuffer(n * 4, "x");
+    ASSERT_TRUE(b.ok()) << b.status();
+    std::vector<float> xh(n);
+    for (size_t i = 0; i < n; ++i) xh[i] = static_cast<float>(r * 100000 + i);
+    ASSERT_TRUE(ipc::cuda::Copy(b->data, xh.data(), n * 4).ok());
+    x.push_back(*b);
+  }
+  CallArgs args;
+  args.op = OpKind::kScatterHeads;
+  args.batch = 1;
+  args.seq = S;
+  args.inputs[0] = x[0].Ref();
+  auto early = t.s0->Submit(args);
+  ASSERT_TRUE(early.ok()) << early.status();
+  // Rank 0's daemon took the call (its slot is being written); its stream waits for rank 1.
+  bool writing = false;
+  for (int i = 0; i < 1000 && !writing; ++i) {
+    v1::ListSlotsResponse slots;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(Admin(0)->ListSlots(&ctx, {}, &slots).ok());
+    for (const v1::SlotState& s : slots.slots())
+      writing |= s.session_id() == t.s0->id() && s.slot() == 0 && s.state() == "writing";
+    if (!writing) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(writing) << "rank 0's call never reached its daemon's stream";
+  auto poisoned = t.s0->PoisonSlots();
+  ASSERT_TRUE(poisoned.ok()) << poisoned.status();
+  EXPECT_EQ(*poisoned, 1) << "only slot 1 is free";
+  args.inputs[0] = x[1].Ref();
+  auto late = t.s1->Call(args);
+  ASSERT_TRUE(late.ok()) << late.status();
+  auto result = t.s0->Wait(*early, absl::Seconds(20));
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_TRUE(result->device);
+  std::vector<float> got(result->bytes / 4);
+  ASSERT_EQ(got.size(), n);
+  ASSERT_TRUE(ipc::cuda::Copy(got.data(), result->data, result->bytes).ok());
+  EXPECT_EQ(testing_util::CheckScatterOut(got, 0, S, H, HL, D, HL * D), "");
 }
 
 // The slot budget holds what each session holds, as allocated (allocations round up to the

@@ -62,17 +62,18 @@ inline void RunWorkloadOnEveryRank(const std::vector<std::string>& members,
   }
 }
 
-/// Checks a scatter_heads result that out= wrote into the strided view [1, 2S, HL, D] with the
-/// token stride doubled (`out` as read back, 2*S*HL*D*2 floats), on rank `r` of 2 ranks whose
-/// inputs held x[s, h, d] = rank * 100000 + (s * H + h) * D + d. "" or the first wrong element.
-inline std::string CheckStridedScatterOut(const std::vector<float>& out, int r, int S, int H,
-                                          int HL, int D) {
+/// Checks a scatter_heads result [1, 2S, HL, D] whose token stride is `token_stride` elements
+/// (HL * D: the slot as is; 2 * HL * D: out= into a view with the token stride doubled), as
+/// read back, on rank `r` of 2 ranks whose inputs held x[s, h, d] = rank * 100000 +
+/// (s * H + h) * D + d. "" or the first wrong element.
+inline std::string CheckScatterOut(const std::vector<float>& out, int r, int S, int H, int HL,
+                                   int D, int token_stride) {
   for (int g = 0; g < 2 * S; ++g)
     for (int h = 0; h < HL; ++h)
       for (int d = 0; d < D; ++d) {
         const int src = g / S, s = g % S;
         const float want = static_cast<float>(src * 100000 + (s * H + r * HL + h) * D + d);
-        const float have = out[static_cast<size_t>(g) * HL * D * 2 + h * D + d];
+        const float have = out[static_cast<size_t>(g) * token_stride + h * D + d];
         if (have != want) return StrCat("out[", g, ",", h, ",", d, "] = ", have);
       }
   return "";

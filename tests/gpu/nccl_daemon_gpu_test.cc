@@ -119,7 +119,7 @@ TEST_F(NcclCluster, OutCopiesIntoAStridedView) {
     if (!res.ok()) return res.status().ToString();
     std::vector<float> outh(2 * n);
     if (!ipc::cuda::Copy(outh.data(), out->data, 2 * n * 4).ok()) return "read out";
-    return testing_util::CheckStridedScatterOut(outh, r, S, H, HL, D);
+    return testing_util::CheckScatterOut(outh, r, S, H, HL, D, 2 * HL * D);
   });
   EXPECT_EQ(errors[0], "");
   EXPECT_EQ(errors[1], "");
