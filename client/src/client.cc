@@ -924,8 +924,8 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const v1::CreateSes
     session->device_slots_ = vmm;
     session->device_ = true;
     if (words) {
-      // The stream-ordered protocol: the daemon's words lead the slots mapping; the ready
-      // words are this client's to write (docs/protocol.md section 9).
+      // The stream-ordered protocol: the done words (ResultWords) lead the slots mapping; the
+      // ready words are this client's to write (docs/protocol.md section 9).
       ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping w,
                            ipc::cuda::VmmMapping::Import(dev, fds[2].get(), info.device_words_bytes(),
                                                          /*writable=*/true));
@@ -1159,8 +1159,8 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
     // Work enqueued on the stream from now on follows the call. (A caller that waits on the
     // host needs no device wait; leaving it out also lets several ranks of one process share
     // a stream when they wait on the host.)
-    const auto* words = static_cast<const DeviceWords*>(device_words_);
-    ULY_RETURN_IF_ERROR(ipc::cuda::StreamWait64(stream_, &words->slots[slot].done, d.epoch));
+    const auto* words = static_cast<const ResultWords*>(device_words_);
+    ULY_RETURN_IF_ERROR(ipc::cuda::StreamWait64(stream_, &words->done[slot], d.epoch));
   }
   // The stream's work now names this session's device words: they stay mapped until it
   // passed this point (StreamWords::Close).

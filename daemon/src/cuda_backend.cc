@@ -64,8 +64,10 @@ constexpr uint64_t kSlotAlign = 256;
 // freeing pinned memory can wait for the whole device, so a session's close frees none.
 class DeviceStreams {
  public:
-  // What DescribeStuck reads per call: every rank's slot words, then the client's three.
-  static constexpr size_t kClientWordsAt = kMaxWorldSize * sizeof(DeviceSlotWords);
+  // What DescribeStuck reads per call: every rank's slot words, every rank's done word, then
+  // the client's three.
+  static constexpr size_t kDoneWordsAt = kMaxWorldSize * sizeof(DeviceSlotWords);
+  static constexpr size_t kClientWordsAt = kDoneWordsAt + kMaxWorldSize * sizeof(uint64_t);
   static constexpr size_t kHostWordsBytes = kClientWordsAt + 4 * sizeof(uint64_t);
 
   static absl::StatusOr<std::shared_ptr<DeviceStreams>> Create(int device) {
@@ -146,13 +148,21 @@ class CudaTransport final : public Transport {
     ULY_RETURN_IF_ERROR(UseDevice(device));
     std::unique_ptr<CudaTransport> t(new CudaTransport(device, exports, std::move(streams), setup));
     t->stride_ = AlignUp(setup.slot_bytes, kSlotAlign);
-    // The stream-ordered words first (DeviceWords), then the slots; one allocation, so one
-    // handle gives peers and the client both.
-    t->words_bytes_ = AlignUp(sizeof(DeviceWords), kSlotAlign);
+    // The client's done words first (ResultWords), then the slots: one allocation, lent to
+    // the peers (they store into the slots) and mapped by the client. The words only daemons
+    // use (DeviceWords) are an allocation of their own, lent to the peers alone.
+    t->words_bytes_ = AlignUp(sizeof(ResultWords), kSlotAlign);
     ULY_ASSIGN_OR_RETURN(t->slots_, ipc::cuda::VmmMapping::Create(
                                         device, t->words_bytes_ + t->stride_ * setup.geometry.num_slots));
     ULY_ASSIGN_OR_RETURN(t->client_fd_, t->slots_.Export());
     ULY_ASSIGN_OR_RETURN(t->ticket_, exports->Lend(t->client_fd_.get()));
+    ULY_ASSIGN_OR_RETURN(t->daemon_words_,
+                         ipc::cuda::VmmMapping::Create(device, sizeof(DeviceWords)));
+    {
+      ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd, t->daemon_words_.Export());
+      // FdExports keeps its own duplicate of a lent fd.
+      ULY_ASSIGN_OR_RETURN(t->words_ticket_, exports->Lend(fd.get()));
+    }
     ULY_ASSIGN_OR_RETURN(t->client_words_,
                          ipc::cuda::VmmMapping::Create(device, sizeof(ClientDeviceWords)));
     ULY_ASSIGN_OR_RETURN(t->client_words_fd_, t->client_words_.Export());
@@ -170,6 +180,9 @@ class CudaTransport final : public Transport {
     // Every word starts at 0 (no epoch reached), before any peer or client can see them.
     ULY_RETURN_IF_ERROR(CudaStatus(
         "cudaMemsetAsync", cudaMemsetAsync(t->slots_.data(), 0, t->words_bytes_, t->stream_)));
+    ULY_RETURN_IF_ERROR(CudaStatus("cudaMemsetAsync",
+                                   cudaMemsetAsync(t->daemon_words_.data(), 0,
+                                                   sizeof(DeviceWords), t->stream_)));
     ULY_RETURN_IF_ERROR(CudaStatus("cudaMemsetAsync",
                                    cudaMemsetAsync(t->client_words_.data(), 0,
                                                    sizeof(ClientDeviceWords), t->stream_)));
@@ -210,7 +223,8 @@ class CudaTransport final : public Transport {
   // words) re-arm a wait, until the stream is idle; past 30 s, give up.
   bool Drain() override {
     drained_ = true;
-    if (ticket_.id != 0) exports_->Withdraw(std::exchange(ticket_.id, 0));
+    for (ExportTicket* t : {&ticket_, &words_ticket_})
+      if (t->id != 0) exports_->Withdraw(std::exchange(t->id, 0));
     if (stream_ == nullptr || !UseDevice(device_).ok()) return true;
     if (cudaStreamQuery(stream_) == cudaSuccess) {
       CancelOn(stream_);
@@ -232,8 +246,11 @@ class CudaTransport final : public Transport {
     return true;
   }
 
+  // cuda|device|slot allocation bytes|words bytes|slots id|slots secret|words id|words secret|
+  // socket (the socket path may hold '|', so it comes last).
   std::string LocalHandle() const override {
-    return StrCat("cuda|", device_, "|", slots_.size(), "|", ticket_.id, "|", ticket_.secret, "|",
+    return StrCat("cuda|", device_, "|", slots_.size(), "|", daemon_words_.size(), "|", ticket_.id,
+                  "|", ticket_.secret, "|", words_ticket_.id, "|", words_ticket_.secret, "|",
                   ticket_.socket);
   }
 
@@ -242,28 +259,33 @@ class CudaTransport final : public Transport {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     const int W = setup_.geometry.world_size;
     peers_.resize(W);
+    peer_words_.resize(W);
     slot_base_.assign(W, nullptr);
     slot_base_[setup_.geometry.rank] = static_cast<uint8_t*>(slots_.data());
     words_.assign(W, nullptr);
-    words_[setup_.geometry.rank] = static_cast<DeviceWords*>(slots_.data());
+    words_[setup_.geometry.rank] = static_cast<DeviceWords*>(daemon_words_.data());
     for (int r = 0; r < W; ++r) {
       if (r == setup_.geometry.rank) continue;
-      // cuda|device|bytes|id|secret|socket (the socket path may hold '|': split 5 times).
-      std::vector<std::string> f = absl::StrSplit(handles[r], absl::MaxSplits('|', 5));
-      uint64_t bytes = 0, id = 0;
+      std::vector<std::string> f = absl::StrSplit(handles[r], absl::MaxSplits('|', 8));
+      uint64_t bytes = 0, words_bytes = 0, id = 0, words_id = 0;
       int device = -1;
-      if (f.size() != 6 || f[0] != "cuda" || !absl::SimpleAtoi(f[1], &device) ||
-          !absl::SimpleAtoi(f[2], &bytes) || !absl::SimpleAtoi(f[3], &id) ||
-          bytes != slots_.size())
+      if (f.size() != 9 || f[0] != "cuda" || !absl::SimpleAtoi(f[1], &device) ||
+          !absl::SimpleAtoi(f[2], &bytes) || !absl::SimpleAtoi(f[3], &words_bytes) ||
+          !absl::SimpleAtoi(f[4], &id) || !absl::SimpleAtoi(f[6], &words_id) ||
+          bytes != slots_.size() || words_bytes != daemon_words_.size())
         return absl::FailedPreconditionError(
             StrCat("rank ", r, " sent a slot handle this backend cannot use ('",
                    handles[r].substr(0, 64), "')"));
       ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd,
-                           FdExports::Fetch(ExportTicket{f[5], id, f[4]}, timeout));
+                           FdExports::Fetch(ExportTicket{f[8], id, f[5]}, timeout));
       ULY_ASSIGN_OR_RETURN(peers_[r],
                            ipc::cuda::VmmMapping::Import(device_, fd.get(), bytes, true));
+      ULY_ASSIGN_OR_RETURN(ipc::UniqueFd words_fd,
+                           FdExports::Fetch(ExportTicket{f[8], words_id, f[7]}, timeout));
+      ULY_ASSIGN_OR_RETURN(peer_words_[r], ipc::cuda::VmmMapping::Import(device_, words_fd.get(),
+                                                                         words_bytes, true));
       slot_base_[r] = static_cast<uint8_t*>(peers_[r].data());
-      words_[r] = static_cast<DeviceWords*>(peers_[r].data());
+      words_[r] = static_cast<DeviceWords*>(peer_words_[r].data());
     }
     return absl::OkStatus();
   }
@@ -363,7 +385,7 @@ class CudaTransport final : public Transport {
       if (r != me) ULY_RETURN_IF_ERROR(memops.Wait(&mine.arrive[r], e));
     ULY_RETURN_IF_ERROR(memops.Flush());
     ULY_RETURN_IF_ERROR(EnqueueFinish(plan, ops, s));
-    ULY_RETURN_IF_ERROR(memops.Write(&mine.done, e));
+    ULY_RETURN_IF_ERROR(memops.Write(&Results(me)->done[s], e));
     ULY_RETURN_IF_ERROR(memops.Flush());
     event_epoch_[s] = e;
     return CudaStatus("cudaEventRecord", cudaEventRecord(events_[s], stream_));
@@ -390,6 +412,7 @@ class CudaTransport final : public Transport {
         words_.size() != static_cast<size_t>(W))
       return {};
     const int me = setup_.geometry.rank;
+    constexpr size_t kDoneAt = DeviceStreams::kDoneWordsAt;
     constexpr size_t kClientAt = DeviceStreams::kClientWordsAt;
     const DeviceStreams::HostWords held = streams_->host_words();
     uint8_t* const host = held.bytes;
@@ -398,6 +421,10 @@ class CudaTransport final : public Transport {
     for (int r = 0; r < W && err == cudaSuccess; ++r)
       err = cudaMemcpyAsync(host + r * sizeof(DeviceSlotWords), &words_[r]->slots[slot],
                             sizeof(DeviceSlotWords), cudaMemcpyDeviceToHost, rescue_);
+    // Every rank's done word of the slot, after the slot words.
+    for (int r = 0; r < W && err == cudaSuccess; ++r)
+      err = cudaMemcpyAsync(host + kDoneAt + r * sizeof(uint64_t), &Results(r)->done[slot],
+                            sizeof(uint64_t), cudaMemcpyDeviceToHost, rescue_);
     const uint64_t* client_words[] = {&ClientWords()->ready[slot], &ClientWords()->released[slot],
                                       cancel()};
     for (int i = 0; i < 3 && err == cudaSuccess; ++i)
@@ -414,12 +441,13 @@ class CudaTransport final : public Transport {
     auto at = [&](int r) {
       return reinterpret_cast<const DeviceSlotWords*>(host + r * sizeof(DeviceSlotWords));
     };
+    const auto* done = reinterpret_cast<const uint64_t*>(host + kDoneAt);
     const auto* client = reinterpret_cast<const uint64_t*>(host + kClientAt);
-    SlotWordsReport report{me, slot, epoch, client[0], client[1], client[2], at(me)->done, {}};
+    SlotWordsReport report{me, slot, epoch, client[0], client[1], client[2], done[me], {}};
     for (int r = 0; r < W; ++r)
       if (r != me)
         report.peers.push_back({r, at(me)->grant[r], at(me)->arrive[r], at(r)->grant[me],
-                                at(r)->arrive[me], at(r)->done});
+                                at(r)->arrive[me], done[r]});
     return FormatSlotWords(report);
   }
 
@@ -441,7 +469,9 @@ class CudaTransport final : public Transport {
     return ClientSlotMapping{client_fd_.get(), slots_.size(), true, client_words_fd_.get(),
                              client_words_.size()};
   }
-  uint64_t DeviceBytes() const override { return slots_.size() + client_words_.size(); }
+  uint64_t DeviceBytes() const override {
+    return slots_.size() + daemon_words_.size() + client_words_.size();
+  }
   std::string Describe() const override {
     if (!fused_)
       return "nvlink: CUDA exchange kernels storing into every destination's slot, one launch per "
@@ -459,17 +489,17 @@ class CudaTransport final : public Transport {
   void CancelOn(cudaStream_t on) {
     if (UseDevice(device_).ok() == false) return;
     namespace cu = ipc::cuda;
-    DeviceWords* mine = words_.empty() ? static_cast<DeviceWords*>(slots_.data())
-                                       : words_[setup_.geometry.rank];
+    auto* mine = static_cast<DeviceWords*>(daemon_words_.data());
     // cancel first (kernels that pass a wait after this store nothing), then every word this
-    // rank's stream waits on. `on` is never blocked (the rescue stream, or this session's
-    // stream when idle), so this completes.
+    // rank's stream or its client's waits on. `on` is never blocked (the rescue stream, or
+    // this session's stream when idle), so this completes.
     absl::Status st = cu::StreamWrite64(on, &mine->cancel, 1);
     if (st.ok())
       st = CudaStatus("cudaMemcpyAsync",
                       cudaMemcpyAsync(mine->slots, unblock_.data(), unblock_.size() * sizeof(uint64_t),
                                       cudaMemcpyHostToDevice, on));
-    for (uint64_t* client_words : {ClientWords()->ready, ClientWords()->released})
+    for (uint64_t* client_words :
+         {ClientWords()->ready, ClientWords()->released, Results(setup_.geometry.rank)->done})
       if (st.ok())
         st = CudaStatus("cudaMemcpyAsync",
                         cudaMemcpyAsync(client_words, unblock_.data(),
@@ -485,7 +515,13 @@ class CudaTransport final : public Transport {
       : device_(device), exports_(exports), streams_(std::move(streams)), setup_(setup) {}
 
   const uint64_t* cancel() const {
-    return &static_cast<const DeviceWords*>(slots_.data())->cancel;
+    return &static_cast<const DeviceWords*>(daemon_words_.data())->cancel;
+  }
+  // Rank r's done words, at the start of its slot allocation as mapped here (connected
+  // transports only, except this rank's).
+  ResultWords* Results(int r) const {
+    return reinterpret_cast<ResultWords*>(r == setup_.geometry.rank ? slots_.data()
+                                                                     : slot_base_[r]);
   }
   ClientDeviceWords* ClientWords() const {
     return static_cast<ClientDeviceWords*>(client_words_.data());
@@ -502,13 +538,16 @@ class CudaTransport final : public Transport {
   const std::shared_ptr<DeviceStreams> streams_;  // stream_ comes from and goes back there
   const TransportSetup setup_;
   uint64_t stride_ = 0;
-  uint64_t words_bytes_ = 0;               // DeviceWords, before the slots
-  ipc::cuda::VmmMapping slots_;            // this rank's words and slots
+  uint64_t words_bytes_ = 0;               // ResultWords, before the slots
+  ipc::cuda::VmmMapping slots_;            // this rank's done words and slots
   ipc::UniqueFd client_fd_;                // its exported handle (client and peers map it)
   ExportTicket ticket_;
-  std::vector<ipc::cuda::VmmMapping> peers_;  // index = rank; this rank's entry is empty
-  std::vector<uint8_t*> slot_base_;            // every rank's slots as mapped here
-  std::vector<DeviceWords*> words_;            // every rank's words as mapped here
+  ipc::cuda::VmmMapping daemon_words_;     // this rank's DeviceWords: peer daemons map it
+  ExportTicket words_ticket_;
+  std::vector<ipc::cuda::VmmMapping> peers_;       // index = rank; this rank's entry is empty
+  std::vector<ipc::cuda::VmmMapping> peer_words_;  // likewise, each peer's DeviceWords
+  std::vector<uint8_t*> slot_base_;                // every rank's slots as mapped here
+  std::vector<DeviceWords*> words_;                // every rank's DeviceWords as mapped here
   ipc::cuda::VmmMapping client_words_;         // ClientDeviceWords, written by the client
   ipc::UniqueFd client_words_fd_;
   cudaStream_t stream_ = nullptr;  // this session's alone while it is open

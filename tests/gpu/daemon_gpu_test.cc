@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "gpu_workload.h"
 #include "ulysses/client/client.h"
+#include "ulysses/common/session_layout.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/cuda_memory.h"
 #include "ulysses/ipc/shm.h"
@@ -141,6 +142,8 @@ struct VmmDriver {
   decltype(&::cuMemMap) Map = nullptr;
   decltype(&::cuMemUnmap) Unmap = nullptr;
   decltype(&::cuMemSetAccess) SetAccess = nullptr;
+  decltype(&::cuMemGetAddressRange) AddressRange = nullptr;
+  decltype(&::cuMemRetainAllocationHandle) RetainHandle = nullptr;
   static const VmmDriver& Get() {
     static const VmmDriver d = [] {
       VmmDriver v;
@@ -159,12 +162,15 @@ struct VmmDriver {
       r("cuMemMap", &v.Map);
       r("cuMemUnmap", &v.Unmap);
       r("cuMemSetAccess", &v.SetAccess);
+      r("cuMemGetAddressRange", &v.AddressRange);
+      r("cuMemRetainAllocationHandle", &v.RetainHandle);
       return v;
     }();
     return d;
   }
   bool ok() const {
-    return MemCreate && MemRelease && AddressReserve && AddressFree && Map && Unmap && SetAccess;
+    return MemCreate && MemRelease && AddressReserve && AddressFree && Map && Unmap && SetAccess &&
+           AddressRange && RetainHandle;
   }
 };
 
@@ -554,6 +560,86 @@ TEST_F(GpuCluster, PoisonWhileACallWaitsForItsPeerSkipsItsSlotAndReturns) {
   ASSERT_EQ(got.size(), n);
   ASSERT_TRUE(ipc::cuda::Copy(got.data(), result->data, result->bytes).ok());
   EXPECT_EQ(testing_util::CheckScatterOut(got, 0, S, H, HL, D, HL * D), "");
+}
+
+// A hostile client maps its own slot allocation writable (the access flags of a mapping are
+// the importer's choice) and writes an epoch past every call over all of it. Nothing a daemon
+// relies on lives there: its next call, for the slot its peer still holds, waits for the
+// peer's grant as ever and fails, and the peer's held result is untouched.
+TEST_F(GpuCluster, AClientWritingOverItsSlotAllocationCannotReachAPeersHeldResult) {
+  ASSERT_TRUE(VmmDriver::Get().ok()) << "the driver lacks the VMM entry points";
+  const VmmDriver& drv = VmmDriver::Get();
+  Start(2, {"--call-timeout-ms", "1500"});
+  const int H = 4, D = 32, S = 16;
+  TwoRanks t;
+  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks("forge", "victim", "forger",
+                                       {H, D, DType::kFloat32, S, 2, {}, 0}, &t));
+  const size_t n = static_cast<size_t>(S) * H * D;
+  client::Client* clients[2] = {t.c0.get(), t.c1.get()};
+  client::Session* sessions[2] = {t.s0.get(), t.s1.get()};
+  std::vector<client::Buffer> x;
+  for (int r = 0; r < 2; ++r) {
+    auto b = clients[r]->AllocBuffer(n * 4, "x");
+    ASSERT_TRUE(b.ok()) << b.status();
+    std::vector<float> xh(n);
+    for (size_t i = 0; i < n; ++i) xh[i] = static_cast<float>(r * 100000 + i);
+    ASSERT_TRUE(ipc::cuda::Copy(b->data, xh.data(), n * 4).ok());
+    x.push_back(*b);
+  }
+  // Epochs 1 and 2 on both ranks: the victim keeps epoch 1's result (slot 0).
+  absl::StatusOr<client::Result> results[2][2];
+  for (int e = 0; e < 2; ++e) {
+    std::thread other([&] { results[1][e] = sessions[1]->ScatterHeads(x[1].Ref(), 1, S); });
+    results[0][e] = sessions[0]->ScatterHeads(x[0].Ref(), 1, S);
+    other.join();
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(results[r][e].ok()) << results[r][e].status();
+  }
+  const client::Result& held = *results[0][0];
+  ASSERT_TRUE(held.device && held.held());
+  std::vector<float> before(held.bytes / 4), after(held.bytes / 4);
+  ASSERT_TRUE(ipc::cuda::Copy(before.data(), held.data, held.bytes).ok());
+  ASSERT_EQ(testing_util::CheckScatterOut(before, 0, S, H, H / 2, D, H / 2 * D), "");
+  ASSERT_TRUE(results[0][1]->Release().ok());
+  ASSERT_TRUE(results[1][1]->Release().ok());
+
+  // The forger maps its slot allocation again, writable, and fills it with kUnblockEpoch.
+  const CUdeviceptr view = reinterpret_cast<CUdeviceptr>(results[1][0]->data);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  ASSERT_EQ(drv.AddressRange(&base, &size, view), CUDA_SUCCESS);
+  CUmemGenericAllocationHandle handle = 0;
+  ASSERT_EQ(drv.RetainHandle(&handle, reinterpret_cast<void*>(base)), CUDA_SUCCESS);
+  CUdeviceptr writable = 0;
+  ASSERT_EQ(drv.AddressReserve(&writable, size, 0, 0, 0), CUDA_SUCCESS);
+  ASSERT_EQ(drv.Map(writable, size, 0, handle, 0), CUDA_SUCCESS);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = 0;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  ASSERT_EQ(drv.SetAccess(writable, size, &access, 1), CUDA_SUCCESS);
+  const std::vector<uint64_t> forged(size / sizeof(uint64_t), kUnblockEpoch);
+  ASSERT_TRUE(ipc::cuda::Copy(reinterpret_cast<void*>(writable), forged.data(), size).ok());
+  drv.Unmap(writable, size);
+  drv.AddressFree(writable, size);
+  drv.MemRelease(handle);
+  ASSERT_TRUE(results[1][0]->Release().ok());
+
+  // Epoch 3 needs slot 0, which the victim holds: the forger's call waits for the victim's
+  // grant and fails at the call timeout.
+  CallArgs args;
+  args.op = OpKind::kScatterHeads;
+  args.batch = 1;
+  args.seq = S;
+  args.inputs[0] = x[1].Ref();
+  auto third = sessions[1]->Submit(args);
+  if (third.ok()) {
+    auto got = sessions[1]->Wait(*third, absl::Seconds(20));
+    EXPECT_FALSE(got.ok()) << "the forger's call completed without the victim's grant";
+  }
+  ASSERT_TRUE(held.held());
+  ASSERT_TRUE(ipc::cuda::Copy(after.data(), held.data, held.bytes).ok());
+  EXPECT_EQ(std::memcmp(before.data(), after.data(), held.bytes), 0)
+      << "the victim's held result changed";
 }
 
 // The slot budget holds what each session holds, as allocated (allocations round up to the

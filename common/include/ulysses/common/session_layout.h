@@ -92,15 +92,13 @@ inline bool AbortEnds(const SessionControlBlock& cb, uint64_t epoch, bool gone =
   return cb.completed.load(std::memory_order_acquire) < epoch;
 }
 
-/// GPU backends: the stream-ordered words of one receive slot, in device memory at the start of
-/// each rank's slot allocation (DeviceWords). The daemons' streams write and wait on them with
-/// 64-bit stream memory operations (wait: cyclic "value - epoch >= 0"); the owning client maps
-/// them read-only and its stream waits on `done`. docs/protocol.md section 9 is the protocol.
+/// GPU backends: the stream-ordered words of one receive slot that the daemons alone use, in
+/// an allocation of each rank's daemon that peer daemons map and no client ever receives (so
+/// no client can forge a word another rank relies on: a forged grant would let its daemon
+/// store into a peer's slot that still holds a result). The daemons' streams write and wait
+/// on them with 64-bit stream memory operations (wait: cyclic "value - epoch >= 0").
+/// docs/protocol.md section 9 is the protocol.
 struct DeviceSlotWords {
-  /// Written by the owner's stream once the result of epoch `done` is complete in the slot (or,
-  /// after a cancel, kUnblockEpoch: the call failed and the error travels on the host).
-  uint64_t done;
-  uint64_t reserved[7];
   /// grant[d] = e: rank d opened its slot for epoch e, so this rank may store its block of e
   /// there. Written by rank d's stream into this rank's words.
   uint64_t grant[kMaxWorldSize];
@@ -108,7 +106,7 @@ struct DeviceSlotWords {
   /// rank j's stream after its stores (the write's memory barrier orders them first).
   uint64_t arrive[kMaxWorldSize];
 };
-static_assert(sizeof(DeviceSlotWords) == 8 * (8 + 2 * kMaxWorldSize));
+static_assert(sizeof(DeviceSlotWords) == 8 * 2 * kMaxWorldSize);
 
 struct DeviceWords {
   /// Nonzero once this rank's session was cancelled (a failed call, a timeout, close): the
@@ -119,6 +117,14 @@ struct DeviceWords {
   DeviceSlotWords slots[kMaxSlots];
 };
 static_assert(offsetof(DeviceWords, slots) == 128);
+
+/// The words the owning client's stream waits on, at the start of the rank's slot allocation
+/// (which the client maps to read its results; what it could write there is its own): done[s]
+/// = e once the result of epoch e is complete in slot s, written by the daemon's stream (or,
+/// after a cancel, kUnblockEpoch: the call failed and the error travels on the host).
+struct ResultWords {
+  uint64_t done[kMaxSlots];
+};
 
 /// The words the owning client writes, in a device allocation of its own (so a client can
 /// write nothing its daemon or the peers rely on): ready[s] = e once the client's stream has
