@@ -22,12 +22,14 @@ inline absl::StatusOr<bool> EnqueueOutWrite(const SessionGeometry& g, const Call
                                             cudaStream_t stream, const uint64_t* cancel = nullptr) {
   if (Traits(plan.op).fused) {
     if (!plan.has_out) return false;
-    const cudaError_t err =
-        cudaMemcpyAsync(ops.out, data, static_cast<size_t>(plan.slot_elems) * g.itemsize(),
-                        cudaMemcpyDeviceToDevice, stream);
-    if (err != cudaSuccess)
-      return absl::InternalError(StrCat("cudaMemcpyAsync: ", cudaGetErrorName(err), " (",
-                                        cudaGetErrorString(err), ")"));
+    // The copy kernel in rows of D elements, not a device copy: like every kernel of the
+    // call it reads the cancel word first, so a cancelled call (whose client stream was let
+    // go) writes nothing into out afterwards.
+    const int64_t d = g.head_dim, rows = plan.slot_elems / g.head_dim;
+    const int64_t shape[4] = {1, 1, rows, d};
+    const kernels::MutView dst{ops.out, {rows * d, rows * d, d, 1}};
+    ULY_RETURN_IF_ERROR(
+        kernels::LaunchCopyContiguousToView(data, shape, g.itemsize(), dst, stream, cancel));
     return true;
   }
   if (Traits(plan.op).merges_into_out) {

@@ -251,26 +251,33 @@ absl::Status FusedQkvPlan::RunChunked(const void* x, const int32_t* positions, i
   ULY_CUDA_RETURN_IF_ERROR(cudaEventRecord(impl_->start.get(), stream));
   ULY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, impl_->start.get(), 0));
   uint64_t* ready[kMaxWorldSize] = {};
-  for (int64_t i = 0, row = 0; row < rows; ++i, row += chunk) {
-    const int64_t end = std::min(rows, row + chunk);
-    const auto* x_rows = static_cast<const uint16_t*>(x) + row * hidden;
-    ULY_RETURN_IF_ERROR(impl_->gemm->Run(x_rows, c.weights.w_qkv, impl_->qkv() + row * features,
-                                         end - row, stream));
-    ULY_CUDA_RETURN_IF_ERROR(cudaEventRecord(impl_->chunk_done[i].get(), stream));
-    ULY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, impl_->chunk_done[i].get(), 0));
-    QkvDestinations chunk_dests{dests.out, nullptr, dests.epoch, dests.cancel};
-    if (dests.ready != nullptr) {
-      for (int d = 0; d < shape.world; ++d) {
-        ready[d] = dests.ready[d] != nullptr ? dests.ready[d] + i : nullptr;
+  const absl::Status chunks = [&]() -> absl::Status {
+    for (int64_t i = 0, row = 0; row < rows; ++i, row += chunk) {
+      const int64_t end = std::min(rows, row + chunk);
+      const auto* x_rows = static_cast<const uint16_t*>(x) + row * hidden;
+      ULY_RETURN_IF_ERROR(impl_->gemm->Run(x_rows, c.weights.w_qkv, impl_->qkv() + row * features,
+                                           end - row, stream));
+      ULY_CUDA_RETURN_IF_ERROR(cudaEventRecord(impl_->chunk_done[i].get(), stream));
+      ULY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, impl_->chunk_done[i].get(), 0));
+      QkvDestinations chunk_dests{dests.out, nullptr, dests.epoch, dests.cancel};
+      if (dests.ready != nullptr) {
+        for (int d = 0; d < shape.world; ++d) {
+          ready[d] = dests.ready[d] != nullptr ? dests.ready[d] + i : nullptr;
+        }
+        chunk_dests.ready = ready;
       }
-      chunk_dests.ready = ready;
+      ULY_RETURN_IF_ERROR(LaunchNormRopeScatter(shape, c.layout, c.weights, positions, impl_->qkv(),
+                                                c.rank, row, end, chunk_dests, impl_->counter(1),
+                                                side, QkvLaunchOptions{c.push_blocks}));
     }
-    ULY_RETURN_IF_ERROR(LaunchNormRopeScatter(shape, c.layout, c.weights, positions, impl_->qkv(),
-                                              c.rank, row, end, chunk_dests, impl_->counter(1),
-                                              side, QkvLaunchOptions{c.push_blocks}));
-  }
-  ULY_CUDA_RETURN_IF_ERROR(cudaEventRecord(impl_->done.get(), side));
-  ULY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, impl_->done.get(), 0));
+    return absl::OkStatus();
+  }();
+  // The second stream joins the caller's even after a failure part way: what it enqueued
+  // must be ordered before the caller's later work (and before the call's buffers can go).
+  cudaError_t join = cudaEventRecord(impl_->done.get(), side);
+  if (join == cudaSuccess) join = cudaStreamWaitEvent(stream, impl_->done.get(), 0);
+  ULY_RETURN_IF_ERROR(chunks);
+  ULY_CUDA_RETURN_IF_ERROR(join);
   return absl::OkStatus();
 }
 
