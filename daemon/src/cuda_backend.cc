@@ -605,9 +605,13 @@ class CudaBackend final : public Backend {
       }
     }
     ULY_ASSIGN_OR_RETURN(ipc::cuda::AllocationInfo info, ipc::cuda::QueryAllocation(m->data()));
-    if (size_bytes > info.size)
+    // The bytes from the opened address to the allocation's end (the address is its base).
+    const uint64_t past = static_cast<uint64_t>(static_cast<const uint8_t*>(m->data()) -
+                                                static_cast<const uint8_t*>(info.base));
+    const uint64_t room = past < info.size ? info.size - past : 0;
+    if (size_bytes > room)
       return absl::InvalidArgumentError(StrCat("size_bytes: ", size_bytes,
-                                               " exceeds the allocation's ", info.size, " bytes"));
+                                               " exceeds the allocation's ", room, " bytes"));
     auto b = std::make_shared<Buffer>();
     b->size = size_bytes;
     b->device = true;

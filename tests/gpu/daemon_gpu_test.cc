@@ -46,6 +46,20 @@ class GpuCluster : public testing_util::ClusterTest {
     out->group = std::move(*g);
   }
 
+  // Whether daemon `daemon` shows `slot` of session `session_id` as `state` within 5 s (the
+  // ring worker takes a submitted call in microseconds; this only bounds a failure).
+  bool SlotReaches(int daemon, uint64_t session_id, int slot, const std::string& state) {
+    for (int i = 0; i < 1000; ++i) {
+      v1::ListSlotsResponse slots;
+      grpc::ClientContext ctx;
+      if (!Admin(daemon)->ListSlots(&ctx, {}, &slots).ok()) return false;
+      for (const v1::SlotState& s : slots.slots())
+        if (s.session_id() == session_id && s.slot() == slot && s.state() == state) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return false;
+  }
+
   // One client per rank of the 2 daemons started, a group `group` of both and a session of
   // `spec` in it, made collectively.
   struct TwoRanks {
@@ -537,16 +551,8 @@ TEST_F(GpuCluster, PoisonWhileACallWaitsForItsPeerSkipsItsSlotAndReturns) {
   auto early = t.s0->Submit(args);
   ASSERT_TRUE(early.ok()) << early.status();
   // Rank 0's daemon took the call (its slot is being written); its stream waits for rank 1.
-  bool writing = false;
-  for (int i = 0; i < 1000 && !writing; ++i) {
-    v1::ListSlotsResponse slots;
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(Admin(0)->ListSlots(&ctx, {}, &slots).ok());
-    for (const v1::SlotState& s : slots.slots())
-      writing |= s.session_id() == t.s0->id() && s.slot() == 0 && s.state() == "writing";
-    if (!writing) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  ASSERT_TRUE(writing) << "rank 0's call never reached its daemon's stream";
+  ASSERT_TRUE(SlotReaches(0, t.s0->id(), 0, "writing"))
+      << "rank 0's call never reached its daemon's stream";
   auto poisoned = t.s0->PoisonSlots();
   ASSERT_TRUE(poisoned.ok()) << poisoned.status();
   EXPECT_EQ(*poisoned, 1) << "only slot 1 is free";
@@ -560,6 +566,64 @@ TEST_F(GpuCluster, PoisonWhileACallWaitsForItsPeerSkipsItsSlotAndReturns) {
   ASSERT_EQ(got.size(), n);
   ASSERT_TRUE(ipc::cuda::Copy(got.data(), result->data, result->bytes).ok());
   EXPECT_EQ(testing_util::CheckScatterOut(got, 0, S, H, HL, D, HL * D), "");
+}
+
+// A session that closes while another session of its daemon has a call waiting on the GPU
+// for its peer: the close frees nothing that waits for the whole device (the daemon's pinned
+// words are its device's, not the session's), so it returns while that call still waits,
+// and the call completes once its peer calls.
+TEST_F(GpuCluster, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCall) {
+  Start(2, {"--call-timeout-ms", "60000"});
+  const int H = 4, D = 32, S = 16;
+  TwoRanks t;
+  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks("blocked", "early", "late",
+                                       {H, D, DType::kFloat32, S, 2, {}, 0}, &t));
+  const size_t n = static_cast<size_t>(S) * H * D;
+  client::Client* clients[2] = {t.c0.get(), t.c1.get()};
+  std::vector<client::Buffer> x;
+  for (int r = 0; r < 2; ++r) {
+    auto b = clients[r]->AllocBuffer(n * 4, "x");
+    ASSERT_TRUE(b.ok()) << b.status();
+    std::vector<float> xh(n);
+    for (size_t i = 0; i < n; ++i) xh[i] = static_cast<float>(r * 100000 + i);
+    ASSERT_TRUE(ipc::cuda::Copy(b->data, xh.data(), n * 4).ok());
+    x.push_back(*b);
+  }
+  CallArgs args;
+  args.op = OpKind::kScatterHeads;
+  args.batch = 1;
+  args.seq = S;
+  args.inputs[0] = x[0].Ref();
+  auto early = t.s0->Submit(args);
+  ASSERT_TRUE(early.ok()) << early.status();
+  ASSERT_TRUE(SlotReaches(0, t.s0->id(), 0, "writing"));
+
+  // Another client of daemon 0 opens a session, calls once and closes it.
+  {
+    auto c = client::Client::Connect({Members(1)[0], "passer-by"});
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto g = (*c)->JoinGroup({"passer-by", 1, 0, Members(1), "nvlink", 0});
+    ASSERT_TRUE(g.ok()) << g.status();
+    auto session = (*c)->CreateSession(*g, {H, D, DType::kFloat32, S, 2, {}, 0});
+    ASSERT_TRUE(session.ok()) << session.status();
+    auto y = (*c)->AllocBuffer(n * 4, "y");
+    ASSERT_TRUE(y.ok()) << y.status();
+    auto res = (*session)->ScatterHeads(y->Ref(), 1, S);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ASSERT_TRUE(res->Release().ok());
+    ASSERT_TRUE((*session)->Close().ok());
+  }
+  EXPECT_TRUE(SlotReaches(0, t.s0->id(), 0, "writing"))
+      << "rank 0's call ended while the other session closed";
+
+  args.inputs[0] = x[1].Ref();
+  auto late = t.s1->Call(args);
+  ASSERT_TRUE(late.ok()) << late.status();
+  auto result = t.s0->Wait(*early, absl::Seconds(20));
+  ASSERT_TRUE(result.ok()) << result.status();
+  std::vector<float> got(result->bytes / 4);
+  ASSERT_TRUE(ipc::cuda::Copy(got.data(), result->data, result->bytes).ok());
+  EXPECT_EQ(testing_util::CheckScatterOut(got, 0, S, H, H / 2, D, H / 2 * D), "");
 }
 
 // A hostile client maps its own slot allocation writable (the access flags of a mapping are
