@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# The GPU acceptance run of a node: the GPU test programs, the Python GPU tests, the demo on the
+# GPU and the quick benchmarks, each stage's log (and JSON) written under OUT, a summary last.
+# It builds and installs nothing: it runs a CUDA build (build/ by default), or the programs
+# gathered in one folder (--bin) with the shared libraries they need (--lib).
+#
+#   scripts/gpu-check.sh [--bin DIR] [--lib DIR] [--python PATH] [--stages LIST] [--commit C] OUT
+#
+# Stages, in this order (default: all):
+#   nccl      the nccl backend's GPU cases, each daemon its own NCCL_HOSTID (NCCL's socket
+#             transport: a test mode), without MPS
+#   tests     every other GPU case of gpu_kernels_test and gpu_daemon_test, under MPS
+#   python    tests/python/test_gpu.py (torch CUDA tensors; skipped without torch)
+#   demo      ulysses-demo --ranks 4 --backend auto (what scripts/demo.sh runs), under MPS
+#   overhead  ulysses-gpu-bench's per-call overhead at W = 1 (64 KiB to 4 MiB), both paths
+#   handoff   bench/handoff_queues.sh
+# MPS: the stages after nccl run as clients of one MPS server, started here when none runs
+# (and stopped at the end); docs/operations.md says why.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+
+bin="" lib="" python=python3 stages="nccl,tests,python,demo,overhead,handoff" commit="" out=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bin) bin="$2"; shift 2 ;;
+    --lib) lib="$2"; shift 2 ;;
+    --python) python="$2"; shift 2 ;;
+    --stages) stages="$2"; shift 2 ;;
+    --commit) commit="$2"; shift 2 ;;
+    -h|--help) sed -n 2,19p "$0"; exit 0 ;;
+    -*) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
+    *) out="$1"; shift ;;
+  esac
+done
+if [ -z "$out" ]; then
+  echo "gpu-check: give the folder to write the logs into (OUT)" >&2
+  exit 2
+fi
+for s in ${stages//,/ }; do
+  case "$s" in
+    nccl|tests|python|demo|overhead|handoff) ;;
+    *) echo "gpu-check: --stages: unknown stage '$s'" >&2; exit 2 ;;
+  esac
+done
+if [ -z "$commit" ]; then
+  commit=$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)
+fi
+
+# The programs: in --bin, else where the build puts them.
+program() {
+  local name="$1" sub
+  if [ -n "$bin" ]; then
+    echo "$bin/$name"
+    return
+  fi
+  case "$name" in
+    ulyssesd) sub=daemon ;;
+    gpu_*) sub=tests/gpu ;;
+    ulysses-demo|libulysses_client.so.1) sub=client ;;
+    *) sub=bench ;;
+  esac
+  echo "$root/build/$sub/$name"
+}
+for p in ulyssesd gpu_kernels_test gpu_daemon_test gpu_phase_client ulysses-demo \
+         ulysses-gpu-bench ulysses-handoff-bench libulysses_client.so.1; do
+  if [ ! -e "$(program "$p")" ]; then
+    echo "gpu-check: $(program "$p") is missing (build with CUDA, or give --bin)" >&2
+    exit 2
+  fi
+done
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu-check: no GPU here (nvidia-smi lists none)" >&2
+  exit 2
+fi
+
+mkdir -p "$out"
+[ -n "$lib" ] && export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# ulyssesd does not use NVLink multicast: keep the libraries it loads from probing it. Modules
+# load eagerly (a lazy load behind a blocked stream would wait for it).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export CUDA_MODULE_LOADING=EAGER
+export ULYSSESD="$(program ulyssesd)" GPU_PHASE_CLIENT="$(program gpu_phase_client)"
+source "$root/scripts/lib/mps.sh"
+trap 'mps_stop gpu-check' EXIT
+
+summary="$out/summary.txt"
+: > "$summary"
+failed=0
+# stage NAME CMD...: runs CMD with its output in OUT/NAME.log, and records the outcome.
+stage() {
+  local name="$1" start rc
+  shift
+  echo "== $name: $*"
+  start=$(date +%s)
+  "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  local line
+  line=$(printf '%-10s %-7s %4ds  %s' "$name" "$([ $rc -eq 0 ] && echo passed || echo "FAILED($rc)")" \
+    "$(( $(date +%s) - start ))" "$(tail -n 1 "$out/$name.log")")
+  echo "$line" | tee -a "$summary"
+  [ $rc -eq 0 ] || failed=1
+}
+want() { [[ ",$stages," == *",$1,"* ]]; }
+nccl_filter='*nccl*:NcclCluster.*:*NcclSemantics*'
+
+{
+  echo "commit $commit"
+  echo "date $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sed 's/^/gpu /'
+} | tee -a "$summary"
+
+if want nccl; then
+  if mps_running; then
+    echo "gpu-check: an MPS server runs already; the nccl stage runs under it" | tee -a "$summary"
+  fi
+  stage nccl "$(program gpu_daemon_test)" --gtest_filter="$nccl_filter"
+fi
+mps_start gpu-check
+if mps_running; then echo "mps on" | tee -a "$summary"; else echo "mps off" | tee -a "$summary"; fi
+if want tests; then
+  stage kernels "$(program gpu_kernels_test)"
+  stage daemon "$(program gpu_daemon_test)" --gtest_filter="-$nccl_filter"
+fi
+if want python; then
+  if "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    ULYSSES_LIBRARY="$(program libulysses_client.so.1)" PYTHONPATH="$root/client/python" \
+      stage python "$python" "$root/tests/python/test_gpu.py"
+  else
+    echo "python     skipped (no torch with CUDA in $python)" | tee -a "$summary"
+  fi
+fi
+if want demo; then
+  stage demo "$(program ulysses-demo)" --ranks 4 --backend auto
+fi
+if want overhead; then
+  for path in grpc ring; do
+    extra=()
+    [ "$path" = ring ] && extra=(--no-grpc)
+    stage "overhead-$path" "$(program ulysses-gpu-bench)" --ulyssesd "$ULYSSESD" --parts overhead \
+      --overhead-world 1 --overhead-sizes 64K,256K,1M,4M --rounds 2 "${extra[@]}" \
+      --commit "$commit" --json "$out/overhead-$path.json"
+  done
+fi
+if want handoff; then
+  stage handoff bash "$root/bench/handoff_queues.sh" --bench "$(program ulysses-handoff-bench)" \
+    "$out/handoff-queues.json"
+fi
+echo "gpu-check: $([ $failed -eq 0 ] && echo "every stage passed" || echo "a stage FAILED"); logs in $out"
+exit $failed

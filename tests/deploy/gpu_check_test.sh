@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# gpu_check_test.sh: scripts/gpu-check.sh's plumbing without a GPU. Stand-in programs (each
+# prints its arguments and the environment the stages need) and a stand-in nvidia-smi: every
+# stage runs its program with the right arguments and environment and gets its log and its
+# summary line; a failing stage makes the run exit non-zero and says FAILED, and the stages
+# after it still run; bad arguments and a missing program are refused before anything runs.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+check="$here/../../scripts/gpu-check.sh"
+dir=$(mktemp -d /tmp/ulysses-gpu-check.XXXXXX)
+trap 'rm -rf "$dir"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+mkdir -p "$dir/bin" "$dir/path"
+for p in ulyssesd gpu_kernels_test gpu_daemon_test gpu_phase_client ulysses-demo \
+         ulysses-gpu-bench libulysses_client.so.1; do
+  cat > "$dir/bin/$p" <<STUB
+#!/usr/bin/env bash
+echo "$p \$* ULYSSESD=\$ULYSSESD EAGER=\$CUDA_MODULE_LOADING NVLS=\$NCCL_NVLS_ENABLE"
+[ "$p" != ulysses-demo ] || [ -z "\${DEMO_FAILS:-}" ] || exit 3
+STUB
+done
+# The hand-off bench as handoff_queues.sh calls it: a JSON file per case.
+cat > "$dir/bin/ulysses-handoff-bench" <<'STUB'
+#!/usr/bin/env bash
+while [ $# -gt 0 ]; do case "$1" in --json) j="$2"; shift 2 ;; *) shift ;; esac; done
+echo "processes  call  6.0  3.0"
+echo '{"rows": []}' > "$j"
+STUB
+cat > "$dir/path/nvidia-smi" <<'STUB'
+#!/usr/bin/env bash
+if [ "${1:-}" = -L ]; then echo "GPU 0: stand-in"; else echo "stand-in GPU, 1.0"; fi
+STUB
+chmod +x "$dir"/bin/* "$dir/path/nvidia-smi"
+# No MPS control program on this PATH: the stages run without MPS, and say so.
+run() { PATH="$dir/path:/usr/bin:/bin" bash "$check" --bin "$dir/bin" --python /bin/false "$@"; }
+
+run --commit c0ffee "$dir/out" > "$dir/stdout" || fail "a run of passing stages exited $?"
+summary="$dir/out/summary.txt"
+grep -q "^commit c0ffee$" "$summary" || fail "no commit line"
+grep -q "^gpu stand-in GPU, 1.0$" "$summary" || fail "no gpu line"
+grep -q "^mps off$" "$summary" || fail "no mps line"
+for s in nccl kernels daemon demo overhead-grpc overhead-ring handoff; do
+  grep -Eq "^$s +passed" "$summary" || fail "stage $s has no passed line"
+  [ -s "$dir/out/$s.log" ] || fail "stage $s wrote no log"
+done
+grep -Eq "^python +skipped" "$summary" || fail "the python stage was not skipped without torch"
+grep -q -- "--gtest_filter=\*nccl\*:NcclCluster" "$dir/out/nccl.log" || fail "nccl filter"
+grep -q -- "--gtest_filter=-\*nccl\*" "$dir/out/daemon.log" || fail "daemon filter"
+grep -q "ULYSSESD=$dir/bin/ulyssesd EAGER=EAGER NVLS=0" "$dir/out/daemon.log" || fail "environment"
+grep -q -- "--no-grpc --commit c0ffee --json $dir/out/overhead-ring.json" \
+  "$dir/out/overhead-ring.log" || fail "the ring overhead arguments"
+grep -q -- "--no-grpc" "$dir/out/overhead-grpc.log" && fail "the grpc overhead run has --no-grpc"
+python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['cases']) == 16" \
+  "$dir/out/handoff-queues.json" || fail "the hand-off set's JSON"
+
+# A failing stage: non-zero exit, FAILED in the summary, later stages still run.
+if DEMO_FAILS=1 run --stages demo,overhead "$dir/out2" > "$dir/stdout2"; then
+  fail "a failing demo stage exited 0"
+fi
+grep -Eq "^demo +FAILED\(3\)" "$dir/out2/summary.txt" || fail "no FAILED line for the demo"
+grep -Eq "^overhead-ring +passed" "$dir/out2/summary.txt" || fail "the stage after a failure"
+grep -q "a stage FAILED" "$dir/stdout2" || fail "the last line does not say a stage failed"
+[ ! -e "$dir/out2/nccl.log" ] || fail "--stages ran a stage it did not name"
+
+# Refused before anything runs.
+if run --stages demo,bogus "$dir/out3" 2> "$dir/err3"; then fail "an unknown stage ran"; fi
+grep -q "unknown stage 'bogus'" "$dir/err3" || fail "the unknown stage is not named"
+rm "$dir/bin/gpu_phase_client"
+if run "$dir/out4" 2> "$dir/err4"; then fail "a run without gpu_phase_client"; fi
+grep -q "gpu_phase_client is missing" "$dir/err4" || fail "the missing program is not named"
+[ ! -e "$dir/out3" ] && [ ! -e "$dir/out4" ] || fail "a refused run wrote its folder"
+echo "gpu-check plumbing: ok"
