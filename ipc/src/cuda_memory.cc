@@ -278,7 +278,10 @@ absl::StatusOr<VmmMapping> VmmMapping::Create(int device, uint64_t bytes) {
   g_live_bytes.fetch_add(size);
   ULY_ASSIGN_OR_RETURN(CUdeviceptr p, MapHandle(device, h, size, true));
   m.ptr_ = p;
+  // Zeroed before anyone can see it (a client or a peer writes into it afterwards): the memset
+  // is asynchronous to the host, so it is waited for, on the legacy stream alone.
   ULY_CUDART(cudaMemset(m.data(), 0, size));
+  ULY_CUDART(cudaStreamSynchronize(cudaStreamLegacy));
   return m;
 }
 

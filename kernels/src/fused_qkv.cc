@@ -170,7 +170,12 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
   ULY_RETURN_IF_ERROR(impl->projection.Allocate(
       static_cast<size_t>(config.max_tokens * impl->features()) * sizeof(uint16_t)));
   ULY_RETURN_IF_ERROR(impl->counters.Allocate(2 * sizeof(unsigned int)));
-  ULY_CUDA_RETURN_IF_ERROR(cudaMemset(impl->counters.get(), 0, 2 * sizeof(unsigned int)));
+  // The counters are zeroed on the plan's own stream, which is then waited for alone: a
+  // device-wide wait here would wait for every other stream of the process too (a daemon's
+  // other sessions, whose calls may be waiting for their peers).
+  ULY_RETURN_IF_ERROR(impl->side.Create());
+  ULY_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(impl->counters.get(), 0, 2 * sizeof(unsigned int), impl->side.get()));
   for (int i = 0; i < 2; ++i) {
     const EpilogueSchedule schedule =
         i == 0 ? EpilogueSchedule::kPingpong : EpilogueSchedule::kPingpongCluster2;
@@ -188,15 +193,15 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
   }
   if (impl->epilogue_unavailable.empty()) {
     ULY_RETURN_IF_ERROR(impl->chunk_counters.Allocate(kMaxFusedChunks * sizeof(unsigned int)));
-    ULY_CUDA_RETURN_IF_ERROR(
-        cudaMemset(impl->chunk_counters.get(), 0, kMaxFusedChunks * sizeof(unsigned int)));
+    ULY_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(impl->chunk_counters.get(), 0,
+                                             kMaxFusedChunks * sizeof(unsigned int),
+                                             impl->side.get()));
   }
-  ULY_RETURN_IF_ERROR(impl->side.Create());
   ULY_RETURN_IF_ERROR(impl->start.Create());
   ULY_RETURN_IF_ERROR(impl->done.Create());
   for (Event& e : impl->chunk_done) ULY_RETURN_IF_ERROR(e.Create());
-  // The counters' memset must be complete before any launch on another stream reads them.
-  ULY_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  // The counters' memsets must be complete before any launch on another stream reads them.
+  ULY_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl->side.get()));
   return std::unique_ptr<FusedQkvPlan>(new FusedQkvPlan(std::move(impl)));
 }
 
