@@ -523,146 +523,126 @@ TEST_F(GpuCluster, ATimedOutCallRecordsItsProtocolWords) {
       << message;
 }
 
+// Two ranks of a float32 session (H = 4, D = 32, S = 16, 2 slots) whose clients each hold an
+// input x[s, h, d] = rank * 100000 + (s * H + h) * D + d in a device buffer (the inputs
+// testing_util::CheckScatterOut knows): the stage of the tests of a call that waits on the GPU.
+class GpuTwoRankScatter : public GpuCluster {
+ protected:
+  static constexpr int kH = 4, kD = 32, kS = 16, kHL = kH / 2;
+  static constexpr size_t kElems = size_t{kS} * kH * kD;
+
+  void Open(const std::string& group, const std::string& name0, const std::string& name1) {
+    ASSERT_NO_FATAL_FAILURE(
+        OpenTwoRanks(group, name0, name1, {kH, kD, DType::kFloat32, kS, 2, {}, 0}, &t_));
+    client::Client* clients[2] = {t_.c0.get(), t_.c1.get()};
+    for (int r = 0; r < 2; ++r) {
+      auto b = clients[r]->AllocBuffer(kElems * 4, "x");
+      ASSERT_TRUE(b.ok()) << b.status();
+      std::vector<float> xh(kElems);
+      for (size_t i = 0; i < kElems; ++i) xh[i] = static_cast<float>(r * 100000 + i);
+      ASSERT_TRUE(ipc::cuda::Copy(b->data, xh.data(), kElems * 4).ok());
+      x_[r] = *b;
+    }
+  }
+  // scatter_heads of rank r's input, as CallArgs.
+  CallArgs Scatter(int r) const {
+    CallArgs args;
+    args.op = OpKind::kScatterHeads;
+    args.batch = 1;
+    args.seq = kS;
+    args.inputs[0] = x_[r].Ref();
+    return args;
+  }
+  client::Session* session(int r) const { return r == 0 ? t_.s0.get() : t_.s1.get(); }
+  // Reads a rank-0 result back and checks it ("" or the first wrong element).
+  static std::string CheckRank0(const client::Result& result) {
+    std::vector<float> got(result.bytes / 4);
+    if (got.size() != kElems) return StrCat("the result holds ", got.size(), " elements");
+    if (!ipc::cuda::Copy(got.data(), result.data, result.bytes).ok()) return "unreadable";
+    return testing_util::CheckScatterOut(got, 0, kS, kH, kHL, kD, kHL * kD);
+  }
+  // Rank 1 makes the call rank 0 submitted as `early`; rank 0's result must then be right.
+  void FinishWithRank1(uint64_t early) {
+    auto late = session(1)->Call(Scatter(1));
+    ASSERT_TRUE(late.ok()) << late.status();
+    auto result = session(0)->Wait(early, absl::Seconds(20));
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_TRUE(result->device);
+    EXPECT_EQ(CheckRank0(*result), "");
+  }
+
+  TwoRanks t_;
+  client::Buffer x_[2];
+};
+
 // PoisonSlots while a call waits on the GPU for its peer: the request returns without
 // waiting for that call, leaves its slot alone (the result arrives intact once the peer
 // calls) and fills only the free slot.
-TEST_F(GpuCluster, PoisonWhileACallWaitsForItsPeerSkipsItsSlotAndReturns) {
+TEST_F(GpuTwoRankScatter, PoisonWhileACallWaitsForItsPeerSkipsItsSlotAndReturns) {
   Start(2);
-  const int H = 4, D = 32, S = 16, HL = H / 2;
-  TwoRanks t;
-  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks("poison-wait", "early", "late",
-                                       {H, D, DType::kFloat32, S, 2, {}, 0}, &t));
-  const size_t n = static_cast<size_t>(S) * H * D;
-  client::Client* clients[2] = {t.c0.get(), t.c1.get()};
-  std::vector<client::Buffer> x;
-  for (int r = 0; r < 2; ++r) {
-    auto b = clients[r]->AllocBuffer(n * 4, "x");
-    ASSERT_TRUE(b.ok()) << b.status();
-    std::vector<float> xh(n);
-    for (size_t i = 0; i < n; ++i) xh[i] = static_cast<float>(r * 100000 + i);
-    ASSERT_TRUE(ipc::cuda::Copy(b->data, xh.data(), n * 4).ok());
-    x.push_back(*b);
-  }
-  CallArgs args;
-  args.op = OpKind::kScatterHeads;
-  args.batch = 1;
-  args.seq = S;
-  args.inputs[0] = x[0].Ref();
-  auto early = t.s0->Submit(args);
+  ASSERT_NO_FATAL_FAILURE(Open("poison-wait", "early", "late"));
+  auto early = session(0)->Submit(Scatter(0));
   ASSERT_TRUE(early.ok()) << early.status();
   // Rank 0's daemon took the call (its slot is being written); its stream waits for rank 1.
-  ASSERT_TRUE(SlotReaches(0, t.s0->id(), 0, "writing"))
+  ASSERT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
       << "rank 0's call never reached its daemon's stream";
-  auto poisoned = t.s0->PoisonSlots();
+  auto poisoned = session(0)->PoisonSlots();
   ASSERT_TRUE(poisoned.ok()) << poisoned.status();
   EXPECT_EQ(*poisoned, 1) << "only slot 1 is free";
-  args.inputs[0] = x[1].Ref();
-  auto late = t.s1->Call(args);
-  ASSERT_TRUE(late.ok()) << late.status();
-  auto result = t.s0->Wait(*early, absl::Seconds(20));
-  ASSERT_TRUE(result.ok()) << result.status();
-  ASSERT_TRUE(result->device);
-  std::vector<float> got(result->bytes / 4);
-  ASSERT_EQ(got.size(), n);
-  ASSERT_TRUE(ipc::cuda::Copy(got.data(), result->data, result->bytes).ok());
-  EXPECT_EQ(testing_util::CheckScatterOut(got, 0, S, H, HL, D, HL * D), "");
+  FinishWithRank1(*early);
 }
 
 // A session that closes while another session of its daemon has a call waiting on the GPU
 // for its peer: the close frees nothing that waits for the whole device (the daemon's pinned
 // words are its device's, not the session's), so it returns while that call still waits,
 // and the call completes once its peer calls.
-TEST_F(GpuCluster, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCall) {
+TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCall) {
   Start(2, {"--call-timeout-ms", "60000"});
-  const int H = 4, D = 32, S = 16;
-  TwoRanks t;
-  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks("blocked", "early", "late",
-                                       {H, D, DType::kFloat32, S, 2, {}, 0}, &t));
-  const size_t n = static_cast<size_t>(S) * H * D;
-  client::Client* clients[2] = {t.c0.get(), t.c1.get()};
-  std::vector<client::Buffer> x;
-  for (int r = 0; r < 2; ++r) {
-    auto b = clients[r]->AllocBuffer(n * 4, "x");
-    ASSERT_TRUE(b.ok()) << b.status();
-    std::vector<float> xh(n);
-    for (size_t i = 0; i < n; ++i) xh[i] = static_cast<float>(r * 100000 + i);
-    ASSERT_TRUE(ipc::cuda::Copy(b->data, xh.data(), n * 4).ok());
-    x.push_back(*b);
-  }
-  CallArgs args;
-  args.op = OpKind::kScatterHeads;
-  args.batch = 1;
-  args.seq = S;
-  args.inputs[0] = x[0].Ref();
-  auto early = t.s0->Submit(args);
+  ASSERT_NO_FATAL_FAILURE(Open("blocked", "early", "late"));
+  auto early = session(0)->Submit(Scatter(0));
   ASSERT_TRUE(early.ok()) << early.status();
-  ASSERT_TRUE(SlotReaches(0, t.s0->id(), 0, "writing"));
+  ASSERT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"));
 
   // Another client of daemon 0 opens a session, calls once and closes it.
   {
-    auto c = client::Client::Connect({Members(1)[0], "passer-by"});
-    ASSERT_TRUE(c.ok()) << c.status();
-    auto g = (*c)->JoinGroup({"passer-by", 1, 0, Members(1), "nvlink", 0});
-    ASSERT_TRUE(g.ok()) << g.status();
-    auto session = (*c)->CreateSession(*g, {H, D, DType::kFloat32, S, 2, {}, 0});
-    ASSERT_TRUE(session.ok()) << session.status();
-    auto y = (*c)->AllocBuffer(n * 4, "y");
+    Alone other;
+    ASSERT_NO_FATAL_FAILURE(JoinAlone("passer-by", &other));
+    auto s = other.client->CreateSession(*other.group, {kH, kD, DType::kFloat32, kS, 2, {}, 0});
+    ASSERT_TRUE(s.ok()) << s.status();
+    auto y = other.client->AllocBuffer(kElems * 4, "y");
     ASSERT_TRUE(y.ok()) << y.status();
-    auto res = (*session)->ScatterHeads(y->Ref(), 1, S);
+    auto res = (*s)->ScatterHeads(y->Ref(), 1, kS);
     ASSERT_TRUE(res.ok()) << res.status();
     ASSERT_TRUE(res->Release().ok());
-    ASSERT_TRUE((*session)->Close().ok());
+    ASSERT_TRUE((*s)->Close().ok());
   }
-  EXPECT_TRUE(SlotReaches(0, t.s0->id(), 0, "writing"))
+  EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
       << "rank 0's call ended while the other session closed";
-
-  args.inputs[0] = x[1].Ref();
-  auto late = t.s1->Call(args);
-  ASSERT_TRUE(late.ok()) << late.status();
-  auto result = t.s0->Wait(*early, absl::Seconds(20));
-  ASSERT_TRUE(result.ok()) << result.status();
-  std::vector<float> got(result->bytes / 4);
-  ASSERT_TRUE(ipc::cuda::Copy(got.data(), result->data, result->bytes).ok());
-  EXPECT_EQ(testing_util::CheckScatterOut(got, 0, S, H, H / 2, D, H / 2 * D), "");
+  FinishWithRank1(*early);
 }
 
 // A hostile client maps its own slot allocation writable (the access flags of a mapping are
 // the importer's choice) and writes an epoch past every call over all of it. Nothing a daemon
 // relies on lives there: its next call, for the slot its peer still holds, waits for the
 // peer's grant as ever and fails, and the peer's held result is untouched.
-TEST_F(GpuCluster, AClientWritingOverItsSlotAllocationCannotReachAPeersHeldResult) {
+TEST_F(GpuTwoRankScatter, AClientWritingOverItsSlotAllocationCannotReachAPeersHeldResult) {
   ASSERT_TRUE(VmmDriver::Get().ok()) << "the driver lacks the VMM entry points";
   const VmmDriver& drv = VmmDriver::Get();
   Start(2, {"--call-timeout-ms", "1500"});
-  const int H = 4, D = 32, S = 16;
-  TwoRanks t;
-  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks("forge", "victim", "forger",
-                                       {H, D, DType::kFloat32, S, 2, {}, 0}, &t));
-  const size_t n = static_cast<size_t>(S) * H * D;
-  client::Client* clients[2] = {t.c0.get(), t.c1.get()};
-  client::Session* sessions[2] = {t.s0.get(), t.s1.get()};
-  std::vector<client::Buffer> x;
-  for (int r = 0; r < 2; ++r) {
-    auto b = clients[r]->AllocBuffer(n * 4, "x");
-    ASSERT_TRUE(b.ok()) << b.status();
-    std::vector<float> xh(n);
-    for (size_t i = 0; i < n; ++i) xh[i] = static_cast<float>(r * 100000 + i);
-    ASSERT_TRUE(ipc::cuda::Copy(b->data, xh.data(), n * 4).ok());
-    x.push_back(*b);
-  }
+  ASSERT_NO_FATAL_FAILURE(Open("forge", "victim", "forger"));
   // Epochs 1 and 2 on both ranks: the victim keeps epoch 1's result (slot 0).
   absl::StatusOr<client::Result> results[2][2];
   for (int e = 0; e < 2; ++e) {
-    std::thread other([&] { results[1][e] = sessions[1]->ScatterHeads(x[1].Ref(), 1, S); });
-    results[0][e] = sessions[0]->ScatterHeads(x[0].Ref(), 1, S);
+    std::thread other([&] { results[1][e] = session(1)->Call(Scatter(1)); });
+    results[0][e] = session(0)->Call(Scatter(0));
     other.join();
     for (int r = 0; r < 2; ++r) ASSERT_TRUE(results[r][e].ok()) << results[r][e].status();
   }
   const client::Result& held = *results[0][0];
   ASSERT_TRUE(held.device && held.held());
+  ASSERT_EQ(CheckRank0(held), "");
   std::vector<float> before(held.bytes / 4), after(held.bytes / 4);
   ASSERT_TRUE(ipc::cuda::Copy(before.data(), held.data, held.bytes).ok());
-  ASSERT_EQ(testing_util::CheckScatterOut(before, 0, S, H, H / 2, D, H / 2 * D), "");
   ASSERT_TRUE(results[0][1]->Release().ok());
   ASSERT_TRUE(results[1][1]->Release().ok());
 
@@ -690,14 +670,9 @@ TEST_F(GpuCluster, AClientWritingOverItsSlotAllocationCannotReachAPeersHeldResul
 
   // Epoch 3 needs slot 0, which the victim holds: the forger's call waits for the victim's
   // grant and fails at the call timeout.
-  CallArgs args;
-  args.op = OpKind::kScatterHeads;
-  args.batch = 1;
-  args.seq = S;
-  args.inputs[0] = x[1].Ref();
-  auto third = sessions[1]->Submit(args);
+  auto third = session(1)->Submit(Scatter(1));
   if (third.ok()) {
-    auto got = sessions[1]->Wait(*third, absl::Seconds(20));
+    auto got = session(1)->Wait(*third, absl::Seconds(20));
     EXPECT_FALSE(got.ok()) << "the forger's call completed without the victim's grant";
   }
   ASSERT_TRUE(held.held());
