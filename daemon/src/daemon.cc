@@ -408,6 +408,7 @@ GaugeSnapshot Daemon::Gauges() {
   g.device_bytes = a.live_bytes;
   g.device_allocations = a.created + a.imported + a.ipc_opened;
   g.device_streams = backend_impl_ ? backend_impl_->StreamsMade() : 0;
+  g.sessions_undrained = Session::UndrainedCount();
   FillQuotaGauges(g);
   return g;
 }

@@ -197,17 +197,44 @@ Session::~Session() {
   // stream that never drains may still read and write them: they stay, with the transport.
   if (!transport_->Drain()) {
     std::lock_guard<std::mutex> lock(inflight_mu_);
-    auto* left = new std::vector<std::shared_ptr<const void>>(std::move(failed_keep_));
+    std::vector<std::shared_ptr<const void>> buffers = std::move(failed_keep_);
     for (const InFlightCall& f : inflight_)
       for (const auto& k : f.keep)
-        if (k) left->push_back(k);
-    (void)transport_.release();
+        if (k) buffers.push_back(k);
     Logger("exec")->error("session {}: its device work did not end; its transport and the "
                           "{} buffers its calls used stay for the daemon's life",
-                          id_, left->size());
+                          id_, buffers.size());
+    KeepForever(std::move(transport_), std::move(buffers));
     return;
   }
   transport_.reset();
+}
+
+namespace {
+// What sessions whose device work never ended left behind, for the process's life.
+struct Undrained {
+  std::mutex mu;
+  std::vector<std::unique_ptr<Transport>> transports;
+  std::vector<std::shared_ptr<const void>> buffers;
+};
+Undrained& UndrainedSessions() {
+  static Undrained* const kept = new Undrained();  // never destroyed: the work may outlive exit
+  return *kept;
+}
+}  // namespace
+
+void Session::KeepForever(std::unique_ptr<Transport> transport,
+                          std::vector<std::shared_ptr<const void>> buffers) {
+  Undrained& u = UndrainedSessions();
+  std::lock_guard<std::mutex> lock(u.mu);
+  u.transports.push_back(std::move(transport));
+  for (auto& b : buffers) u.buffers.push_back(std::move(b));
+}
+
+size_t Session::UndrainedCount() {
+  Undrained& u = UndrainedSessions();
+  std::lock_guard<std::mutex> lock(u.mu);
+  return u.transports.size();
 }
 
 absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,

@@ -157,6 +157,9 @@ class Session {
   uint64_t calls() const { return calls_.load(); }
   uint64_t last_epoch() const { return last_epoch_.load(); }
   bool broken() const { return broken_.load(); }
+  /// Sessions whose transport's device work did not end when they went (Transport::Drain),
+  /// since the process started: their transports and buffers are kept, not freed.
+  static size_t UndrainedCount();
   /// The epoch and state of each slot for Admin.ListSlots.
   /// The slot state machine: free -> writing (a call fills it) -> held (the client has a view of
   /// the result) -> free (released, or copied out at once). A held slot is never overwritten:
@@ -240,6 +243,10 @@ class Session {
     bool released_on_stream = false;
     std::array<std::shared_ptr<const void>, 4> keep;  // the operands' buffers (CallOperands)
   };
+  // Keeps a transport whose device work did not end, and the buffers its calls used, for the
+  // process's life (UndrainedCount counts them).
+  static void KeepForever(std::unique_ptr<Transport> transport,
+                          std::vector<std::shared_ptr<const void>> buffers);
   // "; protocol words: ..." for a call that did not finish on a stream-ordered transport, and
   // the same in the log at warn; empty where the transport has no words.
   std::string StuckWords(const InFlightCall& f) const;

@@ -156,6 +156,10 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
   Header(out, "ulyssesd_device_streams_total", "counter",
          "Session streams made on the device (a closed session's stream serves the next).");
   out += StrCat("ulyssesd_device_streams_total ", g.device_streams, "\n");
+  Header(out, "ulyssesd_sessions_undrained_total", "counter",
+         "Sessions whose device work did not end within 30 s of their cancel; their device "
+         "memory and streams are kept for the daemon's life.");
+  out += StrCat("ulyssesd_sessions_undrained_total ", g.sessions_undrained, "\n");
   return out;
 }
 

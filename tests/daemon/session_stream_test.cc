@@ -1,0 +1,241 @@
+// Session's bookkeeping of stream-ordered calls, against a stand-in transport (no GPU): the
+// calls a GPU transport would enqueue on its stream are recorded, and the test says when each
+// finished on the "device". What is checked is Session's, the same on every GPU backend:
+// PoisonSlots leaves a slot whose call is still running alone; a call whose enqueue failed
+// part way keeps its buffers until the session goes; a transport whose device work does not
+// end when the session goes is kept, with the buffers of its calls, instead of destroyed.
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fd_exports.h"
+#include "gtest/gtest.h"
+#include "session.h"
+#include "transport.h"
+#include "ulysses/common/geometry.h"
+
+namespace ulysses::daemon {
+namespace {
+
+// What the stand-in transport was asked to do, and what the test lets it answer.
+struct DeviceScript {
+  std::mutex mu;
+  std::set<std::pair<int, uint64_t>> finished;  // (slot, epoch) done on the "device"
+  std::vector<StreamCall> enqueued;
+  std::vector<int> poisoned;
+  absl::Status enqueue_result = absl::OkStatus();
+  bool drains = true;
+  bool destroyed = false;
+};
+
+class StandInStreamTransport final : public Transport {
+ public:
+  explicit StandInStreamTransport(std::shared_ptr<DeviceScript> script)
+      : script_(std::move(script)) {}
+  ~StandInStreamTransport() override {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    script_->destroyed = true;
+  }
+  std::string LocalHandle() const override { return "stand-in"; }
+  absl::Status Connect(const std::vector<std::string>&, const std::vector<uint8_t*>&,
+                       absl::Duration) override {
+    return absl::OkStatus();
+  }
+  absl::Status Push(const CallPlan&, const CallOperands&, int, int) override {
+    return absl::UnimplementedError("stream-ordered");
+  }
+  absl::Status Flush() override { return absl::OkStatus(); }
+  absl::Status Finish(const CallPlan&, const CallOperands&, int) override {
+    return absl::OkStatus();
+  }
+  absl::Status Poison(int slot) override {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    script_->poisoned.push_back(slot);
+    return absl::OkStatus();
+  }
+  uint64_t SlotOffset(int) const override { return 0; }
+  ClientSlotMapping ClientMapping() const override { return {}; }
+  uint64_t DeviceBytes() const override { return 0; }
+  std::string Describe() const override { return "stand-in"; }
+  bool StreamOrdered() const override { return true; }
+  absl::Status Enqueue(const CallPlan&, const CallOperands&, const StreamCall& call) override {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    if (!script_->enqueue_result.ok()) return script_->enqueue_result;
+    script_->enqueued.push_back(call);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<bool> Completed(int slot, uint64_t epoch) override {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    return script_->finished.count({slot, epoch}) > 0;
+  }
+  bool Drain() override {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    return script_->drains;
+  }
+
+ private:
+  std::shared_ptr<DeviceScript> script_;
+};
+
+class StandInStreamBackend final : public Backend {
+ public:
+  explicit StandInStreamBackend(std::shared_ptr<DeviceScript> script)
+      : script_(std::move(script)) {}
+  std::string_view name() const override { return "stand-in"; }
+  bool slots_in_segment() const override { return false; }
+  absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransportSetup&) override {
+    return std::unique_ptr<Transport>(new StandInStreamTransport(script_));
+  }
+  absl::StatusOr<std::shared_ptr<Buffer>> AllocBuffer(uint64_t) override {
+    return absl::UnimplementedError("stand-in");
+  }
+  absl::StatusOr<std::shared_ptr<Buffer>> ImportIpcBuffer(const std::string&, uint64_t) override {
+    return absl::UnimplementedError("stand-in");
+  }
+  absl::StatusOr<std::shared_ptr<Buffer>> ImportVmmBuffer(
+      std::span<const ipc::cuda::VmmMapping::Part>) override {
+    return absl::UnimplementedError("stand-in");
+  }
+  absl::StatusOr<bool> CanReach(int) const override { return true; }
+  std::string_view mps_mode() const override { return "none"; }
+
+ private:
+  std::shared_ptr<DeviceScript> script_;
+};
+
+class SessionStreamTest : public ::testing::Test {
+ protected:
+  static constexpr int kH = 4, kD = 8, kS = 16;
+
+  void SetUp() override {
+    char tmpl[] = "/tmp/ulysses-session-stream.XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    ASSERT_TRUE(exports_.Start(dir_ + "/peer").ok());
+    SessionGeometry g;
+    g.world_size = 1;
+    g.rank = 0;
+    g.num_heads = kH;
+    g.head_dim = kD;
+    g.dtype = DType::kFloat32;
+    g.max_tokens = kS;
+    g.num_slots = 2;
+    auto s = Session::Create(1, 1, 1, g, exports_, backend_);
+    ASSERT_TRUE(s.ok()) << s.status();
+    session_ = std::move(*s);
+    plan_.op = OpKind::kScatterHeads;
+    plan_.batch = 1;
+    plan_.seq_local = kS;
+    plan_.num_inputs = 1;
+    plan_.out_shape = {1, kS, kH, kD};
+    plan_.slot_elems = int64_t{kS} * kH * kD;
+  }
+  void TearDown() override {
+    session_.reset();
+    exports_.Stop();
+    std::filesystem::remove_all(dir_);
+  }
+
+  // Enqueues one call on the ring path (returns once enqueued), its operands held by `keep`.
+  absl::StatusOr<CallOutcome> Submit(std::shared_ptr<const void> keep) {
+    CallOperands ops;
+    ops.keep[0] = std::move(keep);
+    return session_->Execute(plan_, ops, absl::Seconds(30), 0,
+                             ExecuteMode{.async = true, .wait_ready = true});
+  }
+  void Finish(int slot, uint64_t epoch) {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    script_->finished.insert({slot, epoch});
+  }
+  Session::SlotState StateOf(int slot) {
+    for (const Session::SlotView& v : session_->Slots())
+      if (v.slot == slot) return v.state;
+    ADD_FAILURE() << "no slot " << slot;
+    return Session::SlotState::kFree;
+  }
+
+  std::shared_ptr<DeviceScript> script_ = std::make_shared<DeviceScript>();
+  StandInStreamBackend backend_{script_};
+  std::string dir_;
+  FdExports exports_;
+  std::unique_ptr<Session> session_;
+  CallPlan plan_;
+};
+
+TEST_F(SessionStreamTest, PoisonLeavesTheSlotOfARunningCallAloneAndDoesNotWaitForIt) {
+  auto first = Submit(std::make_shared<int>(1));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(first->pending);
+  ASSERT_EQ(first->slot, 0);
+  ASSERT_EQ(StateOf(0), Session::SlotState::kWriting);
+  // The call has not finished on the device, and Poison does not wait for it.
+  EXPECT_EQ(session_->Poison(), 1);
+  {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    EXPECT_EQ(script_->poisoned, std::vector<int>{1});
+  }
+  Finish(0, 1);
+  session_->Poll();
+  const std::vector<FinishedCall> done = session_->TakeFinished();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].epoch, 1u);
+  EXPECT_TRUE(done[0].outcome.ok()) << done[0].outcome.status();
+  EXPECT_EQ(StateOf(0), Session::SlotState::kHeld);
+  // Held now: still left alone.
+  EXPECT_EQ(session_->Poison(), 1);
+  std::lock_guard<std::mutex> lock(script_->mu);
+  EXPECT_EQ(script_->poisoned, (std::vector<int>{1, 1}));
+}
+
+TEST_F(SessionStreamTest, AFailedEnqueueKeepsItsBuffersUntilTheSessionGoes) {
+  {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    script_->enqueue_result = absl::InternalError("the launch failed");
+  }
+  auto buffer = std::make_shared<int>(7);
+  auto failed = Submit(buffer);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
+  // Part of the call may be on the stream: the session holds its buffer.
+  EXPECT_EQ(buffer.use_count(), 2);
+  EXPECT_TRUE(session_->broken());
+  session_.reset();
+  EXPECT_EQ(buffer.use_count(), 1);
+  std::lock_guard<std::mutex> lock(script_->mu);
+  EXPECT_TRUE(script_->destroyed);
+}
+
+TEST_F(SessionStreamTest, ASessionWhoseDeviceWorkEndsFreesItsTransportAndBuffers) {
+  auto buffer = std::make_shared<int>(7);
+  ASSERT_TRUE(Submit(buffer).ok());
+  EXPECT_EQ(buffer.use_count(), 2);  // held by the call in flight
+  const size_t undrained = Session::UndrainedCount();
+  session_.reset();
+  EXPECT_EQ(buffer.use_count(), 1);
+  EXPECT_EQ(Session::UndrainedCount(), undrained);
+  std::lock_guard<std::mutex> lock(script_->mu);
+  EXPECT_TRUE(script_->destroyed);
+}
+
+TEST_F(SessionStreamTest, ATransportWhoseDeviceWorkDoesNotEndIsKeptWithItsCallsBuffers) {
+  {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    script_->drains = false;
+  }
+  auto buffer = std::make_shared<int>(7);
+  ASSERT_TRUE(Submit(buffer).ok());
+  const size_t undrained = Session::UndrainedCount();
+  session_.reset();
+  // The call's work may still run: neither its buffer nor the transport goes.
+  EXPECT_EQ(buffer.use_count(), 2);
+  EXPECT_EQ(Session::UndrainedCount(), undrained + 1);
+  std::lock_guard<std::mutex> lock(script_->mu);
+  EXPECT_FALSE(script_->destroyed);
+}
+
+}  // namespace
+}  // namespace ulysses::daemon
