@@ -4,11 +4,13 @@
 // PoisonSlots leaves a slot whose call is still running alone; a call whose enqueue failed
 // part way keeps its buffers until the session goes; a transport whose device work does not
 // end when the session goes is kept, with the buffers of its calls, instead of destroyed.
+#include <chrono>
 #include <filesystem>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -30,6 +32,7 @@ struct DeviceScript {
   absl::Status enqueue_result = absl::OkStatus();
   bool drains = true;
   bool destroyed = false;
+  int cancels = 0;
 };
 
 class StandInStreamTransport final : public Transport {
@@ -71,6 +74,10 @@ class StandInStreamTransport final : public Transport {
   absl::StatusOr<bool> Completed(int slot, uint64_t epoch) override {
     std::lock_guard<std::mutex> lock(script_->mu);
     return script_->finished.count({slot, epoch}) > 0;
+  }
+  void Cancel() override {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    ++script_->cancels;
   }
   bool Drain() override {
     std::lock_guard<std::mutex> lock(script_->mu);
@@ -141,11 +148,30 @@ class SessionStreamTest : public ::testing::Test {
   }
 
   // Enqueues one call on the ring path (returns once enqueued), its operands held by `keep`.
-  absl::StatusOr<CallOutcome> Submit(std::shared_ptr<const void> keep) {
+  absl::StatusOr<CallOutcome> Submit(std::shared_ptr<const void> keep = nullptr,
+                                     bool released_in_order = false,
+                                     absl::Duration timeout = absl::Seconds(30),
+                                     uint64_t expected_epoch = 0) {
     CallOperands ops;
     ops.keep[0] = std::move(keep);
-    return session_->Execute(plan_, ops, absl::Seconds(30), 0,
-                             ExecuteMode{.async = true, .wait_ready = true});
+    return session_->Execute(plan_, ops, timeout, expected_epoch,
+                             ExecuteMode{.async = true, .wait_ready = true,
+                                         .released_in_order = released_in_order});
+  }
+  // The calls finished since the last take, once at least one did (bounded).
+  std::vector<FinishedCall> Collect() {
+    for (int i = 0; i < 5000; ++i) {
+      session_->Poll();
+      std::vector<FinishedCall> done = session_->TakeFinished();
+      if (!done.empty()) return done;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ADD_FAILURE() << "no call finished";
+    return {};
+  }
+  int Cancels() {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    return script_->cancels;
   }
   void Finish(int slot, uint64_t epoch) {
     std::lock_guard<std::mutex> lock(script_->mu);
@@ -235,6 +261,55 @@ TEST_F(SessionStreamTest, ATransportWhoseDeviceWorkDoesNotEndIsKeptWithItsCallsB
   EXPECT_EQ(Session::UndrainedCount(), undrained + 1);
   std::lock_guard<std::mutex> lock(script_->mu);
   EXPECT_FALSE(script_->destroyed);
+}
+
+// The daemon's stream waits for the release of a slot's previous result, unless the client
+// says its ready word comes after that release on its stream (docs/protocol.md 9.2 step 3).
+TEST_F(SessionStreamTest, AHeldResultsReleaseIsWaitedForOnTheStreamUnlessTheReadyWordCarriesIt) {
+  for (uint64_t e = 1; e <= 4; ++e) {
+    // Epochs 3 and 4 reuse the slots of 1 and 2, whose results the client still holds on its
+    // stream; only epoch 4's descriptor says the release came before its ready word.
+    auto out = Submit(nullptr, /*released_in_order=*/e == 4);
+    ASSERT_TRUE(out.ok()) << out.status();
+    Finish(out->slot, e);
+    const std::vector<FinishedCall> done = Collect();
+    ASSERT_EQ(done.size(), 1u);
+    ASSERT_TRUE(done[0].outcome.ok()) << done[0].outcome.status();
+  }
+  std::lock_guard<std::mutex> lock(script_->mu);
+  ASSERT_EQ(script_->enqueued.size(), 4u);
+  EXPECT_EQ(script_->enqueued[0].wait_released, 0u);  // fresh slots
+  EXPECT_EQ(script_->enqueued[1].wait_released, 0u);
+  EXPECT_EQ(script_->enqueued[2].wait_released, 1u);  // waits for epoch 1's release
+  EXPECT_EQ(script_->enqueued[3].wait_released, 0u);  // its ready word implies epoch 2's
+  for (const StreamCall& c : script_->enqueued) EXPECT_TRUE(c.wait_ready);
+}
+
+TEST_F(SessionStreamTest, ACallPastItsTimeoutFailsBreaksTheSessionAndCancelsTheStream) {
+  auto out = Submit(nullptr, false, absl::Milliseconds(1));
+  ASSERT_TRUE(out.ok()) << out.status();
+  const std::vector<FinishedCall> done = Collect();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].outcome.status().code(), absl::StatusCode::kDeadlineExceeded)
+      << done[0].outcome.status();
+  EXPECT_TRUE(session_->broken());
+  EXPECT_GE(Cancels(), 1);
+  EXPECT_EQ(StateOf(0), Session::SlotState::kFree);
+  // A broken session refuses the next call (its epochs no longer line up across ranks).
+  auto next = Submit();
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kFailedPrecondition) << next.status();
+}
+
+TEST_F(SessionStreamTest, ADescriptorForAnotherEpochIsRefusedAndCancelsTheStream) {
+  auto out = Submit(nullptr, false, absl::Seconds(30), /*expected_epoch=*/5);
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kFailedPrecondition) << out.status();
+  EXPECT_NE(std::string(out.status().message()).find("out of order"), std::string::npos)
+      << out.status();
+  EXPECT_TRUE(session_->broken());
+  EXPECT_GE(Cancels(), 1);
+  std::lock_guard<std::mutex> lock(script_->mu);
+  EXPECT_TRUE(script_->enqueued.empty());
 }
 
 }  // namespace
