@@ -102,4 +102,17 @@ fi
   done
   printf ']}\n'
 } > "$out"
+# One line per case: its hand-off, us, in each mode.
+if command -v python3 > /dev/null 2>&1; then
+  python3 - "$out" <<'PY'
+import json, sys
+cases = json.load(open(sys.argv[1]))["cases"]
+modes = ["call", "memop"]
+print("%-34s %10s %10s" % ("case (hand-off, us)", *modes))
+for c in cases:
+    got = {r["mode"]: r.get("handoff_us") for r in c["rows"] if r.get("sides") == "processes"}
+    cells = ["%10.2f" % got[m] if got.get(m) is not None else "%10s" % "-" for m in modes]
+    print("%-34s %s" % (c.get("label", "?"), " ".join(cells)))
+PY
+fi
 echo "wrote $out ($n cases)"
