@@ -53,6 +53,10 @@ cases=(
   "kernel_other_3_between|make:a,kernel:a,$(idle i 3)make:work"
   "kernel_other_6_between|make:a,kernel:a,$(idle i 6)make:work"
   "kernel_other_7_between|make:a,kernel:a,$(idle i 7)make:work"
+  # The same two streams made next to each other, one or two idle streams after the first:
+  # tells a rule of neighbouring queues from one of queue pairs (0-1, 2-3, ...).
+  "1_made_before_kernel_other|$(idle i 1)make:a,kernel:a,make:work"
+  "2_made_before_kernel_other|$(idle i 2)make:a,kernel:a,make:work"
   "legacy_then_kernel_other|legacy,make:a,kernel:a,make:work"
   "kernel_other_then_legacy|make:a,kernel:a,legacy,make:work"
   "legacy_then_copy_other|legacy,make:a,copy:a,make:work"

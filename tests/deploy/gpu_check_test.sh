@@ -51,7 +51,7 @@ grep -q "ULYSSESD=$dir/bin/ulyssesd EAGER=EAGER NVLS=0" "$dir/out/daemon.log" ||
 grep -q -- "--no-grpc --commit c0ffee --json $dir/out/overhead-ring.json" \
   "$dir/out/overhead-ring.log" || fail "the ring overhead arguments"
 grep -q -- "--no-grpc" "$dir/out/overhead-grpc.log" && fail "the grpc overhead run has --no-grpc"
-python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['cases']) == 16" \
+python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['cases']) == 18" \
   "$dir/out/handoff-queues.json" || fail "the hand-off set's JSON"
 
 # A failing stage: non-zero exit, FAILED in the summary, later stages still run.
