@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda_check.h"
+#include "device_memory.h"
 #include "fused_epilogue.h"
 #include "ulysses/common/status.h"
 #include "ulysses/kernels/gemm.h"
@@ -15,25 +16,9 @@
 namespace ulysses::kernels {
 namespace {
 
+using internal::DeviceMemory;
+
 // Owners of CUDA runtime objects; each frees on destruction and is neither copied nor moved.
-class DeviceMemory {
- public:
-  DeviceMemory() = default;
-  ~DeviceMemory() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  absl::Status Allocate(size_t bytes) {
-    ULY_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes));
-    return absl::OkStatus();
-  }
-  void* get() const { return ptr_; }
-
- private:
-  void* ptr_ = nullptr;
-};
-
 class Stream {
  public:
   Stream() = default;
@@ -81,6 +66,8 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 struct FusedQkvPlan::Impl {
   FusedQkvConfig config;
+  // First, so that it goes last: the buffers below are allocated and freed in its order.
+  Stream side;
   std::unique_ptr<Bf16Gemm> gemm;
   // The epilogue path's GEMMs: [0] single CTAs, [1] clusters of 2 (EpilogueSchedule); those
   // the config can use are made, both null when epilogue_unavailable says why.
@@ -89,7 +76,6 @@ struct FusedQkvPlan::Impl {
   DeviceMemory chunk_counters;  // [kMaxFusedChunks] of the epilogue path
   DeviceMemory projection;  // [max_tokens, 3*H*D] bf16
   DeviceMemory counters;    // [2] block counters: 0 main stream, 1 second stream
-  Stream side;
   Event start, done;
   Event chunk_done[kMaxFusedChunks];
 
@@ -166,14 +152,18 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
     return absl::InvalidArgumentError("chunk_rows and push_blocks must be >= 0");
   auto impl = std::make_unique<Impl>();
   impl->config = config;
-  ULY_ASSIGN_OR_RETURN(impl->gemm, Bf16Gemm::Create(impl->features(), impl->hidden()));
-  ULY_RETURN_IF_ERROR(impl->projection.Allocate(
-      static_cast<size_t>(config.max_tokens * impl->features()) * sizeof(uint16_t)));
-  ULY_RETURN_IF_ERROR(impl->counters.Allocate(2 * sizeof(unsigned int)));
-  // The counters are zeroed on the plan's own stream, which is then waited for alone: a
-  // device-wide wait here would wait for every other stream of the process too (a daemon's
+  // The plan's memory is allocated and freed in its own stream's order, and its counters are
+  // zeroed there, that stream alone then waited for: a device-wide wait (cudaFree's, or a
+  // device synchronization) would wait for every other stream of the process too (a daemon's
   // other sessions, whose calls may be waiting for their peers).
   ULY_RETURN_IF_ERROR(impl->side.Create());
+  ULY_ASSIGN_OR_RETURN(impl->gemm,
+                       Bf16Gemm::Create(impl->features(), impl->hidden(),
+                                        Bf16Gemm::kDefaultWorkspaceBytes, impl->side.get()));
+  ULY_RETURN_IF_ERROR(impl->projection.Allocate(
+      static_cast<size_t>(config.max_tokens * impl->features()) * sizeof(uint16_t),
+      impl->side.get()));
+  ULY_RETURN_IF_ERROR(impl->counters.Allocate(2 * sizeof(unsigned int), impl->side.get()));
   ULY_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(impl->counters.get(), 0, 2 * sizeof(unsigned int), impl->side.get()));
   for (int i = 0; i < 2; ++i) {
@@ -192,7 +182,8 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
     impl->epilogue[i] = std::move(*epilogue);
   }
   if (impl->epilogue_unavailable.empty()) {
-    ULY_RETURN_IF_ERROR(impl->chunk_counters.Allocate(kMaxFusedChunks * sizeof(unsigned int)));
+    ULY_RETURN_IF_ERROR(
+        impl->chunk_counters.Allocate(kMaxFusedChunks * sizeof(unsigned int), impl->side.get()));
     ULY_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(impl->chunk_counters.get(), 0,
                                              kMaxFusedChunks * sizeof(unsigned int),
                                              impl->side.get()));

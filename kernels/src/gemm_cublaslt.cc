@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda_check.h"
+#include "device_memory.h"
 #include "gemm_check.h"
 #include "ulysses/common/status.h"
 #include "ulysses/kernels/gemm.h"
@@ -45,13 +46,9 @@ struct Bf16Gemm::Impl {
   LtHandle handle;
   internal::LtMatmulDesc desc;
   internal::LtLayout w;  // A: [k, n] column-major, transposed by the op
-  void* workspace = nullptr;
+  internal::DeviceMemory workspace;
   size_t workspace_bytes = 0;
   std::map<std::pair<int64_t, uint32_t>, Shape> shapes;
-
-  ~Impl() {
-    if (workspace != nullptr) cudaFree(workspace);
-  }
 
   absl::StatusOr<const Shape*> Get(int64_t m, uint32_t alignment) {
     auto it = shapes.find({m, alignment});
@@ -87,7 +84,8 @@ Bf16Gemm::Bf16Gemm(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Bf16Gemm::~Bf16Gemm() = default;
 
 absl::StatusOr<std::unique_ptr<Bf16Gemm>> Bf16Gemm::Create(int64_t n, int64_t k,
-                                                           size_t workspace_bytes) {
+                                                           size_t workspace_bytes,
+                                                           cudaStream_t alloc_stream) {
   if (n <= 0) return absl::InvalidArgumentError(absl::StrCat("n must be positive, got ", n));
   if (k <= 0 || k % 8 != 0)
     return absl::InvalidArgumentError(absl::StrCat("k must be a positive multiple of 8, got ", k));
@@ -103,7 +101,8 @@ absl::StatusOr<std::unique_ptr<Bf16Gemm>> Bf16Gemm::Create(int64_t n, int64_t k,
       impl->desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof trans_b));
   ULY_ASSIGN_OR_RETURN(impl->w, internal::LtLayout::Create(k, n, k));
   impl->workspace_bytes = workspace_bytes;
-  if (workspace_bytes > 0) ULY_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->workspace, workspace_bytes));
+  if (workspace_bytes > 0)
+    ULY_RETURN_IF_ERROR(impl->workspace.Allocate(workspace_bytes, alloc_stream));
   return std::unique_ptr<Bf16Gemm>(new Bf16Gemm(std::move(impl)));
 }
 
@@ -123,7 +122,8 @@ absl::Status Bf16Gemm::Run(const void* x, const void* w, void* out, int64_t m,
   const float alpha = 1.0f, beta = 0.0f;
   ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(
       impl_->handle.get(), impl_->desc.get(), &alpha, w, impl_->w.get(), x, s->x.get(), &beta, out,
-      s->out.get(), out, s->out.get(), &s->algo, impl_->workspace, impl_->workspace_bytes, stream));
+      s->out.get(), out, s->out.get(), &s->algo, impl_->workspace.get(), impl_->workspace_bytes,
+      stream));
   return absl::OkStatus();
 }
 

@@ -26,9 +26,13 @@ class Bf16Gemm {
   static constexpr size_t kDefaultWorkspaceBytes = size_t{32} << 20;
 
   /// A GEMM with `n` output features and `k` input features (both positive, k a multiple of 8)
-  /// on the current device.
+  /// on the current device. With `alloc_stream`, the workspace is allocated and freed in that
+  /// stream's order (the stream-ordered allocator, where the device has memory pools), so that
+  /// destroying the GEMM waits for no other stream of the device as cudaFree does; the stream
+  /// must outlive the GEMM.
   static absl::StatusOr<std::unique_ptr<Bf16Gemm>> Create(
-      int64_t n, int64_t k, size_t workspace_bytes = kDefaultWorkspaceBytes);
+      int64_t n, int64_t k, size_t workspace_bytes = kDefaultWorkspaceBytes,
+      cudaStream_t alloc_stream = nullptr);
   ~Bf16Gemm();
   Bf16Gemm(const Bf16Gemm&) = delete;
   Bf16Gemm& operator=(const Bf16Gemm&) = delete;
