@@ -527,19 +527,28 @@ void Daemon::EndGroup(const Group& g, const std::string& why) {
                          std::string(s.message()));
 }
 
+// What sessions whose device work never ended hold stays in use: a client that keeps its
+// sessions' streams from draining uses up the budget, not the device behind it.
 absl::Status Daemon::ReserveSlotMemory(uint64_t bytes) {
+  const uint64_t undrained = Session::UndrainedBytes();
   std::lock_guard<std::mutex> lock(mu_);
-  if (slot_bytes_reserved_ + bytes > config_.slot_memory_budget_bytes)
+  const uint64_t used = slot_bytes_reserved_ + undrained;
+  if (used + bytes > config_.slot_memory_budget_bytes)
     return absl::ResourceExhaustedError(StrCat(
-        "slot memory: session needs ", bytes, " bytes, ", slot_bytes_reserved_, " of the budget ",
-        config_.slot_memory_budget_bytes, " are in use (slots.memory_budget_bytes)"));
+        "slot memory: session needs ", bytes, " bytes, ", used, " of the budget ",
+        config_.slot_memory_budget_bytes, " are in use (slots.memory_budget_bytes",
+        undrained > 0 ? StrCat("; ", undrained, " of them kept by sessions whose device work "
+                               "did not end, ulyssesd_sessions_undrained_total")
+                      : "",
+        ")"));
   slot_bytes_reserved_ += bytes;
   return absl::OkStatus();
 }
 
 uint64_t Daemon::slot_memory_reserved() const {
+  const uint64_t undrained = Session::UndrainedBytes();
   std::lock_guard<std::mutex> lock(mu_);
-  return slot_bytes_reserved_;
+  return slot_bytes_reserved_ + undrained;
 }
 
 void Daemon::ReleaseSlotMemory(uint64_t bytes) {

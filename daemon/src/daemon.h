@@ -196,7 +196,7 @@ class Daemon {
   /// Reserves receive-slot memory against the budget; RESOURCE_EXHAUSTED when over.
   absl::Status ReserveSlotMemory(uint64_t bytes);
   void ReleaseSlotMemory(uint64_t bytes);
-  /// What ReserveSlotMemory holds now.
+  /// What ReserveSlotMemory holds now, with what undrained sessions keep (Session::UndrainedBytes).
   uint64_t slot_memory_reserved() const;
   absl::Time started() const { return started_; }
   bool draining() const { return draining_.load(); }

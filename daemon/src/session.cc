@@ -216,6 +216,7 @@ struct Undrained {
   std::mutex mu;
   std::vector<std::unique_ptr<Transport>> transports;
   std::vector<std::shared_ptr<const void>> buffers;
+  uint64_t device_bytes = 0;
 };
 Undrained& UndrainedSessions() {
   static Undrained* const kept = new Undrained();  // never destroyed: the work may outlive exit
@@ -227,6 +228,7 @@ void Session::KeepForever(std::unique_ptr<Transport> transport,
                           std::vector<std::shared_ptr<const void>> buffers) {
   Undrained& u = UndrainedSessions();
   std::lock_guard<std::mutex> lock(u.mu);
+  u.device_bytes += transport->DeviceBytes();
   u.transports.push_back(std::move(transport));
   for (auto& b : buffers) u.buffers.push_back(std::move(b));
 }
@@ -235,6 +237,12 @@ size_t Session::UndrainedCount() {
   Undrained& u = UndrainedSessions();
   std::lock_guard<std::mutex> lock(u.mu);
   return u.transports.size();
+}
+
+uint64_t Session::UndrainedBytes() {
+  Undrained& u = UndrainedSessions();
+  std::lock_guard<std::mutex> lock(u.mu);
+  return u.device_bytes;
 }
 
 absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,

@@ -160,6 +160,8 @@ class Session {
   /// Sessions whose transport's device work did not end when they went (Transport::Drain),
   /// since the process started: their transports and buffers are kept, not freed.
   static size_t UndrainedCount();
+  /// The device memory those sessions' transports hold: it stays charged to the slot budget.
+  static uint64_t UndrainedBytes();
   /// The epoch and state of each slot for Admin.ListSlots.
   /// The slot state machine: free -> writing (a call fills it) -> held (the client has a view of
   /// the result) -> free (released, or copied out at once). A held slot is never overwritten:

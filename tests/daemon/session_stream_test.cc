@@ -62,7 +62,7 @@ class StandInStreamTransport final : public Transport {
   }
   uint64_t SlotOffset(int) const override { return 0; }
   ClientSlotMapping ClientMapping() const override { return {}; }
-  uint64_t DeviceBytes() const override { return 0; }
+  uint64_t DeviceBytes() const override { return 4096; }
   std::string Describe() const override { return "stand-in"; }
   bool StreamOrdered() const override { return true; }
   absl::Status Enqueue(const CallPlan&, const CallOperands&, const StreamCall& call) override {
@@ -255,10 +255,13 @@ TEST_F(SessionStreamTest, ATransportWhoseDeviceWorkDoesNotEndIsKeptWithItsCallsB
   auto buffer = std::make_shared<int>(7);
   ASSERT_TRUE(Submit(buffer).ok());
   const size_t undrained = Session::UndrainedCount();
+  const uint64_t undrained_bytes = Session::UndrainedBytes();
   session_.reset();
-  // The call's work may still run: neither its buffer nor the transport goes.
+  // The call's work may still run: neither its buffer nor the transport goes, and its device
+  // memory stays counted.
   EXPECT_EQ(buffer.use_count(), 2);
   EXPECT_EQ(Session::UndrainedCount(), undrained + 1);
+  EXPECT_EQ(Session::UndrainedBytes(), undrained_bytes + 4096);
   std::lock_guard<std::mutex> lock(script_->mu);
   EXPECT_FALSE(script_->destroyed);
 }
