@@ -220,29 +220,30 @@ class CudaTransport final : public Transport {
   // close in order, and work on a second queue is what slows this context's hand-offs
   // (DeviceStreams). Calls still enqueued may wait for a client or peer that will never come:
   // cancel on the rescue stream, again while late peer writes (or the client's, to its own
-  // words) re-arm a wait, until the stream is idle; past 30 s, give up.
+  // words) re-arm a wait, until the stream is idle (past 30 s, give up), then once more on the
+  // idle stream itself, since its last done write may have landed after the last cancel.
   bool Drain() override {
     drained_ = true;
     for (ExportTicket* t : {&ticket_, &words_ticket_})
       if (t->id != 0) exports_->Withdraw(std::exchange(t->id, 0));
     if (stream_ == nullptr || !UseDevice(device_).ok()) return true;
-    if (cudaStreamQuery(stream_) == cudaSuccess) {
-      CancelOn(stream_);
-      return true;
-    }
-    Cancel();
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
-      if (std::chrono::steady_clock::now() > give_up) {
-        Logger("exec")->error(
-            "device {}: a session stream did not drain within 30 s of its cancel; its stream "
-            "and device memory ({} bytes) stay in place for the daemon's life, not reused",
-            device_, DeviceBytes());
-        return false;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (cudaStreamQuery(stream_) != cudaSuccess) {
       Cancel();
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
+        if (std::chrono::steady_clock::now() > give_up) {
+          Logger("exec")->error(
+              "device {}: a session stream did not drain within 30 s of its cancel; its stream "
+              "and device memory ({} bytes) stay in place for the daemon's life, not reused",
+              device_, DeviceBytes());
+          return false;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        Cancel();
+      }
     }
+    // Idle: the cancel on the stream itself, after its last write of a done word.
+    CancelOn(stream_);
     return true;
   }
 

@@ -194,13 +194,15 @@ Session::~Session() {
   // sessions, and goes with the last mapping.
   if (export_id_ != 0) exports_.Withdraw(export_id_);
   // The transport drains its stream first; only then may the calls' buffers be unmapped. A
-  // stream that never drains may still read and write them: they stay, with the transport.
-  if (!transport_->Drain()) {
+  // stream that never drains may still read and write them (a fused session's weights too):
+  // they stay, with the transport. (A session whose Create failed has no transport.)
+  if (transport_ != nullptr && !transport_->Drain()) {
     std::lock_guard<std::mutex> lock(inflight_mu_);
     std::vector<std::shared_ptr<const void>> buffers = std::move(failed_keep_);
     for (const InFlightCall& f : inflight_)
       for (const auto& k : f.keep)
         if (k) buffers.push_back(k);
+    for (auto& w : weight_buffers_) buffers.push_back(std::move(w));
     Logger("exec")->error("session {}: its device work did not end; its transport and the "
                           "{} buffers its calls used stay for the daemon's life",
                           id_, buffers.size());

@@ -33,6 +33,7 @@ struct DeviceScript {
   bool drains = true;
   bool destroyed = false;
   int cancels = 0;
+  bool make_fails = false;  // the backend cannot make the session's transport
 };
 
 class StandInStreamTransport final : public Transport {
@@ -95,6 +96,10 @@ class StandInStreamBackend final : public Backend {
   std::string_view name() const override { return "stand-in"; }
   bool slots_in_segment() const override { return false; }
   absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransportSetup&) override {
+    {
+      std::lock_guard<std::mutex> lock(script_->mu);
+      if (script_->make_fails) return absl::ResourceExhaustedError("device memory: stand-in");
+    }
     return std::unique_ptr<Transport>(new StandInStreamTransport(script_));
   }
   absl::StatusOr<std::shared_ptr<Buffer>> AllocBuffer(uint64_t) override {
@@ -123,15 +128,14 @@ class SessionStreamTest : public ::testing::Test {
     ASSERT_NE(mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
     ASSERT_TRUE(exports_.Start(dir_ + "/peer").ok());
-    SessionGeometry g;
-    g.world_size = 1;
-    g.rank = 0;
-    g.num_heads = kH;
-    g.head_dim = kD;
-    g.dtype = DType::kFloat32;
-    g.max_tokens = kS;
-    g.num_slots = 2;
-    auto s = Session::Create(1, 1, 1, g, exports_, backend_);
+    geometry_.world_size = 1;
+    geometry_.rank = 0;
+    geometry_.num_heads = kH;
+    geometry_.head_dim = kD;
+    geometry_.dtype = DType::kFloat32;
+    geometry_.max_tokens = kS;
+    geometry_.num_slots = 2;
+    auto s = Session::Create(1, 1, 1, geometry_, exports_, backend_);
     ASSERT_TRUE(s.ok()) << s.status();
     session_ = std::move(*s);
     plan_.op = OpKind::kScatterHeads;
@@ -187,6 +191,7 @@ class SessionStreamTest : public ::testing::Test {
   std::shared_ptr<DeviceScript> script_ = std::make_shared<DeviceScript>();
   StandInStreamBackend backend_{script_};
   std::string dir_;
+  SessionGeometry geometry_;
   FdExports exports_;
   std::unique_ptr<Session> session_;
   CallPlan plan_;
@@ -313,6 +318,18 @@ TEST_F(SessionStreamTest, ADescriptorForAnotherEpochIsRefusedAndCancelsTheStream
   EXPECT_GE(Cancels(), 1);
   std::lock_guard<std::mutex> lock(script_->mu);
   EXPECT_TRUE(script_->enqueued.empty());
+}
+
+TEST_F(SessionStreamTest, ASessionWhoseTransportCannotBeMadeIsAClearErrorAndLeavesNothing) {
+  {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    script_->make_fails = true;
+  }
+  const size_t undrained = Session::UndrainedCount();
+  auto s = Session::Create(2, 1, 1, geometry_, exports_, backend_);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted) << s.status();
+  EXPECT_EQ(Session::UndrainedCount(), undrained);
 }
 
 }  // namespace

@@ -646,7 +646,9 @@ TEST_F(GpuTwoRankScatter, AClientWritingOverItsSlotAllocationCannotReachAPeersHe
   ASSERT_TRUE(results[0][1]->Release().ok());
   ASSERT_TRUE(results[1][1]->Release().ok());
 
-  // The forger maps its slot allocation again, writable, and fills it with kUnblockEpoch.
+  // The forger maps its slot allocation again, writable, and fills it with kUnblockEpoch,
+  // all but its first 128 bytes (where the cancel word stood when the daemons' words led
+  // this allocation: a forged cancel would stop the stores this test looks for).
   const CUdeviceptr view = reinterpret_cast<CUdeviceptr>(results[1][0]->data);
   CUdeviceptr base = 0;
   size_t size = 0;
@@ -656,13 +658,18 @@ TEST_F(GpuTwoRankScatter, AClientWritingOverItsSlotAllocationCannotReachAPeersHe
   CUdeviceptr writable = 0;
   ASSERT_EQ(drv.AddressReserve(&writable, size, 0, 0, 0), CUDA_SUCCESS);
   ASSERT_EQ(drv.Map(writable, size, 0, handle, 0), CUDA_SUCCESS);
+  int device = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = 0;
+  access.location.id = device;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   ASSERT_EQ(drv.SetAccess(writable, size, &access, 1), CUDA_SUCCESS);
-  const std::vector<uint64_t> forged(size / sizeof(uint64_t), kUnblockEpoch);
-  ASSERT_TRUE(ipc::cuda::Copy(reinterpret_cast<void*>(writable), forged.data(), size).ok());
+  constexpr size_t kKept = 128;
+  const std::vector<uint64_t> forged((size - kKept) / sizeof(uint64_t), kUnblockEpoch);
+  ASSERT_TRUE(ipc::cuda::Copy(reinterpret_cast<void*>(writable + kKept), forged.data(),
+                              size - kKept)
+                  .ok());
   drv.Unmap(writable, size);
   drv.AddressFree(writable, size);
   drv.MemRelease(handle);

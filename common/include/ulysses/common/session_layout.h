@@ -12,7 +12,8 @@
 namespace ulysses {
 
 inline constexpr uint64_t kSessionMagic = 0x554c595353455331ull;  // "ULYSSES1"
-inline constexpr uint32_t kSessionLayoutVersion = 4;
+// 5: a GPU session's daemon words (DeviceWords) are an allocation of their own.
+inline constexpr uint32_t kSessionLayoutVersion = 5;
 inline constexpr uint64_t kSegmentAlign = 4096;
 
 /// Words of one receive slot. Epochs are per-session call numbers (1, 2, ...); slot s serves

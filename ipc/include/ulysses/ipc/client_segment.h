@@ -23,7 +23,8 @@
 namespace ulysses::ipc {
 
 inline constexpr uint64_t kClientSegmentMagic = 0x554c5953434c4931ull;  // "ULYSCLI1"
-inline constexpr uint32_t kClientSegmentVersion = 3;
+// 4: a GPU session's done words lead its slot mapping (ResultWords), apart from the daemons'.
+inline constexpr uint32_t kClientSegmentVersion = 4;
 inline constexpr uint32_t kRingCapacity = 64;
 /// Sessions per client that can release slots through the segment (more use the RPC).
 inline constexpr uint32_t kMaxReleaseSessions = 64;
