@@ -158,6 +158,30 @@ struct PongShape {
   std::string steps;
 };
 
+// The pong process's setup steps, as the flags and the --pong-steps script name them.
+// One empty kernel on `s`, waited for.
+void PongKernel(cudaStream_t s) {
+  Check(ulysses::bench::LaunchEmpty(s), "empty kernel launch");
+  Check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+}
+// A word write and an 8-byte copy from pageable memory on `s` (what the daemon's cancel
+// does), no kernel, waited for.
+void PongCopy(cudaStream_t s, uint64_t* words) {
+  const std::vector<uint64_t> host(4, 0);
+  Check(cu::StreamWrite64(s, &words[ulysses::bench::kWordScratch], 0));
+  Check(cudaMemcpyAsync(&words[ulysses::bench::kWordScratch], host.data(), sizeof(uint64_t),
+                        cudaMemcpyHostToDevice, s),
+        "cudaMemcpyAsync");
+  Check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+}
+// A device memset on the legacy default stream.
+void PongLegacyMemset() {
+  void* scratch = nullptr;
+  Check(cudaMalloc(&scratch, 4096), "cudaMalloc");
+  Check(cudaMemset(scratch, 0, 4096), "cudaMemset");
+  Check(cudaFree(scratch), "cudaFree");
+}
+
 // Runs the --pong-steps script; returns the stream named "work" (null when none was made).
 cudaStream_t RunPongSteps(const std::string& script, uint64_t* words) {
   std::map<std::string, cudaStream_t> streams;
@@ -175,23 +199,14 @@ cudaStream_t RunPongSteps(const std::string& script, uint64_t* words) {
       Check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
       streams[arg] = st;
     } else if (verb == "kernel") {
-      Check(ulysses::bench::LaunchEmpty(named(arg)), "empty kernel launch");
-      Check(cudaStreamSynchronize(named(arg)), "cudaStreamSynchronize");
+      PongKernel(named(arg));
     } else if (verb == "copy") {
-      const std::vector<uint64_t> host(4, 0);
-      Check(cu::StreamWrite64(named(arg), &words[ulysses::bench::kWordScratch], 0));
-      Check(cudaMemcpyAsync(&words[ulysses::bench::kWordScratch], host.data(), sizeof(uint64_t),
-                            cudaMemcpyHostToDevice, named(arg)),
-            "cudaMemcpyAsync");
-      Check(cudaStreamSynchronize(named(arg)), "cudaStreamSynchronize");
+      PongCopy(named(arg), words);
     } else if (verb == "destroy") {
       Check(cudaStreamDestroy(named(arg)), "cudaStreamDestroy");
       streams.erase(arg);
     } else if (verb == "legacy") {
-      void* scratch = nullptr;
-      Check(cudaMalloc(&scratch, 4096), "cudaMalloc");
-      Check(cudaMemset(scratch, 0, 4096), "cudaMemset");
-      Check(cudaFree(scratch), "cudaFree");
+      PongLegacyMemset();
     } else if (verb == "sleep") {
       int ms = 0;
       if (!absl::SimpleAtoi(arg, &ms) || ms < 0) Die("--pong-steps: sleep:" + arg + " is no duration");
@@ -214,26 +229,10 @@ int RunPong(const std::string& handle_hex, Mode mode, uint64_t base, int rounds,
   std::vector<cudaStream_t> idle(static_cast<size_t>(shape.streams - 1));
   for (cudaStream_t& s : idle) {
     Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
-    if (shape.touch) {
-      Check(ulysses::bench::LaunchEmpty(s), "empty kernel launch");
-      Check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-    }
-    if (shape.copy) {
-      // What the daemon's rescue stream does at a session's close: no kernel.
-      const std::vector<uint64_t> host(4, 0);
-      Check(cu::StreamWrite64(s, &words[ulysses::bench::kWordScratch], 0));
-      Check(cudaMemcpyAsync(&words[ulysses::bench::kWordScratch], host.data(), sizeof(uint64_t),
-                            cudaMemcpyHostToDevice, s),
-            "cudaMemcpyAsync");
-      Check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-    }
+    if (shape.touch) PongKernel(s);
+    if (shape.copy) PongCopy(s, words);
   }
-  if (shape.legacy) {
-    void* scratch = nullptr;
-    Check(cudaMalloc(&scratch, 4096), "cudaMalloc");
-    Check(cudaMemset(scratch, 0, 4096), "cudaMemset");
-    Check(cudaFree(scratch), "cudaFree");
-  }
+  if (shape.legacy) PongLegacyMemset();
   if (shape.destroy)
     for (cudaStream_t s : idle) Check(cudaStreamDestroy(s), "cudaStreamDestroy");
   if (shape.idle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(shape.idle_ms));

@@ -177,16 +177,8 @@ class CudaTransport final : public Transport {
     for (cudaEvent_t& ev : t->events_)
       ULY_RETURN_IF_ERROR(
           CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)));
-    // Every word starts at 0 (no epoch reached), before any peer or client can see them.
-    ULY_RETURN_IF_ERROR(CudaStatus(
-        "cudaMemsetAsync", cudaMemsetAsync(t->slots_.data(), 0, t->words_bytes_, t->stream_)));
-    ULY_RETURN_IF_ERROR(CudaStatus("cudaMemsetAsync",
-                                   cudaMemsetAsync(t->daemon_words_.data(), 0,
-                                                   sizeof(DeviceWords), t->stream_)));
-    ULY_RETURN_IF_ERROR(CudaStatus("cudaMemsetAsync",
-                                   cudaMemsetAsync(t->client_words_.data(), 0,
-                                                   sizeof(ClientDeviceWords), t->stream_)));
-    ULY_RETURN_IF_ERROR(CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(t->stream_)));
+    // Every word starts at 0 (no epoch reached) before any peer or client can see it:
+    // VmmMapping::Create zero-fills each allocation and waits for that.
     if (setup.fused) {
       // Everything a fused call needs is made here (GEMM workspace, projection buffer, second
       // stream, events); a call at a row count seen before allocates nothing.
