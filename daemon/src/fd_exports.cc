@@ -2,6 +2,9 @@
 
 #include <fcntl.h>
 #include <poll.h>
+
+#include <algorithm>
+#include <deque>
 #include <random>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -25,7 +28,20 @@ void SetTimeouts(int fd, absl::Duration d) {
   ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
 }
 
+// How long a connection has to send its whole request, and the fetcher's bound on each read
+// and write once connected.
 constexpr absl::Duration kPeerIo = absl::Seconds(2);
+// The answer goes to a fresh connection whose send buffer is empty.
+constexpr int kAnswerTimeoutMs = 100;
+// A request is one small JSON object.
+constexpr size_t kMaxRequestBytes = 512;
+// Requests read at once; a new connection beyond it drops the oldest, so a flood of silent
+// connections cannot keep the node's daemons (who send their request at once) out.
+constexpr size_t kMaxPendingRequests = 256;
+// Connections accepted per round of the loop, so a burst cannot starve the held connections.
+constexpr int kAcceptsPerRound = 64;
+// After EMFILE the listener stays readable; stop watching it for this long instead of spinning.
+constexpr absl::Duration kAcceptBackoff = absl::Milliseconds(100);
 
 }  // namespace
 
@@ -113,19 +129,40 @@ void FdExports::Unwatch(uint64_t id) {
   if (wake_) (void)wake_->Signal();
 }
 
-// One thread serves every request and watches every held connection and link. What it polls is
-// rebuilt each round from the maps, by id, so a descriptor closed meanwhile is never confused
-// with a new one of the same number.
+// One thread serves every request and watches every held connection and link, from one
+// poll(2) set of non-blocking descriptors. Nothing in it waits on one connection: a request is
+// read as it arrives and kept until complete, a connection that has not sent a whole request
+// within kPeerIo is closed, and at most kMaxPendingRequests wait at once (a new one drops the
+// oldest). What it polls is rebuilt each round from the maps, by id, so a descriptor closed
+// meanwhile is never confused with a new one of the same number.
 void FdExports::Serve() {
-  enum class Kind { kHeld, kWatched };
+  auto log = Logger("peer");
+  enum class Kind { kListener, kWake, kPending, kHeld, kWatched };
   struct Polled {
     Kind kind;
-    uint64_t id;   // export id (kHeld) or watch id (kWatched)
-    uint64_t sub;  // the held connection's id within its export
+    uint64_t id = 0;   // export id (kHeld), watch id (kWatched), pending index (kPending)
+    uint64_t sub = 0;  // the held connection's id within its export
   };
-  for (;;) {
-    std::vector<pollfd> p = {{listener_.fd(), POLLIN, 0}, {wake_->fd(), POLLIN, 0}};
-    std::vector<Polled> what = {{Kind::kHeld, 0, 0}, {Kind::kHeld, 0, 0}};
+  std::deque<PendingRequest> pending;  // in accept order, so also in deadline order
+  absl::Time accept_paused_until = absl::InfinitePast();
+  while (running_) {
+    const absl::Time now = absl::Now();
+    while (!pending.empty() && pending.front().deadline <= now) pending.pop_front();
+    absl::Time next = now + absl::Seconds(1);
+    if (!pending.empty()) next = std::min(next, pending.front().deadline);
+
+    std::vector<pollfd> p = {{wake_->fd(), POLLIN, 0}};
+    std::vector<Polled> what = {{Kind::kWake}};
+    if (now >= accept_paused_until) {
+      p.push_back({listener_.fd(), POLLIN, 0});
+      what.push_back({Kind::kListener});
+    } else {
+      next = std::min(next, accept_paused_until);
+    }
+    for (size_t i = 0; i < pending.size(); ++i) {
+      p.push_back({pending[i].conn.get(), POLLIN, 0});
+      what.push_back({Kind::kPending, i});
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& [id, e] : entries_)
@@ -135,69 +172,118 @@ void FdExports::Serve() {
         }
       for (auto& [id, w] : watched_) {
         p.push_back({w.link.get(), POLLIN, 0});
-        what.push_back({Kind::kWatched, id, 0});
+        what.push_back({Kind::kWatched, id});
       }
     }
-    const int n = ::poll(p.data(), p.size(), 1000);
+    const int timeout_ms = static_cast<int>(std::clamp<int64_t>(
+        absl::ToInt64Milliseconds(absl::Ceil(next - now, absl::Milliseconds(1))), 0, 1000));
+    const int n = ::poll(p.data(), p.size(), timeout_ms);
     if (!running_) return;
     if (n <= 0) continue;
-    if (p[1].revents != 0) (void)wake_->Wait(0);
-    for (size_t i = 2; i < p.size(); ++i) {
+
+    std::vector<size_t> finished;  // pending requests done with (answered or failed)
+    bool accept_now = false;
+    for (size_t i = 0; i < p.size(); ++i) {
       if (p[i].revents == 0) continue;
-      if (what[i].kind == Kind::kHeld) {
-        // The fetcher closed its end (its session is gone) or wrote to it: done with it.
-        ipc::UniqueFd gone;
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = entries_.find(what[i].id);
-        if (it == entries_.end()) continue;
-        auto h = it->second.held.find(what[i].sub);
-        if (h == it->second.held.end()) continue;
-        gone = std::move(h->second);
-        it->second.held.erase(h);
+      switch (what[i].kind) {
+        case Kind::kWake:
+          (void)wake_->Wait(0);
+          break;
+        case Kind::kListener:
+          accept_now = true;
+          break;
+        case Kind::kPending: {
+          PendingRequest& r = pending[what[i].id];
+          absl::StatusOr<bool> complete = r.reader.Read(r.conn.get());
+          if (complete.ok() && !*complete) break;  // the rest of the request comes later
+          finished.push_back(what[i].id);
+          if (!complete.ok()) break;  // hung up, or a request over the size limit
+          std::optional<std::pair<uint64_t, ipc::UniqueFd>> held =
+              Answer(std::move(r.conn), r.reader.Take().payload);
+          if (!held) break;
+          std::lock_guard<std::mutex> lock(mu_);
+          auto it = entries_.find(held->first);
+          if (it != entries_.end()) it->second.held.emplace(next_held_++, std::move(held->second));
+          break;
+        }
+        case Kind::kHeld: {
+          // The fetcher closed its end (its session is gone) or wrote to it: done with it.
+          ipc::UniqueFd gone;  // closed outside the lock
+          std::lock_guard<std::mutex> lock(mu_);
+          auto it = entries_.find(what[i].id);
+          if (it == entries_.end()) break;
+          auto h = it->second.held.find(what[i].sub);
+          if (h == it->second.held.end()) break;
+          gone = std::move(h->second);
+          it->second.held.erase(h);
+          break;
+        }
+        case Kind::kWatched: {
+          std::lock_guard<std::mutex> lost_lock(lost_mu_);
+          Watched w;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = watched_.find(what[i].id);
+            if (it == watched_.end()) break;
+            w = std::move(it->second);
+            watched_.erase(it);
+          }
+          if (w.lost) w.lost();
+          break;
+        }
+      }
+    }
+    if (!finished.empty()) {
+      std::sort(finished.begin(), finished.end());
+      std::deque<PendingRequest> kept;
+      for (size_t i = 0, f = 0; i < pending.size(); ++i) {
+        if (f < finished.size() && finished[f] == i) {
+          ++f;
+          continue;
+        }
+        kept.push_back(std::move(pending[i]));
+      }
+      pending.swap(kept);
+    }
+    if (!accept_now) continue;
+    for (int k = 0; k < kAcceptsPerRound; ++k) {
+      absl::StatusOr<ipc::UniqueFd> conn = listener_.TryAccept();
+      if (!conn.ok()) {
+        if (!running_ || conn.status().code() == absl::StatusCode::kCancelled) break;
+        log->warn("peer fd socket: accept: {}; pausing accepts for {}",
+                  std::string(conn.status().message()), absl::FormatDuration(kAcceptBackoff));
+        accept_paused_until = absl::Now() + kAcceptBackoff;
+        break;
+      }
+      if (!conn->valid()) break;
+      absl::StatusOr<ipc::PeerCred> cred = ipc::GetPeerCred(conn->get());
+      if (!cred.ok() || cred->uid != ::geteuid()) {
+        log->warn("peer fd socket: refused a connection from uid {}", cred.ok() ? cred->uid : -1);
         continue;
       }
-      std::lock_guard<std::mutex> lost_lock(lost_mu_);
-      Watched w;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = watched_.find(what[i].id);
-        if (it == watched_.end()) continue;
-        w = std::move(it->second);
-        watched_.erase(it);
+      if (pending.size() >= kMaxPendingRequests) {
+        log->warn("peer fd socket: {} connections wait to send their request; dropping the oldest",
+                  pending.size());
+        pending.pop_front();
       }
-      if (w.lost) w.lost();
+      pending.push_back(PendingRequest{std::move(*conn),
+                                       ipc::FrameReader(kMaxRequestBytes, /*max_fds=*/0),
+                                       absl::Now() + kPeerIo});
     }
-    if (!(p[0].revents & POLLIN)) continue;
-    absl::StatusOr<ipc::UniqueFd> conn = listener_.Accept();
-    if (!conn.ok()) {
-      if (!running_) return;
-      continue;
-    }
-    std::optional<std::pair<uint64_t, ipc::UniqueFd>> held = Answer(std::move(*conn));
-    if (!held) continue;
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = entries_.find(held->first);
-    if (it != entries_.end()) it->second.held.emplace(next_held_++, std::move(held->second));
   }
 }
 
-std::optional<std::pair<uint64_t, ipc::UniqueFd>> FdExports::Answer(ipc::UniqueFd conn) {
-  auto log = Logger("peer");
-  absl::StatusOr<ipc::PeerCred> cred = ipc::GetPeerCred(conn.get());
-  if (!cred.ok() || cred->uid != ::geteuid()) {
-    log->warn("peer fd socket: refused a connection from uid {}", cred.ok() ? cred->uid : -1);
-    return std::nullopt;
-  }
-  SetTimeouts(conn.get(), kPeerIo);
-  absl::StatusOr<bool> ready = ipc::WaitReadable(conn.get(), absl::ToInt64Milliseconds(kPeerIo));
-  if (!ready.ok() || !*ready) return std::nullopt;
-  absl::StatusOr<ipc::ReceivedMessage> req = ipc::RecvMessage(conn.get(), 512, 0);
-  if (!req.ok()) return std::nullopt;
-  const nlohmann::json j = nlohmann::json::parse(req->payload, nullptr, false);
+std::optional<std::pair<uint64_t, ipc::UniqueFd>> FdExports::Answer(ipc::UniqueFd conn,
+                                                                    const std::string& request) {
+  // The connection is fresh and its send buffer empty: one small answer never waits long.
+  auto answer = [&](std::string_view text, std::span<const int> fds = {}) {
+    return ipc::SendMessage(conn.get(), text, fds, kAnswerTimeoutMs);
+  };
+  const nlohmann::json j = nlohmann::json::parse(request, nullptr, false);
   if (j.is_discarded() || !j.is_object() || !j.contains("id") || !j["id"].is_number_unsigned() ||
       !j.contains("secret") || !j["secret"].is_string() ||
       (j.contains("hold") && !j["hold"].is_boolean())) {
-    (void)ipc::SendMessage(conn.get(), R"({"ok": false, "error": "malformed request"})");
+    (void)answer(R"({"ok": false, "error": "malformed request"})");
     return std::nullopt;
   }
   const uint64_t id = j["id"].get<uint64_t>();
@@ -207,13 +293,12 @@ std::optional<std::pair<uint64_t, ipc::UniqueFd>> FdExports::Answer(ipc::UniqueF
     auto it = entries_.find(id);
     if (it != entries_.end() && it->second.secret == j["secret"].get<std::string>()) {
       int fds[1] = {it->second.fd.get()};
-      if (!ipc::SendMessage(conn.get(), R"({"ok": true})", std::span<const int>(fds, 1)).ok())
-        return std::nullopt;
+      if (!answer(R"({"ok": true})", std::span<const int>(fds, 1)).ok()) return std::nullopt;
       if (!hold) return std::nullopt;
       return std::make_pair(id, std::move(conn));
     }
   }
-  (void)ipc::SendMessage(conn.get(), R"({"ok": false, "error": "no such export"})");
+  (void)answer(R"({"ok": false, "error": "no such export"})");
   return std::nullopt;
 }
 
