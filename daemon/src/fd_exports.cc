@@ -4,13 +4,13 @@
 #include <poll.h>
 
 #include <algorithm>
-#include <deque>
 #include <random>
 #include <sys/socket.h>
 #include <unistd.h>
 
 
 #include "absl/strings/numbers.h"
+#include "first_frames.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
@@ -40,8 +40,6 @@ constexpr size_t kMaxRequestBytes = 512;
 constexpr size_t kMaxPendingRequests = 256;
 // Connections accepted per round of the loop, so a burst cannot starve the held connections.
 constexpr int kAcceptsPerRound = 64;
-// After EMFILE the listener stays readable; stop watching it for this long instead of spinning.
-constexpr absl::Duration kAcceptBackoff = absl::Milliseconds(100);
 
 }  // namespace
 
@@ -143,24 +141,18 @@ void FdExports::Serve() {
     uint64_t id = 0;   // export id (kHeld), watch id (kWatched), pending index (kPending)
     uint64_t sub = 0;  // the held connection's id within its export
   };
-  std::deque<PendingRequest> pending;  // in accept order, so also in deadline order
-  absl::Time accept_paused_until = absl::InfinitePast();
+  FirstFrames requests("peer fd socket", kMaxPendingRequests, kMaxRequestBytes, kPeerIo);
   while (running_) {
     const absl::Time now = absl::Now();
-    while (!pending.empty() && pending.front().deadline <= now) pending.pop_front();
-    absl::Time next = now + absl::Seconds(1);
-    if (!pending.empty()) next = std::min(next, pending.front().deadline);
-
+    const absl::Time next = std::min(now + absl::Seconds(1), requests.Expire(now));
     std::vector<pollfd> p = {{wake_->fd(), POLLIN, 0}};
     std::vector<Polled> what = {{Kind::kWake}};
-    if (now >= accept_paused_until) {
+    if (requests.accepting(now)) {
       p.push_back({listener_.fd(), POLLIN, 0});
       what.push_back({Kind::kListener});
-    } else {
-      next = std::min(next, accept_paused_until);
     }
-    for (size_t i = 0; i < pending.size(); ++i) {
-      p.push_back({pending[i].conn.get(), POLLIN, 0});
+    for (size_t i = 0; i < requests.size(); ++i) {
+      p.push_back({requests.fd(i), POLLIN, 0});
       what.push_back({Kind::kPending, i});
     }
     {
@@ -175,13 +167,10 @@ void FdExports::Serve() {
         what.push_back({Kind::kWatched, id});
       }
     }
-    const int timeout_ms = static_cast<int>(std::clamp<int64_t>(
-        absl::ToInt64Milliseconds(absl::Ceil(next - now, absl::Milliseconds(1))), 0, 1000));
-    const int n = ::poll(p.data(), p.size(), timeout_ms);
+    const int n = ::poll(p.data(), p.size(), PollMillis(next, now));
     if (!running_) return;
     if (n <= 0) continue;
 
-    std::vector<size_t> finished;  // pending requests done with (answered or failed)
     bool accept_now = false;
     for (size_t i = 0; i < p.size(); ++i) {
       if (p[i].revents == 0) continue;
@@ -193,13 +182,10 @@ void FdExports::Serve() {
           accept_now = true;
           break;
         case Kind::kPending: {
-          PendingRequest& r = pending[what[i].id];
-          absl::StatusOr<bool> complete = r.reader.Read(r.conn.get());
-          if (complete.ok() && !*complete) break;  // the rest of the request comes later
-          finished.push_back(what[i].id);
-          if (!complete.ok()) break;  // hung up, or a request over the size limit
+          std::optional<FirstFrames::Frame> request = requests.Read(what[i].id);
+          if (!request) break;
           std::optional<std::pair<uint64_t, ipc::UniqueFd>> held =
-              Answer(std::move(r.conn), r.reader.Take().payload);
+              Answer(std::move(request->sock), request->payload);
           if (!held) break;
           std::lock_guard<std::mutex> lock(mu_);
           auto it = entries_.find(held->first);
@@ -233,43 +219,14 @@ void FdExports::Serve() {
         }
       }
     }
-    if (!finished.empty()) {
-      std::sort(finished.begin(), finished.end());
-      std::deque<PendingRequest> kept;
-      for (size_t i = 0, f = 0; i < pending.size(); ++i) {
-        if (f < finished.size() && finished[f] == i) {
-          ++f;
-          continue;
-        }
-        kept.push_back(std::move(pending[i]));
-      }
-      pending.swap(kept);
-    }
+    requests.Compact();
     if (!accept_now) continue;
-    for (int k = 0; k < kAcceptsPerRound; ++k) {
-      absl::StatusOr<ipc::UniqueFd> conn = listener_.TryAccept();
-      if (!conn.ok()) {
-        if (!running_ || conn.status().code() == absl::StatusCode::kCancelled) break;
-        log->warn("peer fd socket: accept: {}; pausing accepts for {}",
-                  std::string(conn.status().message()), absl::FormatDuration(kAcceptBackoff));
-        accept_paused_until = absl::Now() + kAcceptBackoff;
-        break;
-      }
-      if (!conn->valid()) break;
-      absl::StatusOr<ipc::PeerCred> cred = ipc::GetPeerCred(conn->get());
-      if (!cred.ok() || cred->uid != ::geteuid()) {
-        log->warn("peer fd socket: refused a connection from uid {}", cred.ok() ? cred->uid : -1);
-        continue;
-      }
-      if (pending.size() >= kMaxPendingRequests) {
-        log->warn("peer fd socket: {} connections wait to send their request; dropping the oldest",
-                  pending.size());
-        pending.pop_front();
-      }
-      pending.push_back(PendingRequest{std::move(*conn),
-                                       ipc::FrameReader(kMaxRequestBytes, /*max_fds=*/0),
-                                       absl::Now() + kPeerIo});
-    }
+    requests.AcceptFrom(listener_, kAcceptsPerRound, [&](int sock) {
+      absl::StatusOr<ipc::PeerCred> cred = ipc::GetPeerCred(sock);
+      if (cred.ok() && cred->uid == ::geteuid()) return true;
+      log->warn("peer fd socket: refused a connection from uid {}", cred.ok() ? cred->uid : -1);
+      return false;
+    });
   }
 }
 

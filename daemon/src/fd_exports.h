@@ -87,12 +87,6 @@ class FdExports {
   void Unwatch(uint64_t id);
 
  private:
-  // A connection whose request has not fully arrived; its reader keeps the part that has.
-  struct PendingRequest {
-    ipc::UniqueFd conn;
-    ipc::FrameReader reader;
-    absl::Time deadline;
-  };
   void Serve();
   // Answers one complete request; returns the connection when the request asked to hold it.
   std::optional<std::pair<uint64_t, ipc::UniqueFd>> Answer(ipc::UniqueFd conn,

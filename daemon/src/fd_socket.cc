@@ -10,11 +10,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <set>
 
 #include "daemon.h"
+#include "first_frames.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
@@ -25,13 +25,6 @@
 namespace ulysses::daemon {
 namespace {
 
-// A connection that has not sent its hello yet. Its reader keeps a partial hello.
-struct PendingConnection {
-  ipc::UniqueFd sock;
-  ipc::FrameReader reader{ipc::kMaxClientFrameBytes, /*max_fds=*/0};
-  absl::Time deadline;
-};
-
 // Connections waiting for their hello at once; a new one beyond it drops the oldest, so a flood
 // of silent connections cannot keep honest clients (who say hello at once) out.
 constexpr size_t kMaxPendingConnections = 1024;
@@ -39,8 +32,6 @@ constexpr size_t kMaxPendingConnections = 1024;
 // one source cannot starve the others.
 constexpr int kAcceptsPerRound = 64;
 constexpr int kFramesPerRound = 8;
-// After EMFILE the listener stays readable; stop watching it for this long instead of spinning.
-constexpr absl::Duration kAcceptBackoff = absl::Milliseconds(100);
 // The fd thread's own sends (hello answers) go to a fresh connection whose buffer is empty.
 constexpr int kHelloAnswerTimeoutMs = 100;
 
@@ -48,12 +39,6 @@ constexpr int kHelloAnswerTimeoutMs = 100;
 std::string ErrorFrame(const absl::Status& why) {
   return nlohmann::json{{"ok", false}, {"error", std::string(why.message())}}.dump(
       -1, ' ', false, nlohmann::json::error_handler_t::replace);
-}
-
-int MillisUntil(absl::Time deadline, absl::Time now) {
-  if (deadline <= now) return 0;
-  return static_cast<int>(std::min<int64_t>(
-      absl::ToInt64Milliseconds(absl::Ceil(deadline - now, absl::Milliseconds(1))), 1000));
 }
 
 }  // namespace
@@ -204,9 +189,9 @@ void Daemon::HandleClientFrame(ClientRecord& c, ipc::ReceivedMessage m) {
 void Daemon::FdLoop() {
   auto log = Logger("ipc");
   const absl::Duration bind_timeout = absl::Milliseconds(config_.bind_timeout_ms);
-  std::deque<PendingConnection> pending;  // in accept order, so also in deadline order
+  FirstFrames hellos("fd socket", kMaxPendingConnections, ipc::kMaxClientFrameBytes,
+                     bind_timeout);
   std::map<uint64_t, ipc::FrameReader> readers;  // bound clients' partial frames, by client id
-  absl::Time accept_paused_until = absl::InfinitePast();
 
   enum class Kind { kWake, kListener, kPending, kSocket, kPidfd, kSubmitBell };
   struct Watched {
@@ -217,26 +202,18 @@ void Daemon::FdLoop() {
 
   while (!stopping_.load()) {
     const absl::Time now = absl::Now();
-    while (!pending.empty() && pending.front().deadline <= now) {
-      log->debug("fd socket: a connection sent no hello within {} ms; closed",
-                 config_.bind_timeout_ms);
-      pending.pop_front();
-    }
-    absl::Time next = now + absl::Seconds(1);
-    if (!pending.empty()) next = std::min(next, pending.front().deadline);
+    absl::Time next = std::min(now + absl::Seconds(1), hellos.Expire(now));
 
     std::vector<pollfd> fds;
     std::vector<Watched> watched;
     fds.push_back(pollfd{poll_wake_->fd(), POLLIN, 0});
     watched.push_back({Kind::kWake, 0, nullptr});
-    if (now >= accept_paused_until) {
+    if (hellos.accepting(now)) {
       fds.push_back(pollfd{fd_listener_.fd(), POLLIN, 0});
       watched.push_back({Kind::kListener, 0, nullptr});
-    } else {
-      next = std::min(next, accept_paused_until);
     }
-    for (size_t i = 0; i < pending.size(); ++i) {
-      fds.push_back(pollfd{pending[i].sock.get(), POLLIN, 0});
+    for (size_t i = 0; i < hellos.size(); ++i) {
+      fds.push_back(pollfd{hellos.fd(i), POLLIN, 0});
       watched.push_back({Kind::kPending, i, nullptr});
     }
     std::set<uint64_t> bound;
@@ -268,7 +245,7 @@ void Daemon::FdLoop() {
                          " ms (timeouts.bind_ms)"));
     std::erase_if(readers, [&](const auto& r) { return bound.count(r.first) == 0; });
 
-    const int n = ::poll(fds.data(), fds.size(), MillisUntil(next, now));
+    const int n = ::poll(fds.data(), fds.size(), PollMillis(next, now));
     if (n < 0 && errno != EINTR) {
       log->error("fd socket: poll: {}", std::strerror(errno));
       absl::SleepFor(absl::Milliseconds(10));
@@ -276,7 +253,6 @@ void Daemon::FdLoop() {
     }
     if (n <= 0) continue;
 
-    std::vector<size_t> finished;  // pending connections done with (bound, refused or failed)
     bool accept_now = false;
     for (size_t i = 0; i < fds.size(); ++i) {
       if (fds[i].revents == 0) continue;
@@ -289,16 +265,8 @@ void Daemon::FdLoop() {
           accept_now = true;
           break;
         case Kind::kPending: {
-          PendingConnection& p = pending[w.pending_index];
-          absl::StatusOr<bool> complete = p.reader.Read(p.sock.get());
-          if (complete.ok() && !*complete) break;  // the rest of the hello comes later
-          finished.push_back(w.pending_index);
-          if (!complete.ok()) {
-            log->debug("fd socket: hello not readable: {}",
-                       std::string(complete.status().message()));
-            break;
-          }
-          HandleHello(std::move(p.sock), p.reader.Take().payload);
+          std::optional<FirstFrames::Frame> hello = hellos.Read(w.pending_index);
+          if (hello) HandleHello(std::move(hello->sock), hello->payload);
           break;
         }
         case Kind::kSocket: {
@@ -331,39 +299,8 @@ void Daemon::FdLoop() {
         }
       }
     }
-    if (!finished.empty()) {
-      std::deque<PendingConnection> kept;
-      std::sort(finished.begin(), finished.end());
-      for (size_t i = 0, f = 0; i < pending.size(); ++i) {
-        if (f < finished.size() && finished[f] == i) {
-          ++f;
-          continue;
-        }
-        kept.push_back(std::move(pending[i]));
-      }
-      pending.swap(kept);
-    }
-    if (accept_now) {
-      for (int k = 0; k < kAcceptsPerRound; ++k) {
-        absl::StatusOr<ipc::UniqueFd> sock = fd_listener_.TryAccept();
-        if (!sock.ok()) {
-          if (stopping_.load() || sock.status().code() == absl::StatusCode::kCancelled) break;
-          log->warn("fd socket accept: {}; pausing accepts for {}",
-                    std::string(sock.status().message()), absl::FormatDuration(kAcceptBackoff));
-          accept_paused_until = absl::Now() + kAcceptBackoff;
-          break;
-        }
-        if (!sock->valid()) break;
-        if (pending.size() >= kMaxPendingConnections) {
-          log->warn("fd socket: {} connections wait for their hello; dropping the oldest",
-                    pending.size());
-          pending.pop_front();
-        }
-        pending.push_back(PendingConnection{std::move(*sock),
-                                            ipc::FrameReader(ipc::kMaxClientFrameBytes, 0),
-                                            absl::Now() + bind_timeout});
-      }
-    }
+    hellos.Compact();
+    if (accept_now) hellos.AcceptFrom(fd_listener_, kAcceptsPerRound, [](int) { return true; });
   }
 }
 
