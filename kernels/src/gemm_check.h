@@ -60,15 +60,6 @@ class LtOwner {
   T value_ = nullptr;
 };
 
-/// cublasLtHandle_t.
-class LtHandle : public LtOwner<cublasLtHandle_t, cublasLtDestroy> {
- public:
-  absl::Status Init() {
-    ULY_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&value_));
-    return absl::OkStatus();
-  }
-};
-
 /// cublasLtMatmulDesc_t.
 class LtMatmulDesc : public LtOwner<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy> {
  public:

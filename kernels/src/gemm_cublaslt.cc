@@ -6,7 +6,9 @@
 #include <cuda_runtime_api.h>
 
 #include <map>
+#include <mutex>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "cuda_check.h"
@@ -18,7 +20,65 @@
 namespace ulysses::kernels {
 namespace {
 
-using internal::LtHandle;
+// cublasLtDestroy, like cublasDestroy, synchronizes the whole device: a plan that destroyed its
+// handle on close would wait for every stream of the device, including another session's call
+// that waits for its peer. So handles are made once per device and never destroyed: a plan
+// takes one from its device's pool (or makes one) and gives it back when it goes. A handle
+// serves one plan at a time, so no handle is shared between threads.
+class LeasedHandle {
+ public:
+  LeasedHandle() = default;
+  ~LeasedHandle() { GiveBack(); }
+  LeasedHandle(LeasedHandle&& o) noexcept
+      : device_(o.device_), handle_(std::exchange(o.handle_, nullptr)) {}
+  LeasedHandle& operator=(LeasedHandle&& o) noexcept {
+    if (this != &o) {
+      GiveBack();
+      device_ = o.device_;
+      handle_ = std::exchange(o.handle_, nullptr);
+    }
+    return *this;
+  }
+  LeasedHandle(const LeasedHandle&) = delete;
+  LeasedHandle& operator=(const LeasedHandle&) = delete;
+
+  // A handle of the current device.
+  static absl::StatusOr<LeasedHandle> Take() {
+    LeasedHandle lease;
+    ULY_CUDA_RETURN_IF_ERROR(cudaGetDevice(&lease.device_));
+    {
+      std::lock_guard<std::mutex> lock(Pool().mu);
+      std::vector<cublasLtHandle_t>& idle = Pool().idle[lease.device_];
+      if (!idle.empty()) {
+        lease.handle_ = idle.back();
+        idle.pop_back();
+        return lease;
+      }
+    }
+    ULY_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&lease.handle_));
+    return lease;
+  }
+  cublasLtHandle_t get() const { return handle_; }
+
+ private:
+  struct Handles {
+    std::mutex mu;
+    std::map<int, std::vector<cublasLtHandle_t>> idle;  // by device
+  };
+  // Never destroyed: the handles outlive every plan, static destructors included.
+  static Handles& Pool() {
+    static Handles* pool = new Handles;
+    return *pool;
+  }
+  void GiveBack() {
+    if (handle_ == nullptr) return;
+    std::lock_guard<std::mutex> lock(Pool().mu);
+    Pool().idle[device_].push_back(std::exchange(handle_, nullptr));
+  }
+
+  int device_ = -1;
+  cublasLtHandle_t handle_ = nullptr;
+};
 
 // Alignment classes an algorithm is chosen for: the largest of these dividing every pointer.
 constexpr uint32_t kAlignments[] = {256, 128, 64, 32, 16};
@@ -43,7 +103,7 @@ struct Bf16Gemm::Impl {
   };
 
   int64_t n = 0, k = 0;
-  LtHandle handle;
+  LeasedHandle handle;
   internal::LtMatmulDesc desc;
   internal::LtLayout w;  // A: [k, n] column-major, transposed by the op
   internal::DeviceMemory workspace;
@@ -92,7 +152,7 @@ absl::StatusOr<std::unique_ptr<Bf16Gemm>> Bf16Gemm::Create(int64_t n, int64_t k,
   auto impl = std::make_unique<Impl>();
   impl->n = n;
   impl->k = k;
-  ULY_RETURN_IF_ERROR(impl->handle.Init());
+  ULY_ASSIGN_OR_RETURN(impl->handle, LeasedHandle::Take());
   ULY_RETURN_IF_ERROR(impl->desc.Init(CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
   ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
