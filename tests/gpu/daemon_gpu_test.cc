@@ -670,6 +670,10 @@ TEST_F(GpuTwoRankScatter, AClientWritingOverItsSlotAllocationCannotReachAPeersHe
   ASSERT_TRUE(ipc::cuda::Copy(reinterpret_cast<void*>(writable + kKept), forged.data(),
                               size - kKept)
                   .ok());
+  // A copy from pageable memory may return before its DMA has landed: wait for it before the
+  // mapping goes (else the forged words might never arrive, or the copy fault on the unmapped
+  // range). No stream of this process waits for a call now.
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
   drv.Unmap(writable, size);
   drv.AddressFree(writable, size);
   drv.MemRelease(handle);
