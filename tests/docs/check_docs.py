@@ -4,7 +4,8 @@
     check_docs.py --constants DOCS_CONSTANTS --ulyssesctl ULYSSESCTL --root REPO
 
 - Numbers the code defines: every client_segment_bytes / ClientSegmentLayout::kTotal value
-  in docs/*.md and README.md is the layout's size; the defaults in the config table of
+  in docs/*.md and README.md is the layout's size; the client segment's and the session's
+  layout versions in docs/protocol.md's byte diagrams and text are the code's; the defaults in the config table of
   docs/operations.md are DaemonConfig's; the minimum driver docs/operations.md states is
   the Dockerfile's MIN_DRIVER_VERSION.
 - ulyssesctl as docs/operations.md uses it: every command named in the section 8 table or
@@ -70,6 +71,29 @@ def check_numbers(root: str, constants: dict) -> int:
         if shown != str(value):
             fail(f"docs/operations.md:{line_of(ops, m.start())}: {key} defaults to {shown!r} in "
                  f"the table, {value!r} in DaemonConfig")
+
+    # The layout versions, where the protocol's byte diagrams and text state them.
+    proto_path = os.path.join(root, "docs", "protocol.md")
+    proto = read(proto_path)
+    layouts = [("client segment", "client_segment_version",
+                [r"version \((\d+)\) u32\s*\|\s*12 ring_capacity"]),
+               ("session", "session_layout_version",
+                [r"version \((\d+)\) u32\s*\|\s*world_size",
+                 r"session_layout\.h`, layout version (\d+)"])]
+    for name, key, layout_patterns in layouts:
+        found = 0
+        for path, text in ((proto_path, proto),
+                           (os.path.join(root, "docs", "architecture.md"),
+                            read(os.path.join(root, "docs", "architecture.md")))):
+            for pattern in layout_patterns:
+                for m in re.finditer(pattern, text):
+                    found += 1
+                    if int(m.group(1)) != constants[key]:
+                        fail(f"{os.path.relpath(path, root)}:{line_of(text, m.start())}: {name} "
+                             f"layout version {m.group(1)}; the code's is {constants[key]}")
+        if found == 0:
+            fail(f"docs/protocol.md states no {name} layout version (the check would be vacuous)")
+        checked += found
 
     dockerfile = read(os.path.join(root, "deploy", "Dockerfile"))
     m = re.search(r"^ARG MIN_DRIVER_VERSION=(\S+)", dockerfile, re.M)

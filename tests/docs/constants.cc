@@ -5,12 +5,15 @@
 #include "nlohmann/json.hpp"
 #include "ulysses/common/config.h"
 #include "ulysses/common/geometry.h"
+#include "ulysses/common/session_layout.h"
 #include "ulysses/ipc/client_segment.h"
 
 int main() {
   const ulysses::DaemonConfig d;
   const nlohmann::json j = {
       {"client_segment_bytes", ulysses::ipc::ClientSegmentLayout::kTotal},
+      {"client_segment_version", ulysses::ipc::kClientSegmentVersion},
+      {"session_layout_version", ulysses::kSessionLayoutVersion},
       {"max_world_size", ulysses::kMaxWorldSize},
       {"max_slots", ulysses::kMaxSlots},
       {"config_defaults",
