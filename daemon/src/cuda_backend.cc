@@ -177,6 +177,8 @@ class CudaTransport final : public Transport {
     for (cudaEvent_t& ev : t->events_)
       ULY_RETURN_IF_ERROR(
           CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)));
+    ULY_RETURN_IF_ERROR(CudaStatus(
+        "cudaEventCreate", cudaEventCreateWithFlags(&t->rescue_mark_, cudaEventDisableTiming)));
     // Every word starts at 0 (no epoch reached) before any peer or client can see it:
     // VmmMapping::Create zero-fills each allocation and waits for that.
     if (setup.fused) {
@@ -188,20 +190,15 @@ class CudaTransport final : public Transport {
     return std::unique_ptr<Transport>(std::move(t));
   }
 
-  // A transport whose Drain failed is never destroyed (Session keeps it for the process's
-  // life); one never drained (a failed Create) has an idle stream, so Drain ends at once.
+  // Session drains every transport it made and keeps for the process's life one whose Drain
+  // failed; one never drained comes from a failed Create, which enqueued nothing on either
+  // stream. So nothing of this session runs on the device any more, and nothing here waits.
   ~CudaTransport() override {
-    if (!drained_) (void)Drain();
     (void)UseDevice(device_);
-    if (stream_ != nullptr) {
-      cudaStreamSynchronize(stream_);
-      streams_->Give(stream_);
-    }
+    if (stream_ != nullptr) streams_->Give(stream_);
     for (cudaEvent_t ev : events_)
       if (ev != nullptr) cudaEventDestroy(ev);
-    // DescribeStuck's copies read the mapped words, and a cancel's writes land in them: both
-    // ran before the mappings go.
-    if (rescue_ != nullptr) cudaStreamSynchronize(rescue_);
+    if (rescue_mark_ != nullptr) cudaEventDestroy(rescue_mark_);
     fused_.reset();  // its work was ordered before this stream's end
   }
 
@@ -212,31 +209,42 @@ class CudaTransport final : public Transport {
   // close in order, and work on a second queue is what slows this context's hand-offs
   // (DeviceStreams). Calls still enqueued may wait for a client or peer that will never come:
   // cancel on the rescue stream, again while late peer writes (or the client's, to its own
-  // words) re-arm a wait, until the stream is idle (past 30 s, give up), then once more on the
-  // idle stream itself, since its last done write may have landed after the last cancel.
+  // words) re-arm a wait, until the stream is idle, then once more on the idle stream itself,
+  // since its last done write may have landed after the last cancel. The mappings may go only
+  // once that cancel, and this session's work on the rescue stream (cancels, DescribeStuck's
+  // copies), have run: both are waited for, within the same 30 s; past it, give up (false).
   bool Drain() override {
-    drained_ = true;
     for (ExportTicket* t : {&ticket_, &words_ticket_})
       if (t->id != 0) exports_->Withdraw(std::exchange(t->id, 0));
     if (stream_ == nullptr || !UseDevice(device_).ok()) return true;
-    if (cudaStreamQuery(stream_) != cudaSuccess) {
-      Cancel();
-      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-      while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
-        if (std::chrono::steady_clock::now() > give_up) {
-          Logger("exec")->error(
-              "device {}: a session stream did not drain within 30 s of its cancel; its stream "
-              "and device memory ({} bytes) stay in place for the daemon's life, not reused",
-              device_, DeviceBytes());
-          return false;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        Cancel();
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    auto idle_by_then = [&](auto query, std::chrono::microseconds poll) {
+      while (query() == cudaErrorNotReady) {
+        if (std::chrono::steady_clock::now() > give_up) return false;
+        std::this_thread::sleep_for(poll);
       }
+      return true;  // done, or an error that leaves nothing to wait for
+    };
+    constexpr std::chrono::microseconds kCancelEvery(1000), kPoll(100);
+    bool drained = idle_by_then([&] {
+      if (cudaStreamQuery(stream_) != cudaErrorNotReady) return cudaSuccess;
+      Cancel();
+      return cudaErrorNotReady;
+    }, kCancelEvery);
+    if (drained) {
+      CancelOn(stream_);  // idle: after its last write of a done word
+      drained = idle_by_then([&] { return cudaStreamQuery(stream_); }, kPoll);
     }
-    // Idle: the cancel on the stream itself, after its last write of a done word.
-    CancelOn(stream_);
-    return true;
+    if (drained && used_rescue_) {
+      drained = cudaEventRecord(rescue_mark_, rescue_) == cudaSuccess &&
+                idle_by_then([&] { return cudaEventQuery(rescue_mark_); }, kPoll);
+    }
+    if (!drained)
+      Logger("exec")->error(
+          "device {}: a session's device work did not end within 30 s of its cancel; its stream "
+          "and device memory ({} bytes) stay in place for the daemon's life, not reused",
+          device_, DeviceBytes());
+    return drained;
   }
 
   // cuda|device|slot allocation bytes|words bytes|slots id|slots secret|words id|words secret|
@@ -393,7 +401,10 @@ class CudaTransport final : public Transport {
     return true;
   }
 
-  void Cancel() override { CancelOn(rescue_); }
+  void Cancel() override {
+    used_rescue_ = true;
+    CancelOn(rescue_);
+  }
 
   // Reads the words through copies on the rescue stream (never blocked by this session's
   // waits) into pinned memory, waited for at most a second: a rescue stream that cannot run is
@@ -410,6 +421,7 @@ class CudaTransport final : public Transport {
     const DeviceStreams::HostWords held = streams_->host_words();
     uint8_t* const host = held.bytes;
     if (host == nullptr) return "unreadable (no pinned host memory for them)";
+    used_rescue_ = true;
     cudaError_t err = cudaSuccess;
     for (int r = 0; r < W && err == cudaSuccess; ++r)
       err = cudaMemcpyAsync(host + r * sizeof(DeviceSlotWords), &words_[r]->slots[slot],
@@ -549,7 +561,8 @@ class CudaTransport final : public Transport {
   std::vector<uint64_t> event_epoch_;    // the epoch each slot's event was recorded for
   std::vector<uint64_t> unblock_;        // kUnblockEpoch, one per word of this rank's slots
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
-  bool drained_ = false;                // Drain ran (the stream is idle, or abandoned)
+  std::atomic<bool> used_rescue_{false};  // Cancel or DescribeStuck enqueued on rescue_
+  cudaEvent_t rescue_mark_ = nullptr;     // Drain's mark after this session's rescue work
 };
 
 class CudaBackend final : public Backend {
