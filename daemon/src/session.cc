@@ -164,8 +164,14 @@ int Session::Poison() {
   int n = 0;
   for (int s = 0; s < geometry_.num_slots; ++s) {
     std::lock_guard<std::mutex> lock(slot_mu_);
-    // A slot whose call is still running is not free either: its result is on the way.
-    if (slots_[s].state == SlotState::kWriting || !NotHeldLocked(s)) continue;
+    // A slot whose call is still running is not free either: its result is on the way. One
+    // given back on the client's stream is free for the next call, which waits for that
+    // release on the device (or whose ready word carries it), but not for a fill: nothing
+    // orders one after the client's last read, whatever the client's host word says.
+    const SlotEntry& e = slots_[s];
+    if (e.state == SlotState::kWriting || (e.stream_release != 0 && e.stream_release == e.epoch) ||
+        !NotHeldLocked(s))
+      continue;
     if (absl::Status st = transport_->Poison(s); !st.ok()) {
       Logger("exec")->warn("session {}: poison slot {}: {}", id_, s, std::string(st.message()));
       continue;

@@ -1,9 +1,11 @@
 // Session's bookkeeping of stream-ordered calls, against a stand-in transport (no GPU): the
 // calls a GPU transport would enqueue on its stream are recorded, and the test says when each
 // finished on the "device". What is checked is Session's, the same on every GPU backend:
-// PoisonSlots leaves a slot whose call is still running alone; a call whose enqueue failed
+// PoisonSlots leaves a slot whose call is still running alone, and one whose result is given
+// back on the client's stream; a call whose enqueue failed
 // part way keeps its buffers until the session goes; a transport whose device work does not
 // end when the session goes is kept, with the buffers of its calls, instead of destroyed.
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <memory>
@@ -220,6 +222,39 @@ TEST_F(SessionStreamTest, PoisonLeavesTheSlotOfARunningCallAloneAndDoesNotWaitFo
   EXPECT_EQ(session_->Poison(), 1);
   std::lock_guard<std::mutex> lock(script_->mu);
   EXPECT_EQ(script_->poisoned, (std::vector<int>{1, 1}));
+}
+
+// A result given back on the client's stream is marked released in the client's host word at
+// once, while the client's stream may still read it: PoisonSlots used to take that word as
+// leave to fill the slot, on the daemon's stream, with nothing ordering the fill after the read.
+TEST_F(SessionStreamTest, PoisonLeavesAResultGivenBackOnTheClientsStreamAlone) {
+  auto first = Submit();
+  ASSERT_TRUE(first.ok()) << first.status();
+  Finish(first->slot, 1);
+  const std::vector<FinishedCall> done = Collect();
+  ASSERT_EQ(done.size(), 1u);
+  ASSERT_TRUE(done[0].outcome.ok()) << done[0].outcome.status();
+  ASSERT_EQ(StateOf(0), Session::SlotState::kHeld);
+  // The client's host words say epoch 1 was given back.
+  auto words = std::make_shared<std::vector<std::atomic<uint64_t>>>(kMaxSlots);
+  (*words)[0].store(1);
+  session_->UseClientReleaseWords(0, words->data(), words);
+  EXPECT_EQ(session_->Poison(), 1);  // slot 1 only
+  {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    EXPECT_EQ(script_->poisoned, std::vector<int>{1});
+  }
+  // The slot still serves the next call, which waits for the release on the stream.
+  auto third = Submit();  // epoch 2, slot 1
+  ASSERT_TRUE(third.ok()) << third.status();
+  Finish(1, 2);
+  ASSERT_EQ(Collect().size(), 1u);
+  auto fourth = Submit();  // epoch 3, slot 0
+  ASSERT_TRUE(fourth.ok()) << fourth.status();
+  EXPECT_EQ(fourth->slot, 0);
+  std::lock_guard<std::mutex> lock(script_->mu);
+  ASSERT_EQ(script_->enqueued.size(), 3u);
+  EXPECT_EQ(script_->enqueued[2].wait_released, 1u);
 }
 
 TEST_F(SessionStreamTest, AFailedEnqueueKeepsItsBuffersUntilTheSessionGoes) {
