@@ -500,14 +500,10 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
   // Abort first: a call of this client blocked on peers ends now, and peers waiting on this
   // rank see ABORTED instead of timing out. The session itself goes when its last in-flight
   // call drops its reference.
-  uint64_t slot_bytes = 0;
-  for (auto& [id, s] : sessions) {
-    s->Abort(kAbortClientGone);
-    slot_bytes += s->reserved_bytes();
-  }
+  // Each gives its share of the slot budget back when it is destroyed.
+  for (auto& [id, s] : sessions) s->Abort(kAbortClientGone);
   // Its groups' other ranks would otherwise wait out their next session's rendezvous.
   for (auto& [id, g] : groups) EndGroup(*g, StrCat("rank ", g->rank, "'s client went away"));
-  ReleaseSlotMemory(slot_bytes);
   if (poll_wake_) (void)poll_wake_->Signal();
   Logger("main")->info("client {} ({}, pid {}) gone: {}; released {} session(s), {} buffer(s)",
                        c->id, c->name, PidText(c->pid, c->reported_pid), reason, sessions.size(),
@@ -531,8 +527,9 @@ void Daemon::EndGroup(const Group& g, const std::string& why) {
 // sessions' streams from draining uses up the budget, not the device behind it.
 absl::Status Daemon::ReserveSlotMemory(uint64_t bytes) {
   const uint64_t undrained = Session::UndrainedBytes();
-  std::lock_guard<std::mutex> lock(mu_);
-  const uint64_t used = slot_bytes_reserved_ + undrained;
+  std::lock_guard<std::mutex> lock(slot_budget_->mu);
+  uint64_t& reserved = slot_budget_->reserved;
+  const uint64_t used = reserved + undrained;
   if (used + bytes > config_.slot_memory_budget_bytes)
     return absl::ResourceExhaustedError(StrCat(
         "slot memory: session needs ", bytes, " bytes, ", used, " of the budget ",
@@ -541,19 +538,27 @@ absl::Status Daemon::ReserveSlotMemory(uint64_t bytes) {
                                "did not end, ulyssesd_sessions_undrained_total")
                       : "",
         ")"));
-  slot_bytes_reserved_ += bytes;
+  reserved += bytes;
   return absl::OkStatus();
 }
 
 uint64_t Daemon::slot_memory_reserved() const {
   const uint64_t undrained = Session::UndrainedBytes();
-  std::lock_guard<std::mutex> lock(mu_);
-  return slot_bytes_reserved_ + undrained;
+  std::lock_guard<std::mutex> lock(slot_budget_->mu);
+  return slot_budget_->reserved + undrained;
 }
 
-void Daemon::ReleaseSlotMemory(uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
-  slot_bytes_reserved_ -= std::min(bytes, slot_bytes_reserved_);
+void Daemon::ReleaseSlotMemory(uint64_t bytes) { slot_budget_->Give(bytes); }
+
+void Daemon::SlotBudget::Give(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu);
+  reserved -= std::min(bytes, reserved);
+}
+
+// The hold shares the budget, so a session that outlives the daemon object gives back safely.
+std::shared_ptr<const void> Daemon::SlotMemoryHold(uint64_t bytes) {
+  std::shared_ptr<SlotBudget> budget = slot_budget_;
+  return std::shared_ptr<const void>(nullptr, [budget, bytes](const void*) { budget->Give(bytes); });
 }
 
 }  // namespace ulysses::daemon

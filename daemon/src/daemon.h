@@ -196,6 +196,10 @@ class Daemon {
   /// Reserves receive-slot memory against the budget; RESOURCE_EXHAUSTED when over.
   absl::Status ReserveSlotMemory(uint64_t bytes);
   void ReleaseSlotMemory(uint64_t bytes);
+  /// Takes over `bytes` reserved by ReserveSlotMemory: they are given back when the last copy
+  /// of the returned hold goes (a session holds its share until it is destroyed, after its
+  /// device work ended, not when it is closed).
+  std::shared_ptr<const void> SlotMemoryHold(uint64_t bytes);
   /// What ReserveSlotMemory holds now, with what undrained sessions keep (Session::UndrainedBytes).
   uint64_t slot_memory_reserved() const;
   absl::Time started() const { return started_; }
@@ -334,7 +338,12 @@ class Daemon {
   std::mutex quota_mu_;
   std::map<uid_t, UidUsage> uid_usage_;
   std::array<std::atomic<uint64_t>, kNumLimits> refusals_{};
-  uint64_t slot_bytes_reserved_ = 0;
+  struct SlotBudget {
+    std::mutex mu;
+    uint64_t reserved = 0;
+    void Give(uint64_t bytes);
+  };
+  const std::shared_ptr<SlotBudget> slot_budget_ = std::make_shared<SlotBudget>();
 
   RendezvousTable rendezvous_table_;
   RendezvousClient rendezvous_client_;

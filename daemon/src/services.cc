@@ -405,6 +405,11 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
           d_->ReleaseSlotMemory(needed_ - held);
           needed_ = held;
         }
+        // From here the session holds its share: it gives it back once its device work ended.
+        if (session_) {
+          session_->HoldSlotMemory(d_->SlotMemoryHold(needed_));
+          needed_ = 0;
+        }
       } else {
         local_ = created.status();
         d_->ReleaseSlotMemory(needed_);
@@ -460,7 +465,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
       }
     }
     if (!status.ok()) {
-      session_.reset();
+      session_.reset();  // gives back its share of the budget
       d_->ReleaseSlotMemory(needed_);
       return status;
     }
@@ -494,7 +499,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   std::string agreement_;
   uint64_t id_ = 0;
   absl::Duration timeout_;
-  uint64_t needed_ = 0;  // reserved against the slot budget
+  uint64_t needed_ = 0;  // reserved against the slot budget, not yet held by the session
   std::unique_ptr<Session> session_;
 
   std::mutex mu_;  // guards what follows
@@ -642,8 +647,9 @@ class ControlService final
         s = it->second;
         c.sessions.erase(it);
       }
+      // Its share of the slot budget comes back when it is destroyed (after its last in-flight
+      // call, once its device work ended).
       s->Abort(kAbortClosed);
-      d_->ReleaseSlotMemory(s->reserved_bytes());
       return absl::OkStatus();
     });
   }

@@ -252,5 +252,50 @@ TEST_F(SlotsRpc, WithoutRingsHeldSlotsAreReleasedByRpc) {
   EXPECT_TRUE(Same(*r2, 1));
 }
 
+// The slot budget: a session takes its share when it is made and gives back exactly that when
+// it goes, whether its client closes it or goes away; one that does not fit is refused, naming
+// the budget, and takes nothing. (The share now goes back when the session is destroyed, after
+// its device work ended, instead of at the close request: a closed session whose stream was
+// still draining no longer let new sessions past the budget.)
+TEST_F(Slots, ASessionsShareOfTheSlotBudgetComesBackWhenItGoes) {
+  auto used = [&] {
+    auto stub = testing_util::AdminStub(daemon_.socket());
+    v1::DaemonState st;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(stub->GetState(&ctx, {}, &st).ok());
+    return st.slot_budget_used_bytes();
+  };
+  const uint64_t base = used();
+  ASSERT_GT(base, 0u);  // the fixture's session
+  auto g = client_->JoinGroup({"budget", 1, 0, {daemon_.socket()}, "auto", 0});
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto s = client_->CreateSession(*g, {kH, kD, DType::kFloat32, kTokens, 2, {}, 0});
+  ASSERT_TRUE(s.ok()) << s.status();
+  const uint64_t share = used() - base;
+  EXPECT_GT(share, 0u);
+  ASSERT_TRUE((*s)->Close().ok());
+  EXPECT_TRUE(testing_util::Eventually([&] { return used() == base; })) << used();
+
+  // A session too large for what is left is refused and takes nothing.
+  auto big = client_->CreateSession(*g, {kH, kD, DType::kFloat32, int64_t{1} << 24, 8, {}, 0});
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
+  EXPECT_THAT(std::string(big.status().message()), HasSubstr("slots.memory_budget_bytes"));
+  EXPECT_EQ(used(), base);
+
+  // A client that goes away gives back its sessions' shares.
+  auto other = client::Client::Connect({daemon_.socket(), "budget-other"});
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto og = (*other)->JoinGroup({"budget-other", 1, 0, {daemon_.socket()}, "auto", 0});
+  ASSERT_TRUE(og.ok()) << og.status();
+  auto os = (*other)->CreateSession(*og, {kH, kD, DType::kFloat32, kTokens, 2, {}, 0});
+  ASSERT_TRUE(os.ok()) << os.status();
+  EXPECT_EQ(used(), base + share);
+  other->reset();  // detaches: the daemon reclaims the client, its session open
+  EXPECT_TRUE(testing_util::Eventually([&] { return used() == base; })) << used();
+  os->reset();
+  EXPECT_EQ(used(), base);
+}
+
 }  // namespace
 }  // namespace ulysses
