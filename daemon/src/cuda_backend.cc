@@ -475,7 +475,8 @@ class CudaTransport final : public Transport {
                              client_words_.size()};
   }
   uint64_t DeviceBytes() const override {
-    return slots_.size() + daemon_words_.size() + client_words_.size();
+    return slots_.size() + daemon_words_.size() + client_words_.size() +
+           (fused_ ? fused_->plan().device_bytes() : 0);
   }
   std::string Describe() const override {
     if (!fused_)

@@ -35,6 +35,7 @@ class FusedRunner {
                                                              FusedExchange exchange);
 
   kernels::FusedQkvPlan& plan() { return *plan_; }
+  const kernels::FusedQkvPlan& plan() const { return *plan_; }
 
   /// The path of a call of `rows` rows. The first call of a row count prepares the plan's
   /// GEMMs for it (host work only: descriptors and algorithm choice, no device allocation) and

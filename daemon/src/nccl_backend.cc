@@ -268,7 +268,9 @@ class NcclTransport final : public Transport {
   }
   // The slots, as on nvlink (what the slot budget charged); the staging shows in the
   // daemon's device allocation counters.
-  uint64_t DeviceBytes() const override { return slots_.size() + send_.size() + recv_.size(); }
+  uint64_t DeviceBytes() const override {
+    return slots_.size() + send_.size() + recv_.size() + (fused_ ? fused_->plan().device_bytes() : 0);
+  }
   std::string Describe() const override {
     std::string out = StrCat("nccl: NCCL ", NcclVersion(), ", communicator of ",
                              setup_.geometry.world_size, " ranks on device ", device_,

@@ -119,7 +119,8 @@ class Transport {
   /// Byte offset of `slot` inside the client's mapping.
   virtual uint64_t SlotOffset(int slot) const = 0;
   virtual ClientSlotMapping ClientMapping() const = 0;
-  /// Device memory (bytes) this transport allocated: 0 on the host backend.
+  /// Device memory (bytes) this transport allocated (a fused session's plan included), charged
+  /// to the slot budget: 0 on the host backend.
   virtual uint64_t DeviceBytes() const = 0;
   /// describe(): how this session's calls run (kernels, path per prepared row count and why).
   virtual std::string Describe() const = 0;

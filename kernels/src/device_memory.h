@@ -45,16 +45,21 @@ class DeviceMemory {
     if (stream != nullptr && MemoryPoolsSupported()) {
       ULY_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&ptr_, bytes, stream));
       stream_ = stream;
+      bytes_ = bytes;
       ULY_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
       return absl::OkStatus();
     }
     ULY_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes));
+    bytes_ = bytes;
     return absl::OkStatus();
   }
   void* get() const { return ptr_; }
+  /// What Allocate got (0 before).
+  size_t bytes() const { return bytes_; }
 
  private:
   void* ptr_ = nullptr;
+  size_t bytes_ = 0;
   cudaStream_t stream_ = nullptr;  // set: the memory is the pool's, freed on this stream
 };
 

@@ -42,6 +42,7 @@ absl::Status Bf16Gemm::Run(const void*, const void*, void*, int64_t, cudaStream_
 }
 int64_t Bf16Gemm::n() const { return 0; }
 int64_t Bf16Gemm::k() const { return 0; }
+size_t Bf16Gemm::device_bytes() const { return 0; }
 std::string Bf16Gemm::AlgoDescription(int64_t) const { return ""; }
 
 struct FusedQkvPlan::Impl {};
@@ -51,6 +52,7 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
   return NoCuda();
 }
 absl::Status FusedQkvPlan::Prepare(int64_t) { return NoCuda(); }
+size_t FusedQkvPlan::device_bytes() const { return 0; }
 absl::Status FusedQkvPlan::RunNormRope(const void*, const int32_t*, int64_t, int64_t,
                                        cudaStream_t) {
   return NoCuda();

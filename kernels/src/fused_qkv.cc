@@ -196,6 +196,11 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
   return std::unique_ptr<FusedQkvPlan>(new FusedQkvPlan(std::move(impl)));
 }
 
+size_t FusedQkvPlan::device_bytes() const {
+  return impl_->gemm->device_bytes() + impl_->projection.bytes() + impl_->counters.bytes() +
+         impl_->chunk_counters.bytes();
+}
+
 absl::Status FusedQkvPlan::Prepare(int64_t rows) {
   if (rows <= 0 || rows > impl_->config.max_tokens)
     return absl::InvalidArgumentError(

@@ -189,6 +189,7 @@ absl::Status Bf16Gemm::Run(const void* x, const void* w, void* out, int64_t m,
 
 int64_t Bf16Gemm::n() const { return impl_->n; }
 int64_t Bf16Gemm::k() const { return impl_->k; }
+size_t Bf16Gemm::device_bytes() const { return impl_->workspace.bytes(); }
 
 std::string Bf16Gemm::AlgoDescription(int64_t m) const {
   auto it = impl_->shapes.find({m, 256});

@@ -136,6 +136,9 @@ class FusedQkvPlan {
   /// One line per path: the launch sequence, chunking and GEMM algorithms for `rows` rows.
   std::string Describe(int64_t rows) const;
 
+  /// Device memory the plan holds: GEMM workspace, projection buffer, counters.
+  size_t device_bytes() const;
+
  private:
   struct Impl;
   explicit FusedQkvPlan(std::unique_ptr<Impl> impl);

@@ -49,6 +49,8 @@ class Bf16Gemm {
 
   int64_t n() const;
   int64_t k() const;
+  /// Device memory the plan holds (its workspace).
+  size_t device_bytes() const;
   /// Name of the algorithm cuBLASLt picked for `m` rows at 256-byte alignment (after Prepare),
   /// for describe(); empty when not prepared.
   std::string AlgoDescription(int64_t m) const;
