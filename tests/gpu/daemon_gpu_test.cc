@@ -621,6 +621,52 @@ TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCal
   FinishWithRank1(*early);
 }
 
+// The same with a fused session passing by: its plan's memory is freed in its own stream's
+// order and its cuBLASLt handle goes back to the device's pool instead of being destroyed
+// (cublasLtDestroy synchronizes the device), so neither making nor closing it waits for the
+// blocked call. Zero weights and inputs: the results do not matter here.
+TEST_F(GpuTwoRankScatter, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlockedCall) {
+  Start(2, {"--call-timeout-ms", "60000"});
+  ASSERT_NO_FATAL_FAILURE(Open("blocked-fused", "early", "late"));
+  auto early = session(0)->Submit(Scatter(0));
+  ASSERT_TRUE(early.ok()) << early.status();
+  ASSERT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"));
+  {
+    Alone other;
+    ASSERT_NO_FATAL_FAILURE(JoinAlone("fused-passer-by", &other));
+    constexpr int32_t kHeads = 2, kDim = kFusedGpuHeadDim, kHidden = kHeads * kDim;
+    constexpr int32_t kMaxPos = 64;
+    constexpr int64_t kTokens = 16;
+    const size_t w_bytes = size_t{3} * kHidden * kHidden * 2;
+    const size_t at_q = AlignUp(w_bytes, 256), at_k = at_q + 256, at_cs = at_k + 256;
+    auto w = other.client->AllocBuffer(at_cs + size_t{kMaxPos} * kDim * 4, "weights");
+    auto x = other.client->AllocBuffer(size_t{kTokens} * kHidden * 2, "x");
+    auto pos = other.client->AllocBuffer(size_t{kTokens} * 4, "positions");
+    ASSERT_TRUE(w.ok() && x.ok() && pos.ok());  // daemon buffers, zero-filled
+    client::FusedSessionSpec spec;
+    spec.hidden = kHidden;
+    spec.num_heads = kHeads;
+    spec.head_dim = kDim;
+    spec.max_tokens = kTokens;
+    spec.max_pos = kMaxPos;
+    spec.weights.w_qkv = w->Tensor(DType::kBFloat16, {3 * kHidden, kHidden}, 0);
+    spec.weights.q_norm = w->Tensor(DType::kBFloat16, {kDim}, at_q);
+    spec.weights.k_norm = w->Tensor(DType::kBFloat16, {kDim}, at_k);
+    spec.weights.cos_sin = w->Tensor(DType::kFloat32, {kMaxPos, kDim}, at_cs);
+    auto s = other.client->CreateFusedSession(*other.group, spec);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
+        << "rank 0's call ended while a fused session was made";
+    auto views = (*s)->QkvNormRopeExchange(x->Ref(), pos->Ref(), 1, kTokens);
+    ASSERT_TRUE(views.ok()) << views.status();
+    for (client::Result& v : *views) ASSERT_TRUE(v.Release().ok());
+    ASSERT_TRUE((*s)->Close().ok());
+  }
+  EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
+      << "rank 0's call ended while the fused session closed";
+  FinishWithRank1(*early);
+}
+
 // A hostile client maps its own slot allocation writable (the access flags of a mapping are
 // the importer's choice) and writes an epoch past every call over all of it. Nothing a daemon
 // relies on lives there: its next call, for the slot its peer still holds, waits for the
