@@ -152,26 +152,31 @@ class CudaTransport final : public Transport {
     // the peers (they store into the slots) and mapped by the client. The words only daemons
     // use (DeviceWords) are an allocation of their own, lent to the peers alone.
     t->words_bytes_ = AlignUp(sizeof(ResultWords), kSlotAlign);
-    ULY_ASSIGN_OR_RETURN(t->slots_, ipc::cuda::VmmMapping::Create(
-                                        device, t->words_bytes_ + t->stride_ * setup.geometry.num_slots));
+    // The session's stream (idle: fresh, or drained when given back) zeroes its allocations,
+    // so the daemon's context runs work on no queue but its sessions' own: work on another
+    // queue slows this context's hand-offs (DeviceStreams), and a wait on the legacy stream
+    // could wait behind another session's stream that shares its queue.
+    ULY_ASSIGN_OR_RETURN(t->stream_, t->streams_->Take());
+    t->rescue_ = t->streams_->rescue();
+    ULY_ASSIGN_OR_RETURN(t->slots_,
+                         ipc::cuda::VmmMapping::Create(
+                             device, t->words_bytes_ + t->stride_ * setup.geometry.num_slots,
+                             t->stream_));
     ULY_ASSIGN_OR_RETURN(t->client_fd_, t->slots_.Export());
     ULY_ASSIGN_OR_RETURN(t->ticket_, exports->Lend(t->client_fd_.get()));
     ULY_ASSIGN_OR_RETURN(t->daemon_words_,
-                         ipc::cuda::VmmMapping::Create(device, sizeof(DeviceWords)));
+                         ipc::cuda::VmmMapping::Create(device, sizeof(DeviceWords), t->stream_));
     {
       ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd, t->daemon_words_.Export());
       // FdExports keeps its own duplicate of a lent fd.
       ULY_ASSIGN_OR_RETURN(t->words_ticket_, exports->Lend(fd.get()));
     }
-    ULY_ASSIGN_OR_RETURN(t->client_words_,
-                         ipc::cuda::VmmMapping::Create(device, sizeof(ClientDeviceWords)));
+    ULY_ASSIGN_OR_RETURN(t->client_words_, ipc::cuda::VmmMapping::Create(
+                                               device, sizeof(ClientDeviceWords), t->stream_));
     ULY_ASSIGN_OR_RETURN(t->client_words_fd_, t->client_words_.Export());
-    // What a cancel writes over this rank's slot words (every wait passes); set before the
-    // stream is taken, since a failed Create's destructor cancels on it.
+    // What a cancel writes over this rank's slot words (every wait passes).
     t->unblock_.assign(sizeof(DeviceSlotWords) / sizeof(uint64_t) * setup.geometry.num_slots,
                        kUnblockEpoch);
-    ULY_ASSIGN_OR_RETURN(t->stream_, t->streams_->Take());
-    t->rescue_ = t->streams_->rescue();
     t->events_.assign(setup.geometry.num_slots, nullptr);
     t->event_epoch_.assign(setup.geometry.num_slots, 0);
     for (cudaEvent_t& ev : t->events_)
@@ -180,7 +185,7 @@ class CudaTransport final : public Transport {
     ULY_RETURN_IF_ERROR(CudaStatus(
         "cudaEventCreate", cudaEventCreateWithFlags(&t->rescue_mark_, cudaEventDisableTiming)));
     // Every word starts at 0 (no epoch reached) before any peer or client can see it:
-    // VmmMapping::Create zero-fills each allocation and waits for that.
+    // VmmMapping::Create zero-fills each allocation on the session's stream and waits for that.
     if (setup.fused) {
       // Everything a fused call needs is made here (GEMM workspace, projection buffer, second
       // stream, events); a call at a row count seen before allocates nothing.
@@ -191,8 +196,9 @@ class CudaTransport final : public Transport {
   }
 
   // Session drains every transport it made and keeps for the process's life one whose Drain
-  // failed; one never drained comes from a failed Create, which enqueued nothing on either
-  // stream. So nothing of this session runs on the device any more, and nothing here waits.
+  // failed; one never drained comes from a failed Create, whose only work on its stream (the
+  // zeroing of its allocations) was waited for there. So nothing of this session runs on the
+  // device any more, and nothing here waits.
   ~CudaTransport() override {
     (void)UseDevice(device_);
     if (stream_ != nullptr) streams_->Give(stream_);
@@ -674,12 +680,19 @@ class CudaBackend final : public Backend {
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* exports) {
   ULY_RETURN_IF_ERROR(ipc::cuda::SetDevice(device));
   ULY_ASSIGN_OR_RETURN(ipc::cuda::DeviceInfo info, ipc::cuda::Describe(device));
+  ULY_ASSIGN_OR_RETURN(std::shared_ptr<DeviceStreams> streams, DeviceStreams::Create(device));
   // Probe the VMM path once: a device or driver without POSIX-fd VMM cannot serve sessions.
-  ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping probe, ipc::cuda::VmmMapping::Create(device, 1));
-  ULY_ASSIGN_OR_RETURN(ipc::UniqueFd probe_fd, probe.Export());
+  // Zeroed on the stream the first session will take, so no other queue runs work.
+  {
+    ULY_ASSIGN_OR_RETURN(cudaStream_t first, streams->Take());
+    absl::StatusOr<ipc::cuda::VmmMapping> probe = ipc::cuda::VmmMapping::Create(device, 1, first);
+    absl::StatusOr<ipc::UniqueFd> probe_fd =
+        probe.ok() ? probe->Export() : absl::StatusOr<ipc::UniqueFd>(probe.status());
+    streams->Give(first);
+    ULY_RETURN_IF_ERROR(probe_fd.status());
+  }
   Logger("main")->info("device {}: {} ({}, {}), MPS {}", device, info.name, info.uuid,
                        info.pci_bus_id, info.mps ? "on" : "off");
-  ULY_ASSIGN_OR_RETURN(std::shared_ptr<DeviceStreams> streams, DeviceStreams::Create(device));
   return std::unique_ptr<Backend>(
       new CudaBackend(device, exports, std::move(info), std::move(streams)));
 }

@@ -91,19 +91,23 @@ class NcclTransport final : public Transport {
     }
     const int W = setup.geometry.world_size;
     t->stride_ = AlignUp(setup.slot_bytes, kAlign);
-    ULY_ASSIGN_OR_RETURN(
-        t->slots_, ipc::cuda::VmmMapping::Create(device, t->stride_ * setup.geometry.num_slots));
-    ULY_ASSIGN_OR_RETURN(t->client_fd_, t->slots_.Export());
-    if (W > 1) {
-      // Staging is made once here: a call allocates nothing.
-      t->block_capacity_ = BlockCapacity(W, setup.slot_bytes);
-      ULY_ASSIGN_OR_RETURN(t->send_, ipc::cuda::VmmMapping::Create(device, t->block_capacity_ * W));
-      ULY_ASSIGN_OR_RETURN(t->recv_, ipc::cuda::VmmMapping::Create(device, t->block_capacity_ * W));
-    }
     cudaStream_t stream = nullptr;
     ULY_RETURN_IF_ERROR(
         CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)));
     t->stream_ = stream;
+    // Zeroed on the session's own stream: a wait on the legacy stream could wait behind another
+    // session's stream that shares its hardware queue.
+    ULY_ASSIGN_OR_RETURN(t->slots_, ipc::cuda::VmmMapping::Create(
+                                        device, t->stride_ * setup.geometry.num_slots, stream));
+    ULY_ASSIGN_OR_RETURN(t->client_fd_, t->slots_.Export());
+    if (W > 1) {
+      // Staging is made once here: a call allocates nothing.
+      t->block_capacity_ = BlockCapacity(W, setup.slot_bytes);
+      ULY_ASSIGN_OR_RETURN(t->send_,
+                           ipc::cuda::VmmMapping::Create(device, t->block_capacity_ * W, stream));
+      ULY_ASSIGN_OR_RETURN(t->recv_,
+                           ipc::cuda::VmmMapping::Create(device, t->block_capacity_ * W, stream));
+    }
     if (setup.geometry.rank == 0)
       ULY_RETURN_IF_ERROR(NcclStatus("ncclGetUniqueId", ncclGetUniqueId(&t->id_), nullptr));
     return std::unique_ptr<Transport>(std::move(t));

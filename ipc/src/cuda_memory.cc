@@ -258,7 +258,7 @@ absl::StatusOr<uint64_t> VmmMapping::Granularity(int device) {
   return static_cast<uint64_t>(g);
 }
 
-absl::StatusOr<VmmMapping> VmmMapping::Create(int device, uint64_t bytes) {
+absl::StatusOr<VmmMapping> VmmMapping::Create(int device, uint64_t bytes, void* zero_stream) {
   ULY_RETURN_IF_ERROR(Drv().status);
   if (bytes == 0) return absl::InvalidArgumentError("bytes: must be > 0");
   ULY_ASSIGN_OR_RETURN(const uint64_t g, Granularity(device));
@@ -279,9 +279,10 @@ absl::StatusOr<VmmMapping> VmmMapping::Create(int device, uint64_t bytes) {
   ULY_ASSIGN_OR_RETURN(CUdeviceptr p, MapHandle(device, h, size, true));
   m.ptr_ = p;
   // Zeroed before anyone can see it (a client or a peer writes into it afterwards): the memset
-  // is asynchronous to the host, so it is waited for, on the legacy stream alone.
-  ULY_CUDART(cudaMemset(m.data(), 0, size));
-  ULY_CUDART(cudaStreamSynchronize(cudaStreamLegacy));
+  // is asynchronous to the host, so it is waited for, on its stream alone.
+  cudaStream_t on = zero_stream != nullptr ? static_cast<cudaStream_t>(zero_stream) : cudaStreamLegacy;
+  ULY_CUDART(cudaMemsetAsync(m.data(), 0, size, on));
+  ULY_CUDART(cudaStreamSynchronize(on));
   return m;
 }
 

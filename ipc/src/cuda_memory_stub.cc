@@ -19,7 +19,7 @@ VmmMapping::~VmmMapping() = default;
 VmmMapping& VmmMapping::operator=(VmmMapping&&) noexcept { return *this; }
 void VmmMapping::Reset() noexcept {}
 absl::StatusOr<uint64_t> VmmMapping::Granularity(int) { return NoCuda(); }
-absl::StatusOr<VmmMapping> VmmMapping::Create(int, uint64_t) { return NoCuda(); }
+absl::StatusOr<VmmMapping> VmmMapping::Create(int, uint64_t, void*) { return NoCuda(); }
 absl::StatusOr<VmmMapping> VmmMapping::Import(int, int, uint64_t, bool) { return NoCuda(); }
 absl::StatusOr<VmmMapping> VmmMapping::ImportParts(int, std::span<const Part>, bool,
                                                     std::string_view) {

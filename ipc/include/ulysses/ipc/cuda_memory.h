@@ -57,8 +57,11 @@ class VmmMapping {
   VmmMapping(const VmmMapping&) = delete;
   VmmMapping& operator=(const VmmMapping&) = delete;
 
-  /// A new zero-filled allocation of at least `bytes` on `device`, mapped read-write here.
-  static absl::StatusOr<VmmMapping> Create(int device, uint64_t bytes);
+  /// A new zero-filled allocation of at least `bytes` on `device`, mapped read-write here. The
+  /// zeroing runs on `zero_stream` (a cudaStream_t; null: the legacy stream) and is waited for
+  /// there alone: pass an idle stream of the caller's so no other stream's work is waited for.
+  static absl::StatusOr<VmmMapping> Create(int device, uint64_t bytes,
+                                           void* zero_stream = nullptr);
   /// Maps an allocation exported by another process (`fd` from Export; the fd is not kept).
   /// `bytes` must equal the exporter's size(). `writable` false maps it read-only.
   static absl::StatusOr<VmmMapping> Import(int device, int fd, uint64_t bytes, bool writable);
