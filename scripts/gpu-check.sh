@@ -4,8 +4,11 @@
 # It builds and installs nothing: it runs a CUDA build (build/ by default), or the programs
 # gathered in one folder (--bin) with the shared libraries they need (--lib).
 #
-#   scripts/gpu-check.sh [--bin DIR] [--lib DIR] [--python PATH] [--stages LIST] [--commit C] OUT
+#   scripts/gpu-check.sh [--bin DIR] [--lib DIR] [--python PATH] [--stages LIST] [--commit C]
+#                        [--stage-limit SECONDS] OUT
 #
+# --stage-limit: a stage still running after SECONDS is stopped (TERM, then KILL 10 s later)
+# and recorded as FAILED(124); the stages after it still run. Default 0: no limit.
 # Stages, in this order (default: all):
 #   nccl      the nccl backend's GPU cases, each daemon its own NCCL_HOSTID (NCCL's socket
 #             transport: a test mode), without MPS
@@ -20,6 +23,7 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 
 bin="" lib="" python=python3 stages="nccl,tests,python,demo,overhead,handoff" commit="" out=""
+limit=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --bin) bin="$2"; shift 2 ;;
@@ -27,13 +31,18 @@ while [ $# -gt 0 ]; do
     --python) python="$2"; shift 2 ;;
     --stages) stages="$2"; shift 2 ;;
     --commit) commit="$2"; shift 2 ;;
-    -h|--help) sed -n 2,19p "$0"; exit 0 ;;
+    --stage-limit) limit="$2"; shift 2 ;;
+    -h|--help) sed -n 2,23p "$0"; exit 0 ;;
     -*) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
     *) out="$1"; shift ;;
   esac
 done
 if [ -z "$out" ]; then
   echo "gpu-check: give the folder to write the logs into (OUT)" >&2
+  exit 2
+fi
+if ! [[ "$limit" =~ ^[0-9]+$ ]]; then
+  echo "gpu-check: --stage-limit: '$limit' is not a number of seconds" >&2
   exit 2
 fi
 for s in ${stages//,/ }; do
@@ -92,8 +101,13 @@ stage() {
   shift
   echo "== $name: $*"
   start=$(date +%s)
-  "$@" > "$out/$name.log" 2>&1
+  if [ "$limit" -gt 0 ]; then
+    timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+  else
+    "$@" > "$out/$name.log" 2>&1
+  fi
   rc=$?
+  [ $rc -ne 124 ] && [ $rc -ne 137 ] || echo "gpu-check: stopped after the stage limit of ${limit} s" >> "$out/$name.log"
   local line
   line=$(printf '%-10s %-7s %4ds  %s' "$name" "$([ $rc -eq 0 ] && echo passed || echo "FAILED($rc)")" \
     "$(( $(date +%s) - start ))" "$(tail -n 1 "$out/$name.log")")

@@ -2,8 +2,9 @@
 # gpu_check_test.sh: scripts/gpu-check.sh's plumbing without a GPU. Stand-in programs (each
 # prints its arguments and the environment the stages need) and a stand-in nvidia-smi: every
 # stage runs its program with the right arguments and environment and gets its log and its
-# summary line; a failing stage makes the run exit non-zero and says FAILED, and the stages
-# after it still run; bad arguments and a missing program are refused before anything runs.
+# summary line; a failing stage, or one stopped at --stage-limit, makes the run exit non-zero
+# and says FAILED, and the stages after it still run; bad arguments and a missing program are
+# refused before anything runs.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 check="$here/../../scripts/gpu-check.sh"
@@ -18,6 +19,7 @@ for p in ulyssesd gpu_kernels_test gpu_daemon_test gpu_phase_client ulysses-demo
 #!/usr/bin/env bash
 echo "$p \$* ULYSSESD=\$ULYSSESD EAGER=\$CUDA_MODULE_LOADING NVLS=\$NCCL_NVLS_ENABLE"
 [ "$p" != ulysses-demo ] || [ -z "\${DEMO_FAILS:-}" ] || exit 3
+[ "$p" != ulysses-demo ] || [ -z "\${DEMO_HANGS:-}" ] || exec sleep 600
 STUB
 done
 # The hand-off bench as handoff_queues.sh calls it: a JSON file per case.
@@ -63,11 +65,21 @@ grep -Eq "^overhead-ring +passed" "$dir/out2/summary.txt" || fail "the stage aft
 grep -q "a stage FAILED" "$dir/stdout2" || fail "the last line does not say a stage failed"
 [ ! -e "$dir/out2/nccl.log" ] || fail "--stages ran a stage it did not name"
 
+# A stage past --stage-limit is stopped and recorded as failed; the next stage runs.
+if DEMO_HANGS=1 run --stages demo,overhead --stage-limit 2 "$dir/out5" > "$dir/stdout5"; then
+  fail "a stage past the limit exited 0"
+fi
+grep -Eq "^demo +FAILED\(124\)" "$dir/out5/summary.txt" || fail "no FAILED(124) line for the demo"
+grep -Eq "^overhead-ring +passed" "$dir/out5/summary.txt" || fail "the stage after a timeout"
+
 # Refused before anything runs.
+if run --stage-limit soon "$dir/out6" 2> "$dir/err6"; then fail "a bad --stage-limit ran"; fi
+grep -q "stage-limit: 'soon'" "$dir/err6" || fail "the bad limit is not named"
 if run --stages demo,bogus "$dir/out3" 2> "$dir/err3"; then fail "an unknown stage ran"; fi
 grep -q "unknown stage 'bogus'" "$dir/err3" || fail "the unknown stage is not named"
 rm "$dir/bin/gpu_phase_client"
 if run "$dir/out4" 2> "$dir/err4"; then fail "a run without gpu_phase_client"; fi
 grep -q "gpu_phase_client is missing" "$dir/err4" || fail "the missing program is not named"
-[ ! -e "$dir/out3" ] && [ ! -e "$dir/out4" ] || fail "a refused run wrote its folder"
+[ ! -e "$dir/out3" ] && [ ! -e "$dir/out4" ] && [ ! -e "$dir/out6" ] ||
+  fail "a refused run wrote its folder"
 echo "gpu-check plumbing: ok"
