@@ -561,6 +561,15 @@ class GpuTwoRankScatter : public GpuCluster {
     if (!ipc::cuda::Copy(got.data(), result.data, result.bytes).ok()) return "unreadable";
     return testing_util::CheckScatterOut(got, 0, kS, kH, kHL, kD, kHL * kD);
   }
+  // Rank 0 submits a call (its epoch in *early) and its daemon's stream takes it: the slot is
+  // being written, and the stream waits on the GPU for rank 1, which has not called.
+  void BlockRank0(uint64_t* early) {
+    auto submitted = session(0)->Submit(Scatter(0));
+    ASSERT_TRUE(submitted.ok()) << submitted.status();
+    *early = *submitted;
+    ASSERT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
+        << "rank 0's call never reached its daemon's stream";
+  }
   // Rank 1 makes the call rank 0 submitted as `early`; rank 0's result must then be right.
   void FinishWithRank1(uint64_t early) {
     auto late = session(1)->Call(Scatter(1));
@@ -581,15 +590,12 @@ class GpuTwoRankScatter : public GpuCluster {
 TEST_F(GpuTwoRankScatter, PoisonWhileACallWaitsForItsPeerSkipsItsSlotAndReturns) {
   Start(2);
   ASSERT_NO_FATAL_FAILURE(Open("poison-wait", "early", "late"));
-  auto early = session(0)->Submit(Scatter(0));
-  ASSERT_TRUE(early.ok()) << early.status();
-  // Rank 0's daemon took the call (its slot is being written); its stream waits for rank 1.
-  ASSERT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
-      << "rank 0's call never reached its daemon's stream";
+  uint64_t early = 0;
+  ASSERT_NO_FATAL_FAILURE(BlockRank0(&early));
   auto poisoned = session(0)->PoisonSlots();
   ASSERT_TRUE(poisoned.ok()) << poisoned.status();
   EXPECT_EQ(*poisoned, 1) << "only slot 1 is free";
-  FinishWithRank1(*early);
+  FinishWithRank1(early);
 }
 
 // A session that closes while another session of its daemon has a call waiting on the GPU
@@ -599,9 +605,8 @@ TEST_F(GpuTwoRankScatter, PoisonWhileACallWaitsForItsPeerSkipsItsSlotAndReturns)
 TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCall) {
   Start(2, {"--call-timeout-ms", "60000"});
   ASSERT_NO_FATAL_FAILURE(Open("blocked", "early", "late"));
-  auto early = session(0)->Submit(Scatter(0));
-  ASSERT_TRUE(early.ok()) << early.status();
-  ASSERT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"));
+  uint64_t early = 0;
+  ASSERT_NO_FATAL_FAILURE(BlockRank0(&early));
 
   // Another client of daemon 0 opens a session, calls once and closes it.
   {
@@ -618,7 +623,7 @@ TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCal
   }
   EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
       << "rank 0's call ended while the other session closed";
-  FinishWithRank1(*early);
+  FinishWithRank1(early);
 }
 
 // The same with a fused session passing by: its plan's memory is freed in its own stream's
@@ -628,9 +633,8 @@ TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCal
 TEST_F(GpuTwoRankScatter, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlockedCall) {
   Start(2, {"--call-timeout-ms", "60000"});
   ASSERT_NO_FATAL_FAILURE(Open("blocked-fused", "early", "late"));
-  auto early = session(0)->Submit(Scatter(0));
-  ASSERT_TRUE(early.ok()) << early.status();
-  ASSERT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"));
+  uint64_t early = 0;
+  ASSERT_NO_FATAL_FAILURE(BlockRank0(&early));
   {
     Alone other;
     ASSERT_NO_FATAL_FAILURE(JoinAlone("fused-passer-by", &other));
@@ -664,7 +668,7 @@ TEST_F(GpuTwoRankScatter, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlock
   }
   EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
       << "rank 0's call ended while the fused session closed";
-  FinishWithRank1(*early);
+  FinishWithRank1(early);
 }
 
 // A hostile client maps its own slot allocation writable (the access flags of a mapping are
