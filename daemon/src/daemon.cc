@@ -139,7 +139,13 @@ Daemon::Daemon(DaemonConfig config)
       recorder_(std::make_unique<FlightRecorder>(static_cast<size_t>(
           std::max<int32_t>(1, config_.flight_recorder_size)))) {}
 
-Daemon::~Daemon() { Shutdown(); }
+Daemon::~Daemon() {
+  Shutdown();
+  // The gRPC server's threads, which read the budget (GetState), are joined inside gRPC, where
+  // ThreadSanitizer does not see it; taking the budget's lock once orders their last use before
+  // this daemon's reference goes (the memory itself lives on while a session holds a part).
+  std::lock_guard<std::mutex> lock(slot_budget_->mu);
+}
 
 absl::Status Daemon::Start() {
   ULY_RETURN_IF_ERROR(ValidateDaemonConfig(config_));
