@@ -200,6 +200,9 @@ class CudaTransport final : public Transport {
   // zeroing of its allocations) was waited for there. So nothing of this session runs on the
   // device any more, and nothing here waits.
   ~CudaTransport() override {
+    // A failed Create lent its allocations before it failed: no peer fetches them any more.
+    for (ExportTicket* t : {&ticket_, &words_ticket_})
+      if (t->id != 0) exports_->Withdraw(std::exchange(t->id, 0));
     (void)UseDevice(device_);
     if (stream_ != nullptr) streams_->Give(stream_);
     for (cudaEvent_t ev : events_)
@@ -222,7 +225,9 @@ class CudaTransport final : public Transport {
   bool Drain() override {
     for (ExportTicket* t : {&ticket_, &words_ticket_})
       if (t->id != 0) exports_->Withdraw(std::exchange(t->id, 0));
-    if (stream_ == nullptr || !UseDevice(device_).ok()) return true;
+    if (stream_ == nullptr) return true;
+    // Its work cannot be asked about: keep everything rather than free it under that work.
+    if (!UseDevice(device_).ok()) return false;
     const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     auto idle_by_then = [&](auto query, std::chrono::microseconds poll) {
       while (query() == cudaErrorNotReady) {
@@ -585,6 +590,9 @@ class CudaBackend final : public Backend {
     return CudaTransport::Create(device_, exports_, streams_, setup);
   }
   uint64_t StreamsMade() const override { return streams_->made(); }
+  uint64_t FusedPlanBytes(const FusedSetup& setup) const override {
+    return FusedRunner::DeviceBytesFor(setup);
+  }
 
   absl::StatusOr<std::shared_ptr<Buffer>> AllocBuffer(uint64_t bytes) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));

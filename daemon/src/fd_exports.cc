@@ -141,7 +141,7 @@ void FdExports::Serve() {
     uint64_t id = 0;   // export id (kHeld), watch id (kWatched), pending index (kPending)
     uint64_t sub = 0;  // the held connection's id within its export
   };
-  FirstFrames requests("peer fd socket", kMaxPendingRequests, kMaxRequestBytes, kPeerIo);
+  FirstFrames requests("peer", "peer fd socket", kMaxPendingRequests, kMaxRequestBytes, kPeerIo);
   while (running_) {
     const absl::Time now = absl::Now();
     const absl::Time next = std::min(now + absl::Seconds(1), requests.Expire(now));

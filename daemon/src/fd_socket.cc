@@ -189,7 +189,7 @@ void Daemon::HandleClientFrame(ClientRecord& c, ipc::ReceivedMessage m) {
 void Daemon::FdLoop() {
   auto log = Logger("ipc");
   const absl::Duration bind_timeout = absl::Milliseconds(config_.bind_timeout_ms);
-  FirstFrames hellos("fd socket", kMaxPendingConnections, ipc::kMaxClientFrameBytes,
+  FirstFrames hellos("ipc", "fd socket", kMaxPendingConnections, ipc::kMaxClientFrameBytes,
                      bind_timeout);
   std::map<uint64_t, ipc::FrameReader> readers;  // bound clients' partial frames, by client id
 

@@ -19,13 +19,14 @@ int PollMillis(absl::Time deadline, absl::Time now) {
       absl::ToInt64Milliseconds(absl::Ceil(deadline - now, absl::Milliseconds(1))), 1000));
 }
 
-FirstFrames::FirstFrames(std::string what, size_t max_waiting, size_t max_payload,
-                         absl::Duration wait)
-    : what_(std::move(what)), max_waiting_(max_waiting), max_payload_(max_payload), wait_(wait) {}
+FirstFrames::FirstFrames(std::string logger, std::string what, size_t max_waiting,
+                         size_t max_payload, absl::Duration wait)
+    : logger_(std::move(logger)),
+      what_(std::move(what)), max_waiting_(max_waiting), max_payload_(max_payload), wait_(wait) {}
 
 absl::Time FirstFrames::Expire(absl::Time now) {
   while (!waiting_.empty() && waiting_.front().deadline <= now) {
-    Logger("ipc")->debug("{}: a connection sent no whole frame within {}; closed", what_,
+    Logger(logger_)->debug("{}: a connection sent no whole frame within {}; closed", what_,
                          absl::FormatDuration(wait_));
     waiting_.pop_front();
   }
@@ -40,7 +41,7 @@ std::optional<FirstFrames::Frame> FirstFrames::Read(size_t i) {
   if (complete.ok() && !*complete) return std::nullopt;  // the rest comes later
   w.done = true;
   if (!complete.ok()) {
-    Logger("ipc")->debug("{}: first frame not readable: {}", what_,
+    Logger(logger_)->debug("{}: first frame not readable: {}", what_,
                          std::string(complete.status().message()));
     return std::nullopt;
   }
@@ -53,7 +54,7 @@ void FirstFrames::Compact() {
 
 void FirstFrames::AcceptFrom(ipc::UnixListener& listener, int burst,
                              const std::function<bool(int sock)>& admit) {
-  auto log = Logger("ipc");
+  auto log = Logger(logger_);
   for (int k = 0; k < burst; ++k) {
     absl::StatusOr<ipc::UniqueFd> sock = listener.TryAccept();
     if (!sock.ok()) {

@@ -23,9 +23,11 @@ int PollMillis(absl::Time deadline, absl::Time now);
 
 class FirstFrames {
  public:
-  /// `what` names the socket in log lines; each connection has `wait` from its accept to send
-  /// a frame of at most `max_payload` bytes (no descriptors); at most `max_waiting` wait.
-  FirstFrames(std::string what, size_t max_waiting, size_t max_payload, absl::Duration wait);
+  /// `what` names the socket in the log lines, which go to the logger `logger`; each connection
+  /// has `wait` from its accept to send a frame of at most `max_payload` bytes (no
+  /// descriptors); at most `max_waiting` wait.
+  FirstFrames(std::string logger, std::string what, size_t max_waiting, size_t max_payload,
+              absl::Duration wait);
 
   /// A frame that has arrived whole, and the connection it came on.
   struct Frame {
@@ -61,6 +63,7 @@ class FirstFrames {
     absl::Time deadline;
     bool done = false;
   };
+  std::string logger_;
   std::string what_;
   size_t max_waiting_;
   size_t max_payload_;

@@ -30,14 +30,7 @@ std::string PlanLine(const std::string& lines, std::string_view name) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<FusedRunner>> FusedRunner::Create(const FusedSetup& setup,
-                                                                  FusedExchange exchange) {
-  if (exchange == FusedExchange::kTransportMoves && setup.path != FusedPath::kAuto &&
-      setup.path != FusedPath::kPerOperator)
-    return absl::FailedPreconditionError(StrCat(
-        "path: ", FusedPathName(setup.path),
-        " stores straight into the destinations' slots, which this backend's ranks cannot map; "
-        "it runs per_operator (or auto) only"));
+kernels::FusedQkvConfig FusedRunner::ConfigOf(const FusedSetup& setup) {
   kernels::FusedQkvConfig c;
   c.world = setup.geometry.world_size;
   c.rank = setup.geometry.rank;
@@ -47,8 +40,23 @@ absl::StatusOr<std::unique_ptr<FusedRunner>> FusedRunner::Create(const FusedSetu
   c.layout = setup.geometry.layout;
   c.max_tokens = setup.geometry.max_tokens;
   c.weights = setup.weights;
+  return c;
+}
+
+uint64_t FusedRunner::DeviceBytesFor(const FusedSetup& setup) {
+  return kernels::FusedQkvPlan::DeviceBytesFor(ConfigOf(setup));
+}
+
+absl::StatusOr<std::unique_ptr<FusedRunner>> FusedRunner::Create(const FusedSetup& setup,
+                                                                  FusedExchange exchange) {
+  if (exchange == FusedExchange::kTransportMoves && setup.path != FusedPath::kAuto &&
+      setup.path != FusedPath::kPerOperator)
+    return absl::FailedPreconditionError(StrCat(
+        "path: ", FusedPathName(setup.path),
+        " stores straight into the destinations' slots, which this backend's ranks cannot map; "
+        "it runs per_operator (or auto) only"));
   std::unique_ptr<FusedRunner> runner(new FusedRunner(setup, exchange));
-  ULY_ASSIGN_OR_RETURN(runner->plan_, kernels::FusedQkvPlan::Create(c));
+  ULY_ASSIGN_OR_RETURN(runner->plan_, kernels::FusedQkvPlan::Create(ConfigOf(setup)));
   const std::string no_epilogue = runner->plan_->EpilogueUnavailable();
   if (setup.path == FusedPath::kEpilogue && !no_epilogue.empty())
     return absl::FailedPreconditionError(

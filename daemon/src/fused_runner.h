@@ -34,6 +34,9 @@ class FusedRunner {
   static absl::StatusOr<std::unique_ptr<FusedRunner>> Create(const FusedSetup& setup,
                                                              FusedExchange exchange);
 
+  /// The device memory a runner of `setup` holds (its plan's), before it is made.
+  static uint64_t DeviceBytesFor(const FusedSetup& setup);
+
   kernels::FusedQkvPlan& plan() { return *plan_; }
   const kernels::FusedQkvPlan& plan() const { return *plan_; }
 
@@ -55,6 +58,7 @@ class FusedRunner {
     std::string launches;
   };
   Prepared Choose(int64_t rows) const;
+  static kernels::FusedQkvConfig ConfigOf(const FusedSetup& setup);
 
   const FusedSetup setup_;
   const FusedExchange exchange_;

@@ -439,6 +439,9 @@ class NcclBackend final : public Backend {
     return NcclTransport::Create(device_, call_timeout_, setup);
   }
   // A send and a receive block per rank (none at W = 1).
+  uint64_t FusedPlanBytes(const FusedSetup& setup) const override {
+    return FusedRunner::DeviceBytesFor(setup);
+  }
   uint64_t StagingBytes(int world_size, uint64_t slot_bytes) const override {
     if (world_size <= 1) return 0;
     return 2 * BlockCapacity(world_size, slot_bytes) * static_cast<uint64_t>(world_size);

@@ -378,7 +378,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
       }
     }
     if (local_.ok()) {
-      const uint64_t bytes = Session::BytesNeeded(geo, backend);
+      const uint64_t bytes = Session::BytesNeeded(geo, backend, fused ? &fused_setup : nullptr);
       local_ = d_->ReserveSlotMemory(bytes);
       if (local_.ok()) needed_ = bytes;
     }

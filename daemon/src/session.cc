@@ -42,8 +42,10 @@ SegmentLayout ControlLayout(const SessionGeometry& g, const Backend& backend) {
 }
 }  // namespace
 
-uint64_t Session::BytesNeeded(const SessionGeometry& g, const Backend& backend) {
+uint64_t Session::BytesNeeded(const SessionGeometry& g, const Backend& backend,
+                              const FusedSetup* fused) {
   uint64_t bytes = ControlLayout(g, backend).total_bytes;
+  if (fused != nullptr) bytes += backend.FusedPlanBytes(*fused);
   if (!backend.slots_in_segment())
     bytes += AlignUp(static_cast<uint64_t>(g.SlotBytes()), kSegmentAlign) * g.num_slots;
   return bytes + backend.StagingBytes(g.world_size, static_cast<uint64_t>(g.SlotBytes()));
@@ -184,7 +186,7 @@ int Session::Poison() {
 Session::~Session() {
   {
     // Calls still enqueued end with the session: their error words first. The transport's
-    // destructor then cancels its stream, whose waits pass and whose arrival words reach the
+    // drain then cancels its stream, whose waits pass and whose arrival words reach the
     // peers; a peer whose call completes on them finds the error word and fails that epoch,
     // instead of taking the blocks this rank never stored as a result.
     std::lock_guard<std::mutex> lock(inflight_mu_);
@@ -650,10 +652,13 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
     e = ++epoch_;
     s = static_cast<int>((e - 1) % geometry_.num_slots);
     const absl::Time deadline = absl::Now() + timeout;
+    bool claimed = false;  // slot s is this call's (kWriting)
     auto fail = [&](absl::Status why) {
       mine->slots[s].error.store(e, std::memory_order_release);
       mine->slots[s].done.store(e, std::memory_order_release);
-      SetSlot(s, SlotState::kFree, e);
+      // A slot never claimed still holds (or is still being written with) an earlier result:
+      // its entry stays, so neither a fill nor a later call takes it for free.
+      if (claimed) SetSlot(s, SlotState::kFree, e);
       std::lock_guard<std::mutex> inflight(inflight_mu_);
       FailInFlightLocked(why);
       Logger("exec")->warn("session {} epoch {}: call failed: {}", id_, e, std::string(why.message()));
@@ -676,6 +681,7 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
                              prev.epoch + static_cast<uint64_t>(geometry_.num_slots) == e;
         wait_released = on_stream && !implied ? prev.stream_release : 0;
         slots_[s] = SlotEntry{SlotState::kWriting, e, absl::Now()};
+        claimed = true;
         break;
       }
       const uint64_t previous = slots_[s].epoch;

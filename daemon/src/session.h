@@ -153,7 +153,8 @@ class Session {
   /// Bytes this session holds against the daemon's slot budget (segment and device slots).
   uint64_t reserved_bytes() const { return layout_.total_bytes + transport_->DeviceBytes(); }
   /// Slot bytes a session of `g` needs on `backend`, for the budget check before Create.
-  static uint64_t BytesNeeded(const SessionGeometry& g, const Backend& backend);
+  static uint64_t BytesNeeded(const SessionGeometry& g, const Backend& backend,
+                              const FusedSetup* fused = nullptr);
   /// The segment as the owning client gets it: read-only, size sealed.
   int client_segment_fd() const { return client_fd_.get(); }
   Transport& transport() const { return *transport_; }

@@ -182,6 +182,9 @@ class Backend {
   /// Device memory a transport of a `world_size`-rank session with slots of `slot_bytes` holds
   /// beyond its slots (NCCL's send and receive staging), for the slot budget.
   virtual uint64_t StagingBytes(int world_size, uint64_t slot_bytes) const { return 0; }
+  /// Device memory a fused session's plan of `setup` holds (GEMM workspace, projection
+  /// buffer), for the slot budget: 0 where the plan is not in device memory.
+  virtual uint64_t FusedPlanBytes(const FusedSetup& setup) const { return 0; }
   /// A zero-filled buffer the daemon allocates for a client; its `fd` is what the client maps.
   virtual absl::StatusOr<std::shared_ptr<Buffer>> AllocBuffer(uint64_t bytes) = 0;
   /// A client's device allocation opened from its cudaIpcMemHandle_t bytes; `size_bytes` is the

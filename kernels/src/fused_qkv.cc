@@ -196,6 +196,14 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
   return std::unique_ptr<FusedQkvPlan>(new FusedQkvPlan(std::move(impl)));
 }
 
+size_t FusedQkvPlan::DeviceBytesFor(const FusedQkvConfig& config) {
+  const size_t features = size_t{3} * static_cast<size_t>(config.heads) *
+                          static_cast<size_t>(config.head_dim);
+  return Bf16Gemm::kDefaultWorkspaceBytes +
+         static_cast<size_t>(std::max<int64_t>(config.max_tokens, 0)) * features * sizeof(uint16_t) +
+         2 * sizeof(unsigned int) + kMaxFusedChunks * sizeof(unsigned int);
+}
+
 size_t FusedQkvPlan::device_bytes() const {
   return impl_->gemm->device_bytes() + impl_->projection.bytes() + impl_->counters.bytes() +
          impl_->chunk_counters.bytes();

@@ -245,16 +245,42 @@ TEST_F(SessionStreamTest, PoisonLeavesAResultGivenBackOnTheClientsStreamAlone) {
     EXPECT_EQ(script_->poisoned, std::vector<int>{1});
   }
   // The slot still serves the next call, which waits for the release on the stream.
-  auto third = Submit();  // epoch 2, slot 1
-  ASSERT_TRUE(third.ok()) << third.status();
+  auto second = Submit();  // epoch 2, slot 1
+  ASSERT_TRUE(second.ok()) << second.status();
   Finish(1, 2);
   ASSERT_EQ(Collect().size(), 1u);
-  auto fourth = Submit();  // epoch 3, slot 0
-  ASSERT_TRUE(fourth.ok()) << fourth.status();
-  EXPECT_EQ(fourth->slot, 0);
+  auto third = Submit();  // epoch 3, slot 0
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(third->slot, 0);
   std::lock_guard<std::mutex> lock(script_->mu);
   ASSERT_EQ(script_->enqueued.size(), 3u);
   EXPECT_EQ(script_->enqueued[2].wait_released, 1u);
+}
+
+// A call that times out waiting for its slot, which still holds the client's result of an
+// earlier call (given back by the host word only), never owned that slot: it used to mark it
+// free as it failed, and PoisonSlots then filled the result the client still read.
+TEST_F(SessionStreamTest, ACallThatNeverGotItsSlotLeavesTheResultThereHeld) {
+  // No ready word from a client stream: results are given back by the host word.
+  auto submit = [&](absl::Duration timeout) {
+    CallOperands ops;
+    return session_->Execute(plan_, ops, timeout, 0,
+                             ExecuteMode{.async = true, .wait_ready = false});
+  };
+  for (uint64_t e = 1; e <= 2; ++e) {
+    auto out = submit(absl::Seconds(30));
+    ASSERT_TRUE(out.ok()) << out.status();
+    Finish(out->slot, e);
+    ASSERT_EQ(Collect().size(), 1u);
+  }
+  ASSERT_EQ(StateOf(0), Session::SlotState::kHeld);
+  auto third = submit(absl::Milliseconds(20));  // epoch 3 needs slot 0, still held
+  ASSERT_FALSE(third.ok());
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kDeadlineExceeded) << third.status();
+  EXPECT_EQ(StateOf(0), Session::SlotState::kHeld);
+  EXPECT_EQ(session_->Poison(), 0);  // both slots hold results
+  std::lock_guard<std::mutex> lock(script_->mu);
+  EXPECT_TRUE(script_->poisoned.empty());
 }
 
 TEST_F(SessionStreamTest, AFailedEnqueueKeepsItsBuffersUntilTheSessionGoes) {

@@ -138,6 +138,8 @@ class FusedQkvPlan {
 
   /// Device memory the plan holds: GEMM workspace, projection buffer, counters.
   size_t device_bytes() const;
+  /// What device_bytes() will be for a plan of `config`, before it is made.
+  static size_t DeviceBytesFor(const FusedQkvConfig& config);
 
  private:
   struct Impl;
