@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -158,18 +159,22 @@ TEST_F(FdExportsTest, AWatchedLinkThatHangsUpRunsItsCallbackOnceAndUnwatchIsIdem
   ASSERT_TRUE(t.ok()) << t.status();
   absl::StatusOr<FetchedExport> f = FdExports::FetchAndHold(*t, absl::Seconds(10));
   ASSERT_TRUE(f.ok()) << f.status();
-  std::atomic<int> lost{0};
-  absl::Notification told;
-  absl::StatusOr<uint64_t> w = exports_.Watch(std::move(f->link), [&] {
-    lost.fetch_add(1);
-    told.Notify();
+  // Shared with the callback, so a late call after a failed wait touches nothing gone.
+  struct Seen {
+    std::atomic<int> lost{0};
+    absl::Notification told;
+  };
+  auto seen = std::make_shared<Seen>();
+  absl::StatusOr<uint64_t> w = exports_.Watch(std::move(f->link), [seen] {
+    seen->lost.fetch_add(1);
+    seen->told.Notify();
   });
   ASSERT_TRUE(w.ok()) << w.status();
   other.Stop();  // the exporting daemon goes: its held connections close
-  ASSERT_TRUE(told.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(seen->told.WaitForNotificationWithTimeout(absl::Seconds(60)));
   exports_.Unwatch(*w);
   exports_.Unwatch(*w);
-  EXPECT_EQ(lost.load(), 1);
+  EXPECT_EQ(seen->lost.load(), 1);
   ::unlink(other_path.c_str());
 }
 

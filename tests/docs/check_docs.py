@@ -92,7 +92,8 @@ def check_numbers(root: str, constants: dict) -> int:
                         fail(f"{os.path.relpath(path, root)}:{line_of(text, m.start())}: {name} "
                              f"layout version {m.group(1)}; the code's is {constants[key]}")
         if found == 0:
-            fail(f"docs/protocol.md states no {name} layout version (the check would be vacuous)")
+            fail(f"docs/protocol.md and docs/architecture.md state no {name} layout version "
+                 "(the check would be vacuous)")
         checked += found
 
     dockerfile = read(os.path.join(root, "deploy", "Dockerfile"))

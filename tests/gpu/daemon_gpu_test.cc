@@ -605,17 +605,19 @@ TEST_F(GpuTwoRankScatter, PoisonWhileACallWaitsForItsPeerSkipsItsSlotAndReturns)
 TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCall) {
   Start(2, {"--call-timeout-ms", "60000"});
   ASSERT_NO_FATAL_FAILURE(Open("blocked", "early", "late"));
+  // Another client of daemon 0, and its buffer, made first: a daemon buffer is zeroed on the
+  // legacy stream, which may share a queue with the blocked stream (docs/architecture.md).
+  Alone other;
+  ASSERT_NO_FATAL_FAILURE(JoinAlone("passer-by", &other));
+  auto y = other.client->AllocBuffer(kElems * 4, "y");
+  ASSERT_TRUE(y.ok()) << y.status();
   uint64_t early = 0;
   ASSERT_NO_FATAL_FAILURE(BlockRank0(&early));
 
-  // Another client of daemon 0 opens a session, calls once and closes it.
+  // The other client opens a session, calls once and closes it.
   {
-    Alone other;
-    ASSERT_NO_FATAL_FAILURE(JoinAlone("passer-by", &other));
     auto s = other.client->CreateSession(*other.group, {kH, kD, DType::kFloat32, kS, 2, {}, 0});
     ASSERT_TRUE(s.ok()) << s.status();
-    auto y = other.client->AllocBuffer(kElems * 4, "y");
-    ASSERT_TRUE(y.ok()) << y.status();
     auto res = (*s)->ScatterHeads(y->Ref(), 1, kS);
     ASSERT_TRUE(res.ok()) << res.status();
     ASSERT_TRUE(res->Release().ok());
@@ -633,20 +635,21 @@ TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCal
 TEST_F(GpuTwoRankScatter, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlockedCall) {
   Start(2, {"--call-timeout-ms", "60000"});
   ASSERT_NO_FATAL_FAILURE(Open("blocked-fused", "early", "late"));
+  // The other client and its buffers (daemon buffers, zero-filled) first, as above.
+  Alone other;
+  ASSERT_NO_FATAL_FAILURE(JoinAlone("fused-passer-by", &other));
+  constexpr int32_t kHeads = 2, kDim = kFusedGpuHeadDim, kHidden = kHeads * kDim;
+  constexpr int32_t kMaxPos = 64;
+  constexpr int64_t kTokens = 16;
+  const size_t w_bytes = size_t{3} * kHidden * kHidden * 2;
+  const size_t at_q = AlignUp(w_bytes, 256), at_k = at_q + 256, at_cs = at_k + 256;
+  auto w = other.client->AllocBuffer(at_cs + size_t{kMaxPos} * kDim * 4, "weights");
+  auto x = other.client->AllocBuffer(size_t{kTokens} * kHidden * 2, "x");
+  auto pos = other.client->AllocBuffer(size_t{kTokens} * 4, "positions");
+  ASSERT_TRUE(w.ok() && x.ok() && pos.ok());
   uint64_t early = 0;
   ASSERT_NO_FATAL_FAILURE(BlockRank0(&early));
   {
-    Alone other;
-    ASSERT_NO_FATAL_FAILURE(JoinAlone("fused-passer-by", &other));
-    constexpr int32_t kHeads = 2, kDim = kFusedGpuHeadDim, kHidden = kHeads * kDim;
-    constexpr int32_t kMaxPos = 64;
-    constexpr int64_t kTokens = 16;
-    const size_t w_bytes = size_t{3} * kHidden * kHidden * 2;
-    const size_t at_q = AlignUp(w_bytes, 256), at_k = at_q + 256, at_cs = at_k + 256;
-    auto w = other.client->AllocBuffer(at_cs + size_t{kMaxPos} * kDim * 4, "weights");
-    auto x = other.client->AllocBuffer(size_t{kTokens} * kHidden * 2, "x");
-    auto pos = other.client->AllocBuffer(size_t{kTokens} * 4, "positions");
-    ASSERT_TRUE(w.ok() && x.ok() && pos.ok());  // daemon buffers, zero-filled
     client::FusedSessionSpec spec;
     spec.hidden = kHidden;
     spec.num_heads = kHeads;
