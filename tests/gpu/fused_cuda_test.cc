@@ -494,6 +494,23 @@ TEST_P(GpuFusedQkvTest, EpiloguePathMatchesReferenceAndThePerOperatorPath) {
   }
 }
 
+// The slot budget reserves DeviceBytesFor(config) before a fused session's plan is made, and
+// charges device_bytes() once it is: the two agree, so nothing is made beyond the reservation.
+TEST_P(GpuFusedQkvTest, APlanHoldsTheDeviceBytesReservedForIt) {
+  std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0);
+  ASSERT_NE(plan, nullptr);
+  FusedQkvConfig c;
+  c.heads = shape_.heads;
+  c.head_dim = shape_.head_dim;
+  c.max_tokens = Rows();
+  const size_t projection = static_cast<size_t>(Rows()) * 3 * shape_.heads * shape_.head_dim * 2;
+  EXPECT_GE(plan->device_bytes(), projection);
+  EXPECT_LE(plan->device_bytes(), FusedQkvPlan::DeviceBytesFor(c));
+  // The epilogue path's chunk counters are made only where that path can run.
+  if (plan->EpilogueUnavailable().empty())
+    EXPECT_EQ(plan->device_bytes(), FusedQkvPlan::DeviceBytesFor(c));
+}
+
 TEST_P(GpuFusedQkvTest, LaunchersRejectBadArgumentsAndEnqueueNothing) {
   DeviceBuffer qkv(static_cast<size_t>(Elems()) * 2);
   QkvNormRopeShape bad = shape_;
