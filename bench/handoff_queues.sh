@@ -61,9 +61,11 @@ cases=(
   "kernel_other_then_legacy|make:a,kernel:a,legacy,make:work"
   "legacy_then_copy_other|legacy,make:a,copy:a,make:work"
   "legacy_between_make_and_copy|make:a,legacy,copy:a,make:work"
-  # The daemon's order: the probe allocation's memset, the rescue stream, a session's two
-  # allocations (memsets on the legacy stream), its stream (words zeroed there), its calls,
-  # its close; then the next session the same way on the same stream.
+  # The daemon's order before its allocations were zeroed on the session's stream: the probe
+  # allocation's memset, the rescue stream, a session's two allocations (memsets on the legacy
+  # stream), its stream (words zeroed there), its calls, its close; then the next session the
+  # same way on the same stream. daemon_no_legacy is its order now: the rescue stream, the
+  # first session stream (the probe's and every allocation's zeroing on it), the calls.
   "daemon_cancel_on_rescue|legacy,make:rescue,legacy,legacy,make:work,copy:work,kernel:work,copy:rescue,legacy,legacy,copy:work,kernel:work"
   "daemon_cancel_on_session|legacy,make:rescue,legacy,legacy,make:work,copy:work,kernel:work,copy:work,legacy,legacy,copy:work,kernel:work"
   "daemon_no_legacy|make:rescue,make:work,copy:work,kernel:work,copy:work,copy:work,kernel:work"
