@@ -27,6 +27,7 @@
 #include "ulysses/ipc/cuda_memory.h"
 #include "ulysses/kernels/exchange_cuda.h"
 #include "ulysses/kernels/fused_qkv.h"
+#include "ulysses/kernels/gemm.h"
 
 namespace ulysses::daemon {
 namespace {
@@ -699,6 +700,10 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* 
     streams->Give(first);
     ULY_RETURN_IF_ERROR(probe_fd.status());
   }
+  // Fused sessions' GEMMs lease their cuBLASLt handle; the first is made now, not beside
+  // another session's waiting call. Without it the daemon serves the plain ops.
+  if (absl::Status warm = kernels::Bf16Gemm::WarmUp(); !warm.ok())
+    Logger("main")->warn("device {}: no cuBLASLt handle: {}", device, std::string(warm.message()));
   Logger("main")->info("device {}: {} ({}, {}), MPS {}", device, info.name, info.uuid,
                        info.pci_bus_id, info.mps ? "on" : "off");
   return std::unique_ptr<Backend>(

@@ -140,6 +140,11 @@ struct Bf16Gemm::Impl {
   }
 };
 
+absl::Status Bf16Gemm::WarmUp() {
+  ULY_ASSIGN_OR_RETURN(LeasedHandle handle, LeasedHandle::Take());
+  return absl::OkStatus();  // back into the pool as `handle` goes
+}
+
 Bf16Gemm::Bf16Gemm(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Bf16Gemm::~Bf16Gemm() = default;
 

@@ -30,6 +30,11 @@ class Bf16Gemm {
   /// stream's order (the stream-ordered allocator, where the device has memory pools), so that
   /// destroying the GEMM waits for no other stream of the device as cudaFree does; the stream
   /// must outlive the GEMM.
+  /// Makes one cuBLASLt handle for the current device ahead of the first plan. Plans take
+  /// their handle from a per-device pool and give it back, never destroying it (destruction
+  /// synchronizes the device); warming the pool at start keeps the first plan's making from
+  /// creating one while other streams of the process wait.
+  static absl::Status WarmUp();
   static absl::StatusOr<std::unique_ptr<Bf16Gemm>> Create(
       int64_t n, int64_t k, size_t workspace_bytes = kDefaultWorkspaceBytes,
       cudaStream_t alloc_stream = nullptr);
