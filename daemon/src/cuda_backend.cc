@@ -597,7 +597,14 @@ class CudaBackend final : public Backend {
 
   absl::StatusOr<std::shared_ptr<Buffer>> AllocBuffer(uint64_t bytes) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
-    ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping m, ipc::cuda::VmmMapping::Create(device_, bytes));
+    // Zeroed on an idle session stream of the pool (made when every one serves a session),
+    // waited for there and given back: no wait on the legacy stream, whose queue may be shared
+    // with a session stream that waits for its peer, and no queue that sessions do not use.
+    ULY_ASSIGN_OR_RETURN(cudaStream_t zero_on, streams_->Take());
+    absl::StatusOr<ipc::cuda::VmmMapping> made =
+        ipc::cuda::VmmMapping::Create(device_, bytes, zero_on);
+    streams_->Give(zero_on);
+    ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping m, std::move(made));
     auto b = std::make_shared<Buffer>();
     b->size = bytes;
     b->device = true;
