@@ -65,7 +65,7 @@ cases=(
   # allocation's memset, the rescue stream, a session's two allocations (memsets on the legacy
   # stream), its stream (words zeroed there), its calls, its close; then the next session the
   # same way on the same stream. daemon_no_legacy is its order now: the rescue stream, the
-  # first session stream (the probe's and every allocation's zeroing on it), the calls.
+  # first session stream (the probe's and the session's allocations zeroed on it), the calls.
   "daemon_cancel_on_rescue|legacy,make:rescue,legacy,legacy,make:work,copy:work,kernel:work,copy:rescue,legacy,legacy,copy:work,kernel:work"
   "daemon_cancel_on_session|legacy,make:rescue,legacy,legacy,make:work,copy:work,kernel:work,copy:work,legacy,legacy,copy:work,kernel:work"
   "daemon_no_legacy|make:rescue,make:work,copy:work,kernel:work,copy:work,copy:work,kernel:work"

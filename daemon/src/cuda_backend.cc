@@ -597,9 +597,10 @@ class CudaBackend final : public Backend {
 
   absl::StatusOr<std::shared_ptr<Buffer>> AllocBuffer(uint64_t bytes) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
-    // Zeroed on an idle session stream of the pool (made when every one serves a session),
-    // waited for there and given back: no wait on the legacy stream, whose queue may be shared
-    // with a session stream that waits for its peer, and no queue that sessions do not use.
+    // Zeroed on an idle session stream of the pool (one is made when every stream serves a
+    // session, and it then serves the next session), waited for there and given back: no wait
+    // on the legacy stream, whose queue may be shared with a session stream that waits for its
+    // peer. (It is still one more queue that ran work, as the legacy stream's was.)
     ULY_ASSIGN_OR_RETURN(cudaStream_t zero_on, streams_->Take());
     absl::StatusOr<ipc::cuda::VmmMapping> made =
         ipc::cuda::VmmMapping::Create(device_, bytes, zero_on);

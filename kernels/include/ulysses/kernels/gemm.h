@@ -25,16 +25,16 @@ class Bf16Gemm {
   /// Default device workspace of cuBLASLt (Hopper kernels use up to 32 MiB).
   static constexpr size_t kDefaultWorkspaceBytes = size_t{32} << 20;
 
-  /// A GEMM with `n` output features and `k` input features (both positive, k a multiple of 8)
-  /// on the current device. With `alloc_stream`, the workspace is allocated and freed in that
-  /// stream's order (the stream-ordered allocator, where the device has memory pools), so that
-  /// destroying the GEMM waits for no other stream of the device as cudaFree does; the stream
-  /// must outlive the GEMM.
   /// Makes one cuBLASLt handle for the current device ahead of the first plan. Plans take
   /// their handle from a per-device pool and give it back, never destroying it (destruction
   /// synchronizes the device); warming the pool at start keeps the first plan's making from
   /// creating one while other streams of the process wait.
   static absl::Status WarmUp();
+  /// A GEMM with `n` output features and `k` input features (both positive, k a multiple of 8)
+  /// on the current device. With `alloc_stream`, the workspace is allocated and freed in that
+  /// stream's order (the stream-ordered allocator, where the device has memory pools), so that
+  /// destroying the GEMM waits for no other stream of the device as cudaFree does; the stream
+  /// must outlive the GEMM.
   static absl::StatusOr<std::unique_ptr<Bf16Gemm>> Create(
       int64_t n, int64_t k, size_t workspace_bytes = kDefaultWorkspaceBytes,
       cudaStream_t alloc_stream = nullptr);
