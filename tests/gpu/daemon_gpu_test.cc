@@ -605,8 +605,8 @@ TEST_F(GpuTwoRankScatter, PoisonWhileACallWaitsForItsPeerSkipsItsSlotAndReturns)
 TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCall) {
   Start(2, {"--call-timeout-ms", "60000"});
   ASSERT_NO_FATAL_FAILURE(Open("blocked", "early", "late"));
-  // Another client of daemon 0, and its buffer, made first: a daemon buffer is zeroed on the
-  // legacy stream, which may share a queue with the blocked stream (docs/architecture.md).
+  // Another client of daemon 0, and its buffer, made first: what is tested is the session's
+  // making and closing, not a buffer's (docs/architecture.md, section 8).
   Alone other;
   ASSERT_NO_FATAL_FAILURE(JoinAlone("passer-by", &other));
   auto y = other.client->AllocBuffer(kElems * 4, "y");
