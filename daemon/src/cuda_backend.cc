@@ -117,6 +117,18 @@ class DeviceStreams {
     std::lock_guard<std::mutex> lock(mu_);
     idle_.push_back(s);
   }
+  /// A new zero-filled VMM allocation, zeroed on an idle stream of the pool (one is made when
+  /// every stream serves a session, and it then serves the next session), waited for there
+  /// and given back: no wait on the legacy stream, whose queue may be shared with a session
+  /// stream that waits for its peer. (It is still one more queue that ran work, as the legacy
+  /// stream's was.)
+  absl::StatusOr<ipc::cuda::VmmMapping> ZeroedMapping(uint64_t bytes) {
+    ULY_ASSIGN_OR_RETURN(cudaStream_t zero_on, Take());
+    absl::StatusOr<ipc::cuda::VmmMapping> made =
+        ipc::cuda::VmmMapping::Create(device_, bytes, zero_on);
+    Give(zero_on);
+    return made;
+  }
   cudaStream_t rescue() const { return rescue_; }
   /// The pinned words (kHostWordsBytes; null when there are none), for the holder of the lock.
   struct HostWords {
@@ -597,15 +609,7 @@ class CudaBackend final : public Backend {
 
   absl::StatusOr<std::shared_ptr<Buffer>> AllocBuffer(uint64_t bytes) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
-    // Zeroed on an idle session stream of the pool (one is made when every stream serves a
-    // session, and it then serves the next session), waited for there and given back: no wait
-    // on the legacy stream, whose queue may be shared with a session stream that waits for its
-    // peer. (It is still one more queue that ran work, as the legacy stream's was.)
-    ULY_ASSIGN_OR_RETURN(cudaStream_t zero_on, streams_->Take());
-    absl::StatusOr<ipc::cuda::VmmMapping> made =
-        ipc::cuda::VmmMapping::Create(device_, bytes, zero_on);
-    streams_->Give(zero_on);
-    ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping m, std::move(made));
+    ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping m, streams_->ZeroedMapping(bytes));
     auto b = std::make_shared<Buffer>();
     b->size = bytes;
     b->device = true;
@@ -700,14 +704,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* 
   ULY_ASSIGN_OR_RETURN(std::shared_ptr<DeviceStreams> streams, DeviceStreams::Create(device));
   // Probe the VMM path once: a device or driver without POSIX-fd VMM cannot serve sessions.
   // Zeroed on the stream the first session will take, so no other queue runs work.
-  {
-    ULY_ASSIGN_OR_RETURN(cudaStream_t first, streams->Take());
-    absl::StatusOr<ipc::cuda::VmmMapping> probe = ipc::cuda::VmmMapping::Create(device, 1, first);
-    absl::StatusOr<ipc::UniqueFd> probe_fd =
-        probe.ok() ? probe->Export() : absl::StatusOr<ipc::UniqueFd>(probe.status());
-    streams->Give(first);
-    ULY_RETURN_IF_ERROR(probe_fd.status());
-  }
+  ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping probe, streams->ZeroedMapping(1));
+  ULY_ASSIGN_OR_RETURN(ipc::UniqueFd probe_fd, probe.Export());
   // Fused sessions' GEMMs lease their cuBLASLt handle; the first is made now, not beside
   // another session's waiting call. Without it the daemon serves the plain ops.
   if (absl::Status warm = kernels::Bf16Gemm::WarmUp(); !warm.ok())

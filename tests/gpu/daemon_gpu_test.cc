@@ -561,6 +561,13 @@ class GpuTwoRankScatter : public GpuCluster {
     if (!ipc::cuda::Copy(got.data(), result.data, result.bytes).ok()) return "unreadable";
     return testing_util::CheckScatterOut(got, 0, kS, kH, kHL, kD, kHL * kD);
   }
+  // Two daemons with a long call timeout, the two ranks' session (group `group`), and another
+  // client of daemon 0 (`passer_by`) for the tests of what it may do beside a blocked call.
+  void OpenWithPasserBy(const std::string& group, const std::string& passer_by, Alone* other) {
+    Start(2, {"--call-timeout-ms", "60000"});
+    ASSERT_NO_FATAL_FAILURE(Open(group, "early", "late"));
+    ASSERT_NO_FATAL_FAILURE(JoinAlone(passer_by, other));
+  }
   // Rank 0 submits a call (its epoch in *early) and its daemon's stream takes it: the slot is
   // being written, and the stream waits on the GPU for rank 1, which has not called.
   void BlockRank0(uint64_t* early) {
@@ -603,12 +610,10 @@ TEST_F(GpuTwoRankScatter, PoisonWhileACallWaitsForItsPeerSkipsItsSlotAndReturns)
 // words are its device's, not the session's), so it returns while that call still waits,
 // and the call completes once its peer calls.
 TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCall) {
-  Start(2, {"--call-timeout-ms", "60000"});
-  ASSERT_NO_FATAL_FAILURE(Open("blocked", "early", "late"));
-  // Another client of daemon 0, and its buffer, made first: what is tested is the session's
-  // making and closing, not a buffer's (docs/architecture.md, section 8).
+  // The other client's buffer is made first: what is tested is the session's making and
+  // closing, not a buffer's (docs/architecture.md, section 8).
   Alone other;
-  ASSERT_NO_FATAL_FAILURE(JoinAlone("passer-by", &other));
+  ASSERT_NO_FATAL_FAILURE(OpenWithPasserBy("blocked", "passer-by", &other));
   auto y = other.client->AllocBuffer(kElems * 4, "y");
   ASSERT_TRUE(y.ok()) << y.status();
   uint64_t early = 0;
@@ -633,11 +638,9 @@ TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCal
 // (cublasLtDestroy synchronizes the device), so neither making nor closing it waits for the
 // blocked call. Zero weights and inputs: the results do not matter here.
 TEST_F(GpuTwoRankScatter, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlockedCall) {
-  Start(2, {"--call-timeout-ms", "60000"});
-  ASSERT_NO_FATAL_FAILURE(Open("blocked-fused", "early", "late"));
-  // The other client and its buffers (daemon buffers, zero-filled) first, as above.
+  // The other client's buffers (daemon buffers, zero-filled) first, as above.
   Alone other;
-  ASSERT_NO_FATAL_FAILURE(JoinAlone("fused-passer-by", &other));
+  ASSERT_NO_FATAL_FAILURE(OpenWithPasserBy("blocked-fused", "fused-passer-by", &other));
   constexpr int32_t kHeads = 2, kDim = kFusedGpuHeadDim, kHidden = kHeads * kDim;
   constexpr int32_t kMaxPos = 64;
   constexpr int64_t kTokens = 16;
