@@ -1,0 +1,165 @@
+// ulysses-queue-probe: which of a process's streams share a hardware queue (docs/benchmarks.md,
+// "which streams share a hardware queue").
+//
+// A CUDA context maps its streams onto a few hardware queues (CUDA_DEVICE_MAX_CONNECTIONS asks
+// for how many; under MPS the clients of one server share a pool of them, and the driver may
+// give a client fewer than it asks). Work behind a stream's blocked wait holds back every
+// other stream on that queue, which is how one session of the daemon could stall another.
+// This program makes --streams streams, then for each stream i holds it at a wait on a word of
+// mapped host memory and records an event on every later stream j: an event that does not
+// complete within --settle-ms sits behind i's wait, so i and j share a queue. The gate then
+// opens. It prints the pairs and the classes (streams that share a queue, transitively) as
+// JSON. --hold-ms keeps the context alive afterwards, so that several copies run at once show
+// what concurrent clients of one MPS server get.
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "nlohmann/json.hpp"
+#include "ulysses/ipc/cuda_memory.h"
+
+namespace {
+
+namespace cu = ulysses::ipc::cuda;
+
+void Die(const std::string& what) {
+  std::fprintf(stderr, "ulysses-queue-probe: %s\n", what.c_str());
+  std::exit(1);
+}
+void Check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) Die(std::string(what) + ": " + cudaGetErrorString(err));
+}
+void Check(const absl::Status& st) {
+  if (!st.ok()) Die(std::string(st.message()));
+}
+
+// Whether `event` completes within `settle`.
+bool CompletesWithin(cudaEvent_t event, std::chrono::milliseconds settle) {
+  const auto deadline = std::chrono::steady_clock::now() + settle;
+  for (;;) {
+    const cudaError_t q = cudaEventQuery(event);
+    if (q == cudaSuccess) return true;
+    if (q != cudaErrorNotReady) Check(q, "cudaEventQuery");
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+int Find(std::vector<int>& parent, int x) {
+  while (parent[x] != x) x = parent[x] = parent[parent[x]];
+  return x;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ulysses-queue-probe: which streams of this process share a hardware queue"};
+  int streams = 12, settle_ms = 20, hold_ms = 0, device = 0;
+  bool touch = false;
+  std::string json_path, label;
+  app.add_option("--streams", streams, "streams to make and probe")->check(CLI::Range(2, 64));
+  app.add_option("--settle-ms", settle_ms,
+                 "how long an event on a free queue may take before it counts as held")
+      ->check(CLI::Range(1, 10000));
+  app.add_option("--hold-ms", hold_ms, "keep the context this long after probing")
+      ->check(CLI::Range(0, 600000));
+  app.add_option("--device", device, "the GPU")->check(CLI::NonNegativeNumber);
+  app.add_flag("--touch", touch, "each stream runs a word write first (work on its queue)");
+  app.add_option("--json", json_path, "also write the JSON here");
+  app.add_option("--label", label, "recorded in the JSON as is");
+  CLI11_PARSE(app, argc, argv);
+
+  if (cu::DeviceCount() == 0) {
+    std::printf("no CUDA device; nothing to measure\n");
+    return 0;
+  }
+  Check(cudaSetDevice(device), "cudaSetDevice");
+  uint64_t* gate_host = nullptr;
+  uint64_t* gate_device = nullptr;
+  Check(cudaHostAlloc(reinterpret_cast<void**>(&gate_host), sizeof(uint64_t), cudaHostAllocMapped),
+        "cudaHostAlloc");
+  *gate_host = 0;
+  Check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&gate_device), gate_host, 0),
+        "cudaHostGetDevicePointer");
+  std::vector<cudaStream_t> s(streams);
+  std::vector<cudaEvent_t> ev(streams);
+  for (int i = 0; i < streams; ++i) {
+    Check(cudaStreamCreateWithFlags(&s[i], cudaStreamNonBlocking), "cudaStreamCreate");
+    Check(cudaEventCreateWithFlags(&ev[i], cudaEventDisableTiming), "cudaEventCreate");
+  }
+  uint64_t* scratch = nullptr;
+  if (touch) {
+    Check(cudaMalloc(reinterpret_cast<void**>(&scratch), sizeof(uint64_t) * streams), "cudaMalloc");
+    for (int i = 0; i < streams; ++i) Check(cu::StreamWrite64(s[i], &scratch[i], 1));
+    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+
+  const auto settle = std::chrono::milliseconds(settle_ms);
+  std::vector<std::vector<int>> shared(streams);
+  std::vector<int> parent(streams);
+  std::iota(parent.begin(), parent.end(), 0);
+  uint64_t gate = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < streams; ++i) {
+    Check(cu::StreamWait64(s[i], gate_device, ++gate));
+    for (int j = i + 1; j < streams; ++j) {
+      Check(cudaEventRecord(ev[j], s[j]), "cudaEventRecord");
+      if (!CompletesWithin(ev[j], settle)) {
+        shared[i].push_back(j);
+        parent[Find(parent, j)] = Find(parent, i);
+      }
+    }
+    __atomic_store_n(gate_host, gate, __ATOMIC_RELEASE);
+    for (int j = i; j < streams; ++j) Check(cudaStreamSynchronize(s[j]), "cudaStreamSynchronize");
+  }
+  const double probe_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+
+  std::vector<std::vector<int>> classes;
+  std::vector<int> class_of(streams, -1);
+  for (int i = 0; i < streams; ++i) {
+    const int root = Find(parent, i);
+    if (class_of[root] < 0) {
+      class_of[root] = static_cast<int>(classes.size());
+      classes.emplace_back();
+    }
+    classes[class_of[root]].push_back(i);
+  }
+  const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  nlohmann::json j = {{"bench", "queue_probe"},
+                      {"label", label},
+                      {"pid", static_cast<int>(::getpid())},
+                      {"streams", streams},
+                      {"touch", touch},
+                      {"settle_ms", settle_ms},
+                      {"max_connections_env", conn ? conn : ""},
+                      {"queues_seen", classes.size()},
+                      {"classes", classes},
+                      {"shared_with_later", shared},
+                      {"probe_ms", probe_ms}};
+  const std::string out = j.dump();
+  std::printf("%s\n", out.c_str());
+  std::fflush(stdout);
+  if (!json_path.empty()) {
+    FILE* f = std::fopen(json_path.c_str(), "w");
+    if (f == nullptr) Die("cannot write " + json_path);
+    std::fprintf(f, "%s\n", out.c_str());
+    std::fclose(f);
+  }
+  if (hold_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));
+  for (int i = 0; i < streams; ++i) {
+    cudaEventDestroy(ev[i]);
+    cudaStreamDestroy(s[i]);
+  }
+  if (scratch != nullptr) cudaFree(scratch);
+  cudaFreeHost(gate_host);
+  return 0;
+}
