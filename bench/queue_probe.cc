@@ -6,14 +6,18 @@
 // give a client fewer than it asks). Work behind a stream's blocked wait holds back every
 // other stream on that queue, which is how one session of the daemon could stall another.
 // This program makes --streams streams, then for each stream i holds it at a wait on a word of
-// mapped host memory and records an event on every later stream j: an event that does not
-// complete within --settle-ms sits behind i's wait, so i and j share a queue. The gate then
-// opens. It prints the pairs and the classes (streams that share a queue, transitively) as
+// mapped host memory (the gate) and has every later stream j write its own word of mapped host
+// memory (a stream memory operation, which the queue must carry out): a write that does not
+// land within --settle-ms sits behind i's wait, so i and j share a queue. The gate then opens.
+// (An event recorded on an idle stream is no probe: it can complete without reaching the
+// queue.) --greatest makes the listed streams at the device's greatest priority, as the fused
+// plan's second stream is. It prints the pairs and the classes (streams that share a queue, transitively) as
 // JSON. --hold-ms keeps the context alive afterwards, so that several copies run at once show
 // what concurrent clients of one MPS server get.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -41,13 +45,11 @@ void Check(const absl::Status& st) {
   if (!st.ok()) Die(std::string(st.message()));
 }
 
-// Whether `event` completes within `settle`.
-bool CompletesWithin(cudaEvent_t event, std::chrono::milliseconds settle) {
+// Whether the host word `word` reaches `value` within `settle`.
+bool LandsWithin(const uint64_t* word, uint64_t value, std::chrono::milliseconds settle) {
   const auto deadline = std::chrono::steady_clock::now() + settle;
   for (;;) {
-    const cudaError_t q = cudaEventQuery(event);
-    if (q == cudaSuccess) return true;
-    if (q != cudaErrorNotReady) Check(q, "cudaEventQuery");
+    if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= value) return true;
     if (std::chrono::steady_clock::now() >= deadline) return false;
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
@@ -64,6 +66,7 @@ int main(int argc, char** argv) {
   CLI::App app{"ulysses-queue-probe: which streams of this process share a hardware queue"};
   int streams = 12, settle_ms = 20, hold_ms = 0, device = 0;
   bool touch = false;
+  std::vector<int> greatest;
   std::string json_path, label;
   app.add_option("--streams", streams, "streams to make and probe")->check(CLI::Range(2, 64));
   app.add_option("--settle-ms", settle_ms,
@@ -73,6 +76,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 600000));
   app.add_option("--device", device, "the GPU")->check(CLI::NonNegativeNumber);
   app.add_flag("--touch", touch, "each stream runs a word write first (work on its queue)");
+  app.add_option("--greatest", greatest, "indices of the streams made at the greatest priority");
   app.add_option("--json", json_path, "also write the JSON here");
   app.add_option("--label", label, "recorded in the JSON as is");
   CLI11_PARSE(app, argc, argv);
@@ -82,18 +86,21 @@ int main(int argc, char** argv) {
     return 0;
   }
   Check(cudaSetDevice(device), "cudaSetDevice");
-  uint64_t* gate_host = nullptr;
-  uint64_t* gate_device = nullptr;
-  Check(cudaHostAlloc(reinterpret_cast<void**>(&gate_host), sizeof(uint64_t), cudaHostAllocMapped),
-        "cudaHostAlloc");
-  *gate_host = 0;
-  Check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&gate_device), gate_host, 0),
+  // Word 0: the gate; word 1 + j: what stream j writes.
+  uint64_t* host = nullptr;
+  uint64_t* dev = nullptr;
+  const size_t bytes = sizeof(uint64_t) * (1 + static_cast<size_t>(streams));
+  Check(cudaHostAlloc(reinterpret_cast<void**>(&host), bytes, cudaHostAllocMapped), "cudaHostAlloc");
+  std::fill(host, host + 1 + streams, 0);
+  Check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), host, 0),
         "cudaHostGetDevicePointer");
+  int least = 0, most = 0;
+  Check(cudaDeviceGetStreamPriorityRange(&least, &most), "cudaDeviceGetStreamPriorityRange");
   std::vector<cudaStream_t> s(streams);
-  std::vector<cudaEvent_t> ev(streams);
   for (int i = 0; i < streams; ++i) {
-    Check(cudaStreamCreateWithFlags(&s[i], cudaStreamNonBlocking), "cudaStreamCreate");
-    Check(cudaEventCreateWithFlags(&ev[i], cudaEventDisableTiming), "cudaEventCreate");
+    const bool high = std::find(greatest.begin(), greatest.end(), i) != greatest.end();
+    Check(cudaStreamCreateWithPriority(&s[i], cudaStreamNonBlocking, high ? most : least),
+          "cudaStreamCreateWithPriority");
   }
   uint64_t* scratch = nullptr;
   if (touch) {
@@ -106,18 +113,18 @@ int main(int argc, char** argv) {
   std::vector<std::vector<int>> shared(streams);
   std::vector<int> parent(streams);
   std::iota(parent.begin(), parent.end(), 0);
-  uint64_t gate = 0;
+  uint64_t gate = 0, mark = 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < streams; ++i) {
-    Check(cu::StreamWait64(s[i], gate_device, ++gate));
+    Check(cu::StreamWait64(s[i], &dev[0], ++gate));
     for (int j = i + 1; j < streams; ++j) {
-      Check(cudaEventRecord(ev[j], s[j]), "cudaEventRecord");
-      if (!CompletesWithin(ev[j], settle)) {
+      Check(cu::StreamWrite64(s[j], &dev[1 + j], ++mark));
+      if (!LandsWithin(&host[1 + j], mark, settle)) {
         shared[i].push_back(j);
         parent[Find(parent, j)] = Find(parent, i);
       }
     }
-    __atomic_store_n(gate_host, gate, __ATOMIC_RELEASE);
+    __atomic_store_n(&host[0], gate, __ATOMIC_RELEASE);
     for (int j = i; j < streams; ++j) Check(cudaStreamSynchronize(s[j]), "cudaStreamSynchronize");
   }
   const double probe_ms =
@@ -139,6 +146,7 @@ int main(int argc, char** argv) {
                       {"pid", static_cast<int>(::getpid())},
                       {"streams", streams},
                       {"touch", touch},
+                      {"greatest_priority", greatest},
                       {"settle_ms", settle_ms},
                       {"max_connections_env", conn ? conn : ""},
                       {"queues_seen", classes.size()},
@@ -155,11 +163,8 @@ int main(int argc, char** argv) {
     std::fclose(f);
   }
   if (hold_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));
-  for (int i = 0; i < streams; ++i) {
-    cudaEventDestroy(ev[i]);
-    cudaStreamDestroy(s[i]);
-  }
+  for (int i = 0; i < streams; ++i) cudaStreamDestroy(s[i]);
   if (scratch != nullptr) cudaFree(scratch);
-  cudaFreeHost(gate_host);
+  cudaFreeHost(host);
   return 0;
 }
