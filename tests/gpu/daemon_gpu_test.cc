@@ -633,11 +633,16 @@ TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCal
   FinishWithRank1(early);
 }
 
-// The same with a fused session passing by: its plan's memory is freed in its own stream's
-// order and its cuBLASLt handle goes back to the device's pool instead of being destroyed
-// (cublasLtDestroy synchronizes the device), so neither making nor closing it waits for the
-// blocked call. Zero weights and inputs: the results do not matter here.
-TEST_F(GpuTwoRankScatter, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlockedCall) {
+// The same with a fused session passing by, on each of its paths (16 rows: `auto` takes the
+// chunked path, whose stores run on the plan's second stream): its plan's memory is freed in
+// its own stream's order and its cuBLASLt handle goes back to the device's pool instead of
+// being destroyed (cublasLtDestroy synchronizes the device), so neither making nor closing it
+// waits for the blocked call, nor does its call. Zero weights and inputs: the results do not
+// matter here.
+class GpuFusedPasserBy : public GpuTwoRankScatter,
+                         public testing::WithParamInterface<FusedPath> {};
+
+TEST_P(GpuFusedPasserBy, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlockedCall) {
   // The other client's buffers (daemon buffers, zero-filled) first, as above.
   Alone other;
   ASSERT_NO_FATAL_FAILURE(OpenWithPasserBy("blocked-fused", "fused-passer-by", &other));
@@ -659,6 +664,7 @@ TEST_F(GpuTwoRankScatter, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlock
     spec.head_dim = kDim;
     spec.max_tokens = kTokens;
     spec.max_pos = kMaxPos;
+    spec.path = GetParam();
     spec.weights.w_qkv = w->Tensor(DType::kBFloat16, {3 * kHidden, kHidden}, 0);
     spec.weights.q_norm = w->Tensor(DType::kBFloat16, {kDim}, at_q);
     spec.weights.k_norm = w->Tensor(DType::kBFloat16, {kDim}, at_k);
@@ -676,6 +682,13 @@ TEST_F(GpuTwoRankScatter, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlock
       << "rank 0's call ended while the fused session closed";
   FinishWithRank1(early);
 }
+
+INSTANTIATE_TEST_SUITE_P(Paths, GpuFusedPasserBy,
+                         testing::Values(FusedPath::kAuto, FusedPath::kPerOperator,
+                                         FusedPath::kChunked, FusedPath::kEpilogue),
+                         [](const testing::TestParamInfo<FusedPath>& info) {
+                           return std::string(FusedPathName(info.param));
+                         });
 
 // A hostile client maps its own slot allocation writable (the access flags of a mapping are
 // the importer's choice) and writes an epoch past every call over all of it. Nothing a daemon
