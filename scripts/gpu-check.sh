@@ -101,10 +101,14 @@ stage() {
   shift
   echo "== $name: $*"
   start=$(date +%s)
+  # Line-buffered output (stdbuf, where coreutils has it): a stage stopped at its limit still
+  # shows in its log the test it was in, which a full stdio buffer would have lost.
+  local line_buffered=()
+  command -v stdbuf >/dev/null 2>&1 && line_buffered=(stdbuf -oL -eL)
   if [ "$limit" -gt 0 ]; then
-    timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+    timeout --kill-after=10 "$limit" "${line_buffered[@]}" "$@" > "$out/$name.log" 2>&1
   else
-    "$@" > "$out/$name.log" 2>&1
+    "${line_buffered[@]}" "$@" > "$out/$name.log" 2>&1
   fi
   rc=$?
   [ $rc -ne 124 ] && [ $rc -ne 137 ] || echo "gpu-check: stopped after the stage limit of ${limit} s" >> "$out/$name.log"
