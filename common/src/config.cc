@@ -114,8 +114,10 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
   ULY_RETURN_IF_ERROR(Read(root, "ready_file", "", &c.ready_file));
   if (root.contains("timeouts")) {
     const json& t = root["timeouts"];
-    ULY_RETURN_IF_ERROR(CheckKeys(t, "timeouts", {"call_ms", "peer_ms", "drain_ms", "bind_ms"}));
+    ULY_RETURN_IF_ERROR(CheckKeys(t, "timeouts",
+                                  {"call_ms", "peer_ms", "drain_ms", "bind_ms", "worker_stall_ms"}));
     ULY_RETURN_IF_ERROR(Read(t, "bind_ms", "timeouts", &c.bind_timeout_ms));
+    ULY_RETURN_IF_ERROR(Read(t, "worker_stall_ms", "timeouts", &c.worker_stall_ms));
     ULY_RETURN_IF_ERROR(Read(t, "drain_ms", "timeouts", &c.drain_timeout_ms));
     ULY_RETURN_IF_ERROR(Read(t, "call_ms", "timeouts", &c.call_timeout_ms));
     ULY_RETURN_IF_ERROR(Read(t, "peer_ms", "timeouts", &c.peer_timeout_ms));
@@ -317,6 +319,9 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
     return Invalid("limits.buffer_bytes_per_uid", "must be >= 1, got 0");
   if (c.bind_timeout_ms <= 0 || c.bind_timeout_ms > 3600 * 1000)
     return Invalid("timeouts.bind_ms", StrCat("must be in [1, 3600000], got ", c.bind_timeout_ms));
+  if (c.worker_stall_ms < 0 || c.worker_stall_ms > 3600 * 1000)
+    return Invalid("timeouts.worker_stall_ms",
+                   StrCat("must be in [0, 3600000], got ", c.worker_stall_ms));
   if (c.ring_spin_us < 0 || c.ring_spin_us > kMaxRingSpinUs)
     return Invalid("rings.worker_spin_us",
                    StrCat("must be in [0, ", kMaxRingSpinUs, "], got ", c.ring_spin_us));

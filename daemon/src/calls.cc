@@ -3,6 +3,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <optional>
 
 #include "daemon.h"
 #include "ulysses/common/logging.h"
@@ -262,8 +263,42 @@ void Daemon::JoinFinishedWorkers() {
 // bell, and starts a worker again at the client's next ring. Its last check of the ring came
 // after its last wait on the bell (PopWait), so a descriptor pushed after that check leaves the
 // bell rung and is not lost.
+void Daemon::ReportStalledWorkers(const std::vector<std::shared_ptr<ClientRecord>>& clients,
+                                  absl::Time now) {
+  const absl::Duration limit = absl::Milliseconds(config_.worker_stall_ms);
+  if (limit <= absl::ZeroDuration()) return;
+  for (const auto& c : clients) {
+    std::shared_ptr<ClientRings> rings;
+    {
+      std::lock_guard<std::mutex> lock(c->mu);
+      rings = c->rings;
+    }
+    if (!rings) continue;
+    std::optional<WorkerWatch::Stall> stall = rings->watch.Check(now, limit);
+    if (!stall) continue;
+    worker_stalls_.fetch_add(1);
+    Logger("exec")->warn(
+        "client {} ({}): its ring worker has been {} (session {}) for {:.1f} s "
+        "(timeouts.worker_stall_ms {}); it neither serves the client nor times its calls out "
+        "meanwhile. A step that does not return is usually a CUDA call waiting for the device "
+        "(docs/operations.md, troubleshooting)",
+        c->id, c->name, stall->what, stall->session_id, absl::ToDoubleSeconds(stall->running),
+        config_.worker_stall_ms);
+  }
+}
+
 void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientRings> rings) {
   auto log = Logger("exec");
+  // Each step that calls into the backend is watched (WorkerWatch); one the fd thread reported
+  // as stalled is reported again here when it returns.
+  auto step = [&](const char* what, uint64_t session_id, auto&& body) {
+    rings->watch.Begin(what, session_id, absl::Now());
+    auto result = body();
+    if (std::optional<absl::Duration> ran = rings->watch.End(absl::Now()))
+      log->warn("client {} ({}): its ring worker returned from {} (session {}) after {:.1f} s",
+                c->id, c->name, what, session_id, absl::ToDoubleSeconds(*ran));
+    return result;
+  };
   // Calls enqueued on stream-ordered sessions, oldest first: their completions are posted when
   // Session::Poll finds them finished, while this worker goes on draining the ring.
   std::deque<PendingCall> pending;
@@ -302,8 +337,10 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
         finished[p.session_id];  // closed: its pending calls end below
         continue;
       }
-      s->Poll();
-      finished[p.session_id] = s->TakeFinished();
+      finished[p.session_id] = step("polling its calls in flight", p.session_id, [&] {
+        s->Poll();
+        return s->TakeFinished();
+      });
     }
     for (auto it = pending.begin(); it != pending.end();) {
       std::vector<FinishedCall>& f = finished[it->session_id];
@@ -360,9 +397,10 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
                            /*wait_ready=*/(d.flags & ipc::kDescriptorStreamOrdered) != 0,
                            /*released_in_order=*/(d.flags & ipc::kDescriptorReleasedInOrder) != 0};
     PendingCall p;
-    absl::StatusOr<CallResult> r = args.ok() ? Call(*c, d.session_id, *args, d.epoch, mode, &p)
-                                             : RefuseDescriptor(*c, d.session_id, d.epoch,
-                                                                args.status());
+    absl::StatusOr<CallResult> r = step("executing a call", d.session_id, [&] {
+      return args.ok() ? Call(*c, d.session_id, *args, d.epoch, mode, &p)
+                       : RefuseDescriptor(*c, d.session_id, d.epoch, args.status());
+    });
     if (r.ok() && r->outcome.pending) {
       if (pending.empty()) last_progress = absl::Now();
       pending.push_back(std::move(p));

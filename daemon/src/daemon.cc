@@ -415,6 +415,7 @@ GaugeSnapshot Daemon::Gauges() {
   g.device_allocations = a.created + a.imported + a.ipc_opened;
   g.device_streams = backend_impl_ ? backend_impl_->StreamsMade() : 0;
   g.sessions_undrained = Session::UndrainedCount();
+  g.worker_stalls = worker_stalls_.load();
   FillQuotaGauges(g);
   return g;
 }

@@ -30,6 +30,7 @@
 #include "rendezvous.h"
 #include "session.h"
 #include "telemetry.h"
+#include "worker_watch.h"
 
 namespace httplib {
 class Server;
@@ -73,6 +74,8 @@ struct ClientRings {
   /// Whether a ring worker serves these rings now; written under Daemon::workers_mu_. While it
   /// is false, the fd thread watches submit_bell and starts one at the next ring.
   std::atomic<bool> worker_running{false};
+  /// The ring worker's current step, for the stall watchdog (timeouts.worker_stall_ms).
+  WorkerWatch watch;
 };
 
 /// One attached client process.
@@ -296,6 +299,7 @@ class Daemon {
   std::atomic<bool> draining_{false};
   std::atomic<bool> device_lost_{false};
   std::atomic<int> active_calls_{0};
+  std::atomic<uint64_t> worker_stalls_{0};  // ring-worker steps past timeouts.worker_stall_ms
   std::mutex idle_mu_;
   std::condition_variable idle_cv_;
   std::string mps_mode_ = "none";
@@ -312,6 +316,10 @@ class Daemon {
   std::map<uint64_t, std::thread> workers_;
   std::vector<uint64_t> workers_done_;
   void JoinFinishedWorkers();
+  /// Warns, once per step, of each client whose ring worker has been inside one step longer
+  /// than timeouts.worker_stall_ms (WorkerWatch); the fd thread calls it about once a second.
+  void ReportStalledWorkers(const std::vector<std::shared_ptr<ClientRecord>>& clients,
+                            absl::Time now);
   std::atomic<bool> stopping_{false};
   bool started_ok_ = false;
 

@@ -218,7 +218,9 @@ void Daemon::FdLoop() {
     }
     std::set<uint64_t> bound;
     std::vector<uint64_t> never_bound;
-    for (auto& c : Clients()) {
+    const std::vector<std::shared_ptr<ClientRecord>> clients = Clients();
+    ReportStalledWorkers(clients, now);
+    for (auto& c : clients) {
       std::lock_guard<std::mutex> lock(c->mu);
       if (!c->fd_socket.valid()) {
         const absl::Time due = c->since + bind_timeout;

@@ -160,6 +160,10 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
          "Sessions whose device work did not end within 30 s of their cancel; their device "
          "memory and streams are kept for the daemon's life.");
   out += StrCat("ulyssesd_sessions_undrained_total ", g.sessions_undrained, "\n");
+  Header(out, "ulyssesd_worker_stalls_total", "counter",
+         "Ring-worker steps (executing or polling a client's calls) that ran longer than "
+         "timeouts.worker_stall_ms.");
+  out += StrCat("ulyssesd_worker_stalls_total ", g.worker_stalls, "\n");
   return out;
 }
 

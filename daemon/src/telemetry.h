@@ -63,6 +63,7 @@ struct GaugeSnapshot {
   uint64_t device_allocations = 0;  // device allocations made or opened since start
   uint64_t device_streams = 0;      // session streams made since start (GPU backends)
   uint64_t sessions_undrained = 0;  // sessions whose device work did not end when they went
+  uint64_t worker_stalls = 0;       // ring-worker steps past timeouts.worker_stall_ms
   /// Each configured limit (config object `limits`) and how many requests it refused.
   struct LimitGauge {
     std::string name;

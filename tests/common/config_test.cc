@@ -330,6 +330,22 @@ TEST(DaemonConfigTest, BindTimeoutParsedAndBounded) {
   }
 }
 
+TEST(DaemonConfigTest, WorkerStallThresholdParsedAndBounded) {
+  absl::StatusOr<DaemonConfig> c =
+      ParseDaemonConfig(R"({"timeouts": {"worker_stall_ms": 0}})", 0);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->worker_stall_ms, 0);
+  EXPECT_EQ(ParseDaemonConfig("{}", 0)->worker_stall_ms, 10000);
+  for (const char* bad : {R"({"timeouts": {"worker_stall_ms": -1}})",
+                          R"({"timeouts": {"worker_stall_ms": 3600001}})",
+                          R"({"timeouts": {"worker_stall_ms": "soon"}})"}) {
+    absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(bad, 0);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("timeouts.worker_stall_ms"), std::string::npos)
+        << r.status();
+  }
+}
+
 }  // namespace
 }  // namespace ulysses
 

@@ -4,9 +4,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -27,6 +29,7 @@ namespace ulysses {
 namespace {
 
 using ::testing::HasSubstr;
+using testing_util::Eventually;
 
 // Parses Prometheus text into "name{labels}" -> value (comments skipped).
 std::map<std::string, double> ParseMetrics(const std::string& text) {
@@ -48,6 +51,40 @@ class Ops : public testing_util::ClusterTest {
     std::stringstream ss;
     ss << in.rdbuf();
     return ss.str();
+  }
+  // A client of each of the two daemons started, a group `group` of both, a float32 session
+  // (H = 4, D = 8, S = 8, 2 slots) and an input buffer per rank.
+  struct Pair {
+    std::unique_ptr<client::Client> c0, c1;
+    std::optional<client::Group> g0, g1;
+    std::unique_ptr<client::Session> s0, s1;
+    client::Buffer x0, x1;
+  };
+  void OpenPair(const std::string& group, Pair* p) {
+    auto a = client::Client::Connect({daemons_[0].socket(), "r0"});
+    auto b = client::Client::Connect({daemons_[1].socket(), "r1"});
+    ASSERT_TRUE(a.ok() && b.ok());
+    p->c0 = std::move(*a);
+    p->c1 = std::move(*b);
+    absl::StatusOr<client::Group> g0, g1;
+    std::thread t([&] { g0 = p->c0->JoinGroup({group, 2, 0, Members(2), "auto", 5000}); });
+    g1 = p->c1->JoinGroup({group, 2, 1, Members(2), "auto", 5000});
+    t.join();
+    ASSERT_TRUE(g0.ok() && g1.ok());
+    p->g0 = std::move(*g0);
+    p->g1 = std::move(*g1);
+    absl::StatusOr<std::unique_ptr<client::Session>> s0, s1;
+    std::thread t2([&] { s0 = p->c0->CreateSession(*p->g0, {4, 8, DType::kFloat32, 8, 2, {}, 5000}); });
+    s1 = p->c1->CreateSession(*p->g1, {4, 8, DType::kFloat32, 8, 2, {}, 5000});
+    t2.join();
+    ASSERT_TRUE(s0.ok() && s1.ok());
+    p->s0 = std::move(*s0);
+    p->s1 = std::move(*s1);
+    auto x0 = p->c0->AllocBuffer(8 * 4 * 8 * 4);
+    auto x1 = p->c1->AllocBuffer(8 * 4 * 8 * 4);
+    ASSERT_TRUE(x0.ok() && x1.ok());
+    p->x0 = *x0;
+    p->x1 = *x1;
   }
   // Runs the demo workload on all ranks from threads.
   void RunWorkload(int n, const std::string& group) {
@@ -240,36 +277,12 @@ TEST_F(Ops, ALostDeviceStopsTheDaemonWithExitStatusThree) {
 
 TEST_F(Ops, SigtermWaitsForARunningCallThenExitsZero) {
   Start(2, {"--call-timeout-ms", "20000"});
-  std::unique_ptr<client::Client> c0, c1;
-  auto a = client::Client::Connect({daemons_[0].socket(), "r0"});
-  auto b = client::Client::Connect({daemons_[1].socket(), "r1"});
-  ASSERT_TRUE(a.ok() && b.ok());
-  c0 = std::move(*a);
-  c1 = std::move(*b);
-  absl::StatusOr<client::Group> g0, g1;
-  std::thread t([&] { g0 = c0->JoinGroup({"t", 2, 0, Members(2), "auto", 5000}); });
-  g1 = c1->JoinGroup({"t", 2, 1, Members(2), "auto", 5000});
-  t.join();
-  ASSERT_TRUE(g0.ok() && g1.ok());
-  absl::StatusOr<std::unique_ptr<client::Session>> s0, s1;
-  std::thread t2([&] { s0 = c0->CreateSession(*g0, {4, 8, DType::kFloat32, 8, 2, {}, 5000}); });
-  s1 = c1->CreateSession(*g1, {4, 8, DType::kFloat32, 8, 2, {}, 5000});
-  t2.join();
-  ASSERT_TRUE(s0.ok() && s1.ok());
-  auto x0 = c0->AllocBuffer(8 * 4 * 8 * 4);
-  auto x1 = c1->AllocBuffer(8 * 4 * 8 * 4);
-  ASSERT_TRUE(x0.ok() && x1.ok());
+  Pair p;
+  ASSERT_NO_FATAL_FAILURE(OpenPair("t", &p));
   // Rank 0's call waits for rank 1; SIGTERM to rank 0's daemon arrives meanwhile.
   absl::StatusOr<client::Result> r0;
-  std::thread caller([&] { r0 = (*s0)->ScatterHeads(x0->Ref(), 1, 8); });
-  ASSERT_TRUE([&] {
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    while (absl::Now() < deadline) {
-      if (State(0).active_calls() == 1) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return false;
-  }());
+  std::thread caller([&] { r0 = p.s0->ScatterHeads(p.x0.Ref(), 1, 8); });
+  ASSERT_TRUE(Eventually([&] { return State(0).active_calls() == 1; }));
   ::kill(daemons_[0].pid(), SIGTERM);
   ASSERT_TRUE([&] {  // draining: health NOT_SERVING while the call still runs
     const absl::Time deadline = absl::Now() + absl::Seconds(20);
@@ -281,13 +294,54 @@ TEST_F(Ops, SigtermWaitsForARunningCallThenExitsZero) {
   }());
   EXPECT_EQ(State(0).active_calls(), 1);
   // Rank 1 now calls: both calls complete, then rank 0's daemon exits 0.
-  auto r1 = (*s1)->ScatterHeads(x1->Ref(), 1, 8);
+  auto r1 = p.s1->ScatterHeads(p.x1.Ref(), 1, 8);
   caller.join();
   EXPECT_TRUE(r0.ok()) << r0.status();
   EXPECT_TRUE(r1.ok()) << r1.status();
   auto st = daemons_[0].Stop(absl::Seconds(20));  // already exiting: this reaps it
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << *st;
+}
+
+// A ring worker that stays inside one step longer than timeouts.worker_stall_ms is reported
+// while it is still there, once, and again when it returns. On the host backend a call that
+// waits for its peer keeps its worker inside "executing a call" until the peer calls.
+TEST_F(Ops, ARingWorkerStuckInOneStepIsReportedOnceAndWhenItReturns) {
+  const std::string config = StrCat(::testing::TempDir(), "stall-", ::getpid(), ".json");
+  {
+    std::ofstream out(config);
+    out << R"({"timeouts": {"worker_stall_ms": 200}})";
+  }
+  Start(2, {"--config", config, "--call-timeout-ms", "20000"});
+  std::remove(config.c_str());
+  Pair p;
+  ASSERT_NO_FATAL_FAILURE(OpenPair("stall", &p));
+  auto stalls = [&] {
+    v1::GetMetricsResponse m;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(Admin(0)->GetMetrics(&ctx, {}, &m).ok());
+    return ParseMetrics(m.text())["ulyssesd_worker_stalls_total"];
+  };
+  EXPECT_EQ(stalls(), 0);
+  absl::StatusOr<client::Result> r0;
+  std::thread caller([&] { r0 = p.s0->ScatterHeads(p.x0.Ref(), 1, 8); });
+  ASSERT_TRUE(Eventually([&] { return stalls() >= 1; })) << "never reported";
+  std::ifstream log_in(StrCat(dir_, "/gpu0.log"));
+  std::stringstream log;
+  log << log_in.rdbuf();
+  EXPECT_THAT(log.str(), HasSubstr(StrCat("its ring worker has been executing a call (session ",
+                                          p.s0->id(), ")")));
+  auto r1 = p.s1->ScatterHeads(p.x1.Ref(), 1, 8);
+  caller.join();
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  EXPECT_TRUE(Eventually([&] {
+    std::ifstream in(StrCat(dir_, "/gpu0.log"));
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str().find(StrCat("its ring worker returned from executing a call (session ",
+                                  p.s0->id(), ")")) != std::string::npos;
+  })) << "the return was not logged";
 }
 
 // A rank that completed an epoch and then left owes its peers nothing for that epoch: the
