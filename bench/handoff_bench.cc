@@ -45,6 +45,7 @@
 #include "nlohmann/json.hpp"
 #include "handoff_kernels.h"
 #include "ulysses/ipc/cuda_memory.h"
+#include "die.h"
 
 extern char** environ;
 
@@ -56,16 +57,8 @@ using ulysses::bench::kWordA;
 using ulysses::bench::kWordB;
 using ulysses::bench::kWordCount;
 
-void Die(const std::string& what) {
-  std::fprintf(stderr, "ulysses-handoff-bench: %s\n", what.c_str());
-  std::exit(1);
-}
-void Check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) Die(std::string(what) + ": " + cudaGetErrorString(err));
-}
-void Check(const absl::Status& st) {
-  if (!st.ok()) Die(std::string(st.message()));
-}
+using ulysses::bench::Check;
+using ulysses::bench::Die;
 
 // Today's UTC date, "2026-12-04".
 std::string UtcDate() {
@@ -304,6 +297,7 @@ Child SpawnPong(const std::string& handle_hex, const std::string& mode, uint64_t
 }  // namespace
 
 int main(int argc, char** argv) {
+  ulysses::bench::ProgramName() = "ulysses-handoff-bench";
   CLI::App app{"ulysses-handoff-bench: the latency of one stream hand-off on one GPU"};
   std::vector<std::string> modes = {"memop", "call", "call_store", "call_poll", "spin"};
   std::vector<std::string> sides = {"process", "processes"};

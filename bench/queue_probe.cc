@@ -29,21 +29,14 @@
 #include "CLI/CLI.hpp"
 #include "nlohmann/json.hpp"
 #include "ulysses/ipc/cuda_memory.h"
+#include "die.h"
 
 namespace {
 
 namespace cu = ulysses::ipc::cuda;
 
-void Die(const std::string& what) {
-  std::fprintf(stderr, "ulysses-queue-probe: %s\n", what.c_str());
-  std::exit(1);
-}
-void Check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) Die(std::string(what) + ": " + cudaGetErrorString(err));
-}
-void Check(const absl::Status& st) {
-  if (!st.ok()) Die(std::string(st.message()));
-}
+using ulysses::bench::Check;
+using ulysses::bench::Die;
 
 // Whether the host word `word` reaches `value` within `settle`.
 bool LandsWithin(const uint64_t* word, uint64_t value, std::chrono::milliseconds settle) {
@@ -63,6 +56,7 @@ int Find(std::vector<int>& parent, int x) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  ulysses::bench::ProgramName() = "ulysses-queue-probe";
   CLI::App app{"ulysses-queue-probe: which streams of this process share a hardware queue"};
   int streams = 12, settle_ms = 20, hold_ms = 0, device = 0;
   bool touch = false;
