@@ -59,21 +59,22 @@ int main(int argc, char** argv) {
   ulysses::bench::ProgramName() = "ulysses-queue-probe";
   CLI::App app{"ulysses-queue-probe: which streams of this process share a hardware queue"};
   int streams = 12, settle_ms = 20, hold_ms = 0, device = 0;
-  bool touch = false;
   std::vector<int> greatest;
   std::string json_path, label;
   app.add_option("--streams", streams, "streams to make and probe")->check(CLI::Range(2, 64));
   app.add_option("--settle-ms", settle_ms,
-                 "how long an event on a free queue may take before it counts as held")
+                 "how long a word write on a free queue may take before it counts as held")
       ->check(CLI::Range(1, 10000));
   app.add_option("--hold-ms", hold_ms, "keep the context this long after probing")
       ->check(CLI::Range(0, 600000));
   app.add_option("--device", device, "the GPU")->check(CLI::NonNegativeNumber);
-  app.add_flag("--touch", touch, "each stream runs a word write first (work on its queue)");
-  app.add_option("--greatest", greatest, "indices of the streams made at the greatest priority");
+  app.add_option("--greatest", greatest, "indices of the streams made at the greatest priority")
+      ->check(CLI::Range(0, 63));
   app.add_option("--json", json_path, "also write the JSON here");
   app.add_option("--label", label, "recorded in the JSON as is");
   CLI11_PARSE(app, argc, argv);
+  for (int g : greatest)
+    if (g >= streams) Die("--greatest: " + std::to_string(g) + " is not below --streams");
 
   if (cu::DeviceCount() == 0) {
     std::printf("no CUDA device; nothing to measure\n");
@@ -96,30 +97,36 @@ int main(int argc, char** argv) {
     Check(cudaStreamCreateWithPriority(&s[i], cudaStreamNonBlocking, high ? most : least),
           "cudaStreamCreateWithPriority");
   }
-  uint64_t* scratch = nullptr;
-  if (touch) {
-    Check(cudaMalloc(reinterpret_cast<void**>(&scratch), sizeof(uint64_t) * streams), "cudaMalloc");
-    for (int i = 0; i < streams; ++i) Check(cu::StreamWrite64(s[i], &scratch[i], 1));
-    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  }
-
   const auto settle = std::chrono::milliseconds(settle_ms);
+  // Every stream first writes its word once and is waited for, so that a stream's first
+  // operation, which may start slowly, is not taken for a held one.
+  // want[j]: the value stream j's latest write stores (marks only grow).
+  uint64_t mark = 1;
+  std::vector<uint64_t> want(streams, mark);
+  for (int i = 0; i < streams; ++i) Check(cu::StreamWrite64(s[i], &dev[1 + i], mark));
+  for (int i = 0; i < streams; ++i)
+    if (!LandsWithin(&host[1 + i], want[i], std::chrono::milliseconds(10000)))
+      Die("stream " + std::to_string(i) + " did not write its word within 10 s");
   std::vector<std::vector<int>> shared(streams);
   std::vector<int> parent(streams);
   std::iota(parent.begin(), parent.end(), 0);
-  uint64_t gate = 0, mark = 0;
+  uint64_t gate = 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < streams; ++i) {
     Check(cu::StreamWait64(s[i], &dev[0], ++gate));
     for (int j = i + 1; j < streams; ++j) {
-      Check(cu::StreamWrite64(s[j], &dev[1 + j], ++mark));
-      if (!LandsWithin(&host[1 + j], mark, settle)) {
+      want[j] = ++mark;
+      Check(cu::StreamWrite64(s[j], &dev[1 + j], want[j]));
+      if (!LandsWithin(&host[1 + j], want[j], settle)) {
         shared[i].push_back(j);
         parent[Find(parent, j)] = Find(parent, i);
       }
     }
     __atomic_store_n(&host[0], gate, __ATOMIC_RELEASE);
-    for (int j = i; j < streams; ++j) Check(cudaStreamSynchronize(s[j]), "cudaStreamSynchronize");
+    // Every held write lands once the gate is open: each stream ends with its own write.
+    for (int j = i + 1; j < streams; ++j)
+      if (!LandsWithin(&host[1 + j], want[j], std::chrono::milliseconds(10000)))
+        Die("stream " + std::to_string(j) + " did not go on within 10 s of the gate opening");
   }
   const double probe_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -139,7 +146,6 @@ int main(int argc, char** argv) {
                       {"label", label},
                       {"pid", static_cast<int>(::getpid())},
                       {"streams", streams},
-                      {"touch", touch},
                       {"greatest_priority", greatest},
                       {"settle_ms", settle_ms},
                       {"max_connections_env", conn ? conn : ""},
@@ -158,7 +164,6 @@ int main(int argc, char** argv) {
   }
   if (hold_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));
   for (int i = 0; i < streams; ++i) cudaStreamDestroy(s[i]);
-  if (scratch != nullptr) cudaFree(scratch);
   cudaFreeHost(host);
   return 0;
 }

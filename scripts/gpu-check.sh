@@ -101,14 +101,16 @@ stage() {
   shift
   echo "== $name: $*"
   start=$(date +%s)
-  # Line-buffered output (stdbuf, where coreutils has it): a stage stopped at its limit still
-  # shows in its log the test it was in, which a full stdio buffer would have lost.
+  # Line-buffered output (stdbuf, where coreutils has it; Python's own switch): a stage
+  # stopped at its limit still shows in its log the test it was in, which a full stdio buffer
+  # would have lost.
   local line_buffered=()
-  command -v stdbuf >/dev/null 2>&1 && line_buffered=(stdbuf -oL -eL)
+  command -v stdbuf >/dev/null 2>&1 && line_buffered=(stdbuf -oL)
   if [ "$limit" -gt 0 ]; then
-    timeout --kill-after=10 "$limit" "${line_buffered[@]}" "$@" > "$out/$name.log" 2>&1
+    PYTHONUNBUFFERED=1 timeout --kill-after=10 "$limit" ${line_buffered[@]+"${line_buffered[@]}"} \
+      "$@" > "$out/$name.log" 2>&1
   else
-    "${line_buffered[@]}" "$@" > "$out/$name.log" 2>&1
+    PYTHONUNBUFFERED=1 ${line_buffered[@]+"${line_buffered[@]}"} "$@" > "$out/$name.log" 2>&1
   fi
   rc=$?
   [ $rc -ne 124 ] && [ $rc -ne 137 ] || echo "gpu-check: stopped after the stage limit of ${limit} s" >> "$out/$name.log"

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "daemon.h"
+#include "ulysses/common/failpoint.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
@@ -257,16 +258,14 @@ void Daemon::JoinFinishedWorkers() {
   for (std::thread& t : done) t.join();  // each has returned or is about to
 }
 
-// One thread per client, while the client has calls, drains its submit ring in order and posts
-// one completion per descriptor. It ends when the client is reclaimed (the header's abort word),
-// or when it has had nothing to do for kRingWorkerIdle: then the fd thread watches the submit
-// bell, and starts a worker again at the client's next ring. Its last check of the ring came
-// after its last wait on the bell (PopWait), so a descriptor pushed after that check leaves the
-// bell rung and is not lost.
+// Every wait inside a step is bounded by the call timeout (a peer's slot, its block, a free
+// slot), so a step that outlasts it by timeouts.worker_stall_ms holds something unbounded: on a
+// GPU backend, a CUDA call that waits for the device.
 void Daemon::ReportStalledWorkers(const std::vector<std::shared_ptr<ClientRecord>>& clients,
                                   absl::Time now) {
-  const absl::Duration limit = absl::Milliseconds(config_.worker_stall_ms);
-  if (limit <= absl::ZeroDuration()) return;
+  if (config_.worker_stall_ms <= 0) return;
+  const absl::Duration limit =
+      absl::Milliseconds(config_.call_timeout_ms) + absl::Milliseconds(config_.worker_stall_ms);
   for (const auto& c : clients) {
     std::shared_ptr<ClientRings> rings;
     {
@@ -276,17 +275,22 @@ void Daemon::ReportStalledWorkers(const std::vector<std::shared_ptr<ClientRecord
     if (!rings) continue;
     std::optional<WorkerWatch::Stall> stall = rings->watch.Check(now, limit);
     if (!stall) continue;
-    worker_stalls_.fetch_add(1);
     Logger("exec")->warn(
-        "client {} ({}): its ring worker has been {} (session {}) for {:.1f} s "
-        "(timeouts.worker_stall_ms {}); it neither serves the client nor times its calls out "
-        "meanwhile. A step that does not return is usually a CUDA call waiting for the device "
-        "(docs/operations.md, troubleshooting)",
+        "client {} ({}): its ring worker has been {} (session {}) for {:.1f} s, past the call "
+        "timeout ({} ms) by more than timeouts.worker_stall_ms ({} ms); it neither serves the "
+        "client nor times its calls out meanwhile (docs/operations.md, troubleshooting)",
         c->id, c->name, stall->what, stall->session_id, absl::ToDoubleSeconds(stall->running),
-        config_.worker_stall_ms);
+        config_.call_timeout_ms, config_.worker_stall_ms);
+    worker_stalls_.fetch_add(1);
   }
 }
 
+// One thread per client, while the client has calls, drains its submit ring in order and posts
+// one completion per descriptor. It ends when the client is reclaimed (the header's abort word),
+// or when it has had nothing to do for kRingWorkerIdle: then the fd thread watches the submit
+// bell, and starts a worker again at the client's next ring. Its last check of the ring came
+// after its last wait on the bell (PopWait), so a descriptor pushed after that check leaves the
+// bell rung and is not lost.
 void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientRings> rings) {
   auto log = Logger("exec");
   // Each step that calls into the backend is watched (WorkerWatch); one the fd thread reported
@@ -337,9 +341,13 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
         finished[p.session_id];  // closed: its pending calls end below
         continue;
       }
+      // The step holds the last reference a closing session may leave here, so that its
+      // teardown is watched too.
       finished[p.session_id] = step("polling its calls in flight", p.session_id, [&] {
         s->Poll();
-        return s->TakeFinished();
+        std::vector<FinishedCall> f = s->TakeFinished();
+        s.reset();
+        return f;
       });
     }
     for (auto it = pending.begin(); it != pending.end();) {
@@ -398,6 +406,7 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
                            /*released_in_order=*/(d.flags & ipc::kDescriptorReleasedInOrder) != 0};
     PendingCall p;
     absl::StatusOr<CallResult> r = step("executing a call", d.session_id, [&] {
+      Failpoint("ring_worker.execute");
       return args.ok() ? Call(*c, d.session_id, *args, d.epoch, mode, &p)
                        : RefuseDescriptor(*c, d.session_id, d.epoch, args.status());
     });

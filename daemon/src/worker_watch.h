@@ -1,11 +1,12 @@
 // What one ring worker is doing, for the stall watchdog (timeouts.worker_stall_ms).
 //
-// A ring worker's steps call into the backend, and on a GPU backend into the CUDA driver, which
-// can wait for the device without bound (a kernel module loaded lazily behind a blocked
-// stream, a queue shared with a stream that waits for its peer). Such a worker is silent: it
-// neither serves its client nor times its calls out. So the worker marks each step, and the
-// fd thread, about once a second, reports a step that has lasted longer than the threshold,
-// once per step; the worker says so again when the step returns.
+// A ring worker's steps call into the backend. Every wait of theirs is bounded by the call
+// timeout, but on a GPU backend a step also calls into the CUDA driver, which can wait for the
+// device without bound (a kernel module loaded lazily behind a blocked stream, work queued
+// behind a stream that waits for its peer). Such a worker is silent: it neither serves its
+// client nor times its calls out. So the worker marks each step, and the fd thread, about once
+// a second, reports a step that has outlasted the call timeout by the threshold, once per
+// step; the worker says so again when the step returns.
 #pragma once
 
 #include <cstdint>
@@ -38,7 +39,6 @@ class WorkerWatch {
     what_ = nullptr;
     if (!reported_) return std::nullopt;
     reported_ = false;
-    ++recovered_;
     return now - since_;
   }
   /// The running step when it has lasted longer than `limit` and was not reported yet (it is
@@ -50,19 +50,12 @@ class WorkerWatch {
     reported_ = true;
     return Stall{what_, session_id_, now - since_};
   }
-  /// Steps reported as stalled that have returned since.
-  uint64_t recovered() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return recovered_;
-  }
-
  private:
   mutable std::mutex mu_;
   const char* what_ = nullptr;  // null: between steps (waiting on its ring)
   uint64_t session_id_ = 0;
   absl::Time since_;
   bool reported_ = false;
-  uint64_t recovered_ = 0;
 };
 
 }  // namespace ulysses::daemon

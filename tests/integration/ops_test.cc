@@ -4,7 +4,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -52,39 +51,34 @@ class Ops : public testing_util::ClusterTest {
     ss << in.rdbuf();
     return ss.str();
   }
-  // A client of each of the two daemons started, a group `group` of both, a float32 session
-  // (H = 4, D = 8, S = 8, 2 slots) and an input buffer per rank.
-  struct Pair {
-    std::unique_ptr<client::Client> c0, c1;
-    std::optional<client::Group> g0, g1;
-    std::unique_ptr<client::Session> s0, s1;
-    client::Buffer x0, x1;
+  // A client of daemon 0 alone in a group `name`, a float32 session (H = 4, D = 8, S = 8,
+  // 2 slots) and an input buffer of that session's shape.
+  struct Alone {
+    std::unique_ptr<client::Client> client;
+    std::optional<client::Group> group;
+    std::unique_ptr<client::Session> session;
+    client::Buffer x;
   };
-  void OpenPair(const std::string& group, Pair* p) {
-    auto a = client::Client::Connect({daemons_[0].socket(), "r0"});
-    auto b = client::Client::Connect({daemons_[1].socket(), "r1"});
-    ASSERT_TRUE(a.ok() && b.ok());
-    p->c0 = std::move(*a);
-    p->c1 = std::move(*b);
-    absl::StatusOr<client::Group> g0, g1;
-    std::thread t([&] { g0 = p->c0->JoinGroup({group, 2, 0, Members(2), "auto", 5000}); });
-    g1 = p->c1->JoinGroup({group, 2, 1, Members(2), "auto", 5000});
-    t.join();
-    ASSERT_TRUE(g0.ok() && g1.ok());
-    p->g0 = std::move(*g0);
-    p->g1 = std::move(*g1);
-    absl::StatusOr<std::unique_ptr<client::Session>> s0, s1;
-    std::thread t2([&] { s0 = p->c0->CreateSession(*p->g0, {4, 8, DType::kFloat32, 8, 2, {}, 5000}); });
-    s1 = p->c1->CreateSession(*p->g1, {4, 8, DType::kFloat32, 8, 2, {}, 5000});
-    t2.join();
-    ASSERT_TRUE(s0.ok() && s1.ok());
-    p->s0 = std::move(*s0);
-    p->s1 = std::move(*s1);
-    auto x0 = p->c0->AllocBuffer(8 * 4 * 8 * 4);
-    auto x1 = p->c1->AllocBuffer(8 * 4 * 8 * 4);
-    ASSERT_TRUE(x0.ok() && x1.ok());
-    p->x0 = *x0;
-    p->x1 = *x1;
+  void OpenAlone(const std::string& name, Alone* a) {
+    auto c = client::Client::Connect({daemons_[0].socket(), name});
+    ASSERT_TRUE(c.ok()) << c.status();
+    a->client = std::move(*c);
+    auto g = a->client->JoinGroup({name, 1, 0, Members(1), "auto", 0});
+    ASSERT_TRUE(g.ok()) << g.status();
+    a->group = std::move(*g);
+    auto s = a->client->CreateSession(*a->group, {4, 8, DType::kFloat32, 8, 2, {}, 0});
+    ASSERT_TRUE(s.ok()) << s.status();
+    a->session = std::move(*s);
+    auto x = a->client->AllocBuffer(8 * 4 * 8 * 4);
+    ASSERT_TRUE(x.ok()) << x.status();
+    a->x = *x;
+  }
+  // Whether daemon `r`'s log holds `text`.
+  bool LogHas(int r, const std::string& text) {
+    std::ifstream in(StrCat(dir_, "/gpu", r, ".log"));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str().find(text) != std::string::npos;
   }
   // Runs the demo workload on all ranks from threads.
   void RunWorkload(int n, const std::string& group) {
@@ -254,15 +248,9 @@ TEST_F(Ops, ALostDeviceStopsTheDaemonWithExitStatusThree) {
   ::unlink(lost.c_str());
   env_ = [&](int) { return std::vector<std::string>{StrCat("ULYSSES_FAILPOINTS=device.lost=", lost)}; };
   Start(1);
-  auto c = client::Client::Connect({daemons_[0].socket(), "on-a-lost-device"});
-  ASSERT_TRUE(c.ok()) << c.status();
-  auto g = (*c)->JoinGroup({"lost", 1, 0, Members(1), "auto", 0});
-  ASSERT_TRUE(g.ok()) << g.status();
-  auto s = (*c)->CreateSession(*g, {4, 8, DType::kFloat32, 8, 2, {}, 0});
-  ASSERT_TRUE(s.ok()) << s.status();
-  auto x = (*c)->AllocBuffer(8 * 4 * 8 * 4);
-  ASSERT_TRUE(x.ok());
-  ASSERT_TRUE((*s)->ScatterHeads(x->Ref(), 1, 8).ok());
+  Alone a;
+  ASSERT_NO_FATAL_FAILURE(OpenAlone("on-a-lost-device", &a));
+  ASSERT_TRUE(a.session->ScatterHeads(a.x.Ref(), 1, 8).ok());
   // Still serving: the check runs every second and finds nothing.
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   EXPECT_FALSE(State(0).draining());
@@ -271,18 +259,80 @@ TEST_F(Ops, ALostDeviceStopsTheDaemonWithExitStatusThree) {
   ::unlink(lost.c_str());
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 3) << *st;
-  auto after = (*s)->ScatterHeads(x->Ref(), 1, 8);
+  auto after = a.session->ScatterHeads(a.x.Ref(), 1, 8);
   EXPECT_FALSE(after.ok());
+}
+
+// A ring worker held inside one step past the call timeout by timeouts.worker_stall_ms (a
+// failpoint holds it, as a CUDA call waiting for the device would) is reported while it is
+// still there, once, and again when the step returns; the call then completes.
+TEST_F(Ops, ARingWorkerHeldInOneStepIsReportedOnceAndWhenItReturns) {
+  const std::string release = StrCat(::testing::TempDir(), "release-worker-", ::getpid());
+  const std::string config = StrCat(::testing::TempDir(), "stall-", ::getpid(), ".json");
+  ::unlink(release.c_str());
+  { std::ofstream(config) << R"({"timeouts": {"worker_stall_ms": 200}})"; }
+  env_ = [&](int) {
+    return std::vector<std::string>{StrCat("ULYSSES_FAILPOINTS=ring_worker.execute=", release)};
+  };
+  Start(1, {"--config", config, "--call-timeout-ms", "1000"});
+  ::unlink(config.c_str());
+  Alone a;
+  ASSERT_NO_FATAL_FAILURE(OpenAlone("held", &a));
+  auto stalls = [&] {
+    v1::GetMetricsResponse m;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(Admin(0)->GetMetrics(&ctx, {}, &m).ok());
+    return ParseMetrics(m.text())["ulyssesd_worker_stalls_total"];
+  };
+  EXPECT_EQ(stalls(), 0);
+  absl::StatusOr<client::Result> r;
+  std::thread caller([&] { r = a.session->ScatterHeads(a.x.Ref(), 1, 8); });
+  const std::string held =
+      StrCat("its ring worker has been executing a call (session ", a.session->id(), ")");
+  EXPECT_TRUE(Eventually([&] { return stalls() == 1 && LogHas(0, held); })) << "never reported";
+  { std::ofstream(release) << "go\n"; }
+  caller.join();
+  ::unlink(release.c_str());
+  EXPECT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(Eventually([&] {
+    return LogHas(0, StrCat("its ring worker returned from executing a call (session ",
+                            a.session->id(), ")"));
+  })) << "the return was not logged";
+  EXPECT_EQ(stalls(), 1) << "one step, reported once";
 }
 
 TEST_F(Ops, SigtermWaitsForARunningCallThenExitsZero) {
   Start(2, {"--call-timeout-ms", "20000"});
-  Pair p;
-  ASSERT_NO_FATAL_FAILURE(OpenPair("t", &p));
+  std::unique_ptr<client::Client> c0, c1;
+  auto a = client::Client::Connect({daemons_[0].socket(), "r0"});
+  auto b = client::Client::Connect({daemons_[1].socket(), "r1"});
+  ASSERT_TRUE(a.ok() && b.ok());
+  c0 = std::move(*a);
+  c1 = std::move(*b);
+  absl::StatusOr<client::Group> g0, g1;
+  std::thread t([&] { g0 = c0->JoinGroup({"t", 2, 0, Members(2), "auto", 5000}); });
+  g1 = c1->JoinGroup({"t", 2, 1, Members(2), "auto", 5000});
+  t.join();
+  ASSERT_TRUE(g0.ok() && g1.ok());
+  absl::StatusOr<std::unique_ptr<client::Session>> s0, s1;
+  std::thread t2([&] { s0 = c0->CreateSession(*g0, {4, 8, DType::kFloat32, 8, 2, {}, 5000}); });
+  s1 = c1->CreateSession(*g1, {4, 8, DType::kFloat32, 8, 2, {}, 5000});
+  t2.join();
+  ASSERT_TRUE(s0.ok() && s1.ok());
+  auto x0 = c0->AllocBuffer(8 * 4 * 8 * 4);
+  auto x1 = c1->AllocBuffer(8 * 4 * 8 * 4);
+  ASSERT_TRUE(x0.ok() && x1.ok());
   // Rank 0's call waits for rank 1; SIGTERM to rank 0's daemon arrives meanwhile.
   absl::StatusOr<client::Result> r0;
-  std::thread caller([&] { r0 = p.s0->ScatterHeads(p.x0.Ref(), 1, 8); });
-  ASSERT_TRUE(Eventually([&] { return State(0).active_calls() == 1; }));
+  std::thread caller([&] { r0 = (*s0)->ScatterHeads(x0->Ref(), 1, 8); });
+  ASSERT_TRUE([&] {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < deadline) {
+      if (State(0).active_calls() == 1) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return false;
+  }());
   ::kill(daemons_[0].pid(), SIGTERM);
   ASSERT_TRUE([&] {  // draining: health NOT_SERVING while the call still runs
     const absl::Time deadline = absl::Now() + absl::Seconds(20);
@@ -294,54 +344,13 @@ TEST_F(Ops, SigtermWaitsForARunningCallThenExitsZero) {
   }());
   EXPECT_EQ(State(0).active_calls(), 1);
   // Rank 1 now calls: both calls complete, then rank 0's daemon exits 0.
-  auto r1 = p.s1->ScatterHeads(p.x1.Ref(), 1, 8);
+  auto r1 = (*s1)->ScatterHeads(x1->Ref(), 1, 8);
   caller.join();
   EXPECT_TRUE(r0.ok()) << r0.status();
   EXPECT_TRUE(r1.ok()) << r1.status();
   auto st = daemons_[0].Stop(absl::Seconds(20));  // already exiting: this reaps it
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << *st;
-}
-
-// A ring worker that stays inside one step longer than timeouts.worker_stall_ms is reported
-// while it is still there, once, and again when it returns. On the host backend a call that
-// waits for its peer keeps its worker inside "executing a call" until the peer calls.
-TEST_F(Ops, ARingWorkerStuckInOneStepIsReportedOnceAndWhenItReturns) {
-  const std::string config = StrCat(::testing::TempDir(), "stall-", ::getpid(), ".json");
-  {
-    std::ofstream out(config);
-    out << R"({"timeouts": {"worker_stall_ms": 200}})";
-  }
-  Start(2, {"--config", config, "--call-timeout-ms", "20000"});
-  std::remove(config.c_str());
-  Pair p;
-  ASSERT_NO_FATAL_FAILURE(OpenPair("stall", &p));
-  auto stalls = [&] {
-    v1::GetMetricsResponse m;
-    grpc::ClientContext ctx;
-    EXPECT_TRUE(Admin(0)->GetMetrics(&ctx, {}, &m).ok());
-    return ParseMetrics(m.text())["ulyssesd_worker_stalls_total"];
-  };
-  EXPECT_EQ(stalls(), 0);
-  absl::StatusOr<client::Result> r0;
-  std::thread caller([&] { r0 = p.s0->ScatterHeads(p.x0.Ref(), 1, 8); });
-  ASSERT_TRUE(Eventually([&] { return stalls() >= 1; })) << "never reported";
-  std::ifstream log_in(StrCat(dir_, "/gpu0.log"));
-  std::stringstream log;
-  log << log_in.rdbuf();
-  EXPECT_THAT(log.str(), HasSubstr(StrCat("its ring worker has been executing a call (session ",
-                                          p.s0->id(), ")")));
-  auto r1 = p.s1->ScatterHeads(p.x1.Ref(), 1, 8);
-  caller.join();
-  ASSERT_TRUE(r0.ok()) << r0.status();
-  ASSERT_TRUE(r1.ok()) << r1.status();
-  EXPECT_TRUE(Eventually([&] {
-    std::ifstream in(StrCat(dir_, "/gpu0.log"));
-    std::stringstream text;
-    text << in.rdbuf();
-    return text.str().find(StrCat("its ring worker returned from executing a call (session ",
-                                  p.s0->id(), ")")) != std::string::npos;
-  })) << "the return was not logged";
 }
 
 // A rank that completed an epoch and then left owes its peers nothing for that epoch: the

@@ -47,10 +47,10 @@ struct DaemonConfig {
   int64_t peer_timeout_ms = 30000;    ///< bound on group/session rendezvous
   int64_t drain_timeout_ms = 30000;   ///< SIGTERM: how long running calls may take to finish
   int64_t bind_timeout_ms = 10000;    ///< an attached client must bind its fd socket by then
-  /// A ring worker inside one step of a call (executing it, polling it) for longer than this
-  /// is reported once per step (a warning naming the step, ulysses_worker_stalls_total): the
-  /// step calls into the backend, and a CUDA call that waits for the device can wait without
-  /// bound. 0: not watched (timeouts.worker_stall_ms).
+  /// A ring worker inside one step of a call (executing it, polling it) for longer than
+  /// call_timeout_ms plus this is reported once per step (a warning naming the step,
+  /// ulyssesd_worker_stalls_total): every wait of a step is bounded by the call timeout, but a
+  /// CUDA call that waits for the device is not. 0: not watched (timeouts.worker_stall_ms).
   int64_t worker_stall_ms = 10000;
   int32_t flight_recorder_size = 1024;  ///< calls the flight recorder keeps
   /// How long a client's ring worker polls its submission ring after its last call before it
