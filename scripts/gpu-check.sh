@@ -17,12 +17,14 @@
 #   demo      ulysses-demo --ranks 4 --backend auto (what scripts/demo.sh runs), under MPS
 #   overhead  ulysses-gpu-bench's per-call overhead at W = 1 (64 KiB to 4 MiB), both paths
 #   handoff   bench/handoff_queues.sh
+#   queues    bench/queue_probe.sh: which streams share a hardware queue (alone, 2 queues as
+#             the control, a greatest-priority stream, 4 processes at once)
 # MPS: the stages after nccl run as clients of one MPS server, started here when none runs
 # (and stopped at the end); docs/operations.md says why.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 
-bin="" lib="" python=python3 stages="nccl,tests,python,demo,overhead,handoff" commit="" out=""
+bin="" lib="" python=python3 stages="nccl,tests,python,demo,overhead,handoff,queues" commit="" out=""
 limit=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -47,7 +49,7 @@ if ! [[ "$limit" =~ ^[0-9]+$ ]]; then
 fi
 for s in ${stages//,/ }; do
   case "$s" in
-    nccl|tests|python|demo|overhead|handoff) ;;
+    nccl|tests|python|demo|overhead|handoff|queues) ;;
     *) echo "gpu-check: --stages: unknown stage '$s'" >&2; exit 2 ;;
   esac
 done
@@ -70,8 +72,10 @@ program() {
   esac
   echo "$root/build/$sub/$name"
 }
-for p in ulyssesd gpu_kernels_test gpu_daemon_test gpu_phase_client ulysses-demo \
-         ulysses-gpu-bench ulysses-handoff-bench libulysses_client.so.1; do
+needed=(ulyssesd gpu_kernels_test gpu_daemon_test gpu_phase_client ulysses-demo
+        ulysses-gpu-bench ulysses-handoff-bench libulysses_client.so.1)
+[[ ",$stages," == *",queues,"* ]] && needed+=(ulysses-queue-probe)
+for p in "${needed[@]}"; do
   if [ ! -e "$(program "$p")" ]; then
     echo "gpu-check: $(program "$p") is missing (build with CUDA, or give --bin)" >&2
     exit 2
@@ -164,6 +168,10 @@ fi
 if want handoff; then
   stage handoff bash "$root/bench/handoff_queues.sh" --bench "$(program ulysses-handoff-bench)" \
     "$out/handoff-queues.json"
+fi
+if want queues; then
+  stage queues bash "$root/bench/queue_probe.sh" --probe "$(program ulysses-queue-probe)" \
+    "$out/queue-probe.json"
 fi
 echo "gpu-check: $([ $failed -eq 0 ] && echo "every stage passed" || echo "a stage FAILED"); logs in $out"
 exit $failed

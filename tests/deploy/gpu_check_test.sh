@@ -29,6 +29,12 @@ while [ $# -gt 0 ]; do case "$1" in --json) j="$2"; shift 2 ;; *) shift ;; esac;
 echo "processes  call  6.0  3.0"
 echo '{"rows": []}' > "$j"
 STUB
+# The queue probe as queue_probe.sh calls it: a JSON file per run.
+cat > "$dir/bin/ulysses-queue-probe" <<'STUB'
+#!/usr/bin/env bash
+while [ $# -gt 0 ]; do case "$1" in --json) j="$2"; shift 2 ;; --label) l="$2"; shift 2 ;; *) shift ;; esac; done
+echo "{\"label\": \"$l\", \"streams\": 12, \"queues_seen\": 2, \"classes\": [[0]]}" | tee "$j"
+STUB
 cat > "$dir/path/nvidia-smi" <<'STUB'
 #!/usr/bin/env bash
 if [ "${1:-}" = -L ]; then echo "GPU 0: stand-in"; else echo "stand-in GPU, 1.0"; fi
@@ -42,7 +48,7 @@ summary="$dir/out/summary.txt"
 grep -q "^commit c0ffee$" "$summary" || fail "no commit line"
 grep -q "^gpu stand-in GPU, 1.0$" "$summary" || fail "no gpu line"
 grep -q "^mps off$" "$summary" || fail "no mps line"
-for s in nccl kernels daemon demo overhead-grpc overhead-ring handoff; do
+for s in nccl kernels daemon demo overhead-grpc overhead-ring handoff queues; do
   grep -Eq "^$s +passed" "$summary" || fail "stage $s has no passed line"
   [ -s "$dir/out/$s.log" ] || fail "stage $s wrote no log"
 done
@@ -55,6 +61,8 @@ grep -q -- "--no-grpc --commit c0ffee --json $dir/out/overhead-ring.json" \
 grep -q -- "--no-grpc" "$dir/out/overhead-grpc.log" && fail "the grpc overhead run has --no-grpc"
 python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['cases']) == 18" \
   "$dir/out/handoff-queues.json" || fail "the hand-off set's JSON"
+python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['runs']) == 7" \
+  "$dir/out/queue-probe.json" || fail "the queue probe set's JSON"
 
 # A failing stage: non-zero exit, FAILED in the summary, later stages still run.
 if DEMO_FAILS=1 run --stages demo,overhead "$dir/out2" > "$dir/stdout2"; then

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Which streams share a hardware queue, in the setups the daemon meets: runs ulysses-queue-probe
+# (12 streams) alone with CUDA's default queue count, with 2 queues (the control: 12 streams on
+# 2 queues must share, or the probe is blind), with stream 3 at the greatest priority (as the
+# fused plan's second stream is, made after the rescue and two session streams), and as 4
+# processes at once (clients of one MPS server share its queues). Writes every run's JSON into
+# one file and prints a line per run.
+#
+#   bench/queue_probe.sh [--probe PATH] OUT.json
+set -euo pipefail
+
+probe=ulysses-queue-probe
+out=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --probe) probe="$2"; shift 2 ;;
+    -h|--help) sed -n 2,9p "$0"; exit 0 ;;
+    -*) echo "queue_probe.sh: unknown option $1" >&2; exit 2 ;;
+    *) out="$1"; shift ;;
+  esac
+done
+if [ -z "$out" ]; then
+  echo "queue_probe.sh: give the JSON file to write (OUT.json)" >&2
+  exit 2
+fi
+if ! command -v "$probe" > /dev/null 2>&1 && [ ! -x "$probe" ]; then
+  echo "queue_probe.sh: --probe: $probe is not an executable" >&2
+  exit 2
+fi
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+"$probe" --streams 12 --label alone --json "$tmp/1.json" > "$tmp/1.out"
+if grep -q "no CUDA device" "$tmp/1.out"; then
+  echo "queue_probe.sh: no CUDA device; nothing written"
+  exit 0
+fi
+CUDA_DEVICE_MAX_CONNECTIONS=2 "$probe" --streams 12 --label two-queues --json "$tmp/2.json" > /dev/null
+"$probe" --streams 12 --greatest 3 --label greatest-3 --json "$tmp/3.json" > /dev/null
+pids=()
+for k in 1 2 3 4; do
+  "$probe" --streams 12 --hold-ms 4000 --label "concurrent-$k" --json "$tmp/c$k.json" > /dev/null &
+  pids+=($!)
+  sleep 0.5
+done
+for p in "${pids[@]}"; do wait "$p"; done
+python3 - "$out" "$tmp" <<'PY'
+import glob, json, os, sys
+out, tmp = sys.argv[1], sys.argv[2]
+runs = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(tmp, "*.json")))]
+json.dump({"bench": "queue_probe_set", "runs": runs}, open(out, "w"), indent=1)
+for r in runs:
+    print(f'{r["label"]:14s} queues seen {r["queues_seen"]:2d} of {r["streams"]} streams: {r["classes"]}')
+blind = [r for r in runs if r["label"] == "two-queues" and r["queues_seen"] == r["streams"]]
+if blind:
+    print("queue_probe.sh: with 2 queues every stream came out on its own: the probe is blind here")
+print(f"wrote {out} ({len(runs)} runs)")
+PY
