@@ -6,25 +6,16 @@
 # processes at once (clients of one MPS server share its queues). Writes every run's JSON into
 # one file and prints a line per run.
 #
-#   bench/queue_probe.sh [--probe PATH] OUT.json
+#   bench/queue_probe.sh PROBE OUT.json   (PROBE: the ulysses-queue-probe to run)
 set -euo pipefail
 
-probe=ulysses-queue-probe
-out=""
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --probe) probe="$2"; shift 2 ;;
-    -h|--help) sed -n 2,9p "$0"; exit 0 ;;
-    -*) echo "queue_probe.sh: unknown option $1" >&2; exit 2 ;;
-    *) out="$1"; shift ;;
-  esac
-done
-if [ -z "$out" ]; then
-  echo "queue_probe.sh: give the JSON file to write (OUT.json)" >&2
+if [ $# -ne 2 ]; then
+  echo "usage: queue_probe.sh PROBE OUT.json (PROBE: the ulysses-queue-probe to run)" >&2
   exit 2
 fi
-if ! command -v "$probe" > /dev/null 2>&1 && [ ! -x "$probe" ]; then
-  echo "queue_probe.sh: --probe: $probe is not an executable" >&2
+probe="$1" out="$2"
+if [ ! -x "$probe" ]; then
+  echo "queue_probe.sh: PROBE: $probe is not an executable" >&2
   exit 2
 fi
 

@@ -170,7 +170,7 @@ if want handoff; then
     "$out/handoff-queues.json"
 fi
 if want queues; then
-  stage queues bash "$root/bench/queue_probe.sh" --probe "$(program ulysses-queue-probe)" \
+  stage queues bash "$root/bench/queue_probe.sh" "$(program ulysses-queue-probe)" \
     "$out/queue-probe.json"
 fi
 echo "gpu-check: $([ $failed -eq 0 ] && echo "every stage passed" || echo "a stage FAILED"); logs in $out"
