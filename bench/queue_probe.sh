@@ -39,7 +39,7 @@ python3 - "$out" "$tmp" <<'PY'
 import glob, json, os, sys
 out, tmp = sys.argv[1], sys.argv[2]
 runs = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(tmp, "*.json")))]
-json.dump({"bench": "queue_probe_set", "runs": runs}, open(out, "w"), indent=1)
+json.dump({"bench": "queue_probe_set", "rows": runs}, open(out, "w"), indent=1)
 for r in runs:
     print(f'{r["label"]:14s} queues seen {r["queues_seen"]:2d} of {r["streams"]} streams: {r["classes"]}')
 blind = [r for r in runs if r["label"] == "two-queues" and r["queues_seen"] == r["streams"]]

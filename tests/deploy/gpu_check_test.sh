@@ -61,7 +61,7 @@ grep -q -- "--no-grpc --commit c0ffee --json $dir/out/overhead-ring.json" \
 grep -q -- "--no-grpc" "$dir/out/overhead-grpc.log" && fail "the grpc overhead run has --no-grpc"
 python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['cases']) == 18" \
   "$dir/out/handoff-queues.json" || fail "the hand-off set's JSON"
-python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['runs']) == 7" \
+python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['rows']) == 7" \
   "$dir/out/queue-probe.json" || fail "the queue probe set's JSON"
 
 # A failing stage: non-zero exit, FAILED in the summary, later stages still run.
