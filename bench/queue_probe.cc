@@ -5,15 +5,14 @@
 // for how many; under MPS the clients of one server share a pool of them, and the driver may
 // give a client fewer than it asks). Work behind a stream's blocked wait holds back every
 // other stream on that queue, which is how one session of the daemon could stall another.
-// This program makes --streams streams, then for each stream i holds it at a wait on a word of
-// mapped host memory (the gate) and has every later stream j write its own word of mapped host
-// memory (a stream memory operation, which the queue must carry out): a write that does not
-// land within --settle-ms sits behind i's wait, so i and j share a queue. The gate then opens.
-// (An event recorded on an idle stream is no probe: it can complete without reaching the
-// queue.) --greatest makes the listed streams at the device's greatest priority, as the fused
-// plan's second stream is. It prints the pairs and the classes (streams that share a queue, transitively) as
-// JSON. --hold-ms keeps the context alive afterwards, so that several copies run at once show
-// what concurrent clients of one MPS server get.
+// This program makes --streams streams and runs the probe the daemon runs at start
+// (ulysses/ipc/queue_probe.h) with every stream held in turn, so that every pair is seen: a
+// write that does not land within --settle-ms sits behind the held stream's wait. (An event
+// recorded on an idle stream is no probe: it can complete without reaching the queue.)
+// --greatest makes the listed streams at the device's greatest priority, as the fused plan's
+// second stream is. It prints the pairs and the classes (streams that share a queue,
+// transitively) as JSON. --hold-ms keeps the context alive afterwards, so that several copies
+// run at once show what concurrent clients of one MPS server get.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -21,7 +20,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <numeric>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +27,7 @@
 #include "CLI/CLI.hpp"
 #include "nlohmann/json.hpp"
 #include "ulysses/ipc/cuda_memory.h"
+#include "ulysses/ipc/queue_probe.h"
 #include "die.h"
 
 namespace {
@@ -37,21 +36,6 @@ namespace cu = ulysses::ipc::cuda;
 
 using ulysses::bench::Check;
 using ulysses::bench::Die;
-
-// Whether the host word `word` reaches `value` within `settle`.
-bool LandsWithin(const uint64_t* word, uint64_t value, std::chrono::milliseconds settle) {
-  const auto deadline = std::chrono::steady_clock::now() + settle;
-  for (;;) {
-    if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= value) return true;
-    if (std::chrono::steady_clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-}
-
-int Find(std::vector<int>& parent, int x) {
-  while (parent[x] != x) x = parent[x] = parent[parent[x]];
-  return x;
-}
 
 }  // namespace
 
@@ -81,66 +65,25 @@ int main(int argc, char** argv) {
     return 0;
   }
   Check(cudaSetDevice(device), "cudaSetDevice");
-  // Word 0: the gate; word 1 + j: what stream j writes.
-  uint64_t* host = nullptr;
-  uint64_t* dev = nullptr;
-  const size_t bytes = sizeof(uint64_t) * (1 + static_cast<size_t>(streams));
-  Check(cudaHostAlloc(reinterpret_cast<void**>(&host), bytes, cudaHostAllocMapped), "cudaHostAlloc");
-  std::fill(host, host + 1 + streams, 0);
-  Check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), host, 0),
-        "cudaHostGetDevicePointer");
   int least = 0, most = 0;
   Check(cudaDeviceGetStreamPriorityRange(&least, &most), "cudaDeviceGetStreamPriorityRange");
   std::vector<cudaStream_t> s(streams);
+  std::vector<void*> handles(streams);
   for (int i = 0; i < streams; ++i) {
     const bool high = std::find(greatest.begin(), greatest.end(), i) != greatest.end();
     Check(cudaStreamCreateWithPriority(&s[i], cudaStreamNonBlocking, high ? most : least),
           "cudaStreamCreateWithPriority");
+    handles[i] = s[i];
   }
-  const auto settle = std::chrono::milliseconds(settle_ms);
-  // Every stream first writes its word once and is waited for, so that a stream's first
-  // operation, which may start slowly, is not taken for a held one.
-  // want[j]: the value stream j's latest write stores (marks only grow).
-  uint64_t mark = 1;
-  std::vector<uint64_t> want(streams, mark);
-  for (int i = 0; i < streams; ++i) Check(cu::StreamWrite64(s[i], &dev[1 + i], mark));
-  for (int i = 0; i < streams; ++i)
-    if (!LandsWithin(&host[1 + i], want[i], std::chrono::milliseconds(10000)))
-      Die("stream " + std::to_string(i) + " did not write its word within 10 s");
-  std::vector<std::vector<int>> shared(streams);
-  std::vector<int> parent(streams);
-  std::iota(parent.begin(), parent.end(), 0);
-  uint64_t gate = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < streams; ++i) {
-    Check(cu::StreamWait64(s[i], &dev[0], ++gate));
-    for (int j = i + 1; j < streams; ++j) {
-      want[j] = ++mark;
-      Check(cu::StreamWrite64(s[j], &dev[1 + j], want[j]));
-      if (!LandsWithin(&host[1 + j], want[j], settle)) {
-        shared[i].push_back(j);
-        parent[Find(parent, j)] = Find(parent, i);
-      }
-    }
-    __atomic_store_n(&host[0], gate, __ATOMIC_RELEASE);
-    // Every held write lands once the gate is open: each stream ends with its own write.
-    for (int j = i + 1; j < streams; ++j)
-      if (!LandsWithin(&host[1 + j], want[j], std::chrono::milliseconds(10000)))
-        Die("stream " + std::to_string(j) + " did not go on within 10 s of the gate opening");
-  }
-  const double probe_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-
-  std::vector<std::vector<int>> classes;
-  std::vector<int> class_of(streams, -1);
-  for (int i = 0; i < streams; ++i) {
-    const int root = Find(parent, i);
-    if (class_of[root] < 0) {
-      class_of[root] = static_cast<int>(classes.size());
-      classes.emplace_back();
-    }
-    classes[class_of[root]].push_back(i);
-  }
+  ulysses::ipc::QueueProbeOptions options;
+  options.settle = std::chrono::milliseconds(settle_ms);
+  options.every_stream = true;  // every pair, for the report
+  absl::StatusOr<ulysses::ipc::QueueProbeResult> probe =
+      cu::ProbeStreamQueues(handles, options);
+  Check(probe.status());
+  const std::vector<std::vector<int>>& classes = probe->classes;
+  const std::vector<std::vector<int>>& shared = probe->held_back;
+  const double probe_ms = probe->probe_ms;
   const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   nlohmann::json j = {{"bench", "queue_probe"},
                       {"label", label},
@@ -164,6 +107,5 @@ int main(int argc, char** argv) {
   }
   if (hold_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));
   for (int i = 0; i < streams; ++i) cudaStreamDestroy(s[i]);
-  cudaFreeHost(host);
   return 0;
 }

@@ -1,6 +1,7 @@
 // CUDA VMM and IPC sharing. The runtime is linked statically; driver functions come from
 // cudaGetDriverEntryPointByVersion, resolved once.
 #include "ulysses/ipc/cuda_memory.h"
+#include "ulysses/ipc/queue_probe.h"
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -642,6 +643,57 @@ absl::Status StreamMark::OrderBefore(void* consumer) const {
   ULY_CUDART(cudaStreamWaitEvent(static_cast<cudaStream_t>(consumer),
                                  static_cast<cudaEvent_t>(event_), 0));
   return absl::OkStatus();
+}
+
+}  // namespace ulysses::ipc::cuda
+
+namespace ulysses::ipc::cuda {
+namespace {
+
+// The probe's words in mapped host memory: [0] the gate, [1 + j] stream j's word.
+class StreamQueueTarget final : public QueueProbeTarget {
+ public:
+  explicit StreamQueueTarget(std::span<void* const> streams) : streams_(streams) {}
+  // Kept when a probe failed: a stream that did not go on may still write here later.
+  ~StreamQueueTarget() override {
+    if (host_ != nullptr && release_) cudaFreeHost(host_);
+  }
+  absl::Status Init() {
+    const size_t bytes = sizeof(uint64_t) * (1 + streams_.size());
+    ULY_CUDART(cudaHostAlloc(reinterpret_cast<void**>(&host_), bytes, cudaHostAllocMapped));
+    std::memset(host_, 0, bytes);
+    ULY_CUDART(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_), host_, 0));
+    return absl::OkStatus();
+  }
+  void Keep() { release_ = false; }
+  int streams() const override { return static_cast<int>(streams_.size()); }
+  absl::Status Hold(int i, uint64_t gate) override {
+    return StreamWait64(streams_[i], &device_[0], gate);
+  }
+  absl::Status Write(int j, uint64_t mark) override {
+    return StreamWrite64(streams_[j], &device_[1 + j], mark);
+  }
+  uint64_t Word(int j) const override { return __atomic_load_n(&host_[1 + j], __ATOMIC_ACQUIRE); }
+  void Open(uint64_t gate) override { __atomic_store_n(&host_[0], gate, __ATOMIC_RELEASE); }
+
+ private:
+  std::span<void* const> streams_;
+  uint64_t* host_ = nullptr;
+  uint64_t* device_ = nullptr;
+  bool release_ = true;
+};
+
+}  // namespace
+
+absl::StatusOr<QueueProbeResult> ProbeStreamQueues(std::span<void* const> streams,
+                                                   const QueueProbeOptions& options) {
+  ULY_RETURN_IF_ERROR(Drv().status);
+  ULY_RETURN_IF_ERROR(EnsureContext());
+  StreamQueueTarget target(streams);
+  ULY_RETURN_IF_ERROR(target.Init());
+  absl::StatusOr<QueueProbeResult> result = ProbeQueues(target, options);
+  if (!result.ok()) target.Keep();
+  return result;
 }
 
 }  // namespace ulysses::ipc::cuda

@@ -1,5 +1,6 @@
 // Without CUDA: every device-memory function reports that this build has none.
 #include "ulysses/ipc/cuda_memory.h"
+#include "ulysses/ipc/queue_probe.h"
 
 namespace ulysses::ipc::cuda {
 namespace {
@@ -55,4 +56,11 @@ absl::Status StreamMark::Record(void*) { return NoCuda(); }
 absl::StatusOr<bool> StreamMark::Passed() const { return true; }
 absl::Status StreamMark::OrderBefore(void*) const { return NoCuda(); }
 
+}  // namespace ulysses::ipc::cuda
+
+namespace ulysses::ipc::cuda {
+absl::StatusOr<QueueProbeResult> ProbeStreamQueues(std::span<void* const>,
+                                                   const QueueProbeOptions&) {
+  return absl::FailedPreconditionError("CUDA: this build of ulyssesd has no CUDA support");
+}
 }  // namespace ulysses::ipc::cuda
