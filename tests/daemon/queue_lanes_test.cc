@@ -1,0 +1,167 @@
+// QueueLanes: the daemon's streams of a device by hardware queue, from a probe's classes.
+#include "queue_lanes.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <set>
+
+namespace ulysses::daemon {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::UnorderedElementsAre;
+
+// Stream handles are opaque: small integers stand for them.
+void* S(uintptr_t i) { return reinterpret_cast<void*>(i); }
+
+// Makes streams 1000, 1001, ... and records each one's priority.
+struct Maker {
+  uintptr_t next = 1000;
+  std::vector<bool> greatest;
+  bool fail = false;
+  QueueLanes::MakeStream Fn() {
+    return [this](bool g) -> absl::StatusOr<void*> {
+      if (fail) return absl::InternalError("cudaStreamCreate: out of resources");
+      greatest.push_back(g);
+      return S(next++);
+    };
+  }
+};
+
+// Queues 0..3; the rescue stream is on queue 0. Default-priority streams 1..6, greatest 11..12.
+std::vector<ProbedStream> FourQueues() {
+  return {{S(1), false, 1}, {S(2), false, 2}, {S(3), false, 3}, {S(4), false, 0},
+          {S(5), false, 1}, {S(6), false, 2}, {S(11), true, 3},  {S(12), true, 1}};
+}
+
+TEST(QueueLanesTest, KeepsOneStreamPerQueueAndNoneOnTheRescueQueue) {
+  Maker m;
+  QueueLanes lanes(FourQueues(), /*rescue_queue=*/0, /*sharing=*/true, m.Fn());
+  const QueueLaneCounts c = lanes.counts();
+  EXPECT_TRUE(c.probed);
+  EXPECT_EQ(c.queues, 4);
+  EXPECT_EQ(c.lanes, 3);
+  // Stream 4 shares the rescue stream's queue; 5 and 6 repeat a lane's default-priority stream.
+  EXPECT_THAT(lanes.surplus(), UnorderedElementsAre(S(4), S(5), S(6)));
+  EXPECT_THAT(lanes.AllStreams(), UnorderedElementsAre(S(1), S(2), S(3), S(11), S(12)));
+  EXPECT_THAT(lanes.Describe(), HasSubstr("4 hardware queues found"));
+}
+
+TEST(QueueLanesTest, SessionsOpenAtOnceGetDistinctQueues) {
+  Maker m;
+  QueueLanes lanes(FourQueues(), 0, true, m.Fn());
+  std::set<void*> taken;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<void*> s = lanes.Take(StreamRole::kSession);
+    ASSERT_TRUE(s.ok()) << s.status();
+    taken.insert(*s);
+  }
+  EXPECT_EQ(taken, (std::set<void*>{S(1), S(2), S(3)}));
+  EXPECT_EQ(lanes.counts().lanes_in_use, 3);
+  EXPECT_EQ(lanes.counts().shared_streams, 0u);
+}
+
+TEST(QueueLanesTest, ASecondStreamTakesAGreatestPriorityStreamOnAFreeQueue) {
+  Maker m;
+  QueueLanes lanes(FourQueues(), 0, true, m.Fn());
+  auto session = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(session.ok());
+  EXPECT_EQ(*session, S(1));  // lanes never taken go in queue order
+  // Queue 1 is in use: its greatest-priority stream 12 is not handed out; queue 3's 11 is.
+  auto second = lanes.Take(StreamRole::kSecond);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(*second, S(11));
+  // Queue 3 is in use now as well: the last free lane, queue 2, has no greatest-priority
+  // stream, so a second stream gets its default-priority one (its own queue before priority).
+  auto another = lanes.Take(StreamRole::kSecond);
+  ASSERT_TRUE(another.ok());
+  EXPECT_EQ(*another, S(2));
+}
+
+TEST(QueueLanesTest, AStreamGivenBackServesTheNextSession) {
+  Maker m;
+  QueueLanes lanes(FourQueues(), 0, true, m.Fn());
+  auto a = lanes.Take(StreamRole::kSession);
+  auto b = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(a.ok() && b.ok());
+  lanes.Give(*a);
+  lanes.Give(*b);
+  // Sessions in turn reuse the lane given back last: no further queue runs work.
+  for (int i = 0; i < 3; ++i) {
+    auto s = lanes.Take(StreamRole::kSession);
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ(*s, *b);
+    lanes.Give(*s);
+  }
+  EXPECT_EQ(lanes.counts().streams_used, 2u);
+  EXPECT_EQ(lanes.counts().lanes_in_use, 0);
+}
+
+TEST(QueueLanesTest, PastTheLanesSharingMakesAStreamAndCountsIt) {
+  Maker m;
+  QueueLanes lanes(FourQueues(), 0, /*sharing=*/true, m.Fn());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(lanes.Take(StreamRole::kSession).ok());
+  auto extra = lanes.Take(StreamRole::kSecond);
+  ASSERT_TRUE(extra.ok()) << extra.status();
+  EXPECT_EQ(*extra, S(1000));
+  EXPECT_EQ(m.greatest, std::vector<bool>{true});
+  EXPECT_EQ(lanes.counts().shared_streams, 1u);
+  // Given back, it serves the next take past the lanes instead of a new one.
+  lanes.Give(*extra);
+  auto again = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, S(1000));
+  EXPECT_EQ(lanes.counts().shared_streams, 1u);
+  EXPECT_EQ(lanes.counts().streams_used, 4u);
+  EXPECT_THAT(lanes.AllStreams(), testing::Contains(S(1000)));
+}
+
+TEST(QueueLanesTest, PastTheLanesRefuseNamesTheSettingAndMakesNothing) {
+  Maker m;
+  QueueLanes lanes(FourQueues(), 0, /*sharing=*/false, m.Fn());
+  std::vector<void*> held;
+  for (int i = 0; i < 3; ++i) held.push_back(*lanes.Take(StreamRole::kSession));
+  auto refused = lanes.Take(StreamRole::kSession);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(), HasSubstr("queues.sharing"));
+  EXPECT_TRUE(m.greatest.empty()) << "a stream was made";
+  EXPECT_EQ(lanes.counts().refused, 1u);
+  EXPECT_FALSE(lanes.TakeFree(StreamRole::kSession).has_value());
+  // A lane given back serves again.
+  lanes.Give(held[1]);
+  auto s = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(*s, held[1]);
+}
+
+TEST(QueueLanesTest, AStreamThatCannotBeMadeIsTheError) {
+  Maker m;
+  m.fail = true;
+  QueueLanes lanes(m.Fn());
+  auto s = lanes.Take(StreamRole::kSession);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(s.status().message(), HasSubstr("out of resources"));
+  EXPECT_EQ(lanes.counts().streams_used, 0u);
+}
+
+TEST(QueueLanesTest, WithoutAProbeStreamsAreMadeAsNeededAndReused) {
+  Maker m;
+  QueueLanes lanes(m.Fn());
+  EXPECT_FALSE(lanes.counts().probed);
+  EXPECT_FALSE(lanes.TakeFree(StreamRole::kSession).has_value());
+  auto a = lanes.Take(StreamRole::kSession);
+  auto b = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE(*a, *b);
+  lanes.Give(*a);
+  auto c = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(*c, *a);
+  EXPECT_EQ(lanes.counts().streams_used, 2u);
+  EXPECT_THAT(lanes.Describe(), HasSubstr("not probed"));
+}
+
+}  // namespace
+}  // namespace ulysses::daemon
