@@ -537,6 +537,14 @@ Listing StateListing(const v1::DaemonState& s) {
 std::string RenderState(const v1::DaemonState& s) {
   std::string calls = Str(s.calls_total());
   if (s.calls_failed() > 0) calls += StrCat(" (", s.calls_failed(), " failed)");
+  // GPU backends: the probed hardware queues (none: a host backend, or no probe).
+  std::string queues = "-";
+  if (s.hardware_queues() > 0) {
+    queues = StrCat(s.hardware_queues_in_use(), " of ", s.hardware_queues(), " in use");
+    if (s.queue_shared_streams() > 0)
+      queues += StrCat(", ", s.queue_shared_streams(), " streams made on shared queues");
+    if (s.queue_refusals() > 0) queues += StrCat(", ", s.queue_refusals(), " sessions refused");
+  }
   return RenderKeyValues({
       {"version", s.version()},
       {"device", Str(s.device())},
@@ -556,6 +564,7 @@ std::string RenderState(const v1::DaemonState& s) {
       {"sessions", Str(s.num_sessions())},
       {"calls", calls},
       {"active calls", Str(s.active_calls())},
+      {"hw queues", queues},
       {"metrics", s.metrics_address().empty() ? "off" : s.metrics_address()},
   });
 }

@@ -105,7 +105,7 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
   ULY_RETURN_IF_ERROR(CheckKeys(root, "", {"log_level", "backend", "timeouts", "slots",
                                            "metrics", "ready_file", "devices",
                                            "flight_recorder_size", "limits", "rings",
-                                           "admin"}));
+                                           "admin", "queues"}));
   DaemonConfig c;
   c.device = device;
   ULY_RETURN_IF_ERROR(Read(root, "flight_recorder_size", "", &c.flight_recorder_size));
@@ -152,6 +152,12 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
     const json& r = root["rings"];
     ULY_RETURN_IF_ERROR(CheckKeys(r, "rings", {"worker_spin_us"}));
     ULY_RETURN_IF_ERROR(Read(r, "worker_spin_us", "rings", &c.ring_spin_us));
+  }
+  if (root.contains("queues")) {
+    const json& q = root["queues"];
+    ULY_RETURN_IF_ERROR(CheckKeys(q, "queues", {"probe_streams", "sharing"}));
+    ULY_RETURN_IF_ERROR(Read(q, "probe_streams", "queues", &c.queue_probe_streams));
+    ULY_RETURN_IF_ERROR(Read(q, "sharing", "queues", &c.queue_sharing));
   }
   if (root.contains("admin")) {
     const json& a = root["admin"];
@@ -213,6 +219,8 @@ constexpr KeyFlag kKeyFlags[] = {
     {"metrics.address", "--metrics-address"},
     {"rings.worker_spin_us", "--ring-spin-us"},
     {"admin.operator_group", "--operator-group"},
+    {"queues.probe_streams", "--queue-probe-streams"},
+    {"queues.sharing", "--queue-sharing"},
 };
 
 absl::Status Invalid(std::string_view key, std::string_view rule) {
@@ -325,6 +333,12 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
   if (c.ring_spin_us < 0 || c.ring_spin_us > kMaxRingSpinUs)
     return Invalid("rings.worker_spin_us",
                    StrCat("must be in [0, ", kMaxRingSpinUs, "], got ", c.ring_spin_us));
+  if (c.queue_probe_streams < 0 || c.queue_probe_streams > kMaxQueueProbeStreams)
+    return Invalid("queues.probe_streams", StrCat("must be in [0, ", kMaxQueueProbeStreams,
+                                                  "], got ", c.queue_probe_streams));
+  if (c.queue_sharing != "allow" && c.queue_sharing != "refuse")
+    return Invalid("queues.sharing",
+                   StrCat("'", c.queue_sharing, "' is not one of allow, refuse"));
   if (c.flight_recorder_size < 1 || c.flight_recorder_size > 1000000)
     return Invalid("flight_recorder_size",
                    StrCat("must be in [1, 1000000], got ", c.flight_recorder_size));

@@ -18,6 +18,7 @@
 #include "out_write_cuda.h"
 #include "fd_exports.h"
 #include "fused_runner.h"
+#include "queue_lanes.h"
 #include "transport.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/protocol_words.h"
@@ -25,6 +26,7 @@
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/cuda_memory.h"
+#include "ulysses/ipc/queue_probe.h"
 #include "ulysses/kernels/exchange_cuda.h"
 #include "ulysses/kernels/fused_qkv.h"
 #include "ulysses/kernels/gemm.h"
@@ -44,22 +46,25 @@ absl::Status UseDevice(int device) { return CudaStatus("cudaSetDevice", cudaSetD
 // Slots are 256-byte aligned inside the allocation (16-byte vector stores need 16).
 constexpr uint64_t kSlotAlign = 256;
 
-// The streams of this daemon's sessions on its device, kept for the next session.
+// The streams of this daemon's sessions on its device, by hardware queue (QueueLanes).
 //
-// A stream maps to one of the context's hardware queues, and a queue that has run work (a
-// kernel, or even a word write and a copy) stays counted after its stream is destroyed. Each
-// such queue beyond the first can double how long a blocked stream of the context takes to
-// resume once its word is written (2.0 against 3.9 us a hand-off, docs/benchmarks.md, "what
-// slows a context's hand-offs"), and a call is a chain of such hand-offs. So a closed
-// session's stream, drained, comes back here and the next session runs on it: sessions
-// opened in turn do not spread the daemon's work over ever more queues. (The daemon's context
-// still hands off more slowly than the bench's one-stream process; docs/benchmarks.md.)
-// Sessions open at the same time each keep a stream of their own, since a stream waiting for
-// one client's word must not hold back another's call.
+// A stream maps to one of the context's hardware queues, and a wait on a stream blocks its
+// whole queue: a session stream waiting for its peer holds back every other stream of that
+// queue (another session's call, a fused plan's second stream, a cancel). So at start the
+// daemon makes its streams and probes which share a queue (ulysses/ipc/queue_probe.h), keeps
+// one per queue (a lane), none on the rescue stream's queue, and hands each lane to one user at
+// a time (queues.probe_streams, queues.sharing).
 //
-// The rescue stream writes and copies words and never waits, so one serves every session. It
-// runs work only for a session whose stream is blocked (a failed call, a timeout, a close with
-// calls in flight, DescribeStuck): a session that closes with its stream idle cancels there.
+// A queue that has run work stays counted after its stream is destroyed, and each such queue
+// beyond the first can double how long a blocked stream of the context takes to resume once
+// its word is written (2.0 against 3.9 us a hand-off, docs/benchmarks.md, "what slows a
+// context's hand-offs"). So a closed session's lane, drained, serves the next session: sessions
+// opened in turn do not spread the daemon's work over ever more queues.
+//
+// The rescue stream writes and copies words and never waits, so one serves every session, and
+// no lane shares its queue: a cancel always runs. It runs work only for a session whose stream
+// is blocked (a failed call, a timeout, a close with calls in flight, DescribeStuck), and zeroes
+// a new buffer when no lane is free.
 //
 // The device's pinned host memory that DescribeStuck's copies land in is here too, made once:
 // freeing pinned memory can wait for the whole device, so a session's close frees none.
@@ -71,21 +76,42 @@ class DeviceStreams {
   static constexpr size_t kClientWordsAt = kDoneWordsAt + kMaxWorldSize * sizeof(uint64_t);
   static constexpr size_t kHostWordsBytes = kClientWordsAt + 4 * sizeof(uint64_t);
 
-  static absl::StatusOr<std::shared_ptr<DeviceStreams>> Create(int device) {
+  // `probe_streams` default-priority streams (and a quarter as many, at least one, at the
+  // greatest priority) are probed; 0: none, streams are made as sessions come. A probe that
+  // fails leaves the daemon serving without lanes, as with none.
+  static absl::StatusOr<std::shared_ptr<DeviceStreams>> Create(int device, int probe_streams,
+                                                               bool sharing) {
     ULY_RETURN_IF_ERROR(UseDevice(device));
     std::shared_ptr<DeviceStreams> d(new DeviceStreams(device));
-    ULY_RETURN_IF_ERROR(CudaStatus(
-        "cudaStreamCreate", cudaStreamCreateWithFlags(&d->rescue_, cudaStreamNonBlocking)));
+    ULY_RETURN_IF_ERROR(CudaStatus("cudaDeviceGetStreamPriorityRange",
+                                   cudaDeviceGetStreamPriorityRange(&d->least_, &d->greatest_)));
+    ULY_ASSIGN_OR_RETURN(d->rescue_, d->MakeStream(false));
     // Without it the daemon works; stuck calls' words then go unread.
     if (cudaHostAlloc(&d->host_words_, kHostWordsBytes, cudaHostAllocDefault) != cudaSuccess) {
       d->host_words_ = nullptr;
       (void)cudaGetLastError();
     }
+    auto make = [device, raw = d.get()](bool greatest) -> absl::StatusOr<void*> {
+      ULY_RETURN_IF_ERROR(UseDevice(device));
+      ULY_ASSIGN_OR_RETURN(cudaStream_t s, raw->MakeStream(greatest));
+      return static_cast<void*>(s);
+    };
+    if (probe_streams > 0) {
+      absl::Status probed = d->ProbeLanes(probe_streams, sharing, make);
+      if (!probed.ok())
+        Logger("main")->warn(
+            "device {}: hardware queue probe failed ({}); session streams are made as sessions "
+            "come and may share a queue with another session's",
+            device, std::string(probed.message()));
+    }
+    if (!d->lanes_) d->lanes_ = std::make_unique<QueueLanes>(make);
+    Logger("main")->info("device {}: {}", device, d->lanes_->Describe());
     return d;
   }
   ~DeviceStreams() {
     (void)UseDevice(device_);
-    for (cudaStream_t s : idle_) cudaStreamDestroy(s);
+    if (lanes_)
+      for (void* s : lanes_->AllStreams()) cudaStreamDestroy(static_cast<cudaStream_t>(s));
     if (rescue_ != nullptr) {
       cudaStreamSynchronize(rescue_);
       cudaStreamDestroy(rescue_);
@@ -95,38 +121,23 @@ class DeviceStreams {
   DeviceStreams(const DeviceStreams&) = delete;
   DeviceStreams& operator=(const DeviceStreams&) = delete;
 
-  /// A stream for a new session: the one given back last, else a new one.
-  absl::StatusOr<cudaStream_t> Take() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!idle_.empty()) {
-        cudaStream_t s = idle_.back();
-        idle_.pop_back();
-        return s;
-      }
-    }
-    ULY_RETURN_IF_ERROR(UseDevice(device_));
-    cudaStream_t s = nullptr;
-    ULY_RETURN_IF_ERROR(
-        CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)));
-    made_.fetch_add(1);
-    return s;
+  /// A stream for `role`: a free lane (the one given back last), else past the lanes as
+  /// queues.sharing says.
+  absl::StatusOr<cudaStream_t> Take(StreamRole role = StreamRole::kSession) {
+    ULY_ASSIGN_OR_RETURN(void* s, lanes_->Take(role));
+    return static_cast<cudaStream_t>(s);
   }
   /// Gives back a stream that has no work left.
-  void Give(cudaStream_t s) {
-    std::lock_guard<std::mutex> lock(mu_);
-    idle_.push_back(s);
-  }
-  /// A new zero-filled VMM allocation, zeroed on an idle stream of the pool (one is made when
-  /// every stream serves a session, and it then serves the next session), waited for there
-  /// and given back: no wait on the legacy stream, whose queue may be shared with a session
-  /// stream that waits for its peer. (It is still one more queue that ran work, as the legacy
-  /// stream's was.)
+  void Give(cudaStream_t s) { lanes_->Give(s); }
+  /// A new zero-filled VMM allocation, zeroed on a free lane's stream, else on the rescue
+  /// stream (never blocked), and waited for there: no wait on the legacy stream, or on a
+  /// stream that may share a queue with a session stream that waits for its peer.
   absl::StatusOr<ipc::cuda::VmmMapping> ZeroedMapping(uint64_t bytes) {
-    ULY_ASSIGN_OR_RETURN(cudaStream_t zero_on, Take());
+    std::optional<void*> lane = lanes_->TakeFree(StreamRole::kSession);
+    cudaStream_t zero_on = lane ? static_cast<cudaStream_t>(*lane) : rescue_;
     absl::StatusOr<ipc::cuda::VmmMapping> made =
         ipc::cuda::VmmMapping::Create(device_, bytes, zero_on);
-    Give(zero_on);
+    if (lane) lanes_->Give(*lane);
     return made;
   }
   cudaStream_t rescue() const { return rescue_; }
@@ -138,19 +149,55 @@ class DeviceStreams {
   HostWords host_words() {
     return HostWords{std::unique_lock<std::mutex>(host_mu_), static_cast<uint8_t*>(host_words_)};
   }
-  /// Session streams made so far (not counting the rescue stream).
-  uint64_t made() const { return made_.load(); }
+  QueueLaneCounts counts() const { return lanes_->counts(); }
 
  private:
   explicit DeviceStreams(int device) : device_(device) {}
 
+  absl::StatusOr<cudaStream_t> MakeStream(bool greatest) {
+    cudaStream_t s = nullptr;
+    ULY_RETURN_IF_ERROR(CudaStatus("cudaStreamCreate",
+                                   cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking,
+                                                                greatest ? greatest_ : least_)));
+    return s;
+  }
+
+  // The rescue stream first, then the candidates: lanes from the probe's classes, the streams
+  // no lane keeps destroyed.
+  absl::Status ProbeLanes(int probe_streams, bool sharing, const QueueLanes::MakeStream& make) {
+    const int high = std::max(1, probe_streams / 4);
+    std::vector<void*> streams{rescue_};
+    std::vector<ProbedStream> probed;
+    absl::Status made;
+    for (int i = 0; i < probe_streams + high && made.ok(); ++i) {
+      const bool greatest = i >= probe_streams;
+      absl::StatusOr<cudaStream_t> s = MakeStream(greatest);
+      made = s.status();
+      if (!s.ok()) break;
+      streams.push_back(*s);
+      probed.push_back(ProbedStream{*s, greatest, 0});
+    }
+    absl::StatusOr<ipc::QueueProbeResult> result =
+        made.ok() ? ipc::cuda::ProbeStreamQueues(streams) : absl::StatusOr<ipc::QueueProbeResult>(made);
+    if (!result.ok()) {
+      // Destroying a stream with work left is safe: its resources go once the work is done.
+      for (const ProbedStream& p : probed) cudaStreamDestroy(static_cast<cudaStream_t>(p.stream));
+      return result.status();
+    }
+    for (size_t i = 0; i < probed.size(); ++i) probed[i].queue = result->class_of[i + 1];
+    lanes_ = std::make_unique<QueueLanes>(probed, result->class_of[0], sharing, make);
+    for (void* s : lanes_->surplus()) cudaStreamDestroy(static_cast<cudaStream_t>(s));
+    Logger("main")->debug("device {}: queue probe of {} streams took {:.1f} ms", device_,
+                          streams.size(), result->probe_ms);
+    return absl::OkStatus();
+  }
+
   const int device_;
+  int least_ = 0, greatest_ = 0;  // stream priorities
   cudaStream_t rescue_ = nullptr;
   std::mutex host_mu_;  // one DescribeStuck at a time
   void* host_words_ = nullptr;
-  std::mutex mu_;
-  std::vector<cudaStream_t> idle_;
-  std::atomic<uint64_t> made_{0};
+  std::unique_ptr<QueueLanes> lanes_;
 };
 
 class CudaTransport final : public Transport {
@@ -200,10 +247,12 @@ class CudaTransport final : public Transport {
     // Every word starts at 0 (no epoch reached) before any peer or client can see it:
     // VmmMapping::Create zero-fills each allocation on the session's stream and waits for that.
     if (setup.fused) {
-      // Everything a fused call needs is made here (GEMM workspace, projection buffer, second
-      // stream, events); a call at a row count seen before allocates nothing.
-      ULY_ASSIGN_OR_RETURN(t->fused_,
-                           FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores));
+      // Everything a fused call needs is made here (GEMM workspace, projection buffer, events);
+      // a call at a row count seen before allocates nothing. Its second stream is a lane of
+      // its own, so that no other session's waiting call holds back its stores.
+      ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond));
+      ULY_ASSIGN_OR_RETURN(t->fused_, FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores,
+                                                          t->second_));
     }
     return std::unique_ptr<Transport>(std::move(t));
   }
@@ -217,11 +266,14 @@ class CudaTransport final : public Transport {
     for (ExportTicket* t : {&ticket_, &words_ticket_})
       if (t->id != 0) exports_->Withdraw(std::exchange(t->id, 0));
     (void)UseDevice(device_);
+    // The plan's work was ordered before this stream's end; what it frees goes on its second
+    // stream, which then serves another session.
+    fused_.reset();
+    if (second_ != nullptr) streams_->Give(second_);
     if (stream_ != nullptr) streams_->Give(stream_);
     for (cudaEvent_t ev : events_)
       if (ev != nullptr) cudaEventDestroy(ev);
     if (rescue_mark_ != nullptr) cudaEventDestroy(rescue_mark_);
-    fused_.reset();  // its work was ordered before this stream's end
   }
 
   // Cancels even when the stream is idle: a client stream may wait for the done word of a call
@@ -586,6 +638,7 @@ class CudaTransport final : public Transport {
   std::vector<uint64_t> event_epoch_;    // the epoch each slot's event was recorded for
   std::vector<uint64_t> unblock_;        // kUnblockEpoch, one per word of this rank's slots
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
+  cudaStream_t second_ = nullptr;       // its plan's second stream, a lane of the device
   std::atomic<bool> used_rescue_{false};  // Cancel or DescribeStuck enqueued on rescue_
   cudaEvent_t rescue_mark_ = nullptr;     // Drain's mark after this session's rescue work
 };
@@ -602,7 +655,7 @@ class CudaBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransportSetup& setup) override {
     return CudaTransport::Create(device_, exports_, streams_, setup);
   }
-  uint64_t StreamsMade() const override { return streams_->made(); }
+  QueueLaneCounts Queues() const override { return streams_->counts(); }
   uint64_t FusedPlanBytes(const FusedSetup& setup) const override {
     return FusedRunner::DeviceBytesFor(setup);
   }
@@ -698,10 +751,12 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* exports) {
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* exports,
+                                                         const CudaBackendOptions& options) {
   ULY_RETURN_IF_ERROR(ipc::cuda::SetDevice(device));
   ULY_ASSIGN_OR_RETURN(ipc::cuda::DeviceInfo info, ipc::cuda::Describe(device));
-  ULY_ASSIGN_OR_RETURN(std::shared_ptr<DeviceStreams> streams, DeviceStreams::Create(device));
+  ULY_ASSIGN_OR_RETURN(std::shared_ptr<DeviceStreams> streams, DeviceStreams::Create(device, options.queue_probe_streams,
+                                                             options.queue_sharing));
   // Probe the VMM path once: a device or driver without POSIX-fd VMM cannot serve sessions.
   // Zeroed on the stream the first session will take, so no other queue runs work.
   ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping probe, streams->ZeroedMapping(1));

@@ -3,7 +3,8 @@
 
 namespace ulysses::daemon {
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int, FdExports*) {
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int, FdExports*,
+                                                         const CudaBackendOptions&) {
   return absl::FailedPreconditionError("this build has no CUDA support");
 }
 

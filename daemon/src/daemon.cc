@@ -228,7 +228,15 @@ absl::Status Daemon::ChooseBackend() {
       cuda = absl::FailedPreconditionError(ipc::cuda::Built() ? "no CUDA device is visible"
                                                               : "this build has no CUDA support");
     if (cuda.ok()) {
-      absl::StatusOr<std::unique_ptr<Backend>> gpu = MakeCudaBackend(config_.device, &peer_exports_);
+      // The nccl backend's own streams serve its sessions: its device backend only holds
+      // buffers, and probes no queues.
+      CudaBackendOptions options;
+      if (!nccl) {
+        options.queue_probe_streams = config_.queue_probe_streams;
+        options.queue_sharing = config_.queue_sharing == "allow";
+      }
+      absl::StatusOr<std::unique_ptr<Backend>> gpu =
+          MakeCudaBackend(config_.device, &peer_exports_, options);
       if (gpu.ok() && nccl)
         gpu = MakeNcclBackend(config_.device, absl::Milliseconds(config_.call_timeout_ms),
                               std::move(*gpu));
@@ -413,7 +421,14 @@ GaugeSnapshot Daemon::Gauges() {
   const ipc::cuda::AllocationStats a = ipc::cuda::Stats();
   g.device_bytes = a.live_bytes;
   g.device_allocations = a.created + a.imported + a.ipc_opened;
-  g.device_streams = backend_impl_ ? backend_impl_->StreamsMade() : 0;
+  if (backend_impl_) {
+    const QueueLaneCounts q = backend_impl_->Queues();
+    g.device_streams = q.streams_used;
+    g.hardware_queues = q.lanes;
+    g.hardware_queues_in_use = q.lanes_in_use;
+    g.queue_shared_streams = q.shared_streams;
+    g.queue_refusals = q.refused;
+  }
   g.sessions_undrained = Session::UndrainedCount();
   g.worker_stalls = worker_stalls_.load();
   FillQuotaGauges(g);

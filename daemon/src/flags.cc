@@ -20,6 +20,8 @@ void DaemonFlags::ApplyTo(DaemonConfig& c) const {
   if (metrics_opt->count()) c.metrics_address = metrics_address;
   if (ring_spin_opt->count()) c.ring_spin_us = ring_spin_us;
   if (operator_group_opt->count()) c.operator_group = operator_group;
+  if (queue_probe_opt->count()) c.queue_probe_streams = queue_probe_streams;
+  if (queue_sharing_opt->count()) c.queue_sharing = queue_sharing;
 }
 
 void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
@@ -64,6 +66,15 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
                                         "A group (name or gid) whose members may use the "
                                         "operator socket, then mode 0660 (config: "
                                         "admin.operator_group; default: the daemon's uid alone)");
+  f.queue_probe_opt =
+      app.add_option("--queue-probe-streams", f.queue_probe_streams,
+                     "GPU: streams probed at start for shared hardware queues, 0 to 64; 0 no "
+                     "probe (config: queues.probe_streams; default 16)")
+          ->check(cli::Integer());
+  f.queue_sharing_opt = app.add_option(
+      "--queue-sharing", f.queue_sharing,
+      "GPU: when every probed hardware queue serves a session, allow a stream on a shared "
+      "queue or refuse the session: allow | refuse (config: queues.sharing; default allow)");
 }
 
 }  // namespace ulysses::daemon

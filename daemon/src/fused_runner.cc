@@ -48,7 +48,8 @@ uint64_t FusedRunner::DeviceBytesFor(const FusedSetup& setup) {
 }
 
 absl::StatusOr<std::unique_ptr<FusedRunner>> FusedRunner::Create(const FusedSetup& setup,
-                                                                  FusedExchange exchange) {
+                                                                  FusedExchange exchange,
+                                                                  void* second_stream) {
   if (exchange == FusedExchange::kTransportMoves && setup.path != FusedPath::kAuto &&
       setup.path != FusedPath::kPerOperator)
     return absl::FailedPreconditionError(StrCat(
@@ -56,7 +57,9 @@ absl::StatusOr<std::unique_ptr<FusedRunner>> FusedRunner::Create(const FusedSetu
         " stores straight into the destinations' slots, which this backend's ranks cannot map; "
         "it runs per_operator (or auto) only"));
   std::unique_ptr<FusedRunner> runner(new FusedRunner(setup, exchange));
-  ULY_ASSIGN_OR_RETURN(runner->plan_, kernels::FusedQkvPlan::Create(ConfigOf(setup)));
+  kernels::FusedQkvConfig config = ConfigOf(setup);
+  config.second_stream = second_stream;
+  ULY_ASSIGN_OR_RETURN(runner->plan_, kernels::FusedQkvPlan::Create(config));
   const std::string no_epilogue = runner->plan_->EpilogueUnavailable();
   if (setup.path == FusedPath::kEpilogue && !no_epilogue.empty())
     return absl::FailedPreconditionError(

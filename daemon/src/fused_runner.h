@@ -30,9 +30,11 @@ class FusedRunner {
  public:
   /// Makes the plan on the current device (GEMM workspace, projection buffer, second stream,
   /// events): every allocation a call needs. FAILED_PRECONDITION, naming `path`, when the
-  /// session asks for a path this runner cannot run.
+  /// session asks for a path this runner cannot run. `second_stream` (a cudaStream_t, idle,
+  /// outliving the runner): the plan's second stream; null: the plan makes its own.
   static absl::StatusOr<std::unique_ptr<FusedRunner>> Create(const FusedSetup& setup,
-                                                             FusedExchange exchange);
+                                                             FusedExchange exchange,
+                                                             void* second_stream = nullptr);
 
   /// The device memory a runner of `setup` holds (its plan's), before it is made.
   static uint64_t DeviceBytesFor(const FusedSetup& setup);

@@ -864,7 +864,12 @@ class AdminService final : public v1::Admin::Service {
     const ipc::cuda::AllocationStats a = ipc::cuda::Stats();
     resp->set_device_allocations(a.created + a.imported + a.ipc_opened);
     resp->set_device_bytes(a.live_bytes);
-    resp->set_device_streams(d_->backend_impl().StreamsMade());
+    const QueueLaneCounts q = d_->backend_impl().Queues();
+    resp->set_device_streams(q.streams_used);
+    resp->set_hardware_queues(q.lanes);
+    resp->set_hardware_queues_in_use(q.lanes_in_use);
+    resp->set_queue_shared_streams(q.shared_streams);
+    resp->set_queue_refusals(q.refused);
     resp->set_pending_rendezvous(static_cast<int32_t>(d_->rendezvous_table().pending()));
     resp->set_rendezvous_arrivals(static_cast<int32_t>(d_->rendezvous_table().waiting()));
     resp->set_slot_budget_used_bytes(d_->slot_memory_reserved());

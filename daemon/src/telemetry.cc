@@ -154,8 +154,22 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
          "Device allocations made or opened (VMM created or imported, CUDA IPC opened).");
   out += StrCat("ulyssesd_device_allocations_total ", g.device_allocations, "\n");
   Header(out, "ulyssesd_device_streams_total", "counter",
-         "Session streams made on the device (a closed session's stream serves the next).");
+         "Distinct streams handed to sessions on the device (a closed session's stream serves "
+         "the next).");
   out += StrCat("ulyssesd_device_streams_total ", g.device_streams, "\n");
+  Header(out, "ulyssesd_hardware_queues", "gauge",
+         "Hardware queues the start-up probe found for sessions (the rescue stream's not "
+         "counted; 0: not probed), and those serving a session or a fused plan now.");
+  out += StrCat("ulyssesd_hardware_queues{state=\"total\"} ", g.hardware_queues, "\n");
+  out += StrCat("ulyssesd_hardware_queues{state=\"in_use\"} ", g.hardware_queues_in_use, "\n");
+  Header(out, "ulyssesd_queue_shared_streams_total", "counter",
+         "Streams made when every probed hardware queue served a session: each may share a "
+         "queue with another session's stream (queues.sharing allow).");
+  out += StrCat("ulyssesd_queue_shared_streams_total ", g.queue_shared_streams, "\n");
+  Header(out, "ulyssesd_queue_refusals_total", "counter",
+         "Sessions refused because every probed hardware queue served one (queues.sharing "
+         "refuse).");
+  out += StrCat("ulyssesd_queue_refusals_total ", g.queue_refusals, "\n");
   Header(out, "ulyssesd_sessions_undrained_total", "counter",
          "Sessions whose device work did not end within 30 s of their cancel; their device "
          "memory and streams are kept for the daemon's life.");

@@ -61,7 +61,11 @@ struct GaugeSnapshot {
   std::array<int64_t, 3> slots_by_state{};  // free, writing, held
   uint64_t device_bytes = 0;        // device memory the daemon holds (GPU backends)
   uint64_t device_allocations = 0;  // device allocations made or opened since start
-  uint64_t device_streams = 0;      // session streams made since start (GPU backends)
+  uint64_t device_streams = 0;      // distinct streams handed to sessions since start (GPU)
+  int32_t hardware_queues = 0;      // probed queues that serve sessions (0: not probed)
+  int32_t hardware_queues_in_use = 0;
+  uint64_t queue_shared_streams = 0;  // streams made past the probed queues (may share one)
+  uint64_t queue_refusals = 0;        // takes refused past them (queues.sharing refuse)
   uint64_t sessions_undrained = 0;  // sessions whose device work did not end when they went
   uint64_t worker_stalls = 0;       // ring-worker steps past timeouts.worker_stall_ms
   /// Each configured limit (config object `limits`) and how many requests it refused.

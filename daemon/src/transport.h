@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "queue_lanes.h"
 #include "ulysses/common/fused.h"
 #include "ulysses/common/geometry.h"
 #include "ulysses/ipc/cuda_memory.h"
@@ -204,9 +205,9 @@ class Backend {
   /// the daemon asks about once a second.
   virtual absl::Status DeviceHealth() const { return absl::OkStatus(); }
   virtual DeviceIdentity identity() const { return {}; }
-  /// GPU backends: the session streams made since start. Sessions opened in turn reuse one,
-  /// so this is the most sessions that were open at once.
-  virtual uint64_t StreamsMade() const { return 0; }
+  /// GPU backends: the device's streams by hardware queue (the probe's lanes, those in use,
+  /// the distinct streams handed out since start, those made past the lanes).
+  virtual QueueLaneCounts Queues() const { return {}; }
 };
 
 /// The host backend: buffers are memfds, slots live in the session segments, the CPU
@@ -214,9 +215,17 @@ class Backend {
 std::unique_ptr<Backend> MakeHostBackend();
 
 class FdExports;
+/// How the GPU backend keeps its streams (config object `queues`).
+struct CudaBackendOptions {
+  /// Streams probed at start for shared hardware queues; 0: no probe (QueueLanes).
+  int queue_probe_streams = 0;
+  /// Past the probed queues: make streams that may share one (true) or refuse (false).
+  bool queue_sharing = true;
+};
 /// The GPU backend on `device` (symmetric device memory shared through VMM fds, the CUDA
 /// exchange kernels). FAILED_PRECONDITION when this build or machine has no usable GPU.
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* exports);
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* exports,
+                                                         const CudaBackendOptions& options = {});
 
 /// The NCCL backend on `device`: receive slots in device memory that only this daemon and its
 /// client map; each call packs the blocks, moves them with grouped ncclSend/ncclRecv and unpacks

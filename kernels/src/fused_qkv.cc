@@ -23,7 +23,7 @@ class Stream {
  public:
   Stream() = default;
   ~Stream() {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (stream_ != nullptr && owned_) cudaStreamDestroy(stream_);
   }
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
@@ -36,10 +36,16 @@ class Stream {
         cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest));
     return absl::OkStatus();
   }
+  /// Uses `stream`, owned elsewhere, instead.
+  void Borrow(cudaStream_t stream) {
+    stream_ = stream;
+    owned_ = false;
+  }
   cudaStream_t get() const { return stream_; }
 
  private:
   cudaStream_t stream_ = nullptr;
+  bool owned_ = true;
 };
 
 class Event {
@@ -156,7 +162,10 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
   // zeroed there, that stream alone then waited for: a device-wide wait (cudaFree's, or a
   // device synchronization) would wait for every other stream of the process too (a daemon's
   // other sessions, whose calls may be waiting for their peers).
-  ULY_RETURN_IF_ERROR(impl->side.Create());
+  if (config.second_stream != nullptr)
+    impl->side.Borrow(static_cast<cudaStream_t>(config.second_stream));
+  else
+    ULY_RETURN_IF_ERROR(impl->side.Create());
   ULY_ASSIGN_OR_RETURN(impl->gemm,
                        Bf16Gemm::Create(impl->features(), impl->hidden(),
                                         Bf16Gemm::kDefaultWorkspaceBytes, impl->side.get()));

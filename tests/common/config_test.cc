@@ -385,6 +385,30 @@ TEST(DaemonConfigTest, LimitsParsedDefaultedAndChecked) {
 }
 
 }  // namespace
+TEST(DaemonConfig, QueueProbeAndSharingAreReadCheckedAndNamedWithTheirFlags) {
+  absl::StatusOr<DaemonConfig> d = ParseDaemonConfig("{}", 0);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->queue_probe_streams, 16);
+  EXPECT_EQ(d->queue_sharing, "allow");
+  absl::StatusOr<DaemonConfig> c =
+      ParseDaemonConfig(R"({"queues": {"probe_streams": 0, "sharing": "refuse"}})", 0);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->queue_probe_streams, 0);
+  EXPECT_EQ(c->queue_sharing, "refuse");
+  const std::pair<const char*, const char*> bad[] = {
+      {R"({"queues": {"probe_streams": 65}})", "queues.probe_streams (--queue-probe-streams)"},
+      {R"({"queues": {"probe_streams": -1}})", "queues.probe_streams (--queue-probe-streams)"},
+      {R"({"queues": {"sharing": "never"}})", "queues.sharing (--queue-sharing)"},
+      {R"({"queues": {"sharing": 1}})", "queues.sharing"},
+      {R"({"queues": {"probe": 4}})", "queues.probe"}};
+  for (const auto& [text, named] : bad) {
+    absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(text, 0);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find(named), std::string::npos) << r.status();
+  }
+}
+
 TEST(DaemonConfig, RingWorkerSpinIsReadBoundedAndNamedWithItsFlag) {
   EXPECT_EQ(ParseDaemonConfig("{}", 0)->ring_spin_us, 50);
   absl::StatusOr<DaemonConfig> c = ParseDaemonConfig(R"({"rings": {"worker_spin_us": 2000}})", 0);

@@ -448,9 +448,24 @@ TEST(RenderTest, State) {
       "sessions:      1",
       "calls:         9000000000 (7 failed)",
       "active calls:  2",
+      "hw queues:     -",
       "metrics:       127.0.0.1:9464",
   };
   EXPECT_EQ(lines, want);
+}
+
+TEST(RenderTest, StateOfAGpuDaemonShowsItsHardwareQueues) {
+  v1::DaemonState s = testing::SampleState();
+  s.set_hardware_queues(7);
+  s.set_hardware_queues_in_use(3);
+  EXPECT_NE(RenderState(s).find("\nhw queues:     3 of 7 in use\n"), std::string::npos)
+      << RenderState(s);
+  s.set_queue_shared_streams(2);
+  s.set_queue_refusals(1);
+  EXPECT_NE(RenderState(s).find("\nhw queues:     3 of 7 in use, 2 streams made on shared "
+                                "queues, 1 sessions refused\n"),
+            std::string::npos)
+      << RenderState(s);
 }
 
 TEST(RenderTest, StateOfAHostBackendSaysTheGpuIsUnknown) {

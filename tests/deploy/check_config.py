@@ -36,6 +36,7 @@ FULL = {
     "flight_recorder_size": 64,
     "rings": {"worker_spin_us": 500},
     "admin": {"operator_group": "0"},
+    "queues": {"probe_streams": 8, "sharing": "refuse"},
     "limits": {"max_clients": 64, "clients_per_uid": 8, "buffers_per_client": 128,
                "buffer_bytes_per_client": 1 << 30, "buffer_bytes_per_uid": 1 << 31,
                "pending_fds_per_client": 16, "calls_in_progress_per_client": 16,
@@ -84,6 +85,10 @@ BAD = [
     ("ring spin over a second", {"rings": {"worker_spin_us": 1000001}}, "rings.worker_spin_us"),
     ("unknown key in rings", {"rings": {"spin": 5}}, "rings.spin"),
     ("unknown key in admin", {"admin": {"group": "0"}}, "admin.group"),
+    ("probe streams over 64", {"queues": {"probe_streams": 65}}, "queues.probe_streams"),
+    ("negative probe streams", {"queues": {"probe_streams": -1}}, "queues.probe_streams"),
+    ("unknown sharing policy", {"queues": {"sharing": "never"}}, "queues.sharing"),
+    ("unknown key in queues", {"queues": {"probe": 4}}, "queues.probe"),
     ("operator group not a string", {"admin": {"operator_group": 0}}, "admin.operator_group"),
 ]
 
@@ -99,6 +104,8 @@ GOOD_EDGES = [
     ("stall watch off", {"timeouts": {"worker_stall_ms": 0}}),
     ("recorder of size 1000000", {"flight_recorder_size": 1000000}),
     ("no ring spin", {"rings": {"worker_spin_us": 0}}),
+    ("no queue probe", {"queues": {"probe_streams": 0}}),
+    ("queue probe of 64 streams, sharing allowed", {"queues": {"probe_streams": 64, "sharing": "allow"}}),
     ("ring spin of a second", {"rings": {"worker_spin_us": 1000000}}),
     ("operator group by name", {"admin": {"operator_group": "root"}}),
     ("no operator group (empty)", {"admin": {"operator_group": ""}}),
@@ -126,6 +133,10 @@ FLAGS = [
     ("--metrics-address", "[::1]:0", True, ""),
     ("--log-level", "loud", False, "--log-level"),
     ("--socket", "/" + "s" * 120, False, "--socket"),
+    ("--queue-probe-streams", "65", False, "--queue-probe-streams"),
+    ("--queue-probe-streams", "0", True, ""),
+    ("--queue-sharing", "sometimes", False, "--queue-sharing"),
+    ("--queue-sharing", "refuse", True, ""),
     ("--device", "-1", False, "--device"),
     ("--device", "99999999999", False, "--device"),
 ]

@@ -23,7 +23,11 @@ int main() {
         {"timeouts.peer_ms", d.peer_timeout_ms},
         {"timeouts.drain_ms", d.drain_timeout_ms},
         {"slots.memory_budget_bytes", d.slot_memory_budget_bytes},
-        {"flight_recorder_size", d.flight_recorder_size}}},
+        {"flight_recorder_size", d.flight_recorder_size},
+        {"timeouts.worker_stall_ms", d.worker_stall_ms},
+        {"rings.worker_spin_us", d.ring_spin_us},
+        {"queues.probe_streams", d.queue_probe_streams},
+        {"queues.sharing", d.queue_sharing}}},
   };
   std::cout << j.dump() << "\n";
   return 0;

@@ -465,6 +465,61 @@ TEST_F(GpuCluster, SessionsOpenedInTurnShareOneStream) {
   EXPECT_EQ(State(0).device_streams(), 2u);
 }
 
+// The start-up probe finds the daemon's hardware queues (a GPU has several), and sessions open
+// at the same time each get a queue no other one uses: none is made past the queues.
+TEST_F(GpuCluster, SessionsOpenAtOnceGetHardwareQueuesOfTheirOwn) {
+  Start(1);
+  Alone alone;
+  ASSERT_NO_FATAL_FAILURE(JoinAlone("queues", &alone));
+  const int queues = State(0).hardware_queues();
+  ASSERT_GE(queues, 2) << "the probe found too few queues to give two sessions one each";
+  const client::SessionSpec spec{4, 32, DType::kFloat32, 8, 2, {}, 0};
+  std::vector<std::unique_ptr<client::Session>> open;
+  const int n = std::min(queues, 4);
+  for (int i = 0; i < n; ++i) {
+    auto s = alone.client->CreateSession(*alone.group, spec);
+    ASSERT_TRUE(s.ok()) << s.status();
+    open.push_back(std::move(*s));
+  }
+  EXPECT_EQ(State(0).hardware_queues_in_use(), n);
+  EXPECT_EQ(State(0).queue_shared_streams(), 0u);
+  for (auto& s : open) ASSERT_TRUE(s->Close().ok());
+  EXPECT_TRUE(testing_util::Eventually([&] { return State(0).hardware_queues_in_use() == 0; }))
+      << State(0).hardware_queues_in_use() << " queues still in use";
+}
+
+// With queues.sharing = refuse, the session past the probed queues is refused, naming the
+// setting, and a queue given back serves the next session. A small probe keeps the queues few.
+TEST_F(GpuCluster, PastTheHardwareQueuesRefuseNamesTheSetting) {
+  Start(1, {"--queue-probe-streams", "2", "--queue-sharing", "refuse"});
+  Alone alone;
+  ASSERT_NO_FATAL_FAILURE(JoinAlone("refuse", &alone));
+  const int queues = State(0).hardware_queues();
+  ASSERT_GE(queues, 1);
+  ASSERT_LE(queues, 3) << "2 streams and 1 at the greatest priority were probed";
+  const client::SessionSpec spec{4, 32, DType::kFloat32, 8, 2, {}, 0};
+  std::vector<std::unique_ptr<client::Session>> open;
+  for (int i = 0; i < queues; ++i) {
+    auto s = alone.client->CreateSession(*alone.group, spec);
+    ASSERT_TRUE(s.ok()) << "session " << i << ": " << s.status();
+    open.push_back(std::move(*s));
+  }
+  auto refused = alone.client->CreateSession(*alone.group, spec);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("queues.sharing"), std::string::npos)
+      << refused.status();
+  EXPECT_EQ(State(0).queue_refusals(), 1u);
+  ASSERT_TRUE(open.back()->Close().ok());
+  open.pop_back();
+  absl::StatusOr<std::unique_ptr<client::Session>> again;
+  EXPECT_TRUE(testing_util::Eventually([&] {
+    again = alone.client->CreateSession(*alone.group, spec);
+    return again.ok();
+  })) << again.status();
+  EXPECT_EQ(State(0).queue_shared_streams(), 0u);
+}
+
 // A peer daemon killed while a call waits on it: the survivor's call ends with an error within
 // the configured call timeout, and the survivor keeps serving new sessions.
 TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {

@@ -58,6 +58,15 @@ struct DaemonConfig {
   /// wake-up; the worker's core is busy meanwhile.
   int64_t ring_spin_us = 50;
   uint64_t slot_memory_budget_bytes = 8ull << 30;  ///< receive-slot memory this daemon may hold
+  /// GPU backends: streams probed at start to learn which share a hardware queue (a wait on
+  /// one blocks the others), at the default priority; a quarter as many (at least one) more at
+  /// the greatest priority, for fused plans' second streams. 0: no probe, streams are made as
+  /// sessions come (queues.probe_streams).
+  int32_t queue_probe_streams = 16;
+  /// When every probed queue serves a session: "allow" makes a stream that may share a queue
+  /// with another session's (whose waiting call can then hold it back until the call
+  /// timeout), "refuse" answers RESOURCE_EXHAUSTED (queues.sharing).
+  std::string queue_sharing = "allow";
   std::string ready_file;             ///< written once the daemon serves (empty: none)
   std::string metrics_address;        ///< host:port of the metrics endpoint (empty: off)
   /// The group (a name or a numeric gid) whose members may use the operator socket, which then
@@ -70,6 +79,9 @@ struct DaemonConfig {
 /// The gid of `group`: a group name the system knows, or a decimal gid. INVALID_ARGUMENT
 /// stating the rule (no key prefix) otherwise.
 absl::StatusOr<uint32_t> ResolveGroup(std::string_view group);
+
+/// The most streams queues.probe_streams may ask for.
+inline constexpr int32_t kMaxQueueProbeStreams = 64;
 
 /// Every backend name a config or flag may give.
 /// The longest rings.worker_spin_us: one second.

@@ -56,6 +56,11 @@ struct FusedQkvConfig {
   /// costs a write of the whole projection).
   bool keep_projection = false;
   EpilogueSchedule epilogue_schedule = EpilogueSchedule::kAuto;
+  /// The second stream (a cudaStream_t, borrowed: it must outlive the plan, and is idle when
+  /// the plan is made): its owner picks its hardware queue (a daemon gives each plan one that
+  /// no other session's stream uses). Null: the plan makes its own, non-blocking, at the
+  /// device's greatest priority.
+  void* second_stream = nullptr;
 };
 
 /// The chunked path's default: about four chunks of at least 512 rows, multiples of 128 rows.
