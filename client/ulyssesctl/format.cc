@@ -542,7 +542,7 @@ std::string RenderState(const v1::DaemonState& s) {
   if (s.hardware_queues() > 0) {
     queues = StrCat(s.hardware_queues_in_use(), " of ", s.hardware_queues(), " in use");
     if (s.queue_shared_streams() > 0)
-      queues += StrCat(", ", s.queue_shared_streams(), " streams made on shared queues");
+      queues += StrCat(", ", s.queue_shared_streams(), " streams on shared queues");
     if (s.queue_refusals() > 0) queues += StrCat(", ", s.queue_refusals(), " sessions refused");
   }
   return RenderKeyValues({

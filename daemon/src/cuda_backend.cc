@@ -163,7 +163,7 @@ class DeviceStreams {
   }
 
   // The rescue stream first, then the candidates: lanes from the probe's classes, the streams
-  // no lane keeps destroyed.
+  // on the rescue stream's queue destroyed.
   absl::Status ProbeLanes(int probe_streams, bool sharing, const QueueLanes::MakeStream& make) {
     const int high = std::max(1, probe_streams / 4);
     std::vector<void*> streams{rescue_};
@@ -178,7 +178,8 @@ class DeviceStreams {
       probed.push_back(ProbedStream{*s, greatest, 0});
     }
     absl::StatusOr<ipc::QueueProbeResult> result =
-        made.ok() ? ipc::cuda::ProbeStreamQueues(streams) : absl::StatusOr<ipc::QueueProbeResult>(made);
+        made.ok() ? ipc::cuda::ProbeStreamQueues(streams)
+                  : absl::StatusOr<ipc::QueueProbeResult>(std::move(made));
     if (!result.ok()) {
       // Destroying a stream with work left is safe: its resources go once the work is done.
       for (const ProbedStream& p : probed) cudaStreamDestroy(static_cast<cudaStream_t>(p.stream));
@@ -755,8 +756,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* 
                                                          const CudaBackendOptions& options) {
   ULY_RETURN_IF_ERROR(ipc::cuda::SetDevice(device));
   ULY_ASSIGN_OR_RETURN(ipc::cuda::DeviceInfo info, ipc::cuda::Describe(device));
-  ULY_ASSIGN_OR_RETURN(std::shared_ptr<DeviceStreams> streams, DeviceStreams::Create(device, options.queue_probe_streams,
-                                                             options.queue_sharing));
+  ULY_ASSIGN_OR_RETURN(
+      std::shared_ptr<DeviceStreams> streams,
+      DeviceStreams::Create(device, options.queue_probe_streams, options.queue_sharing));
   // Probe the VMM path once: a device or driver without POSIX-fd VMM cannot serve sessions.
   // Zeroed on the stream the first session will take, so no other queue runs work.
   ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping probe, streams->ZeroedMapping(1));

@@ -1,6 +1,5 @@
 #include "queue_lanes.h"
 
-#include <algorithm>
 #include <map>
 
 #include "ulysses/common/strings.h"
@@ -18,29 +17,49 @@ QueueLanes::QueueLanes(const std::vector<ProbedStream>& probed, int rescue_queue
       surplus_.push_back(s.stream);
       continue;
     }
-    auto [it, made] = lane_of.try_emplace(s.queue, lanes_.size());
-    if (made) lanes_.emplace_back();
-    Lane& lane = lanes_[it->second];
-    void*& keep = s.greatest ? lane.greatest : lane.normal;
-    if (keep == nullptr)
-      keep = s.stream;
-    else
-      surplus_.push_back(s.stream);
+    auto [it, added] = lane_of.try_emplace(s.queue, lanes_.size());
+    if (added) lanes_.emplace_back();
+    lanes_[it->second].members.push_back(Member{s.stream, s.greatest});
   }
   queues_ = static_cast<int32_t>(seen.size());
 }
 
 QueueLanes::QueueLanes(MakeStream make) : make_(std::move(make)) {}
 
+QueueLanes::Member* QueueLanes::Lane::Idle(bool greatest, bool any) {
+  Member* other = nullptr;
+  for (Member& m : members) {
+    if (m.in_use) continue;
+    if (m.greatest == greatest) return &m;
+    if (other == nullptr) other = &m;
+  }
+  return any ? other : nullptr;
+}
+
+QueueLanes::Member* QueueLanes::Hand(Member* m) {
+  m->in_use = true;
+  if (!m->used) {
+    m->used = true;
+    ++streams_used_;
+  }
+  return m;
+}
+
 std::optional<void*> QueueLanes::TakeFreeLocked(StreamRole role) {
   const bool want_greatest = role == StreamRole::kSecond;
+  if (!probed_) {
+    // Made streams, the one given back last first (Give puts it in front).
+    Member* m = made_.Idle(want_greatest, true);
+    if (m == nullptr) return std::nullopt;
+    return Hand(m)->stream;
+  }
   // The free lane given back last (a lane never taken counts as given back first), preferring
   // one with a stream of the role's priority.
   Lane* best = nullptr;
   bool best_matches = false;
   for (Lane& lane : lanes_) {
-    if (lane.in_use != nullptr) continue;
-    const bool matches = (want_greatest ? lane.greatest : lane.normal) != nullptr;
+    if (lane.in_use > 0) continue;
+    const bool matches = lane.Idle(want_greatest, false) != nullptr;
     if (best == nullptr || (matches && !best_matches) ||
         (matches == best_matches && lane.given_back > best->given_back)) {
       best = &lane;
@@ -48,14 +67,8 @@ std::optional<void*> QueueLanes::TakeFreeLocked(StreamRole role) {
     }
   }
   if (best == nullptr) return std::nullopt;
-  void* s = best_matches ? (want_greatest ? best->greatest : best->normal)
-                         : (want_greatest ? best->normal : best->greatest);
-  best->in_use = s;
-  if (!best->used) {
-    best->used = true;
-    ++streams_used_;
-  }
-  return s;
+  ++best->in_use;
+  return Hand(best->Idle(want_greatest, true))->stream;
 }
 
 std::optional<void*> QueueLanes::TakeFree(StreamRole role) {
@@ -72,42 +85,52 @@ absl::StatusOr<void*> QueueLanes::Take(StreamRole role) {
       ++refused_;
       return absl::ResourceExhaustedError(StrCat(
           "every hardware queue of the device serves a session stream (", lanes_.size(),
-          " lanes) and queues.sharing is refuse: a stream on a shared queue would wait behind "
+          " queues) and queues.sharing is refuse: a stream on a shared queue would wait behind "
           "another session's waiting call; close a session, or run the daemon with more "
           "queues (CUDA_DEVICE_MAX_CONNECTIONS)"));
     }
-    // One made earlier past the lanes, of the role's priority if one is free.
-    auto it = std::find_if(extra_idle_.begin(), extra_idle_.end(),
-                           [&](const auto& e) { return e.second == want_greatest; });
-    if (it == extra_idle_.end() && !extra_idle_.empty()) it = extra_idle_.begin();
-    if (it != extra_idle_.end()) {
-      void* s = it->first;
-      extra_idle_.erase(it);
-      return s;
+    // A spare stream of the least used lane: it shares that lane's queue, never the rescue
+    // stream's.
+    Lane* least = nullptr;
+    for (Lane& lane : lanes_)
+      if (lane.Idle(want_greatest, true) != nullptr && (least == nullptr || lane.in_use < least->in_use))
+        least = &lane;
+    if (least != nullptr) {
+      ++least->in_use;
+      ++shared_;
+      return Hand(least->Idle(want_greatest, true))->stream;
+    }
+    if (Member* m = made_.Idle(want_greatest, true)) {
+      if (probed_) ++shared_;
+      return Hand(m)->stream;
     }
   }
   absl::StatusOr<void*> made = make_(want_greatest);
   if (!made.ok()) return made.status();
   std::lock_guard<std::mutex> lock(mu_);
-  extra_all_.emplace_back(*made, want_greatest);
-  ++streams_used_;
-  return *made;
+  if (probed_) ++shared_;
+  made_.members.push_back(Member{*made, want_greatest});
+  return Hand(&made_.members.back())->stream;
 }
 
 void QueueLanes::Give(void* stream) {
   std::lock_guard<std::mutex> lock(mu_);
   for (Lane& lane : lanes_) {
-    if (lane.in_use == stream) {
-      lane.in_use = nullptr;
-      lane.given_back = ++order_;
+    for (Member& m : lane.members) {
+      if (m.stream != stream || !m.in_use) continue;
+      m.in_use = false;
+      if (--lane.in_use == 0) lane.given_back = ++order_;
       return;
     }
   }
-  for (const auto& [s, greatest] : extra_all_) {
-    if (s == stream) {
-      extra_idle_.emplace_back(s, greatest);
-      return;
-    }
+  for (auto it = made_.members.begin(); it != made_.members.end(); ++it) {
+    if (it->stream != stream || !it->in_use) continue;
+    // To the front: the one given back last serves the next take.
+    Member m = *it;
+    m.in_use = false;
+    made_.members.erase(it);
+    made_.members.insert(made_.members.begin(), m);
+    return;
   }
 }
 
@@ -115,9 +138,8 @@ std::vector<void*> QueueLanes::AllStreams() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<void*> all;
   for (const Lane& lane : lanes_)
-    for (void* s : {lane.normal, lane.greatest})
-      if (s != nullptr) all.push_back(s);
-  for (const auto& e : extra_all_) all.push_back(e.first);
+    for (const Member& m : lane.members) all.push_back(m.stream);
+  for (const Member& m : made_.members) all.push_back(m.stream);
   return all;
 }
 
@@ -127,9 +149,9 @@ QueueLaneCounts QueueLanes::counts() const {
   c.probed = probed_;
   c.queues = queues_;
   c.lanes = static_cast<int32_t>(lanes_.size());
-  for (const Lane& lane : lanes_) c.lanes_in_use += lane.in_use != nullptr ? 1 : 0;
+  for (const Lane& lane : lanes_) c.lanes_in_use += lane.in_use > 0 ? 1 : 0;
   c.streams_used = streams_used_;
-  c.shared_streams = extra_all_.size();
+  c.shared_streams = shared_;
   c.refused = refused_;
   return c;
 }
@@ -137,15 +159,16 @@ QueueLaneCounts QueueLanes::counts() const {
 std::string QueueLanes::Describe() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (!probed_) return "hardware queues not probed: session streams are made as sessions come";
-  int normal = 0, greatest = 0;
-  for (const Lane& lane : lanes_) {
-    normal += lane.normal != nullptr ? 1 : 0;
-    greatest += lane.greatest != nullptr ? 1 : 0;
-  }
+  int greatest = 0;
+  for (const Lane& lane : lanes_)
+    for (const Member& m : lane.members)
+      if (m.greatest) {
+        ++greatest;
+        break;
+      }
   return StrCat(queues_, " hardware queues found: one for the rescue stream, ", lanes_.size(),
-                " for sessions (", normal, " with a default-priority stream, ", greatest,
-                " with a greatest-priority one); past them ",
-                sharing_ ? "streams are made that may share a queue (queues.sharing allow)"
+                " for sessions (", greatest, " with a greatest-priority stream); past them ",
+                sharing_ ? "a session shares the least used one (queues.sharing allow)"
                          : "sessions are refused (queues.sharing refuse)");
 }
 

@@ -3,11 +3,12 @@
 // A wait enqueued on a stream blocks the stream's hardware queue, so a session stream that
 // waits for its peer holds back every other stream on that queue: another session's call,
 // a fused plan's second stream, a cancel. The probe at start (ulysses/ipc/queue_probe.h) finds
-// which of a set of streams share a queue; QueueLanes keeps one stream per queue (a lane),
-// none on the rescue stream's queue, and hands each lane to one user at a time, so no two
-// sessions' streams share a queue while a free one is left. Past the lanes, `sharing` says
-// whether a further stream is made (it may share a queue with a session's) or the request is
-// refused. Without a probe every stream is such a further one. Thread-safe.
+// which of a set of streams share a queue; QueueLanes groups them by queue (a lane per queue),
+// keeps none on the rescue stream's queue, and hands each lane to one user at a time, so no
+// two sessions' streams share a queue while a free one is left. Past the free lanes,
+// `sharing` says whether a spare stream of the least used lane is handed out (it shares that
+// lane's queue, never the rescue stream's; a stream is made only when no spare is left) or
+// the request is refused. Without a probe every stream is made as needed. Thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -38,10 +39,10 @@ struct QueueLaneCounts {
   bool probed = false;          ///< lanes come from a probe
   int32_t queues = 0;           ///< queues the probe found, the rescue stream's included
   int32_t lanes = 0;            ///< queues that serve sessions (all but the rescue stream's)
-  int32_t lanes_in_use = 0;     ///< lanes handed out now
+  int32_t lanes_in_use = 0;     ///< lanes with a stream handed out now
   uint64_t streams_used = 0;    ///< distinct streams handed out since start
-  uint64_t shared_streams = 0;  ///< streams made past the lanes (may share a queue)
-  uint64_t refused = 0;         ///< takes refused past the lanes (`sharing` false)
+  uint64_t shared_streams = 0;  ///< takes past the free lanes: a queue shared with another user
+  uint64_t refused = 0;         ///< takes refused past the free lanes (`sharing` false)
 };
 
 class QueueLanes {
@@ -50,38 +51,46 @@ class QueueLanes {
   using MakeStream = std::function<absl::StatusOr<void*>(bool greatest)>;
 
   /// Lanes from a probe: `probed` every probed stream, `rescue_queue` the rescue stream's
-  /// class. Streams not kept as a lane's are listed by surplus() (the owner destroys them).
-  /// `sharing`: past the lanes, make streams (true) or refuse (false).
+  /// class. The streams on the rescue stream's queue are listed by surplus() (the owner
+  /// destroys them). `sharing`: past the free lanes, share one (true) or refuse (false).
   QueueLanes(const std::vector<ProbedStream>& probed, int rescue_queue, bool sharing,
              MakeStream make);
   /// No probe: every stream is made on demand, and one given back serves the next take.
   explicit QueueLanes(MakeStream make);
 
   /// A stream for `role`: a free lane (the one given back last, with a stream of the role's
-  /// priority if one has it), else past the lanes as `sharing` says: RESOURCE_EXHAUSTED
-  /// naming queues.sharing when refused.
+  /// priority if one has it), else as `sharing` says: an idle stream of the lane with the
+  /// fewest streams in use (one made when none is idle), or RESOURCE_EXHAUSTED naming
+  /// queues.sharing.
   absl::StatusOr<void*> Take(StreamRole role);
   /// A free lane's stream, or none (nothing is made).
   std::optional<void*> TakeFree(StreamRole role);
   /// Gives back a stream Take or TakeFree handed out, with no work left on it.
   void Give(void* stream);
 
-  /// Streams the probe made that no lane keeps.
+  /// Streams the probe made on the rescue stream's queue.
   const std::vector<void*>& surplus() const { return surplus_; }
-  /// Every stream this holds (lanes' and those made past them), for the owner to destroy.
+  /// Every stream this holds (lanes' and those made as needed), for the owner to destroy.
   std::vector<void*> AllStreams() const;
   QueueLaneCounts counts() const;
   /// One line for the log: the queues found and how they serve.
   std::string Describe() const;
 
  private:
-  struct Lane {
-    void* normal = nullptr;    // the class's first stream at the default priority
-    void* greatest = nullptr;  // the class's first stream at the greatest priority
-    void* in_use = nullptr;    // the stream handed out (null: free)
-    uint64_t given_back = 0;   // order of the last give-back (0: never taken)
-    bool used = false;
+  struct Member {
+    void* stream = nullptr;
+    bool greatest = false;
+    bool in_use = false;
+    bool used = false;  // handed out at least once
   };
+  struct Lane {
+    std::vector<Member> members;  // the queue's streams, in probe order
+    int in_use = 0;
+    uint64_t given_back = 0;  // order of the last give-back to a free lane (0: never)
+    // The first idle member of `greatest` priority, else (`any`) the first idle one.
+    Member* Idle(bool greatest, bool any);
+  };
+  Member* Hand(Member* m);
   std::optional<void*> TakeFreeLocked(StreamRole role);
 
   mutable std::mutex mu_;
@@ -89,12 +98,12 @@ class QueueLanes {
   const bool sharing_ = true;
   const MakeStream make_;
   int32_t queues_ = 0;
-  std::vector<Lane> lanes_;
+  std::vector<Lane> lanes_;  // one per probed queue but the rescue stream's
+  Lane made_;                // streams made as needed: their queues are unknown
   std::vector<void*> surplus_;
-  std::vector<std::pair<void*, bool>> extra_idle_;  // made past the lanes, free: (stream, greatest)
-  std::vector<std::pair<void*, bool>> extra_all_;
   uint64_t order_ = 0;
   uint64_t streams_used_ = 0;
+  uint64_t shared_ = 0;
   uint64_t refused_ = 0;
 };
 

@@ -163,7 +163,7 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
   out += StrCat("ulyssesd_hardware_queues{state=\"total\"} ", g.hardware_queues, "\n");
   out += StrCat("ulyssesd_hardware_queues{state=\"in_use\"} ", g.hardware_queues_in_use, "\n");
   Header(out, "ulyssesd_queue_shared_streams_total", "counter",
-         "Streams made when every probed hardware queue served a session: each may share a "
+         "Streams handed out when every probed hardware queue served a session: each shares a "
          "queue with another session's stream (queues.sharing allow).");
   out += StrCat("ulyssesd_queue_shared_streams_total ", g.queue_shared_streams, "\n");
   Header(out, "ulyssesd_queue_refusals_total", "counter",

@@ -462,7 +462,7 @@ TEST(RenderTest, StateOfAGpuDaemonShowsItsHardwareQueues) {
       << RenderState(s);
   s.set_queue_shared_streams(2);
   s.set_queue_refusals(1);
-  EXPECT_NE(RenderState(s).find("\nhw queues:     3 of 7 in use, 2 streams made on shared "
+  EXPECT_NE(RenderState(s).find("\nhw queues:     3 of 7 in use, 2 streams on shared "
                                 "queues, 1 sessions refused\n"),
             std::string::npos)
       << RenderState(s);

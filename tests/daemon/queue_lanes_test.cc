@@ -35,16 +35,17 @@ std::vector<ProbedStream> FourQueues() {
           {S(5), false, 1}, {S(6), false, 2}, {S(11), true, 3},  {S(12), true, 1}};
 }
 
-TEST(QueueLanesTest, KeepsOneStreamPerQueueAndNoneOnTheRescueQueue) {
+TEST(QueueLanesTest, GroupsTheStreamsByQueueAndKeepsNoneOnTheRescueQueue) {
   Maker m;
   QueueLanes lanes(FourQueues(), /*rescue_queue=*/0, /*sharing=*/true, m.Fn());
   const QueueLaneCounts c = lanes.counts();
   EXPECT_TRUE(c.probed);
   EXPECT_EQ(c.queues, 4);
   EXPECT_EQ(c.lanes, 3);
-  // Stream 4 shares the rescue stream's queue; 5 and 6 repeat a lane's default-priority stream.
-  EXPECT_THAT(lanes.surplus(), UnorderedElementsAre(S(4), S(5), S(6)));
-  EXPECT_THAT(lanes.AllStreams(), UnorderedElementsAre(S(1), S(2), S(3), S(11), S(12)));
+  // Stream 4 shares the rescue stream's queue: it serves nobody.
+  EXPECT_THAT(lanes.surplus(), UnorderedElementsAre(S(4)));
+  EXPECT_THAT(lanes.AllStreams(),
+              UnorderedElementsAre(S(1), S(2), S(3), S(5), S(6), S(11), S(12)));
   EXPECT_THAT(lanes.Describe(), HasSubstr("4 hardware queues found"));
 }
 
@@ -98,23 +99,47 @@ TEST(QueueLanesTest, AStreamGivenBackServesTheNextSession) {
   EXPECT_EQ(lanes.counts().lanes_in_use, 0);
 }
 
-TEST(QueueLanesTest, PastTheLanesSharingMakesAStreamAndCountsIt) {
+TEST(QueueLanesTest, PastTheFreeLanesSharingTakesASpareOfTheLeastUsedQueue) {
   Maker m;
   QueueLanes lanes(FourQueues(), 0, /*sharing=*/true, m.Fn());
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(lanes.Take(StreamRole::kSession).ok());
-  auto extra = lanes.Take(StreamRole::kSecond);
-  ASSERT_TRUE(extra.ok()) << extra.status();
-  EXPECT_EQ(*extra, S(1000));
-  EXPECT_EQ(m.greatest, std::vector<bool>{true});
-  EXPECT_EQ(lanes.counts().shared_streams, 1u);
-  // Given back, it serves the next take past the lanes instead of a new one.
-  lanes.Give(*extra);
+  std::vector<void*> sessions;
+  for (int i = 0; i < 3; ++i) sessions.push_back(*lanes.Take(StreamRole::kSession));
+  // Every queue has a user: spares share a queue (queue 1's stream 5, then queue 2's 6), never
+  // the rescue stream's (stream 4), and no stream is made while a spare is idle.
+  auto a = lanes.Take(StreamRole::kSession);
+  auto b = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(*a, S(5));
+  EXPECT_EQ(*b, S(6));
+  EXPECT_EQ(lanes.counts().shared_streams, 2u);
+  // Second streams: queue 3 has one user, queue 1 two, so queue 3's stream 11 goes first,
+  // then queue 1's 12.
+  auto c = lanes.Take(StreamRole::kSecond);
+  auto d = lanes.Take(StreamRole::kSecond);
+  ASSERT_TRUE(c.ok() && d.ok());
+  EXPECT_EQ(*c, S(11));
+  EXPECT_EQ(*d, S(12));
+  EXPECT_TRUE(m.greatest.empty()) << "a stream was made while a spare was idle";
+  // No spare left: one is made, and it serves the next take once given back.
+  auto made = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_EQ(*made, S(1000));
+  EXPECT_EQ(m.greatest, std::vector<bool>{false});
+  lanes.Give(*made);
   auto again = lanes.Take(StreamRole::kSession);
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(*again, S(1000));
-  EXPECT_EQ(lanes.counts().shared_streams, 1u);
-  EXPECT_EQ(lanes.counts().streams_used, 4u);
+  EXPECT_EQ(lanes.counts().shared_streams, 6u);
+  EXPECT_EQ(lanes.counts().lanes_in_use, 3);
   EXPECT_THAT(lanes.AllStreams(), testing::Contains(S(1000)));
+  // Queue 2's users go: it is free again, and the next session has it to itself.
+  lanes.Give(sessions[1]);
+  lanes.Give(*b);
+  EXPECT_EQ(lanes.counts().lanes_in_use, 2);
+  auto alone = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(alone.ok());
+  EXPECT_TRUE(*alone == S(2) || *alone == S(6)) << *alone;
+  EXPECT_EQ(lanes.counts().shared_streams, 6u);
 }
 
 TEST(QueueLanesTest, PastTheLanesRefuseNamesTheSettingAndMakesNothing) {

@@ -63,9 +63,9 @@ struct DaemonConfig {
   /// the greatest priority, for fused plans' second streams. 0: no probe, streams are made as
   /// sessions come (queues.probe_streams).
   int32_t queue_probe_streams = 16;
-  /// When every probed queue serves a session: "allow" makes a stream that may share a queue
-  /// with another session's (whose waiting call can then hold it back until the call
-  /// timeout), "refuse" answers RESOURCE_EXHAUSTED (queues.sharing).
+  /// When every probed queue serves a session: "allow" hands out a spare stream of the least
+  /// used queue, shared with another session's stream (whose waiting call can then hold it
+  /// back until the call timeout), "refuse" answers RESOURCE_EXHAUSTED (queues.sharing).
   std::string queue_sharing = "allow";
   std::string ready_file;             ///< written once the daemon serves (empty: none)
   std::string metrics_address;        ///< host:port of the metrics endpoint (empty: off)
