@@ -1130,8 +1130,12 @@ int Main(int argc, char** argv) {
   app.add_option("--ring-spin-us", ring_spin_us,
                  "The daemons' rings.worker_spin_us (default: the daemon's own, 50)")
       ->check(CLI::Range(int64_t{-1}, ulysses::kMaxRingSpinUs));
-  int daemon_queues = 0;
+  int daemon_queues = 0, queue_probe_streams = -1;
   bool no_grpc = false;
+  app.add_option("--queue-probe-streams", queue_probe_streams,
+                 "The daemons' queues.probe_streams (0: no probe, the streams made as sessions "
+                 "come; default: the daemon's own, 16)")
+      ->check(CLI::Range(0, ulysses::kMaxQueueProbeStreams));
   app.add_flag("--no-grpc", no_grpc,
                "Part overhead: leave out the gRPC path, so each daemon serves the ring path's "
                "session alone");
@@ -1272,6 +1276,7 @@ int Main(int argc, char** argv) {
     Json cfg;
     cfg["slots"]["memory_budget_bytes"] = budget;
     if (ring_spin_us >= 0) cfg["rings"]["worker_spin_us"] = ring_spin_us;
+    if (queue_probe_streams >= 0) cfg["queues"]["probe_streams"] = queue_probe_streams;
     status = WriteTextFile(config, cfg.dump());
     if (!status.ok()) break;
     Say(StrCat("W=", W, ": starting ", W, " ulyssesd (nvlink backend) on ", prop.name));
@@ -1421,6 +1426,8 @@ int Main(int argc, char** argv) {
     out["daemon_queues"] = queues;
   else
     out["daemon_queues"] = g_daemon_connections;
+  out["queue_probe_streams"] = queue_probe_streams >= 0 ? queue_probe_streams
+                                                        : ulysses::DaemonConfig{}.queue_probe_streams;
   out["grpc_path"] = !no_grpc;  // false: each daemon served the ring path's session alone
   out["dtype"] = "bf16";
   out["heads_per_rank"] = heads_per_rank;

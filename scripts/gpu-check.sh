@@ -15,7 +15,8 @@
 #   tests     every other GPU case of gpu_kernels_test and gpu_daemon_test, under MPS
 #   python    tests/python/test_gpu.py (torch CUDA tensors; skipped without torch)
 #   demo      ulysses-demo --ranks 4 --backend auto (what scripts/demo.sh runs), under MPS
-#   overhead  ulysses-gpu-bench's per-call overhead at W = 1 (64 KiB to 4 MiB), both paths
+#   overhead  ulysses-gpu-bench's per-call overhead at W = 1 (64 KiB to 4 MiB), both paths,
+#             and the ring path again with daemons that do not probe their hardware queues
 #   handoff   bench/handoff_queues.sh
 #   queues    bench/queue_probe.sh: which streams share a hardware queue (alone, 2 queues as
 #             the control, a greatest-priority stream, 4 processes at once)
@@ -157,9 +158,12 @@ if want demo; then
   stage demo "$(program ulysses-demo)" --ranks 4 --backend auto
 fi
 if want overhead; then
-  for path in grpc ring; do
+  # ring-noprobe: the ring path with daemons that do not probe their hardware queues (the
+  # probe's one write per stream is work on every queue of the daemon's context).
+  for path in grpc ring ring-noprobe; do
     extra=()
     [ "$path" = ring ] && extra=(--no-grpc)
+    [ "$path" = ring-noprobe ] && extra=(--no-grpc --queue-probe-streams 0)
     stage "overhead-$path" "$(program ulysses-gpu-bench)" --ulyssesd "$ULYSSESD" --parts overhead \
       --overhead-world 1 --overhead-sizes 64K,256K,1M,4M --rounds 2 "${extra[@]}" \
       --commit "$commit" --json "$out/overhead-$path.json"

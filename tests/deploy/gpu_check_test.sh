@@ -48,7 +48,7 @@ summary="$dir/out/summary.txt"
 grep -q "^commit c0ffee$" "$summary" || fail "no commit line"
 grep -q "^gpu stand-in GPU, 1.0$" "$summary" || fail "no gpu line"
 grep -q "^mps off$" "$summary" || fail "no mps line"
-for s in nccl kernels daemon demo overhead-grpc overhead-ring handoff queues; do
+for s in nccl kernels daemon demo overhead-grpc overhead-ring overhead-ring-noprobe handoff queues; do
   grep -Eq "^$s +passed" "$summary" || fail "stage $s has no passed line"
   [ -s "$dir/out/$s.log" ] || fail "stage $s wrote no log"
 done
@@ -59,6 +59,8 @@ grep -q "ULYSSESD=$dir/bin/ulyssesd EAGER=EAGER NVLS=0" "$dir/out/daemon.log" ||
 grep -q -- "--no-grpc --commit c0ffee --json $dir/out/overhead-ring.json" \
   "$dir/out/overhead-ring.log" || fail "the ring overhead arguments"
 grep -q -- "--no-grpc" "$dir/out/overhead-grpc.log" && fail "the grpc overhead run has --no-grpc"
+grep -q -- "--no-grpc --queue-probe-streams 0 --commit c0ffee" "$dir/out/overhead-ring-noprobe.log" \
+  || fail "the ring overhead arguments without the queue probe"
 python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['cases']) == 18" \
   "$dir/out/handoff-queues.json" || fail "the hand-off set's JSON"
 python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['rows']) == 7" \
