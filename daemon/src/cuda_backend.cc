@@ -62,9 +62,10 @@ constexpr uint64_t kSlotAlign = 256;
 // opened in turn do not spread the daemon's work over ever more queues.
 //
 // The rescue stream writes and copies words and never waits, so one serves every session, and
-// no lane shares its queue: a cancel always runs. It runs work only for a session whose stream
-// is blocked (a failed call, a timeout, a close with calls in flight, DescribeStuck), and zeroes
-// a new buffer when no lane is free.
+// with the probe no session stream shares its queue: a cancel always runs (without the probe,
+// nothing keeps a session stream off its queue). It runs work for a session whose stream is
+// blocked (a failed call, a timeout, a close with calls in flight, DescribeStuck), and, with
+// the probe, zeroes new buffers.
 //
 // The device's pinned host memory that DescribeStuck's copies land in is here too, made once:
 // freeing pinned memory can wait for the whole device, so a session's close frees none.
@@ -123,21 +124,24 @@ class DeviceStreams {
 
   /// A stream for `role`: a free lane (the one given back last), else past the lanes as
   /// queues.sharing says.
-  absl::StatusOr<cudaStream_t> Take(StreamRole role = StreamRole::kSession) {
-    ULY_ASSIGN_OR_RETURN(void* s, lanes_->Take(role));
+  absl::StatusOr<cudaStream_t> Take(StreamRole role = StreamRole::kSession,
+                                    cudaStream_t apart = nullptr) {
+    ULY_ASSIGN_OR_RETURN(void* s, lanes_->Take(role, apart));
     return static_cast<cudaStream_t>(s);
   }
   /// Gives back a stream that has no work left.
   void Give(cudaStream_t s) { lanes_->Give(s); }
-  /// A new zero-filled VMM allocation, zeroed on a free lane's stream, else on the rescue
-  /// stream (never blocked), and waited for there: no wait on the legacy stream, or on a
-  /// stream that may share a queue with a session stream that waits for its peer.
+  /// A new zero-filled VMM allocation, zeroed and waited for on a stream that no session's
+  /// wait holds back, never the legacy stream: with the probe, the rescue stream (whose queue
+  /// the probe ran work on anyway, and which a lane taken for it would keep from a session
+  /// being made at the same time); without, an idle stream of the pool (one made when none is,
+  /// which then serves the next session).
   absl::StatusOr<ipc::cuda::VmmMapping> ZeroedMapping(uint64_t bytes) {
-    std::optional<void*> lane = lanes_->TakeFree(StreamRole::kSession);
-    cudaStream_t zero_on = lane ? static_cast<cudaStream_t>(*lane) : rescue_;
+    if (lanes_->counts().probed) return ipc::cuda::VmmMapping::Create(device_, bytes, rescue_);
+    ULY_ASSIGN_OR_RETURN(cudaStream_t zero_on, Take());
     absl::StatusOr<ipc::cuda::VmmMapping> made =
         ipc::cuda::VmmMapping::Create(device_, bytes, zero_on);
-    if (lane) lanes_->Give(*lane);
+    Give(zero_on);
     return made;
   }
   cudaStream_t rescue() const { return rescue_; }
@@ -186,7 +190,13 @@ class DeviceStreams {
       return result.status();
     }
     for (size_t i = 0; i < probed.size(); ++i) probed[i].queue = result->class_of[i + 1];
-    lanes_ = std::make_unique<QueueLanes>(probed, result->class_of[0], sharing, make);
+    auto lanes = std::make_unique<QueueLanes>(probed, result->class_of[0], sharing, make);
+    if (lanes->counts().lanes == 0) {
+      for (const ProbedStream& p : probed) cudaStreamDestroy(static_cast<cudaStream_t>(p.stream));
+      return absl::FailedPreconditionError(
+          StrCat("all ", probed.size() + 1, " streams share the rescue stream's one queue"));
+    }
+    lanes_ = std::move(lanes);
     for (void* s : lanes_->surplus()) cudaStreamDestroy(static_cast<cudaStream_t>(s));
     Logger("main")->debug("device {}: queue probe of {} streams took {:.1f} ms", device_,
                           streams.size(), result->probe_ms);
@@ -251,7 +261,7 @@ class CudaTransport final : public Transport {
       // Everything a fused call needs is made here (GEMM workspace, projection buffer, events);
       // a call at a row count seen before allocates nothing. Its second stream is a lane of
       // its own, so that no other session's waiting call holds back its stores.
-      ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond));
+      ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond, t->stream_));
       ULY_ASSIGN_OR_RETURN(t->fused_, FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores,
                                                           t->second_));
     }
@@ -760,7 +770,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* 
       std::shared_ptr<DeviceStreams> streams,
       DeviceStreams::Create(device, options.queue_probe_streams, options.queue_sharing));
   // Probe the VMM path once: a device or driver without POSIX-fd VMM cannot serve sessions.
-  // Zeroed on the stream the first session will take, so no other queue runs work.
+  // Zeroed as every buffer is (DeviceStreams::ZeroedMapping): without the queue probe on the
+  // stream the first session will take, so no other queue runs work.
   ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping probe, streams->ZeroedMapping(1));
   ULY_ASSIGN_OR_RETURN(ipc::UniqueFd probe_fd, probe.Export());
   // Fused sessions' GEMMs lease their cuBLASLt handle; the first is made now, not beside

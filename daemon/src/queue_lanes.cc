@@ -1,5 +1,6 @@
 #include "queue_lanes.h"
 
+#include <algorithm>
 #include <map>
 
 #include "ulysses/common/strings.h"
@@ -48,8 +49,9 @@ QueueLanes::Member* QueueLanes::Hand(Member* m) {
 std::optional<void*> QueueLanes::TakeFreeLocked(StreamRole role) {
   const bool want_greatest = role == StreamRole::kSecond;
   if (!probed_) {
-    // Made streams, the one given back last first (Give puts it in front).
-    Member* m = made_.Idle(want_greatest, true);
+    // Made streams of the role's priority, the one given back last first (Give puts it in
+    // front).
+    Member* m = made_.Idle(want_greatest, false);
     if (m == nullptr) return std::nullopt;
     return Hand(m)->stream;
   }
@@ -76,41 +78,48 @@ std::optional<void*> QueueLanes::TakeFree(StreamRole role) {
   return TakeFreeLocked(role);
 }
 
-absl::StatusOr<void*> QueueLanes::Take(StreamRole role) {
+absl::StatusOr<void*> QueueLanes::Take(StreamRole role, void* apart) {
   const bool want_greatest = role == StreamRole::kSecond;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (std::optional<void*> s = TakeFreeLocked(role)) return *s;
-    if (!sharing_) {
-      ++refused_;
-      return absl::ResourceExhaustedError(StrCat(
-          "every hardware queue of the device serves a session stream (", lanes_.size(),
-          " queues) and queues.sharing is refuse: a stream on a shared queue would wait behind "
-          "another session's waiting call; close a session, or run the daemon with more "
-          "queues (CUDA_DEVICE_MAX_CONNECTIONS)"));
-    }
-    // A spare stream of the least used lane: it shares that lane's queue, never the rescue
-    // stream's.
-    Lane* least = nullptr;
-    for (Lane& lane : lanes_)
-      if (lane.Idle(want_greatest, true) != nullptr && (least == nullptr || lane.in_use < least->in_use))
-        least = &lane;
-    if (least != nullptr) {
+    if (probed_) {
+      if (!sharing_) {
+        ++refused_;
+        return absl::ResourceExhaustedError(StrCat(
+            "every hardware queue of the device serves a session stream (", lanes_.size(),
+            " queues) and queues.sharing is refuse: a stream on a shared queue would wait "
+            "behind another session's waiting call; close a session, or run the daemon with "
+            "more queues (CUDA_DEVICE_MAX_CONNECTIONS)"));
+      }
+      // A spare stream of the least used lane: it shares that lane's queue, never the rescue
+      // stream's, nor `apart`'s.
+      Lane* least = nullptr;
+      for (Lane& lane : lanes_) {
+        if (lane.Idle(want_greatest, true) == nullptr) continue;
+        const bool holds_apart =
+            apart != nullptr && std::any_of(lane.members.begin(), lane.members.end(),
+                                            [&](const Member& m) { return m.stream == apart; });
+        if (!holds_apart && (least == nullptr || lane.in_use < least->in_use)) least = &lane;
+      }
+      if (least == nullptr) {
+        ++refused_;
+        return absl::ResourceExhaustedError(StrCat(
+            "every stream the daemon probed at start serves a session (queues.probe_streams "
+            "sets how many); a stream made now might share the rescue stream's hardware queue "
+            "and hold back every cancel: close a session, or start the daemon with more "
+            "probed streams"));
+      }
       ++least->in_use;
       ++shared_;
       return Hand(least->Idle(want_greatest, true))->stream;
-    }
-    if (Member* m = made_.Idle(want_greatest, true)) {
-      if (probed_) ++shared_;
-      return Hand(m)->stream;
     }
   }
   absl::StatusOr<void*> made = make_(want_greatest);
   if (!made.ok()) return made.status();
   std::lock_guard<std::mutex> lock(mu_);
-  if (probed_) ++shared_;
-  made_.members.push_back(Member{*made, want_greatest});
-  return Hand(&made_.members.back())->stream;
+  made_.members.insert(made_.members.begin(), Member{*made, want_greatest});
+  return Hand(&made_.members.front())->stream;
 }
 
 void QueueLanes::Give(void* stream) {

@@ -7,8 +7,10 @@
 // keeps none on the rescue stream's queue, and hands each lane to one user at a time, so no
 // two sessions' streams share a queue while a free one is left. Past the free lanes,
 // `sharing` says whether a spare stream of the least used lane is handed out (it shares that
-// lane's queue, never the rescue stream's; a stream is made only when no spare is left) or
-// the request is refused. Without a probe every stream is made as needed. Thread-safe.
+// lane's queue, never the rescue stream's) or the request is refused; past the spares every
+// request is refused, since a stream made then could land on the rescue stream's queue.
+// Without a probe every stream is made as needed, of the priority asked for, and may share
+// any queue. Thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -60,9 +62,11 @@ class QueueLanes {
 
   /// A stream for `role`: a free lane (the one given back last, with a stream of the role's
   /// priority if one has it), else as `sharing` says: an idle stream of the lane with the
-  /// fewest streams in use (one made when none is idle), or RESOURCE_EXHAUSTED naming
-  /// queues.sharing.
-  absl::StatusOr<void*> Take(StreamRole role);
+  /// fewest streams in use, or RESOURCE_EXHAUSTED naming queues.sharing; RESOURCE_EXHAUSTED
+  /// naming queues.probe_streams when no probed stream is idle. `apart` (a stream handed out
+  /// earlier, or null): a shared queue is never that stream's (a fused plan's second stream
+  /// would otherwise wait behind its own session's stream).
+  absl::StatusOr<void*> Take(StreamRole role, void* apart = nullptr);
   /// A free lane's stream, or none (nothing is made).
   std::optional<void*> TakeFree(StreamRole role);
   /// Gives back a stream Take or TakeFree handed out, with no work left on it.
@@ -99,7 +103,7 @@ class QueueLanes {
   const MakeStream make_;
   int32_t queues_ = 0;
   std::vector<Lane> lanes_;  // one per probed queue but the rescue stream's
-  Lane made_;                // streams made as needed: their queues are unknown
+  Lane made_;                // without a probe, the streams made as needed
   std::vector<void*> surplus_;
   uint64_t order_ = 0;
   uint64_t streams_used_ = 0;

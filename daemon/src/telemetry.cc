@@ -167,8 +167,8 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
          "queue with another session's stream (queues.sharing allow).");
   out += StrCat("ulyssesd_queue_shared_streams_total ", g.queue_shared_streams, "\n");
   Header(out, "ulyssesd_queue_refusals_total", "counter",
-         "Sessions refused because every probed hardware queue served one (queues.sharing "
-         "refuse).");
+         "Session streams refused: every probed hardware queue served one (queues.sharing "
+         "refuse), or every probed stream did (queues.probe_streams).");
   out += StrCat("ulyssesd_queue_refusals_total ", g.queue_refusals, "\n");
   Header(out, "ulyssesd_sessions_undrained_total", "counter",
          "Sessions whose device work did not end within 30 s of their cancel; their device "

@@ -119,19 +119,16 @@ TEST(QueueLanesTest, PastTheFreeLanesSharingTakesASpareOfTheLeastUsedQueue) {
   ASSERT_TRUE(c.ok() && d.ok());
   EXPECT_EQ(*c, S(11));
   EXPECT_EQ(*d, S(12));
-  EXPECT_TRUE(m.greatest.empty()) << "a stream was made while a spare was idle";
-  // No spare left: one is made, and it serves the next take once given back.
-  auto made = lanes.Take(StreamRole::kSession);
-  ASSERT_TRUE(made.ok()) << made.status();
-  EXPECT_EQ(*made, S(1000));
-  EXPECT_EQ(m.greatest, std::vector<bool>{false});
-  lanes.Give(*made);
-  auto again = lanes.Take(StreamRole::kSession);
-  ASSERT_TRUE(again.ok());
-  EXPECT_EQ(*again, S(1000));
-  EXPECT_EQ(lanes.counts().shared_streams, 6u);
+  // No spare left: refused (a stream made now could share the rescue stream's queue), naming
+  // the setting that gives more.
+  auto none = lanes.Take(StreamRole::kSession);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(none.status().message(), HasSubstr("queues.probe_streams"));
+  EXPECT_TRUE(m.greatest.empty()) << "a stream was made";
+  EXPECT_EQ(lanes.counts().shared_streams, 4u);
+  EXPECT_EQ(lanes.counts().refused, 1u);
   EXPECT_EQ(lanes.counts().lanes_in_use, 3);
-  EXPECT_THAT(lanes.AllStreams(), testing::Contains(S(1000)));
   // Queue 2's users go: it is free again, and the next session has it to itself.
   lanes.Give(sessions[1]);
   lanes.Give(*b);
@@ -139,7 +136,27 @@ TEST(QueueLanesTest, PastTheFreeLanesSharingTakesASpareOfTheLeastUsedQueue) {
   auto alone = lanes.Take(StreamRole::kSession);
   ASSERT_TRUE(alone.ok());
   EXPECT_TRUE(*alone == S(2) || *alone == S(6)) << *alone;
-  EXPECT_EQ(lanes.counts().shared_streams, 6u);
+  EXPECT_EQ(lanes.counts().shared_streams, 4u);
+}
+
+TEST(QueueLanesTest, ASecondStreamNeverSharesItsOwnSessionsQueue) {
+  Maker m;
+  // Two queues besides the rescue stream's, each with a spare.
+  QueueLanes lanes({{S(1), false, 1}, {S(2), false, 2}, {S(3), false, 1}, {S(4), true, 2}}, 0,
+                   true, m.Fn());
+  auto other = lanes.Take(StreamRole::kSession);  // queue 1
+  auto mine = lanes.Take(StreamRole::kSession);   // queue 2
+  ASSERT_TRUE(other.ok() && mine.ok());
+  ASSERT_EQ(*other, S(1));
+  ASSERT_EQ(*mine, S(2));
+  // Queue 2's greatest-priority spare would match the role, but it is the session's own
+  // queue: queue 1's spare is taken instead.
+  auto second = lanes.Take(StreamRole::kSecond, *mine);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(*second, S(3));
+  // Only the session's own queue has a spare left: refused rather than shared with it.
+  EXPECT_FALSE(lanes.Take(StreamRole::kSecond, *mine).ok());
+  EXPECT_TRUE(lanes.Take(StreamRole::kSecond).ok());
 }
 
 TEST(QueueLanesTest, PastTheLanesRefuseNamesTheSettingAndMakesNothing) {
@@ -185,7 +202,28 @@ TEST(QueueLanesTest, WithoutAProbeStreamsAreMadeAsNeededAndReused) {
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(*c, *a);
   EXPECT_EQ(lanes.counts().streams_used, 2u);
+  EXPECT_EQ(lanes.counts().lanes, 0);
   EXPECT_THAT(lanes.Describe(), HasSubstr("not probed"));
+}
+
+TEST(QueueLanesTest, WithoutAProbeAStreamIsReusedOnlyForItsOwnPriority) {
+  Maker m;
+  QueueLanes lanes(m.Fn());
+  auto session = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(session.ok());
+  lanes.Give(*session);
+  // A fused plan's second stream is made at the greatest priority, not the idle session
+  // stream, as the plan made its own before.
+  auto second = lanes.Take(StreamRole::kSecond);
+  ASSERT_TRUE(second.ok());
+  EXPECT_NE(*second, *session);
+  EXPECT_EQ(m.greatest, (std::vector<bool>{false, true}));
+  lanes.Give(*second);
+  auto again = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *session);
+  EXPECT_FALSE(lanes.TakeFree(StreamRole::kSession).has_value());
+  EXPECT_EQ(*lanes.TakeFree(StreamRole::kSecond), *second);
 }
 
 }  // namespace

@@ -60,8 +60,8 @@ struct DaemonConfig {
   uint64_t slot_memory_budget_bytes = 8ull << 30;  ///< receive-slot memory this daemon may hold
   /// GPU backends: streams probed at start to learn which share a hardware queue (a wait on
   /// one blocks the others), at the default priority; a quarter as many (at least one) more at
-  /// the greatest priority, for fused plans' second streams. 0: no probe, streams are made as
-  /// sessions come (queues.probe_streams).
+  /// the greatest priority, for fused plans' second streams; past them sessions are refused.
+  /// 0: no probe, streams are made as sessions come (queues.probe_streams).
   int32_t queue_probe_streams = 16;
   /// When every probed queue serves a session: "allow" hands out a spare stream of the least
   /// used queue, shared with another session's stream (whose waiting call can then hold it
