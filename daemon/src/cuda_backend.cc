@@ -154,6 +154,7 @@ class DeviceStreams {
     return HostWords{std::unique_lock<std::mutex>(host_mu_), static_cast<uint8_t*>(host_words_)};
   }
   QueueLaneCounts counts() const { return lanes_->counts(); }
+  std::string Where(cudaStream_t s) const { return lanes_->Where(s); }
 
  private:
   explicit DeviceStreams(int device) : device_(device) {}
@@ -566,15 +567,17 @@ class CudaTransport final : public Transport {
            (fused_ ? fused_->plan().device_bytes() : 0);
   }
   std::string Describe() const override {
+    const std::string stream = StrCat("stream on ", streams_->Where(stream_));
     if (!fused_)
-      return "nvlink: CUDA exchange kernels storing into every destination's slot, one launch per "
-             "call";
+      return StrCat("nvlink: CUDA exchange kernels storing into every destination's slot, one "
+                    "launch per call; ", stream);
     const std::string no_epilogue = fused_->plan().EpilogueUnavailable();
     return StrCat("nvlink: FusedQkvPlan on device ", device_,
                   " (cuBLASLt bf16 GEMM, norm_rope kernels; epilogue GEMM: ",
                   no_epilogue.empty() ? "CUTLASS sm_90a" : no_epilogue, "), ",
                   QkvLayoutName(setup_.fused->geometry.layout),
-                  " layout, stores straight into the W destinations' slots; ", fused_->Describe());
+                  " layout, stores straight into the W destinations' slots; ", stream,
+                  ", second stream on ", streams_->Where(second_), "; ", fused_->Describe());
   }
 
  private:

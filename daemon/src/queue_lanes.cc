@@ -165,6 +165,21 @@ QueueLaneCounts QueueLanes::counts() const {
   return c;
 }
 
+std::string QueueLanes::Where(void* stream) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < lanes_.size(); ++i) {
+    for (const Member& m : lanes_[i].members) {
+      if (m.stream != stream) continue;
+      const int others = lanes_[i].in_use - (m.in_use ? 1 : 0);
+      return StrCat("hardware queue ", i + 1, " of ", lanes_.size(),
+                    others == 0 ? ", its own"
+                                : StrCat(", shared with ", others, " more stream",
+                                         others == 1 ? "" : "s"));
+    }
+  }
+  return "a stream made without the hardware queue probe";
+}
+
 std::string QueueLanes::Describe() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (!probed_) return "hardware queues not probed: session streams are made as sessions come";

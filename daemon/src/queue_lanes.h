@@ -77,6 +77,9 @@ class QueueLanes {
   /// Every stream this holds (lanes' and those made as needed), for the owner to destroy.
   std::vector<void*> AllStreams() const;
   QueueLaneCounts counts() const;
+  /// Where `stream` runs, for a session's description: "hardware queue 2 of 7, its own",
+  /// "hardware queue 2 of 7, shared with 1 more stream", or that it was made unprobed.
+  std::string Where(void* stream) const;
   /// One line for the log: the queues found and how they serve.
   std::string Describe() const;
 
