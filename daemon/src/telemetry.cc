@@ -76,6 +76,13 @@ void Header(std::string& out, const char* name, const char* type, const char* he
   out += StrCat("# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
 }
 
+// A metric of one sample without labels.
+void Single(std::string& out, const char* name, const char* type, const char* help,
+            uint64_t value) {
+  Header(out, name, type, help);
+  out += StrCat(name, " ", value, "\n");
+}
+
 }  // namespace
 
 std::string Metrics::Render(const std::string& version, int device, const std::string& backend,
@@ -144,40 +151,40 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
   Header(out, "ulyssesd_uid_buffer_bytes", "gauge", "Bytes of the buffers the clients of a uid hold.");
   for (const GaugeSnapshot::UidGauge& u : g.uids)
     out += StrCat("ulyssesd_uid_buffer_bytes{uid=\"", u.uid, "\"} ", u.buffer_bytes, "\n");
-  Header(out, "ulyssesd_mps_enabled", "gauge",
-         "1 when the daemon and its clients share the GPU through MPS.");
-  out += StrCat("ulyssesd_mps_enabled ", g.mps ? 1 : 0, "\n");
-  Header(out, "ulyssesd_device_bytes", "gauge",
-         "Device memory the daemon holds (receive slots, daemon-allocated buffers), in bytes.");
-  out += StrCat("ulyssesd_device_bytes ", g.device_bytes, "\n");
-  Header(out, "ulyssesd_device_allocations_total", "counter",
-         "Device allocations made or opened (VMM created or imported, CUDA IPC opened).");
-  out += StrCat("ulyssesd_device_allocations_total ", g.device_allocations, "\n");
-  Header(out, "ulyssesd_device_streams_total", "counter",
+  Single(out, "ulyssesd_mps_enabled", "gauge",
+         "1 when the daemon and its clients share the GPU through MPS.",
+         g.mps ? 1 : 0);
+  Single(out, "ulyssesd_device_bytes", "gauge",
+         "Device memory the daemon holds (receive slots, daemon-allocated buffers), in bytes.",
+         g.device_bytes);
+  Single(out, "ulyssesd_device_allocations_total", "counter",
+         "Device allocations made or opened (VMM created or imported, CUDA IPC opened).",
+         g.device_allocations);
+  Single(out, "ulyssesd_device_streams_total", "counter",
          "Distinct streams handed to sessions on the device (a closed session's stream serves "
-         "the next).");
-  out += StrCat("ulyssesd_device_streams_total ", g.device_streams, "\n");
+         "the next).",
+         g.device_streams);
   Header(out, "ulyssesd_hardware_queues", "gauge",
          "Hardware queues the start-up probe found for sessions (the rescue stream's not "
          "counted; 0: not probed), and those serving a session or a fused plan now.");
   out += StrCat("ulyssesd_hardware_queues{state=\"total\"} ", g.hardware_queues, "\n");
   out += StrCat("ulyssesd_hardware_queues{state=\"in_use\"} ", g.hardware_queues_in_use, "\n");
-  Header(out, "ulyssesd_queue_shared_streams_total", "counter",
+  Single(out, "ulyssesd_queue_shared_streams_total", "counter",
          "Streams handed out when every probed hardware queue served a session: each shares a "
-         "queue with another session's stream (queues.sharing allow).");
-  out += StrCat("ulyssesd_queue_shared_streams_total ", g.queue_shared_streams, "\n");
-  Header(out, "ulyssesd_queue_refusals_total", "counter",
+         "queue with another session's stream (queues.sharing allow).",
+         g.queue_shared_streams);
+  Single(out, "ulyssesd_queue_refusals_total", "counter",
          "Session streams refused: every probed hardware queue served one (queues.sharing "
-         "refuse), or every probed stream did (queues.probe_streams).");
-  out += StrCat("ulyssesd_queue_refusals_total ", g.queue_refusals, "\n");
-  Header(out, "ulyssesd_sessions_undrained_total", "counter",
+         "refuse), or every probed stream did (queues.probe_streams).",
+         g.queue_refusals);
+  Single(out, "ulyssesd_sessions_undrained_total", "counter",
          "Sessions whose device work did not end within 30 s of their cancel; their device "
-         "memory and streams are kept for the daemon's life.");
-  out += StrCat("ulyssesd_sessions_undrained_total ", g.sessions_undrained, "\n");
-  Header(out, "ulyssesd_worker_stalls_total", "counter",
+         "memory and streams are kept for the daemon's life.",
+         g.sessions_undrained);
+  Single(out, "ulyssesd_worker_stalls_total", "counter",
          "Ring-worker steps (executing or polling a client's calls) that ran longer than "
-         "timeouts.worker_stall_ms.");
-  out += StrCat("ulyssesd_worker_stalls_total ", g.worker_stalls, "\n");
+         "timeouts.worker_stall_ms.",
+         g.worker_stalls);
   return out;
 }
 
