@@ -4,7 +4,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <map>
 #include <set>
+#include <thread>
 
 namespace ulysses::daemon {
 namespace {
@@ -227,6 +230,39 @@ TEST(QueueLanesTest, WithoutAProbeAStreamIsReusedOnlyForItsOwnPriority) {
   EXPECT_EQ(*again, *session);
   EXPECT_FALSE(lanes.TakeFree(StreamRole::kSession).has_value());
   EXPECT_EQ(*lanes.TakeFree(StreamRole::kSecond), *second);
+}
+
+TEST(QueueLanesTest, ThreadsTakingAndGivingAtOnceNeverHoldOneStreamTwice) {
+  Maker m;
+  QueueLanes lanes(FourQueues(), 0, /*sharing=*/true, m.Fn());
+  std::mutex mu;
+  std::map<void*, int> holders;  // stream -> threads holding it now
+  std::atomic<int> twice{0}, taken{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 2000; ++i) {
+        const StreamRole role = (i + t) % 3 == 0 ? StreamRole::kSecond : StreamRole::kSession;
+        absl::StatusOr<void*> s = lanes.Take(role);
+        if (!s.ok()) continue;  // every probed stream in use at that moment
+        taken.fetch_add(1);
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          if (++holders[*s] > 1) twice.fetch_add(1);
+        }
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          --holders[*s];
+        }
+        lanes.Give(*s);
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(twice.load(), 0) << "a stream was handed to two holders at once";
+  EXPECT_GT(taken.load(), 0);
+  EXPECT_EQ(lanes.counts().lanes_in_use, 0);
+  EXPECT_TRUE(m.greatest.empty()) << "a probed daemon made a stream";
 }
 
 }  // namespace
