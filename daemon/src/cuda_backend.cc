@@ -51,9 +51,9 @@ constexpr uint64_t kSlotAlign = 256;
 // A stream maps to one of the context's hardware queues, and a wait on a stream blocks its
 // whole queue: a session stream waiting for its peer holds back every other stream of that
 // queue (another session's call, a fused plan's second stream, a cancel). So at start the
-// daemon makes its streams and probes which share a queue (ulysses/ipc/queue_probe.h), keeps
-// one per queue (a lane), none on the rescue stream's queue, and hands each lane to one user at
-// a time (queues.probe_streams, queues.sharing).
+// daemon makes its streams and probes which share a queue (ulysses/ipc/queue_probe.h), groups
+// them by queue (a lane per queue), uses none on the rescue stream's queue, and hands each lane
+// to one user at a time while one is free (queues.probe_streams, queues.sharing).
 //
 // A queue that has run work stays counted after its stream is destroyed, and each such queue
 // beyond the first can double how long a blocked stream of the context takes to resume once
