@@ -541,7 +541,8 @@ class CudaTransport final : public Transport {
       if (r != me)
         report.peers.push_back({r, at(me)->grant[r], at(me)->arrive[r], at(r)->grant[me],
                                 at(r)->arrive[me], done[r]});
-    return FormatSlotWords(report);
+    // A stream on a shared queue may wait behind another session's call, not for a word.
+    return StrCat(FormatSlotWords(report), "; its stream on ", streams_->Where(stream_));
   }
 
   absl::Status Poison(int slot) override {

@@ -582,6 +582,9 @@ TEST_F(GpuCluster, ATimedOutCallRecordsItsProtocolWords) {
                          "its done 0"),
             std::string::npos)
       << message;
+  // The only session of its daemon: its stream has a hardware queue of its own.
+  EXPECT_NE(message.find("; its stream on hardware queue "), std::string::npos) << message;
+  EXPECT_NE(message.find(", its own"), std::string::npos) << message;
 }
 
 // Two ranks of a float32 session (H = 4, D = 32, S = 16, 2 slots) whose clients each hold an
