@@ -31,6 +31,8 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
   f.call_timeout_ms = defaults.call_timeout_ms;
   f.peer_timeout_ms = defaults.peer_timeout_ms;
   f.drain_timeout_ms = defaults.drain_timeout_ms;
+  f.queue_probe_streams = defaults.queue_probe_streams;
+  f.queue_sharing = defaults.queue_sharing;
   app.add_option("--device", f.device, "Device index this daemon serves")
       ->check(cli::IntIn(0, std::numeric_limits<int32_t>::max()));
   f.socket_opt = app.add_option(
