@@ -137,7 +137,7 @@ class DeviceStreams {
   /// being made at the same time); without, an idle stream of the pool (one made when none is,
   /// which then serves the next session).
   absl::StatusOr<ipc::cuda::VmmMapping> ZeroedMapping(uint64_t bytes) {
-    if (lanes_->counts().probed) return ipc::cuda::VmmMapping::Create(device_, bytes, rescue_);
+    if (lanes_->probed()) return ipc::cuda::VmmMapping::Create(device_, bytes, rescue_);
     ULY_ASSIGN_OR_RETURN(cudaStream_t zero_on, Take());
     absl::StatusOr<ipc::cuda::VmmMapping> made =
         ipc::cuda::VmmMapping::Create(device_, bytes, zero_on);
@@ -174,7 +174,7 @@ class DeviceStreams {
     std::vector<void*> streams{rescue_};
     std::vector<ProbedStream> probed;
     absl::Status made;
-    for (int i = 0; i < probe_streams + high && made.ok(); ++i) {
+    for (int i = 0; i < probe_streams + high; ++i) {
       const bool greatest = i >= probe_streams;
       absl::StatusOr<cudaStream_t> s = MakeStream(greatest);
       made = s.status();
@@ -182,21 +182,19 @@ class DeviceStreams {
       streams.push_back(*s);
       probed.push_back(ProbedStream{*s, greatest, 0});
     }
-    absl::StatusOr<ipc::QueueProbeResult> result =
-        made.ok() ? ipc::cuda::ProbeStreamQueues(streams)
-                  : absl::StatusOr<ipc::QueueProbeResult>(std::move(made));
-    if (!result.ok()) {
-      // Destroying a stream with work left is safe: its resources go once the work is done.
+    // Destroying a stream with work left is safe: its resources go once the work is done.
+    auto give_up = [&](absl::Status why) {
       for (const ProbedStream& p : probed) cudaStreamDestroy(static_cast<cudaStream_t>(p.stream));
-      return result.status();
-    }
+      return why;
+    };
+    if (!made.ok()) return give_up(std::move(made));
+    absl::StatusOr<ipc::QueueProbeResult> result = ipc::cuda::ProbeStreamQueues(streams);
+    if (!result.ok()) return give_up(result.status());
     for (size_t i = 0; i < probed.size(); ++i) probed[i].queue = result->class_of[i + 1];
     auto lanes = std::make_unique<QueueLanes>(probed, result->class_of[0], sharing, make);
-    if (lanes->counts().lanes == 0) {
-      for (const ProbedStream& p : probed) cudaStreamDestroy(static_cast<cudaStream_t>(p.stream));
-      return absl::FailedPreconditionError(
-          StrCat("all ", probed.size() + 1, " streams share the rescue stream's one queue"));
-    }
+    if (lanes->counts().lanes == 0)
+      return give_up(absl::FailedPreconditionError(
+          StrCat("all ", probed.size() + 1, " streams share the rescue stream's one queue")));
     lanes_ = std::move(lanes);
     for (void* s : lanes_->surplus()) cudaStreamDestroy(static_cast<cudaStream_t>(s));
     Logger("main")->debug("device {}: queue probe of {} streams took {:.1f} ms", device_,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 
 #include "ulysses/common/strings.h"
 
@@ -11,9 +12,9 @@ QueueLanes::QueueLanes(const std::vector<ProbedStream>& probed, int rescue_queue
                        MakeStream make)
     : probed_(true), sharing_(sharing), make_(std::move(make)) {
   std::map<int, size_t> lane_of;  // queue class -> index into lanes_
-  std::map<int, bool> seen{{rescue_queue, true}};
+  std::set<int> seen{rescue_queue};
   for (const ProbedStream& s : probed) {
-    seen[s.queue] = true;
+    seen.insert(s.queue);
     if (s.queue == rescue_queue) {
       surplus_.push_back(s.stream);
       continue;

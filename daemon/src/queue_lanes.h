@@ -77,6 +77,8 @@ class QueueLanes {
   /// Every stream this holds (lanes' and those made as needed), for the owner to destroy.
   std::vector<void*> AllStreams() const;
   QueueLaneCounts counts() const;
+  /// Whether the lanes come from a probe (fixed when made).
+  bool probed() const { return probed_; }
   /// Where `stream` runs, for a session's description: "hardware queue 2 of 7, its own",
   /// "hardware queue 2 of 7, shared with 1 more stream", or that it was made unprobed.
   std::string Where(void* stream) const;
