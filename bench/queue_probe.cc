@@ -95,6 +95,7 @@ int main(int argc, char** argv) {
                       {"queues_seen", classes.size()},
                       {"classes", classes},
                       {"shared_with_later", shared},
+                      {"slow_writes", probe->slow_writes},
                       {"probe_ms", probe_ms}};
   const std::string out = j.dump();
   std::printf("%s\n", out.c_str());

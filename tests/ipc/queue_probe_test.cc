@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <deque>
 #include <map>
 #include <set>
@@ -39,6 +40,11 @@ class ModelQueues final : public QueueProbeTarget {
   }
 
   int failing_write_ = -1;
+  // Stream slow_write_'s write of mark slow_mark_ takes slow_by_ to land once its queue reaches
+  // it (a busy device), holding its queue meanwhile.
+  int slow_write_ = -1;
+  uint64_t slow_mark_ = 0;
+  std::chrono::milliseconds slow_by_{0};
   // Whether every queue ran everything enqueued on it.
   bool Drained() const {
     Pump();
@@ -52,9 +58,13 @@ class ModelQueues final : public QueueProbeTarget {
     int stream;
     bool wait;
     uint64_t value;
+    std::chrono::steady_clock::time_point lands{};
   };
   absl::Status Enqueue(int s, bool wait, uint64_t value) {
-    queues_[queue_of_[s]].push_back(Op{s, wait, value});
+    Op op{s, wait, value};
+    if (!wait && s == slow_write_ && value == slow_mark_)
+      op.lands = std::chrono::steady_clock::now() + slow_by_;
+    queues_[queue_of_[s]].push_back(op);
     Pump();
     return absl::OkStatus();
   }
@@ -64,6 +74,7 @@ class ModelQueues final : public QueueProbeTarget {
       while (!ops.empty()) {
         const Op& op = ops.front();
         if (op.wait && gate_ < op.value) break;
+        if (!op.wait && std::chrono::steady_clock::now() < op.lands) break;
         if (!op.wait) words_[op.stream] = op.value;
         ops.pop_front();
       }
@@ -121,6 +132,24 @@ TEST(QueueProbeTest, EveryStreamModeReportsEveryPair) {
   EXPECT_THAT(r->held_back[2], ElementsAre(4));
   EXPECT_TRUE(r->held_back[4].empty());
   EXPECT_THAT(r->classes, ElementsAre(ElementsAre(0, 2, 4), ElementsAre(1, 3)));
+}
+
+TEST(QueueProbeTest, ASlowWriteDoesNotJoinItsStreamToTheHeldOne) {
+  // Streams 2 and 3 share a queue. In round 0 (stream 0 held), stream 3's write is slow: it
+  // misses the settle time but lands before the gate opens. Were it taken as held, stream 3
+  // would join stream 0's class and never be held again, and stream 2 would stay apart from it.
+  ModelQueues model({0, 1, 2, 2});
+  model.slow_write_ = 3;
+  model.slow_mark_ = 4;  // the warm-up writes are mark 1; round 0 writes 2, 3, 4 to streams 1-3
+  model.slow_by_ = std::chrono::milliseconds(3);
+  QueueProbeOptions o = Fast();
+  o.settle = std::chrono::milliseconds(2);
+  auto r = ProbeQueues(model, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->classes, ElementsAre(ElementsAre(0), ElementsAre(1), ElementsAre(2, 3)));
+  EXPECT_TRUE(r->held_back[0].empty());
+  EXPECT_EQ(r->slow_writes, 1);
+  EXPECT_TRUE(model.Drained());
 }
 
 TEST(QueueProbeTest, DistinctQueuesStayApart) {

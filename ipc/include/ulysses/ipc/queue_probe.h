@@ -5,7 +5,8 @@
 // client fewer). A wait enqueued on a stream blocks its whole queue: every other stream on that
 // queue stops behind it. The probe finds the classes of streams that share a queue: it holds
 // one stream at a wait on a gate word and has every later stream write a word of its own; a
-// write that does not land within the settle time sits behind the held wait. The gate then
+// write that does not land within the settle time, nor within a second one (a held write
+// cannot land while the gate is shut; a slow one can), sits behind the held wait. The gate then
 // opens and every held write must land.
 #pragma once
 
@@ -69,6 +70,8 @@ struct QueueProbeResult {
   /// Per stream i that was held: the later streams whose writes it held back.
   std::vector<std::vector<int>> held_back;
   int rounds = 0;  ///< streams held
+  /// Writes that missed the settle time but landed before the gate opened: slow, not held.
+  int slow_writes = 0;
   double probe_ms = 0;
 };
 
