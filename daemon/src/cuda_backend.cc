@@ -189,7 +189,16 @@ class DeviceStreams {
     };
     if (!made.ok()) return give_up(std::move(made));
     absl::StatusOr<ipc::QueueProbeResult> result = ipc::cuda::ProbeStreamQueues(streams);
-    if (!result.ok()) return give_up(result.status());
+    if (!result.ok()) {
+      // The probe ran on the rescue stream too, which may now be the stream that never goes
+      // on: a new one serves the cancels.
+      absl::StatusOr<cudaStream_t> fresh = MakeStream(false);
+      if (fresh.ok()) {
+        cudaStreamDestroy(rescue_);
+        rescue_ = *fresh;
+      }
+      return give_up(result.status());
+    }
     for (size_t i = 0; i < probed.size(); ++i) probed[i].queue = result->class_of[i + 1];
     auto lanes = std::make_unique<QueueLanes>(probed, result->class_of[0], sharing, make);
     if (lanes->counts().lanes == 0)

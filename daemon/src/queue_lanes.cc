@@ -88,10 +88,11 @@ absl::StatusOr<void*> QueueLanes::Take(StreamRole role, void* apart) {
       if (!sharing_) {
         ++refused_;
         return absl::ResourceExhaustedError(StrCat(
-            "every hardware queue of the device serves a session stream (", lanes_.size(),
-            " queues) and queues.sharing is refuse: a stream on a shared queue would wait "
-            "behind another session's waiting call; close a session, or run the daemon with "
-            "more queues (CUDA_DEVICE_MAX_CONNECTIONS)"));
+            "every hardware queue the daemon found for sessions (", lanes_.size(),
+            ") serves a session stream and queues.sharing is refuse: a stream on a shared "
+            "queue would wait behind another session's waiting call; close a session, or "
+            "start the daemon with more queues (queues.probe_streams probes that many streams; "
+            "CUDA_DEVICE_MAX_CONNECTIONS sets how many queues the device gives them)"));
       }
       // A spare stream of the least used lane: it shares that lane's queue, never the rescue
       // stream's, nor `apart`'s.
@@ -106,10 +107,13 @@ absl::StatusOr<void*> QueueLanes::Take(StreamRole role, void* apart) {
       if (least == nullptr) {
         ++refused_;
         return absl::ResourceExhaustedError(StrCat(
-            "every stream the daemon probed at start serves a session (queues.probe_streams "
-            "sets how many); a stream made now might share the rescue stream's hardware queue "
-            "and hold back every cancel: close a session, or start the daemon with more "
-            "probed streams"));
+            "no stream the daemon probed at start is free for a ",
+            role == StreamRole::kSecond ? "fused plan's second stream apart from its session's "
+                                          "queue"
+                                        : "session",
+            " (queues.probe_streams sets how many are probed); a stream made now might share "
+            "the rescue stream's hardware queue and hold back every cancel: close a session, "
+            "or start the daemon with more probed streams"));
       }
       ++least->in_use;
       ++shared_;
@@ -172,7 +176,7 @@ std::string QueueLanes::Where(void* stream) const {
     for (const Member& m : lanes_[i].members) {
       if (m.stream != stream) continue;
       const int others = lanes_[i].in_use - (m.in_use ? 1 : 0);
-      return StrCat("hardware queue ", i + 1, " of ", lanes_.size(),
+      return StrCat("hardware queue ", i + 1, " of the ", lanes_.size(), " for sessions",
                     others == 0 ? ", its own"
                                 : StrCat(", shared with ", others, " more stream",
                                          others == 1 ? "" : "s"));

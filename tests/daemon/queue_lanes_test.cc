@@ -64,7 +64,7 @@ TEST(QueueLanesTest, SessionsOpenAtOnceGetDistinctQueues) {
   EXPECT_EQ(taken, (std::set<void*>{S(1), S(2), S(3)}));
   EXPECT_EQ(lanes.counts().lanes_in_use, 3);
   EXPECT_EQ(lanes.counts().shared_streams, 0u);
-  EXPECT_EQ(lanes.Where(S(2)), "hardware queue 2 of 3, its own");
+  EXPECT_EQ(lanes.Where(S(2)), "hardware queue 2 of the 3 for sessions, its own");
 }
 
 TEST(QueueLanesTest, ASecondStreamTakesAGreatestPriorityStreamOnAFreeQueue) {
@@ -116,7 +116,7 @@ TEST(QueueLanesTest, PastTheFreeLanesSharingTakesASpareOfTheLeastUsedQueue) {
   EXPECT_EQ(*a, S(5));
   EXPECT_EQ(*b, S(6));
   EXPECT_EQ(lanes.counts().shared_streams, 2u);
-  EXPECT_EQ(lanes.Where(S(5)), "hardware queue 1 of 3, shared with 1 more stream");
+  EXPECT_EQ(lanes.Where(S(5)), "hardware queue 1 of the 3 for sessions, shared with 1 more stream");
   // Second streams: queue 3 has one user, queue 1 two, so queue 3's stream 11 goes first,
   // then queue 1's 12.
   auto c = lanes.Take(StreamRole::kSecond);

@@ -658,6 +658,34 @@ class GpuTwoRankScatter : public GpuCluster {
     EXPECT_EQ(CheckRank0(*result), "");
   }
 
+  // Where daemon 0's record of a session's call puts its time: from its start to the end of its
+  // host work (enqueued on the stream), then to its end. A long first part is the daemon's
+  // host held up in a CUDA call; a long second part, the call's work held up on the GPU.
+  std::string CallTimes(uint64_t session_id, uint64_t epoch) {
+    v1::ListRecentCallsResponse calls;
+    grpc::ClientContext ctx;
+    if (!Admin(0)->ListRecentCalls(&ctx, {}, &calls).ok()) return "no call records";
+    for (const v1::CallRecord& c : calls.calls()) {
+      if (c.session_id() != session_id || c.epoch() != epoch) continue;
+      const auto ms = [&](int64_t at) { return (at - c.started_unix_us()) / 1000; };
+      return StrCat("the call's record: ", c.status(), ", host work until +",
+                    c.enqueued_unix_us() == 0 ? "(not stream-ordered)"
+                                              : StrCat(ms(c.enqueued_unix_us()), " ms"),
+                    ", done at +", ms(c.done_unix_us()), " ms; ", c.message());
+    }
+    return "no record of the call";
+  }
+  // Daemon 0's sessions' plans (each names its streams' hardware queues).
+  std::string Plans() {
+    v1::ListSessionsResponse resp;
+    grpc::ClientContext ctx;
+    if (!Admin(0)->ListSessions(&ctx, {}, &resp).ok()) return "no sessions listed";
+    std::string out;
+    for (const v1::SessionState& st : resp.sessions())
+      out += StrCat("\nsession ", st.info().session_id(), ": ", st.info().plan());
+    return out;
+  }
+
   TwoRanks t_;
   client::Buffer x_[2];
 };
@@ -767,6 +795,7 @@ TEST_P(GpuFusedPasserBy, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlocke
     if (!in_time) FinishWithRank1(early);  // lets rank 0's call go, then the fused call's
     call.join();
     ASSERT_TRUE(views.ok()) << views.status();
+    if (!in_time) ADD_FAILURE() << CallTimes((*s)->id(), 1) << Plans();
     for (client::Result& v : *views) ASSERT_TRUE(v.Release().ok());
     ASSERT_TRUE((*s)->Close().ok());
     if (!in_time) return;
