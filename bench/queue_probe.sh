@@ -6,14 +6,15 @@
 # processes at once (clients of one MPS server share its queues). Writes every run's JSON into
 # one file and prints a line per run.
 #
-#   bench/queue_probe.sh PROBE OUT.json   (PROBE: the ulysses-queue-probe to run)
+#   bench/queue_probe.sh PROBE OUT.json [COMMIT]   (PROBE: the ulysses-queue-probe to run;
+#                                                  COMMIT: the build's, for the JSON)
 set -euo pipefail
 
-if [ $# -ne 2 ]; then
-  echo "usage: queue_probe.sh PROBE OUT.json (PROBE: the ulysses-queue-probe to run)" >&2
+if [ $# -lt 2 ] || [ $# -gt 3 ]; then
+  echo "usage: queue_probe.sh PROBE OUT.json [COMMIT] (PROBE: the ulysses-queue-probe to run)" >&2
   exit 2
 fi
-probe="$1" out="$2"
+probe="$1" out="$2" commit="${3:-unknown}"
 if [ ! -x "$probe" ]; then
   echo "queue_probe.sh: PROBE: $probe is not an executable" >&2
   exit 2
@@ -35,11 +36,16 @@ for k in 1 2 3 4; do
   sleep 0.5
 done
 for p in "${pids[@]}"; do wait "$p"; done
-python3 - "$out" "$tmp" <<'PY'
-import glob, json, os, sys
-out, tmp = sys.argv[1], sys.argv[2]
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || true)
+mps=false
+[ -S "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ] && mps=true
+python3 - "$out" "$tmp" "$gpu" "$commit" "$mps" <<'PY'
+import datetime, glob, json, os, sys
+out, tmp, gpu, commit, mps = sys.argv[1:6]
 runs = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(tmp, "*.json")))]
-json.dump({"bench": "queue_probe_set", "rows": runs}, open(out, "w"), indent=1)
+json.dump({"bench": "queue_probe_set", "gpu": gpu, "commit": commit,
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "mps": mps == "true", "rows": runs}, open(out, "w"), indent=1)
 for r in runs:
     print(f'{r["label"]:14s} queues seen {r["queues_seen"]:2d} of {r["streams"]} streams: {r["classes"]}')
 blind = [r for r in runs if r["label"] == "two-queues" and r["queues_seen"] == r["streams"]]

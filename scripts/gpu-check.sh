@@ -175,7 +175,7 @@ if want handoff; then
 fi
 if want queues; then
   stage queues bash "$root/bench/queue_probe.sh" "$(program ulysses-queue-probe)" \
-    "$out/queue-probe.json"
+    "$out/queue-probe.json" "$commit"
 fi
 echo "gpu-check: $([ $failed -eq 0 ] && echo "every stage passed" || echo "a stage FAILED"); logs in $out"
 exit $failed
