@@ -15,7 +15,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -26,6 +29,8 @@
 #include <vector>
 
 #include "qkv_test_util.h"
+#include "ulysses/ipc/cuda_memory.h"
+#include "ulysses/ipc/queue_probe.h"
 #include "ulysses/kernels/exchange_cuda.h"
 #include "ulysses/kernels/fused_qkv.h"
 #include "ulysses/kernels/qkv_norm_rope.h"
@@ -507,8 +512,9 @@ TEST_P(GpuFusedQkvTest, APlanHoldsTheDeviceBytesReservedForIt) {
   EXPECT_GE(plan->device_bytes(), projection);
   EXPECT_LE(plan->device_bytes(), FusedQkvPlan::DeviceBytesFor(c));
   // The epilogue path's chunk counters are made only where that path can run.
-  if (plan->EpilogueUnavailable().empty())
+  if (plan->EpilogueUnavailable().empty()) {
     EXPECT_EQ(plan->device_bytes(), FusedQkvPlan::DeviceBytesFor(c));
+  }
 }
 
 TEST_P(GpuFusedQkvTest, LaunchersRejectBadArgumentsAndEnqueueNothing) {
@@ -612,6 +618,148 @@ INSTANTIATE_TEST_SUITE_P(LargeRows, GpuFusedQkvLargeRowsTest,
                          ::testing::Values(LargeParam{2, 32768}, LargeParam{4, 32768},
                                            LargeParam{2, 65536}),
                          LargeParamName);
+
+// What a stream waiting at a stream memory operation holds back: nothing on another hardware
+// queue. The daemon relies on it: one session's call waits on the GPU for its peer while other
+// sessions' calls run (docs/architecture.md, section 8). A stream waits on a word of mapped
+// host memory; on streams the queue probe finds on another queue, the plan is made and
+// prepared, then each step of a fused call runs, as the daemon runs them; every step must end
+// while the wait still holds. A watcher opens the gate after 20 s whatever happens, so a step
+// that waits for the gate fails the case (naming the step) instead of hanging it.
+class GpuFusedBesideAWaitTest : public FusedGpuBase<int64_t> {
+ protected:
+  void SetUp() override {
+    const int64_t rows = GetParam();
+    Init(QkvNormRopeShape{1, 2, kFusedGpuHeadDim, static_cast<int32_t>(rows), 1, rows}, 3000);
+  }
+  void TearDown() override {
+    for (cudaStream_t s : streams_) cudaStreamDestroy(s);
+    if (gate_ != nullptr) cudaFreeHost(gate_);
+    FusedGpuBase<int64_t>::TearDown();
+  }
+
+  std::vector<cudaStream_t> streams_;
+  uint64_t* gate_ = nullptr;
+};
+
+TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnAnotherQueue) {
+  if (IsSkipped()) return;
+  // Streams, and the queues they share.
+  for (int i = 0; i < 8; ++i) {
+    cudaStream_t s = nullptr;
+    ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    streams_.push_back(s);
+  }
+  std::vector<void*> handles(streams_.begin(), streams_.end());
+  absl::StatusOr<ipc::QueueProbeResult> probe = ipc::cuda::ProbeStreamQueues(handles);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  std::cout << "hardware queues seen by 8 streams: " << probe->classes.size() << "\n";
+  const cudaStream_t waiting = streams_[0];
+  cudaStream_t run = nullptr, side = nullptr;
+  for (size_t i = 1; i < streams_.size(); ++i) {
+    if (probe->class_of[i] == probe->class_of[0]) continue;
+    if (run == nullptr) {
+      run = streams_[i];
+    } else if (side == nullptr) {
+      side = streams_[i];
+    }
+  }
+  if (run == nullptr) GTEST_SKIP() << "every stream of this process shares one hardware queue";
+  if (side == nullptr) side = run;
+
+  // What the call writes into, made before the wait (freeing device memory can wait for the
+  // whole device, so it is freed after the gate opened).
+  DeviceBuffer slot(static_cast<size_t>(SlotElems()) * sizeof(uint16_t));
+  DeviceBuffer cancel(std::vector<uint64_t>{0});
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&gate_), sizeof(uint64_t),
+                               cudaHostAllocMapped));
+  *gate_ = 0;
+  ASSERT_TRUE(ipc::cuda::StreamWait64(waiting, gate_, 1).ok());
+
+  std::unique_ptr<FusedQkvPlan> plan;
+  void* outs[1] = {slot.as<void>()};
+  const QkvDestinations dests{outs, nullptr, kEpoch, cancel.as<uint64_t>()};
+  const int32_t* pos = positions_[0]->as<int32_t>();
+  const void* x = x_[0]->as<void>();
+  std::vector<std::pair<std::string, std::function<absl::Status()>>> steps = {
+      {"memset (the control)",
+       [&] {
+         return cudaMemsetAsync(slot.as<void>(), 0, 256, run) == cudaSuccess
+                    ? absl::OkStatus()
+                    : absl::InternalError("cudaMemsetAsync");
+       }},
+      {"FusedQkvPlan::Create",
+       [&] {
+         FusedQkvConfig c;
+         c.world = 1;
+         c.heads = shape_.heads;
+         c.max_pos = shape_.max_pos;
+         c.layout = QkvLayout::kBshd;
+         c.max_tokens = Rows();
+         c.weights = DeviceWeights();
+         c.second_stream = side;
+         absl::StatusOr<std::unique_ptr<FusedQkvPlan>> made = FusedQkvPlan::Create(c);
+         if (!made.ok()) return made.status();
+         plan = std::move(*made);
+         return absl::OkStatus();
+       }},
+      {"Prepare", [&] { return plan->Prepare(Rows()); }},
+      {"projection (cuBLASLt GEMM)", [&] { return plan->RunProjection(x, Rows(), run); }},
+      {"norm + RoPE", [&] { return plan->RunNormRope(x, pos, 1, Rows(), run); }},
+      {"per_operator call",
+       [&] { return plan->RunPerOperator(x, pos, 1, Rows(), dests, run); }},
+      {"chunked call", [&] { return plan->RunChunked(x, pos, 1, Rows(), dests, run); }},
+      {"epilogue call",
+       [&] {
+         return plan->EpilogueUnavailable().empty()
+                    ? plan->RunEpilogue(x, pos, 1, Rows(), dests, run)
+                    : absl::OkStatus();
+       }},
+      {"the plan's end", [&] {
+         plan.reset();
+         return absl::OkStatus();
+       }}};
+
+  std::atomic<bool> opened{false}, finished{false};
+  std::atomic<int> at{0};
+  std::vector<bool> in_time(steps.size(), false);
+  std::vector<absl::Status> status(steps.size());
+  std::thread worker([&] {
+    for (size_t i = 0; i < steps.size(); ++i) {
+      at = static_cast<int>(i);
+      status[i] = steps[i].second();
+      cudaError_t q;
+      while ((q = cudaStreamQuery(run)) == cudaErrorNotReady)
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      while (side != run && (q = cudaStreamQuery(side)) == cudaErrorNotReady)
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      if (q != cudaSuccess && status[i].ok())
+        status[i] = absl::InternalError(cudaGetErrorString(q));
+      in_time[i] = !opened.load();
+    }
+    finished = true;
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!finished && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const int stuck_at = at.load();
+  opened = true;
+  __atomic_store_n(gate_, uint64_t{1}, __ATOMIC_RELEASE);
+  worker.join();
+  EXPECT_EQ(cudaStreamSynchronize(waiting), cudaSuccess);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    EXPECT_TRUE(status[i].ok()) << steps[i].first << ": " << status[i];
+    EXPECT_TRUE(in_time[i]) << steps[i].first << " waited for the other stream's wait"
+                            << (static_cast<int>(i) == stuck_at ? " (the step the watcher found)"
+                                                                : "");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Rows, GpuFusedBesideAWaitTest, ::testing::Values(16, 2048),
+                         [](const ::testing::TestParamInfo<int64_t>& info) {
+                           return "rows" + std::to_string(info.param);
+                         });
 
 std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
   const auto [hidden, world, batch, seq_local] = info.param;
