@@ -206,7 +206,8 @@ class Backend {
   virtual absl::Status DeviceHealth() const { return absl::OkStatus(); }
   virtual DeviceIdentity identity() const { return {}; }
   /// GPU backends: the device's streams by hardware queue (the probe's lanes, those in use,
-  /// the distinct streams handed out since start, those made past the lanes).
+  /// the distinct streams handed out since start, those handed out on a shared queue, the
+  /// sessions refused).
   virtual QueueLaneCounts Queues() const { return {}; }
 };
 
