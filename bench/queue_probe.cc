@@ -13,11 +13,22 @@
 // second stream is. It prints the pairs and the classes (streams that share a queue,
 // transitively) as JSON. --hold-ms keeps the context alive afterwards, so that several copies
 // run at once show what concurrent clients of one MPS server get.
+//
+// --across asks whether two processes share queues (clients of one MPS server, a daemon and
+// its clients): a second process holds each of its --streams streams at a wait, so that every
+// queue it has is blocked; then each of this process's streams writes a word, and a write that
+// does not land within --settle-ms (nor a second settle time) sits behind the other process's
+// wait. Then the other process opens its gate and every write must land.
 #include <cuda_runtime.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -37,6 +48,122 @@ namespace cu = ulysses::ipc::cuda;
 using ulysses::bench::Check;
 using ulysses::bench::Die;
 
+// Mapped pinned words, one per stream, written by the streams and read by the host.
+uint64_t* MappedWords(int n) {
+  void* p = nullptr;
+  Check(cudaHostAlloc(&p, sizeof(uint64_t) * n, cudaHostAllocMapped), "cudaHostAlloc");
+  auto* w = static_cast<uint64_t*>(p);
+  for (int i = 0; i < n; ++i) w[i] = 0;
+  return w;
+}
+
+std::vector<cudaStream_t> MakeStreams(int n) {
+  std::vector<cudaStream_t> s(n);
+  for (cudaStream_t& x : s) Check(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking), "cudaStreamCreate");
+  return s;
+}
+
+// One byte from `fd`, or 0 when none comes within `ms`.
+char ReadByte(int fd, int ms) {
+  pollfd p{fd, POLLIN, 0};
+  char c = 0;
+  if (::poll(&p, 1, ms) != 1 || ::read(fd, &c, 1) != 1) return 0;
+  return c;
+}
+
+void WriteByte(int fd, char c) {
+  if (::write(fd, &c, 1) != 1) Die("pipe to the other process: write failed");
+}
+
+bool Landed(const uint64_t* w, int i, std::chrono::milliseconds within) {
+  const auto end = std::chrono::steady_clock::now() + within;
+  while (__atomic_load_n(&w[i], __ATOMIC_ACQUIRE) < 1) {
+    if (std::chrono::steady_clock::now() >= end) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  return true;
+}
+
+// The other process: holds each of its `streams` streams at a wait on one gate, says 'H',
+// opens the gate on 'O', says 'D' once every stream went on. Never returns.
+[[noreturn]] void HoldInChild(int streams, int device, int to_parent, int from_parent) {
+  if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) _exit(2);
+  if (cu::DeviceCount() == 0) {
+    WriteByte(to_parent, 'N');
+    _exit(0);
+  }
+  Check(cudaSetDevice(device), "cudaSetDevice (holder)");
+  std::vector<cudaStream_t> s = MakeStreams(streams);
+  uint64_t* gate = MappedWords(1);
+  for (cudaStream_t x : s) Check(cu::StreamWait64(x, gate, 1));
+  WriteByte(to_parent, 'H');
+  (void)ReadByte(from_parent, 60000);  // 'O', or the parent gone: open either way
+  __atomic_store_n(gate, uint64_t{1}, __ATOMIC_RELEASE);
+  for (cudaStream_t x : s) Check(cudaStreamSynchronize(x), "cudaStreamSynchronize (holder)");
+  WriteByte(to_parent, 'D');
+  _exit(0);
+}
+
+int Across(int streams, int settle_ms, int device, const std::string& label,
+           const std::string& json_path) {
+  int up[2], down[2];
+  if (::pipe(up) != 0 || ::pipe(down) != 0) Die("pipe failed");
+  // Before this process touches CUDA: a child of a CUDA process must not use CUDA.
+  const pid_t child = ::fork();
+  if (child < 0) Die("fork failed");
+  if (child == 0) HoldInChild(streams, device, up[1], down[0]);
+  const char first = ReadByte(up[0], 60000);
+  if (first == 'N') {
+    ::waitpid(child, nullptr, 0);
+    std::printf("no CUDA device; nothing to measure\n");
+    return 0;
+  }
+  if (first != 'H') Die("the holding process did not hold its streams");
+  Check(cudaSetDevice(device), "cudaSetDevice");
+  std::vector<cudaStream_t> s = MakeStreams(streams);
+  uint64_t* words = MappedWords(streams);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < streams; ++i) Check(cu::StreamWrite64(s[i], &words[i], 1));
+  // A stream's first operation may start slowly: a write counts as held only if it is still
+  // out after two settle times (the other process's gate is shut all along).
+  const auto settle = std::chrono::milliseconds(settle_ms);
+  std::vector<int> late;
+  for (int i = 0; i < streams; ++i)
+    if (!Landed(words, i, std::max(std::chrono::milliseconds(0),
+                                   std::chrono::duration_cast<std::chrono::milliseconds>(
+                                       t0 + settle - std::chrono::steady_clock::now()))))
+      late.push_back(i);
+  if (!late.empty()) std::this_thread::sleep_for(settle);
+  std::vector<int> held;
+  for (int i : late)
+    if (!Landed(words, i, std::chrono::milliseconds(0))) held.push_back(i);
+  WriteByte(down[1], 'O');
+  const bool other_went_on = ReadByte(up[0], 20000) == 'D';
+  bool all_landed = true;
+  for (int i = 0; i < streams; ++i) all_landed = Landed(words, i, std::chrono::seconds(10)) && all_landed;
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  nlohmann::json j = {{"bench", "queue_probe"},
+                      {"mode", "across"},
+                      {"label", label},
+                      {"streams", streams},
+                      {"settle_ms", settle_ms},
+                      {"held_by_the_other_process", held},
+                      {"slow_writes", late.size() - held.size()},
+                      {"every_write_landed_once_opened", all_landed},
+                      {"the_other_process_went_on", other_went_on}};
+  const std::string out = j.dump();
+  std::printf("%s\n", out.c_str());
+  if (!json_path.empty()) {
+    FILE* f = std::fopen(json_path.c_str(), "w");
+    if (f == nullptr) Die("cannot write " + json_path);
+    std::fprintf(f, "%s\n", out.c_str());
+    std::fclose(f);
+  }
+  for (cudaStream_t x : s) cudaStreamDestroy(x);
+  return all_landed && other_went_on ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -45,7 +172,10 @@ int main(int argc, char** argv) {
   int streams = 12, settle_ms = 20, hold_ms = 0, device = 0;
   std::vector<int> greatest;
   std::string json_path, label;
+  bool across = false;
   app.add_option("--streams", streams, "streams to make and probe")->check(CLI::Range(2, 64));
+  app.add_flag("--across", across,
+               "whether another process's waiting streams hold back this process's streams");
   app.add_option("--settle-ms", settle_ms,
                  "how long a word write on a free queue may take before it counts as held")
       ->check(CLI::Range(1, 10000));
@@ -60,6 +190,8 @@ int main(int argc, char** argv) {
   for (int g : greatest)
     if (g >= streams) Die("--greatest: " + std::to_string(g) + " is not below --streams");
 
+  // Before anything here touches CUDA (DeviceCount does): its child must not inherit CUDA.
+  if (across) return Across(streams, settle_ms, device, label, json_path);
   if (cu::DeviceCount() == 0) {
     std::printf("no CUDA device; nothing to measure\n");
     return 0;

@@ -3,8 +3,9 @@
 # (12 streams) alone with CUDA's default queue count, with 2 queues (the control: 12 streams on
 # 2 queues must share, or the probe is blind), with stream 3 at the greatest priority (as the
 # fused plan's second stream is, made after the rescue and two session streams), and as 4
-# processes at once (clients of one MPS server share its queues). Writes every run's JSON into
-# one file and prints a line per run.
+# processes at once (clients of one MPS server share its queues), and across two processes
+# (ulysses-queue-probe --across). Writes every run's JSON into one file and prints a line per
+# run.
 #
 #   bench/queue_probe.sh PROBE OUT.json [COMMIT]   (PROBE: the ulysses-queue-probe to run;
 #                                                  COMMIT: the build's, for the JSON)
@@ -36,6 +37,9 @@ for k in 1 2 3 4; do
   sleep 0.5
 done
 for p in "${pids[@]}"; do wait "$p"; done
+# Whether another process's waiting streams hold back this one's (queues shared across
+# processes, as clients of one MPS server might).
+"$probe" --streams 12 --across --label across --json "$tmp/x.json" > /dev/null
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || true)
 mps=false
 [ -S "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ] && mps=true
@@ -47,6 +51,11 @@ json.dump({"bench": "queue_probe_set", "gpu": gpu, "commit": commit,
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "mps": mps == "true", "rows": runs}, open(out, "w"), indent=1)
 for r in runs:
+    if r.get("mode") == "across":
+        held = r["held_by_the_other_process"]
+        print(f'{r["label"]:14s} {len(held)} of {r["streams"]} streams held back by another '
+              f'process\'s waits: {held}')
+        continue
     print(f'{r["label"]:14s} queues seen {r["queues_seen"]:2d} of {r["streams"]} streams: {r["classes"]}')
 blind = [r for r in runs if r["label"] == "two-queues" and r["queues_seen"] == r["streams"]]
 if blind:

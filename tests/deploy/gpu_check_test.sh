@@ -32,8 +32,13 @@ STUB
 # The queue probe as queue_probe.sh calls it: a JSON file per run.
 cat > "$dir/bin/ulysses-queue-probe" <<'STUB'
 #!/usr/bin/env bash
-while [ $# -gt 0 ]; do case "$1" in --json) j="$2"; shift 2 ;; --label) l="$2"; shift 2 ;; *) shift ;; esac; done
-echo "{\"label\": \"$l\", \"streams\": 12, \"queues_seen\": 2, \"classes\": [[0]]}" | tee "$j"
+across=0
+while [ $# -gt 0 ]; do case "$1" in --json) j="$2"; shift 2 ;; --label) l="$2"; shift 2 ;; --across) across=1; shift ;; *) shift ;; esac; done
+if [ $across = 1 ]; then
+  echo "{\"mode\": \"across\", \"label\": \"$l\", \"streams\": 12, \"held_by_the_other_process\": [3]}" | tee "$j"
+else
+  echo "{\"label\": \"$l\", \"streams\": 12, \"queues_seen\": 2, \"classes\": [[0]]}" | tee "$j"
+fi
 STUB
 cat > "$dir/path/nvidia-smi" <<'STUB'
 #!/usr/bin/env bash
@@ -63,8 +68,10 @@ grep -q -- "--no-grpc --queue-probe-streams 0 --commit c0ffee" "$dir/out/overhea
   || fail "the ring overhead arguments without the queue probe"
 python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['cases']) == 18" \
   "$dir/out/handoff-queues.json" || fail "the hand-off set's JSON"
-python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['rows']) == 7" \
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert len(d['rows']) == 8; assert d['commit'] == 'c0ffee'" \
   "$dir/out/queue-probe.json" || fail "the queue probe set's JSON"
+grep -q "across .*1 of 12 streams held back by another process's waits: \[3\]" "$dir/out/queues.log" \
+  || fail "the queue probe set's line for the run across two processes"
 
 # A failing stage: non-zero exit, FAILED in the summary, later stages still run.
 if DEMO_FAILS=1 run --stages demo,overhead "$dir/out2" > "$dir/stdout2"; then
