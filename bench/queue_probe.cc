@@ -2,8 +2,8 @@
 // "which streams share a hardware queue").
 //
 // A CUDA context maps its streams onto a few hardware queues (CUDA_DEVICE_MAX_CONNECTIONS asks
-// for how many; under MPS the clients of one server share a pool of them, and the driver may
-// give a client fewer than it asks). Work behind a stream's blocked wait holds back every
+// for how many; under MPS a client was measured with 2 whatever it asked, and whether the
+// clients of one server share queues is what --across asks). Work behind a stream's blocked wait holds back every
 // other stream on that queue, which is how one session of the daemon could stall another.
 // This program makes --streams streams and runs the probe the daemon runs at start
 // (ulysses/ipc/queue_probe.h) with every stream held in turn, so that every pair is seen: a
