@@ -3,8 +3,9 @@
 //
 // A CUDA context maps its streams onto a few hardware queues (CUDA_DEVICE_MAX_CONNECTIONS asks
 // for how many; under MPS a client was measured with 2 whatever it asked, and whether the
-// clients of one server share queues is what --across asks). Work behind a stream's blocked wait holds back every
-// other stream on that queue, which is how one session of the daemon could stall another.
+// clients of one server share queues is what --across asks). Work behind a stream's blocked
+// wait holds back every other stream on that queue, which is how one session of the daemon
+// could stall another.
 // This program makes --streams streams and runs the probe the daemon runs at start
 // (ulysses/ipc/queue_probe.h) with every stream held in turn, so that every pair is seen: a
 // write that does not land within --settle-ms sits behind the held stream's wait. (An event
@@ -48,6 +49,18 @@ namespace cu = ulysses::ipc::cuda;
 using ulysses::bench::Check;
 using ulysses::bench::Die;
 
+// Prints the run's JSON on stdout, and into `path` when one is given.
+void Emit(const nlohmann::json& j, const std::string& path) {
+  const std::string out = j.dump();
+  std::printf("%s\n", out.c_str());
+  std::fflush(stdout);
+  if (path.empty()) return;
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) Die("cannot write " + path);
+  std::fprintf(f, "%s\n", out.c_str());
+  std::fclose(f);
+}
+
 // Mapped pinned words, one per stream, written by the streams and read by the host.
 uint64_t* MappedWords(int n) {
   void* p = nullptr;
@@ -59,7 +72,8 @@ uint64_t* MappedWords(int n) {
 
 std::vector<cudaStream_t> MakeStreams(int n) {
   std::vector<cudaStream_t> s(n);
-  for (cudaStream_t& x : s) Check(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking), "cudaStreamCreate");
+  for (cudaStream_t& x : s)
+    Check(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking), "cudaStreamCreate");
   return s;
 }
 
@@ -75,7 +89,7 @@ void WriteByte(int fd, char c) {
   if (::write(fd, &c, 1) != 1) Die("pipe to the other process: write failed");
 }
 
-bool Landed(const uint64_t* w, int i, std::chrono::milliseconds within) {
+bool Landed(const uint64_t* w, int i, std::chrono::steady_clock::duration within) {
   const auto end = std::chrono::steady_clock::now() + within;
   while (__atomic_load_n(&w[i], __ATOMIC_ACQUIRE) < 1) {
     if (std::chrono::steady_clock::now() >= end) return false;
@@ -86,8 +100,10 @@ bool Landed(const uint64_t* w, int i, std::chrono::milliseconds within) {
 
 // The other process: holds each of its `streams` streams at a wait on one gate, says 'H',
 // opens the gate on 'O', says 'D' once every stream went on. Never returns.
-[[noreturn]] void HoldInChild(int streams, int device, int to_parent, int from_parent) {
-  if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) _exit(2);
+[[noreturn]] void HoldInChild(int streams, int device, int to_parent, int from_parent,
+                              pid_t parent) {
+  // Gone with the parent, also one that died before this line.
+  if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) _exit(2);
   if (cu::DeviceCount() == 0) {
     WriteByte(to_parent, 'N');
     _exit(0);
@@ -109,9 +125,17 @@ int Across(int streams, int settle_ms, int device, const std::string& label,
   int up[2], down[2];
   if (::pipe(up) != 0 || ::pipe(down) != 0) Die("pipe failed");
   // Before this process touches CUDA: a child of a CUDA process must not use CUDA.
+  const pid_t parent = ::getpid();
   const pid_t child = ::fork();
   if (child < 0) Die("fork failed");
-  if (child == 0) HoldInChild(streams, device, up[1], down[0]);
+  if (child == 0) {
+    ::close(up[0]);
+    ::close(down[1]);
+    HoldInChild(streams, device, up[1], down[0], parent);
+  }
+  // Only the child's ends stay open there: a child that dies gives end-of-file at once.
+  ::close(up[1]);
+  ::close(down[0]);
   const char first = ReadByte(up[0], 60000);
   if (first == 'N') {
     ::waitpid(child, nullptr, 0);
@@ -129,9 +153,8 @@ int Across(int streams, int settle_ms, int device, const std::string& label,
   const auto settle = std::chrono::milliseconds(settle_ms);
   std::vector<int> late;
   for (int i = 0; i < streams; ++i)
-    if (!Landed(words, i, std::max(std::chrono::milliseconds(0),
-                                   std::chrono::duration_cast<std::chrono::milliseconds>(
-                                       t0 + settle - std::chrono::steady_clock::now()))))
+    if (!Landed(words, i, std::max(std::chrono::steady_clock::duration::zero(),
+                                   t0 + settle - std::chrono::steady_clock::now())))
       late.push_back(i);
   if (!late.empty()) std::this_thread::sleep_for(settle);
   std::vector<int> held;
@@ -140,26 +163,24 @@ int Across(int streams, int settle_ms, int device, const std::string& label,
   WriteByte(down[1], 'O');
   const bool other_went_on = ReadByte(up[0], 20000) == 'D';
   bool all_landed = true;
-  for (int i = 0; i < streams; ++i) all_landed = Landed(words, i, std::chrono::seconds(10)) && all_landed;
-  int status = 0;
-  ::waitpid(child, &status, 0);
+  for (int i = 0; i < streams; ++i)
+    all_landed = Landed(words, i, std::chrono::seconds(10)) && all_landed;
+  // A child that did not go on is stuck on the GPU: it goes now, so this wait ends.
+  if (!other_went_on) ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   nlohmann::json j = {{"bench", "queue_probe"},
                       {"mode", "across"},
                       {"label", label},
+                      {"pid", static_cast<int>(parent)},
+                      {"max_connections_env", conn ? conn : ""},
                       {"streams", streams},
                       {"settle_ms", settle_ms},
                       {"held_by_the_other_process", held},
                       {"slow_writes", late.size() - held.size()},
                       {"every_write_landed_once_opened", all_landed},
                       {"the_other_process_went_on", other_went_on}};
-  const std::string out = j.dump();
-  std::printf("%s\n", out.c_str());
-  if (!json_path.empty()) {
-    FILE* f = std::fopen(json_path.c_str(), "w");
-    if (f == nullptr) Die("cannot write " + json_path);
-    std::fprintf(f, "%s\n", out.c_str());
-    std::fclose(f);
-  }
+  Emit(j, json_path);
   for (cudaStream_t x : s) cudaStreamDestroy(x);
   return all_landed && other_went_on ? 0 : 1;
 }
@@ -229,15 +250,7 @@ int main(int argc, char** argv) {
                       {"shared_with_later", shared},
                       {"slow_writes", probe->slow_writes},
                       {"probe_ms", probe_ms}};
-  const std::string out = j.dump();
-  std::printf("%s\n", out.c_str());
-  std::fflush(stdout);
-  if (!json_path.empty()) {
-    FILE* f = std::fopen(json_path.c_str(), "w");
-    if (f == nullptr) Die("cannot write " + json_path);
-    std::fprintf(f, "%s\n", out.c_str());
-    std::fclose(f);
-  }
+  Emit(j, json_path);
   if (hold_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(hold_ms));
   for (int i = 0; i < streams; ++i) cudaStreamDestroy(s[i]);
   return 0;

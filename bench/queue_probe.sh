@@ -39,7 +39,8 @@ done
 for p in "${pids[@]}"; do wait "$p"; done
 # Whether another process's waiting streams hold back this one's (queues shared across
 # processes, as clients of one MPS server might).
-"$probe" --streams 12 --across --label across --json "$tmp/x.json" > /dev/null
+# A failed run (a write never landed) still wrote its JSON: keep the other runs' rows.
+"$probe" --streams 12 --across --label across --json "$tmp/x.json" > /dev/null || across_rc=$?
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || true)
 mps=false
 [ -S "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ] && mps=true
@@ -62,3 +63,7 @@ if blind:
     print("queue_probe.sh: with 2 queues every stream came out on its own: the probe is blind here")
 print(f"wrote {out} ({len(runs)} runs)")
 PY
+if [ "${across_rc:-0}" -ne 0 ]; then
+  echo "queue_probe.sh: the run across two processes failed (exit status $across_rc)" >&2
+  exit "$across_rc"
+fi

@@ -102,7 +102,8 @@ class DeviceStreams {
       if (!probed.ok())
         Logger("main")->warn(
             "device {}: hardware queue probe failed ({}); session streams are made as sessions "
-            "come and may share a queue with another session's",
+            "come and may share a queue with another session's, and the rescue stream was "
+            "replaced by one not probed",
             device, std::string(probed.message()));
     }
     if (!d->lanes_) d->lanes_ = std::make_unique<QueueLanes>(make);
@@ -191,7 +192,8 @@ class DeviceStreams {
     absl::StatusOr<ipc::QueueProbeResult> result = ipc::cuda::ProbeStreamQueues(streams);
     if (!result.ok()) {
       // The probe ran on the rescue stream too, which may now be the stream that never goes
-      // on: a new one serves the cancels.
+      // on: a new one serves the cancels (not probed: it may land on that same queue, which
+      // the warning below leaves to the operator).
       absl::StatusOr<cudaStream_t> fresh = MakeStream(false);
       if (fresh.ok()) {
         cudaStreamDestroy(rescue_);

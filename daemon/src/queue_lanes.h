@@ -79,8 +79,9 @@ class QueueLanes {
   QueueLaneCounts counts() const;
   /// Whether the lanes come from a probe (fixed when made).
   bool probed() const { return probed_; }
-  /// Where `stream` runs, for a session's description: "hardware queue 2 of the 7 for sessions, its own",
-  /// "hardware queue 2 of the 7 for sessions, shared with 1 more stream", or that it was made unprobed.
+  /// Where `stream` runs, for a session's description: "hardware queue 2 of the 7 for
+  /// sessions, its own", "hardware queue 2 of the 7 for sessions, shared with 1 more stream",
+  /// or that it was made unprobed.
   std::string Where(void* stream) const;
   /// One line for the log: the queues found and how they serve.
   std::string Describe() const;

@@ -11,7 +11,7 @@ namespace {
 
 // Whether stream j's word reaches `mark` within `within`.
 bool LandsWithin(const QueueProbeTarget& target, int j, uint64_t mark,
-                 std::chrono::milliseconds within) {
+                 std::chrono::steady_clock::duration within) {
   const auto deadline = std::chrono::steady_clock::now() + within;
   for (;;) {
     if (target.Word(j) >= mark) return true;
@@ -92,8 +92,7 @@ absl::StatusOr<QueueProbeResult> ProbeQueues(QueueProbeTarget& target,
     for (int j : written) {
       const auto left = std::max(std::chrono::steady_clock::duration::zero(),
                                  settled - std::chrono::steady_clock::now());
-      if (!LandsWithin(target, j, want[j],
-                       std::chrono::duration_cast<std::chrono::milliseconds>(left)))
+      if (!LandsWithin(target, j, want[j], left))
         late.push_back(j);
     }
     // A held write cannot land while the gate is shut; one that lands within a second settle

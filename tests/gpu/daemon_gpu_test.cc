@@ -671,7 +671,9 @@ class GpuTwoRankScatter : public GpuCluster {
       return StrCat("the call's record: ", c.status(), ", host work until +",
                     c.enqueued_unix_us() == 0 ? "(not stream-ordered)"
                                               : StrCat(ms(c.enqueued_unix_us()), " ms"),
-                    ", done at +", ms(c.done_unix_us()), " ms; ", c.message());
+                    c.done_unix_us() == 0 ? ", not done"
+                                          : StrCat(", done at +", ms(c.done_unix_us()), " ms"),
+                    "; ", c.message());
     }
     return "no record of the call";
   }
@@ -794,8 +796,8 @@ TEST_P(GpuFusedPasserBy, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlocke
                          << ") waited for another session's blocked call";
     if (!in_time) FinishWithRank1(early);  // lets rank 0's call go, then the fused call's
     call.join();
-    ASSERT_TRUE(views.ok()) << views.status();
     if (!in_time) ADD_FAILURE() << CallTimes((*s)->id(), 1) << Plans();
+    ASSERT_TRUE(views.ok()) << views.status();
     for (client::Result& v : *views) ASSERT_TRUE(v.Release().ok());
     ASSERT_TRUE((*s)->Close().ok());
     if (!in_time) return;

@@ -138,12 +138,15 @@ TEST(QueueProbeTest, ASlowWriteDoesNotJoinItsStreamToTheHeldOne) {
   // Streams 2 and 3 share a queue. In round 0 (stream 0 held), stream 3's write is slow: it
   // misses the settle time but lands before the gate opens. Were it taken as held, stream 3
   // would join stream 0's class and never be held again, and stream 2 would stay apart from it.
+  // The slow write lands 60 ms after it is enqueued: 20 ms past the 40 ms settle time, and
+  // 20 ms before the second look (margins for a loaded machine).
   ModelQueues model({0, 1, 2, 2});
   model.slow_write_ = 3;
   model.slow_mark_ = 4;  // the warm-up writes are mark 1; round 0 writes 2, 3, 4 to streams 1-3
-  model.slow_by_ = std::chrono::milliseconds(3);
+  model.slow_by_ = std::chrono::milliseconds(60);
   QueueProbeOptions o = Fast();
-  o.settle = std::chrono::milliseconds(2);
+  o.settle = std::chrono::milliseconds(40);
+  o.give_up = std::chrono::milliseconds(500);
   auto r = ProbeQueues(model, o);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_THAT(r->classes, ElementsAre(ElementsAre(0), ElementsAre(1), ElementsAre(2, 3)));

@@ -53,7 +53,8 @@ class QueueProbeTarget {
 };
 
 struct QueueProbeOptions {
-  /// How long a write on a free queue may take to land before it counts as held.
+  /// How long a write on a free queue may take to land before it is looked at again; one
+  /// still out a second settle time later counts as held (a round that finds one takes two).
   std::chrono::milliseconds settle{20};
   /// How long a stream's first write, and a held write once the gate opened, may take before
   /// the probe fails: such a stream does not run at all.
@@ -70,7 +71,8 @@ struct QueueProbeResult {
   /// Per stream i that was held: the later streams whose writes it held back.
   std::vector<std::vector<int>> held_back;
   int rounds = 0;  ///< streams held
-  /// Writes that missed the settle time but landed before the gate opened: slow, not held.
+  /// Writes that missed the settle time but had landed a second settle time later (the gate
+  /// still shut): slow, not held.
   int slow_writes = 0;
   double probe_ms = 0;
 };
