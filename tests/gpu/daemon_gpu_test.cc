@@ -472,11 +472,12 @@ TEST_F(GpuCluster, SessionsOpenAtOnceGetHardwareQueuesOfTheirOwn) {
   Start(1);
   Alone alone;
   ASSERT_NO_FATAL_FAILURE(JoinAlone("queues", &alone));
-  const int queues = State(0).hardware_queues();
+  const v1::DaemonState state = State(0);
+  const int queues = state.hardware_queues();
   // What this device and MPS mode give a daemon, for the run's log (docs/benchmarks.md).
   RecordProperty("hardware_queues", queues);
   std::printf("daemon 0 found %d hardware queues for sessions (MPS mode %s)\n", queues,
-              State(0).mps_mode().c_str());
+              state.mps_mode().c_str());
   ASSERT_GE(queues, 2) << "the probe found too few queues to give two sessions one each";
   const client::SessionSpec spec{4, 32, DType::kFloat32, 8, 2, {}, 0};
   std::vector<std::unique_ptr<client::Session>> open;

@@ -169,8 +169,10 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
   }
 
   std::unique_ptr<FusedQkvPlan> MakePlan(int rank, QkvLayout layout, int64_t chunk_rows,
-                                         bool keep_projection = false) const {
+                                         bool keep_projection = false,
+                                         void* second_stream = nullptr) const {
     FusedQkvConfig c;
+    c.second_stream = second_stream;
     c.world = shape_.world;
     c.rank = rank;
     c.heads = shape_.heads;
@@ -700,18 +702,9 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
        }},
       {"FusedQkvPlan::Create",
        [&] {
-         FusedQkvConfig c;
-         c.world = 1;
-         c.heads = shape_.heads;
-         c.max_pos = shape_.max_pos;
-         c.layout = QkvLayout::kBshd;
-         c.max_tokens = Rows();
-         c.weights = DeviceWeights();
-         c.second_stream = side;
-         absl::StatusOr<std::unique_ptr<FusedQkvPlan>> made = FusedQkvPlan::Create(c);
-         if (!made.ok()) return made.status();
-         plan = std::move(*made);
-         return absl::OkStatus();
+         plan = MakePlan(0, QkvLayout::kBshd, 0, false, side);
+         return plan != nullptr ? absl::OkStatus()
+                                : absl::InternalError("no plan (the failure is above)");
        }},
       {"Prepare", [&] { return plan->Prepare(Rows()); }},
       {"projection (cuBLASLt GEMM)", [&] { return plan->RunProjection(x, Rows(), run); }},

@@ -2,8 +2,8 @@
 //
 // A context maps its streams onto a few hardware queues (CUDA_DEVICE_MAX_CONNECTIONS asks for
 // how many; under MPS a client was measured with 2 whatever it asked, and whether clients of
-// one server share queues is what `ulysses-queue-probe --across` asks). A wait enqueued on a stream blocks its whole queue: every other stream on that
-// queue stops behind it. The probe finds the classes of streams that share a queue: it holds
+// one server share queues is what `ulysses-queue-probe --across` asks). A wait enqueued on a
+// stream blocks its whole queue: every other stream on that queue stops behind it. The probe finds the classes of streams that share a queue: it holds
 // one stream at a wait on a gate word and has every later stream write a word of its own; a
 // write that does not land within the settle time, nor within a second one (a held write
 // cannot land while the gate is shut; a slow one can), sits behind the held wait. The gate then
