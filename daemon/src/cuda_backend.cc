@@ -225,9 +225,11 @@ class CudaTransport final : public Transport {
  public:
   static absl::StatusOr<std::unique_ptr<Transport>> Create(int device, FdExports* exports,
                                                            std::shared_ptr<DeviceStreams> streams,
+                                                           absl::Duration drain_limit,
                                                            const TransportSetup& setup) {
     ULY_RETURN_IF_ERROR(UseDevice(device));
     std::unique_ptr<CudaTransport> t(new CudaTransport(device, exports, std::move(streams), setup));
+    t->drain_limit_ = drain_limit;
     t->stride_ = AlignUp(setup.slot_bytes, kSlotAlign);
     // The client's done words first (ResultWords), then the slots: one allocation, lent to
     // the peers (they store into the slots) and mapped by the client. The words only daemons
@@ -307,14 +309,16 @@ class CudaTransport final : public Transport {
   // words) re-arm a wait, until the stream is idle, then once more on the idle stream itself,
   // since its last done write may have landed after the last cancel. The mappings may go only
   // once that cancel, and this session's work on the rescue stream (cancels, DescribeStuck's
-  // copies), have run: both are waited for, within the same 30 s; past it, give up (false).
+  // copies), have run: both are waited for, within the same drain limit; past it, give up
+  // (false).
   bool Drain() override {
     for (ExportTicket* t : {&ticket_, &words_ticket_})
       if (t->id != 0) exports_->Withdraw(std::exchange(t->id, 0));
     if (stream_ == nullptr) return true;
     // Its work cannot be asked about: keep everything rather than free it under that work.
     if (!UseDevice(device_).ok()) return false;
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    const auto give_up =
+        std::chrono::steady_clock::now() + absl::ToChronoMilliseconds(drain_limit_);
     auto idle_by_then = [&](auto query, std::chrono::microseconds poll) {
       while (query() == cudaErrorNotReady) {
         if (std::chrono::steady_clock::now() > give_up) return false;
@@ -338,9 +342,9 @@ class CudaTransport final : public Transport {
     }
     if (!drained)
       Logger("exec")->error(
-          "device {}: a session's device work did not end within 30 s of its cancel; its stream "
+          "device {}: a session's device work did not end within {} of its cancel; its stream "
           "and device memory ({} bytes) stay in place for the daemon's life, not reused",
-          device_, DeviceBytes());
+          device_, absl::FormatDuration(drain_limit_), DeviceBytes());
     return drained;
   }
 
@@ -643,6 +647,7 @@ class CudaTransport final : public Transport {
   FdExports* const exports_;
   const std::shared_ptr<DeviceStreams> streams_;  // stream_ comes from and goes back there
   const TransportSetup setup_;
+  absl::Duration drain_limit_;  // Drain's bound (CudaBackendOptions)
   uint64_t stride_ = 0;
   uint64_t words_bytes_ = 0;               // ResultWords, before the slots
   ipc::cuda::VmmMapping slots_;            // this rank's done words and slots
@@ -670,14 +675,18 @@ class CudaTransport final : public Transport {
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, FdExports* exports, ipc::cuda::DeviceInfo info,
-              std::shared_ptr<DeviceStreams> streams)
-      : device_(device), exports_(exports), info_(std::move(info)), streams_(std::move(streams)) {}
+              std::shared_ptr<DeviceStreams> streams, absl::Duration drain_limit)
+      : device_(device),
+        exports_(exports),
+        info_(std::move(info)),
+        streams_(std::move(streams)),
+        drain_limit_(drain_limit) {}
 
   std::string_view name() const override { return "nvlink"; }
   bool slots_in_segment() const override { return false; }
 
   absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransportSetup& setup) override {
-    return CudaTransport::Create(device_, exports_, streams_, setup);
+    return CudaTransport::Create(device_, exports_, streams_, drain_limit_, setup);
   }
   QueueLaneCounts Queues() const override { return streams_->counts(); }
   uint64_t FusedPlanBytes(const FusedSetup& setup) const override {
@@ -769,6 +778,7 @@ class CudaBackend final : public Backend {
   FdExports* const exports_;
   const ipc::cuda::DeviceInfo info_;
   const std::shared_ptr<DeviceStreams> streams_;  // the sessions' (each transport holds it too)
+  const absl::Duration drain_limit_;               // each transport's Drain bound
   std::mutex ipc_mu_;
   std::map<std::string, std::weak_ptr<ipc::cuda::IpcMapping>> ipc_open_;
 };
@@ -794,7 +804,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* 
   Logger("main")->info("device {}: {} ({}, {}), MPS {}", device, info.name, info.uuid,
                        info.pci_bus_id, info.mps ? "on" : "off");
   return std::unique_ptr<Backend>(
-      new CudaBackend(device, exports, std::move(info), std::move(streams)));
+      new CudaBackend(device, exports, std::move(info), std::move(streams), options.drain_limit));
 }
 
 }  // namespace ulysses::daemon

@@ -9,6 +9,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 #include <limits>
@@ -134,6 +135,10 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeStaged(
 
 }  // namespace
 
+absl::Duration DrainLimitFor(absl::Duration call_timeout) {
+  return std::max(absl::Seconds(30), call_timeout + absl::Seconds(5));
+}
+
 Daemon::Daemon(DaemonConfig config)
     : config_(std::move(config)),
       recorder_(std::make_unique<FlightRecorder>(static_cast<size_t>(
@@ -235,6 +240,7 @@ absl::Status Daemon::ChooseBackend() {
         options.queue_probe_streams = config_.queue_probe_streams;
         options.queue_sharing = config_.queue_sharing == "allow";
       }
+      options.drain_limit = DrainLimitFor(absl::Milliseconds(config_.call_timeout_ms));
       absl::StatusOr<std::unique_ptr<Backend>> gpu =
           MakeCudaBackend(config_.device, &peer_exports_, options);
       if (gpu.ok() && nccl)

@@ -178,8 +178,9 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
          "refuse), or every probed stream did (queues.probe_streams).",
          g.queue_refusals);
   Single(out, "ulyssesd_sessions_undrained_total", "counter",
-         "Sessions whose device work did not end within 30 s of their cancel; their device "
-         "memory and streams are kept for the daemon's life.",
+         "Sessions whose device work did not end within the drain limit of their cancel (30 s, "
+         "or the call timeout and 5 s where longer); their device memory and streams are kept "
+         "for the daemon's life.",
          g.sessions_undrained);
   Single(out, "ulyssesd_worker_stalls_total", "counter",
          "Ring-worker steps (executing or polling a client's calls) that ran longer than "

@@ -222,7 +222,15 @@ struct CudaBackendOptions {
   int queue_probe_streams = 0;
   /// Past the probed queues: make streams that may share one (true) or refuse (false).
   bool queue_sharing = true;
+  /// How long a closing session's device work may take to end after its cancel before the
+  /// session is kept, undrained, for the daemon's life (Transport::Drain). A session whose
+  /// stream shares a queue can sit behind another session's wait until that call times out,
+  /// so the daemon sets this past its call timeout (DrainLimitFor).
+  absl::Duration drain_limit = absl::Seconds(30);
 };
+/// The drain limit for a daemon whose calls time out after `call_timeout`: 30 s, or the call
+/// timeout and 5 s more where that is longer.
+absl::Duration DrainLimitFor(absl::Duration call_timeout);
 /// The GPU backend on `device` (symmetric device memory shared through VMM fds, the CUDA
 /// exchange kernels). FAILED_PRECONDITION when this build or machine has no usable GPU.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* exports,

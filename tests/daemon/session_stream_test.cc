@@ -393,5 +393,14 @@ TEST_F(SessionStreamTest, ASessionWhoseTransportCannotBeMadeIsAClearErrorAndLeav
   EXPECT_EQ(Session::UndrainedCount(), undrained);
 }
 
+// A closing session's device work may sit behind another session's wait (a shared queue)
+// until that call times out: the drain bound stays past the call timeout, and never under 30 s.
+TEST(DrainLimitTest, OutlastsTheCallTimeout) {
+  EXPECT_EQ(DrainLimitFor(absl::Seconds(10)), absl::Seconds(30));
+  EXPECT_EQ(DrainLimitFor(absl::Seconds(25)), absl::Seconds(30));
+  EXPECT_EQ(DrainLimitFor(absl::Seconds(30)), absl::Seconds(35));
+  EXPECT_EQ(DrainLimitFor(absl::Minutes(2)), absl::Seconds(125));
+}
+
 }  // namespace
 }  // namespace ulysses::daemon
