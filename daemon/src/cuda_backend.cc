@@ -132,18 +132,23 @@ class DeviceStreams {
   }
   /// Gives back a stream that has no work left.
   void Give(cudaStream_t s) { lanes_->Give(s); }
-  /// A new zero-filled VMM allocation, zeroed and waited for on a stream that no session's
-  /// wait holds back, never the legacy stream: with the probe, the rescue stream (whose queue
-  /// the probe ran work on anyway, and which a lane taken for it would keep from a session
-  /// being made at the same time); without, an idle stream of the pool (one made when none is,
-  /// which then serves the next session).
+  /// A new zero-filled VMM allocation, zeroed and waited for on a setup stream (OnSetupStream).
   absl::StatusOr<ipc::cuda::VmmMapping> ZeroedMapping(uint64_t bytes) {
-    if (lanes_->probed()) return ipc::cuda::VmmMapping::Create(device_, bytes, rescue_);
-    ULY_ASSIGN_OR_RETURN(cudaStream_t zero_on, Take());
-    absl::StatusOr<ipc::cuda::VmmMapping> made =
-        ipc::cuda::VmmMapping::Create(device_, bytes, zero_on);
-    Give(zero_on);
-    return made;
+    return OnSetupStream(
+        [&](cudaStream_t s) { return ipc::cuda::VmmMapping::Create(device_, bytes, s); });
+  }
+  /// `work(stream)`, which waits for what it enqueues, on a stream that no session's wait holds
+  /// back, never the legacy stream: with the probe, the rescue stream (whose queue the probe
+  /// ran work on anyway, and which a lane taken for it would keep from a session being made at
+  /// the same time); without, an idle stream of the pool (one made when none is, which then
+  /// serves the next session), so that no other queue runs work.
+  template <typename Work>
+  auto OnSetupStream(Work work) -> decltype(work(cudaStream_t{})) {
+    if (lanes_->probed()) return work(rescue_);
+    ULY_ASSIGN_OR_RETURN(cudaStream_t on, Take());
+    auto done = work(on);
+    Give(on);
+    return done;
   }
   cudaStream_t rescue() const { return rescue_; }
   /// The pinned words (kHostWordsBytes; null when there are none), for the holder of the lock.
@@ -797,9 +802,10 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* 
   // stream the first session will take, so no other queue runs work.
   ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping probe, streams->ZeroedMapping(1));
   ULY_ASSIGN_OR_RETURN(ipc::UniqueFd probe_fd, probe.Export());
-  // Fused sessions' GEMMs lease their cuBLASLt handle; the first is made now, not beside
-  // another session's waiting call. Without it the daemon serves the plain ops.
-  if (absl::Status warm = kernels::Bf16Gemm::WarmUp(); !warm.ok())
+  // cuBLASLt's one-time work (its first handle, algorithm query and GEMM each wait for the
+  // whole device) is done now, not beside another session's waiting call; fused sessions'
+  // GEMMs then lease the handle made here. Without it the daemon serves the plain ops.
+  if (absl::Status warm = streams->OnSetupStream(kernels::Bf16Gemm::WarmUp); !warm.ok())
     Logger("main")->warn("device {}: no cuBLASLt handle: {}", device, std::string(warm.message()));
   Logger("main")->info("device {}: {} ({}, {}), MPS {}", device, info.name, info.uuid,
                        info.pci_bus_id, info.mps ? "on" : "off");

@@ -32,7 +32,7 @@ absl::Status LaunchNormRopeScatter(const QkvNormRopeShape&, QkvLayout, const Qkv
 struct Bf16Gemm::Impl {};
 Bf16Gemm::Bf16Gemm(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Bf16Gemm::~Bf16Gemm() = default;
-absl::Status Bf16Gemm::WarmUp() { return NoCuda(); }
+absl::Status Bf16Gemm::WarmUp(cudaStream_t) { return NoCuda(); }
 absl::StatusOr<std::unique_ptr<Bf16Gemm>> Bf16Gemm::Create(int64_t, int64_t, size_t,
                                                            cudaStream_t) {
   return NoCuda();

@@ -140,9 +140,37 @@ struct Bf16Gemm::Impl {
   }
 };
 
-absl::Status Bf16Gemm::WarmUp() {
-  ULY_ASSIGN_OR_RETURN(LeasedHandle handle, LeasedHandle::Take());
-  return absl::OkStatus();  // back into the pool as `handle` goes
+absl::Status Bf16Gemm::WarmUp(cudaStream_t stream) {
+  cudaStream_t own = nullptr;
+  if (stream == nullptr) {
+    ULY_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+    stream = own;
+  }
+  // Small shapes: what is warmed is cuBLASLt's, not a shape's. The GEMM's handle goes back into
+  // the pool, and its memory is freed on `stream`, as they go (before the wait below).
+  constexpr int64_t kN = 384, kK = 128, kRows[] = {16, 2048};
+  absl::Status warmed = [&]() -> absl::Status {
+    ULY_ASSIGN_OR_RETURN(std::unique_ptr<Bf16Gemm> gemm,
+                         Create(kN, kK, kDefaultWorkspaceBytes, stream));
+    const int64_t rows = kRows[1];
+    internal::DeviceMemory x, w, out;
+    ULY_RETURN_IF_ERROR(x.Allocate(static_cast<size_t>(rows * kK) * sizeof(uint16_t), stream));
+    ULY_RETURN_IF_ERROR(w.Allocate(static_cast<size_t>(kN * kK) * sizeof(uint16_t), stream));
+    ULY_RETURN_IF_ERROR(out.Allocate(static_cast<size_t>(rows * kN) * sizeof(uint16_t), stream));
+    ULY_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(x.get(), 0, x.bytes(), stream));
+    ULY_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(w.get(), 0, w.bytes(), stream));
+    for (int64_t m : kRows) {
+      ULY_RETURN_IF_ERROR(gemm->Prepare(m));
+      ULY_RETURN_IF_ERROR(gemm->Run(x.get(), w.get(), out.get(), m, stream));
+    }
+    return absl::OkStatus();
+  }();
+  const cudaError_t synced = cudaStreamSynchronize(stream);
+  if (own != nullptr) cudaStreamDestroy(own);
+  ULY_RETURN_IF_ERROR(warmed);
+  if (synced != cudaSuccess)
+    return internal::CudaError("cudaStreamSynchronize", synced, __FILE__, __LINE__);
+  return absl::OkStatus();
 }
 
 Bf16Gemm::Bf16Gemm(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

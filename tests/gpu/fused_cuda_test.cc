@@ -30,10 +30,12 @@
 #include <vector>
 
 #include "qkv_test_util.h"
+#include "ulysses/common/status.h"
 #include "ulysses/ipc/cuda_memory.h"
 #include "ulysses/ipc/queue_probe.h"
 #include "ulysses/kernels/exchange_cuda.h"
 #include "ulysses/kernels/fused_qkv.h"
+#include "ulysses/kernels/gemm.h"
 #include "ulysses/kernels/qkv_norm_rope.h"
 #include "ulysses/kernels/qkv_norm_rope_cuda.h"
 
@@ -630,13 +632,14 @@ INSTANTIATE_TEST_SUITE_P(LargeRows, GpuFusedQkvLargeRowsTest,
 
 // What a stream waiting at a stream memory operation holds back: nothing on another hardware
 // queue. The daemon relies on it: one session's call waits on the GPU for its peer while other
-// sessions' calls run (docs/architecture.md, section 8). A stream waits on a word of mapped
-// host memory; on streams the queue probe finds on another queue (so a shared queue is ruled
-// out by construction: what is tested is whether a step waits for the host-side context or the
-// whole device), the plan is made and prepared, then each step of a fused call runs, as the
-// daemon runs them; every step must end while the wait still holds. A watcher opens the gate
-// after 20 s whatever happens, so a step that waits for the gate fails the case (naming it)
-// instead of hanging it. Modules load eagerly in this program (below), as in the daemon.
+// sessions' calls run (docs/architecture.md, section 8). cuBLASLt's one-time work is done first,
+// as the daemon does at start (Bf16Gemm::WarmUp). Then, for each step of a fused call as the
+// daemon runs them, a stream waits on a word of mapped host memory, and the step runs on
+// streams the queue probe finds on another queue (so a shared queue is ruled out by
+// construction: what is tested is whether a step waits for the whole device); the step must end
+// while the wait holds. The wait is let go after each step, and after 8 s whatever happens, so a
+// step that waits for it fails the case (naming it) and the steps after it still run. Modules
+// load eagerly in this program (below), as in the daemon.
 class GpuFusedBesideAWaitTest : public FusedGpuBase<int64_t> {
  protected:
   void SetUp() override {
@@ -655,6 +658,8 @@ class GpuFusedBesideAWaitTest : public FusedGpuBase<int64_t> {
 
 TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnAnotherQueue) {
   if (IsSkipped()) return;
+  const absl::Status warm = Bf16Gemm::WarmUp();
+  ASSERT_TRUE(warm.ok()) << warm;
   // Streams, and the queues they share.
   for (int i = 0; i < 8; ++i) {
     cudaStream_t s = nullptr;
@@ -678,21 +683,22 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
   if (run == nullptr) GTEST_SKIP() << "every stream of this process shares one hardware queue";
   if (side == nullptr) side = run;
 
-  // What the call writes into, made before the wait (freeing device memory can wait for the
-  // whole device, so it is freed after the gate opened).
+  // What the call writes into, made before any wait (freeing device memory can wait for the
+  // whole device, so it is freed after the last wait ended).
   DeviceBuffer slot(static_cast<size_t>(SlotElems()) * sizeof(uint16_t));
   DeviceBuffer cancel(std::vector<uint64_t>{0});
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
   ASSERT_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&gate_), sizeof(uint64_t),
                                cudaHostAllocMapped));
   *gate_ = 0;
-  ASSERT_TRUE(ipc::cuda::StreamWait64(waiting, gate_, 1).ok());
 
   std::unique_ptr<FusedQkvPlan> plan;
   void* outs[1] = {slot.as<void>()};
   const QkvDestinations dests{outs, nullptr, kEpoch, cancel.as<uint64_t>()};
   const int32_t* pos = positions_[0]->as<int32_t>();
   const void* x = x_[0]->as<void>();
+  // Row counts the plan has not seen: each a new cuBLASLt algorithm query, and a first GEMM.
+  const std::vector<int64_t> more = {1, Rows() / 3 + 1, Rows() - 1};
   std::vector<std::pair<std::string, std::function<absl::Status()>>> steps = {
       {"memset (the control)",
        [&] {
@@ -707,7 +713,17 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
                                 : absl::InternalError("no plan (the failure is above)");
        }},
       {"Prepare", [&] { return plan->Prepare(Rows()); }},
+      {"Prepare at row counts not seen before",
+       [&]() -> absl::Status {
+         for (int64_t r : more) ULY_RETURN_IF_ERROR(plan->Prepare(r));
+         return absl::OkStatus();
+       }},
       {"projection (cuBLASLt GEMM)", [&] { return plan->RunProjection(x, Rows(), run); }},
+      {"projection at those row counts",
+       [&]() -> absl::Status {
+         for (int64_t r : more) ULY_RETURN_IF_ERROR(plan->RunProjection(x, r, run));
+         return absl::OkStatus();
+       }},
       {"norm + RoPE", [&] { return plan->RunNormRope(x, pos, 1, Rows(), run); }},
       {"per_operator call",
        [&] { return plan->RunPerOperator(x, pos, 1, Rows(), dests, run); }},
@@ -723,42 +739,40 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
          return absl::OkStatus();
        }}};
 
-  std::atomic<bool> opened{false}, finished{false};
-  std::vector<bool> in_time(steps.size(), false);
-  std::vector<absl::Status> status(steps.size());
-  size_t ran = 0;  // steps run; the worker stops after the first that fails or ends late
-  std::thread worker([&] {
-    auto idle = [](cudaStream_t st) {
-      cudaError_t q;
-      while ((q = cudaStreamQuery(st)) == cudaErrorNotReady)
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-      return q;
-    };
-    for (size_t i = 0; i < steps.size(); ++i) {
-      ran = i + 1;
-      status[i] = steps[i].second();
+  auto idle = [](cudaStream_t st) {
+    cudaError_t q;
+    while ((q = cudaStreamQuery(st)) == cudaErrorNotReady)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    return q;
+  };
+  size_t ran = 0;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const uint64_t epoch = i + 1;
+    ASSERT_TRUE(ipc::cuda::StreamWait64(waiting, gate_, epoch).ok());
+    absl::Status status;
+    std::atomic<bool> finished{false};
+    std::thread worker([&] {
+      status = steps[i].second();
       const cudaError_t on_run = idle(run), on_side = idle(side);
-      if (status[i].ok() && (on_run != cudaSuccess || on_side != cudaSuccess))
-        status[i] = absl::InternalError(
-            cudaGetErrorString(on_run != cudaSuccess ? on_run : on_side));
-      in_time[i] = !opened.load();
-      if (!status[i].ok() || !in_time[i]) break;
-    }
-    finished = true;
-  });
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!finished && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  opened = true;
-  __atomic_store_n(gate_, uint64_t{1}, __ATOMIC_RELEASE);
-  worker.join();
-  EXPECT_EQ(cudaStreamSynchronize(waiting), cudaSuccess);
+      if (status.ok() && (on_run != cudaSuccess || on_side != cudaSuccess))
+        status = absl::InternalError(cudaGetErrorString(on_run != cudaSuccess ? on_run : on_side));
+      finished = true;
+    });
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(8);
+    while (!finished && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const bool in_time = finished.load();
+    __atomic_store_n(gate_, epoch, __ATOMIC_RELEASE);
+    worker.join();
+    ASSERT_EQ(cudaStreamSynchronize(waiting), cudaSuccess);
+    ran = i + 1;
+    std::cout << "step " << steps[i].first << ": " << (in_time ? "in time" : "WAITED") << "\n";
+    EXPECT_TRUE(in_time) << steps[i].first << " waited for the other stream's wait";
+    EXPECT_TRUE(status.ok()) << steps[i].first << ": " << status;
+    if (!status.ok()) break;  // the steps after it need it
+  }
   plan.reset();  // a step that failed left it made
   EXPECT_EQ(ran, steps.size()) << "the steps stopped at " << steps[ran - 1].first;
-  for (size_t i = 0; i < ran; ++i) {
-    EXPECT_TRUE(status[i].ok()) << steps[i].first << ": " << status[i];
-    EXPECT_TRUE(in_time[i]) << steps[i].first << " waited for the other stream's wait";
-  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Rows, GpuFusedBesideAWaitTest, ::testing::Values(16, 2048),
