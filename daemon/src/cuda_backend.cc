@@ -802,9 +802,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* 
   // stream the first session will take, so no other queue runs work.
   ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping probe, streams->ZeroedMapping(1));
   ULY_ASSIGN_OR_RETURN(ipc::UniqueFd probe_fd, probe.Export());
-  // cuBLASLt's one-time work (its first handle and first algorithm query wait for the whole
-  // device) is done now, not beside another session's waiting call; fused sessions' GEMMs
-  // then lease the handle made here. Without it the daemon serves the plain ops.
+  // cuBLASLt's one-time work (its first handle, algorithm query and GEMM each wait for the
+  // whole device) is done now, not beside another session's waiting call; fused sessions'
+  // GEMMs then lease the handle made here. Without it the daemon serves the plain ops.
   if (absl::Status warm = streams->OnSetupStream(kernels::Bf16Gemm::WarmUp); !warm.ok())
     Logger("main")->warn("device {}: no cuBLASLt handle: {}", device, std::string(warm.message()));
   Logger("main")->info("device {}: {} ({}, {}), MPS {}", device, info.name, info.uuid,

@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "cuda_check.h"
@@ -19,26 +20,65 @@
 namespace ulysses::kernels {
 namespace {
 
-// One cuBLASLt handle per device, made once and shared by every plan of the process, never
-// destroyed. cublasLtDestroy, like cublasDestroy, synchronizes the whole device, and a
-// process's first cublasLtCreate was measured to wait for every stream of the device
-// (docs/architecture.md, section 8): a plan that made or destroyed a handle could wait for
-// another session's call that waits for its peer. cuBLAS's functions may be called from
-// several host threads with the same handle; a cuBLASLt handle carries no settings (the stream
-// and the workspace come with each call), so nothing a plan does to it affects another.
-absl::StatusOr<cublasLtHandle_t> DeviceHandle() {
+// cublasLtDestroy, like cublasDestroy, synchronizes the whole device: a plan that destroyed its
+// handle on close would wait for every stream of the device, including another session's call
+// that waits for its peer. So handles are made once per device and never destroyed: a plan
+// takes one from its device's pool (or makes one) and gives it back when it goes. A handle
+// serves one plan at a time, so no handle is shared between threads.
+class LeasedHandle {
+ public:
+  LeasedHandle() = default;
+  ~LeasedHandle() { GiveBack(); }
+  LeasedHandle(LeasedHandle&& o) noexcept
+      : device_(o.device_), handle_(std::exchange(o.handle_, nullptr)) {}
+  LeasedHandle& operator=(LeasedHandle&& o) noexcept {
+    if (this != &o) {
+      GiveBack();
+      device_ = o.device_;
+      handle_ = std::exchange(o.handle_, nullptr);
+    }
+    return *this;
+  }
+  LeasedHandle(const LeasedHandle&) = delete;
+  LeasedHandle& operator=(const LeasedHandle&) = delete;
+
+  // A handle of the current device.
+  static absl::StatusOr<LeasedHandle> Take() {
+    LeasedHandle lease;
+    ULY_CUDA_RETURN_IF_ERROR(cudaGetDevice(&lease.device_));
+    {
+      std::lock_guard<std::mutex> lock(Pool().mu);
+      std::vector<cublasLtHandle_t>& idle = Pool().idle[lease.device_];
+      if (!idle.empty()) {
+        lease.handle_ = idle.back();
+        idle.pop_back();
+        return lease;
+      }
+    }
+    ULY_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&lease.handle_));
+    return lease;
+  }
+  cublasLtHandle_t get() const { return handle_; }
+
+ private:
   struct Handles {
     std::mutex mu;
-    std::map<int, cublasLtHandle_t> by_device;
+    std::map<int, std::vector<cublasLtHandle_t>> idle;  // by device
   };
-  static Handles* handles = new Handles;  // never destroyed: outlives every plan
-  int device = 0;
-  ULY_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(handles->mu);
-  cublasLtHandle_t& h = handles->by_device[device];
-  if (h == nullptr) ULY_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&h));
-  return h;
-}
+  // Never destroyed: the handles outlive every plan, static destructors included.
+  static Handles& Pool() {
+    static Handles* pool = new Handles;
+    return *pool;
+  }
+  void GiveBack() {
+    if (handle_ == nullptr) return;
+    std::lock_guard<std::mutex> lock(Pool().mu);
+    Pool().idle[device_].push_back(std::exchange(handle_, nullptr));
+  }
+
+  int device_ = -1;
+  cublasLtHandle_t handle_ = nullptr;
+};
 
 // Alignment classes an algorithm is chosen for: the largest of these dividing every pointer.
 constexpr uint32_t kAlignments[] = {256, 128, 64, 32, 16};
@@ -63,7 +103,7 @@ struct Bf16Gemm::Impl {
   };
 
   int64_t n = 0, k = 0;
-  cublasLtHandle_t handle = nullptr;  // the device's (DeviceHandle)
+  LeasedHandle handle;
   internal::LtMatmulDesc desc;
   internal::LtLayout w;  // A: [k, n] column-major, transposed by the op
   internal::DeviceMemory workspace;
@@ -89,7 +129,7 @@ struct Bf16Gemm::Impl {
     }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), w.get(),
+    ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(handle.get(), desc.get(), w.get(),
                                                               s.x.get(), s.out.get(), s.out.get(),
                                                               pref.get(), 1, &result, &found));
     if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
@@ -106,8 +146,8 @@ absl::Status Bf16Gemm::WarmUp(cudaStream_t stream) {
     ULY_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
     stream = own;
   }
-  // Small shapes: what is warmed is cuBLASLt's, not a shape's. The GEMM makes the device's
-  // handle; its memory is freed on `stream` as it goes (before the wait below).
+  // Small shapes: what is warmed is cuBLASLt's, not a shape's. The GEMM's handle goes back into
+  // the pool, and its memory is freed on `stream`, as they go (before the wait below).
   constexpr int64_t kN = 384, kK = 128, kRows[] = {16, 2048};
   absl::Status warmed = [&]() -> absl::Status {
     ULY_ASSIGN_OR_RETURN(std::unique_ptr<Bf16Gemm> gemm,
@@ -145,7 +185,7 @@ absl::StatusOr<std::unique_ptr<Bf16Gemm>> Bf16Gemm::Create(int64_t n, int64_t k,
   auto impl = std::make_unique<Impl>();
   impl->n = n;
   impl->k = k;
-  ULY_ASSIGN_OR_RETURN(impl->handle, DeviceHandle());
+  ULY_ASSIGN_OR_RETURN(impl->handle, LeasedHandle::Take());
   ULY_RETURN_IF_ERROR(impl->desc.Init(CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
   ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
@@ -174,7 +214,7 @@ absl::Status Bf16Gemm::Run(const void* x, const void* w, void* out, int64_t m,
   ULY_ASSIGN_OR_RETURN(const Impl::Shape* s, impl_->Get(m, alignment));
   const float alpha = 1.0f, beta = 0.0f;
   ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(
-      impl_->handle, impl_->desc.get(), &alpha, w, impl_->w.get(), x, s->x.get(), &beta, out,
+      impl_->handle.get(), impl_->desc.get(), &alpha, w, impl_->w.get(), x, s->x.get(), &beta, out,
       s->out.get(), out, s->out.get(), &s->algo, impl_->workspace.get(), impl_->workspace_bytes,
       stream));
   return absl::OkStatus();

@@ -738,10 +738,9 @@ TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCal
 
 // The same with a fused session passing by, on each of its paths (16 rows: `auto` takes the
 // chunked path, whose stores run on the plan's second stream): its plan's memory is freed in
-// its own stream's order, it uses the device's cuBLASLt handle, never destroyed
-// (cublasLtDestroy synchronizes the device), and cuBLASLt's one-time work was done at the
-// daemon's start, so neither making nor closing it waits for the blocked call, nor does its
-// call. The call is given 20 s; one that waits for
+// its own stream's order and its cuBLASLt handle goes back to the device's pool instead of
+// being destroyed (cublasLtDestroy synchronizes the device), so neither making nor closing it
+// waits for the blocked call, nor does its call. The call is given 20 s; one that waits for
 // the blocked call fails the case, which then lets rank 0's call go and waits for it, so the
 // next path still runs. Zero weights and inputs: the results do not matter here.
 class GpuFusedPasserBy : public GpuTwoRankScatter,

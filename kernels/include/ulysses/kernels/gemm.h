@@ -16,25 +16,23 @@ typedef struct CUstream_st* cudaStream_t;  // same declaration as the CUDA runti
 
 namespace ulysses::kernels {
 
-/// One (n, k) projection. Owns its cuBLASLt descriptors and a device workspace, made by Create
-/// and Prepare, and uses the device's one cuBLASLt handle (made by the first GEMM or WarmUp,
-/// shared by every GEMM of the process, never destroyed). Run allocates nothing once the row
-/// count and the pointer alignment class have been prepared. Not thread-safe: one caller (and
-/// one stream at a time).
+/// One (n, k) projection. Owns its cuBLASLt handle, descriptors and a device workspace, all
+/// made by Create and Prepare; Run allocates nothing once the row count and the pointer
+/// alignment class have been prepared. Not thread-safe: one caller (and one stream at a time).
 /// Destroy only after the work it enqueued has completed (the workspace is freed).
 class Bf16Gemm {
  public:
   /// Default device workspace of cuBLASLt (Hopper kernels use up to 32 MiB).
   static constexpr size_t kDefaultWorkspaceBytes = size_t{32} << 20;
 
-  /// Does cuBLASLt's one-time work on the current device ahead of the first plan: makes the
-  /// device's handle (every GEMM of the process shares it; destroying one synchronizes the
-  /// device, so it is never destroyed), asks for algorithms and runs a GEMM at a small and a
-  /// large row count on `stream` (null: a stream of its own), and waits for it. A process's
-  /// first handle and its first algorithm query were measured to wait for every stream of the
-  /// device, one held at a stream memory operation included (docs/architecture.md, section 8);
-  /// its first GEMM is warmed too, lest it do the same. Done at start, none of it happens while
-  /// another session's call waits on the GPU for its peer.
+  /// Does cuBLASLt's one-time work on the current device ahead of the first plan: makes one
+  /// handle (plans take theirs from a per-device pool and give it back, never destroying it:
+  /// destruction synchronizes the device), asks for algorithms and runs a GEMM at a small and
+  /// a large row count on `stream` (null: a stream of its own), and waits for it. A process's
+  /// first handle,
+  /// first algorithm query and first GEMM each wait for every stream of the device, one held at
+  /// a stream memory operation included (docs/architecture.md, section 8): done at start, they
+  /// do not happen while another session's call waits on the GPU for its peer.
   static absl::Status WarmUp(cudaStream_t stream = nullptr);
   /// A GEMM with `n` output features and `k` input features (both positive, k a multiple of 8)
   /// on the current device. With `alloc_stream`, the workspace is allocated and freed in that
