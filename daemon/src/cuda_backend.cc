@@ -65,7 +65,7 @@ constexpr uint64_t kSlotAlign = 256;
 // with the probe no session stream shares its queue: a cancel always runs (without the probe,
 // nothing keeps a session stream off its queue). It runs work for a session whose stream is
 // blocked (a failed call, a timeout, a close with calls in flight, DescribeStuck), and, with
-// the probe, zeroes new buffers.
+// the probe, zeroes new buffers and runs cuBLASLt's warm-up at start.
 //
 // The device's pinned host memory that DescribeStuck's copies land in is here too, made once:
 // freeing pinned memory can wait for the whole device, so a session's close frees none.
@@ -233,8 +233,8 @@ class CudaTransport final : public Transport {
                                                            absl::Duration drain_limit,
                                                            const TransportSetup& setup) {
     ULY_RETURN_IF_ERROR(UseDevice(device));
-    std::unique_ptr<CudaTransport> t(new CudaTransport(device, exports, std::move(streams), setup));
-    t->drain_limit_ = drain_limit;
+    std::unique_ptr<CudaTransport> t(
+        new CudaTransport(device, exports, std::move(streams), drain_limit, setup));
     t->stride_ = AlignUp(setup.slot_bytes, kSlotAlign);
     // The client's done words first (ResultWords), then the slots: one allocation, lent to
     // the peers (they store into the slots) and mapped by the client. The words only daemons
@@ -626,8 +626,12 @@ class CudaTransport final : public Transport {
   }
 
   CudaTransport(int device, FdExports* exports, std::shared_ptr<DeviceStreams> streams,
-                const TransportSetup& setup)
-      : device_(device), exports_(exports), streams_(std::move(streams)), setup_(setup) {}
+                absl::Duration drain_limit, const TransportSetup& setup)
+      : device_(device),
+        exports_(exports),
+        streams_(std::move(streams)),
+        setup_(setup),
+        drain_limit_(drain_limit) {}
 
   const uint64_t* cancel() const {
     return &static_cast<const DeviceWords*>(daemon_words_.data())->cancel;
@@ -652,7 +656,7 @@ class CudaTransport final : public Transport {
   FdExports* const exports_;
   const std::shared_ptr<DeviceStreams> streams_;  // stream_ comes from and goes back there
   const TransportSetup setup_;
-  absl::Duration drain_limit_;  // Drain's bound (CudaBackendOptions)
+  const absl::Duration drain_limit_;  // Drain's bound (CudaBackendOptions)
   uint64_t stride_ = 0;
   uint64_t words_bytes_ = 0;               // ResultWords, before the slots
   ipc::cuda::VmmMapping slots_;            // this rank's done words and slots
@@ -802,11 +806,15 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* 
   // stream the first session will take, so no other queue runs work.
   ULY_ASSIGN_OR_RETURN(ipc::cuda::VmmMapping probe, streams->ZeroedMapping(1));
   ULY_ASSIGN_OR_RETURN(ipc::UniqueFd probe_fd, probe.Export());
-  // cuBLASLt's one-time work (its first handle, algorithm query and GEMM each wait for the
-  // whole device) is done now, not beside another session's waiting call; fused sessions'
-  // GEMMs then lease the handle made here. Without it the daemon serves the plain ops.
+  // cuBLASLt's one-time work (its first handle and first algorithm query wait for the whole
+  // device) is done now, not beside another session's waiting call; fused sessions' GEMMs then
+  // lease the handle made here. Without it the daemon serves the plain ops, and a fused
+  // session's first call may wait for another session's call that waits for its peer.
   if (absl::Status warm = streams->OnSetupStream(kernels::Bf16Gemm::WarmUp); !warm.ok())
-    Logger("main")->warn("device {}: no cuBLASLt handle: {}", device, std::string(warm.message()));
+    Logger("main")->warn(
+        "device {}: cuBLASLt warm-up failed ({}); a fused session's first call may wait for "
+        "another session's call that waits on the GPU",
+        device, std::string(warm.message()));
   Logger("main")->info("device {}: {} ({}, {}), MPS {}", device, info.name, info.uuid,
                        info.pci_bus_id, info.mps ? "on" : "off");
   return std::unique_ptr<Backend>(

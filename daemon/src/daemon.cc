@@ -136,7 +136,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeStaged(
 }  // namespace
 
 absl::Duration DrainLimitFor(absl::Duration call_timeout) {
-  return std::max(absl::Seconds(30), call_timeout + absl::Seconds(5));
+  return std::min(std::max(absl::Seconds(30), call_timeout + absl::Seconds(5)), absl::Hours(24));
 }
 
 Daemon::Daemon(DaemonConfig config)

@@ -229,7 +229,7 @@ struct CudaBackendOptions {
   absl::Duration drain_limit = absl::Seconds(30);
 };
 /// The drain limit for a daemon whose calls time out after `call_timeout`: 30 s, or the call
-/// timeout and 5 s more where that is longer.
+/// timeout and 5 s more where that is longer, at most a day (a deadline that stays a time).
 absl::Duration DrainLimitFor(absl::Duration call_timeout);
 /// The GPU backend on `device` (symmetric device memory shared through VMM fds, the CUDA
 /// exchange kernels). FAILED_PRECONDITION when this build or machine has no usable GPU.

@@ -7,6 +7,7 @@
 
 #include <map>
 #include <mutex>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -141,15 +142,23 @@ struct Bf16Gemm::Impl {
 };
 
 absl::Status Bf16Gemm::WarmUp(cudaStream_t stream) {
+  // Once per device: a second backend of the daemon runs no more work on another stream.
+  static std::mutex* mu = new std::mutex;
+  static std::set<int>* warmed = new std::set<int>;
+  int device = 0;
+  ULY_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(*mu);
+  if (warmed->count(device) != 0) return absl::OkStatus();
   cudaStream_t own = nullptr;
   if (stream == nullptr) {
     ULY_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
     stream = own;
   }
-  // Small shapes: what is warmed is cuBLASLt's, not a shape's. The GEMM's handle goes back into
-  // the pool, and its memory is freed on `stream`, as they go (before the wait below).
+  // Small shapes: what is warmed is meant to be cuBLASLt's, not a shape's (the kernel-level
+  // case's queries at new row counts test that). The GEMM's handle goes back into the pool, and
+  // its memory is freed on `stream`, as they go (before the wait below).
   constexpr int64_t kN = 384, kK = 128, kRows[] = {16, 2048};
-  absl::Status warmed = [&]() -> absl::Status {
+  const absl::Status status = [&]() -> absl::Status {
     ULY_ASSIGN_OR_RETURN(std::unique_ptr<Bf16Gemm> gemm,
                          Create(kN, kK, kDefaultWorkspaceBytes, stream));
     const int64_t rows = kRows[1];
@@ -167,9 +176,10 @@ absl::Status Bf16Gemm::WarmUp(cudaStream_t stream) {
   }();
   const cudaError_t synced = cudaStreamSynchronize(stream);
   if (own != nullptr) cudaStreamDestroy(own);
-  ULY_RETURN_IF_ERROR(warmed);
+  ULY_RETURN_IF_ERROR(status);
   if (synced != cudaSuccess)
     return internal::CudaError("cudaStreamSynchronize", synced, __FILE__, __LINE__);
+  warmed->insert(device);
   return absl::OkStatus();
 }
 

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -400,6 +401,8 @@ TEST(DrainLimitTest, OutlastsTheCallTimeout) {
   EXPECT_EQ(DrainLimitFor(absl::Seconds(25)), absl::Seconds(30));
   EXPECT_EQ(DrainLimitFor(absl::Seconds(30)), absl::Seconds(35));
   EXPECT_EQ(DrainLimitFor(absl::Minutes(2)), absl::Seconds(125));
+  EXPECT_EQ(DrainLimitFor(absl::Milliseconds(std::numeric_limits<int64_t>::max())),
+            absl::Hours(24));
 }
 
 }  // namespace

@@ -697,7 +697,7 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
   const QkvDestinations dests{outs, nullptr, kEpoch, cancel.as<uint64_t>()};
   const int32_t* pos = positions_[0]->as<int32_t>();
   const void* x = x_[0]->as<void>();
-  // Row counts the plan has not seen: each a new cuBLASLt algorithm query, and a first GEMM.
+  // Row counts this plan has not seen: each a new cuBLASLt algorithm query, and a first GEMM.
   const std::vector<int64_t> more = {1, Rows() / 3 + 1, Rows() - 1};
   std::vector<std::pair<std::string, std::function<absl::Status()>>> steps = {
       {"memset (the control)",
@@ -717,6 +717,12 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
        [&]() -> absl::Status {
          for (int64_t r : more) ULY_RETURN_IF_ERROR(plan->Prepare(r));
          return absl::OkStatus();
+       }},
+      {"a second plan, made while the first holds the pool's handle (a new cuBLASLt handle)",
+       [&] {
+         std::unique_ptr<FusedQkvPlan> second = MakePlan(0, QkvLayout::kBshd, 0, false, side);
+         return second != nullptr ? absl::OkStatus()
+                                  : absl::InternalError("no plan (the failure is above)");
        }},
       {"projection (cuBLASLt GEMM)", [&] { return plan->RunProjection(x, Rows(), run); }},
       {"projection at those row counts",

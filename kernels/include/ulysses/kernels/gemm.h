@@ -25,14 +25,15 @@ class Bf16Gemm {
   /// Default device workspace of cuBLASLt (Hopper kernels use up to 32 MiB).
   static constexpr size_t kDefaultWorkspaceBytes = size_t{32} << 20;
 
-  /// Does cuBLASLt's one-time work on the current device ahead of the first plan: makes one
-  /// handle (plans take theirs from a per-device pool and give it back, never destroying it:
-  /// destruction synchronizes the device), asks for algorithms and runs a GEMM at a small and
-  /// a large row count on `stream` (null: a stream of its own), and waits for it. A process's
-  /// first handle,
-  /// first algorithm query and first GEMM each wait for every stream of the device, one held at
-  /// a stream memory operation included (docs/architecture.md, section 8): done at start, they
-  /// do not happen while another session's call waits on the GPU for its peer.
+  /// Does cuBLASLt's one-time work on the current device ahead of the first plan, once per
+  /// device (later calls return at once): makes one handle (plans take theirs from a
+  /// per-device pool and give it back, never destroying it: destruction synchronizes the
+  /// device), asks for algorithms and runs a GEMM at a small and a large row count on `stream`
+  /// (null: a stream of its own), and waits for it. A process's first plan (which made its
+  /// first handle) and its first algorithm query were measured to wait for every stream of the
+  /// device, one held at a stream memory operation included (docs/architecture.md, section
+  /// 8); the first GEMM is warmed too, lest it do the same. Done at start, none of it happens
+  /// while another session's call waits on the GPU for its peer.
   static absl::Status WarmUp(cudaStream_t stream = nullptr);
   /// A GEMM with `n` output features and `k` input features (both positive, k a multiple of 8)
   /// on the current device. With `alloc_stream`, the workspace is allocated and freed in that
