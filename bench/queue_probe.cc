@@ -145,20 +145,16 @@ int Across(int streams, int settle_ms, int device, const std::string& label,
   Check(cudaSetDevice(device), "cudaSetDevice");
   std::vector<cudaStream_t> s = MakeStreams(streams);
   uint64_t* words = MappedWords(streams);
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < streams; ++i) Check(cu::StreamWrite64(s[i], &words[i], 1));
-  // A stream's first operation may start slowly: a write counts as held only if it is still
-  // out after two settle times (the other process's gate is shut all along).
-  const auto settle = std::chrono::milliseconds(settle_ms);
-  std::vector<int> late;
-  for (int i = 0; i < streams; ++i)
-    if (!Landed(words, i, std::max(std::chrono::steady_clock::duration::zero(),
-                                   t0 + settle - std::chrono::steady_clock::now())))
-      late.push_back(i);
-  if (!late.empty()) std::this_thread::sleep_for(settle);
-  std::vector<int> held;
-  for (int i : late)
-    if (!Landed(words, i, std::chrono::milliseconds(0))) held.push_back(i);
+  std::vector<int> written(streams);
+  for (int i = 0; i < streams; ++i) {
+    Check(cu::StreamWrite64(s[i], &words[i], 1));
+    written[i] = i;
+  }
+  // The other process's gate is shut all along: a write still out after two settle times is
+  // held (a stream's first operation may start slowly).
+  const ulysses::ipc::SettledWrites settled = ulysses::ipc::SettleWrites(
+      [&](int i) { return __atomic_load_n(&words[i], __ATOMIC_ACQUIRE); }, written,
+      std::vector<uint64_t>(streams, 1), std::chrono::milliseconds(settle_ms));
   WriteByte(down[1], 'O');
   const bool other_went_on = ReadByte(up[0], 20000) == 'D';
   bool all_landed = true;
@@ -175,8 +171,8 @@ int Across(int streams, int settle_ms, int device, const std::string& label,
                       {"max_connections_env", conn ? conn : ""},
                       {"streams", streams},
                       {"settle_ms", settle_ms},
-                      {"held_by_the_other_process", held},
-                      {"slow_writes", late.size() - held.size()},
+                      {"held_by_the_other_process", settled.held},
+                      {"slow_writes", settled.slow},
                       {"every_write_landed_once_opened", all_landed},
                       {"the_other_process_went_on", other_went_on}};
   Emit(j, json_path);

@@ -1,5 +1,7 @@
 #include "ulysses/ipc/queue_probe.h"
 
+#include <algorithm>
+#include <functional>
 #include <numeric>
 #include <thread>
 
@@ -9,18 +11,49 @@
 namespace ulysses::ipc {
 namespace {
 
-// Whether stream j's word reaches `mark` within `within`.
-bool LandsWithin(const QueueProbeTarget& target, int j, uint64_t mark,
+// Whether `word` reaches `mark` within `within`.
+bool LandsWithin(const std::function<uint64_t()>& word, uint64_t mark,
                  std::chrono::steady_clock::duration within) {
   const auto deadline = std::chrono::steady_clock::now() + within;
   for (;;) {
-    if (target.Word(j) >= mark) return true;
+    if (word() >= mark) return true;
     if (std::chrono::steady_clock::now() >= deadline) return false;
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
 
+// Whether stream j's word reaches `mark` within `within`.
+bool LandsWithin(const QueueProbeTarget& target, int j, uint64_t mark,
+                 std::chrono::steady_clock::duration within) {
+  return LandsWithin([&] { return target.Word(j); }, mark, within);
+}
+
 }  // namespace
+
+SettledWrites SettleWrites(const std::function<uint64_t(int)>& word,
+                           const std::vector<int>& written, const std::vector<uint64_t>& want,
+                           std::chrono::milliseconds settle) {
+  // One settle time for them all: every write was enqueued before it started.
+  const auto settled = std::chrono::steady_clock::now() + settle;
+  std::vector<int> late;
+  for (int j : written) {
+    const auto left = std::max(std::chrono::steady_clock::duration::zero(),
+                               settled - std::chrono::steady_clock::now());
+    if (!LandsWithin([&] { return word(j); }, want[j], left)) late.push_back(j);
+  }
+  // Without the second look, a slow write would count as held: in the probe it would join its
+  // stream to the held stream's class, and the rounds after would no longer hold it, so the
+  // stream that really shares its queue could end up in another class.
+  SettledWrites out;
+  if (!late.empty()) std::this_thread::sleep_for(settle);
+  for (int j : late) {
+    if (word(j) >= want[j])
+      ++out.slow;
+    else
+      out.held.push_back(j);
+  }
+  return out;
+}
 
 QueueClasses::QueueClasses(int streams) : parent_(static_cast<size_t>(streams)) {
   std::iota(parent_.begin(), parent_.end(), 0);
@@ -86,26 +119,10 @@ absl::StatusOr<QueueProbeResult> ProbeQueues(QueueProbeTarget& target,
       enqueued = target.Write(j, want[j]);
       if (enqueued.ok()) written.push_back(j);
     }
-    // One settle time for the round: every write was enqueued before it started.
-    const auto settled = std::chrono::steady_clock::now() + options.settle;
-    std::vector<int> late;
-    for (int j : written) {
-      const auto left = std::max(std::chrono::steady_clock::duration::zero(),
-                                 settled - std::chrono::steady_clock::now());
-      if (!LandsWithin(target, j, want[j], left))
-        late.push_back(j);
-    }
-    // A held write cannot land while the gate is shut; one that lands within a second settle
-    // time was only slow (a busy device, a time slice), and its stream is not i's queue's.
-    // Without this, a slow write would join its stream to i's class, and the rounds after
-    // would no longer hold it, so the stream that really shares its queue could end up in
-    // another class.
-    if (!late.empty()) std::this_thread::sleep_for(options.settle);
-    for (int j : late) {
-      if (target.Word(j) >= want[j]) {
-        ++result.slow_writes;
-        continue;
-      }
+    const SettledWrites settled =
+        SettleWrites([&](int j) { return target.Word(j); }, written, want, options.settle);
+    result.slow_writes += settled.slow;
+    for (int j : settled.held) {
       result.held_back[i].push_back(j);
       classes.Join(i, j);
     }

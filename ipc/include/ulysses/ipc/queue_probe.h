@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -76,6 +77,19 @@ struct QueueProbeResult {
   int slow_writes = 0;
   double probe_ms = 0;
 };
+
+/// Writes just enqueued (stream j's word to reach want[j], for each j in `written`) sorted by a
+/// gate that stays shut throughout: a write still out after `settle` is looked at again a
+/// second `settle` later; out then, it is held (a held write cannot land while the gate is
+/// shut), landed, it was only slow (a busy device, a time slice). `word(j)`: stream j's word as
+/// the host sees it now. The probe's rounds and `ulysses-queue-probe --across` use it.
+struct SettledWrites {
+  std::vector<int> held;  ///< ascending as in `written`
+  int slow = 0;
+};
+SettledWrites SettleWrites(const std::function<uint64_t(int)>& word,
+                           const std::vector<int>& written, const std::vector<uint64_t>& want,
+                           std::chrono::milliseconds settle);
 
 /// Runs the probe. Every stream first writes its word once (a first operation may start
 /// slowly); then the rounds. FAILED_PRECONDITION when a stream's write never lands (its first,
