@@ -283,6 +283,8 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
   }
 
   absl::Status Run(const EpilogueCall& c, cudaStream_t stream) override {
+    const ScopedDevice on_device(device_);
+    ULY_CUDA_RETURN_IF_ERROR(on_device.status());
     const QkvNormRopeShape& s = c.shape;
     ULY_RETURN_IF_ERROR(CheckShapeAndRows(s, 0, QkvRows(s)));
     if (QkvFeatures(s) != features_ || QkvHidden(s) != hidden_)

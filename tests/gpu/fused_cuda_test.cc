@@ -687,6 +687,7 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
   // whole device, so it is freed after the last wait ended).
   DeviceBuffer slot(static_cast<size_t>(SlotElems()) * sizeof(uint16_t));
   DeviceBuffer cancel(std::vector<uint64_t>{0});
+  DeviceBuffer scratch(static_cast<size_t>(Elems()) * sizeof(uint16_t));
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
   ASSERT_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&gate_), sizeof(uint64_t),
                                cudaHostAllocMapped));
@@ -725,9 +726,21 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
                                   : absl::InternalError("no plan (the failure is above)");
        }},
       {"projection (cuBLASLt GEMM)", [&] { return plan->RunProjection(x, Rows(), run); }},
-      {"projection at those row counts",
+      {"projection again (the same row count)",
+       [&] { return plan->RunProjection(x, Rows(), run); }},
+      {"projection at 1 row", [&] { return plan->RunProjection(x, more[0], run); }},
+      {"projection at a third of the rows, plus one",
+       [&] { return plan->RunProjection(x, more[1], run); }},
+      {"projection at one row fewer", [&] { return plan->RunProjection(x, more[2], run); }},
+      {"a GEMM object of its own, the plan's shape, first launch",
        [&]() -> absl::Status {
-         for (int64_t r : more) ULY_RETURN_IF_ERROR(plan->RunProjection(x, r, run));
+         ULY_ASSIGN_OR_RETURN(std::unique_ptr<Bf16Gemm> gemm,
+                              Bf16Gemm::Create(QkvFeatures(shape_), QkvHidden(shape_),
+                                               Bf16Gemm::kDefaultWorkspaceBytes, side));
+         ULY_RETURN_IF_ERROR(gemm->Prepare(Rows()));
+         ULY_RETURN_IF_ERROR(
+             gemm->Run(x, w_qkv_->as<void>(), scratch.as<void>(), Rows(), run));
+         // Its workspace is freed on `side` as it goes.
          return absl::OkStatus();
        }},
       {"norm + RoPE", [&] { return plan->RunNormRope(x, pos, 1, Rows(), run); }},
@@ -756,9 +769,10 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
     const uint64_t epoch = i + 1;
     ASSERT_TRUE(ipc::cuda::StreamWait64(waiting, gate_, epoch).ok());
     absl::Status status;
-    std::atomic<bool> finished{false};
+    std::atomic<bool> returned{false}, finished{false};
     std::thread worker([&] {
       status = steps[i].second();
+      returned = true;
       const cudaError_t on_run = idle(run), on_side = idle(side);
       if (status.ok() && (on_run != cudaSuccess || on_side != cudaSuccess))
         status = absl::InternalError(cudaGetErrorString(on_run != cudaSuccess ? on_run : on_side));
@@ -767,12 +781,18 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(8);
     while (!finished && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    const bool in_time = finished.load();
+    const bool in_time = finished.load(), host_returned = returned.load();
     __atomic_store_n(gate_, epoch, __ATOMIC_RELEASE);
     worker.join();
     ASSERT_EQ(cudaStreamSynchronize(waiting), cudaSuccess);
     ran = i + 1;
-    std::cout << "step " << steps[i].first << ": " << (in_time ? "in time" : "WAITED") << "\n";
+    // A step that waited either held its host call (a device-wide wait inside a library) or
+    // put work on its streams that waited for the other stream.
+    std::cout << "step " << steps[i].first << ": "
+              << (in_time         ? "in time"
+                  : host_returned ? "WAITED (the host call had returned; its GPU work waited)"
+                                  : "WAITED (the host call itself was held)")
+              << "\n";
     EXPECT_TRUE(in_time) << steps[i].first << " waited for the other stream's wait";
     EXPECT_TRUE(status.ok()) << steps[i].first << ": " << status;
     if (!status.ok()) break;  // the steps after it need it
