@@ -281,6 +281,11 @@ class CudaTransport final : public Transport {
       ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond, t->stream_));
       ULY_ASSIGN_OR_RETURN(t->fused_, FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores,
                                                           t->second_));
+      // Its GEMMs' kernels are loaded here, while no call of this session is in flight.
+      if (absl::Status loaded = t->fused_->LoadKernels(t->stream_); !loaded.ok()) {
+        cudaStreamSynchronize(t->stream_);  // what was launched ends before the plan's memory goes
+        return loaded;
+      }
     }
     return std::unique_ptr<Transport>(std::move(t));
   }

@@ -119,6 +119,12 @@ absl::StatusOr<FusedPath> FusedRunner::PreparedPath(int64_t rows) {
   return path;
 }
 
+absl::Status FusedRunner::LoadKernels(void* stream) {
+  const int64_t rows = setup_.geometry.max_tokens;
+  ULY_RETURN_IF_ERROR(PreparedPath(rows).status());
+  return plan_->LoadKernels(rows, static_cast<cudaStream_t>(stream));
+}
+
 std::string FusedRunner::Describe() const {
   const std::string no_epilogue = plan_->EpilogueUnavailable();
   std::string out = StrCat("path ", FusedPathName(setup_.path));

@@ -229,6 +229,19 @@ absl::Status FusedQkvPlan::Prepare(int64_t rows) {
   return absl::OkStatus();
 }
 
+absl::Status FusedQkvPlan::LoadKernels(int64_t rows, cudaStream_t stream) {
+  ULY_RETURN_IF_ERROR(Prepare(rows));
+  const int64_t chunk = impl_->ChunkRows(rows);
+  // The projection buffer holds max_tokens rows of 3*H*D, so it covers both the input's
+  // rows * hidden and the output's rows * 3*H*D; the values are neither read nor kept.
+  void* buffer = impl_->qkv();
+  for (int64_t m : {rows, chunk, rows % chunk}) {
+    if (m > 0)
+      ULY_RETURN_IF_ERROR(impl_->gemm->Run(buffer, impl_->config.weights.w_qkv, buffer, m, stream));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status FusedQkvPlan::RunProjection(const void* x, int64_t rows, cudaStream_t stream) {
   if (rows <= 0 || rows > impl_->config.max_tokens)
     return absl::InvalidArgumentError(

@@ -642,6 +642,8 @@ INSTANTIATE_TEST_SUITE_P(LargeRows, GpuFusedQkvLargeRowsTest,
 // load eagerly in this program (below), as in the daemon.
 class GpuFusedBesideAWaitTest : public FusedGpuBase<int64_t> {
  protected:
+  using Steps = std::vector<std::pair<std::string, std::function<absl::Status()>>>;
+
   void SetUp() override {
     const int64_t rows = GetParam();
     Init(QkvNormRopeShape{1, 2, kFusedGpuHeadDim, static_cast<int32_t>(rows), 1, rows}, 3000);
@@ -652,36 +654,93 @@ class GpuFusedBesideAWaitTest : public FusedGpuBase<int64_t> {
     FusedGpuBase<int64_t>::TearDown();
   }
 
+  // Streams, the queues they share, and the gate: `waiting_` is held at the gate, `run_` and
+  // `side_` are on other hardware queues. Skips when every stream shares one queue.
+  void MakeStreamsAndGate() {
+    for (int i = 0; i < 8; ++i) {
+      cudaStream_t s = nullptr;
+      ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      streams_.push_back(s);
+    }
+    std::vector<void*> handles(streams_.begin(), streams_.end());
+    absl::StatusOr<ipc::QueueProbeResult> probe = ipc::cuda::ProbeStreamQueues(handles);
+    ASSERT_TRUE(probe.ok()) << probe.status();
+    std::cout << "hardware queues seen by 8 streams: " << probe->classes.size() << "\n";
+    waiting_ = streams_[0];
+    for (size_t i = 1; i < streams_.size(); ++i) {
+      if (probe->class_of[i] == probe->class_of[0]) continue;
+      if (run_ == nullptr) {
+        run_ = streams_[i];
+      } else if (side_ == nullptr) {
+        side_ = streams_[i];
+      }
+    }
+    if (run_ == nullptr) GTEST_SKIP() << "every stream of this process shares one hardware queue";
+    if (side_ == nullptr) side_ = run_;
+    ASSERT_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&gate_), sizeof(uint64_t),
+                                 cudaHostAllocMapped));
+    *gate_ = 0;
+  }
+
+  // Runs each step against a fresh wait on `waiting_`, let go after the step or after 8 s, so
+  // a step that waits for it fails the case (naming it) and the steps after it still run.
+  void RunBesideAWait(const Steps& steps) {
+    auto idle = [](cudaStream_t st) {
+      cudaError_t q;
+      while ((q = cudaStreamQuery(st)) == cudaErrorNotReady)
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      return q;
+    };
+    size_t ran = 0;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const uint64_t epoch = ++epoch_;
+      ASSERT_TRUE(ipc::cuda::StreamWait64(waiting_, gate_, epoch).ok());
+      absl::Status status;
+      std::atomic<bool> returned{false}, finished{false};
+      std::thread worker([&] {
+        status = steps[i].second();
+        returned = true;
+        const cudaError_t on_run = idle(run_), on_side = idle(side_);
+        if (status.ok() && (on_run != cudaSuccess || on_side != cudaSuccess))
+          status =
+              absl::InternalError(cudaGetErrorString(on_run != cudaSuccess ? on_run : on_side));
+        finished = true;
+      });
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(8);
+      while (!finished && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      const bool in_time = finished.load(), host_returned = returned.load();
+      __atomic_store_n(gate_, epoch, __ATOMIC_RELEASE);
+      worker.join();
+      ASSERT_EQ(cudaStreamSynchronize(waiting_), cudaSuccess);
+      ran = i + 1;
+      // A step that waited either held its host call (a device-wide wait inside a library) or
+      // put work on its streams that waited for the other stream.
+      std::cout << "step " << steps[i].first << ": "
+                << (in_time         ? "in time"
+                    : host_returned ? "WAITED (the host call had returned; its GPU work waited)"
+                                    : "WAITED (the host call itself was held)")
+                << "\n";
+      EXPECT_TRUE(in_time) << steps[i].first << " waited for the other stream's wait";
+      EXPECT_TRUE(status.ok()) << steps[i].first << ": " << status;
+      if (!status.ok()) break;  // the steps after it need it
+    }
+    EXPECT_EQ(ran, steps.size()) << "the steps stopped at " << steps[ran - 1].first;
+  }
+
   std::vector<cudaStream_t> streams_;
+  cudaStream_t waiting_ = nullptr, run_ = nullptr, side_ = nullptr;
   uint64_t* gate_ = nullptr;
+  uint64_t epoch_ = 0;
 };
 
 TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnAnotherQueue) {
   if (IsSkipped()) return;
   const absl::Status warm = Bf16Gemm::WarmUp();
   ASSERT_TRUE(warm.ok()) << warm;
-  // Streams, and the queues they share.
-  for (int i = 0; i < 8; ++i) {
-    cudaStream_t s = nullptr;
-    ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    streams_.push_back(s);
-  }
-  std::vector<void*> handles(streams_.begin(), streams_.end());
-  absl::StatusOr<ipc::QueueProbeResult> probe = ipc::cuda::ProbeStreamQueues(handles);
-  ASSERT_TRUE(probe.ok()) << probe.status();
-  std::cout << "hardware queues seen by 8 streams: " << probe->classes.size() << "\n";
-  const cudaStream_t waiting = streams_[0];
-  cudaStream_t run = nullptr, side = nullptr;
-  for (size_t i = 1; i < streams_.size(); ++i) {
-    if (probe->class_of[i] == probe->class_of[0]) continue;
-    if (run == nullptr) {
-      run = streams_[i];
-    } else if (side == nullptr) {
-      side = streams_[i];
-    }
-  }
-  if (run == nullptr) GTEST_SKIP() << "every stream of this process shares one hardware queue";
-  if (side == nullptr) side = run;
+  ASSERT_NO_FATAL_FAILURE(MakeStreamsAndGate());
+  if (IsSkipped()) return;
+  const cudaStream_t run = run_, side = side_;
 
   // What the call writes into, made before any wait (freeing device memory can wait for the
   // whole device, so it is freed after the last wait ended).
@@ -689,9 +748,6 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
   DeviceBuffer cancel(std::vector<uint64_t>{0});
   DeviceBuffer scratch(static_cast<size_t>(Elems()) * sizeof(uint16_t));
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
-  ASSERT_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&gate_), sizeof(uint64_t),
-                               cudaHostAllocMapped));
-  *gate_ = 0;
 
   std::unique_ptr<FusedQkvPlan> plan;
   void* outs[1] = {slot.as<void>()};
@@ -700,7 +756,7 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
   const void* x = x_[0]->as<void>();
   // Row counts this plan has not seen: each a new cuBLASLt algorithm query, and a first GEMM.
   const std::vector<int64_t> more = {1, Rows() / 3 + 1, Rows() - 1};
-  std::vector<std::pair<std::string, std::function<absl::Status()>>> steps = {
+  const Steps steps = {
       {"memset (the control)",
        [&] {
          return cudaMemsetAsync(slot.as<void>(), 0, 256, run) == cudaSuccess
@@ -758,47 +814,45 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
          return absl::OkStatus();
        }}};
 
-  auto idle = [](cudaStream_t st) {
-    cudaError_t q;
-    while ((q = cudaStreamQuery(st)) == cudaErrorNotReady)
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    return q;
-  };
-  size_t ran = 0;
-  for (size_t i = 0; i < steps.size(); ++i) {
-    const uint64_t epoch = i + 1;
-    ASSERT_TRUE(ipc::cuda::StreamWait64(waiting, gate_, epoch).ok());
-    absl::Status status;
-    std::atomic<bool> returned{false}, finished{false};
-    std::thread worker([&] {
-      status = steps[i].second();
-      returned = true;
-      const cudaError_t on_run = idle(run), on_side = idle(side);
-      if (status.ok() && (on_run != cudaSuccess || on_side != cudaSuccess))
-        status = absl::InternalError(cudaGetErrorString(on_run != cudaSuccess ? on_run : on_side));
-      finished = true;
-    });
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(8);
-    while (!finished && std::chrono::steady_clock::now() < deadline)
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    const bool in_time = finished.load(), host_returned = returned.load();
-    __atomic_store_n(gate_, epoch, __ATOMIC_RELEASE);
-    worker.join();
-    ASSERT_EQ(cudaStreamSynchronize(waiting), cudaSuccess);
-    ran = i + 1;
-    // A step that waited either held its host call (a device-wide wait inside a library) or
-    // put work on its streams that waited for the other stream.
-    std::cout << "step " << steps[i].first << ": "
-              << (in_time         ? "in time"
-                  : host_returned ? "WAITED (the host call had returned; its GPU work waited)"
-                                  : "WAITED (the host call itself was held)")
-              << "\n";
-    EXPECT_TRUE(in_time) << steps[i].first << " waited for the other stream's wait";
-    EXPECT_TRUE(status.ok()) << steps[i].first << ": " << status;
-    if (!status.ok()) break;  // the steps after it need it
-  }
+  RunBesideAWait(steps);
   plan.reset();  // a step that failed left it made
-  EXPECT_EQ(ran, steps.size()) << "the steps stopped at " << steps[ran - 1].first;
+}
+
+// A plan whose GEMMs' kernels were loaded (LoadKernels, as a daemon does when a session opens)
+// before any wait: its calls at that row count run beside a waiting stream on every path. The
+// heads and rows are this case's alone in this program, so the loads are the plan's own.
+class GpuFusedLoadedBesideAWaitTest : public GpuFusedBesideAWaitTest {
+ protected:
+  void SetUp() override {
+    Init(QkvNormRopeShape{1, 6, kFusedGpuHeadDim, 1000, 1, 1000}, 3001);
+  }
+};
+
+TEST_F(GpuFusedLoadedBesideAWaitTest, ALoadedPlansCallsRunBesideAStreamWaitingOnAnotherQueue) {
+  if (IsSkipped()) return;
+  ASSERT_NO_FATAL_FAILURE(MakeStreamsAndGate());
+  if (IsSkipped()) return;
+  DeviceBuffer slot(static_cast<size_t>(SlotElems()) * sizeof(uint16_t));
+  DeviceBuffer cancel(std::vector<uint64_t>{0});
+  std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0, false, side_);
+  ASSERT_NE(plan, nullptr);
+  ASSERT_TRUE(plan->LoadKernels(Rows(), run_).ok());
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+
+  void* outs[1] = {slot.as<void>()};
+  const QkvDestinations dests{outs, nullptr, kEpoch, cancel.as<uint64_t>()};
+  const int32_t* pos = positions_[0]->as<int32_t>();
+  const void* x = x_[0]->as<void>();
+  const cudaStream_t run = run_;
+  RunBesideAWait(
+      {{"per_operator call", [&] { return plan->RunPerOperator(x, pos, 1, Rows(), dests, run); }},
+       {"chunked call", [&] { return plan->RunChunked(x, pos, 1, Rows(), dests, run); }},
+       {"epilogue call", [&] {
+          return plan->EpilogueUnavailable().empty()
+                     ? plan->RunEpilogue(x, pos, 1, Rows(), dests, run)
+                     : absl::OkStatus();
+        }}});
+  plan.reset();
 }
 
 INSTANTIATE_TEST_SUITE_P(Rows, GpuFusedBesideAWaitTest, ::testing::Values(16, 2048),

@@ -96,6 +96,14 @@ class FusedQkvPlan {
   /// Prepares the GEMMs of a call of B * S_l = `rows` on both paths (host work only).
   absl::Status Prepare(int64_t rows);
 
+  /// Prepares `rows` and launches each of its GEMMs (whole, chunk, remainder) once on `stream`,
+  /// reading and writing the plan's own projection buffer (what they compute is discarded:
+  /// the next call's GEMM overwrites it in the stream's order). The first launch of a cuBLASLt
+  /// kernel in a process holds the launching thread until every stream of the device is idle
+  /// (measured on H100; docs/architecture.md, section 8), so a daemon does it when a session
+  /// opens rather than inside its first call. Nothing waits for the launches to end.
+  absl::Status LoadKernels(int64_t rows, cudaStream_t stream);
+
   /// The per-operator path. `x` is this rank's [batch, seq_local, hidden] bf16 input,
   /// `positions` its int32 [batch, seq_local] positions (device pointers); `dests` as for
   /// LaunchQkvScatter (one readiness word per destination, dests.ready[dst][0]).
