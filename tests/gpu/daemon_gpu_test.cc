@@ -743,6 +743,38 @@ TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCal
 // waits for the blocked call, nor does its call. The call is given 20 s; one that waits for
 // the blocked call fails the case, which then lets rank 0's call go and waits for it, so the
 // next path still runs. Zero weights and inputs: the results do not matter here.
+// A fused session's weights and inputs in a client's daemon buffers (zero-filled: every
+// position 0), and its spec: `heads` heads of kFusedGpuHeadDim, calls of up to `tokens` rows.
+struct FusedInputs {
+  std::optional<client::Buffer> w, x, pos;
+  client::FusedSessionSpec spec;
+};
+
+void MakeFusedInputs(client::Client& c, int32_t heads, int64_t tokens, FusedPath path,
+                     FusedInputs* out) {
+  const int32_t dim = kFusedGpuHeadDim, hidden = heads * dim, max_pos = 64;
+  const size_t w_bytes = size_t{3} * hidden * hidden * 2;
+  const size_t at_q = AlignUp(w_bytes, 256), at_k = at_q + 256, at_cs = at_k + 256;
+  auto w = c.AllocBuffer(at_cs + size_t{max_pos} * dim * 4, "weights");
+  auto x = c.AllocBuffer(static_cast<size_t>(tokens) * hidden * 2, "x");
+  auto pos = c.AllocBuffer(static_cast<size_t>(tokens) * 4, "positions");
+  ASSERT_TRUE(w.ok() && x.ok() && pos.ok());
+  client::FusedSessionSpec& spec = out->spec;
+  spec.hidden = hidden;
+  spec.num_heads = heads;
+  spec.head_dim = dim;
+  spec.max_tokens = tokens;
+  spec.max_pos = max_pos;
+  spec.path = path;
+  spec.weights.w_qkv = w->Tensor(DType::kBFloat16, {3 * hidden, hidden}, 0);
+  spec.weights.q_norm = w->Tensor(DType::kBFloat16, {dim}, at_q);
+  spec.weights.k_norm = w->Tensor(DType::kBFloat16, {dim}, at_k);
+  spec.weights.cos_sin = w->Tensor(DType::kFloat32, {max_pos, dim}, at_cs);
+  out->w = std::move(*w);
+  out->x = std::move(*x);
+  out->pos = std::move(*pos);
+}
+
 class GpuFusedPasserBy : public GpuTwoRankScatter,
                          public testing::WithParamInterface<FusedPath> {};
 
@@ -752,30 +784,13 @@ TEST_P(GpuFusedPasserBy, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlocke
   // The blocked session's stream, the fused session's and its plan's second stream.
   ASSERT_NO_FATAL_FAILURE(OpenWithPasserBy("blocked-fused", "fused-passer-by", &other, 3));
   if (IsSkipped()) return;
-  constexpr int32_t kHeads = 2, kDim = kFusedGpuHeadDim, kHidden = kHeads * kDim;
-  constexpr int32_t kMaxPos = 64;
   constexpr int64_t kTokens = 16;
-  const size_t w_bytes = size_t{3} * kHidden * kHidden * 2;
-  const size_t at_q = AlignUp(w_bytes, 256), at_k = at_q + 256, at_cs = at_k + 256;
-  auto w = other.client->AllocBuffer(at_cs + size_t{kMaxPos} * kDim * 4, "weights");
-  auto x = other.client->AllocBuffer(size_t{kTokens} * kHidden * 2, "x");
-  auto pos = other.client->AllocBuffer(size_t{kTokens} * 4, "positions");
-  ASSERT_TRUE(w.ok() && x.ok() && pos.ok());
+  FusedInputs in;
+  ASSERT_NO_FATAL_FAILURE(MakeFusedInputs(*other.client, 2, kTokens, GetParam(), &in));
   uint64_t early = 0;
   ASSERT_NO_FATAL_FAILURE(BlockRank0(&early));
   {
-    client::FusedSessionSpec spec;
-    spec.hidden = kHidden;
-    spec.num_heads = kHeads;
-    spec.head_dim = kDim;
-    spec.max_tokens = kTokens;
-    spec.max_pos = kMaxPos;
-    spec.path = GetParam();
-    spec.weights.w_qkv = w->Tensor(DType::kBFloat16, {3 * kHidden, kHidden}, 0);
-    spec.weights.q_norm = w->Tensor(DType::kBFloat16, {kDim}, at_q);
-    spec.weights.k_norm = w->Tensor(DType::kBFloat16, {kDim}, at_k);
-    spec.weights.cos_sin = w->Tensor(DType::kFloat32, {kMaxPos, kDim}, at_cs);
-    auto s = other.client->CreateFusedSession(*other.group, spec);
+    auto s = other.client->CreateFusedSession(*other.group, in.spec);
     if (GetParam() == FusedPath::kEpilogue &&
         s.status().code() == absl::StatusCode::kFailedPrecondition) {
       FinishWithRank1(early);
@@ -788,7 +803,7 @@ TEST_P(GpuFusedPasserBy, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlocke
     absl::StatusOr<std::vector<client::Result>> views;
     std::atomic<bool> returned{false};
     std::thread call([&] {
-      views = (*s)->QkvNormRopeExchange(x->Ref(), pos->Ref(), 1, kTokens);
+      views = (*s)->QkvNormRopeExchange(in.x->Ref(), in.pos->Ref(), 1, kTokens);
       returned.store(true);
     });
     const bool in_time =
@@ -805,6 +820,57 @@ TEST_P(GpuFusedPasserBy, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlocke
   }
   EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
       << "rank 0's call ended while the fused session closed";
+  FinishWithRank1(early);
+}
+
+// A fused session opened before another session's call blocks, at a shape no other case of
+// this daemon uses: it loaded its GEMMs' kernels when it opened (the first launch of a cuBLASLt
+// kernel waits for every stream of the device), so its calls at max_tokens rows, per-operator
+// and chunked (the paths that run cuBLASLt), complete while the other call waits.
+TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideIt) {
+  Alone other;
+  ASSERT_NO_FATAL_FAILURE(OpenWithPasserBy("blocked-loaded", "loaded-fused", &other, 4));
+  if (IsSkipped()) return;
+  constexpr int32_t kHeads = 6;
+  constexpr int64_t kTokens = 1000;
+  FusedInputs in[2];
+  std::vector<std::unique_ptr<client::Session>> sessions;
+  const FusedPath paths[2] = {FusedPath::kPerOperator, FusedPath::kChunked};
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_NO_FATAL_FAILURE(MakeFusedInputs(*other.client, kHeads, kTokens, paths[i], &in[i]));
+    auto s = other.client->CreateFusedSession(*other.group, in[i].spec);
+    ASSERT_TRUE(s.ok()) << s.status();
+    sessions.push_back(std::move(*s));
+  }
+  EXPECT_EQ(State(0).queue_shared_streams(), 0u) << "a stream of a fused session shares a queue";
+  uint64_t early = 0;
+  ASSERT_NO_FATAL_FAILURE(BlockRank0(&early));
+  bool all_in_time = true;
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<std::vector<client::Result>> views;
+    std::atomic<bool> returned{false};
+    std::thread call([&] {
+      views = sessions[i]->QkvNormRopeExchange(in[i].x->Ref(), in[i].pos->Ref(), 1, kTokens);
+      returned.store(true);
+    });
+    const bool in_time =
+        testing_util::Eventually([&] { return returned.load(); }, absl::Seconds(20));
+    EXPECT_TRUE(in_time) << "the loaded session's call (path " << FusedPathName(paths[i])
+                         << ") waited for another session's blocked call";
+    if (!in_time) {
+      all_in_time = false;
+      FinishWithRank1(early);  // lets rank 0's call go, then the fused call's
+    }
+    call.join();
+    if (!in_time) ADD_FAILURE() << CallTimes(sessions[i]->id(), 1) << Plans();
+    ASSERT_TRUE(views.ok()) << views.status();
+    for (client::Result& v : *views) ASSERT_TRUE(v.Release().ok());
+    if (!in_time) break;
+  }
+  for (auto& s : sessions) ASSERT_TRUE(s->Close().ok());
+  if (!all_in_time) return;
+  EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
+      << "rank 0's call ended while the fused sessions called";
   FinishWithRank1(early);
 }
 
