@@ -825,52 +825,40 @@ TEST_P(GpuFusedPasserBy, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlocke
 
 // A fused session opened before another session's call blocks, at a shape no other case of
 // this daemon uses: it loaded its GEMMs' kernels when it opened (the first launch of a cuBLASLt
-// kernel waits for every stream of the device), so its calls at max_tokens rows, per-operator
-// and chunked (the paths that run cuBLASLt), complete while the other call waits.
+// kernel waits for every stream of the device), so its call at max_tokens rows on the chunked
+// path (cuBLASLt GEMMs of a chunk and of the remainder) completes while the other call waits.
 TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideIt) {
   Alone other;
-  ASSERT_NO_FATAL_FAILURE(OpenWithPasserBy("blocked-loaded", "loaded-fused", &other, 4));
+  // The blocked session's stream, the fused session's and its plan's second stream.
+  ASSERT_NO_FATAL_FAILURE(OpenWithPasserBy("blocked-loaded", "loaded-fused", &other, 3));
   if (IsSkipped()) return;
   constexpr int32_t kHeads = 6;
   constexpr int64_t kTokens = 1000;
-  FusedInputs in[2];
-  std::vector<std::unique_ptr<client::Session>> sessions;
-  const FusedPath paths[2] = {FusedPath::kPerOperator, FusedPath::kChunked};
-  for (int i = 0; i < 2; ++i) {
-    ASSERT_NO_FATAL_FAILURE(MakeFusedInputs(*other.client, kHeads, kTokens, paths[i], &in[i]));
-    auto s = other.client->CreateFusedSession(*other.group, in[i].spec);
-    ASSERT_TRUE(s.ok()) << s.status();
-    sessions.push_back(std::move(*s));
-  }
-  EXPECT_EQ(State(0).queue_shared_streams(), 0u) << "a stream of a fused session shares a queue";
+  FusedInputs in;
+  ASSERT_NO_FATAL_FAILURE(
+      MakeFusedInputs(*other.client, kHeads, kTokens, FusedPath::kChunked, &in));
+  auto s = other.client->CreateFusedSession(*other.group, in.spec);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(State(0).queue_shared_streams(), 0u) << "a stream of the fused session shares a queue";
   uint64_t early = 0;
   ASSERT_NO_FATAL_FAILURE(BlockRank0(&early));
-  bool all_in_time = true;
-  for (int i = 0; i < 2; ++i) {
-    absl::StatusOr<std::vector<client::Result>> views;
-    std::atomic<bool> returned{false};
-    std::thread call([&] {
-      views = sessions[i]->QkvNormRopeExchange(in[i].x->Ref(), in[i].pos->Ref(), 1, kTokens);
-      returned.store(true);
-    });
-    const bool in_time =
-        testing_util::Eventually([&] { return returned.load(); }, absl::Seconds(20));
-    EXPECT_TRUE(in_time) << "the loaded session's call (path " << FusedPathName(paths[i])
-                         << ") waited for another session's blocked call";
-    if (!in_time) {
-      all_in_time = false;
-      FinishWithRank1(early);  // lets rank 0's call go, then the fused call's
-    }
-    call.join();
-    if (!in_time) ADD_FAILURE() << CallTimes(sessions[i]->id(), 1) << Plans();
-    ASSERT_TRUE(views.ok()) << views.status();
-    for (client::Result& v : *views) ASSERT_TRUE(v.Release().ok());
-    if (!in_time) break;
-  }
-  for (auto& s : sessions) ASSERT_TRUE(s->Close().ok());
-  if (!all_in_time) return;
+  absl::StatusOr<std::vector<client::Result>> views;
+  std::atomic<bool> returned{false};
+  std::thread call([&] {
+    views = (*s)->QkvNormRopeExchange(in.x->Ref(), in.pos->Ref(), 1, kTokens);
+    returned.store(true);
+  });
+  const bool in_time = testing_util::Eventually([&] { return returned.load(); }, absl::Seconds(20));
+  EXPECT_TRUE(in_time) << "the loaded session's call waited for another session's blocked call";
+  if (!in_time) FinishWithRank1(early);  // lets rank 0's call go, then the fused call's
+  call.join();
+  if (!in_time) ADD_FAILURE() << CallTimes((*s)->id(), 1) << Plans();
+  ASSERT_TRUE(views.ok()) << views.status();
+  for (client::Result& v : *views) ASSERT_TRUE(v.Release().ok());
+  ASSERT_TRUE((*s)->Close().ok());
+  if (!in_time) return;
   EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
-      << "rank 0's call ended while the fused sessions called";
+      << "rank 0's call ended while the fused session called";
   FinishWithRank1(early);
 }
 
