@@ -588,6 +588,38 @@ TEST_F(GpuCluster, ATimedOutCallRecordsItsProtocolWords) {
   EXPECT_NE(message.find(", its own"), std::string::npos) << message;
 }
 
+// A fused session's weights and inputs in a client's daemon buffers (zero-filled: every
+// position 0), and its spec: `heads` heads of kFusedGpuHeadDim, calls of up to `tokens` rows.
+struct FusedInputs {
+  std::optional<client::Buffer> w, x, pos;
+  client::FusedSessionSpec spec;
+};
+
+void MakeFusedInputs(client::Client& c, int32_t heads, int64_t tokens, FusedPath path,
+                     FusedInputs* out) {
+  const int32_t dim = kFusedGpuHeadDim, hidden = heads * dim, max_pos = 64;
+  const size_t w_bytes = size_t{3} * hidden * hidden * 2;
+  const size_t at_q = AlignUp(w_bytes, 256), at_k = at_q + 256, at_cs = at_k + 256;
+  auto w = c.AllocBuffer(at_cs + size_t{max_pos} * dim * 4, "weights");
+  auto x = c.AllocBuffer(static_cast<size_t>(tokens) * hidden * 2, "x");
+  auto pos = c.AllocBuffer(static_cast<size_t>(tokens) * 4, "positions");
+  ASSERT_TRUE(w.ok() && x.ok() && pos.ok());
+  client::FusedSessionSpec& spec = out->spec;
+  spec.hidden = hidden;
+  spec.num_heads = heads;
+  spec.head_dim = dim;
+  spec.max_tokens = tokens;
+  spec.max_pos = max_pos;
+  spec.path = path;
+  spec.weights.w_qkv = w->Tensor(DType::kBFloat16, {3 * hidden, hidden}, 0);
+  spec.weights.q_norm = w->Tensor(DType::kBFloat16, {dim}, at_q);
+  spec.weights.k_norm = w->Tensor(DType::kBFloat16, {dim}, at_k);
+  spec.weights.cos_sin = w->Tensor(DType::kFloat32, {max_pos, dim}, at_cs);
+  out->w = std::move(*w);
+  out->x = std::move(*x);
+  out->pos = std::move(*pos);
+}
+
 // Two ranks of a float32 session (H = 4, D = 32, S = 16, 2 slots) whose clients each hold an
 // input x[s, h, d] = rank * 100000 + (s * H + h) * D + d in a device buffer (the inputs
 // testing_util::CheckScatterOut knows): the stage of the tests of a call that waits on the GPU.
@@ -657,6 +689,29 @@ class GpuTwoRankScatter : public GpuCluster {
     ASSERT_TRUE(result.ok()) << result.status();
     ASSERT_TRUE(result->device);
     EXPECT_EQ(CheckRank0(*result), "");
+  }
+
+  // A fused call of `tokens` rows on `s`, from a thread, while rank 0's call (`early`) waits:
+  // true when it returned within 20 s. When it did not, rank 0's call is let go (then the fused
+  // call's) and the fused call's record and the plans are reported. Its views are released.
+  bool FusedCallBesideTheWait(client::Session& s, const FusedInputs& in, int64_t tokens,
+                              uint64_t early, const std::string& what) {
+    absl::StatusOr<std::vector<client::Result>> views;
+    std::atomic<bool> returned{false};
+    std::thread call([&] {
+      views = s.QkvNormRopeExchange(in.x->Ref(), in.pos->Ref(), 1, tokens);
+      returned.store(true);
+    });
+    const bool in_time =
+        testing_util::Eventually([&] { return returned.load(); }, absl::Seconds(20));
+    EXPECT_TRUE(in_time) << what << " waited for another session's blocked call";
+    if (!in_time) FinishWithRank1(early);
+    call.join();
+    if (!in_time) ADD_FAILURE() << CallTimes(s.id(), 1) << Plans();
+    EXPECT_TRUE(views.ok()) << views.status();
+    if (views.ok())
+      for (client::Result& v : *views) EXPECT_TRUE(v.Release().ok());
+    return in_time;
   }
 
   // Where daemon 0's record of a session's call puts its time: from its start to the end of its
@@ -743,38 +798,6 @@ TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCal
 // waits for the blocked call, nor does its call. The call is given 20 s; one that waits for
 // the blocked call fails the case, which then lets rank 0's call go and waits for it, so the
 // next path still runs. Zero weights and inputs: the results do not matter here.
-// A fused session's weights and inputs in a client's daemon buffers (zero-filled: every
-// position 0), and its spec: `heads` heads of kFusedGpuHeadDim, calls of up to `tokens` rows.
-struct FusedInputs {
-  std::optional<client::Buffer> w, x, pos;
-  client::FusedSessionSpec spec;
-};
-
-void MakeFusedInputs(client::Client& c, int32_t heads, int64_t tokens, FusedPath path,
-                     FusedInputs* out) {
-  const int32_t dim = kFusedGpuHeadDim, hidden = heads * dim, max_pos = 64;
-  const size_t w_bytes = size_t{3} * hidden * hidden * 2;
-  const size_t at_q = AlignUp(w_bytes, 256), at_k = at_q + 256, at_cs = at_k + 256;
-  auto w = c.AllocBuffer(at_cs + size_t{max_pos} * dim * 4, "weights");
-  auto x = c.AllocBuffer(static_cast<size_t>(tokens) * hidden * 2, "x");
-  auto pos = c.AllocBuffer(static_cast<size_t>(tokens) * 4, "positions");
-  ASSERT_TRUE(w.ok() && x.ok() && pos.ok());
-  client::FusedSessionSpec& spec = out->spec;
-  spec.hidden = hidden;
-  spec.num_heads = heads;
-  spec.head_dim = dim;
-  spec.max_tokens = tokens;
-  spec.max_pos = max_pos;
-  spec.path = path;
-  spec.weights.w_qkv = w->Tensor(DType::kBFloat16, {3 * hidden, hidden}, 0);
-  spec.weights.q_norm = w->Tensor(DType::kBFloat16, {dim}, at_q);
-  spec.weights.k_norm = w->Tensor(DType::kBFloat16, {dim}, at_k);
-  spec.weights.cos_sin = w->Tensor(DType::kFloat32, {max_pos, dim}, at_cs);
-  out->w = std::move(*w);
-  out->x = std::move(*x);
-  out->pos = std::move(*pos);
-}
-
 class GpuFusedPasserBy : public GpuTwoRankScatter,
                          public testing::WithParamInterface<FusedPath> {};
 
@@ -800,21 +823,8 @@ TEST_P(GpuFusedPasserBy, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlocke
     EXPECT_EQ(State(0).queue_shared_streams(), 0u) << "a stream of the fused session shares a queue";
     EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
         << "rank 0's call ended while a fused session was made";
-    absl::StatusOr<std::vector<client::Result>> views;
-    std::atomic<bool> returned{false};
-    std::thread call([&] {
-      views = (*s)->QkvNormRopeExchange(in.x->Ref(), in.pos->Ref(), 1, kTokens);
-      returned.store(true);
-    });
-    const bool in_time =
-        testing_util::Eventually([&] { return returned.load(); }, absl::Seconds(20));
-    EXPECT_TRUE(in_time) << "the fused call (path " << FusedPathName(GetParam())
-                         << ") waited for another session's blocked call";
-    if (!in_time) FinishWithRank1(early);  // lets rank 0's call go, then the fused call's
-    call.join();
-    if (!in_time) ADD_FAILURE() << CallTimes((*s)->id(), 1) << Plans();
-    ASSERT_TRUE(views.ok()) << views.status();
-    for (client::Result& v : *views) ASSERT_TRUE(v.Release().ok());
+    const bool in_time = FusedCallBesideTheWait(
+        **s, in, kTokens, early, StrCat("the fused call (path ", FusedPathName(GetParam()), ")"));
     ASSERT_TRUE((*s)->Close().ok());
     if (!in_time) return;
   }
@@ -842,19 +852,8 @@ TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideI
   EXPECT_EQ(State(0).queue_shared_streams(), 0u) << "a stream of the fused session shares a queue";
   uint64_t early = 0;
   ASSERT_NO_FATAL_FAILURE(BlockRank0(&early));
-  absl::StatusOr<std::vector<client::Result>> views;
-  std::atomic<bool> returned{false};
-  std::thread call([&] {
-    views = (*s)->QkvNormRopeExchange(in.x->Ref(), in.pos->Ref(), 1, kTokens);
-    returned.store(true);
-  });
-  const bool in_time = testing_util::Eventually([&] { return returned.load(); }, absl::Seconds(20));
-  EXPECT_TRUE(in_time) << "the loaded session's call waited for another session's blocked call";
-  if (!in_time) FinishWithRank1(early);  // lets rank 0's call go, then the fused call's
-  call.join();
-  if (!in_time) ADD_FAILURE() << CallTimes((*s)->id(), 1) << Plans();
-  ASSERT_TRUE(views.ok()) << views.status();
-  for (client::Result& v : *views) ASSERT_TRUE(v.Release().ok());
+  const bool in_time =
+      FusedCallBesideTheWait(**s, in, kTokens, early, "the loaded session's call");
   ASSERT_TRUE((*s)->Close().ok());
   if (!in_time) return;
   EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
