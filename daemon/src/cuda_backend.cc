@@ -291,9 +291,9 @@ class CudaTransport final : public Transport {
   }
 
   // Session drains every transport it made and keeps for the process's life one whose Drain
-  // failed; one never drained comes from a failed Create, whose only work on its stream (the
-  // zeroing of its allocations) was waited for there. So nothing of this session runs on the
-  // device any more, and nothing here waits.
+  // failed; one never drained comes from a failed Create, whose work on its stream (the zeroing
+  // of its allocations, a fused plan's kernel loads) was waited for there. So nothing of this
+  // session runs on the device any more, and nothing here waits.
   ~CudaTransport() override {
     // A failed Create lent its allocations before it failed: no peer fetches them any more.
     for (ExportTicket* t : {&ticket_, &words_ticket_})

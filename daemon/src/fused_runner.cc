@@ -121,8 +121,8 @@ absl::StatusOr<FusedPath> FusedRunner::PreparedPath(int64_t rows) {
 
 absl::Status FusedRunner::LoadKernels(void* stream) {
   const int64_t rows = setup_.geometry.max_tokens;
-  ULY_RETURN_IF_ERROR(PreparedPath(rows).status());
-  return plan_->LoadKernels(rows, static_cast<cudaStream_t>(stream));
+  ULY_ASSIGN_OR_RETURN(const FusedPath path, PreparedPath(rows));
+  return plan_->LoadKernels(rows, path, static_cast<cudaStream_t>(stream));
 }
 
 std::string FusedRunner::Describe() const {

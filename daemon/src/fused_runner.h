@@ -47,10 +47,10 @@ class FusedRunner {
   /// records the choice. Thread-safe.
   absl::StatusOr<FusedPath> PreparedPath(int64_t rows);
 
-  /// Prepares max_tokens rows and launches their GEMMs once on `stream` (a cudaStream_t), so
-  /// that the first launch of each cuBLASLt kernel, which holds the launching thread until
-  /// every stream of the device is idle, happens while the session opens and not in a call
-  /// (FusedQkvPlan::LoadKernels).
+  /// Prepares max_tokens rows and launches the GEMMs of their path once on `stream` (a
+  /// cudaStream_t), so that the first launch of each cuBLASLt kernel, which holds the launching
+  /// thread until every stream of the device is idle, happens while the session opens and not
+  /// in a call (FusedQkvPlan::LoadKernels). Called once, before the session serves a call.
   absl::Status LoadKernels(void* stream);
 
   /// "path <name>" and, for auto, the rule; then one line per prepared row count: its path,

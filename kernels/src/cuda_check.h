@@ -20,46 +20,63 @@ inline absl::Status CudaError(absl::string_view call, cudaError_t err, absl::str
                                           cudaGetErrorString(err), ") at ", file, ":", line));
 }
 
-/// Whether the calling thread has a current CUDA context (cuCtxGetCurrent, through the driver's
-/// entry point, resolved once).
-inline bool HasCurrentContext() {
-  using GetCurrent = CUresult (*)(CUcontext*);
-  static const GetCurrent get_current = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &p, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      return GetCurrent{nullptr};
-    return reinterpret_cast<GetCurrent>(p);
-  }();
-  CUcontext ctx = nullptr;
-  return get_current != nullptr && get_current(&ctx) == CUDA_SUCCESS && ctx != nullptr;
-}
+/// The driver's current-context calls, through its entry points (resolved once): the kernels
+/// target links the runtime only.
+struct ContextCalls {
+  CUresult (*get)(CUcontext*) = nullptr;
+  CUresult (*set)(CUcontext) = nullptr;
 
-/// Makes `device` (and so its primary context) current for a scope. A thread that never called
-/// the runtime has no current context, and the driver calls some launches make fail there
-/// (CUTLASS encodes its TMA descriptors with cuTensorMapEncodeTiled, and does not report that
-/// failure: the kernel then runs with an unset descriptor and ends the context with an illegal
-/// instruction). A thread that had a context gets its device back at the scope's end; one that
-/// had none keeps `device`'s (putting back "device 0" would make a context there).
+  static const ContextCalls& Get() {
+    static const ContextCalls calls = [] {
+      ContextCalls c;
+      auto resolve = [](const char* name) -> void* {
+        void* p = nullptr;
+        cudaDriverEntryPointQueryResult found{};
+        if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess)
+          return nullptr;
+        return p;
+      };
+      c.get = reinterpret_cast<CUresult (*)(CUcontext*)>(resolve("cuCtxGetCurrent"));
+      c.set = reinterpret_cast<CUresult (*)(CUcontext)>(resolve("cuCtxSetCurrent"));
+      return c;
+    }();
+    return calls;
+  }
+};
+
+/// Makes `device` current for a scope, with its primary context where the thread's current
+/// context is not on `device`. A thread that never called the runtime has no current context,
+/// and the driver calls some launches make fail there (CUTLASS encodes its TMA descriptors with
+/// cuTensorMapEncodeTiled, and does not report that failure: the kernel then runs with an unset
+/// descriptor and ends the context with an illegal instruction). A thread whose context was on
+/// `device` keeps it untouched; one whose context was on another device gets that context back
+/// at the scope's end; one that had none keeps `device`'s primary context.
 class ScopedDevice {
  public:
   explicit ScopedDevice(int device) {
-    if (!HasCurrentContext() || cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    const ContextCalls& calls = ContextCalls::Get();
+    CUcontext current = nullptr;
+    if (calls.get != nullptr && calls.set != nullptr && calls.get(&current) == CUDA_SUCCESS &&
+        current != nullptr) {
+      int on = -1;
+      if (cudaGetDevice(&on) == cudaSuccess && on == device) return;  // already there
+      saved_ = current;
+    }
     status_ = cudaSetDevice(device);
-    if (status_ != cudaSuccess || previous_ == device) previous_ = -1;
+    if (status_ != cudaSuccess) saved_ = nullptr;
   }
   ~ScopedDevice() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
+    if (saved_ != nullptr) ContextCalls::Get().set(saved_);
   }
   ScopedDevice(const ScopedDevice&) = delete;
   ScopedDevice& operator=(const ScopedDevice&) = delete;
-  /// cudaSetDevice's result.
+  /// cudaSetDevice's result (cudaSuccess where nothing was to be done).
   cudaError_t status() const { return status_; }
 
  private:
-  int previous_ = -1;
+  CUcontext saved_ = nullptr;  // the context to put back, or null
   cudaError_t status_ = cudaSuccess;
 };
 

@@ -768,6 +768,7 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
   const void* x = x_[0]->as<void>();
   // Row counts this plan has not seen: each a new cuBLASLt algorithm query, and a first GEMM.
   const std::vector<int64_t> more = {1, Rows() / 3 + 1, Rows() - 1};
+  const int64_t plan_chunk_rows = FusedChunkRows(Rows(), 0);  // the plans' chunk_rows are 0
   const Steps steps = {
       {"memset (the control)",
        [&] {
@@ -803,20 +804,19 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
        true},
       {"a GEMM object of its own, the plan's shape, first launch",
        [&]() -> absl::Status {
+         // Its workspace is allocated, and freed as it goes, on `run`: after its GEMM.
          ULY_ASSIGN_OR_RETURN(std::unique_ptr<Bf16Gemm> gemm,
                               Bf16Gemm::Create(QkvFeatures(shape_), QkvHidden(shape_),
-                                               Bf16Gemm::kDefaultWorkspaceBytes, side));
+                                               Bf16Gemm::kDefaultWorkspaceBytes, run));
          ULY_RETURN_IF_ERROR(gemm->Prepare(Rows()));
-         ULY_RETURN_IF_ERROR(
-             gemm->Run(x, w_qkv_->as<void>(), scratch.as<void>(), Rows(), run));
-         // Its workspace is freed on `side` as it goes.
-         return absl::OkStatus();
+         return gemm->Run(x, w_qkv_->as<void>(), scratch.as<void>(), Rows(), run);
        }},
       {"norm + RoPE", [&] { return plan->RunNormRope(x, pos, 1, Rows(), run); }},
       {"per_operator call",
        [&] { return plan->RunPerOperator(x, pos, 1, Rows(), dests, run); }},
-      // Its chunks' GEMMs are first launches at the chunk's row counts.
-      {"chunked call", [&] { return plan->RunChunked(x, pos, 1, Rows(), dests, run); }, true},
+      // Its chunks' GEMMs are first launches at the chunk's row counts (unless one chunk).
+      {"chunked call", [&] { return plan->RunChunked(x, pos, 1, Rows(), dests, run); },
+       plan_chunk_rows != Rows()},
       {"epilogue call",
        [&] {
          return plan->EpilogueUnavailable().empty()
@@ -850,7 +850,7 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ALoadedPlansCallsRunBesideAStreamWaitingOn
   DeviceBuffer cancel(std::vector<uint64_t>{0});
   std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0, false, side_);
   ASSERT_NE(plan, nullptr);
-  ASSERT_TRUE(plan->LoadKernels(Rows(), run_).ok());
+  ASSERT_TRUE(plan->LoadKernels(Rows(), FusedPath::kAuto, run_).ok());
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
 
   void* outs[1] = {slot.as<void>()};

@@ -96,13 +96,16 @@ class FusedQkvPlan {
   /// Prepares the GEMMs of a call of B * S_l = `rows` on both paths (host work only).
   absl::Status Prepare(int64_t rows);
 
-  /// Prepares `rows` and launches each of its GEMMs (whole, chunk, remainder) once on `stream`,
-  /// reading and writing the plan's own projection buffer (what they compute is discarded:
-  /// the next call's GEMM overwrites it in the stream's order). The first launch of a cuBLASLt
-  /// kernel in a process holds the launching thread until every stream of the device is idle
-  /// (measured on H100; docs/architecture.md, section 8), so a daemon does it when a session
-  /// opens rather than inside its first call. Nothing waits for the launches to end.
-  absl::Status LoadKernels(int64_t rows, cudaStream_t stream);
+  /// Prepares `rows` and launches once on `stream` each cuBLASLt GEMM a call of `rows` rows
+  /// on `path` runs: the whole rows for kPerOperator (and RunNormRope), the chunk and the
+  /// remainder for kChunked, none for kEpilogue (its GEMM is this library's own kernel, loaded
+  /// with its module), all of them for kAuto. They read and write the plan's own projection
+  /// buffer (what they compute is discarded: a call's GEMM overwrites it in the stream's
+  /// order). The first launch of a cuBLASLt kernel in a process holds the launching thread
+  /// until every stream of the device is idle (measured on H100; docs/architecture.md,
+  /// section 8), so a daemon does this when a session opens rather than inside its first call.
+  /// Nothing waits for the launches to end. Not thread-safe against Prepare or the Run calls.
+  absl::Status LoadKernels(int64_t rows, FusedPath path, cudaStream_t stream);
 
   /// The per-operator path. `x` is this rank's [batch, seq_local, hidden] bf16 input,
   /// `positions` its int32 [batch, seq_local] positions (device pointers); `dests` as for
