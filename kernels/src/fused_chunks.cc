@@ -34,6 +34,19 @@ int64_t EpilogueChunkRows(int64_t rows, int64_t chunk_rows) {
   return AlignUp(FusedChunkRows(rows, chunk_rows));
 }
 
+std::vector<int64_t> FusedGemmRowCounts(int64_t rows, int64_t chunk_rows, FusedPath path) {
+  std::vector<int64_t> counts;
+  if (path == FusedPath::kPerOperator || path == FusedPath::kAuto) counts.push_back(rows);
+  if (path == FusedPath::kChunked || path == FusedPath::kAuto) {
+    const int64_t chunk = FusedChunkRows(rows, chunk_rows);
+    counts.push_back(chunk);
+    if (rows % chunk != 0) counts.push_back(rows % chunk);
+  }
+  std::sort(counts.begin(), counts.end());
+  counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
+  return counts;
+}
+
 int64_t FusedNumChunks(int64_t rows, int64_t chunk_rows) {
   const int64_t chunk = FusedChunkRows(rows, chunk_rows);
   return (rows + chunk - 1) / chunk;

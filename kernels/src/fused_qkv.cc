@@ -4,7 +4,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -232,17 +231,10 @@ absl::Status FusedQkvPlan::Prepare(int64_t rows) {
 
 absl::Status FusedQkvPlan::LoadKernels(int64_t rows, FusedPath path, cudaStream_t stream) {
   ULY_RETURN_IF_ERROR(Prepare(rows));
-  const int64_t chunk = impl_->ChunkRows(rows);
-  std::set<int64_t> counts;
-  if (path == FusedPath::kPerOperator || path == FusedPath::kAuto) counts.insert(rows);
-  if (path == FusedPath::kChunked || path == FusedPath::kAuto) {
-    counts.insert(chunk);
-    if (rows % chunk != 0) counts.insert(rows % chunk);
-  }
   // The projection buffer holds max_tokens rows of 3*H*D, so it covers both the input's
   // rows * hidden and the output's rows * 3*H*D; the values are neither read nor kept.
   void* buffer = impl_->qkv();
-  for (int64_t m : counts)
+  for (int64_t m : FusedGemmRowCounts(rows, impl_->config.chunk_rows, path))
     ULY_RETURN_IF_ERROR(impl_->gemm->Run(buffer, impl_->config.weights.w_qkv, buffer, m, stream));
   return absl::OkStatus();
 }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "ulysses/kernels/fused_qkv.h"
 
@@ -22,6 +23,22 @@ TEST(FusedChunksTest, DefaultIsAboutFourChunksOfAtLeast512Rows) {
   EXPECT_EQ(FusedNumChunks(32768, 0), 4);
   EXPECT_EQ(FusedNumChunks(65536, 0), 4);
   EXPECT_EQ(FusedNumChunks(100, 0), 1);
+}
+
+// What a fused session loads when it opens: the row counts of the cuBLASLt GEMMs its path runs.
+TEST(FusedChunksTest, GemmRowCountsAreThoseThePathRuns) {
+  using V = std::vector<int64_t>;
+  // 1000 rows: default chunks of 512, so a chunk and a 488-row remainder.
+  EXPECT_EQ(FusedGemmRowCounts(1000, 0, FusedPath::kPerOperator), V({1000}));
+  EXPECT_EQ(FusedGemmRowCounts(1000, 0, FusedPath::kChunked), V({488, 512}));
+  EXPECT_EQ(FusedGemmRowCounts(1000, 0, FusedPath::kAuto), V({488, 512, 1000}));
+  EXPECT_EQ(FusedGemmRowCounts(1000, 0, FusedPath::kEpilogue), V{});
+  // Chunks that divide the rows: no remainder.
+  EXPECT_EQ(FusedGemmRowCounts(32768, 0, FusedPath::kChunked), V({8192}));
+  EXPECT_EQ(FusedGemmRowCounts(400, 128, FusedPath::kChunked), V({16, 128}));
+  // One chunk of all the rows: one count, whatever the path.
+  EXPECT_EQ(FusedGemmRowCounts(16, 0, FusedPath::kChunked), V({16}));
+  EXPECT_EQ(FusedGemmRowCounts(16, 0, FusedPath::kAuto), V({16}));
 }
 
 TEST(FusedChunksTest, ConfiguredRowsRoundUpToTilesAndLeaveATail) {

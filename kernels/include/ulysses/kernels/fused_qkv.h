@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -73,6 +74,12 @@ int64_t FusedChunkRows(int64_t rows, int64_t chunk_rows);
 
 /// Chunks of that call: ceil(rows / FusedChunkRows(rows, chunk_rows)).
 int64_t FusedNumChunks(int64_t rows, int64_t chunk_rows);
+
+/// The row counts of the cuBLASLt GEMMs a call of `rows` (> 0) rows on `path` runs, ascending
+/// and distinct: the whole rows for kPerOperator, the chunk and any remainder for kChunked,
+/// none for kEpilogue (its GEMM is this library's own), all of them for kAuto. What
+/// FusedQkvPlan::LoadKernels launches. Host code; the same with or without CUDA.
+std::vector<int64_t> FusedGemmRowCounts(int64_t rows, int64_t chunk_rows, FusedPath path);
 
 /// The epilogue path's readiness chunks: FusedChunkRows rounded up to whole 128-row tiles, so
 /// that a tile belongs to one chunk; the same number of chunks as FusedNumChunks.
