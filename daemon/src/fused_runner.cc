@@ -67,11 +67,10 @@ absl::StatusOr<std::unique_ptr<FusedRunner>> FusedRunner::Create(const FusedSetu
   return runner;
 }
 
-FusedRunner::Prepared FusedRunner::Choose(int64_t rows) const {
+FusedRunner::Prepared FusedRunner::Rule(FusedPath asked, FusedExchange exchange,
+                                        const std::string& no_epilogue, int64_t rows) {
   Prepared p;
-  const FusedPath asked = setup_.path;
-  const std::string no_epilogue = plan_->EpilogueUnavailable();
-  if (exchange_ == FusedExchange::kTransportMoves) {
+  if (exchange == FusedExchange::kTransportMoves) {
     p.path = FusedPath::kPerOperator;
     p.why = asked == FusedPath::kAuto
                 ? "auto: the only path where the transport moves the result"
@@ -91,10 +90,32 @@ FusedRunner::Prepared FusedRunner::Choose(int64_t rows) const {
     p.why = StrCat("auto: no epilogue GEMM (", no_epilogue, "); under ", kChunkedMinRows,
                    " rows the chunked path measured no faster");
   } else {
+    // The runner's plans chunk by default (FusedQkvConfig::chunk_rows 0).
     p.path = FusedPath::kChunked;
-    p.why = StrCat("auto: ", plan_->NumChunks(rows), " chunks of ", plan_->ChunkRows(rows),
-                   " rows overlap the stores with the GEMM");
+    p.why = StrCat("auto: ", kernels::FusedNumChunks(rows, 0), " chunks of ",
+                   kernels::FusedChunkRows(rows, 0), " rows overlap the stores with the GEMM");
   }
+  return p;
+}
+
+std::vector<std::pair<FusedPath, int64_t>> FusedRunner::PathsUpTo(FusedPath asked,
+                                                                  FusedExchange exchange,
+                                                                  const std::string& no_epilogue,
+                                                                  int64_t max_tokens) {
+  // The rule changes path only at its thresholds, so the row counts on either side of each
+  // find every path it takes and the most rows of each.
+  std::map<FusedPath, int64_t> most;
+  for (int64_t rows : {int64_t{1}, kEpilogueMinRows - 1, kEpilogueMinRows, kChunkedMinRows - 1,
+                       kChunkedMinRows, max_tokens}) {
+    if (rows < 1 || rows > max_tokens) continue;
+    int64_t& m = most[Rule(asked, exchange, no_epilogue, rows).path];
+    m = std::max(m, rows);
+  }
+  return {most.begin(), most.end()};
+}
+
+FusedRunner::Prepared FusedRunner::Choose(int64_t rows) const {
+  Prepared p = Rule(setup_.path, exchange_, plan_->EpilogueUnavailable(), rows);
   p.launches = PlanLine(plan_->Describe(rows), FusedPathName(p.path));
   if (exchange_ == FusedExchange::kTransportMoves) {
     // The plan's line ends in its own stores; here the transport's exchange follows instead.
@@ -120,9 +141,12 @@ absl::StatusOr<FusedPath> FusedRunner::PreparedPath(int64_t rows) {
 }
 
 absl::Status FusedRunner::LoadKernels(void* stream) {
-  const int64_t rows = setup_.geometry.max_tokens;
-  ULY_ASSIGN_OR_RETURN(const FusedPath path, PreparedPath(rows));
-  return plan_->LoadKernels(rows, path, static_cast<cudaStream_t>(stream));
+  for (const auto& [path, rows] : PathsUpTo(setup_.path, exchange_, plan_->EpilogueUnavailable(),
+                                            setup_.geometry.max_tokens)) {
+    ULY_RETURN_IF_ERROR(plan_->LoadKernels(rows, path, static_cast<cudaStream_t>(stream)));
+  }
+  // max_tokens, prepared after the loads: its line in describe() names the loaded algorithm.
+  return PreparedPath(setup_.geometry.max_tokens).status();
 }
 
 std::string FusedRunner::Describe() const {

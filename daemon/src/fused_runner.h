@@ -8,6 +8,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "transport.h"
@@ -47,11 +49,29 @@ class FusedRunner {
   /// records the choice. Thread-safe.
   absl::StatusOr<FusedPath> PreparedPath(int64_t rows);
 
-  /// Prepares max_tokens rows and launches the GEMMs of their path once on `stream` (a
-  /// cudaStream_t), so that the first launch of each cuBLASLt kernel, which holds the launching
-  /// thread until every stream of the device is idle, happens while the session opens and not
-  /// in a call (FusedQkvPlan::LoadKernels). Called once, before the session serves a call.
+  /// Loads, on `stream` (a cudaStream_t), the cuBLASLt kernels of every path the session's
+  /// calls of 1 to max_tokens rows take (PathsUpTo; FusedQkvPlan::LoadKernels), so that the
+  /// first launch of each, which holds the launching thread until every stream of the device
+  /// is idle, happens while the session opens and not in a call; then prepares max_tokens.
+  /// Called once, before the session serves a call.
   absl::Status LoadKernels(void* stream);
+
+  /// The path rule: the path of a call of `rows` rows of a session asking for `asked`, on a
+  /// transport where `exchange`, with the epilogue GEMM unavailable for `no_epilogue` (empty:
+  /// available), and why.
+  struct Prepared {
+    FusedPath path = FusedPath::kPerOperator;
+    std::string why;
+    std::string launches;  ///< the plan's launches; empty from Rule
+  };
+  static Prepared Rule(FusedPath asked, FusedExchange exchange, const std::string& no_epilogue,
+                       int64_t rows);
+  /// Every path Rule gives for 1 to `max_tokens` rows, each with the most rows it is given,
+  /// in FusedPath order.
+  static std::vector<std::pair<FusedPath, int64_t>> PathsUpTo(FusedPath asked,
+                                                              FusedExchange exchange,
+                                                              const std::string& no_epilogue,
+                                                              int64_t max_tokens);
 
   /// "path <name>" and, for auto, the rule; then one line per prepared row count: its path,
   /// why, and its launches. Thread-safe.
@@ -60,11 +80,6 @@ class FusedRunner {
  private:
   FusedRunner(const FusedSetup& setup, FusedExchange exchange) : setup_(setup), exchange_(exchange) {}
 
-  struct Prepared {
-    FusedPath path = FusedPath::kPerOperator;
-    std::string why;
-    std::string launches;
-  };
   Prepared Choose(int64_t rows) const;
   static kernels::FusedQkvConfig ConfigOf(const FusedSetup& setup);
 

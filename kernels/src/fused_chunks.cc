@@ -47,6 +47,18 @@ std::vector<int64_t> FusedGemmRowCounts(int64_t rows, int64_t chunk_rows, FusedP
   return counts;
 }
 
+std::vector<int64_t> FusedGemmLoadRowCounts(int64_t rows, int64_t chunk_rows, FusedPath path) {
+  std::vector<int64_t> counts;
+  for (int64_t r = 1;; r *= 2) {
+    const int64_t at = std::min(r, rows);
+    for (int64_t m : FusedGemmRowCounts(at, chunk_rows, path)) counts.push_back(m);
+    if (at == rows) break;
+  }
+  std::sort(counts.begin(), counts.end());
+  counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
+  return counts;
+}
+
 int64_t FusedNumChunks(int64_t rows, int64_t chunk_rows) {
   const int64_t chunk = FusedChunkRows(rows, chunk_rows);
   return (rows + chunk - 1) / chunk;

@@ -231,13 +231,18 @@ absl::Status FusedQkvPlan::Prepare(int64_t rows) {
 
 absl::Status FusedQkvPlan::LoadKernels(int64_t rows, FusedPath path, cudaStream_t stream) {
   ULY_RETURN_IF_ERROR(Prepare(rows));
-  // The projection buffer holds max_tokens rows of 3*H*D, so it covers both the input's
-  // rows * hidden and the output's rows * 3*H*D; the values are neither read nor kept.
-  void* buffer = impl_->qkv();
-  for (int64_t m : FusedGemmRowCounts(rows, impl_->config.chunk_rows, path))
-    ULY_RETURN_IF_ERROR(impl_->gemm->Run(buffer, impl_->config.weights.w_qkv, buffer, m, stream));
-  return absl::OkStatus();
+  const std::vector<int64_t> counts = FusedGemmLoadRowCounts(rows, impl_->config.chunk_rows, path);
+  if (counts.empty()) return absl::OkStatus();
+  // The projection buffer holds max_tokens rows of 3*H*D: the output's rows * 3*H*D, and the
+  // input's rows * hidden after an offset of up to 256 bytes; the values are neither read nor
+  // kept.
+  ULY_RETURN_IF_ERROR(impl_->gemm->Load(counts, impl_->config.weights.w_qkv, impl_->qkv(),
+                                        impl_->projection.bytes(), stream));
+  // Prepare again: the row counts prepared before the load are pinned to loaded algorithms.
+  return Prepare(rows);
 }
+
+size_t FusedQkvPlan::unloaded_gemm_choices() const { return impl_->gemm->unloaded_choices(); }
 
 absl::Status FusedQkvPlan::RunProjection(const void* x, int64_t rows, cudaStream_t stream) {
   if (rows <= 0 || rows > impl_->config.max_tokens)

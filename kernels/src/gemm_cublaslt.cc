@@ -5,6 +5,8 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
@@ -100,7 +102,17 @@ struct Bf16Gemm::Impl {
   struct Shape {
     internal::LtLayout x;    // B: [k, m] column-major
     internal::LtLayout out;  // C and D: [n, m] column-major
-    cublasLtMatmulAlgo_t algo{};
+    cublasLtMatmulAlgo_t algo{};  // cuBLASLt's choice
+    // What Run launches once the GEMM is loaded (`algo` or a loaded one), as of load
+    // `generation` (0: not chosen yet).
+    cublasLtMatmulAlgo_t run{};
+    uint64_t generation = 0;
+  };
+  // An algorithm Load asked for, with the row count and alignment it was chosen for.
+  struct LoadedAlgo {
+    int64_t m;
+    uint32_t alignment;
+    cublasLtMatmulAlgo_t algo;
   };
 
   int64_t n = 0, k = 0;
@@ -110,8 +122,12 @@ struct Bf16Gemm::Impl {
   internal::DeviceMemory workspace;
   size_t workspace_bytes = 0;
   std::map<std::pair<int64_t, uint32_t>, Shape> shapes;
+  std::vector<LoadedAlgo> loaded;
+  std::vector<cublasLtMatmulAlgo_t> launched;  // distinct algorithms Load launched
+  uint64_t generation = 0;                     // Loads so far
+  size_t unloaded = 0;
 
-  absl::StatusOr<const Shape*> Get(int64_t m, uint32_t alignment) {
+  absl::StatusOr<Shape*> Get(int64_t m, uint32_t alignment) {
     auto it = shapes.find({m, alignment});
     if (it != shapes.end()) return &it->second;
     Shape s;
@@ -138,6 +154,61 @@ struct Bf16Gemm::Impl {
                                               " k=", k, " alignment ", alignment));
     s.algo = result.algo;
     return &shapes.emplace(std::make_pair(m, alignment), std::move(s)).first->second;
+  }
+
+  static bool Same(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
+    return std::memcmp(&a, &b, sizeof a) == 0;
+  }
+  bool Launched(const cublasLtMatmulAlgo_t& algo) const {
+    return std::any_of(launched.begin(), launched.end(),
+                       [&](const cublasLtMatmulAlgo_t& l) { return Same(l, algo); });
+  }
+  // Whether cuBLASLt runs `algo` for shape `s` within the workspace.
+  bool Accepts(const Shape& s, const cublasLtMatmulAlgo_t& algo) const {
+    cublasLtMatmulHeuristicResult_t result{};
+    return cublasLtMatmulAlgoCheck(handle.get(), desc.get(), w.get(), s.x.get(), s.out.get(),
+                                   s.out.get(), &algo, &result) == CUBLAS_STATUS_SUCCESS &&
+           result.workspaceSize <= workspace_bytes;
+  }
+
+  // The algorithm a Run of `s` (m rows, `alignment`) launches: cuBLASLt's choice until the
+  // GEMM is loaded; then that choice if it was launched, else the loaded algorithm of the same
+  // alignment chosen for the fewest rows not below m (then the most rows below m) that
+  // cuBLASLt accepts for m; cuBLASLt's choice only when none is (counted).
+  const cublasLtMatmulAlgo_t& Choose(Shape& s, int64_t m, uint32_t alignment) {
+    if (generation == 0) return s.algo;
+    if (s.generation == generation) return s.run;
+    s.generation = generation;
+    s.run = s.algo;
+    if (Launched(s.algo)) return s.run;
+    std::vector<const LoadedAlgo*> order;
+    for (const LoadedAlgo& l : loaded) {
+      if (l.alignment == alignment) order.push_back(&l);
+    }
+    // Not below m first, fewest rows first; then below m, most rows first.
+    std::sort(order.begin(), order.end(), [m](const LoadedAlgo* a, const LoadedAlgo* b) {
+      const bool a_up = a->m >= m, b_up = b->m >= m;
+      if (a_up != b_up) return a_up;
+      return a_up ? a->m < b->m : a->m > b->m;
+    });
+    for (const LoadedAlgo* l : order) {
+      if (Accepts(s, l->algo)) {
+        s.run = l->algo;
+        return s.run;
+      }
+    }
+    ++unloaded;
+    return s.run;
+  }
+
+  absl::Status Launch(const cublasLtMatmulAlgo_t& algo, const Shape& s, const void* x,
+                      const void* w_ptr, void* out, cudaStream_t stream) {
+    const float alpha = 1.0f, beta = 0.0f;
+    ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(handle.get(), desc.get(), &alpha, w_ptr, w.get(), x,
+                                              s.x.get(), &beta, out, s.out.get(), out,
+                                              s.out.get(), &algo, workspace.get(),
+                                              workspace_bytes, stream));
+    return absl::OkStatus();
   }
 };
 
@@ -211,8 +282,46 @@ absl::StatusOr<std::unique_ptr<Bf16Gemm>> Bf16Gemm::Create(int64_t n, int64_t k,
 
 absl::Status Bf16Gemm::Prepare(int64_t m) {
   if (m <= 0) return absl::InvalidArgumentError(absl::StrCat("m must be positive, got ", m));
-  return impl_->Get(m, 256).status();
+  ULY_ASSIGN_OR_RETURN(Impl::Shape * s, impl_->Get(m, 256));
+  impl_->Choose(*s, m, 256);
+  return absl::OkStatus();
 }
+
+absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void* scratch,
+                            size_t scratch_bytes, cudaStream_t stream) {
+  if (w == nullptr) return absl::InvalidArgumentError("w must be non-null");
+  const uint32_t w_alignment = AlignmentOf(w, w, w);
+  if (w_alignment == 0) return absl::InvalidArgumentError("w must be 16-byte aligned");
+  if (scratch == nullptr || reinterpret_cast<uintptr_t>(scratch) % 256 != 0)
+    return absl::InvalidArgumentError("scratch must be non-null and 256-byte aligned");
+  Impl& g = *impl_;
+  for (int64_t m : ms) {
+    if (m <= 0) return absl::InvalidArgumentError(absl::StrCat("ms: row count ", m, " is not positive"));
+    const size_t need = 256 + static_cast<size_t>(m) * static_cast<size_t>(std::max(g.n, g.k)) *
+                                  sizeof(uint16_t);
+    if (scratch_bytes < need)
+      return absl::InvalidArgumentError(absl::StrCat("scratch_bytes: ", scratch_bytes,
+                                                     " bytes cannot hold ", m, " rows (", need,
+                                                     " bytes needed)"));
+  }
+  for (int64_t m : ms) {
+    for (uint32_t a : kAlignments) {
+      if (a > w_alignment) continue;  // no call's pointers can be aligned so
+      ULY_ASSIGN_OR_RETURN(Impl::Shape * s, g.Get(m, a));
+      g.loaded.push_back({m, a, s->algo});
+      if (g.Launched(s->algo)) continue;
+      // x at an offset of `a` bytes (none for 256), so the three pointers are aligned to `a`.
+      const void* x = static_cast<const char*>(scratch) + (a < 256 ? a : 0);
+      ULY_RETURN_IF_ERROR(g.Launch(s->algo, *s, x, w, scratch, stream));
+      g.launched.push_back(s->algo);
+    }
+  }
+  ++g.generation;
+  return absl::OkStatus();
+}
+
+size_t Bf16Gemm::loaded_algorithms() const { return impl_->launched.size(); }
+size_t Bf16Gemm::unloaded_choices() const { return impl_->unloaded; }
 
 absl::Status Bf16Gemm::Run(const void* x, const void* w, void* out, int64_t m,
                            cudaStream_t stream) {
@@ -221,13 +330,8 @@ absl::Status Bf16Gemm::Run(const void* x, const void* w, void* out, int64_t m,
     return absl::InvalidArgumentError("x, w and out must be non-null");
   const uint32_t alignment = AlignmentOf(x, w, out);
   if (alignment == 0) return absl::InvalidArgumentError("x, w and out must be 16-byte aligned");
-  ULY_ASSIGN_OR_RETURN(const Impl::Shape* s, impl_->Get(m, alignment));
-  const float alpha = 1.0f, beta = 0.0f;
-  ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(
-      impl_->handle.get(), impl_->desc.get(), &alpha, w, impl_->w.get(), x, s->x.get(), &beta, out,
-      s->out.get(), out, s->out.get(), &s->algo, impl_->workspace.get(), impl_->workspace_bytes,
-      stream));
-  return absl::OkStatus();
+  ULY_ASSIGN_OR_RETURN(Impl::Shape * s, impl_->Get(m, alignment));
+  return impl_->Launch(impl_->Choose(*s, m, alignment), *s, x, w, out, stream);
 }
 
 int64_t Bf16Gemm::n() const { return impl_->n; }
@@ -237,7 +341,8 @@ size_t Bf16Gemm::device_bytes() const { return impl_->workspace.bytes(); }
 std::string Bf16Gemm::AlgoDescription(int64_t m) const {
   auto it = impl_->shapes.find({m, 256});
   if (it == impl_->shapes.end()) return "";
-  const cublasLtMatmulAlgo_t& algo = it->second.algo;
+  const Impl::Shape& s = it->second;
+  const cublasLtMatmulAlgo_t& algo = s.generation != 0 ? s.run : s.algo;
   int32_t id = 0, splitk = 0;
   uint32_t tile = 0, stages = 0;
   size_t written = 0;

@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "qkv_test_util.h"
 #include "ulysses/common/status.h"
 #include "ulysses/ipc/cuda_memory.h"
@@ -461,6 +462,41 @@ TEST_P(GpuFusedQkvTest, ProjectionMatchesReferenceGemm) {
   }
 }
 
+// A loaded plan's GEMM runs only the algorithms it loaded (LoadKernels), at any row count up to
+// max_tokens and at any alignment of x: each such run is the reference projection within the
+// GEMM's tolerance, and none fell back to an algorithm not loaded.
+TEST_P(GpuFusedQkvTest, ALoadedPlansProjectionMatchesReferenceAtAnyRowCountAndAlignment) {
+  std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0);
+  ASSERT_NE(plan, nullptr);
+  const absl::Status loaded = plan->LoadKernels(Rows(), FusedPath::kAuto, stream_);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  // x again 16 bytes past a 256-byte boundary: the lowest alignment class.
+  DeviceBuffer shifted(static_cast<size_t>(Elems() + 8) * sizeof(uint16_t));
+  ASSERT_CUDA_OK(cudaMemcpy(shifted.as<uint16_t>() + 8, x_[0]->as<void>(),
+                            static_cast<size_t>(Rows() * QkvHidden(shape_)) * sizeof(uint16_t),
+                            cudaMemcpyDeviceToDevice));
+  const int64_t features = QkvFeatures(shape_);
+  for (const void* x : {static_cast<const void*>(x_[0]->as<void>()),
+                        static_cast<const void*>(shifted.as<uint16_t>() + 8)}) {
+    for (int64_t m : {int64_t{1}, Rows() / 3 + 1, Rows() - 1, Rows()}) {
+      if (m < 1) continue;
+      SCOPED_TRACE(absl::StrCat(m, " rows, x aligned to ",
+                                reinterpret_cast<uintptr_t>(x) % 256 == 0 ? 256 : 16));
+      ASSERT_CUDA_OK(cudaMemsetAsync(const_cast<void*>(plan->projection()), 0xff,
+                                     static_cast<size_t>(m * features) * sizeof(uint16_t),
+                                     stream_));
+      const absl::Status run = plan->RunProjection(x, m, stream_);
+      ASSERT_TRUE(run.ok()) << run;
+      ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+      const Bf16Diff d = CompareBf16(DownloadProjection(*plan).data(), proj_ref_[0].data(),
+                                     m * features);
+      EXPECT_EQ(d.mismatches, 0) << d;
+      EXPECT_LE(d.flips, d.elements / 100) << d;
+    }
+  }
+  EXPECT_EQ(plan->unloaded_gemm_choices(), 0u);
+}
+
 TEST_P(GpuFusedQkvTest, NormRopeKernelMatchesReferenceStep) {
   for (int r = 0; r < shape_.world; ++r) {
     DeviceBuffer qkv(proj_ref_[r]);
@@ -853,19 +889,39 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ALoadedPlansCallsRunBesideAStreamWaitingOn
   ASSERT_TRUE(plan->LoadKernels(Rows(), FusedPath::kAuto, run_).ok());
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
 
+  // x again 16 bytes past a 256-byte boundary: the lowest alignment class.
+  DeviceBuffer shifted(static_cast<size_t>(Elems() + 8) * sizeof(uint16_t));
+  ASSERT_CUDA_OK(cudaMemcpy(shifted.as<uint16_t>() + 8, x_[0]->as<void>(),
+                            static_cast<size_t>(Elems()) * sizeof(uint16_t),
+                            cudaMemcpyDeviceToDevice));
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+
   void* outs[1] = {slot.as<void>()};
   const QkvDestinations dests{outs, nullptr, kEpoch, cancel.as<uint64_t>()};
   const int32_t* pos = positions_[0]->as<int32_t>();
   const void* x = x_[0]->as<void>();
+  const void* x16 = shifted.as<uint16_t>() + 8;
   const cudaStream_t run = run_;
   RunBesideAWait(
       {{"per_operator call", [&] { return plan->RunPerOperator(x, pos, 1, Rows(), dests, run); }},
        {"chunked call", [&] { return plan->RunChunked(x, pos, 1, Rows(), dests, run); }},
-       {"epilogue call", [&] {
+       {"epilogue call",
+        [&] {
           return plan->EpilogueUnavailable().empty()
                      ? plan->RunEpilogue(x, pos, 1, Rows(), dests, run)
                      : absl::OkStatus();
-        }}});
+        }},
+       // Row counts and an alignment the plan never ran: loaded algorithms serve them.
+       {"per_operator call at 1 row", [&] { return plan->RunPerOperator(x, pos, 1, 1, dests, run); }},
+       {"per_operator call at 333 rows",
+        [&] { return plan->RunPerOperator(x, pos, 1, 333, dests, run); }},
+       {"chunked call at 777 rows", [&] { return plan->RunChunked(x, pos, 1, 777, dests, run); }},
+       {"chunked call at 999 rows", [&] { return plan->RunChunked(x, pos, 1, 999, dests, run); }},
+       {"per_operator call, x aligned to 16 bytes",
+        [&] { return plan->RunPerOperator(x16, pos, 1, Rows(), dests, run); }},
+       {"chunked call at 555 rows, x aligned to 16 bytes",
+        [&] { return plan->RunChunked(x16, pos, 1, 555, dests, run); }}});
+  EXPECT_EQ(plan->unloaded_gemm_choices(), 0u);
   plan.reset();
 }
 

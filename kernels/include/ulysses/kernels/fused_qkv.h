@@ -81,6 +81,12 @@ int64_t FusedNumChunks(int64_t rows, int64_t chunk_rows);
 /// FusedQkvPlan::LoadKernels launches. Host code; the same with or without CUDA.
 std::vector<int64_t> FusedGemmRowCounts(int64_t rows, int64_t chunk_rows, FusedPath path);
 
+/// The row counts FusedQkvPlan::LoadKernels loads for calls of up to `rows` (> 0) rows on
+/// `path`: FusedGemmRowCounts of `rows` and of every power of two below it, ascending and
+/// distinct (the GEMM then runs, at any row count up to `rows`, an algorithm chosen for a row
+/// count near it). Host code; the same with or without CUDA.
+std::vector<int64_t> FusedGemmLoadRowCounts(int64_t rows, int64_t chunk_rows, FusedPath path);
+
 /// The epilogue path's readiness chunks: FusedChunkRows rounded up to whole 128-row tiles, so
 /// that a tile belongs to one chunk; the same number of chunks as FusedNumChunks.
 int64_t EpilogueChunkRows(int64_t rows, int64_t chunk_rows);
@@ -103,15 +109,17 @@ class FusedQkvPlan {
   /// Prepares the GEMMs of a call of B * S_l = `rows` on both paths (host work only).
   absl::Status Prepare(int64_t rows);
 
-  /// Prepares `rows` and launches once on `stream` each cuBLASLt GEMM a call of `rows` rows
-  /// on `path` runs: the whole rows for kPerOperator (and RunNormRope), the chunk and the
-  /// remainder for kChunked, none for kEpilogue (its GEMM is this library's own kernel, loaded
-  /// with its module), all of them for kAuto. They read and write the plan's own projection
-  /// buffer (what they compute is discarded: a call's GEMM overwrites it in the stream's
-  /// order). The first launch of a cuBLASLt kernel in a process holds the launching thread
-  /// until every stream of the device is idle (measured on H100; docs/architecture.md,
-  /// section 8), so a daemon does this when a session opens rather than inside its first call.
-  /// Nothing waits for the launches to end. Not thread-safe against Prepare or the Run calls.
+  /// Loads the cuBLASLt kernels of calls of up to `rows` rows on `path` (Bf16Gemm::Load): the
+  /// algorithms cuBLASLt picks for FusedGemmLoadRowCounts(rows, chunk_rows, path), at every
+  /// alignment class of x, each launched once on `stream`, reading and writing the plan's own
+  /// projection buffer (what they compute is discarded: a call's GEMM overwrites it in the
+  /// stream's order). None for kEpilogue (its GEMM is this library's own kernel, loaded with
+  /// its module). The first launch of a cuBLASLt kernel in a process holds the launching
+  /// thread until every stream of the device is idle (measured on H100; docs/architecture.md,
+  /// section 8), so a daemon does this when a session opens; from then on the plan's GEMMs run
+  /// only loaded algorithms wherever cuBLASLt accepts one for the call (unloaded_gemm_choices
+  /// counts the exceptions). Nothing waits for the launches to end. May be called once per
+  /// path. Not thread-safe against Prepare or the Run calls.
   absl::Status LoadKernels(int64_t rows, FusedPath path, cudaStream_t stream);
 
   /// The per-operator path. `x` is this rank's [batch, seq_local, hidden] bf16 input,
@@ -161,6 +169,9 @@ class FusedQkvPlan {
 
   /// Device memory the plan holds: GEMM workspace, projection buffer, counters.
   size_t device_bytes() const;
+  /// Row count and alignment pairs of this plan's GEMM calls since LoadKernels that ran an
+  /// algorithm not loaded (Bf16Gemm::unloaded_choices); zero when no LoadKernels ran.
+  size_t unloaded_gemm_choices() const;
   /// What device_bytes() will be for a plan of `config`, before it is made.
   static size_t DeviceBytesFor(const FusedQkvConfig& config);
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -51,6 +52,28 @@ class Bf16Gemm {
   /// 256 bytes (host work only; allocates host memory). Idempotent.
   absl::Status Prepare(int64_t m);
 
+  /// Launches once on `stream` the kernel of each algorithm cuBLASLt picks for the row counts
+  /// `ms` at every pointer alignment class `w` allows (256 down to 16 bytes), each distinct
+  /// algorithm once, reading and writing `scratch` (device memory of `scratch_bytes`, at least
+  /// 256 + max(ms) * max(n, k) * 2 bytes, 256-byte aligned; what is computed is discarded). The
+  /// first launch of a cuBLASLt kernel in a process holds the launching thread until every
+  /// stream of the device is idle (docs/architecture.md, section 8): this is where it happens.
+  /// From then on the GEMM is pinned to what it loaded: a Run whose row count or alignment
+  /// cuBLASLt would give an algorithm not loaded runs instead the loaded algorithm of its
+  /// alignment chosen for the fewest rows not below its own (else the most rows below it) that
+  /// cuBLASLt accepts for the call, so calls at any row count up to max(ms) launch no kernel
+  /// for the first time. Nothing waits for the launches to end. May be called again (more row
+  /// counts). Allocates host memory only.
+  absl::Status Load(const std::vector<int64_t>& ms, const void* w, void* scratch,
+                    size_t scratch_bytes, cudaStream_t stream);
+
+  /// Distinct algorithms (kernels) Load launched.
+  size_t loaded_algorithms() const;
+  /// Row count and alignment pairs run since Load for which no loaded algorithm was accepted,
+  /// so that cuBLASLt's own choice ran (possibly a first launch). Zero in a loaded plan's calls
+  /// up to its loaded row counts.
+  size_t unloaded_choices() const;
+
   /// Enqueues out = x @ w^T for `m` rows on `stream`. x [m, k], w [n, k], out [m, n], device
   /// pointers, 16-byte aligned at least. A row count (or a pointer alignment below 256 bytes)
   /// seen for the first time is prepared here first. INVALID_ARGUMENT for bad arguments,
@@ -61,8 +84,9 @@ class Bf16Gemm {
   int64_t k() const;
   /// Device memory the plan holds (its workspace).
   size_t device_bytes() const;
-  /// Name of the algorithm cuBLASLt picked for `m` rows at 256-byte alignment (after Prepare),
-  /// for describe(); empty when not prepared.
+  /// Name of the algorithm a Run of `m` rows at 256-byte alignment launches (after Prepare;
+  /// once loaded, the loaded algorithm it is pinned to), for describe(); empty when not
+  /// prepared.
   std::string AlgoDescription(int64_t m) const;
 
  private:
