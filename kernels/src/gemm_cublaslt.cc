@@ -307,7 +307,11 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
   for (int64_t m : ms) {
     for (uint32_t a : kAlignments) {
       if (a > w_alignment) continue;  // no call's pointers can be aligned so
-      ULY_ASSIGN_OR_RETURN(Impl::Shape * s, g.Get(m, a));
+      absl::StatusOr<Impl::Shape*> got = g.Get(m, a);
+      // The lower classes are best effort: a call at one with no algorithm fails as before.
+      if (!got.ok() && a < 256) continue;
+      ULY_RETURN_IF_ERROR(got.status());
+      Impl::Shape* s = *got;
       g.loaded.push_back({m, a, s->algo});
       if (g.Launched(s->algo)) continue;
       // x at an offset of `a` bytes (none for 256), so the three pointers are aligned to `a`.
