@@ -160,6 +160,8 @@ std::string FusedRunner::Describe() const {
     else
       out += StrCat(" (rule: chunked from ", kChunkedMinRows, " rows, per_operator below)");
   }
+  out += StrCat("\ncuBLASLt kernels loaded at open: ", plan_->loaded_gemm_kernels(),
+                "; row counts since run with none of them: ", plan_->unloaded_gemm_choices());
   std::lock_guard<std::mutex> lock(mu_);
   if (prepared_.empty()) out += "\nno row count prepared yet";
   for (const auto& [rows, p] : prepared_)

@@ -61,6 +61,7 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
 absl::Status FusedQkvPlan::Prepare(int64_t) { return NoCuda(); }
 absl::Status FusedQkvPlan::LoadKernels(int64_t, FusedPath, cudaStream_t) { return NoCuda(); }
 size_t FusedQkvPlan::device_bytes() const { return 0; }
+size_t FusedQkvPlan::loaded_gemm_kernels() const { return 0; }
 size_t FusedQkvPlan::unloaded_gemm_choices() const { return 0; }
 size_t FusedQkvPlan::DeviceBytesFor(const FusedQkvConfig&) { return 0; }
 absl::Status FusedQkvPlan::RunNormRope(const void*, const int32_t*, int64_t, int64_t,

@@ -242,6 +242,7 @@ absl::Status FusedQkvPlan::LoadKernels(int64_t rows, FusedPath path, cudaStream_
   return Prepare(rows);
 }
 
+size_t FusedQkvPlan::loaded_gemm_kernels() const { return impl_->gemm->loaded_algorithms(); }
 size_t FusedQkvPlan::unloaded_gemm_choices() const { return impl_->gemm->unloaded_choices(); }
 
 absl::Status FusedQkvPlan::RunProjection(const void* x, int64_t rows, cudaStream_t stream) {

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -125,7 +126,8 @@ struct Bf16Gemm::Impl {
   std::vector<LoadedAlgo> loaded;
   std::vector<cublasLtMatmulAlgo_t> launched;  // distinct algorithms Load launched
   uint64_t generation = 0;                     // Loads so far
-  size_t unloaded = 0;
+  // Read from other threads (describe()) while a call runs.
+  std::atomic<size_t> launched_count{0}, unloaded{0};
 
   absl::StatusOr<Shape*> Get(int64_t m, uint32_t alignment) {
     auto it = shapes.find({m, alignment});
@@ -197,7 +199,7 @@ struct Bf16Gemm::Impl {
         return s.run;
       }
     }
-    ++unloaded;
+    unloaded.fetch_add(1, std::memory_order_relaxed);
     return s.run;
   }
 
@@ -318,14 +320,17 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
       const void* x = static_cast<const char*>(scratch) + (a < 256 ? a : 0);
       ULY_RETURN_IF_ERROR(g.Launch(s->algo, *s, x, w, scratch, stream));
       g.launched.push_back(s->algo);
+      g.launched_count.store(g.launched.size(), std::memory_order_relaxed);
     }
   }
   ++g.generation;
   return absl::OkStatus();
 }
 
-size_t Bf16Gemm::loaded_algorithms() const { return impl_->launched.size(); }
-size_t Bf16Gemm::unloaded_choices() const { return impl_->unloaded; }
+size_t Bf16Gemm::loaded_algorithms() const {
+  return impl_->launched_count.load(std::memory_order_relaxed);
+}
+size_t Bf16Gemm::unloaded_choices() const { return impl_->unloaded.load(std::memory_order_relaxed); }
 
 absl::Status Bf16Gemm::Run(const void* x, const void* w, void* out, int64_t m,
                            cudaStream_t stream) {

@@ -695,7 +695,7 @@ class GpuTwoRankScatter : public GpuCluster {
   // true when it returned within 20 s. When it did not, rank 0's call is let go (then the fused
   // call's) and the fused call's record and the plans are reported. Its views are released.
   bool FusedCallBesideTheWait(client::Session& s, const FusedInputs& in, int64_t tokens,
-                              uint64_t early, const std::string& what) {
+                              uint64_t early, const std::string& what, uint64_t epoch = 1) {
     absl::StatusOr<std::vector<client::Result>> views;
     std::atomic<bool> returned{false};
     std::thread call([&] {
@@ -707,7 +707,7 @@ class GpuTwoRankScatter : public GpuCluster {
     EXPECT_TRUE(in_time) << what << " waited for another session's blocked call";
     if (!in_time) FinishWithRank1(early);
     call.join();
-    if (!in_time) ADD_FAILURE() << CallTimes(s.id(), 1) << Plans();
+    if (!in_time) ADD_FAILURE() << CallTimes(s.id(), epoch) << Plans();
     EXPECT_TRUE(views.ok()) << views.status();
     if (views.ok())
       for (client::Result& v : *views) EXPECT_TRUE(v.Release().ok());
@@ -732,6 +732,15 @@ class GpuTwoRankScatter : public GpuCluster {
                     "; ", c.message());
     }
     return "no record of the call";
+  }
+  // Daemon 0's plan of session `id` (empty when not listed).
+  std::string PlanOf(uint64_t id) {
+    v1::ListSessionsResponse resp;
+    grpc::ClientContext ctx;
+    if (!Admin(0)->ListSessions(&ctx, {}, &resp).ok()) return "";
+    for (const v1::SessionState& st : resp.sessions())
+      if (st.info().session_id() == id) return st.info().plan();
+    return "";
   }
   // Daemon 0's sessions' plans (each names its streams' hardware queues).
   std::string Plans() {
@@ -839,8 +848,9 @@ TEST_P(GpuFusedPasserBy, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlocke
 
 // A fused session opened before another session's call blocks, at a shape no other case of
 // this daemon uses: it loaded its GEMMs' kernels when it opened (the first launch of a cuBLASLt
-// kernel waits for every stream of the device), so its call at max_tokens rows on the chunked
-// path (cuBLASLt GEMMs of a chunk and of the remainder) completes while the other call waits.
+// kernel waits for every stream of the device), so its calls on the chunked path (cuBLASLt
+// GEMMs of a chunk and of the remainder), at max_tokens rows and at row counts it never ran,
+// complete while the other call waits; its plan says that every one ran a loaded kernel.
 TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideIt) {
   Alone other;
   // The blocked session's stream, the fused session's and its plan's second stream.
@@ -856,8 +866,17 @@ TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideI
   EXPECT_EQ(State(0).queue_shared_streams(), 0u) << "a stream of the fused session shares a queue";
   uint64_t early = 0;
   ASSERT_NO_FATAL_FAILURE(BlockRank0(&early));
-  const bool in_time =
-      FusedCallBesideTheWait(**s, in, kTokens, early, "the loaded session's call");
+  bool in_time = true;
+  uint64_t epoch = 0;
+  for (int64_t tokens : {kTokens, int64_t{333}, int64_t{777}, int64_t{1}}) {
+    in_time = FusedCallBesideTheWait(**s, in, tokens, early,
+                                     StrCat("the loaded session's call of ", tokens, " rows"),
+                                     ++epoch);
+    if (!in_time) break;
+  }
+  const std::string plan = PlanOf((*s)->id());
+  EXPECT_NE(plan.find("row counts since run with none of them: 0"), std::string::npos) << plan;
+  EXPECT_EQ(plan.find("cuBLASLt kernels loaded at open: 0;"), std::string::npos) << plan;
   ASSERT_TRUE((*s)->Close().ok());
   if (!in_time) return;
   EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))

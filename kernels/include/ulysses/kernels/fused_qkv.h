@@ -169,8 +169,11 @@ class FusedQkvPlan {
 
   /// Device memory the plan holds: GEMM workspace, projection buffer, counters.
   size_t device_bytes() const;
-  /// Row count and alignment pairs of this plan's GEMM calls since LoadKernels that ran an
-  /// algorithm not loaded (Bf16Gemm::unloaded_choices); zero when no LoadKernels ran.
+  /// cuBLASLt kernels LoadKernels launched (Bf16Gemm::loaded_algorithms), and the row count and
+  /// alignment pairs of this plan's GEMM calls since then that ran an algorithm not loaded
+  /// (Bf16Gemm::unloaded_choices); both zero when no LoadKernels ran. Safe to read from
+  /// another thread.
+  size_t loaded_gemm_kernels() const;
   size_t unloaded_gemm_choices() const;
   /// What device_bytes() will be for a plan of `config`, before it is made.
   static size_t DeviceBytesFor(const FusedQkvConfig& config);

@@ -67,11 +67,11 @@ class Bf16Gemm {
   absl::Status Load(const std::vector<int64_t>& ms, const void* w, void* scratch,
                     size_t scratch_bytes, cudaStream_t stream);
 
-  /// Distinct algorithms (kernels) Load launched.
+  /// Distinct algorithms (kernels) Load launched. Safe to read from another thread.
   size_t loaded_algorithms() const;
   /// Row count and alignment pairs run since Load for which no loaded algorithm was accepted,
   /// so that cuBLASLt's own choice ran (possibly a first launch). Zero in a loaded plan's calls
-  /// up to its loaded row counts.
+  /// up to its loaded row counts. Safe to read from another thread.
   size_t unloaded_choices() const;
 
   /// Enqueues out = x @ w^T for `m` rows on `stream`. x [m, k], w [n, k], out [m, n], device
