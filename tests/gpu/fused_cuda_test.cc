@@ -470,6 +470,7 @@ TEST_P(GpuFusedQkvTest, ALoadedPlansProjectionMatchesReferenceAtAnyRowCountAndAl
   ASSERT_NE(plan, nullptr);
   const absl::Status loaded = plan->LoadKernels(Rows(), FusedPath::kAuto, stream_);
   ASSERT_TRUE(loaded.ok()) << loaded;
+  std::cout << "loaded " << plan->loaded_gemm_kernels() << " cuBLASLt kernels\n";
   // x again 16 bytes past a 256-byte boundary: the lowest alignment class.
   DeviceBuffer shifted(static_cast<size_t>(Elems() + 8) * sizeof(uint16_t));
   ASSERT_CUDA_OK(cudaMemcpy(shifted.as<uint16_t>() + 8, x_[0]->as<void>(),
@@ -886,8 +887,15 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ALoadedPlansCallsRunBesideAStreamWaitingOn
   DeviceBuffer cancel(std::vector<uint64_t>{0});
   std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0, false, side_);
   ASSERT_NE(plan, nullptr);
+  const auto load_start = std::chrono::steady_clock::now();
   ASSERT_TRUE(plan->LoadKernels(Rows(), FusedPath::kAuto, run_).ok());
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  std::cout << "LoadKernels up to " << Rows() << " rows: " << plan->loaded_gemm_kernels()
+            << " cuBLASLt kernels, "
+            << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                         load_start)
+                   .count()
+            << " ms with the wait for them\n";
 
   // x again 16 bytes past a 256-byte boundary: the lowest alignment class.
   DeviceBuffer shifted(static_cast<size_t>(Elems() + 8) * sizeof(uint16_t));
