@@ -234,7 +234,7 @@ absl::Status FusedQkvPlan::LoadKernels(int64_t rows, FusedPath path, cudaStream_
   const std::vector<int64_t> counts = FusedGemmLoadRowCounts(rows, impl_->config.chunk_rows, path);
   if (counts.empty()) return absl::OkStatus();
   // The projection buffer holds max_tokens rows of 3*H*D: the output's rows * 3*H*D, and the
-  // input's rows * hidden after an offset of up to 256 bytes; the values are neither read nor
+  // input's rows * hidden after an offset of up to 128 bytes; the values are neither read nor
   // kept.
   ULY_RETURN_IF_ERROR(impl_->gemm->Load(counts, impl_->config.weights.w_qkv, impl_->qkv(),
                                         impl_->projection.bytes(), stream));

@@ -299,8 +299,10 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
   Impl& g = *impl_;
   for (int64_t m : ms) {
     if (m <= 0) return absl::InvalidArgumentError(absl::StrCat("ms: row count ", m, " is not positive"));
-    const size_t need = 256 + static_cast<size_t>(m) * static_cast<size_t>(std::max(g.n, g.k)) *
-                                  sizeof(uint16_t);
+    // out at scratch; x after an offset of up to 128 bytes (the alignment classes below 256).
+    const size_t rows = static_cast<size_t>(m);
+    const size_t need = std::max(rows * static_cast<size_t>(g.n) * sizeof(uint16_t),
+                                 128 + rows * static_cast<size_t>(g.k) * sizeof(uint16_t));
     if (scratch_bytes < need)
       return absl::InvalidArgumentError(absl::StrCat("scratch_bytes: ", scratch_bytes,
                                                      " bytes cannot hold ", m, " rows (", need,

@@ -55,7 +55,8 @@ class Bf16Gemm {
   /// Launches once on `stream` the kernel of each algorithm cuBLASLt picks for the row counts
   /// `ms` at every pointer alignment class `w` allows (256 down to 16 bytes), each distinct
   /// algorithm once, reading and writing `scratch` (device memory of `scratch_bytes`, at least
-  /// 256 + max(ms) * max(n, k) * 2 bytes, 256-byte aligned; what is computed is discarded). The
+  /// max(ms) * n * 2 and 128 + max(ms) * k * 2 bytes, 256-byte aligned; what is computed is
+  /// discarded). The
   /// first launch of a cuBLASLt kernel in a process holds the launching thread until every
   /// stream of the device is idle (docs/architecture.md, section 8): this is where it happens.
   /// From then on the GEMM is pinned to what it loaded: a Run whose row count or alignment
