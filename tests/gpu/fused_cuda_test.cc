@@ -900,7 +900,7 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ALoadedPlansCallsRunBesideAStreamWaitingOn
   // x again 16 bytes past a 256-byte boundary: the lowest alignment class.
   DeviceBuffer shifted(static_cast<size_t>(Elems() + 8) * sizeof(uint16_t));
   ASSERT_CUDA_OK(cudaMemcpy(shifted.as<uint16_t>() + 8, x_[0]->as<void>(),
-                            static_cast<size_t>(Elems()) * sizeof(uint16_t),
+                            static_cast<size_t>(Rows() * QkvHidden(shape_)) * sizeof(uint16_t),
                             cudaMemcpyDeviceToDevice));
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
 
