@@ -281,11 +281,14 @@ class CudaTransport final : public Transport {
       ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond, t->stream_));
       ULY_ASSIGN_OR_RETURN(t->fused_, FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores,
                                                           t->second_));
-      // Its GEMMs' kernels are loaded here, while no call of this session is in flight.
-      if (absl::Status loaded = t->fused_->LoadKernels(t->stream_); !loaded.ok()) {
-        cudaStreamSynchronize(t->stream_);  // what was launched ends before the plan's memory goes
-        return loaded;
-      }
+      // Its GEMMs' kernels are loaded here, while no call of this session is in flight, and
+      // waited for (this stream alone): the session opens with its kernels loaded and run, so
+      // nothing of the load is left to meet another session's wait later. On failure, what
+      // was launched ends before the plan's memory goes.
+      const absl::Status loaded = t->fused_->LoadKernels(t->stream_);
+      const cudaError_t synced = cudaStreamSynchronize(t->stream_);
+      ULY_RETURN_IF_ERROR(loaded);
+      ULY_RETURN_IF_ERROR(CudaStatus("cudaStreamSynchronize", synced));
     }
     return std::unique_ptr<Transport>(std::move(t));
   }

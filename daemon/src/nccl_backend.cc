@@ -108,9 +108,13 @@ class NcclTransport final : public Transport {
       ULY_ASSIGN_OR_RETURN(t->recv_,
                            ipc::cuda::VmmMapping::Create(device, t->block_capacity_ * W, stream));
     }
-    // The plan's GEMMs' kernels are loaded here, while no call of this session is in flight
-    // (on failure, the destructor waits for what was launched before the plan's memory goes).
-    if (t->fused_) ULY_RETURN_IF_ERROR(t->fused_->LoadKernels(stream));
+    // The plan's GEMMs' kernels are loaded here, while no call of this session is in flight,
+    // and waited for (this stream alone), as the nvlink backend does (on failure, the
+    // destructor waits for what was launched before the plan's memory goes).
+    if (t->fused_) {
+      ULY_RETURN_IF_ERROR(t->fused_->LoadKernels(stream));
+      ULY_RETURN_IF_ERROR(CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(stream)));
+    }
     if (setup.geometry.rank == 0)
       ULY_RETURN_IF_ERROR(NcclStatus("ncclGetUniqueId", ncclGetUniqueId(&t->id_), nullptr));
     return std::unique_ptr<Transport>(std::move(t));
