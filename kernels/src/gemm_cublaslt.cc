@@ -183,19 +183,16 @@ struct Bf16Gemm::Impl {
     s.generation = generation;
     s.run = s.algo;
     if (Launched(s.algo)) return s.run;
-    std::vector<const LoadedAlgo*> order;
+    std::vector<const LoadedAlgo*> candidates;
+    std::vector<int64_t> rows;
     for (const LoadedAlgo& l : loaded) {
-      if (l.alignment == alignment) order.push_back(&l);
+      if (l.alignment != alignment) continue;
+      candidates.push_back(&l);
+      rows.push_back(l.m);
     }
-    // Not below m first, fewest rows first; then below m, most rows first.
-    std::sort(order.begin(), order.end(), [m](const LoadedAlgo* a, const LoadedAlgo* b) {
-      const bool a_up = a->m >= m, b_up = b->m >= m;
-      if (a_up != b_up) return a_up;
-      return a_up ? a->m < b->m : a->m > b->m;
-    });
-    for (const LoadedAlgo* l : order) {
-      if (Accepts(s, l->algo)) {
-        s.run = l->algo;
+    for (size_t i : PinnedTryOrder(rows, m)) {
+      if (Accepts(s, candidates[i]->algo)) {
+        s.run = candidates[i]->algo;
         return s.run;
       }
     }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ulysses/kernels/fused_qkv.h"
+#include "ulysses/kernels/gemm.h"
 
 namespace ulysses::kernels {
 namespace {
@@ -71,6 +72,18 @@ TEST(FusedChunksTest, LoadRowCountsAreThePathsCountsAtEveryPowerOfTwoBelowTheRow
         EXPECT_TRUE(std::binary_search(counts.begin(), counts.end(), m)) << m;
     }
   }
+}
+
+// A pinned GEMM's call whose own algorithm was not loaded tries the loaded ones chosen for the
+// nearest row counts not below its own first, then the nearest below.
+TEST(FusedChunksTest, APinnedGemmTriesTheNearestLoadedRowCountsNotBelowFirst) {
+  using I = std::vector<size_t>;
+  const std::vector<int64_t> loaded = {1, 1000, 16, 512, 256, 512};
+  EXPECT_EQ(PinnedTryOrder(loaded, 300), I({3, 5, 1, 4, 2, 0}));  // 512, 512, 1000, 256, 16, 1
+  EXPECT_EQ(PinnedTryOrder(loaded, 512), I({3, 5, 1, 4, 2, 0}));
+  EXPECT_EQ(PinnedTryOrder(loaded, 1), I({0, 2, 4, 3, 5, 1}));
+  EXPECT_EQ(PinnedTryOrder(loaded, 2000), I({1, 3, 5, 4, 2, 0}));  // all below: most first
+  EXPECT_EQ(PinnedTryOrder({}, 7), I{});
 }
 
 TEST(FusedChunksTest, ConfiguredRowsRoundUpToTilesAndLeaveATail) {

@@ -17,6 +17,13 @@ typedef struct CUstream_st* cudaStream_t;  // same declaration as the CUDA runti
 
 namespace ulysses::kernels {
 
+/// The order in which a loaded Bf16Gemm (Bf16Gemm::Load) tries, for a call of `m` rows whose
+/// own algorithm was not loaded, the algorithms loaded at its alignment, given the row counts
+/// they were chosen for: indices into `loaded_rows`, those not below `m` first, fewest rows
+/// first, then those below `m`, most rows first; equal row counts in load order. Host code;
+/// the same with or without CUDA.
+std::vector<size_t> PinnedTryOrder(const std::vector<int64_t>& loaded_rows, int64_t m);
+
 /// One (n, k) projection. Owns its cuBLASLt handle, descriptors and a device workspace, all
 /// made by Create and Prepare; Run allocates nothing once the row count and the pointer
 /// alignment class have been prepared. Not thread-safe: one caller (and one stream at a time).
