@@ -17,6 +17,8 @@ namespace {
 // per-operator path there, up to 1.05 below).
 constexpr int64_t kEpilogueMinRows = 2048;
 constexpr int64_t kChunkedMinRows = 4096;
+// Where the rule can change path (PathsUpTo looks on either side of each).
+constexpr int64_t kRuleThresholds[] = {kEpilogueMinRows, kChunkedMinRows};
 
 // Line `name` of FusedQkvPlan::Describe (one line per path, each starting with its name).
 std::string PlanLine(const std::string& lines, std::string_view name) {
@@ -104,9 +106,13 @@ std::vector<std::pair<FusedPath, int64_t>> FusedRunner::PathsUpTo(FusedPath aske
                                                                   int64_t max_tokens) {
   // The rule changes path only at its thresholds, so the row counts on either side of each
   // find every path it takes and the most rows of each.
+  std::vector<int64_t> probes = {1, max_tokens};
+  for (int64_t t : kRuleThresholds) {
+    probes.push_back(t - 1);
+    probes.push_back(t);
+  }
   std::map<FusedPath, int64_t> most;
-  for (int64_t rows : {int64_t{1}, kEpilogueMinRows - 1, kEpilogueMinRows, kChunkedMinRows - 1,
-                       kChunkedMinRows, max_tokens}) {
+  for (int64_t rows : probes) {
     if (rows < 1 || rows > max_tokens) continue;
     int64_t& m = most[Rule(asked, exchange, no_epilogue, rows).path];
     m = std::max(m, rows);
@@ -161,7 +167,8 @@ std::string FusedRunner::Describe() const {
       out += StrCat(" (rule: chunked from ", kChunkedMinRows, " rows, per_operator below)");
   }
   out += StrCat("\ncuBLASLt kernels loaded at open: ", plan_->loaded_gemm_kernels(),
-                "; row counts since run with none of them: ", plan_->unloaded_gemm_choices());
+                "; kernels calls launched since that the load had not: ",
+                plan_->unloaded_gemm_launches());
   std::lock_guard<std::mutex> lock(mu_);
   if (prepared_.empty()) out += "\nno row count prepared yet";
   for (const auto& [rows, p] : prepared_)

@@ -46,7 +46,8 @@ class FusedRunner {
 
   /// The path of a call of `rows` rows. The first call of a row count prepares the plan's
   /// GEMMs for it (host work only: descriptors and algorithm choice, no device allocation) and
-  /// records the choice. Thread-safe.
+  /// records the choice. Called from one thread at a time (the session's call thread, or
+  /// its open before any call); Describe may run beside it.
   absl::StatusOr<FusedPath> PreparedPath(int64_t rows);
 
   /// Loads, on `stream` (a cudaStream_t), the cuBLASLt kernels of every path the session's
@@ -56,14 +57,15 @@ class FusedRunner {
   /// Called once, before the session serves a call.
   absl::Status LoadKernels(void* stream);
 
-  /// The path rule: the path of a call of `rows` rows of a session asking for `asked`, on a
-  /// transport where `exchange`, with the epilogue GEMM unavailable for `no_epilogue` (empty:
-  /// available), and why.
+  /// A call's path, why, and the plan's launches for it.
   struct Prepared {
     FusedPath path = FusedPath::kPerOperator;
     std::string why;
-    std::string launches;  ///< the plan's launches; empty from Rule
+    std::string launches;  ///< empty from Rule
   };
+  /// The path rule: the path of a call of `rows` rows of a session asking for `asked`, on a
+  /// transport where `exchange`, with the epilogue GEMM unavailable for `no_epilogue` (empty:
+  /// available), and why.
   static Prepared Rule(FusedPath asked, FusedExchange exchange, const std::string& no_epilogue,
                        int64_t rows);
   /// Every path Rule gives for 1 to `max_tokens` rows, each with the most rows it is given,

@@ -243,7 +243,7 @@ absl::Status FusedQkvPlan::LoadKernels(int64_t rows, FusedPath path, cudaStream_
 }
 
 size_t FusedQkvPlan::loaded_gemm_kernels() const { return impl_->gemm->loaded_algorithms(); }
-size_t FusedQkvPlan::unloaded_gemm_choices() const { return impl_->gemm->unloaded_choices(); }
+size_t FusedQkvPlan::unloaded_gemm_launches() const { return impl_->gemm->unloaded_launches(); }
 
 absl::Status FusedQkvPlan::RunProjection(const void* x, int64_t rows, cudaStream_t stream) {
   if (rows <= 0 || rows > impl_->config.max_tokens)

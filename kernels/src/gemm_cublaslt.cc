@@ -124,10 +124,12 @@ struct Bf16Gemm::Impl {
   size_t workspace_bytes = 0;
   std::map<std::pair<int64_t, uint32_t>, Shape> shapes;
   std::vector<LoadedAlgo> loaded;
-  std::vector<cublasLtMatmulAlgo_t> launched;  // distinct algorithms Load launched
-  uint64_t generation = 0;                     // Loads so far
+  // Distinct algorithms launched since the first Load: by Load, then any a call ran that Load
+  // had not (each counted in `unloaded`).
+  std::vector<cublasLtMatmulAlgo_t> launched;
+  uint64_t generation = 0;  // Loads so far
   // Read from other threads (describe()) while a call runs.
-  std::atomic<size_t> launched_count{0}, unloaded{0};
+  std::atomic<size_t> loaded_count{0}, unloaded{0};
 
   absl::StatusOr<Shape*> Get(int64_t m, uint32_t alignment) {
     auto it = shapes.find({m, alignment});
@@ -174,9 +176,9 @@ struct Bf16Gemm::Impl {
   }
 
   // The algorithm a Run of `s` (m rows, `alignment`) launches: cuBLASLt's choice until the
-  // GEMM is loaded; then that choice if it was launched, else the loaded algorithm of the same
-  // alignment chosen for the fewest rows not below m (then the most rows below m) that
-  // cuBLASLt accepts for m; cuBLASLt's choice only when none is (counted).
+  // GEMM is loaded; then that choice if it was launched, else the first loaded algorithm of
+  // the same alignment, in PinnedTryOrder of the row counts they were chosen for, that
+  // cuBLASLt accepts for m; cuBLASLt's choice when none is.
   const cublasLtMatmulAlgo_t& Choose(Shape& s, int64_t m, uint32_t alignment) {
     if (generation == 0) return s.algo;
     if (s.generation == generation) return s.run;
@@ -196,8 +198,14 @@ struct Bf16Gemm::Impl {
         return s.run;
       }
     }
-    unloaded.fetch_add(1, std::memory_order_relaxed);
     return s.run;
+  }
+
+  // Counts a call's launch of an algorithm no earlier launch since the first Load ran.
+  void CountLaunch(const cublasLtMatmulAlgo_t& algo) {
+    if (generation == 0 || Launched(algo)) return;
+    launched.push_back(algo);
+    unloaded.fetch_add(1, std::memory_order_relaxed);
   }
 
   absl::Status Launch(const cublasLtMatmulAlgo_t& algo, const Shape& s, const void* x,
@@ -313,13 +321,18 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
       if (!got.ok() && a < 256) continue;
       ULY_RETURN_IF_ERROR(got.status());
       Impl::Shape* s = *got;
-      g.loaded.push_back({m, a, s->algo});
-      if (g.Launched(s->algo)) continue;
-      // x at an offset of `a` bytes (none for 256), so the three pointers are aligned to `a`.
-      const void* x = static_cast<const char*>(scratch) + (a < 256 ? a : 0);
-      ULY_RETURN_IF_ERROR(g.Launch(s->algo, *s, x, w, scratch, stream));
-      g.launched.push_back(s->algo);
-      g.launched_count.store(g.launched.size(), std::memory_order_relaxed);
+      if (!g.Launched(s->algo)) {
+        // x at an offset of `a` bytes (none for 256): the three pointers are aligned to `a`.
+        const void* x = static_cast<const char*>(scratch) + (a < 256 ? a : 0);
+        ULY_RETURN_IF_ERROR(g.Launch(s->algo, *s, x, w, scratch, stream));
+        g.launched.push_back(s->algo);
+        g.loaded_count.fetch_add(1, std::memory_order_relaxed);
+      }
+      // Recorded once launched, so that a failed Load pins no call to a kernel it never ran.
+      const bool seen = std::any_of(g.loaded.begin(), g.loaded.end(), [&](const Impl::LoadedAlgo& l) {
+        return l.m == m && l.alignment == a;
+      });
+      if (!seen) g.loaded.push_back({m, a, s->algo});
     }
   }
   ++g.generation;
@@ -327,9 +340,11 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
 }
 
 size_t Bf16Gemm::loaded_algorithms() const {
-  return impl_->launched_count.load(std::memory_order_relaxed);
+  return impl_->loaded_count.load(std::memory_order_relaxed);
 }
-size_t Bf16Gemm::unloaded_choices() const { return impl_->unloaded.load(std::memory_order_relaxed); }
+size_t Bf16Gemm::unloaded_launches() const {
+  return impl_->unloaded.load(std::memory_order_relaxed);
+}
 
 absl::Status Bf16Gemm::Run(const void* x, const void* w, void* out, int64_t m,
                            cudaStream_t stream) {
@@ -339,7 +354,10 @@ absl::Status Bf16Gemm::Run(const void* x, const void* w, void* out, int64_t m,
   const uint32_t alignment = AlignmentOf(x, w, out);
   if (alignment == 0) return absl::InvalidArgumentError("x, w and out must be 16-byte aligned");
   ULY_ASSIGN_OR_RETURN(Impl::Shape * s, impl_->Get(m, alignment));
-  return impl_->Launch(impl_->Choose(*s, m, alignment), *s, x, w, out, stream);
+  const cublasLtMatmulAlgo_t& algo = impl_->Choose(*s, m, alignment);
+  ULY_RETURN_IF_ERROR(impl_->Launch(algo, *s, x, w, out, stream));
+  impl_->CountLaunch(algo);
+  return absl::OkStatus();
 }
 
 int64_t Bf16Gemm::n() const { return impl_->n; }
@@ -350,7 +368,9 @@ std::string Bf16Gemm::AlgoDescription(int64_t m) const {
   auto it = impl_->shapes.find({m, 256});
   if (it == impl_->shapes.end()) return "";
   const Impl::Shape& s = it->second;
-  const cublasLtMatmulAlgo_t& algo = s.generation != 0 ? s.run : s.algo;
+  // Once loaded, the choice made at the latest Load (Prepare makes it); before, cuBLASLt's.
+  const cublasLtMatmulAlgo_t& algo =
+      s.generation != 0 && s.generation == impl_->generation ? s.run : s.algo;
   int32_t id = 0, splitk = 0;
   uint32_t tile = 0, stages = 0;
   size_t written = 0;

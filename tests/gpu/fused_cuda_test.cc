@@ -84,6 +84,7 @@ class DeviceBuffer {
   T* as() const {
     return static_cast<T*>(data_);
   }
+  size_t bytes() const { return bytes_; }
   template <typename T>
   void Upload(const std::vector<T>& host) {
     EXPECT_EQ(cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
@@ -274,6 +275,28 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
           EXPECT_EQ(w[(d * world + s) * kMaxFusedChunks + c], c < chunks ? kEpoch : 0)
               << "ready word dst " << d << " src " << s << " chunk " << c;
     return out;
+  }
+
+  // Rank 0's x again, 16 bytes past a 256-byte boundary (the lowest alignment class); the
+  // x itself is at ShiftedX(buffer).
+  std::unique_ptr<DeviceBuffer> MakeShiftedX() const {
+    const size_t elems = static_cast<size_t>(Rows() * QkvHidden(shape_));
+    auto buffer = std::make_unique<DeviceBuffer>((elems + 8) * sizeof(uint16_t));
+    EXPECT_EQ(cudaMemcpy(buffer->as<uint16_t>() + 8, x_[0]->as<void>(), elems * sizeof(uint16_t),
+                         cudaMemcpyDeviceToDevice),
+              cudaSuccess);
+    return buffer;
+  }
+  static const void* ShiftedX(const DeviceBuffer& buffer) { return buffer.as<uint16_t>() + 8; }
+
+  // The first `m` rows of the plan's projection against rank r's reference projection: within
+  // the GEMM's tolerance.
+  void CheckProjectionRows(const FusedQkvPlan& plan, const std::vector<uint16_t>& want,
+                           int64_t m) const {
+    const Bf16Diff d =
+        CompareBf16(DownloadProjection(plan).data(), want.data(), m * QkvFeatures(shape_));
+    EXPECT_EQ(d.mismatches, 0) << d;
+    EXPECT_LE(d.flips, d.elements / 100) << d;
   }
 
   std::vector<uint16_t> DownloadProjection(const FusedQkvPlan& plan) const {
@@ -471,14 +494,9 @@ TEST_P(GpuFusedQkvTest, ALoadedPlansProjectionMatchesReferenceAtAnyRowCountAndAl
   const absl::Status loaded = plan->LoadKernels(Rows(), FusedPath::kAuto, stream_);
   ASSERT_TRUE(loaded.ok()) << loaded;
   std::cout << "loaded " << plan->loaded_gemm_kernels() << " cuBLASLt kernels\n";
-  // x again 16 bytes past a 256-byte boundary: the lowest alignment class.
-  DeviceBuffer shifted(static_cast<size_t>(Elems() + 8) * sizeof(uint16_t));
-  ASSERT_CUDA_OK(cudaMemcpy(shifted.as<uint16_t>() + 8, x_[0]->as<void>(),
-                            static_cast<size_t>(Rows() * QkvHidden(shape_)) * sizeof(uint16_t),
-                            cudaMemcpyDeviceToDevice));
+  const std::unique_ptr<DeviceBuffer> shifted = MakeShiftedX();
   const int64_t features = QkvFeatures(shape_);
-  for (const void* x : {static_cast<const void*>(x_[0]->as<void>()),
-                        static_cast<const void*>(shifted.as<uint16_t>() + 8)}) {
+  for (const void* x : {static_cast<const void*>(x_[0]->as<void>()), ShiftedX(*shifted)}) {
     for (int64_t m : {int64_t{1}, Rows() / 3 + 1, Rows() - 1, Rows()}) {
       if (m < 1) continue;
       SCOPED_TRACE(absl::StrCat(m, " rows, x aligned to ",
@@ -489,13 +507,51 @@ TEST_P(GpuFusedQkvTest, ALoadedPlansProjectionMatchesReferenceAtAnyRowCountAndAl
       const absl::Status run = plan->RunProjection(x, m, stream_);
       ASSERT_TRUE(run.ok()) << run;
       ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
-      const Bf16Diff d = CompareBf16(DownloadProjection(*plan).data(), proj_ref_[0].data(),
-                                     m * features);
-      EXPECT_EQ(d.mismatches, 0) << d;
-      EXPECT_LE(d.flips, d.elements / 100) << d;
+      CheckProjectionRows(*plan, proj_ref_[0], m);
     }
   }
-  EXPECT_EQ(plan->unloaded_gemm_choices(), 0u);
+  EXPECT_EQ(plan->unloaded_gemm_launches(), 0u);
+}
+
+// A GEMM loaded at one row count alone runs, at fewer rows, that row count's algorithm (the
+// only one loaded at its alignment, which cuBLASLt accepts for fewer rows) wherever cuBLASLt
+// would pick another, and its results are the reference's within the GEMM's tolerance.
+TEST_P(GpuFusedQkvTest, AGemmLoadedAtOneRowCountRunsItsAlgorithmAtFewerRows) {
+  const int64_t features = QkvFeatures(shape_), hidden = QkvHidden(shape_);
+  absl::StatusOr<std::unique_ptr<Bf16Gemm>> gemm = Bf16Gemm::Create(features, hidden);
+  ASSERT_TRUE(gemm.ok()) << gemm.status();
+  DeviceBuffer scratch(static_cast<size_t>(Rows() * features) * sizeof(uint16_t) + 256);
+  DeviceBuffer out(static_cast<size_t>(Rows() * features) * sizeof(uint16_t));
+  const absl::Status loaded = (*gemm)->Load({Rows()}, w_qkv_->as<void>(), scratch.as<void>(),
+                                            scratch.bytes(), stream_);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  ASSERT_TRUE((*gemm)->Prepare(Rows()).ok());
+  const std::string at_rows = (*gemm)->AlgoDescription(Rows());
+  int substituted = 0;
+  for (int64_t m : {int64_t{1}, int64_t{7}, Rows() / 2 + 1, Rows() - 1}) {
+    if (m < 1 || m >= Rows()) continue;
+    SCOPED_TRACE(absl::StrCat(m, " rows"));
+    ASSERT_TRUE((*gemm)->Prepare(m).ok());
+    EXPECT_EQ((*gemm)->AlgoDescription(m), at_rows);
+    ASSERT_CUDA_OK(cudaMemsetAsync(out.as<void>(), 0xff, out.bytes(), stream_));
+    const absl::Status run =
+        (*gemm)->Run(x_[0]->as<void>(), w_qkv_->as<void>(), out.as<void>(), m, stream_);
+    ASSERT_TRUE(run.ok()) << run;
+    ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+    const std::vector<uint16_t> got = out.Download<uint16_t>(m * features);
+    const Bf16Diff d = CompareBf16(got.data(), proj_ref_[0].data(), m * features);
+    EXPECT_EQ(d.mismatches, 0) << d;
+    EXPECT_LE(d.flips, d.elements / 100) << d;
+    // Whether cuBLASLt's own pick differed, from a GEMM of its own that is not loaded.
+    absl::StatusOr<std::unique_ptr<Bf16Gemm>> own = Bf16Gemm::Create(features, hidden, 0);
+    ASSERT_TRUE(own.ok()) << own.status();
+    ASSERT_TRUE((*own)->Prepare(m).ok());
+    substituted += (*own)->AlgoDescription(m) != at_rows;
+  }
+  std::cout << "rows at which a loaded algorithm replaced cuBLASLt's own pick: " << substituted
+            << "\n";
+  EXPECT_GE((*gemm)->loaded_algorithms(), 1u);
+  EXPECT_EQ((*gemm)->unloaded_launches(), 0u);
 }
 
 TEST_P(GpuFusedQkvTest, NormRopeKernelMatchesReferenceStep) {
@@ -870,8 +926,10 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
 }
 
 // A plan whose GEMMs' kernels were loaded (LoadKernels, as a daemon does when a session opens)
-// before any wait: its calls at that row count run beside a waiting stream on every path. The
-// heads and rows are this case's alone in this program, so the loads are the plan's own.
+// before any wait: its calls run beside a waiting stream on every path, at the loaded row
+// count, at row counts it never ran and with x less aligned. (Cases run before it in the same
+// process may have loaded some of the same kernels, which are shared between shapes; what is
+// asserted is that after its own load none of its calls waits.)
 class GpuFusedLoadedBesideAWaitTest : public GpuFusedBesideAWaitTest {
  protected:
   void SetUp() override {
@@ -897,18 +955,14 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ALoadedPlansCallsRunBesideAStreamWaitingOn
                    .count()
             << " ms with the wait for them\n";
 
-  // x again 16 bytes past a 256-byte boundary: the lowest alignment class.
-  DeviceBuffer shifted(static_cast<size_t>(Elems() + 8) * sizeof(uint16_t));
-  ASSERT_CUDA_OK(cudaMemcpy(shifted.as<uint16_t>() + 8, x_[0]->as<void>(),
-                            static_cast<size_t>(Rows() * QkvHidden(shape_)) * sizeof(uint16_t),
-                            cudaMemcpyDeviceToDevice));
+  const std::unique_ptr<DeviceBuffer> shifted = MakeShiftedX();
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
 
   void* outs[1] = {slot.as<void>()};
   const QkvDestinations dests{outs, nullptr, kEpoch, cancel.as<uint64_t>()};
   const int32_t* pos = positions_[0]->as<int32_t>();
   const void* x = x_[0]->as<void>();
-  const void* x16 = shifted.as<uint16_t>() + 8;
+  const void* x16 = ShiftedX(*shifted);
   const cudaStream_t run = run_;
   RunBesideAWait(
       {{"per_operator call", [&] { return plan->RunPerOperator(x, pos, 1, Rows(), dests, run); }},
@@ -929,7 +983,7 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ALoadedPlansCallsRunBesideAStreamWaitingOn
         [&] { return plan->RunPerOperator(x16, pos, 1, Rows(), dests, run); }},
        {"chunked call at 555 rows, x aligned to 16 bytes",
         [&] { return plan->RunChunked(x16, pos, 1, 555, dests, run); }}});
-  EXPECT_EQ(plan->unloaded_gemm_choices(), 0u);
+  EXPECT_EQ(plan->unloaded_gemm_launches(), 0u);
   plan.reset();
 }
 

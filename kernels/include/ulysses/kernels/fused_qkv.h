@@ -117,7 +117,7 @@ class FusedQkvPlan {
   /// its module). The first launch of a cuBLASLt kernel in a process holds the launching
   /// thread until every stream of the device is idle (measured on H100; docs/architecture.md,
   /// section 8), so a daemon does this when a session opens; from then on the plan's GEMMs run
-  /// only loaded algorithms wherever cuBLASLt accepts one for the call (unloaded_gemm_choices
+  /// only loaded algorithms wherever cuBLASLt accepts one for the call (unloaded_gemm_launches
   /// counts the exceptions). Nothing waits for the launches to end. May be called once per
   /// path. Not thread-safe against Prepare or the Run calls.
   absl::Status LoadKernels(int64_t rows, FusedPath path, cudaStream_t stream);
@@ -169,12 +169,12 @@ class FusedQkvPlan {
 
   /// Device memory the plan holds: GEMM workspace, projection buffer, counters.
   size_t device_bytes() const;
-  /// cuBLASLt kernels LoadKernels launched (Bf16Gemm::loaded_algorithms), and the row count and
-  /// alignment pairs of this plan's GEMM calls since then that ran an algorithm not loaded
-  /// (Bf16Gemm::unloaded_choices); both zero when no LoadKernels ran. Safe to read from
+  /// cuBLASLt kernels LoadKernels launched (Bf16Gemm::loaded_algorithms), and the kernels this
+  /// plan's calls launched since then that no earlier launch had run
+  /// (Bf16Gemm::unloaded_launches); both zero when no LoadKernels ran. Safe to read from
   /// another thread.
   size_t loaded_gemm_kernels() const;
-  size_t unloaded_gemm_choices() const;
+  size_t unloaded_gemm_launches() const;
   /// What device_bytes() will be for a plan of `config`, before it is made.
   static size_t DeviceBytesFor(const FusedQkvConfig& config);
 

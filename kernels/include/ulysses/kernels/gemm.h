@@ -60,27 +60,27 @@ class Bf16Gemm {
   absl::Status Prepare(int64_t m);
 
   /// Launches once on `stream` the kernel of each algorithm cuBLASLt picks for the row counts
-  /// `ms` at every pointer alignment class `w` allows (256 down to 16 bytes), each distinct
-  /// algorithm once, reading and writing `scratch` (device memory of `scratch_bytes`, at least
-  /// max(ms) * n * 2 and 128 + max(ms) * k * 2 bytes, 256-byte aligned; what is computed is
-  /// discarded). The
-  /// first launch of a cuBLASLt kernel in a process holds the launching thread until every
-  /// stream of the device is idle (docs/architecture.md, section 8): this is where it happens.
-  /// From then on the GEMM is pinned to what it loaded: a Run whose row count or alignment
-  /// cuBLASLt would give an algorithm not loaded runs instead the loaded algorithm of its
-  /// alignment chosen for the fewest rows not below its own (else the most rows below it) that
-  /// cuBLASLt accepts for the call, so calls at any row count up to max(ms) launch no kernel
-  /// for the first time. Nothing waits for the launches to end. May be called again (more row
-  /// counts). Allocates host memory only.
+  /// `ms` at every pointer alignment class `w` allows (256 down to 16 bytes; a class below 256
+  /// with no algorithm is skipped), each distinct algorithm once, reading and writing `scratch`
+  /// (device memory of `scratch_bytes`, at least max(ms) * n * 2 and 128 + max(ms) * k * 2
+  /// bytes, 256-byte aligned; what is computed is discarded). The first launch of a cuBLASLt
+  /// kernel in a process holds the launching thread until every stream of the device is idle
+  /// (docs/architecture.md, section 8): this is where it happens. From then on the GEMM is
+  /// pinned to what it loaded: a Run whose own algorithm (cuBLASLt's choice for its row count
+  /// and alignment) was not launched runs instead the first loaded algorithm of its alignment,
+  /// in PinnedTryOrder of the row counts they were chosen for, that cuBLASLt accepts for the
+  /// call (cublasLtMatmulAlgoCheck), and its own only when none is (unloaded_launches counts
+  /// those). Nothing waits for the launches to end. May be called again (more row counts); an
+  /// error leaves what earlier calls loaded. Allocates host memory only.
   absl::Status Load(const std::vector<int64_t>& ms, const void* w, void* scratch,
                     size_t scratch_bytes, cudaStream_t stream);
 
   /// Distinct algorithms (kernels) Load launched. Safe to read from another thread.
   size_t loaded_algorithms() const;
-  /// Row count and alignment pairs run since Load for which no loaded algorithm was accepted,
-  /// so that cuBLASLt's own choice ran (possibly a first launch). Zero in a loaded plan's calls
-  /// up to its loaded row counts. Safe to read from another thread.
-  size_t unloaded_choices() const;
+  /// Distinct algorithms Runs launched since the first Load that no earlier launch had run
+  /// (each a possible first launch in the process, where no loaded algorithm was accepted).
+  /// Safe to read from another thread.
+  size_t unloaded_launches() const;
 
   /// Enqueues out = x @ w^T for `m` rows on `stream`. x [m, k], w [n, k], out [m, n], device
   /// pointers, 16-byte aligned at least. A row count (or a pointer alignment below 256 bytes)
