@@ -16,6 +16,12 @@
 // timing; warm-up; CUDA events around each sample, the L2 flushed before it (a 256 MiB memset);
 // rounds visit the variants in A/B/B/A order (forward, then reversed); the median of all samples
 // per variant. The A/A ratio control / fused_chunked should be 1 within about 1%.
+//
+// --pinning-rows R,... measures instead what a fused session's pinned GEMM costs: per hidden, a
+// GEMM loaded as a session of --pinning-max-rows rows loads it (Bf16Gemm::Load of the
+// per-operator path's FusedGemmLoadRowCounts), which at a row count whose own algorithm it did
+// not load runs a loaded one, against a GEMM of cuBLASLt's own pick, at each R; the same
+// method, an A/A control of the own pick twice, both outputs checked on sampled rows.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -40,6 +46,7 @@
 #include "ulysses/common/strings.h"
 #include "ulysses/kernels/exchange_cuda.h"
 #include "ulysses/kernels/fused_qkv.h"
+#include "ulysses/kernels/gemm.h"
 #include "ulysses/kernels/qkv_norm_rope.h"
 
 #ifndef ULYSSES_GIT_COMMIT
@@ -143,6 +150,8 @@ struct Options {
   // protocol announces the whole call); "words": every chunk also publishes its readiness word
   // per destination, for a consumer that reads chunk by chunk (the runs before 2026-12-04).
   std::string readiness = "none";
+  std::vector<int64_t> pinning_rows;
+  int64_t pinning_max_rows = 16384;
   std::string json_path;
   std::string mps = "auto";
   std::string commit = ULYSSES_GIT_COMMIT;
@@ -389,6 +398,193 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   return row;
 }
 
+// Sampled rows of a GEMM's output (`out`, `rows` x 3*hidden) against the CPU reference.
+absl::StatusOr<std::string> CheckProjection(const HiddenData& data, const void* out,
+                                            int64_t rows) {
+  const int64_t hd = data.hidden, features = 3 * hd;
+  std::vector<uint16_t> want(static_cast<size_t>(features)), got(static_cast<size_t>(features));
+  int64_t flips = 0, mismatches = 0, elements = 0;
+  for (int i = 0; i < 8; ++i) {
+    const int64_t t = i == 7 ? rows - 1 : rows * i / 7;
+    kernels::QkvProjectRef(data.x.data() + t * hd, data.w_qkv.data(), hd, features, 0, 1,
+                           want.data());
+    BENCH_CUDA(cudaMemcpy(got.data(), static_cast<const uint16_t*>(out) + t * features,
+                          features * 2, cudaMemcpyDeviceToHost));
+    for (int64_t n = 0; n < features; ++n) {
+      const uint16_t a = got[n], b = want[n];
+      ++elements;
+      if (a == b) continue;
+      const float fa = kernels::Bf16ToFloat(a), fb = kernels::Bf16ToFloat(b);
+      if ((a & 0x8000) == (b & 0x8000) && std::abs((a & 0x7fff) - (b & 0x7fff)) == 1)
+        ++flips;
+      else if (!(std::fabs(fa - fb) <= 1e-2f + 1e-2f * std::fabs(fb)))
+        ++mismatches;
+    }
+  }
+  return StrCat(mismatches == 0 ? "pass" : "FAIL", " (", elements, " elements, ", flips,
+                " one-ulp flips, ", mismatches, " beyond tolerance)");
+}
+
+// One row of --pinning-rows: the loaded GEMM against cuBLASLt's own pick at `rows` rows.
+absl::StatusOr<Json> RunPinningRow(const Options& opt, HiddenData& data, int64_t rows,
+                                   kernels::Bf16Gemm& own, kernels::Bf16Gemm& pinned,
+                                   const DeviceBuffer& out, cudaStream_t stream) {
+  ULY_RETURN_IF_ERROR(own.Prepare(rows));
+  ULY_RETURN_IF_ERROR(pinned.Prepare(rows));
+  const void* x = data.d_x.as();
+  const void* w = data.d_w.as();
+  auto run_own = [&](cudaStream_t s) { return own.Run(x, w, out.as(), rows, s); };
+  auto run_pinned = [&](cudaStream_t s) { return pinned.Run(x, w, out.as(), rows, s); };
+  std::string checks[2];
+  for (int i = 0; i < 2; ++i) {
+    BENCH_CUDA(cudaMemsetAsync(out.as(), 0xff, static_cast<size_t>(rows * 3 * data.hidden) * 2,
+                               stream));
+    ULY_RETURN_IF_ERROR(i == 0 ? run_own(stream) : run_pinned(stream));
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    ULY_ASSIGN_OR_RETURN(checks[i], CheckProjection(data, out.as(), rows));
+  }
+  std::vector<Variant> variants = {
+      {"own", run_own, {}}, {"pinned", run_pinned, {}}, {"control", run_own, {}}};
+  Events ev;
+  for (Variant& v : variants)
+    for (int i = 0; i < opt.warmup; ++i) ULY_RETURN_IF_ERROR(v.run(stream));
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  for (int round = 0; round < opt.rounds; ++round) {
+    for (size_t i = 0; i < variants.size(); ++i) {
+      Variant& v = variants[round % 2 == 0 ? i : variants.size() - 1 - i];
+      for (int s = 0; s < opt.samples; ++s) ULY_RETURN_IF_ERROR(Sample(v, data, ev, stream));
+    }
+  }
+  auto r4 = [](double v) { return std::round(v * 1e4) / 1e4; };
+  const double own_ms = Median(variants[0].ms), pinned_ms = Median(variants[1].ms);
+  Json row;
+  row["hidden"] = data.hidden;
+  row["rows"] = rows;
+  row["max_rows"] = data.max_rows;
+  row["own_ms"] = r4(own_ms);
+  row["pinned_ms"] = r4(pinned_ms);
+  row["pinned_over_own"] = r4(pinned_ms / own_ms);
+  row["aa_control"] = r4(Median(variants[2].ms) / own_ms);
+  row["own_algo"] = own.AlgoDescription(rows);
+  row["pinned_algo"] = pinned.AlgoDescription(rows);
+  row["check_own"] = checks[0];
+  row["check_pinned"] = checks[1];
+  return row;
+}
+
+// --pinning-rows: every hidden size, every row count; returns the failures.
+int RunPinning(const Options& opt, cudaStream_t stream, Json& report) {
+  std::printf("%-6s %-7s %10s %10s %9s %7s  %-6s %s\n", "hidden", "rows", "own_ms", "pinned_ms",
+              "pin/own", "A/A", "check", "algorithms (own | pinned)");
+  int failures = 0;
+  for (int32_t hidden : opt.hiddens) {
+    HiddenData data;
+    absl::Status made = data.Make(hidden, opt.pinning_max_rows, opt.pinning_max_rows);
+    const int64_t features = 3 * int64_t{hidden};
+    absl::StatusOr<std::unique_ptr<kernels::Bf16Gemm>> own, pinned;
+    DeviceBuffer scratch, out;
+    if (made.ok()) {
+      own = kernels::Bf16Gemm::Create(features, hidden);
+      pinned = kernels::Bf16Gemm::Create(features, hidden);
+      made = !own.ok() ? own.status() : pinned.status();
+    }
+    const size_t out_bytes = static_cast<size_t>(opt.pinning_max_rows * features) * 2;
+    if (made.ok()) made = scratch.Allocate(out_bytes + 256);
+    if (made.ok()) made = out.Allocate(out_bytes);
+    if (made.ok())
+      made = (*pinned)->Load(kernels::FusedGemmLoadRowCounts(opt.pinning_max_rows, 0,
+                                                              FusedPath::kPerOperator),
+                             data.d_w.as(), scratch.as(), out_bytes + 256, stream);
+    if (made.ok() && cudaStreamSynchronize(stream) != cudaSuccess)
+      made = absl::InternalError("the load failed on the device");
+    if (!made.ok()) {
+      std::cerr << "hidden " << hidden << ": " << made.message() << "\n";
+      ++failures;
+      continue;
+    }
+    for (int64_t rows : opt.pinning_rows) {
+      if (rows < 1 || rows > opt.pinning_max_rows) continue;
+      absl::StatusOr<Json> row = RunPinningRow(opt, data, rows, **own, **pinned, out, stream);
+      if (!row.ok()) {
+        std::printf("%-6d %-7ld error: %s\n", hidden, static_cast<long>(rows),
+                    std::string(row.status().message()).c_str());
+        ++failures;
+        continue;
+      }
+      const Json& r = *row;
+      const bool pass = r["check_own"].get<std::string>().rfind("pass", 0) == 0 &&
+                        r["check_pinned"].get<std::string>().rfind("pass", 0) == 0;
+      if (!pass) ++failures;
+      std::printf("%-6d %-7ld %10.4f %10.4f %9.4f %7.4f  %-6s %s | %s\n", hidden,
+                  static_cast<long>(rows), r["own_ms"].get<double>(), r["pinned_ms"].get<double>(),
+                  r["pinned_over_own"].get<double>(), r["aa_control"].get<double>(),
+                  pass ? "pass" : "FAIL", r["own_algo"].get<std::string>().c_str(),
+                  r["pinned_algo"].get<std::string>().c_str());
+      std::fflush(stdout);
+      report["rows"].push_back(r);
+    }
+  }
+  return failures;
+}
+
+// The grid of fused calls: every hidden size, W and S_global; returns the failures.
+int RunGrid(const Options& opt, QkvLayout layout, cudaStream_t stream, Json& report) {
+  int failures = 0;
+  std::printf("%-3s %-6s %-7s %-6s %10s %10s %10s %10s %10s %8s %9s %9s %9s %9s %7s  %s\n", "W",
+              "hidden", "S_glob", "rows", "gemm_ms", "per_op_ms", "chunk_ms", "epi_ms",
+              "epigemm_ms", "TFLOP/s", "chunk/gem", "chunk/per", "epi/gemm", "epi/per", "A/A",
+              "check");
+  for (int32_t hidden : opt.hiddens) {
+    int64_t max_s = 0, max_rows = 0;
+    for (int32_t w : opt.worlds)
+      for (int64_t s : opt.s_globals) {
+        max_s = std::max(max_s, s);
+        max_rows = std::max(max_rows, s / w);
+      }
+    HiddenData data;
+    absl::Status made = data.Make(hidden, max_rows, max_s);
+    if (!made.ok()) {
+      std::cerr << "hidden " << hidden << ": " << made.message() << "\n";
+      ++failures;
+      continue;
+    }
+    for (int32_t world : opt.worlds) {
+      for (int64_t s_global : opt.s_globals) {
+        if (s_global % world != 0 || (hidden / kDim) % world != 0) continue;
+        absl::StatusOr<Json> row = RunRow(opt, data, world, s_global, layout, stream);
+        if (!row.ok()) {
+          std::printf("%-3d %-6d %-7ld error: %s\n", world, hidden, static_cast<long>(s_global),
+                      std::string(row.status().message()).c_str());
+          ++failures;
+          continue;
+        }
+        const Json& r = *row;
+        const bool epi = !r["fused_epilogue_ms"].is_null();
+        auto passed = [&](const char* key) {
+          return r[key].get<std::string>().rfind("pass", 0) == 0;
+        };
+        const bool pass = passed("check_chunked") && passed("check_per_operator") &&
+                          (!epi || passed("check_epilogue"));
+        if (!pass) ++failures;
+        auto value = [&](const char* key) { return epi ? r[key].get<double>() : NAN; };
+        std::printf(
+            "%-3d %-6d %-7ld %-6ld %10.4f %10.4f %10.4f %10.4f %10.4f %8.1f %9.4f %9.4f %9.4f "
+            "%9.4f %7.4f  %s\n",
+            world, hidden, static_cast<long>(s_global), static_cast<long>(s_global / world),
+            r["gemm_ms"].get<double>(), r["per_operator_ms"].get<double>(),
+            r["fused_chunked_ms"].get<double>(), value("fused_epilogue_ms"),
+            value("epilogue_gemm_ms"), r["gemm_tflops"].get<double>(), r["chunked_over_gemm"].get<double>(),
+            r["chunked_over_per_operator"].get<double>(), value("epilogue_over_gemm"),
+            value("epilogue_over_per_operator"), r["aa_control"].get<double>(),
+            pass ? "pass" : "FAIL");
+        std::fflush(stdout);
+        report["rows"].push_back(r);
+      }
+    }
+  }
+  return failures;
+}
+
 bool MpsDetected() {
   const char* pipe = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
   const std::string dir = pipe != nullptr ? pipe : "/tmp/nvidia-mps";
@@ -423,6 +619,13 @@ int Main(int argc, char** argv) {
   app.add_option("--mps", opt.mps, "auto, yes or no: whether this runs under MPS");
   app.add_option("--commit", opt.commit, "commit recorded in the JSON");
   app.add_flag("--quick", quick, "a small grid: W 2,8, hidden 4096, S_global 4096,32768");
+  app.add_option("--pinning-rows", opt.pinning_rows,
+                 "instead of the grid: the pinned GEMM against cuBLASLt's own pick at these "
+                 "row counts")
+      ->delimiter(',');
+  app.add_option("--pinning-max-rows", opt.pinning_max_rows,
+                 "the rows the pinned GEMM is loaded for (a session's max_tokens)")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   if (quick) {
     opt.worlds = {2, 8};
@@ -461,59 +664,15 @@ int Main(int argc, char** argv) {
                             opt.rounds, " A/B/B/A rounds x ", opt.samples,
                             " samples, median; A/A control = fused_chunked twice");
   report["rows"] = Json::array();
-  std::printf("%-3s %-6s %-7s %-6s %10s %10s %10s %10s %10s %8s %9s %9s %9s %9s %7s  %s\n", "W",
-              "hidden", "S_glob", "rows", "gemm_ms", "per_op_ms", "chunk_ms", "epi_ms",
-              "epigemm_ms", "TFLOP/s", "chunk/gem", "chunk/per", "epi/gemm", "epi/per", "A/A",
-              "check");
-  int failures = 0;
-  for (int32_t hidden : opt.hiddens) {
-    int64_t max_s = 0, max_rows = 0;
-    for (int32_t w : opt.worlds)
-      for (int64_t s : opt.s_globals) {
-        max_s = std::max(max_s, s);
-        max_rows = std::max(max_rows, s / w);
-      }
-    HiddenData data;
-    absl::Status made = data.Make(hidden, max_rows, max_s);
-    if (!made.ok()) {
-      std::cerr << "hidden " << hidden << ": " << made.message() << "\n";
-      ++failures;
-      continue;
-    }
-    for (int32_t world : opt.worlds) {
-      for (int64_t s_global : opt.s_globals) {
-        if (s_global % world != 0 || (hidden / kDim) % world != 0) continue;
-        absl::StatusOr<Json> row = RunRow(opt, data, world, s_global, *layout, stream);
-        if (!row.ok()) {
-          std::printf("%-3d %-6d %-7ld error: %s\n", world, hidden, static_cast<long>(s_global),
-                      std::string(row.status().message()).c_str());
-          ++failures;
-          continue;
-        }
-        const Json& r = *row;
-        const bool epi = !r["fused_epilogue_ms"].is_null();
-        auto passed = [&](const char* key) {
-          return r[key].get<std::string>().rfind("pass", 0) == 0;
-        };
-        const bool pass = passed("check_chunked") && passed("check_per_operator") &&
-                          (!epi || passed("check_epilogue"));
-        if (!pass) ++failures;
-        auto value = [&](const char* key) { return epi ? r[key].get<double>() : NAN; };
-        std::printf(
-            "%-3d %-6d %-7ld %-6ld %10.4f %10.4f %10.4f %10.4f %10.4f %8.1f %9.4f %9.4f %9.4f "
-            "%9.4f %7.4f  %s\n",
-            world, hidden, static_cast<long>(s_global), static_cast<long>(s_global / world),
-            r["gemm_ms"].get<double>(), r["per_operator_ms"].get<double>(),
-            r["fused_chunked_ms"].get<double>(), value("fused_epilogue_ms"),
-            value("epilogue_gemm_ms"), r["gemm_tflops"].get<double>(), r["chunked_over_gemm"].get<double>(),
-            r["chunked_over_per_operator"].get<double>(), value("epilogue_over_gemm"),
-            value("epilogue_over_per_operator"), r["aa_control"].get<double>(),
-            pass ? "pass" : "FAIL");
-        std::fflush(stdout);
-        report["rows"].push_back(r);
-      }
-    }
+  if (!opt.pinning_rows.empty()) {
+    report["what"] = StrCat("pinned GEMM (loaded for ", opt.pinning_max_rows,
+                            " rows) against cuBLASLt's own pick");
+    report["method"] = StrCat("CUDA events, L2 flushed (256 MiB memset) before each sample, ",
+                              opt.rounds, " A/B/B/A rounds x ", opt.samples,
+                              " samples, median; A/A control = own twice");
   }
+  const int failures = opt.pinning_rows.empty() ? RunGrid(opt, *layout, stream, report)
+                                                : RunPinning(opt, stream, report);
   cudaStreamDestroy(stream);
   if (!opt.json_path.empty()) {
     std::ofstream out(opt.json_path);
