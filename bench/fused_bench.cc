@@ -10,6 +10,8 @@
 //   gemm            the same cuBLASLt GEMM alone (the floor)
 //   epilogue_gemm   the epilogue path's CUTLASS GEMM with its epilogue skipped (its own floor)
 //   control         fused_chunked again, as an A/A control
+//   chunked_cutlass, per_operator_cutlass (--cutlass-projection) the two paths projecting on
+//                   the epilogue path's CUTLASS GEMM (FusedQkvConfig::cutlass_projection)
 // --readiness none (the default) runs the paths as the daemon does, without per-chunk readiness
 // words; --readiness words makes every chunk publish them too (the runs before 2026-12-04).
 // Method: outputs of both paths checked against the CPU reference on sampled tokens before
@@ -150,6 +152,7 @@ struct Options {
   // protocol announces the whole call); "words": every chunk also publishes its readiness word
   // per destination, for a consumer that reads chunk by chunk (the runs before 2026-12-04).
   std::string readiness = "none";
+  bool cutlass_projection = false;
   std::vector<int64_t> pinning_rows;
   int64_t pinning_max_rows = 16384;
   std::string json_path;
@@ -291,6 +294,13 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   ULY_ASSIGN_OR_RETURN(std::unique_ptr<kernels::FusedQkvPlan> plan,
                        kernels::FusedQkvPlan::Create(c));
   ULY_RETURN_IF_ERROR(plan->Prepare(rows));
+  const bool have_epilogue = plan->EpilogueUnavailable().empty();
+  // The same paths projecting on the epilogue path's CUTLASS GEMM (--cutlass-projection).
+  std::unique_ptr<kernels::FusedQkvPlan> cutlass;
+  if (opt.cutlass_projection && have_epilogue) {
+    c.cutlass_projection = true;
+    ULY_ASSIGN_OR_RETURN(cutlass, kernels::FusedQkvPlan::Create(c));
+  }
   // Positions of a contiguous sequence shard: rank * S_l + s.
   std::vector<int32_t> positions(static_cast<size_t>(rows));
   for (int64_t s = 0; s < rows; ++s) positions[s] = static_cast<int32_t>(rank * rows + s);
@@ -323,16 +333,24 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   };
   auto gemm = [&](cudaStream_t s) { return plan->RunProjection(x, rows, s); };
   auto epilogue_gemm = [&](cudaStream_t s) { return plan->RunEpilogueGemmAlone(x, rows, s); };
-  const bool have_epilogue = plan->EpilogueUnavailable().empty();
+  auto chunked_cutlass = [&](cudaStream_t s) {
+    return cutlass->RunChunked(x, pos, 1, rows, {slots.data(), words_or_none, ++epoch}, s);
+  };
+  auto per_operator_cutlass = [&](cudaStream_t s) {
+    return cutlass->RunPerOperator(x, pos, 1, rows, {slots.data(), words_or_none, ++epoch}, s);
+  };
 
   // Outputs before timing: each path into freshly poisoned slots, then the sampled check. The
   // poison goes on the call's stream: a memset on the legacy stream would not be ordered
   // before the call's work on these non-blocking streams.
-  std::string checks[3];  // chunked, per-operator, epilogue
-  for (int path = 0; path < (have_epilogue ? 3 : 2); ++path) {
+  // chunked, per-operator, epilogue, then the CUTLASS-projected chunked and per-operator.
+  const std::vector<std::function<absl::Status(cudaStream_t)>> checked = {
+      chunked, per_operator, epilogue, chunked_cutlass, per_operator_cutlass};
+  std::string checks[5];
+  for (int path = 0; path < 5; ++path) {
+    if ((path == 2 && !have_epilogue) || (path >= 3 && cutlass == nullptr)) continue;
     BENCH_CUDA(cudaMemsetAsync(data.slots.as(), 0xff, size_t(slot_elems) * world * 2, stream));
-    ULY_RETURN_IF_ERROR(path == 0 ? chunked(stream)
-                                  : path == 1 ? per_operator(stream) : epilogue(stream));
+    ULY_RETURN_IF_ERROR(checked[path](stream));
     BENCH_CUDA(cudaStreamSynchronize(stream));
     ULY_ASSIGN_OR_RETURN(checks[path], CheckCall(data, shape, layout, rank, slots, positions));
   }
@@ -346,6 +364,10 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   if (have_epilogue) {
     variants.insert(variants.begin() + 1, {"fused_epilogue", epilogue, {}});
     variants.insert(variants.begin() + 4, {"epilogue_gemm", epilogue_gemm, {}});
+  }
+  if (cutlass != nullptr) {
+    variants.insert(variants.end() - 1, {"chunked_cutlass", chunked_cutlass, {}});
+    variants.insert(variants.end() - 1, {"per_operator_cutlass", per_operator_cutlass, {}});
   }
   auto median_of = [&](const char* name) {
     for (const Variant& v : variants)
@@ -394,6 +416,15 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   row["chunk_rows"] = plan->ChunkRows(rows);
   row["check_chunked"] = checks[0];
   row["check_per_operator"] = checks[1];
+  if (cutlass != nullptr) {
+    row["chunked_cutlass_ms"] = r4(median_of("chunked_cutlass"));
+    row["per_operator_cutlass_ms"] = r4(median_of("per_operator_cutlass"));
+    row["per_operator_cutlass_over_per_operator"] =
+        r4(median_of("per_operator_cutlass") / per_op_ms);
+    row["chunked_cutlass_over_chunked"] = r4(median_of("chunked_cutlass") / chunked_ms);
+    row["check_chunked_cutlass"] = checks[3];
+    row["check_per_operator_cutlass"] = checks[4];
+  }
   row["plan"] = plan->Describe(rows);
   return row;
 }
@@ -563,8 +594,11 @@ int RunGrid(const Options& opt, QkvLayout layout, cudaStream_t stream, Json& rep
         auto passed = [&](const char* key) {
           return r[key].get<std::string>().rfind("pass", 0) == 0;
         };
+        const bool cut = r.contains("check_chunked_cutlass");
         const bool pass = passed("check_chunked") && passed("check_per_operator") &&
-                          (!epi || passed("check_epilogue"));
+                          (!epi || passed("check_epilogue")) &&
+                          (!cut || (passed("check_chunked_cutlass") &&
+                                    passed("check_per_operator_cutlass")));
         if (!pass) ++failures;
         auto value = [&](const char* key) { return epi ? r[key].get<double>() : NAN; };
         std::printf(
@@ -619,6 +653,9 @@ int Main(int argc, char** argv) {
   app.add_option("--mps", opt.mps, "auto, yes or no: whether this runs under MPS");
   app.add_option("--commit", opt.commit, "commit recorded in the JSON");
   app.add_flag("--quick", quick, "a small grid: W 2,8, hidden 4096, S_global 4096,32768");
+  app.add_flag("--cutlass-projection", opt.cutlass_projection,
+               "also the per-operator and chunked paths projecting on the epilogue path's "
+               "CUTLASS GEMM (JSON: *_cutlass_ms and their ratios)");
   app.add_option("--pinning-rows", opt.pinning_rows,
                  "instead of the grid: the pinned GEMM against cuBLASLt's own pick at these "
                  "row counts")

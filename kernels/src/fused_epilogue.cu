@@ -68,6 +68,7 @@ struct EpilogueParams {
   unsigned int* counters;  // per chunk; null: no readiness words
   uint16_t* projection;    // null: the raw projection is not kept
   int32_t gemm_alone;      // nonzero: the epilogue returns at once
+  int32_t projection_only; // nonzero: the raw projection is stored, nothing else
 };
 
 using Element = cutlass::bfloat16_t;
@@ -148,6 +149,7 @@ class NormRopeStoreEpilogue {
     // the problem (seen with 12 tiles across) has nothing to store and is no chunk's tile.
     // Every thread of the group takes this branch alike, before any of its barriers.
     if (n_tile >= p.n_tiles || m_tile * kTileM >= p.rows) return;
+    const bool only = p.projection_only != 0;  // alike for every thread of the kernel
     const int lane = thread_idx % kHeadLanes, half_warp = thread_idx / kHeadLanes;
     const int64_t hd = int64_t{p.shape.heads} * kHeadDim, features = 3 * hd;
     const int64_t n = int64_t{n_tile} * kTileN;
@@ -161,7 +163,7 @@ class NormRopeStoreEpilogue {
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kRowsPerThread; ++j) {
       const int64_t row = int64_t{m_tile} * kTileM + half_warp + j * kHalfWarps;
-      pos[j] = plane < 2 && row < p.rows ? p.positions[row] : 0;
+      pos[j] = plane < 2 && !only && row < p.rows ? p.positions[row] : 0;
     }
     if (thread_idx == 0) {
       storage.cancelled =
@@ -179,7 +181,7 @@ class NormRopeStoreEpilogue {
     }
     float w[kHeadVec] = {};
     CosSin cs[kRowsPerThread] = {};
-    if (plane < 2) {
+    if (plane < 2 && !only) {
       LoadNormWeights(plane == 0 ? p.q_norm : p.k_norm, lane, w);
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kRowsPerThread; ++j) {
@@ -205,6 +207,7 @@ class NormRopeStoreEpilogue {
       if (valid && p.projection != nullptr) {
         *reinterpret_cast<uint4*>(p.projection + row * features + n + lane * kHeadVec) = raw;
       }
+      if (only) continue;
       if (plane < 2) NormRopeHead(raw, valid, w, cs[j]);  // the same for every lane of the tile
       if (valid && !cancelled) {
         // QkvDestOffset in 32-bit arithmetic: every offset of a slot is below 2^31 (Run checks
@@ -294,10 +297,20 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
     ULY_RETURN_IF_ERROR(CheckAligned("x", c.x));
     ULY_RETURN_IF_ERROR(CheckAligned("weights.w_qkv", c.weights.w_qkv));
     const int64_t rows = QkvRows(s);
-    if (!c.gemm_alone) ULY_RETURN_IF_ERROR(CheckEpilogueArguments(c, rows));
     EpilogueParams e{};
-    e.gemm_alone = c.gemm_alone ? 1 : 0;
-    if (!c.gemm_alone) FillEpilogueParams(c, rows, e);
+    if (c.gemm_alone) {
+      e.gemm_alone = 1;
+    } else if (c.projection_only) {
+      ULY_RETURN_IF_ERROR(CheckAligned("projection", c.projection));
+      e.projection_only = 1;
+      e.shape = s;  // the projection's row pitch (3*H*D) and the tiles' planes and heads
+      e.rows = static_cast<int32_t>(rows);
+      e.n_tiles = static_cast<int32_t>(features_ / kTileN);
+      e.projection = static_cast<uint16_t*>(c.projection);
+    } else {
+      ULY_RETURN_IF_ERROR(CheckEpilogueArguments(c, rows));
+      FillEpilogueParams(c, rows, e);
+    }
     return Launch(c, rows, e, stream);
   }
 

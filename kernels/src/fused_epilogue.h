@@ -44,6 +44,11 @@ struct EpilogueCall {
   /// words; positions, weights other than w_qkv and dests are not read). The benchmark's
   /// measure of this kernel's GEMM.
   bool gemm_alone = false;
+  /// The projection alone: every tile stores its raw bf16 projection into `projection`
+  /// (required) and nothing else (no norm, no RoPE, no destination stores, no readiness
+  /// words; positions, weights other than w_qkv, dests and layout are not read). The
+  /// per-operator and chunked paths' GEMM when a plan projects on this kernel.
+  bool projection_only = false;
 };
 
 class EpilogueGemm {

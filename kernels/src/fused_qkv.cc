@@ -123,11 +123,25 @@ struct FusedQkvPlan::Impl {
                             config.max_pos, batch,        seq_local};
   }
 
+  // out[rows, 3*H*D] = x[rows, hidden] @ w_qkv^T, on cuBLASLt or (cutlass_projection) on the
+  // epilogue GEMM storing the raw projection only.
+  absl::Status Project(const void* x, int64_t rows, void* out, cudaStream_t stream) {
+    if (!config.cutlass_projection) return gemm->Run(x, config.weights.w_qkv, out, rows, stream);
+    internal::EpilogueCall call;
+    call.shape = QkvNormRopeShape{config.world, config.heads, config.head_dim, config.max_pos, 1,
+                                  rows};
+    call.x = x;
+    call.weights = config.weights;
+    call.projection = out;
+    call.projection_only = true;
+    return EpilogueFor(rows)->Run(call, stream);
+  }
+
   // The projection of a checked call into qkv(), then norm + RoPE in place.
   absl::Status ProjectAndNormRope(const QkvNormRopeShape& shape, const void* x,
                                   const int32_t* positions, cudaStream_t stream) {
     const int64_t rows = QkvRows(shape);
-    ULY_RETURN_IF_ERROR(gemm->Run(x, config.weights.w_qkv, qkv(), rows, stream));
+    ULY_RETURN_IF_ERROR(Project(x, rows, qkv(), stream));
     return LaunchNormRope(shape, config.weights, positions, 0, rows, qkv(), stream);
   }
 };
@@ -190,6 +204,10 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
     }
     impl->epilogue[i] = std::move(*epilogue);
   }
+  if (config.cutlass_projection && !impl->epilogue_unavailable.empty())
+    return absl::FailedPreconditionError(
+        absl::StrCat("cutlass_projection: the epilogue GEMM is unavailable: ",
+                     impl->epilogue_unavailable));
   if (impl->epilogue_unavailable.empty()) {
     ULY_RETURN_IF_ERROR(
         impl->chunk_counters.Allocate(kMaxFusedChunks * sizeof(unsigned int), impl->side.get()));
@@ -222,6 +240,7 @@ absl::Status FusedQkvPlan::Prepare(int64_t rows) {
   if (rows <= 0 || rows > impl_->config.max_tokens)
     return absl::InvalidArgumentError(
         absl::StrCat("rows ", rows, " is not in [1, max_tokens=", impl_->config.max_tokens, "]"));
+  if (impl_->config.cutlass_projection) return absl::OkStatus();  // nothing to choose
   ULY_RETURN_IF_ERROR(impl_->gemm->Prepare(rows));
   const int64_t chunk = impl_->ChunkRows(rows);
   ULY_RETURN_IF_ERROR(impl_->gemm->Prepare(chunk));
@@ -231,6 +250,7 @@ absl::Status FusedQkvPlan::Prepare(int64_t rows) {
 
 absl::Status FusedQkvPlan::LoadKernels(int64_t rows, FusedPath path, cudaStream_t stream) {
   ULY_RETURN_IF_ERROR(Prepare(rows));
+  if (impl_->config.cutlass_projection) return absl::OkStatus();  // no cuBLASLt kernel runs
   const std::vector<int64_t> counts = FusedGemmLoadRowCounts(rows, impl_->config.chunk_rows, path);
   if (counts.empty()) return absl::OkStatus();
   // The projection buffer holds max_tokens rows of 3*H*D: the output's rows * 3*H*D, and the
@@ -249,7 +269,7 @@ absl::Status FusedQkvPlan::RunProjection(const void* x, int64_t rows, cudaStream
   if (rows <= 0 || rows > impl_->config.max_tokens)
     return absl::InvalidArgumentError(
         absl::StrCat("rows ", rows, " is not in [1, max_tokens=", impl_->config.max_tokens, "]"));
-  return impl_->gemm->Run(x, impl_->config.weights.w_qkv, impl_->qkv(), rows, stream);
+  return impl_->Project(x, rows, impl_->qkv(), stream);
 }
 
 absl::Status FusedQkvPlan::RunNormRope(const void* x, const int32_t* positions, int64_t batch,
@@ -289,8 +309,7 @@ absl::Status FusedQkvPlan::RunChunked(const void* x, const int32_t* positions, i
     for (int64_t i = 0, row = 0; row < rows; ++i, row += chunk) {
       const int64_t end = std::min(rows, row + chunk);
       const auto* x_rows = static_cast<const uint16_t*>(x) + row * hidden;
-      ULY_RETURN_IF_ERROR(impl_->gemm->Run(x_rows, c.weights.w_qkv, impl_->qkv() + row * features,
-                                           end - row, stream));
+      ULY_RETURN_IF_ERROR(impl_->Project(x_rows, end - row, impl_->qkv() + row * features, stream));
       ULY_CUDA_RETURN_IF_ERROR(cudaEventRecord(impl_->chunk_done[i].get(), stream));
       ULY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, impl_->chunk_done[i].get(), 0));
       QkvDestinations chunk_dests{dests.out, nullptr, dests.epoch, dests.cancel};
@@ -364,10 +383,16 @@ const void* FusedQkvPlan::projection() const { return impl_->projection.get(); }
 
 std::string FusedQkvPlan::Describe(int64_t rows) const {
   const int64_t chunk = ChunkRows(rows);
+  // The projection's GEMM at m rows.
+  auto gemm = [&](int64_t m) {
+    return impl_->config.cutlass_projection
+               ? std::string("the epilogue path's CUTLASS GEMM, storing the projection only")
+               : impl_->gemm->AlgoDescription(m);
+  };
   return absl::StrCat(
-      "per_operator: gemm[", rows, "] (", impl_->gemm->AlgoDescription(rows),
+      "per_operator: gemm[", rows, "] (", gemm(rows),
       ") -> norm_rope -> scatter x", impl_->config.world, "\n", "chunked: ", NumChunks(rows),
-      " x gemm[", chunk, "] (", impl_->gemm->AlgoDescription(chunk),
+      " x gemm[", chunk, "] (", gemm(chunk),
       ") on the caller's stream, each followed on a second stream by norm_rope_scatter",
       impl_->config.push_blocks > 0 ? absl::StrCat(" (", impl_->config.push_blocks, " blocks)")
                                     : std::string(),

@@ -186,6 +186,7 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
     c.weights = DeviceWeights();
     c.chunk_rows = chunk_rows;
     c.keep_projection = keep_projection;
+    c.cutlass_projection = cutlass_projection_;
     absl::StatusOr<std::unique_ptr<FusedQkvPlan>> plan = FusedQkvPlan::Create(c);
     EXPECT_TRUE(plan.ok()) << plan.status();
     return plan.ok() ? std::move(*plan) : nullptr;
@@ -416,6 +417,7 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<DeviceBuffer> w_qkv_, q_norm_, k_norm_, cos_sin_;
   std::vector<std::unique_ptr<DeviceBuffer>> x_, positions_;
+  bool cutlass_projection_ = false;  // MakePlan's plans project on the epilogue GEMM
 };
 
 // hidden, world, batch, seq_local
@@ -552,6 +554,33 @@ TEST_P(GpuFusedQkvTest, AGemmLoadedAtOneRowCountRunsItsAlgorithmAtFewerRows) {
             << "\n";
   EXPECT_GE((*gemm)->loaded_algorithms(), 1u);
   EXPECT_EQ((*gemm)->unloaded_launches(), 0u);
+}
+
+// The per-operator and chunked paths projecting on the epilogue path's CUTLASS GEMM (its
+// epilogue storing the projection only): the projection within the GEMM's tolerance of the
+// reference, each path bit for bit the reference chain on its own projection and within
+// tolerance of the pure reference, and the cuBLASLt per-operator path's result wherever both
+// projections agree on a head.
+TEST_P(GpuFusedQkvTest, CutlassProjectionPathsMatchReferenceAndTheCublasLtPath) {
+  if (!EpilogueRuns()) GTEST_SKIP() << "no epilogue GEMM in this build or on this device";
+  for (QkvLayout layout : {QkvLayout::kBshd, QkvLayout::kFused}) {
+    SCOPED_TRACE(std::string(QkvLayoutName(layout)));
+    const PathResult cublas = RunPath(layout, Path::kPerOperator);
+    cutlass_projection_ = true;
+    const PathResult per_op = RunPath(layout, Path::kPerOperator);
+    const PathResult chunked = RunPath(layout, Path::kChunked);
+    cutlass_projection_ = false;
+    CheckPath("per_operator (cutlass projection)", layout, per_op);
+    CheckPath("chunked (cutlass projection)", layout, chunked);
+    for (int r = 0; r < shape_.world; ++r) {
+      const Bf16Diff d = CompareBf16(per_op.proj[r].data(), proj_ref_[r].data(), Elems());
+      std::cout << "cutlass projection rank " << r << ": " << d << "\n";
+      EXPECT_EQ(d.mismatches, 0);
+      EXPECT_LE(d.flips, d.elements / 100);
+    }
+    CheckPathsAgree(layout, per_op, cublas, "per_operator (cutlass projection)");
+    CheckPathsAgree(layout, chunked, per_op, "chunked (cutlass projection)");
+  }
 }
 
 TEST_P(GpuFusedQkvTest, NormRopeKernelMatchesReferenceStep) {
@@ -984,6 +1013,39 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ALoadedPlansCallsRunBesideAStreamWaitingOn
        {"chunked call at 555 rows, x aligned to 16 bytes",
         [&] { return plan->RunChunked(x16, pos, 1, 555, dests, run); }}});
   EXPECT_EQ(plan->unloaded_gemm_launches(), 0u);
+  plan.reset();
+}
+
+// A plan that projects on the epilogue path's CUTLASS GEMM loads nothing: its kernels load with
+// this library's module (eagerly in this program, as in the daemon), so its calls run beside a
+// waiting stream at any row count and alignment without a LoadKernels.
+TEST_F(GpuFusedLoadedBesideAWaitTest, ACutlassProjectingPlansCallsRunBesideAWaitWithoutALoad) {
+  if (IsSkipped()) return;
+  ASSERT_NO_FATAL_FAILURE(MakeStreamsAndGate());
+  if (IsSkipped()) return;
+  if (!EpilogueRuns()) GTEST_SKIP() << "no epilogue GEMM in this build or on this device";
+  DeviceBuffer slot(static_cast<size_t>(SlotElems()) * sizeof(uint16_t));
+  DeviceBuffer cancel(std::vector<uint64_t>{0});
+  cutlass_projection_ = true;
+  std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0, false, side_);
+  cutlass_projection_ = false;
+  ASSERT_NE(plan, nullptr);
+  const std::unique_ptr<DeviceBuffer> shifted = MakeShiftedX();
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  void* outs[1] = {slot.as<void>()};
+  const QkvDestinations dests{outs, nullptr, kEpoch, cancel.as<uint64_t>()};
+  const int32_t* pos = positions_[0]->as<int32_t>();
+  const void* x = x_[0]->as<void>();
+  const void* x16 = ShiftedX(*shifted);
+  const cudaStream_t run = run_;
+  RunBesideAWait(
+      {{"per_operator call", [&] { return plan->RunPerOperator(x, pos, 1, Rows(), dests, run); }},
+       {"chunked call", [&] { return plan->RunChunked(x, pos, 1, Rows(), dests, run); }},
+       {"per_operator call at 1 row", [&] { return plan->RunPerOperator(x, pos, 1, 1, dests, run); }},
+       {"chunked call at 777 rows", [&] { return plan->RunChunked(x, pos, 1, 777, dests, run); }},
+       {"per_operator call at 333 rows, x aligned to 16 bytes",
+        [&] { return plan->RunPerOperator(x16, pos, 1, 333, dests, run); }}});
+  EXPECT_EQ(plan->loaded_gemm_kernels(), 0u);
   plan.reset();
 }
 

@@ -57,6 +57,12 @@ struct FusedQkvConfig {
   /// costs a write of the whole projection).
   bool keep_projection = false;
   EpilogueSchedule epilogue_schedule = EpilogueSchedule::kAuto;
+  /// The per-operator and chunked paths (and RunProjection, RunNormRope) project on the
+  /// epilogue path's CUTLASS GEMM, its epilogue storing the raw projection only, instead of
+  /// cuBLASLt: the plan's calls then launch no cuBLASLt kernel (this library's kernels load
+  /// with its module), and LoadKernels has nothing to load. Create fails with
+  /// FAILED_PRECONDITION where the epilogue GEMM is unavailable (not built, not sm_90).
+  bool cutlass_projection = false;
   /// The second stream (a cudaStream_t, borrowed: it must outlive the plan, and is idle when
   /// the plan is made): its owner picks its hardware queue (a daemon gives each plan one that
   /// no other session's stream uses). Null: the plan makes its own, non-blocking, at the
