@@ -271,6 +271,23 @@ absl::Status Sample(Variant& v, const HiddenData& data, const Events& ev, cudaSt
   return absl::OkStatus();
 }
 
+// Warm-up, then opt.rounds rounds visiting the variants in A/B/B/A order, opt.samples each.
+absl::Status SampleAll(const Options& opt, const HiddenData& data, std::vector<Variant>& variants,
+                       cudaStream_t stream) {
+  Events ev;
+  for (Variant& v : variants) {
+    for (int i = 0; i < opt.warmup; ++i) ULY_RETURN_IF_ERROR(v.run(stream));
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  for (int round = 0; round < opt.rounds; ++round) {
+    for (size_t i = 0; i < variants.size(); ++i) {
+      Variant& v = variants[round % 2 == 0 ? i : variants.size() - 1 - i];
+      for (int s = 0; s < opt.samples; ++s) ULY_RETURN_IF_ERROR(Sample(v, data, ev, stream));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world, int64_t s_global,
                             QkvLayout layout, cudaStream_t stream) {
   const int32_t heads = data.hidden / kDim;
@@ -374,17 +391,7 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
       if (v.name == name) return Median(v.ms);
     return 0.0;
   };
-  Events ev;
-  for (Variant& v : variants) {
-    for (int i = 0; i < opt.warmup; ++i) ULY_RETURN_IF_ERROR(v.run(stream));
-  }
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  for (int round = 0; round < opt.rounds; ++round) {
-    for (size_t i = 0; i < variants.size(); ++i) {
-      Variant& v = variants[round % 2 == 0 ? i : variants.size() - 1 - i];
-      for (int s = 0; s < opt.samples; ++s) ULY_RETURN_IF_ERROR(Sample(v, data, ev, stream));
-    }
-  }
+  ULY_RETURN_IF_ERROR(SampleAll(opt, data, variants, stream));
   const double chunked_ms = median_of("fused_chunked"), per_op_ms = median_of("per_operator");
   const double gemm_ms = median_of("gemm"), control_ms = median_of("control");
   const double epilogue_ms = median_of("fused_epilogue");
@@ -476,16 +483,7 @@ absl::StatusOr<Json> RunPinningRow(const Options& opt, HiddenData& data, int64_t
   }
   std::vector<Variant> variants = {
       {"own", run_own, {}}, {"pinned", run_pinned, {}}, {"control", run_own, {}}};
-  Events ev;
-  for (Variant& v : variants)
-    for (int i = 0; i < opt.warmup; ++i) ULY_RETURN_IF_ERROR(v.run(stream));
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  for (int round = 0; round < opt.rounds; ++round) {
-    for (size_t i = 0; i < variants.size(); ++i) {
-      Variant& v = variants[round % 2 == 0 ? i : variants.size() - 1 - i];
-      for (int s = 0; s < opt.samples; ++s) ULY_RETURN_IF_ERROR(Sample(v, data, ev, stream));
-    }
-  }
+  ULY_RETURN_IF_ERROR(SampleAll(opt, data, variants, stream));
   auto r4 = [](double v) { return std::round(v * 1e4) / 1e4; };
   const double own_ms = Median(variants[0].ms), pinned_ms = Median(variants[1].ms);
   Json row;

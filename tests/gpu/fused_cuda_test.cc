@@ -964,14 +964,35 @@ class GpuFusedLoadedBesideAWaitTest : public GpuFusedBesideAWaitTest {
   void SetUp() override {
     Init(QkvNormRopeShape{1, 6, kFusedGpuHeadDim, 1000, 1, 1000}, 3001);
   }
+
+  // What the calls read and write, made (and synchronized) before any wait: the slot, the
+  // cancel word, x and x 16 bytes off a 256-byte boundary, the positions.
+  struct CallBuffers {
+    explicit CallBuffers(GpuFusedLoadedBesideAWaitTest& t)
+        : slot(static_cast<size_t>(t.SlotElems()) * sizeof(uint16_t)),
+          cancel(std::vector<uint64_t>{0}),
+          shifted(t.MakeShiftedX()),
+          outs{slot.as<void>()},
+          dests{outs, nullptr, kEpoch, cancel.as<uint64_t>()},
+          pos(t.positions_[0]->as<int32_t>()),
+          x(t.x_[0]->as<void>()),
+          x16(ShiftedX(*shifted)) {
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    }
+    DeviceBuffer slot, cancel;
+    std::unique_ptr<DeviceBuffer> shifted;
+    void* outs[1];
+    QkvDestinations dests;
+    const int32_t* pos;
+    const void* x;
+    const void* x16;
+  };
 };
 
 TEST_F(GpuFusedLoadedBesideAWaitTest, ALoadedPlansCallsRunBesideAStreamWaitingOnAnotherQueue) {
   if (IsSkipped()) return;
   ASSERT_NO_FATAL_FAILURE(MakeStreamsAndGate());
   if (IsSkipped()) return;
-  DeviceBuffer slot(static_cast<size_t>(SlotElems()) * sizeof(uint16_t));
-  DeviceBuffer cancel(std::vector<uint64_t>{0});
   std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0, false, side_);
   ASSERT_NE(plan, nullptr);
   const auto load_start = std::chrono::steady_clock::now();
@@ -983,15 +1004,11 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ALoadedPlansCallsRunBesideAStreamWaitingOn
                                                          load_start)
                    .count()
             << " ms with the wait for them\n";
-
-  const std::unique_ptr<DeviceBuffer> shifted = MakeShiftedX();
-  ASSERT_CUDA_OK(cudaDeviceSynchronize());
-
-  void* outs[1] = {slot.as<void>()};
-  const QkvDestinations dests{outs, nullptr, kEpoch, cancel.as<uint64_t>()};
-  const int32_t* pos = positions_[0]->as<int32_t>();
-  const void* x = x_[0]->as<void>();
-  const void* x16 = ShiftedX(*shifted);
+  const CallBuffers b(*this);
+  const QkvDestinations& dests = b.dests;
+  const int32_t* pos = b.pos;
+  const void* x = b.x;
+  const void* x16 = b.x16;
   const cudaStream_t run = run_;
   RunBesideAWait(
       {{"per_operator call", [&] { return plan->RunPerOperator(x, pos, 1, Rows(), dests, run); }},
@@ -1024,19 +1041,15 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ACutlassProjectingPlansCallsRunBesideAWait
   ASSERT_NO_FATAL_FAILURE(MakeStreamsAndGate());
   if (IsSkipped()) return;
   if (!EpilogueRuns()) GTEST_SKIP() << "no epilogue GEMM in this build or on this device";
-  DeviceBuffer slot(static_cast<size_t>(SlotElems()) * sizeof(uint16_t));
-  DeviceBuffer cancel(std::vector<uint64_t>{0});
   cutlass_projection_ = true;
   std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0, false, side_);
   cutlass_projection_ = false;
   ASSERT_NE(plan, nullptr);
-  const std::unique_ptr<DeviceBuffer> shifted = MakeShiftedX();
-  ASSERT_CUDA_OK(cudaDeviceSynchronize());
-  void* outs[1] = {slot.as<void>()};
-  const QkvDestinations dests{outs, nullptr, kEpoch, cancel.as<uint64_t>()};
-  const int32_t* pos = positions_[0]->as<int32_t>();
-  const void* x = x_[0]->as<void>();
-  const void* x16 = ShiftedX(*shifted);
+  const CallBuffers b(*this);
+  const QkvDestinations& dests = b.dests;
+  const int32_t* pos = b.pos;
+  const void* x = b.x;
+  const void* x16 = b.x16;
   const cudaStream_t run = run_;
   RunBesideAWait(
       {{"per_operator call", [&] { return plan->RunPerOperator(x, pos, 1, Rows(), dests, run); }},
