@@ -987,6 +987,40 @@ class GpuFusedLoadedBesideAWaitTest : public GpuFusedBesideAWaitTest {
     const void* x;
     const void* x16;
   };
+
+  // A plan's calls on every path at its max_tokens, at row counts it never ran, and with x
+  // 16 bytes off a 256-byte boundary.
+  Steps PlanCalls(FusedQkvPlan& plan, const CallBuffers& b) {
+    // Each step keeps what it calls with (b and the plan outlive the steps).
+    const QkvDestinations dests = b.dests;
+    const int32_t* pos = b.pos;
+    const void* x = b.x;
+    const void* x16 = b.x16;
+    const cudaStream_t run = run_;
+    const int64_t rows = Rows();
+    FusedQkvPlan* p = &plan;
+    auto per_operator = [=](const void* in, int64_t r) {
+      return [=] { return p->RunPerOperator(in, pos, 1, r, dests, run); };
+    };
+    auto chunked = [=](const void* in, int64_t r) {
+      return [=] { return p->RunChunked(in, pos, 1, r, dests, run); };
+    };
+    return Steps{
+        {"per_operator call", per_operator(x, rows)},
+        {"chunked call", chunked(x, rows)},
+        {"epilogue call",
+         [=] {
+           return p->EpilogueUnavailable().empty() ? p->RunEpilogue(x, pos, 1, rows, dests, run)
+                                                   : absl::OkStatus();
+         }},
+        // Row counts and an alignment the plan never ran.
+        {"per_operator call at 1 row", per_operator(x, 1)},
+        {"per_operator call at 333 rows", per_operator(x, 333)},
+        {"chunked call at 777 rows", chunked(x, 777)},
+        {"chunked call at 999 rows", chunked(x, 999)},
+        {"per_operator call, x aligned to 16 bytes", per_operator(x16, rows)},
+        {"chunked call at 555 rows, x aligned to 16 bytes", chunked(x16, 555)}};
+  }
 };
 
 TEST_F(GpuFusedLoadedBesideAWaitTest, ALoadedPlansCallsRunBesideAStreamWaitingOnAnotherQueue) {
@@ -1005,30 +1039,7 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ALoadedPlansCallsRunBesideAStreamWaitingOn
                    .count()
             << " ms with the wait for them\n";
   const CallBuffers b(*this);
-  const QkvDestinations& dests = b.dests;
-  const int32_t* pos = b.pos;
-  const void* x = b.x;
-  const void* x16 = b.x16;
-  const cudaStream_t run = run_;
-  RunBesideAWait(
-      {{"per_operator call", [&] { return plan->RunPerOperator(x, pos, 1, Rows(), dests, run); }},
-       {"chunked call", [&] { return plan->RunChunked(x, pos, 1, Rows(), dests, run); }},
-       {"epilogue call",
-        [&] {
-          return plan->EpilogueUnavailable().empty()
-                     ? plan->RunEpilogue(x, pos, 1, Rows(), dests, run)
-                     : absl::OkStatus();
-        }},
-       // Row counts and an alignment the plan never ran: loaded algorithms serve them.
-       {"per_operator call at 1 row", [&] { return plan->RunPerOperator(x, pos, 1, 1, dests, run); }},
-       {"per_operator call at 333 rows",
-        [&] { return plan->RunPerOperator(x, pos, 1, 333, dests, run); }},
-       {"chunked call at 777 rows", [&] { return plan->RunChunked(x, pos, 1, 777, dests, run); }},
-       {"chunked call at 999 rows", [&] { return plan->RunChunked(x, pos, 1, 999, dests, run); }},
-       {"per_operator call, x aligned to 16 bytes",
-        [&] { return plan->RunPerOperator(x16, pos, 1, Rows(), dests, run); }},
-       {"chunked call at 555 rows, x aligned to 16 bytes",
-        [&] { return plan->RunChunked(x16, pos, 1, 555, dests, run); }}});
+  RunBesideAWait(PlanCalls(*plan, b));
   EXPECT_EQ(plan->unloaded_gemm_launches(), 0u);
   plan.reset();
 }
@@ -1046,18 +1057,7 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ACutlassProjectingPlansCallsRunBesideAWait
   cutlass_projection_ = false;
   ASSERT_NE(plan, nullptr);
   const CallBuffers b(*this);
-  const QkvDestinations& dests = b.dests;
-  const int32_t* pos = b.pos;
-  const void* x = b.x;
-  const void* x16 = b.x16;
-  const cudaStream_t run = run_;
-  RunBesideAWait(
-      {{"per_operator call", [&] { return plan->RunPerOperator(x, pos, 1, Rows(), dests, run); }},
-       {"chunked call", [&] { return plan->RunChunked(x, pos, 1, Rows(), dests, run); }},
-       {"per_operator call at 1 row", [&] { return plan->RunPerOperator(x, pos, 1, 1, dests, run); }},
-       {"chunked call at 777 rows", [&] { return plan->RunChunked(x, pos, 1, 777, dests, run); }},
-       {"per_operator call at 333 rows, x aligned to 16 bytes",
-        [&] { return plan->RunPerOperator(x16, pos, 1, 333, dests, run); }}});
+  RunBesideAWait(PlanCalls(*plan, b));
   EXPECT_EQ(plan->loaded_gemm_kernels(), 0u);
   plan.reset();
 }
