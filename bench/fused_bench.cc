@@ -423,7 +423,10 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   row["chunk_rows"] = plan->ChunkRows(rows);
   row["check_chunked"] = checks[0];
   row["check_per_operator"] = checks[1];
+  if (opt.cutlass_projection && cutlass == nullptr)
+    row["cutlass_projection_unavailable"] = plan->EpilogueUnavailable();
   if (cutlass != nullptr) {
+    row["plan_cutlass"] = cutlass->Describe(rows);
     row["chunked_cutlass_ms"] = r4(median_of("chunked_cutlass"));
     row["per_operator_cutlass_ms"] = r4(median_of("per_operator_cutlass"));
     row["per_operator_cutlass_over_per_operator"] =

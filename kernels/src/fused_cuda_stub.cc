@@ -47,6 +47,7 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>&, const void*, void*, siz
 }
 size_t Bf16Gemm::loaded_algorithms() const { return 0; }
 size_t Bf16Gemm::unloaded_launches() const { return 0; }
+size_t Bf16Gemm::runs() const { return 0; }
 int64_t Bf16Gemm::n() const { return 0; }
 int64_t Bf16Gemm::k() const { return 0; }
 size_t Bf16Gemm::device_bytes() const { return 0; }
@@ -63,6 +64,7 @@ absl::Status FusedQkvPlan::LoadKernels(int64_t, FusedPath, cudaStream_t) { retur
 size_t FusedQkvPlan::device_bytes() const { return 0; }
 size_t FusedQkvPlan::loaded_gemm_kernels() const { return 0; }
 size_t FusedQkvPlan::unloaded_gemm_launches() const { return 0; }
+size_t FusedQkvPlan::cublaslt_runs() const { return 0; }
 size_t FusedQkvPlan::DeviceBytesFor(const FusedQkvConfig&) { return 0; }
 absl::Status FusedQkvPlan::RunNormRope(const void*, const int32_t*, int64_t, int64_t,
                                        cudaStream_t) {

@@ -298,6 +298,8 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
     ULY_RETURN_IF_ERROR(CheckAligned("weights.w_qkv", c.weights.w_qkv));
     const int64_t rows = QkvRows(s);
     EpilogueParams e{};
+    if (c.gemm_alone && c.projection_only)
+      return absl::InvalidArgumentError("gemm_alone and projection_only exclude each other");
     if (c.gemm_alone) {
       e.gemm_alone = 1;
     } else if (c.projection_only) {

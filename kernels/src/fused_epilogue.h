@@ -2,8 +2,9 @@
 // CUTLASS GEMM, 128x128 tiles, whose epilogue takes each tile (128 token rows of one 128-wide
 // head of Q, K or V) from the accumulators, rounds it to bf16, applies RMSNorm + interleaved
 // RoPE to Q and K heads, stores every row straight into its destination rank's slot and
-// counts the tile towards its chunk's readiness words. The projection is never written to
-// memory (except on request, for tests). Internal to ulysses::kernels; host-visible, no CUDA
+// counts the tile towards its chunk's readiness words. The projection is not written to
+// memory, except on request (for tests), or alone (EpilogueCall::projection_only: the
+// per-operator and chunked paths' GEMM of a plan with cutlass_projection). Internal to ulysses::kernels; host-visible, no CUDA
 // or CUTLASS headers.
 //
 // Built only with CUTLASS's headers (ULYSSES_CUTLASS_DIR) and sm_90a among the CUDA

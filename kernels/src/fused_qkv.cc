@@ -68,6 +68,12 @@ class Event {
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The cuBLASLt GEMM's workspace: none where the plan projects on the CUTLASS GEMM (its cuBLASLt
+// GEMM then only answers Describe).
+size_t GemmWorkspaceBytes(const FusedQkvConfig& config) {
+  return config.cutlass_projection ? 0 : Bf16Gemm::kDefaultWorkspaceBytes;
+}
+
 }  // namespace
 
 struct FusedQkvPlan::Impl {
@@ -181,8 +187,8 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
   else
     ULY_RETURN_IF_ERROR(impl->side.Create());
   ULY_ASSIGN_OR_RETURN(impl->gemm,
-                       Bf16Gemm::Create(impl->features(), impl->hidden(),
-                                        Bf16Gemm::kDefaultWorkspaceBytes, impl->side.get()));
+                       Bf16Gemm::Create(impl->features(), impl->hidden(), GemmWorkspaceBytes(config),
+                                        impl->side.get()));
   ULY_RETURN_IF_ERROR(impl->projection.Allocate(
       static_cast<size_t>(config.max_tokens * impl->features()) * sizeof(uint16_t),
       impl->side.get()));
@@ -226,7 +232,7 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
 size_t FusedQkvPlan::DeviceBytesFor(const FusedQkvConfig& config) {
   const size_t features = size_t{3} * static_cast<size_t>(config.heads) *
                           static_cast<size_t>(config.head_dim);
-  return Bf16Gemm::kDefaultWorkspaceBytes +
+  return GemmWorkspaceBytes(config) +
          static_cast<size_t>(std::max<int64_t>(config.max_tokens, 0)) * features * sizeof(uint16_t) +
          2 * sizeof(unsigned int) + kMaxFusedChunks * sizeof(unsigned int);
 }
@@ -264,6 +270,7 @@ absl::Status FusedQkvPlan::LoadKernels(int64_t rows, FusedPath path, cudaStream_
 
 size_t FusedQkvPlan::loaded_gemm_kernels() const { return impl_->gemm->loaded_algorithms(); }
 size_t FusedQkvPlan::unloaded_gemm_launches() const { return impl_->gemm->unloaded_launches(); }
+size_t FusedQkvPlan::cublaslt_runs() const { return impl_->gemm->runs(); }
 
 absl::Status FusedQkvPlan::RunProjection(const void* x, int64_t rows, cudaStream_t stream) {
   if (rows <= 0 || rows > impl_->config.max_tokens)
@@ -386,7 +393,7 @@ std::string FusedQkvPlan::Describe(int64_t rows) const {
   // The projection's GEMM at m rows.
   auto gemm = [&](int64_t m) {
     return impl_->config.cutlass_projection
-               ? std::string("the epilogue path's CUTLASS GEMM, storing the projection only")
+               ? absl::StrCat(impl_->EpilogueFor(m)->Description(), ", projection only")
                : impl_->gemm->AlgoDescription(m);
   };
   return absl::StrCat(

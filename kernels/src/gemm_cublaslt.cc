@@ -129,7 +129,7 @@ struct Bf16Gemm::Impl {
   std::vector<cublasLtMatmulAlgo_t> launched;
   uint64_t generation = 0;  // Loads so far
   // Read from other threads (describe()) while a call runs.
-  std::atomic<size_t> loaded_count{0}, unloaded{0};
+  std::atomic<size_t> loaded_count{0}, unloaded{0}, runs{0};
 
   absl::StatusOr<Shape*> Get(int64_t m, uint32_t alignment) {
     auto it = shapes.find({m, alignment});
@@ -342,6 +342,7 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
 size_t Bf16Gemm::loaded_algorithms() const {
   return impl_->loaded_count.load(std::memory_order_relaxed);
 }
+size_t Bf16Gemm::runs() const { return impl_->runs.load(std::memory_order_relaxed); }
 size_t Bf16Gemm::unloaded_launches() const {
   return impl_->unloaded.load(std::memory_order_relaxed);
 }
@@ -356,6 +357,7 @@ absl::Status Bf16Gemm::Run(const void* x, const void* w, void* out, int64_t m,
   ULY_ASSIGN_OR_RETURN(Impl::Shape * s, impl_->Get(m, alignment));
   const cublasLtMatmulAlgo_t& algo = impl_->Choose(*s, m, alignment);
   ULY_RETURN_IF_ERROR(impl_->Launch(algo, *s, x, w, out, stream));
+  impl_->runs.fetch_add(1, std::memory_order_relaxed);
   impl_->CountLaunch(algo);
   return absl::OkStatus();
 }

@@ -81,6 +81,8 @@ class Bf16Gemm {
   /// (each a possible first launch in the process, where no loaded algorithm was accepted).
   /// Safe to read from another thread.
   size_t unloaded_launches() const;
+  /// GEMMs Run enqueued (each a cuBLASLt launch). Safe to read from another thread.
+  size_t runs() const;
 
   /// Enqueues out = x @ w^T for `m` rows on `stream`. x [m, k], w [n, k], out [m, n], device
   /// pointers, 16-byte aligned at least. A row count (or a pointer alignment below 256 bytes)
