@@ -105,7 +105,7 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
   ULY_RETURN_IF_ERROR(CheckKeys(root, "", {"log_level", "backend", "timeouts", "slots",
                                            "metrics", "ready_file", "devices",
                                            "flight_recorder_size", "limits", "rings",
-                                           "admin", "queues"}));
+                                           "admin", "queues", "fused"}));
   DaemonConfig c;
   c.device = device;
   ULY_RETURN_IF_ERROR(Read(root, "flight_recorder_size", "", &c.flight_recorder_size));
@@ -158,6 +158,11 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
     ULY_RETURN_IF_ERROR(CheckKeys(q, "queues", {"probe_streams", "sharing"}));
     ULY_RETURN_IF_ERROR(Read(q, "probe_streams", "queues", &c.queue_probe_streams));
     ULY_RETURN_IF_ERROR(Read(q, "sharing", "queues", &c.queue_sharing));
+  }
+  if (root.contains("fused")) {
+    const json& f = root["fused"];
+    ULY_RETURN_IF_ERROR(CheckKeys(f, "fused", {"projection"}));
+    ULY_RETURN_IF_ERROR(Read(f, "projection", "fused", &c.fused_projection));
   }
   if (root.contains("admin")) {
     const json& a = root["admin"];
@@ -221,6 +226,7 @@ constexpr KeyFlag kKeyFlags[] = {
     {"admin.operator_group", "--operator-group"},
     {"queues.probe_streams", "--queue-probe-streams"},
     {"queues.sharing", "--queue-sharing"},
+    {"fused.projection", "--fused-projection"},
 };
 
 absl::Status Invalid(std::string_view key, std::string_view rule) {
@@ -339,6 +345,9 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
   if (c.queue_sharing != "allow" && c.queue_sharing != "refuse")
     return Invalid("queues.sharing",
                    StrCat("'", c.queue_sharing, "' is not one of allow, refuse"));
+  if (c.fused_projection != "cublaslt" && c.fused_projection != "cutlass")
+    return Invalid("fused.projection",
+                   StrCat("'", c.fused_projection, "' is not one of cublaslt, cutlass"));
   if (c.flight_recorder_size < 1 || c.flight_recorder_size > 1000000)
     return Invalid("flight_recorder_size",
                    StrCat("must be in [1, 1000000], got ", c.flight_recorder_size));

@@ -22,6 +22,7 @@ void DaemonFlags::ApplyTo(DaemonConfig& c) const {
   if (operator_group_opt->count()) c.operator_group = operator_group;
   if (queue_probe_opt->count()) c.queue_probe_streams = queue_probe_streams;
   if (queue_sharing_opt->count()) c.queue_sharing = queue_sharing;
+  if (fused_projection_opt->count()) c.fused_projection = fused_projection;
 }
 
 void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
@@ -33,6 +34,7 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
   f.drain_timeout_ms = defaults.drain_timeout_ms;
   f.queue_probe_streams = defaults.queue_probe_streams;
   f.queue_sharing = defaults.queue_sharing;
+  f.fused_projection = defaults.fused_projection;
   app.add_option("--device", f.device, "Device index this daemon serves")
       ->check(cli::IntIn(0, std::numeric_limits<int32_t>::max()));
   f.socket_opt = app.add_option(
@@ -77,6 +79,11 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
       "--queue-sharing", f.queue_sharing,
       "GPU: when every probed hardware queue serves a session, allow a stream on a shared "
       "queue or refuse the session: allow | refuse (config: queues.sharing; default allow)");
+  f.fused_projection_opt = app.add_option(
+      "--fused-projection", f.fused_projection,
+      "GPU: the GEMM of fused sessions' per-operator and chunked paths: cublaslt | cutlass "
+      "(the epilogue GEMM, where the device has it) (config: fused.projection; default "
+      "cublaslt)");
 }
 
 }  // namespace ulysses::daemon

@@ -42,11 +42,16 @@ kernels::FusedQkvConfig FusedRunner::ConfigOf(const FusedSetup& setup) {
   c.layout = setup.geometry.layout;
   c.max_tokens = setup.geometry.max_tokens;
   c.weights = setup.weights;
+  c.cutlass_projection = setup.cutlass_projection;
   return c;
 }
 
 uint64_t FusedRunner::DeviceBytesFor(const FusedSetup& setup) {
-  return kernels::FusedQkvPlan::DeviceBytesFor(ConfigOf(setup));
+  // The most the plan can hold: with cutlass_projection it may still fall back to cuBLASLt
+  // (and its workspace) where the epilogue GEMM is unavailable.
+  kernels::FusedQkvConfig c = ConfigOf(setup);
+  c.cutlass_projection = false;
+  return kernels::FusedQkvPlan::DeviceBytesFor(c);
 }
 
 absl::StatusOr<std::unique_ptr<FusedRunner>> FusedRunner::Create(const FusedSetup& setup,
@@ -61,7 +66,18 @@ absl::StatusOr<std::unique_ptr<FusedRunner>> FusedRunner::Create(const FusedSetu
   std::unique_ptr<FusedRunner> runner(new FusedRunner(setup, exchange));
   kernels::FusedQkvConfig config = ConfigOf(setup);
   config.second_stream = second_stream;
-  ULY_ASSIGN_OR_RETURN(runner->plan_, kernels::FusedQkvPlan::Create(config));
+  absl::StatusOr<std::unique_ptr<kernels::FusedQkvPlan>> plan =
+      kernels::FusedQkvPlan::Create(config);
+  if (config.cutlass_projection && plan.status().code() == absl::StatusCode::kFailedPrecondition) {
+    // No epilogue GEMM here (not built, not sm_90): the projection stays on cuBLASLt.
+    runner->projection_ = StrCat("cublaslt (fused.projection cutlass: ", plan.status().message(), ")");
+    config.cutlass_projection = false;
+    plan = kernels::FusedQkvPlan::Create(config);
+  } else {
+    runner->projection_ = config.cutlass_projection ? "cutlass" : "cublaslt";
+  }
+  ULY_RETURN_IF_ERROR(plan.status());
+  runner->plan_ = std::move(*plan);
   const std::string no_epilogue = runner->plan_->EpilogueUnavailable();
   if (setup.path == FusedPath::kEpilogue && !no_epilogue.empty())
     return absl::FailedPreconditionError(
@@ -166,7 +182,8 @@ std::string FusedRunner::Describe() const {
     else
       out += StrCat(" (rule: chunked from ", kChunkedMinRows, " rows, per_operator below)");
   }
-  out += StrCat("\ncuBLASLt kernels loaded at open: ", plan_->loaded_gemm_kernels(),
+  out += StrCat("\nprojection GEMM: ", projection_, "; cuBLASLt kernels loaded at open: ",
+                plan_->loaded_gemm_kernels(),
                 "; kernels calls launched since that the load had not: ",
                 plan_->unloaded_gemm_launches());
   std::lock_guard<std::mutex> lock(mu_);

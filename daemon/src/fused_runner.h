@@ -87,6 +87,8 @@ class FusedRunner {
 
   const FusedSetup setup_;
   const FusedExchange exchange_;
+  // "cublaslt", "cutlass", or cuBLASLt and why the CUTLASS GEMM asked for is not used.
+  std::string projection_;
   std::unique_ptr<kernels::FusedQkvPlan> plan_;
   // Calls run on the session's call thread; describe() reads the table from other threads.
   mutable std::mutex mu_;

@@ -372,7 +372,8 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
           d_->ResolveFusedWeights(c, fused->geometry, fused->weights);
       if (held.ok()) {
         weights = std::move(*held);
-        fused_setup = FusedSetup{fused->geometry, fused->path, weights.weights};
+        fused_setup = FusedSetup{fused->geometry, fused->path, weights.weights,
+                                 d_->config().fused_projection == "cutlass"};
       } else {
         local_ = held.status();
       }

@@ -147,6 +147,9 @@ struct FusedSetup {
   FusedGeometry geometry;
   FusedPath path = FusedPath::kAuto;
   kernels::QkvWeights weights{};
+  /// GPU backends: project on the epilogue path's CUTLASS GEMM where it exists
+  /// (fused.projection cutlass; FusedRunner).
+  bool cutlass_projection = false;
 };
 
 /// How a session's rank addresses its own control segment and slots; filled by Session.

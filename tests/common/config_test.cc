@@ -409,6 +409,23 @@ TEST(DaemonConfig, QueueProbeAndSharingAreReadCheckedAndNamedWithTheirFlags) {
   }
 }
 
+TEST(DaemonConfig, FusedProjectionIsReadCheckedAndNamedWithItsFlag) {
+  EXPECT_EQ(ParseDaemonConfig("{}", 0)->fused_projection, "cublaslt");
+  absl::StatusOr<DaemonConfig> c = ParseDaemonConfig(R"({"fused": {"projection": "cutlass"}})", 0);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->fused_projection, "cutlass");
+  const std::pair<const char*, const char*> bad[] = {
+      {R"({"fused": {"projection": "cublas"}})", "fused.projection (--fused-projection)"},
+      {R"({"fused": {"projection": 1}})", "fused.projection"},
+      {R"({"fused": {"path": "auto"}})", "fused.path"}};
+  for (const auto& [text, named] : bad) {
+    absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(text, 0);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find(named), std::string::npos) << r.status();
+  }
+}
+
 TEST(DaemonConfig, RingWorkerSpinIsReadBoundedAndNamedWithItsFlag) {
   EXPECT_EQ(ParseDaemonConfig("{}", 0)->ring_spin_us, 50);
   absl::StatusOr<DaemonConfig> c = ParseDaemonConfig(R"({"rings": {"worker_spin_us": 2000}})", 0);

@@ -67,6 +67,11 @@ struct DaemonConfig {
   /// used queue, shared with another session's stream (whose waiting call can then hold it
   /// back until the call timeout), "refuse" answers RESOURCE_EXHAUSTED (queues.sharing).
   std::string queue_sharing = "allow";
+  /// GPU backends: the GEMM of fused sessions' per-operator and chunked paths (fused.projection):
+  /// "cublaslt", or "cutlass" (the epilogue path's CUTLASS GEMM storing the projection only,
+  /// where the build and device have it, cuBLASLt elsewhere), with which a fused session loads
+  /// no cuBLASLt kernel when it opens.
+  std::string fused_projection = "cublaslt";
   std::string ready_file;             ///< written once the daemon serves (empty: none)
   std::string metrics_address;        ///< host:port of the metrics endpoint (empty: off)
   /// The group (a name or a numeric gid) whose members may use the operator socket, which then
