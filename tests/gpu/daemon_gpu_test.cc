@@ -664,8 +664,9 @@ class GpuTwoRankScatter : public GpuCluster {
   // the passer-by's streams); with fewer they share one, which the daemon reports
   // (queue_shared_streams) and these tests cannot tell from a defect, so they skip.
   void OpenWithPasserBy(const std::string& group, const std::string& passer_by, Alone* other,
-                        int queues = 2) {
-    Start(2, {"--call-timeout-ms", "60000"});
+                        int queues = 2, std::vector<std::string> flags = {}) {
+    flags.insert(flags.begin(), {"--call-timeout-ms", "60000"});
+    Start(2, std::move(flags));
     if (State(0).hardware_queues() < queues)
       GTEST_SKIP() << "daemon 0 found " << State(0).hardware_queues()
                    << " hardware queues for sessions; this case needs " << queues;
@@ -878,6 +879,56 @@ TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideI
   if (!in_time) return;
   EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
       << "rank 0's call ended while the fused session called";
+  FinishWithRank1(early);
+}
+
+// With fused.projection cutlass a fused session launches no cuBLASLt kernel, so one opened
+// while another session's call waits on the GPU for its peer is not held by a first launch: at
+// a shape no other case uses, it opens, calls at several row counts and closes while the other
+// call waits. Skips where the daemon has no epilogue GEMM (its plan then says cublaslt).
+TEST_F(GpuTwoRankScatter, WithTheCutlassProjectionAFusedSessionOpensAndCallsBesideABlockedCall) {
+  Alone other;
+  ASSERT_NO_FATAL_FAILURE(OpenWithPasserBy("blocked-cutlass", "cutlass-fused", &other, 3,
+                                           {"--fused-projection", "cutlass"}));
+  if (IsSkipped()) return;
+  constexpr int32_t kHeads = 10;
+  constexpr int64_t kTokens = 700;
+  FusedInputs in;
+  ASSERT_NO_FATAL_FAILURE(MakeFusedInputs(*other.client, kHeads, kTokens, FusedPath::kAuto, &in));
+  uint64_t early = 0;
+  ASSERT_NO_FATAL_FAILURE(BlockRank0(&early));
+  absl::StatusOr<std::unique_ptr<client::Session>> s;
+  std::atomic<bool> opened{false};
+  std::thread open([&] {
+    s = other.client->CreateFusedSession(*other.group, in.spec);
+    opened.store(true);
+  });
+  const bool open_in_time =
+      testing_util::Eventually([&] { return opened.load(); }, absl::Seconds(20));
+  if (!open_in_time) FinishWithRank1(early);
+  open.join();
+  ASSERT_TRUE(open_in_time) << "the fused session's open waited for the blocked call" << Plans();
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string plan = PlanOf((*s)->id());
+  if (plan.find("projection GEMM: cublaslt (") != std::string::npos) {
+    ASSERT_TRUE((*s)->Close().ok());
+    FinishWithRank1(early);
+    GTEST_SKIP() << "no epilogue GEMM on this device: " << plan;
+  }
+  EXPECT_NE(plan.find("projection GEMM: cutlass;"), std::string::npos) << plan;
+  bool in_time = true;
+  uint64_t epoch = 0;
+  for (int64_t tokens : {kTokens, int64_t{333}, int64_t{1}}) {
+    in_time = FusedCallBesideTheWait(**s, in, tokens, early,
+                                     StrCat("the cutlass session's call of ", tokens, " rows"),
+                                     ++epoch);
+    if (!in_time) break;
+  }
+  EXPECT_NE(PlanOf((*s)->id()).find("cuBLASLt kernels loaded at open: 0;"), std::string::npos);
+  ASSERT_TRUE((*s)->Close().ok());
+  if (!in_time) return;
+  EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
+      << "rank 0's call ended while the cutlass session ran";
   FinishWithRank1(early);
 }
 
