@@ -37,6 +37,7 @@ FULL = {
     "rings": {"worker_spin_us": 500},
     "admin": {"operator_group": "0"},
     "queues": {"probe_streams": 8, "sharing": "refuse"},
+    "fused": {"projection": "cutlass"},
     "limits": {"max_clients": 64, "clients_per_uid": 8, "buffers_per_client": 128,
                "buffer_bytes_per_client": 1 << 30, "buffer_bytes_per_uid": 1 << 31,
                "pending_fds_per_client": 16, "calls_in_progress_per_client": 16,
@@ -89,6 +90,8 @@ BAD = [
     ("negative probe streams", {"queues": {"probe_streams": -1}}, "queues.probe_streams"),
     ("unknown sharing policy", {"queues": {"sharing": "never"}}, "queues.sharing"),
     ("unknown key in queues", {"queues": {"probe": 4}}, "queues.probe"),
+    ("unknown fused projection", {"fused": {"projection": "cublas"}}, "fused.projection"),
+    ("unknown key in fused", {"fused": {"path": "auto"}}, "fused.path"),
     ("operator group not a string", {"admin": {"operator_group": 0}}, "admin.operator_group"),
 ]
 
@@ -106,6 +109,7 @@ GOOD_EDGES = [
     ("no ring spin", {"rings": {"worker_spin_us": 0}}),
     ("no queue probe", {"queues": {"probe_streams": 0}}),
     ("queue probe of 64 streams, sharing allowed", {"queues": {"probe_streams": 64, "sharing": "allow"}}),
+    ("fused projection on cuBLASLt", {"fused": {"projection": "cublaslt"}}),
     ("ring spin of a second", {"rings": {"worker_spin_us": 1000000}}),
     ("operator group by name", {"admin": {"operator_group": "root"}}),
     ("no operator group (empty)", {"admin": {"operator_group": ""}}),
@@ -137,6 +141,8 @@ FLAGS = [
     ("--queue-probe-streams", "0", True, ""),
     ("--queue-sharing", "sometimes", False, "--queue-sharing"),
     ("--queue-sharing", "refuse", True, ""),
+    ("--fused-projection", "cublas", False, "--fused-projection"),
+    ("--fused-projection", "cutlass", True, ""),
     ("--device", "-1", False, "--device"),
     ("--device", "99999999999", False, "--device"),
 ]
