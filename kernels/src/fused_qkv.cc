@@ -69,7 +69,7 @@ class Event {
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // The cuBLASLt GEMM's workspace: none where the plan projects on the CUTLASS GEMM (its cuBLASLt
-// GEMM then only answers Describe).
+// GEMM is then made but never runs; its counters stay zero).
 size_t GemmWorkspaceBytes(const FusedQkvConfig& config) {
   return config.cutlass_projection ? 0 : Bf16Gemm::kDefaultWorkspaceBytes;
 }

@@ -716,6 +716,20 @@ class GpuTwoRankScatter : public GpuCluster {
     return in_time;
   }
 
+  // Fused calls of each row count of `tokens` in turn (epochs 1, 2, ...), as
+  // FusedCallBesideTheWait: true when every one returned in time; stops at the first that did
+  // not (rank 0's call is then let go).
+  bool FusedCallsBesideTheWait(client::Session& s, const FusedInputs& in,
+                               std::initializer_list<int64_t> tokens, uint64_t early,
+                               const std::string& what) {
+    uint64_t epoch = 0;
+    for (int64_t t : tokens) {
+      if (!FusedCallBesideTheWait(s, in, t, early, StrCat(what, " of ", t, " rows"), ++epoch))
+        return false;
+    }
+    return true;
+  }
+
   // Where daemon 0's record of a session's call puts its time: from its start to the end of its
   // host work (enqueued on the stream), then to its end. A long first part is the daemon's
   // host held up in a CUDA call; a long second part, the call's work held up on the GPU.
@@ -863,14 +877,8 @@ TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideI
   EXPECT_EQ(State(0).queue_shared_streams(), 0u) << "a stream of the fused session shares a queue";
   uint64_t early = 0;
   ASSERT_NO_FATAL_FAILURE(BlockRank0(&early));
-  bool in_time = true;
-  uint64_t epoch = 0;
-  for (int64_t tokens : {kTokens, int64_t{333}, int64_t{777}, int64_t{1}}) {
-    in_time = FusedCallBesideTheWait(**s, in, tokens, early,
-                                     StrCat("the loaded session's call of ", tokens, " rows"),
-                                     ++epoch);
-    if (!in_time) break;
-  }
+  const bool in_time = FusedCallsBesideTheWait(**s, in, {kTokens, 333, 777, 1}, early,
+                                               "the loaded session's call");
   const std::string plan = PlanOf((*s)->id());
   EXPECT_NE(plan.find("kernels calls launched since that the load had not: 0"), std::string::npos)
       << plan;
@@ -916,14 +924,8 @@ TEST_F(GpuTwoRankScatter, WithTheCutlassProjectionAFusedSessionOpensAndCallsBesi
     GTEST_SKIP() << "no epilogue GEMM on this device: " << plan;
   }
   EXPECT_NE(plan.find("projection GEMM: cutlass;"), std::string::npos) << plan;
-  bool in_time = true;
-  uint64_t epoch = 0;
-  for (int64_t tokens : {kTokens, int64_t{333}, int64_t{1}}) {
-    in_time = FusedCallBesideTheWait(**s, in, tokens, early,
-                                     StrCat("the cutlass session's call of ", tokens, " rows"),
-                                     ++epoch);
-    if (!in_time) break;
-  }
+  const bool in_time = FusedCallsBesideTheWait(**s, in, {kTokens, 333, 1}, early,
+                                               "the cutlass session's call");
   EXPECT_NE(PlanOf((*s)->id()).find("cuBLASLt kernels loaded at open: 0;"), std::string::npos);
   ASSERT_TRUE((*s)->Close().ok());
   if (!in_time) return;

@@ -290,14 +290,20 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
   }
   static const void* ShiftedX(const DeviceBuffer& buffer) { return buffer.as<uint16_t>() + 8; }
 
-  // The first `m` rows of the plan's projection against rank r's reference projection: within
-  // the GEMM's tolerance.
-  void CheckProjectionRows(const FusedQkvPlan& plan, const std::vector<uint16_t>& want,
-                           int64_t m) const {
-    const Bf16Diff d =
-        CompareBf16(DownloadProjection(plan).data(), want.data(), m * QkvFeatures(shape_));
+  // `elems` elements of a GEMM's output against the reference projection: within the GEMM's
+  // tolerance (no mismatch beyond it, at most 1% one-ulp flips). Returns the comparison.
+  static Bf16Diff ExpectWithinGemmTolerance(const uint16_t* got, const uint16_t* want,
+                                            int64_t elems) {
+    const Bf16Diff d = CompareBf16(got, want, elems);
     EXPECT_EQ(d.mismatches, 0) << d;
     EXPECT_LE(d.flips, d.elements / 100) << d;
+    return d;
+  }
+  // The first `m` rows of the plan's projection against `want`, the same way.
+  void CheckProjectionRows(const FusedQkvPlan& plan, const std::vector<uint16_t>& want,
+                           int64_t m) const {
+    ExpectWithinGemmTolerance(DownloadProjection(plan).data(), want.data(),
+                              m * QkvFeatures(shape_));
   }
 
   std::vector<uint16_t> DownloadProjection(const FusedQkvPlan& plan) const {
@@ -543,10 +549,8 @@ TEST_P(GpuFusedQkvTest, AGemmLoadedAtOneRowCountRunsItsAlgorithmAtFewerRows) {
         (*gemm)->Run(x_[0]->as<void>(), w_qkv_->as<void>(), out.as<void>(), m, stream_);
     ASSERT_TRUE(run.ok()) << run;
     ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
-    const std::vector<uint16_t> got = out.Download<uint16_t>(m * features);
-    const Bf16Diff d = CompareBf16(got.data(), proj_ref_[0].data(), m * features);
-    EXPECT_EQ(d.mismatches, 0) << d;
-    EXPECT_LE(d.flips, d.elements / 100) << d;
+    ExpectWithinGemmTolerance(out.Download<uint16_t>(m * features).data(), proj_ref_[0].data(),
+                              m * features);
     ASSERT_TRUE((*own)->Prepare(m).ok());
     substituted += (*own)->AlgoDescription(m) != (*gemm)->AlgoDescription(m);
   }
@@ -574,11 +578,10 @@ TEST_P(GpuFusedQkvTest, CutlassProjectionPathsMatchReferenceAndTheCublasLtPath) 
     CheckPath("chunked (cutlass projection)", layout, chunked);
     for (int r = 0; r < shape_.world; ++r) {
       for (const PathResult* got : {&per_op, &chunked}) {
-        const Bf16Diff d = CompareBf16(got->proj[r].data(), proj_ref_[r].data(), Elems());
+        const Bf16Diff d =
+            ExpectWithinGemmTolerance(got->proj[r].data(), proj_ref_[r].data(), Elems());
         std::cout << (got == &per_op ? "per_operator" : "chunked") << " cutlass projection rank "
                   << r << ": " << d << "\n";
-        EXPECT_EQ(d.mismatches, 0);
-        EXPECT_LE(d.flips, d.elements / 100);
       }
     }
     CheckPathsAgree(layout, per_op, cublas, "per_operator (cutlass projection)");
