@@ -20,12 +20,14 @@
 #   handoff   bench/handoff_queues.sh
 #   queues    bench/queue_probe.sh: which streams share a hardware queue (alone, 2 queues as
 #             the control, a greatest-priority stream, 4 processes at once)
+#   fused     ulysses-fused-bench: the fused paths with the projection on cuBLASLt and on the
+#             CUTLASS GEMM (fused.projection), and the pinned cuBLASLt GEMM against its own pick
 # MPS: the stages after nccl run as clients of one MPS server, started here when none runs
 # (and stopped at the end); docs/operations.md says why.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 
-bin="" lib="" python=python3 stages="nccl,tests,python,demo,overhead,handoff,queues" commit="" out=""
+bin="" lib="" python=python3 stages="nccl,tests,python,demo,overhead,handoff,queues,fused" commit="" out=""
 limit=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,7 +37,7 @@ while [ $# -gt 0 ]; do
     --stages) stages="$2"; shift 2 ;;
     --commit) commit="$2"; shift 2 ;;
     --stage-limit) limit="$2"; shift 2 ;;
-    -h|--help) sed -n 2,23p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,25p "$0"; exit 0 ;;
     -*) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
     *) out="$1"; shift ;;
   esac
@@ -50,7 +52,7 @@ if ! [[ "$limit" =~ ^[0-9]+$ ]]; then
 fi
 for s in ${stages//,/ }; do
   case "$s" in
-    nccl|tests|python|demo|overhead|handoff|queues) ;;
+    nccl|tests|python|demo|overhead|handoff|queues|fused) ;;
     *) echo "gpu-check: --stages: unknown stage '$s'" >&2; exit 2 ;;
   esac
 done
@@ -76,6 +78,7 @@ program() {
 needed=(ulyssesd gpu_kernels_test gpu_daemon_test gpu_phase_client ulysses-demo
         ulysses-gpu-bench ulysses-handoff-bench libulysses_client.so.1)
 [[ ",$stages," == *",queues,"* ]] && needed+=(ulysses-queue-probe)
+[[ ",$stages," == *",fused,"* ]] && needed+=(ulysses-fused-bench)
 for p in "${needed[@]}"; do
   if [ ! -e "$(program "$p")" ]; then
     echo "gpu-check: $(program "$p") is missing (build with CUDA, or give --bin)" >&2
@@ -176,6 +179,15 @@ fi
 if want queues; then
   stage queues bash "$root/bench/queue_probe.sh" "$(program ulysses-queue-probe)" \
     "$out/queue-probe.json" "$commit"
+fi
+if want fused; then
+  # Every output is checked against the reference before it is timed.
+  stage fused-projection "$(program ulysses-fused-bench)" --cutlass-projection --world 2,4 \
+    --hidden 3072,8192 --s-global 2048,8192,32768 --rounds 2 --samples 5 --commit "$commit" \
+    --json "$out/fused-projection.json"
+  stage fused-pinning "$(program ulysses-fused-bench)" \
+    --pinning-rows 1,100,300,700,1500,3000,6000,12000,16384 --pinning-max-rows 16384 \
+    --hidden 3072,8192 --rounds 2 --samples 5 --commit "$commit" --json "$out/fused-pinning.json"
 fi
 echo "gpu-check: $([ $failed -eq 0 ] && echo "every stage passed" || echo "a stage FAILED"); logs in $out"
 exit $failed

@@ -14,7 +14,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 
 mkdir -p "$dir/bin" "$dir/path"
 for p in ulyssesd gpu_kernels_test gpu_daemon_test gpu_phase_client ulysses-demo \
-         ulysses-gpu-bench libulysses_client.so.1; do
+         ulysses-gpu-bench ulysses-fused-bench libulysses_client.so.1; do
   cat > "$dir/bin/$p" <<STUB
 #!/usr/bin/env bash
 echo "$p \$* ULYSSESD=\$ULYSSESD EAGER=\$CUDA_MODULE_LOADING NVLS=\$NCCL_NVLS_ENABLE"
@@ -53,7 +53,8 @@ summary="$dir/out/summary.txt"
 grep -q "^commit c0ffee$" "$summary" || fail "no commit line"
 grep -q "^gpu stand-in GPU, 1.0$" "$summary" || fail "no gpu line"
 grep -q "^mps off$" "$summary" || fail "no mps line"
-for s in nccl kernels daemon demo overhead-grpc overhead-ring overhead-ring-noprobe handoff queues; do
+for s in nccl kernels daemon demo overhead-grpc overhead-ring overhead-ring-noprobe handoff queues \
+         fused-projection fused-pinning; do
   grep -Eq "^$s +passed" "$summary" || fail "stage $s has no passed line"
   [ -s "$dir/out/$s.log" ] || fail "stage $s wrote no log"
 done
@@ -66,6 +67,10 @@ grep -q -- "--no-grpc --commit c0ffee --json $dir/out/overhead-ring.json" \
 grep -q -- "--no-grpc" "$dir/out/overhead-grpc.log" && fail "the grpc overhead run has --no-grpc"
 grep -q -- "--no-grpc --queue-probe-streams 0 --commit c0ffee" "$dir/out/overhead-ring-noprobe.log" \
   || fail "the ring overhead arguments without the queue probe"
+grep -q -- "--cutlass-projection .*--commit c0ffee --json $dir/out/fused-projection.json" \
+  "$dir/out/fused-projection.log" || fail "the fused projection arguments"
+grep -q -- "--pinning-rows .*--pinning-max-rows 16384 .*--json $dir/out/fused-pinning.json" \
+  "$dir/out/fused-pinning.log" || fail "the fused pinning arguments"
 python3 -c "import json,sys; assert len(json.load(open(sys.argv[1]))['cases']) == 18" \
   "$dir/out/handoff-queues.json" || fail "the hand-off set's JSON"
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert len(d['rows']) == 8; assert d['commit'] == 'c0ffee'" \
@@ -94,9 +99,14 @@ if run --stage-limit soon "$dir/out6" 2> "$dir/err6"; then fail "a bad --stage-l
 grep -q "stage-limit: 'soon'" "$dir/err6" || fail "the bad limit is not named"
 if run --stages demo,bogus "$dir/out3" 2> "$dir/err3"; then fail "an unknown stage ran"; fi
 grep -q "unknown stage 'bogus'" "$dir/err3" || fail "the unknown stage is not named"
+mv "$dir/bin/ulysses-fused-bench" "$dir/fused-bench"
+if run --stages fused "$dir/out7" 2> "$dir/err7"; then fail "a fused stage without its bench"; fi
+grep -q "ulysses-fused-bench is missing" "$dir/err7" || fail "the missing fused bench is not named"
+run --stages demo "$dir/out8" > /dev/null || fail "a demo stage needs the fused bench"
+mv "$dir/fused-bench" "$dir/bin/ulysses-fused-bench"
 rm "$dir/bin/gpu_phase_client"
 if run "$dir/out4" 2> "$dir/err4"; then fail "a run without gpu_phase_client"; fi
 grep -q "gpu_phase_client is missing" "$dir/err4" || fail "the missing program is not named"
-[ ! -e "$dir/out3" ] && [ ! -e "$dir/out4" ] && [ ! -e "$dir/out6" ] ||
+[ ! -e "$dir/out3" ] && [ ! -e "$dir/out4" ] && [ ! -e "$dir/out6" ] && [ ! -e "$dir/out7" ] ||
   fail "a refused run wrote its folder"
 echo "gpu-check plumbing: ok"
