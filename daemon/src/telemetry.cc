@@ -184,7 +184,7 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
          g.sessions_undrained);
   Single(out, "ulyssesd_worker_stalls_total", "counter",
          "Ring-worker steps (executing or polling a client's calls) that ran longer than "
-         "timeouts.worker_stall_ms.",
+         "timeouts.call_ms + timeouts.worker_stall_ms.",
          g.worker_stalls);
   return out;
 }
