@@ -124,9 +124,10 @@ struct Bf16Gemm::Impl {
   size_t workspace_bytes = 0;
   std::map<std::pair<int64_t, uint32_t>, Shape> shapes;
   std::vector<LoadedAlgo> loaded;
-  // Distinct algorithms launched since the first Load: by Load, then any a call ran that Load
-  // had not (each counted in `unloaded`).
-  std::vector<cublasLtMatmulAlgo_t> launched;
+  // Distinct algorithms launched since the first Load, each with the alignment class of the
+  // pointers it ran on (cuBLASLt may pick a kernel of the algorithm by the pointers' actual
+  // alignment): by Load, then any a call ran that Load had not (each counted in `unloaded`).
+  std::vector<std::pair<cublasLtMatmulAlgo_t, uint32_t>> launched;
   uint64_t generation = 0;  // Loads so far
   // Read from other threads (describe()) while a call runs.
   std::atomic<size_t> loaded_count{0}, unloaded{0}, runs{0};
@@ -153,8 +154,9 @@ struct Bf16Gemm::Impl {
     ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(handle.get(), desc.get(), w.get(),
                                                               s.x.get(), s.out.get(), s.out.get(),
                                                               pref.get(), 1, &result, &found));
+    // NotFound, apart from the errors above: Load skips a lower alignment class for it alone.
     if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
-      return absl::InternalError(absl::StrCat("cuBLASLt has no bf16 algorithm for m=", m, " n=", n,
+      return absl::NotFoundError(absl::StrCat("cuBLASLt has no bf16 algorithm for m=", m, " n=", n,
                                               " k=", k, " alignment ", alignment));
     s.algo = result.algo;
     return &shapes.emplace(std::make_pair(m, alignment), std::move(s)).first->second;
@@ -163,9 +165,10 @@ struct Bf16Gemm::Impl {
   static bool Same(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
     return std::memcmp(&a, &b, sizeof a) == 0;
   }
-  bool Launched(const cublasLtMatmulAlgo_t& algo) const {
-    return std::any_of(launched.begin(), launched.end(),
-                       [&](const cublasLtMatmulAlgo_t& l) { return Same(l, algo); });
+  bool Launched(const cublasLtMatmulAlgo_t& algo, uint32_t alignment) const {
+    return std::any_of(launched.begin(), launched.end(), [&](const auto& l) {
+      return l.second == alignment && Same(l.first, algo);
+    });
   }
   // Whether cuBLASLt runs `algo` for shape `s` within the workspace.
   bool Accepts(const Shape& s, const cublasLtMatmulAlgo_t& algo) const {
@@ -184,7 +187,7 @@ struct Bf16Gemm::Impl {
     if (s.generation == generation) return s.run;
     s.generation = generation;
     s.run = s.algo;
-    if (Launched(s.algo)) return s.run;
+    if (Launched(s.algo, alignment)) return s.run;
     std::vector<const LoadedAlgo*> candidates;
     std::vector<int64_t> rows;
     for (const LoadedAlgo& l : loaded) {
@@ -192,8 +195,14 @@ struct Bf16Gemm::Impl {
       candidates.push_back(&l);
       rows.push_back(l.m);
     }
+    std::vector<const cublasLtMatmulAlgo_t*> checked;  // each distinct algorithm asked once
     for (size_t i : PinnedTryOrder(rows, m)) {
-      if (Accepts(s, candidates[i]->algo)) {
+      const cublasLtMatmulAlgo_t& algo = candidates[i]->algo;
+      if (std::any_of(checked.begin(), checked.end(),
+                      [&](const cublasLtMatmulAlgo_t* c) { return Same(*c, algo); }))
+        continue;
+      checked.push_back(&algo);
+      if (Accepts(s, algo)) {
         s.run = candidates[i]->algo;
         return s.run;
       }
@@ -201,10 +210,11 @@ struct Bf16Gemm::Impl {
     return s.run;
   }
 
-  // Counts a call's launch of an algorithm no earlier launch since the first Load ran.
-  void CountLaunch(const cublasLtMatmulAlgo_t& algo) {
-    if (generation == 0 || Launched(algo)) return;
-    launched.push_back(algo);
+  // Counts a call's launch of an algorithm no earlier launch since the first Load ran at the
+  // call's alignment class.
+  void CountLaunch(const cublasLtMatmulAlgo_t& algo, uint32_t alignment) {
+    if (generation == 0 || Launched(algo, alignment)) return;
+    launched.emplace_back(algo, alignment);
     unloaded.fetch_add(1, std::memory_order_relaxed);
   }
 
@@ -302,6 +312,9 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
   if (scratch == nullptr || reinterpret_cast<uintptr_t>(scratch) % 256 != 0)
     return absl::InvalidArgumentError("scratch must be non-null and 256-byte aligned");
   Impl& g = *impl_;
+  // The most aligned class a call can have (w's alignment bounds every call's): an algorithm
+  // must exist there; the classes below it are best effort.
+  const uint32_t top = std::min<uint32_t>(256, w_alignment);
   for (int64_t m : ms) {
     if (m <= 0) return absl::InvalidArgumentError(absl::StrCat("ms: row count ", m, " is not positive"));
     // out at scratch; x after an offset of up to 128 bytes (the alignment classes below 256).
@@ -318,14 +331,15 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
       if (a > w_alignment) continue;  // no call's pointers can be aligned so
       absl::StatusOr<Impl::Shape*> got = g.Get(m, a);
       // The lower classes are best effort: a call at one with no algorithm fails as before.
-      if (!got.ok() && a < 256) continue;
+      if (!got.ok() && a < top && absl::IsNotFound(got.status())) continue;
       ULY_RETURN_IF_ERROR(got.status());
       Impl::Shape* s = *got;
-      if (!g.Launched(s->algo)) {
-        // x at an offset of `a` bytes (none for 256): the three pointers are aligned to `a`.
+      if (!g.Launched(s->algo, a)) {
+        // x at an offset of `a` bytes (none for 256): the three pointers are aligned to `a`
+        // (w is aligned to `a` at least: a <= w_alignment).
         const void* x = static_cast<const char*>(scratch) + (a < 256 ? a : 0);
         ULY_RETURN_IF_ERROR(g.Launch(s->algo, *s, x, w, scratch, stream));
-        g.launched.push_back(s->algo);
+        g.launched.emplace_back(s->algo, a);
         g.loaded_count.fetch_add(1, std::memory_order_relaxed);
       }
       // Recorded once launched, so that a failed Load pins no call to a kernel it never ran.
@@ -358,7 +372,7 @@ absl::Status Bf16Gemm::Run(const void* x, const void* w, void* out, int64_t m,
   const cublasLtMatmulAlgo_t& algo = impl_->Choose(*s, m, alignment);
   ULY_RETURN_IF_ERROR(impl_->Launch(algo, *s, x, w, out, stream));
   impl_->runs.fetch_add(1, std::memory_order_relaxed);
-  impl_->CountLaunch(algo);
+  impl_->CountLaunch(algo, alignment);
   return absl::OkStatus();
 }
 
@@ -367,7 +381,12 @@ int64_t Bf16Gemm::k() const { return impl_->k; }
 size_t Bf16Gemm::device_bytes() const { return impl_->workspace.bytes(); }
 
 std::string Bf16Gemm::AlgoDescription(int64_t m) const {
-  auto it = impl_->shapes.find({m, 256});
+  // The most aligned class asked for at m (256 unless w is less aligned).
+  auto it = impl_->shapes.end();
+  for (uint32_t a : kAlignments) {
+    it = impl_->shapes.find({m, a});
+    if (it != impl_->shapes.end()) break;
+  }
   if (it == impl_->shapes.end()) return "";
   const Impl::Shape& s = it->second;
   // Once loaded, the choice made at the latest Load (Prepare makes it); before, cuBLASLt's.

@@ -60,8 +60,9 @@ class Bf16Gemm {
   absl::Status Prepare(int64_t m);
 
   /// Launches once on `stream` the kernel of each algorithm cuBLASLt picks for the row counts
-  /// `ms` at every pointer alignment class `w` allows (256 down to 16 bytes; a class below 256
-  /// with no algorithm is skipped), each distinct algorithm once, reading and writing `scratch`
+  /// `ms` at every pointer alignment class `w` allows (256, or w's own alignment, down to 16
+  /// bytes; an algorithm must exist at the first, a class below it with none is skipped), each
+  /// distinct algorithm once per class (on pointers of that class), reading and writing `scratch`
   /// (device memory of `scratch_bytes`, at least max(ms) * n * 2 and 128 + max(ms) * k * 2
   /// bytes, 256-byte aligned; what is computed is discarded). The first launch of a cuBLASLt
   /// kernel in a process holds the launching thread until every stream of the device is idle
@@ -75,7 +76,8 @@ class Bf16Gemm {
   absl::Status Load(const std::vector<int64_t>& ms, const void* w, void* scratch,
                     size_t scratch_bytes, cudaStream_t stream);
 
-  /// Distinct algorithms (kernels) Load launched. Safe to read from another thread.
+  /// Distinct algorithms (kernels), per alignment class, Load launched. Safe to read from
+  /// another thread.
   size_t loaded_algorithms() const;
   /// Distinct algorithms Runs launched since the first Load that no earlier launch had run
   /// (each a possible first launch in the process, where no loaded algorithm was accepted).
