@@ -185,7 +185,8 @@ std::string FusedRunner::Describe() const {
   out += StrCat("\nprojection GEMM: ", projection_, "; cuBLASLt kernels loaded at open: ",
                 plan_->loaded_gemm_kernels(),
                 "; kernels calls launched since that the load had not: ",
-                plan_->unloaded_gemm_launches());
+                plan_->unloaded_gemm_launches(), "; cuBLASLt GEMMs calls ran: ",
+                plan_->cublaslt_runs());
   std::lock_guard<std::mutex> lock(mu_);
   if (prepared_.empty()) out += "\nno row count prepared yet";
   for (const auto& [rows, p] : prepared_)

@@ -68,8 +68,8 @@ class Event {
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The cuBLASLt GEMM's workspace: none where the plan projects on the CUTLASS GEMM (its cuBLASLt
-// GEMM is then made but never runs; its counters stay zero).
+// The cuBLASLt GEMM's workspace: none where the plan projects on the CUTLASS GEMM (it then has
+// no cuBLASLt GEMM at all).
 size_t GemmWorkspaceBytes(const FusedQkvConfig& config) {
   return config.cutlass_projection ? 0 : Bf16Gemm::kDefaultWorkspaceBytes;
 }
@@ -80,7 +80,7 @@ struct FusedQkvPlan::Impl {
   FusedQkvConfig config;
   // First, so that it goes last: the buffers below are allocated and freed in its order.
   Stream side;
-  std::unique_ptr<Bf16Gemm> gemm;
+  std::unique_ptr<Bf16Gemm> gemm;  // null with cutlass_projection
   // The epilogue path's GEMMs: [0] single CTAs, [1] clusters of 2 (EpilogueSchedule); those
   // the config can use are made, both null when epilogue_unavailable says why.
   std::unique_ptr<internal::EpilogueGemm> epilogue[2];
@@ -186,15 +186,6 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
     impl->side.Borrow(static_cast<cudaStream_t>(config.second_stream));
   else
     ULY_RETURN_IF_ERROR(impl->side.Create());
-  ULY_ASSIGN_OR_RETURN(impl->gemm,
-                       Bf16Gemm::Create(impl->features(), impl->hidden(), GemmWorkspaceBytes(config),
-                                        impl->side.get()));
-  ULY_RETURN_IF_ERROR(impl->projection.Allocate(
-      static_cast<size_t>(config.max_tokens * impl->features()) * sizeof(uint16_t),
-      impl->side.get()));
-  ULY_RETURN_IF_ERROR(impl->counters.Allocate(2 * sizeof(unsigned int), impl->side.get()));
-  ULY_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(impl->counters.get(), 0, 2 * sizeof(unsigned int), impl->side.get()));
   for (int i = 0; i < 2; ++i) {
     const EpilogueSchedule schedule =
         i == 0 ? EpilogueSchedule::kPingpong : EpilogueSchedule::kPingpongCluster2;
@@ -214,6 +205,18 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
     return absl::FailedPreconditionError(
         absl::StrCat("cutlass_projection: the epilogue GEMM is unavailable: ",
                      impl->epilogue_unavailable));
+  // A CUTLASS-projecting plan makes no cuBLASLt GEMM: not even a handle (the process's first
+  // one waits for every stream of the device).
+  if (!config.cutlass_projection) {
+    ULY_ASSIGN_OR_RETURN(impl->gemm, Bf16Gemm::Create(impl->features(), impl->hidden(),
+                                                      GemmWorkspaceBytes(config), impl->side.get()));
+  }
+  ULY_RETURN_IF_ERROR(impl->projection.Allocate(
+      static_cast<size_t>(config.max_tokens * impl->features()) * sizeof(uint16_t),
+      impl->side.get()));
+  ULY_RETURN_IF_ERROR(impl->counters.Allocate(2 * sizeof(unsigned int), impl->side.get()));
+  ULY_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(impl->counters.get(), 0, 2 * sizeof(unsigned int), impl->side.get()));
   if (impl->epilogue_unavailable.empty()) {
     ULY_RETURN_IF_ERROR(
         impl->chunk_counters.Allocate(kMaxFusedChunks * sizeof(unsigned int), impl->side.get()));
@@ -238,8 +241,8 @@ size_t FusedQkvPlan::DeviceBytesFor(const FusedQkvConfig& config) {
 }
 
 size_t FusedQkvPlan::device_bytes() const {
-  return impl_->gemm->device_bytes() + impl_->projection.bytes() + impl_->counters.bytes() +
-         impl_->chunk_counters.bytes();
+  return (impl_->gemm ? impl_->gemm->device_bytes() : 0) + impl_->projection.bytes() +
+         impl_->counters.bytes() + impl_->chunk_counters.bytes();
 }
 
 absl::Status FusedQkvPlan::Prepare(int64_t rows) {
@@ -268,9 +271,13 @@ absl::Status FusedQkvPlan::LoadKernels(int64_t rows, FusedPath path, cudaStream_
   return Prepare(rows);
 }
 
-size_t FusedQkvPlan::loaded_gemm_kernels() const { return impl_->gemm->loaded_algorithms(); }
-size_t FusedQkvPlan::unloaded_gemm_launches() const { return impl_->gemm->unloaded_launches(); }
-size_t FusedQkvPlan::cublaslt_runs() const { return impl_->gemm->runs(); }
+size_t FusedQkvPlan::loaded_gemm_kernels() const {
+  return impl_->gemm ? impl_->gemm->loaded_algorithms() : 0;
+}
+size_t FusedQkvPlan::unloaded_gemm_launches() const {
+  return impl_->gemm ? impl_->gemm->unloaded_launches() : 0;
+}
+size_t FusedQkvPlan::cublaslt_runs() const { return impl_->gemm ? impl_->gemm->runs() : 0; }
 
 absl::Status FusedQkvPlan::RunProjection(const void* x, int64_t rows, cudaStream_t stream) {
   if (rows <= 0 || rows > impl_->config.max_tokens)

@@ -926,7 +926,10 @@ TEST_F(GpuTwoRankScatter, WithTheCutlassProjectionAFusedSessionOpensAndCallsBesi
   EXPECT_NE(plan.find("projection GEMM: cutlass;"), std::string::npos) << plan;
   const bool in_time = FusedCallsBesideTheWait(**s, in, {kTokens, 333, 1}, early,
                                                "the cutlass session's call");
-  EXPECT_NE(PlanOf((*s)->id()).find("cuBLASLt kernels loaded at open: 0;"), std::string::npos);
+  // No cuBLASLt kernel loaded, and none run by the calls.
+  const std::string after = PlanOf((*s)->id());
+  EXPECT_NE(after.find("cuBLASLt kernels loaded at open: 0;"), std::string::npos) << after;
+  EXPECT_NE(after.find("cuBLASLt GEMMs calls ran: 0\n"), std::string::npos) << after;
   ASSERT_TRUE((*s)->Close().ok());
   if (!in_time) return;
   EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))

@@ -61,8 +61,9 @@ struct FusedQkvConfig {
   /// epilogue path's CUTLASS GEMM, its epilogue storing the raw projection only, instead of
   /// cuBLASLt: the plan's calls then launch no cuBLASLt kernel (this library's kernels load
   /// with its module where modules load eagerly, as the daemon has them), LoadKernels has
-  /// nothing to load, and the plan holds no cuBLASLt workspace. Create fails with
-  /// FAILED_PRECONDITION where the epilogue GEMM is unavailable (not built, not sm_90).
+  /// nothing to load, and the plan makes no cuBLASLt GEMM (no handle, no workspace). Create
+  /// fails with FAILED_PRECONDITION, before it allocates, where the epilogue GEMM is
+  /// unavailable (not built, not sm_90).
   bool cutlass_projection = false;
   /// The second stream (a cudaStream_t, borrowed: it must outlive the plan, and is idle when
   /// the plan is made): its owner picks its hardware queue (a daemon gives each plan one that
@@ -182,8 +183,8 @@ class FusedQkvPlan {
   /// another thread.
   size_t loaded_gemm_kernels() const;
   size_t unloaded_gemm_launches() const;
-  /// cuBLASLt GEMMs this plan enqueued (Bf16Gemm::runs): none with cutlass_projection. Safe to
-  /// read from another thread.
+  /// cuBLASLt GEMMs this plan's calls enqueued (Bf16Gemm::runs; LoadKernels' launches are not
+  /// counted): none with cutlass_projection. Safe to read from another thread.
   size_t cublaslt_runs() const;
   /// What device_bytes() will be for a plan of `config`, before it is made.
   static size_t DeviceBytesFor(const FusedQkvConfig& config);
