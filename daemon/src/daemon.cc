@@ -304,6 +304,7 @@ void Daemon::Shutdown() {
   if (poll_wake_) (void)poll_wake_->Signal();
   if (fd_thread_.joinable()) fd_thread_.join();
   for (auto& c : Clients()) Reclaim(c->id, "daemon shutting down");
+  reaper_.Stop();  // every reclaimed session is gone before the exports stop
   peer_exports_.Stop();
   {
     // Reclaim set every worker's abort word and aborted every session, so each ends at its
@@ -536,6 +537,15 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
   Logger("main")->info("client {} ({}, pid {}) gone: {}; released {} session(s), {} buffer(s)",
                        c->id, c->name, PidText(c->pid, c->reported_pid), reason, sessions.size(),
                        buffers.size());
+  // Let go on the reaper's thread: a GPU session drains its stream as it goes, which may take
+  // its cancel's drain limit, and this may be the fd thread, which serves every client.
+  struct Held {
+    std::map<uint64_t, std::shared_ptr<Session>> sessions;
+    std::map<uint64_t, std::shared_ptr<Buffer>> buffers;
+    std::map<uint64_t, std::shared_ptr<Group>> groups;
+  };
+  reaper_.Post(std::make_shared<Held>(
+      Held{std::move(sessions), std::move(buffers), std::move(groups)}));
 }
 
 std::string SessionKeyPrefix(const Group& g) {

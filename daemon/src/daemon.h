@@ -30,6 +30,7 @@
 #include "rendezvous.h"
 #include "session.h"
 #include "telemetry.h"
+#include "reaper.h"
 #include "worker_watch.h"
 
 namespace httplib {
@@ -322,6 +323,8 @@ class Daemon {
                             absl::Time now);
   std::atomic<bool> stopping_{false};
   bool started_ok_ = false;
+  // Lets reclaimed clients' sessions, buffers and groups go (Reclaim); stopped by Shutdown.
+  Reaper reaper_;
 
   // On the control socket; peer_ refuses every call there (the node socket's is node_peer_).
   std::unique_ptr<grpc::Service> control_, admin_, peer_;

@@ -184,6 +184,7 @@ int Session::Poison() {
 }
 
 Session::~Session() {
+  Failpoint("session.destroy");
   {
     // Calls still enqueued end with the session: their error words first. The transport's
     // drain then cancels its stream, whose waits pass and whose arrival words reach the

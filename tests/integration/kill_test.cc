@@ -1,7 +1,9 @@
 // SIGKILL of a client at each phase, and at random moments of its whole life: its daemon
 // reclaims everything (clients, sessions, slots, buffers, shared segments, descriptors), peers
 // waiting on it get ABORTED rather than time out, and the other clients' results stay exact.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -387,6 +389,73 @@ std::vector<pid_t> ProcessesNaming(const std::string& needle, pid_t launcher, in
     if (cmd == launcher_cmd) ++*copies;
   }
   return out;
+}
+
+// A dead client's sessions are let go off the fd thread. Letting a GPU session go drains its
+// stream, which can take its cancel's drain limit; here a failpoint holds the reclaimed
+// session's destruction instead (`session.destroy`). Meanwhile the fd thread, which found the
+// dead client, serves the others: a new client binds its fd socket, registers a memfd (an fd
+// frame), opens a session and calls (its ring worker started by the fd thread). Once let go,
+// the dead client's session segment goes too.
+TEST(Reclaim, ADeadClientsSessionsGoWithoutHoldingUpTheOtherClients) {
+  auto dir = demo::MakeRunDir();
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  const std::string release = StrCat(*dir, "/release"), ready = StrCat(*dir, "/phase.ready");
+  auto daemon = demo::StartDaemon(ULYSSESD_PATH, *dir, 0, "host", {}, absl::Seconds(30),
+                                  {StrCat("ULYSSES_FAILPOINTS=session.destroy=", release)});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::execl(PHASE_CLIENT_PATH, PHASE_CLIENT_PATH, "--socket", daemon->socket().c_str(),
+            "--members", daemon->socket().c_str(), "--rank", "0", "--phase", "session",
+            "--ready", ready.c_str(), "--tag", "-", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ASSERT_TRUE(Eventually([&] { return ::access(ready.c_str(), F_OK) == 0; }))
+      << "phase client not ready";
+  EXPECT_EQ(CountSessionMappings(daemon->pid()), 1);
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  auto admin = testing_util::AdminStub(daemon->socket());
+  EXPECT_TRUE(Eventually([&] {
+    v1::ListClientsResponse resp;
+    grpc::ClientContext ctx;
+    return admin->ListClients(&ctx, {}, &resp).ok() && resp.clients_size() == 0;
+  })) << "the killed client was not reclaimed";
+
+  auto c = client::Client::Connect({daemon->socket(), "after"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  constexpr size_t kBytes = 16 * 4 * 8 * 4;
+  const int memfd = ::memfd_create("after-x", MFD_ALLOW_SEALING | MFD_CLOEXEC);
+  ASSERT_GE(memfd, 0) << std::strerror(errno);
+  ASSERT_EQ(::ftruncate(memfd, kBytes), 0);
+  ASSERT_EQ(::fcntl(memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  auto x = (*c)->RegisterBuffer(memfd, "x");
+  ::close(memfd);
+  ASSERT_TRUE(x.ok()) << x.status();
+  for (size_t i = 0; i < kBytes / 4; ++i) static_cast<float*>(x->data)[i] = static_cast<float>(i);
+  auto g = (*c)->JoinGroup({"after", 1, 0, {daemon->socket()}, "auto", 10000});
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto s = (*c)->CreateSession(*g, {4, 8, DType::kFloat32, 16, 2, {}, 10000});
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto r = (*s)->ScatterHeads(x->Ref(), 1, 16);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(std::memcmp(r->data, x->data, kBytes), 0);
+  ASSERT_TRUE(r->Release().ok());
+  // The dead client's session is still held in its destruction: its segment is still mapped.
+  EXPECT_EQ(CountSessionMappings(daemon->pid()), 2);
+
+  { std::ofstream(release) << "go\n"; }
+  EXPECT_TRUE(Eventually([&] { return CountSessionMappings(daemon->pid()) == 1; }))
+      << "the dead client's session segment is still mapped";
+  ASSERT_TRUE((*s)->Close().ok());
+  s->reset();
+  c->reset();
+  auto stopped = daemon->Stop();
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << *stopped;
+  demo::RemoveRunDir(*dir);
 }
 
 // A launcher killed outright (the demo here; a bench or a test run past its timeout alike)
