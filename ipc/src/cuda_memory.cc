@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
 
 namespace ulysses::ipc::cuda {
@@ -365,14 +366,27 @@ absl::StatusOr<UniqueFd> VmmMapping::Export() const {
   return UniqueFd(fd);
 }
 
-IpcMapping::~IpcMapping() {
-  if (ptr_ != nullptr) cudaIpcCloseMemHandle(ptr_);
+IpcMapping::~IpcMapping() { Close(); }
+
+void IpcMapping::Close() noexcept {
+  if (ptr_ == nullptr) return;
+  // The thread stays on the mapping's device: restoring the one it reported (device 0 on a
+  // thread that never chose one) could make a context there.
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != device_) (void)cudaSetDevice(device_);
+  const cudaError_t err = cudaIpcCloseMemHandle(ptr_);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    Logger("ipc")->warn("cudaIpcCloseMemHandle on device {}: {}", device_, cudaGetErrorName(err));
+  }
+  ptr_ = nullptr;
 }
 
 IpcMapping& IpcMapping::operator=(IpcMapping&& o) noexcept {
   if (this != &o) {
-    if (ptr_ != nullptr) cudaIpcCloseMemHandle(ptr_);
+    Close();
     ptr_ = o.ptr_;
+    device_ = o.device_;
     o.ptr_ = nullptr;
   }
   return *this;
@@ -385,6 +399,7 @@ absl::StatusOr<IpcMapping> IpcMapping::Open(const std::string& handle) {
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), sizeof h);
   IpcMapping m;
+  ULY_CUDART(cudaGetDevice(&m.device_));
   const cudaError_t err = cudaIpcOpenMemHandle(&m.ptr_, h, cudaIpcMemLazyEnablePeerAccess);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();

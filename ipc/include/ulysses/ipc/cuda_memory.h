@@ -103,16 +103,20 @@ class IpcMapping {
  public:
   IpcMapping() = default;
   ~IpcMapping();
-  IpcMapping(IpcMapping&& o) noexcept : ptr_(o.ptr_) { o.ptr_ = nullptr; }
+  IpcMapping(IpcMapping&& o) noexcept : ptr_(o.ptr_), device_(o.device_) { o.ptr_ = nullptr; }
   IpcMapping& operator=(IpcMapping&& o) noexcept;
   IpcMapping(const IpcMapping&) = delete;
   IpcMapping& operator=(const IpcMapping&) = delete;
-  /// Opens `handle` (kIpcHandleBytes bytes) on the current device.
+  /// Opens `handle` (kIpcHandleBytes bytes) on the current device. It is closed on that
+  /// device, whichever thread lets it go (one with no device of its own would otherwise
+  /// close it in a context of device 0, made for it).
   static absl::StatusOr<IpcMapping> Open(const std::string& handle);
   void* data() const { return ptr_; }
 
  private:
+  void Close() noexcept;
   void* ptr_ = nullptr;
+  int device_ = 0;
 };
 
 /// The allocation a device pointer lies in, as the driver knows it.
