@@ -92,6 +92,15 @@ class DeviceStreams {
       d->host_words_ = nullptr;
       (void)cudaGetLastError();
     }
+    // Without it a cancel copies from pageable memory, which the driver may stage by waiting
+    // for the stream.
+    if (cudaHostAlloc(&d->unblock_words_, kUnblockWords * sizeof(uint64_t),
+                      cudaHostAllocDefault) == cudaSuccess) {
+      std::fill_n(static_cast<uint64_t*>(d->unblock_words_), kUnblockWords, kUnblockEpoch);
+    } else {
+      d->unblock_words_ = nullptr;
+      (void)cudaGetLastError();
+    }
     auto make = [device, raw = d.get()](bool greatest) -> absl::StatusOr<void*> {
       ULY_RETURN_IF_ERROR(UseDevice(device));
       ULY_ASSIGN_OR_RETURN(cudaStream_t s, raw->MakeStream(greatest));
@@ -119,6 +128,7 @@ class DeviceStreams {
       cudaStreamDestroy(rescue_);
     }
     if (host_words_ != nullptr) cudaFreeHost(host_words_);
+    if (unblock_words_ != nullptr) cudaFreeHost(unblock_words_);
   }
   DeviceStreams(const DeviceStreams&) = delete;
   DeviceStreams& operator=(const DeviceStreams&) = delete;
@@ -159,6 +169,11 @@ class DeviceStreams {
   HostWords host_words() {
     return HostWords{std::unique_lock<std::mutex>(host_mu_), static_cast<uint8_t*>(host_words_)};
   }
+  /// Words a cancel copies over a session's slot and client words: kUnblockWords of
+  /// kUnblockEpoch in pinned memory, made once and never written again (null when there is
+  /// none).
+  static constexpr size_t kUnblockWords = sizeof(DeviceSlotWords) / sizeof(uint64_t) * kMaxSlots;
+  const uint64_t* unblock_words() const { return static_cast<const uint64_t*>(unblock_words_); }
   QueueLaneCounts counts() const { return lanes_->counts(); }
   std::string Where(cudaStream_t s) const { return lanes_->Where(s); }
 
@@ -223,6 +238,7 @@ class DeviceStreams {
   cudaStream_t rescue_ = nullptr;
   std::mutex host_mu_;  // one DescribeStuck at a time
   void* host_words_ = nullptr;
+  void* unblock_words_ = nullptr;  // pinned kUnblockWords of kUnblockEpoch, never written again
   std::unique_ptr<QueueLanes> lanes_;
 };
 
@@ -262,9 +278,14 @@ class CudaTransport final : public Transport {
     ULY_ASSIGN_OR_RETURN(t->client_words_, ipc::cuda::VmmMapping::Create(
                                                device, sizeof(ClientDeviceWords), t->stream_));
     ULY_ASSIGN_OR_RETURN(t->client_words_fd_, t->client_words_.Export());
-    // What a cancel writes over this rank's slot words (every wait passes).
-    t->unblock_.assign(sizeof(DeviceSlotWords) / sizeof(uint64_t) * setup.geometry.num_slots,
-                       kUnblockEpoch);
+    // What a cancel writes over this rank's slot words (every wait passes): the device's
+    // pinned words, else words of its own.
+    if (t->streams_->unblock_words() != nullptr) {
+      t->unblock_ = t->streams_->unblock_words();
+    } else {
+      t->own_unblock_.assign(DeviceStreams::kUnblockWords, kUnblockEpoch);
+      t->unblock_ = t->own_unblock_.data();
+    }
     t->events_.assign(setup.geometry.num_slots, nullptr);
     t->event_epoch_.assign(setup.geometry.num_slots, 0);
     for (cudaEvent_t& ev : t->events_)
@@ -340,9 +361,16 @@ class CudaTransport final : public Transport {
       return true;  // done, or an error that leaves nothing to wait for
     };
     constexpr std::chrono::microseconds kCancelEvery(1000), kPoll(100);
+    // A cancel again every millisecond while the stream runs, but none while the last one has
+    // not run: a rescue stream that cannot run (a daemon without the queue probe) would
+    // otherwise collect thousands of them until an enqueue waits for room.
+    bool cancel_marked = false;
     bool drained = idle_by_then([&] {
       if (cudaStreamQuery(stream_) != cudaErrorNotReady) return cudaSuccess;
-      Cancel();
+      if (!cancel_marked || cudaEventQuery(rescue_mark_) != cudaErrorNotReady) {
+        Cancel();
+        cancel_marked = cudaEventRecord(rescue_mark_, rescue_) == cudaSuccess;
+      }
       return cudaErrorNotReady;
     }, kCancelEvery);
     if (drained) {
@@ -619,13 +647,14 @@ class CudaTransport final : public Transport {
     absl::Status st = cu::StreamWrite64(on, &mine->cancel, 1);
     if (st.ok())
       st = CudaStatus("cudaMemcpyAsync",
-                      cudaMemcpyAsync(mine->slots, unblock_.data(), unblock_.size() * sizeof(uint64_t),
+                      cudaMemcpyAsync(mine->slots, unblock_,
+                                      setup_.geometry.num_slots * sizeof(DeviceSlotWords),
                                       cudaMemcpyHostToDevice, on));
     for (uint64_t* client_words :
          {ClientWords()->ready, ClientWords()->released, Results(setup_.geometry.rank)->done})
       if (st.ok())
         st = CudaStatus("cudaMemcpyAsync",
-                        cudaMemcpyAsync(client_words, unblock_.data(),
+                        cudaMemcpyAsync(client_words, unblock_,
                                         setup_.geometry.num_slots * sizeof(uint64_t),
                                         cudaMemcpyHostToDevice, on));
     if (!st.ok())
@@ -682,7 +711,8 @@ class CudaTransport final : public Transport {
   cudaStream_t rescue_ = nullptr;  // the device's, shared: Cancel's writes, never waits
   std::vector<cudaEvent_t> events_;      // per slot: recorded after the call's done write
   std::vector<uint64_t> event_epoch_;    // the epoch each slot's event was recorded for
-  std::vector<uint64_t> unblock_;        // kUnblockEpoch, one per word of this rank's slots
+  const uint64_t* unblock_ = nullptr;   // kUnblockWords of kUnblockEpoch (DeviceStreams')
+  std::vector<uint64_t> own_unblock_;    // where the device has no pinned ones
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   cudaStream_t second_ = nullptr;       // its plan's second stream, a lane of the device
   std::atomic<bool> used_rescue_{false};  // Cancel or DescribeStuck enqueued on rescue_
