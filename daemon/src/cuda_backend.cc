@@ -142,6 +142,13 @@ class DeviceStreams {
   }
   /// Gives back a stream that has no work left.
   void Give(cudaStream_t s) { lanes_->Give(s); }
+  /// A stream whose work never ended: its queue serves no session again (QueueLanes::Retire).
+  void Retire(cudaStream_t s) {
+    if (lanes_->Retire(s))
+      Logger("exec")->warn("device {}: {} is held by work that did not end; it serves no "
+                           "session from now on",
+                           device_, lanes_->Where(s));
+  }
   /// A new zero-filled VMM allocation, zeroed and waited for on a setup stream (OnSetupStream).
   absl::StatusOr<ipc::cuda::VmmMapping> ZeroedMapping(uint64_t bytes) {
     return OnSetupStream(
@@ -381,11 +388,16 @@ class CudaTransport final : public Transport {
       drained = cudaEventRecord(rescue_mark_, rescue_) == cudaSuccess &&
                 idle_by_then([&] { return cudaEventQuery(rescue_mark_); }, kPoll);
     }
-    if (!drained)
+    if (!drained) {
       Logger("exec")->error(
           "device {}: a session's device work did not end within {} of its cancel; its stream "
           "and device memory ({} bytes) stay in place for the daemon's life, not reused",
           device_, absl::FormatDuration(drain_limit_), DeviceBytes());
+      // Its streams are never given back; their queues, which that work may hold, serve no
+      // later session either.
+      streams_->Retire(stream_);
+      if (second_ != nullptr) streams_->Retire(second_);
+    }
     return drained;
   }
 

@@ -61,7 +61,7 @@ std::optional<void*> QueueLanes::TakeFreeLocked(StreamRole role) {
   Lane* best = nullptr;
   bool best_matches = false;
   for (Lane& lane : lanes_) {
-    if (lane.in_use > 0) continue;
+    if (lane.in_use > 0 || lane.retired) continue;
     const bool matches = lane.Idle(want_greatest, false) != nullptr;
     if (best == nullptr || (matches && !best_matches) ||
         (matches == best_matches && lane.given_back > best->given_back)) {
@@ -98,7 +98,7 @@ absl::StatusOr<void*> QueueLanes::Take(StreamRole role, void* apart) {
       // stream's, nor `apart`'s.
       Lane* least = nullptr;
       for (Lane& lane : lanes_) {
-        if (lane.Idle(want_greatest, true) == nullptr) continue;
+        if (lane.retired || lane.Idle(want_greatest, true) == nullptr) continue;
         const bool holds_apart =
             apart != nullptr && std::any_of(lane.members.begin(), lane.members.end(),
                                             [&](const Member& m) { return m.stream == apart; });
@@ -146,6 +146,18 @@ void QueueLanes::Give(void* stream) {
     made_.members.insert(made_.members.begin(), m);
     return;
   }
+}
+
+bool QueueLanes::Retire(void* stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Lane& lane : lanes_) {
+    for (const Member& m : lane.members) {
+      if (m.stream != stream || !m.in_use) continue;
+      lane.retired = true;
+      return true;
+    }
+  }
+  return false;
 }
 
 std::vector<void*> QueueLanes::AllStreams() const {

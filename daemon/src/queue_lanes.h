@@ -71,6 +71,11 @@ class QueueLanes {
   std::optional<void*> TakeFree(StreamRole role);
   /// Gives back a stream Take or TakeFree handed out, with no work left on it.
   void Give(void* stream);
+  /// A stream handed out whose work never ended (a session's drain gave up on it): it is never
+  /// given back, and its lane's queue, held by that work, is never handed out again, not even
+  /// shared. Returns whether a lane was retired (false for a stream made without the probe,
+  /// which is simply never handed out again).
+  bool Retire(void* stream);
 
   /// Streams the probe made on the rescue stream's queue.
   const std::vector<void*>& surplus() const { return surplus_; }
@@ -97,6 +102,7 @@ class QueueLanes {
     std::vector<Member> members;  // the queue's streams, in probe order
     int in_use = 0;
     uint64_t given_back = 0;  // order of the last give-back to a free lane (0: never)
+    bool retired = false;     // its queue is held by work that never ends (Retire)
     // The first idle member of `greatest` priority, else (`any`) the first idle one.
     Member* Idle(bool greatest, bool any);
   };

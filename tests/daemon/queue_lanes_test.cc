@@ -103,6 +103,32 @@ TEST(QueueLanesTest, AStreamGivenBackServesTheNextSession) {
   EXPECT_EQ(lanes.counts().lanes_in_use, 0);
 }
 
+// A stream whose work never ended (a session kept after its drain gave up) retires its queue:
+// never handed out again, free or shared, though its spares are idle; the other queues serve.
+TEST(QueueLanesTest, ARetiredStreamsQueueServesNoLaterSession) {
+  Maker m;
+  QueueLanes lanes(FourQueues(), 0, /*sharing=*/true, m.Fn());
+  auto held = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(held.ok());
+  EXPECT_EQ(*held, S(1));  // queue 1, with spares 5 and 12
+  EXPECT_TRUE(lanes.Retire(*held));
+  std::set<void*> later;
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<void*> s = lanes.Take(i % 2 == 0 ? StreamRole::kSession : StreamRole::kSecond);
+    if (s.ok()) later.insert(*s);
+  }
+  // Queues 2 and 3 alone: 2, 3, then their spares 6 and 11; none of queue 1's.
+  EXPECT_EQ(later, (std::set<void*>{S(2), S(3), S(6), S(11)}));
+  EXPECT_FALSE(lanes.Take(StreamRole::kSession).ok()) << "queue 1's spare 5 was handed out";
+  for (void* s : later) lanes.Give(s);
+  auto again = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(again.ok());
+  EXPECT_NE(*again, S(5));
+  EXPECT_EQ(lanes.counts().lanes_in_use, 2);  // the retired queue, and `again`'s
+  // A stream not handed out, or made without the probe, retires nothing.
+  EXPECT_FALSE(lanes.Retire(S(99)));
+}
+
 TEST(QueueLanesTest, PastTheFreeLanesSharingTakesASpareOfTheLeastUsedQueue) {
   Maker m;
   QueueLanes lanes(FourQueues(), 0, /*sharing=*/true, m.Fn());
