@@ -640,7 +640,7 @@ class CudaTransport final : public Transport {
                     "launch per call; ", stream);
     const std::string no_epilogue = fused_->plan().EpilogueUnavailable();
     return StrCat("nvlink: FusedQkvPlan on device ", device_,
-                  " (cuBLASLt bf16 GEMM, norm_rope kernels; epilogue GEMM: ",
+                  " (bf16 projection GEMM, norm_rope kernels; epilogue GEMM: ",
                   no_epilogue.empty() ? "CUTLASS sm_90a" : no_epilogue, "), ",
                   QkvLayoutName(setup_.fused->geometry.layout),
                   " layout, stores straight into the W destinations' slots; ", stream,

@@ -158,6 +158,14 @@ absl::StatusOr<FusedPath> FusedRunner::PreparedPath(int64_t rows) {
   Prepared p = Choose(rows);
   const FusedPath path = p.path;
   std::lock_guard<std::mutex> lock(mu_);
+  // Bounded: a client calling at every row count up to a large max_tokens would otherwise grow
+  // this without end. Another row count than max_tokens makes room (it is prepared again, with
+  // host work only, if it comes back).
+  if (prepared_.size() >= kMaxPreparedRowCounts && prepared_.count(rows) == 0) {
+    auto victim = prepared_.begin();
+    if (victim->first == setup_.geometry.max_tokens) ++victim;
+    prepared_.erase(victim);
+  }
   prepared_[rows] = std::move(p);
   return path;
 }
@@ -184,8 +192,8 @@ std::string FusedRunner::Describe() const {
   }
   out += StrCat("\nprojection GEMM: ", projection_, "; cuBLASLt kernels loaded at open: ",
                 plan_->loaded_gemm_kernels(),
-                "; kernels calls launched since that the load had not: ",
-                plan_->unloaded_gemm_launches(), "; cuBLASLt GEMMs calls ran: ",
+                "; cuBLASLt kernels first launched by calls since: ",
+                plan_->unloaded_gemm_launches(), "; cuBLASLt GEMMs run by calls: ",
                 plan_->cublaslt_runs());
   std::lock_guard<std::mutex> lock(mu_);
   if (prepared_.empty()) out += "\nno row count prepared yet";

@@ -92,7 +92,8 @@ class FusedRunner {
   std::unique_ptr<kernels::FusedQkvPlan> plan_;
   // Calls run on the session's call thread; describe() reads the table from other threads.
   mutable std::mutex mu_;
-  std::map<int64_t, Prepared> prepared_;
+  std::map<int64_t, Prepared> prepared_;  // at most kMaxPreparedRowCounts
+  static constexpr size_t kMaxPreparedRowCounts = 4096;
 };
 
 }  // namespace ulysses::daemon

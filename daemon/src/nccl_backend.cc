@@ -287,7 +287,7 @@ class NcclTransport final : public Transport {
                              setup_.geometry.world_size, " ranks on device ", device_,
                              "; per call: ");
     if (fused_)
-      out += StrCat("FusedQkvPlan's projection (cuBLASLt bf16 GEMM) and norm_rope kernel in "
+      out += StrCat("FusedQkvPlan's projection (bf16 GEMM) and norm_rope kernel in "
                     "place, then its ",
                     QkvLayoutName(setup_.fused->geometry.layout), " layout's ",
                     setup_.fused->geometry.layout == QkvLayout::kBshd

@@ -122,7 +122,8 @@ struct Bf16Gemm::Impl {
   internal::LtLayout w;  // A: [k, n] column-major, transposed by the op
   internal::DeviceMemory workspace;
   size_t workspace_bytes = 0;
-  std::map<std::pair<int64_t, uint32_t>, Shape> shapes;
+  static constexpr size_t kMaxShapes = 4096;
+  std::map<std::pair<int64_t, uint32_t>, Shape> shapes;  // at most kMaxShapes
   std::vector<LoadedAlgo> loaded;
   // Distinct algorithms launched since the first Load, each with the alignment class of the
   // pointers it ran on (cuBLASLt may pick a kernel of the algorithm by the pointers' actual
@@ -135,6 +136,9 @@ struct Bf16Gemm::Impl {
   absl::StatusOr<Shape*> Get(int64_t m, uint32_t alignment) {
     auto it = shapes.find({m, alignment});
     if (it != shapes.end()) return &it->second;
+    // Bounded (a caller may run every row count up to a large maximum): a shape let go is made
+    // again, host work only, if it comes back; what the GEMM loaded is kept apart (`loaded`).
+    if (shapes.size() >= kMaxShapes) shapes.erase(shapes.begin());
     Shape s;
     ULY_ASSIGN_OR_RETURN(s.x, internal::LtLayout::Create(k, m, k));
     ULY_ASSIGN_OR_RETURN(s.out, internal::LtLayout::Create(n, m, n));

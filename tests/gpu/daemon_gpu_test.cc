@@ -880,7 +880,7 @@ TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideI
   const bool in_time = FusedCallsBesideTheWait(**s, in, {kTokens, 333, 777, 1}, early,
                                                "the loaded session's call");
   const std::string plan = PlanOf((*s)->id());
-  EXPECT_NE(plan.find("kernels calls launched since that the load had not: 0"), std::string::npos)
+  EXPECT_NE(plan.find("cuBLASLt kernels first launched by calls since: 0;"), std::string::npos)
       << plan;
   EXPECT_EQ(plan.find("cuBLASLt kernels loaded at open: 0;"), std::string::npos) << plan;
   ASSERT_TRUE((*s)->Close().ok());
@@ -929,7 +929,7 @@ TEST_F(GpuTwoRankScatter, WithTheCutlassProjectionAFusedSessionOpensAndCallsBesi
   // No cuBLASLt kernel loaded, and none run by the calls.
   const std::string after = PlanOf((*s)->id());
   EXPECT_NE(after.find("cuBLASLt kernels loaded at open: 0;"), std::string::npos) << after;
-  EXPECT_NE(after.find("cuBLASLt GEMMs calls ran: 0\n"), std::string::npos) << after;
+  EXPECT_NE(after.find("cuBLASLt GEMMs run by calls: 0\n"), std::string::npos) << after;
   ASSERT_TRUE((*s)->Close().ok());
   if (!in_time) return;
   EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
