@@ -271,7 +271,7 @@ absl::StatusOr<FetchedExport> FdExports::FetchAndHold(const ExportTicket& t,
 
 absl::StatusOr<FetchedExport> FdExports::FetchImpl(const ExportTicket& t, absl::Duration timeout,
                                                    bool hold) {
-  ULY_ASSIGN_OR_RETURN(ipc::UniqueFd conn, ipc::ConnectUnix(t.socket));
+  ULY_ASSIGN_OR_RETURN(ipc::UniqueFd conn, ipc::ConnectUnix(t.socket, timeout));
   // Only a daemon of this uid may hand this daemon memory to map.
   ULY_ASSIGN_OR_RETURN(ipc::PeerCred cred, ipc::GetPeerCred(conn.get()));
   if (cred.uid != ::geteuid())

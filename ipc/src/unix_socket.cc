@@ -254,15 +254,30 @@ void UnixListener::Shutdown() noexcept {
   if (fd_.valid()) ::shutdown(fd_.get(), SHUT_RDWR);
 }
 
-absl::StatusOr<UniqueFd> ConnectUnix(std::string_view path) {
+absl::StatusOr<UniqueFd> ConnectUnix(std::string_view path, absl::Duration timeout) {
   ULY_ASSIGN_OR_RETURN(const sockaddr_un addr, MakeAddress(path));
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return LastError("socket() for ", path);
+  // A unix socket's connect waits for room in a full backlog as long as its send timeout.
+  const bool bounded = timeout != absl::InfiniteDuration();
+  auto send_timeout = [&](absl::Duration d) {
+    const timeval tv = absl::ToTimeval(std::max(d, absl::Microseconds(1)));
+    return ::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) == 0;
+  };
+  if (bounded && !send_timeout(timeout)) return LastError("setsockopt(SO_SNDTIMEO) for ", path);
   for (;;) {
     if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0) break;
     if (errno == EINTR) continue;
     if (errno == EISCONN) break;  // an interrupted attempt completed meanwhile
+    if (bounded && (errno == EAGAIN || errno == EINPROGRESS))
+      return absl::DeadlineExceededError(ulysses::StrCat(
+          "connect(", path, "): its backlog stayed full for ", absl::FormatDuration(timeout)));
     return LastError("connect(", path, ")");
+  }
+  if (bounded) {
+    const timeval none{};
+    if (::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &none, sizeof none) != 0)
+      return LastError("setsockopt(SO_SNDTIMEO) for ", path);
   }
   return fd;
 }

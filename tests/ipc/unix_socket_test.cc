@@ -148,6 +148,46 @@ TEST(UnixListenerTest, RemovesStaleSocket) {
   EXPECT_TRUE(listener->Accept().ok());
 }
 
+// A listener that stopped accepting (a stopped daemon) and whose backlog is full: a bounded
+// connect ends with DEADLINE_EXCEEDED naming the path instead of waiting for room, and the
+// connection made before it works (no send timeout left on it).
+TEST(UnixListenerTest, ABoundedConnectToAFullBacklogEnds) {
+  TempDir dir;
+  const std::string path = dir.File("full.sock");
+  UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_TRUE(listener.valid());
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener.get(), 0), 0);
+  // Fill the backlog with connections nobody accepts.
+  std::vector<UniqueFd> queued;
+  for (int i = 0; i < 4; ++i) {
+    auto c = ConnectUnix(path, absl::Milliseconds(100));
+    if (!c.ok()) {
+      EXPECT_EQ(c.status().code(), absl::StatusCode::kDeadlineExceeded) << c.status();
+      EXPECT_THAT(std::string(c.status().message()), HasSubstr(path));
+      break;
+    }
+    queued.push_back(std::move(*c));
+  }
+  ASSERT_FALSE(queued.empty());
+  ASSERT_LT(queued.size(), 4u) << "the backlog never filled";
+  // The queued connection has no send timeout: it is accepted and carries bytes.
+  UniqueFd accepted(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  ASSERT_TRUE(accepted.valid());
+  timeval tv{};
+  socklen_t len = sizeof tv;
+  ASSERT_EQ(::getsockopt(queued[0].get(), SOL_SOCKET, SO_SNDTIMEO, &tv, &len), 0);
+  EXPECT_EQ(tv.tv_sec, 0);
+  EXPECT_EQ(tv.tv_usec, 0);
+  ASSERT_EQ(::write(queued[0].get(), "x", 1), 1);
+  char got = 0;
+  ASSERT_EQ(::read(accepted.get(), &got, 1), 1);
+  EXPECT_EQ(got, 'x');
+}
+
 TEST(UnixListenerTest, LiveSocketIsInUse) {
   TempDir dir;
   const std::string path = dir.File("live.sock");

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "ulysses/ipc/fd.h"
 
 namespace ulysses::ipc {
@@ -91,11 +92,14 @@ class UnixListener {
 /// `path` when it is empty or too long. Binds nothing. For a socket another library binds.
 absl::Status ClaimSocketPath(const std::string& path);
 
-/// Connects a blocking SOCK_STREAM (SOCK_CLOEXEC) socket to the unix socket at `path`.
+/// Connects a blocking SOCK_STREAM (SOCK_CLOEXEC) socket to the unix socket at `path`, waiting
+/// at most `timeout` while the listener's backlog is full (a listener that stopped accepting).
 /// Errors: INVALID_ARGUMENT naming `path` (empty or too long); NOT_FOUND when nothing exists at
-/// `path`; UNAVAILABLE when nobody listens (ECONNREFUSED); PERMISSION_DENIED; otherwise the errno
-/// of socket/connect. Thread-safe.
-absl::StatusOr<UniqueFd> ConnectUnix(std::string_view path);
+/// `path`; UNAVAILABLE when nobody listens (ECONNREFUSED); DEADLINE_EXCEEDED past `timeout`;
+/// PERMISSION_DENIED; otherwise the errno of socket/connect. The socket keeps no send timeout.
+/// Thread-safe.
+absl::StatusOr<UniqueFd> ConnectUnix(std::string_view path,
+                                     absl::Duration timeout = absl::InfiniteDuration());
 
 /// Credentials of the process at the other end of a connected unix socket, as the kernel
 /// recorded them when the connection was made (connect(2) or listen(2) time).
