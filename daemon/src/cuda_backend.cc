@@ -783,7 +783,12 @@ class CudaBackend final : public Backend {
         ipc_open_[handle] = m;
       }
     }
-    ULY_ASSIGN_OR_RETURN(ipc::cuda::AllocationInfo info, ipc::cuda::QueryAllocation(m->data()));
+    absl::StatusOr<ipc::cuda::AllocationInfo> queried = ipc::cuda::QueryAllocation(m->data());
+    if (!queried.ok())
+      return absl::Status(queried.status().code(),
+                          StrCat("cuda_ipc_handle: the opened allocation cannot be queried: ",
+                                 queried.status().message()));
+    const ipc::cuda::AllocationInfo& info = *queried;
     // The bytes from the opened address to the allocation's end (the address is its base).
     const uint64_t past = static_cast<uint64_t>(static_cast<const uint8_t*>(m->data()) -
                                                 static_cast<const uint8_t*>(info.base));

@@ -352,7 +352,11 @@ absl::StatusOr<VmmMapping> VmmMapping::ImportParts(int device, std::span<const P
                                                      DrvError("cuMemMap", r).message()));
     m.parts_.push_back(parts[i].size);
     r = d.SetAccess(base + at, parts[i].size, &access, 1);
-    if (r != CUDA_SUCCESS) return DrvError("cuMemSetAccess", r);
+    if (r != CUDA_SUCCESS)
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, "[", i, "]: cannot be made accessible to device ", device,
+          " (an allocation of a device this one cannot reach?): ",
+          DrvError("cuMemSetAccess", r).message()));
     at += parts[i].size;
   }
   return m;
