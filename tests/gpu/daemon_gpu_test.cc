@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -142,6 +143,68 @@ TEST_F(GpuCluster, IpcTensorsAndReallocationAtTheSameAddress) {
     ASSERT_TRUE(res->Release().ok());
     ASSERT_EQ(cudaFree(dev), cudaSuccess);  // the next round's cudaMalloc may reuse the address
   }
+}
+
+// A client frees memory it registered by CUDA IPC handle while the daemon holds it open, makes
+// new allocations of the same size (which may take the freed pages), and calls on the freed
+// buffers: reading x from one, writing out= into the other. What the client gets back is its
+// own affair; what must hold is that the daemon stays healthy, that another client's session
+// still gets its exact results, and that the client's new allocations, which may now own the
+// freed pages, are not written by the daemon. (CUDA leaves the exporter's free while an
+// importer holds the handle open unspecified; this case finds out what this driver does.)
+TEST_F(GpuCluster, AnIpcBufferFreedByItsClientWhileRegisteredHarmsNoOtherMemory) {
+  Start(1);
+  Alone a, b;
+  ASSERT_NO_FATAL_FAILURE(JoinAlone("freer", &a));
+  ASSERT_NO_FATAL_FAILURE(JoinAlone("bystander", &b));
+  const int H = 8, D = 64, S = 32;
+  const size_t n = static_cast<size_t>(S) * H * D, bytes = n * sizeof(float);
+  auto sa = a.client->CreateSession(*a.group, {H, D, DType::kFloat32, S, 2, {}, 0});
+  auto sb = b.client->CreateSession(*b.group, {H, D, DType::kFloat32, S, 2, {}, 0});
+  ASSERT_TRUE(sa.ok() && sb.ok());
+  std::vector<float> host(n), got(n);
+  for (size_t i = 0; i < n; ++i) host[i] = static_cast<float>(i);
+  void* x = nullptr;
+  void* y = nullptr;
+  ASSERT_EQ(cudaMalloc(&x, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&y, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(x, host.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  auto xb = a.client->RegisterDeviceBuffer(x, bytes, "x");
+  auto yb = a.client->RegisterDeviceBuffer(y, bytes, "y");
+  ASSERT_TRUE(xb.ok() && yb.ok());
+  ASSERT_EQ(cudaFree(x), cudaSuccess);
+  ASSERT_EQ(cudaFree(y), cudaSuccess);
+  // New allocations of the same size, filled with a pattern the daemon's writes would break.
+  constexpr int kFresh = 8;
+  std::vector<void*> fresh(kFresh, nullptr);
+  for (void*& f : fresh) {
+    ASSERT_EQ(cudaMalloc(&f, bytes), cudaSuccess);
+    ASSERT_EQ(cudaMemset(f, 0x5a, bytes), cudaSuccess);
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  auto freed_call = (*sa)->ScatterHeads(xb->Ref(), 1, S, yb->Ref());
+  std::cout << "a call on the freed buffers: " << freed_call.status() << "\n";
+  // The other client is served, bit for bit.
+  void* bx = nullptr;
+  ASSERT_EQ(cudaMalloc(&bx, bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(bx, host.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  auto bb = b.client->RegisterDeviceBuffer(bx, bytes, "bx");
+  ASSERT_TRUE(bb.ok()) << bb.status();
+  auto res = (*sb)->ScatterHeads(bb->Ref(), 1, S);
+  ASSERT_TRUE(res.ok()) << res.status();
+  ASSERT_EQ(cudaMemcpy(got.data(), res->data, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(std::memcmp(got.data(), host.data(), bytes), 0);
+  ASSERT_TRUE(res->Release().ok());
+  EXPECT_EQ(State(0).health(), "SERVING");
+  // None of the new allocations was written.
+  std::vector<uint8_t> back(bytes);
+  for (int i = 0; i < kFresh; ++i) {
+    ASSERT_EQ(cudaMemcpy(back.data(), fresh[i], bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(std::count(back.begin(), back.end(), uint8_t{0x5a}), static_cast<ptrdiff_t>(bytes))
+        << "allocation " << i << " made after the free was written";
+    ASSERT_EQ(cudaFree(fresh[i]), cudaSuccess);
+  }
+  ASSERT_EQ(cudaFree(bx), cudaSuccess);
 }
 
 // Device memory of several CUDA VMM allocations mapped back to back, as torch's expandable
