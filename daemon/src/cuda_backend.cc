@@ -168,6 +168,14 @@ class DeviceStreams {
     return done;
   }
   cudaStream_t rescue() const { return rescue_; }
+  /// Where a new session on `session` does the setup work its thread waits for (zeroing its
+  /// allocations, loading its kernels): `session` itself, idle when taken, unless the probe
+  /// found it on a queue another session's stream uses (queues.sharing allow, past the free
+  /// lanes), where that wait could sit behind the other session's waiting call; then the
+  /// rescue stream, which no session's wait holds back.
+  cudaStream_t SetupStreamFor(cudaStream_t session) const {
+    return lanes_->probed() && lanes_->Shared(session) ? rescue_ : session;
+  }
   /// The pinned words (kHostWordsBytes; null when there are none), for the holder of the lock.
   struct HostWords {
     std::unique_lock<std::mutex> lock;
@@ -266,24 +274,29 @@ class CudaTransport final : public Transport {
     // The session's stream (idle: fresh, or drained when given back) zeroes its allocations,
     // so the daemon's context runs work on no queue but its sessions' own: work on another
     // queue slows this context's hand-offs (DeviceStreams), and a wait on the legacy stream
-    // could wait behind another session's stream that shares its queue.
+    // could wait behind another session's stream that shares its queue. (A session stream
+    // that itself shares a queue with another session's hands this to the rescue stream:
+    // SetupStreamFor.)
     ULY_ASSIGN_OR_RETURN(t->stream_, t->streams_->Take());
     t->rescue_ = t->streams_->rescue();
+    const cudaStream_t setup_stream = t->streams_->SetupStreamFor(t->stream_);
+    if (setup_stream != t->stream_) t->used_rescue_ = true;  // Drain waits for it too
     ULY_ASSIGN_OR_RETURN(t->slots_,
                          ipc::cuda::VmmMapping::Create(
                              device, t->words_bytes_ + t->stride_ * setup.geometry.num_slots,
-                             t->stream_));
+                             setup_stream));
     ULY_ASSIGN_OR_RETURN(t->client_fd_, t->slots_.Export());
     ULY_ASSIGN_OR_RETURN(t->ticket_, exports->Lend(t->client_fd_.get()));
     ULY_ASSIGN_OR_RETURN(t->daemon_words_,
-                         ipc::cuda::VmmMapping::Create(device, sizeof(DeviceWords), t->stream_));
+                         ipc::cuda::VmmMapping::Create(device, sizeof(DeviceWords), setup_stream));
     {
       ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd, t->daemon_words_.Export());
       // FdExports keeps its own duplicate of a lent fd.
       ULY_ASSIGN_OR_RETURN(t->words_ticket_, exports->Lend(fd.get()));
     }
-    ULY_ASSIGN_OR_RETURN(t->client_words_, ipc::cuda::VmmMapping::Create(
-                                               device, sizeof(ClientDeviceWords), t->stream_));
+    ULY_ASSIGN_OR_RETURN(t->client_words_,
+                         ipc::cuda::VmmMapping::Create(device, sizeof(ClientDeviceWords),
+                                                       setup_stream));
     ULY_ASSIGN_OR_RETURN(t->client_words_fd_, t->client_words_.Export());
     // What a cancel writes over this rank's slot words (every wait passes): the device's
     // pinned words, else words of its own.
@@ -313,8 +326,8 @@ class CudaTransport final : public Transport {
       // waited for (this stream alone): the session opens with its kernels loaded and run, so
       // nothing of the load is left to meet another session's wait later. On failure, what
       // was launched ends before the plan's memory goes.
-      const absl::Status loaded = t->fused_->LoadKernels(t->stream_);
-      const cudaError_t synced = cudaStreamSynchronize(t->stream_);
+      const absl::Status loaded = t->fused_->LoadKernels(setup_stream);
+      const cudaError_t synced = cudaStreamSynchronize(setup_stream);
       ULY_RETURN_IF_ERROR(loaded);
       ULY_RETURN_IF_ERROR(CudaStatus("cudaStreamSynchronize", synced));
     }

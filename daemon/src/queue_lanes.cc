@@ -182,6 +182,14 @@ QueueLaneCounts QueueLanes::counts() const {
   return c;
 }
 
+bool QueueLanes::Shared(void* stream) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Lane& lane : lanes_)
+    for (const Member& m : lane.members)
+      if (m.stream == stream) return lane.in_use - (m.in_use ? 1 : 0) > 0 || lane.retired;
+  return true;
+}
+
 std::string QueueLanes::Where(void* stream) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < lanes_.size(); ++i) {

@@ -84,6 +84,10 @@ class QueueLanes {
   QueueLaneCounts counts() const;
   /// Whether the lanes come from a probe (fixed when made).
   bool probed() const { return probed_; }
+  /// Whether `stream`, handed out, shares its queue with another stream handed out (or is one
+  /// made without the probe, whose queue is not known): work a host thread waits for should
+  /// then not go on it.
+  bool Shared(void* stream) const;
   /// Where `stream` runs, for a session's description: "hardware queue 2 of the 7 for
   /// sessions, its own", "hardware queue 2 of the 7 for sessions, shared with 1 more stream",
   /// or that it was made unprobed.

@@ -65,6 +65,7 @@ TEST(QueueLanesTest, SessionsOpenAtOnceGetDistinctQueues) {
   EXPECT_EQ(lanes.counts().lanes_in_use, 3);
   EXPECT_EQ(lanes.counts().shared_streams, 0u);
   EXPECT_EQ(lanes.Where(S(2)), "hardware queue 2 of the 3 for sessions, its own");
+  EXPECT_FALSE(lanes.Shared(S(2)));
 }
 
 TEST(QueueLanesTest, ASecondStreamTakesAGreatestPriorityStreamOnAFreeQueue) {
@@ -143,6 +144,9 @@ TEST(QueueLanesTest, PastTheFreeLanesSharingTakesASpareOfTheLeastUsedQueue) {
   EXPECT_EQ(*b, S(6));
   EXPECT_EQ(lanes.counts().shared_streams, 2u);
   EXPECT_EQ(lanes.Where(S(5)), "hardware queue 1 of the 3 for sessions, shared with 1 more stream");
+  EXPECT_TRUE(lanes.Shared(S(5)));
+  EXPECT_TRUE(lanes.Shared(S(1)));  // the first user of queue 1 now shares it too
+  EXPECT_FALSE(lanes.Shared(S(3)));
   // Second streams: queue 3 has one user, queue 1 two, so queue 3's stream 11 goes first,
   // then queue 1's 12.
   auto c = lanes.Take(StreamRole::kSecond);
@@ -236,6 +240,7 @@ TEST(QueueLanesTest, WithoutAProbeStreamsAreMadeAsNeededAndReused) {
   EXPECT_EQ(lanes.counts().lanes, 0);
   EXPECT_THAT(lanes.Describe(), HasSubstr("not probed"));
   EXPECT_THAT(lanes.Where(*a), HasSubstr("without the hardware queue probe"));
+  EXPECT_TRUE(lanes.Shared(*a));  // its queue is not known
 }
 
 TEST(QueueLanesTest, WithoutAProbeAStreamIsReusedOnlyForItsOwnPriority) {
