@@ -30,15 +30,24 @@ bool PathExists(const std::string& path) {
   return ::lstat(path.c_str(), &st) == 0;
 }
 
-// Leaves a socket file at `path` that nobody listens on, as a crashed daemon would.
-void MakeStaleSocket(const std::string& path) {
+// A unix socket bound at `path` and listening with `backlog`, without UnixListener (invalid
+// when that fails).
+UniqueFd RawListener(const std::string& path, int backlog) {
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  ASSERT_TRUE(fd.valid());
+  if (!fd.valid()) return fd;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  ASSERT_EQ(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(fd.get(), 1), 0);
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(fd.get(), backlog) != 0)
+    return UniqueFd();
+  return fd;
+}
+
+// Leaves a socket file at `path` that nobody listens on, as a crashed daemon would.
+void MakeStaleSocket(const std::string& path) {
+  UniqueFd fd = RawListener(path, 1);
+  ASSERT_TRUE(fd.valid());
 }  // closed here without unlink: the file stays behind
 
 std::pair<UniqueFd, UniqueFd> SocketPair() {
@@ -154,13 +163,8 @@ TEST(UnixListenerTest, RemovesStaleSocket) {
 TEST(UnixListenerTest, ABoundedConnectToAFullBacklogEnds) {
   TempDir dir;
   const std::string path = dir.File("full.sock");
-  UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  UniqueFd listener = RawListener(path, 0);
   ASSERT_TRUE(listener.valid());
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  ASSERT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(listener.get(), 0), 0);
   // Fill the backlog with connections nobody accepts.
   std::vector<UniqueFd> queued;
   for (int i = 0; i < 4; ++i) {
