@@ -368,9 +368,23 @@ TEST_F(KillFixture, APeerRankKilledAtRandomMomentsAbortsTheSurvivorAndLeavesNoth
 }
 
 // Pids of the processes whose command line names `needle` (the daemons of one run folder).
+// Empty for a process that is gone, also while it is read: a stream read of a process that
+// exits meanwhile fails with ESRCH, which libstdc++'s filebuf throws.
 std::string Cmdline(const std::filesystem::path& proc_dir) {
-  std::ifstream f(proc_dir / "cmdline");
-  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const int fd = ::open((proc_dir / "cmdline").c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return {};
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) != 0;) {
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      out.clear();
+      break;
+    }
+    out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return out;
 }
 
 // Processes whose command line names `needle`; `copies` counts those among them whose command
