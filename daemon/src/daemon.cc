@@ -194,6 +194,7 @@ absl::Status Daemon::Start() {
   server_->GetHealthCheckService()->SetServingStatus(true);
   started_ok_ = true;
   if (absl::Status m = StartMetricsServer(); !m.ok()) return m;
+  reaper_.Start();  // before any thread that reclaims clients
   fd_thread_ = std::thread([this] { FdLoop(); });
   if (!config_.ready_file.empty()) {
     std::string tmp = config_.ready_file + ".tmp";
@@ -304,11 +305,10 @@ void Daemon::Shutdown() {
   if (poll_wake_) (void)poll_wake_->Signal();
   if (fd_thread_.joinable()) fd_thread_.join();
   for (auto& c : Clients()) Reclaim(c->id, "daemon shutting down");
-  reaper_.Stop();  // every reclaimed session is gone before the exports stop
-  peer_exports_.Stop();
   {
     // Reclaim set every worker's abort word and aborted every session, so each ends at its
-    // next check; none may outlive this object.
+    // next check; none may outlive this object. Joined first: a call in flight holds its
+    // session, which then goes with the reaper's, before the exports stop.
     std::map<uint64_t, std::thread> workers;
     {
       std::lock_guard<std::mutex> lock(workers_mu_);
@@ -317,6 +317,8 @@ void Daemon::Shutdown() {
     }
     for (auto& [id, t] : workers) t.join();
   }
+  reaper_.Stop();
+  peer_exports_.Stop();
   for (grpc::Server* server : {server_.get(), operator_server_.get(), node_server_.get()})
     if (server != nullptr) server->Wait();
   ::unlink(config_.socket.c_str());

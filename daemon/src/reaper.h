@@ -19,14 +19,20 @@ class Reaper {
   Reaper(const Reaper&) = delete;
   Reaper& operator=(const Reaper&) = delete;
 
-  /// Drops `held` on the reaper's thread (started by the first call), after what was posted
-  /// before it; once Stop ran, on the calling thread, at once.
+  /// Starts the thread (its owner's start: the thread exists before any Post, and a failure
+  /// to make it comes out there). Once.
+  void Start() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!thread_.joinable() && !stopped_) thread_ = std::thread([this] { Run(); });
+  }
+
+  /// Drops `held` on the reaper's thread, after what was posted before it; without a thread
+  /// (not started, or stopped), on the calling thread, at once.
   void Post(std::shared_ptr<void> held) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!stopped_) {
+      if (thread_.joinable() && !stopped_) {
         queue_.push_back(std::move(held));
-        if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
         cv_.notify_one();
         return;
       }

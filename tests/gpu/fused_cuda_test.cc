@@ -465,9 +465,6 @@ class GpuFusedQkvTest : public FusedGpuBase<Param> {
     plain_ref_ = it->second.second;
   }
 
-  // The path's slots against (1) the reference chain on the path's own projection (bit for
-  // bit); (2) the pure reference, per source rank and head: every mismatch must be propagated
-  // GEMM rounding.
   // Loads `plan`'s kernels, then projects 1, rows/3 + 1, rows - 1 and all rows of rank 0's x,
   // with x 256-byte aligned and 16 bytes off, each into a poisoned buffer, checked against the
   // reference.
@@ -493,6 +490,9 @@ class GpuFusedQkvTest : public FusedGpuBase<Param> {
     }
   }
 
+  // The path's slots against (1) the reference chain on the path's own projection (bit for
+  // bit); (2) the pure reference, per source rank and head: every mismatch must be propagated
+  // GEMM rounding.
   void CheckPath(const char* name, QkvLayout layout, const PathResult& got) {
     CheckChain(name, layout, got, 128);
     for (int src = 0; src < shape_.world; ++src) {
