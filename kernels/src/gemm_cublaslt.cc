@@ -166,6 +166,14 @@ struct Bf16Gemm::Impl {
     return &shapes.emplace(std::make_pair(m, alignment), std::move(s)).first->second;
   }
 
+  // Get for a call: no algorithm is an internal error there (NotFound only tells Load to skip
+  // a class).
+  absl::StatusOr<Shape*> ForCall(int64_t m, uint32_t alignment) {
+    absl::StatusOr<Shape*> s = Get(m, alignment);
+    if (!s.ok() && absl::IsNotFound(s.status())) return absl::InternalError(s.status().message());
+    return s;
+  }
+
   static bool Same(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
     return std::memcmp(&a, &b, sizeof a) == 0;
   }
@@ -303,7 +311,7 @@ absl::StatusOr<std::unique_ptr<Bf16Gemm>> Bf16Gemm::Create(int64_t n, int64_t k,
 
 absl::Status Bf16Gemm::Prepare(int64_t m) {
   if (m <= 0) return absl::InvalidArgumentError(absl::StrCat("m must be positive, got ", m));
-  ULY_ASSIGN_OR_RETURN(Impl::Shape * s, impl_->Get(m, 256));
+  ULY_ASSIGN_OR_RETURN(Impl::Shape * s, impl_->ForCall(m, 256));
   impl_->Choose(*s, m, 256);
   return absl::OkStatus();
 }
@@ -372,7 +380,7 @@ absl::Status Bf16Gemm::Run(const void* x, const void* w, void* out, int64_t m,
     return absl::InvalidArgumentError("x, w and out must be non-null");
   const uint32_t alignment = AlignmentOf(x, w, out);
   if (alignment == 0) return absl::InvalidArgumentError("x, w and out must be 16-byte aligned");
-  ULY_ASSIGN_OR_RETURN(Impl::Shape * s, impl_->Get(m, alignment));
+  ULY_ASSIGN_OR_RETURN(Impl::Shape * s, impl_->ForCall(m, alignment));
   const cublasLtMatmulAlgo_t& algo = impl_->Choose(*s, m, alignment);
   ULY_RETURN_IF_ERROR(impl_->Launch(algo, *s, x, w, out, stream));
   impl_->runs.fetch_add(1, std::memory_order_relaxed);
