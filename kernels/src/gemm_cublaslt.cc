@@ -344,7 +344,9 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
       absl::StatusOr<Impl::Shape*> got = g.Get(m, a);
       // The lower classes are best effort: a call at one with no algorithm fails as before.
       if (!got.ok() && a < top && absl::IsNotFound(got.status())) continue;
-      ULY_RETURN_IF_ERROR(got.status());
+      if (!got.ok())
+        return absl::IsNotFound(got.status()) ? absl::InternalError(got.status().message())
+                                              : got.status();
       Impl::Shape* s = *got;
       if (!g.Launched(s->algo, a)) {
         // x at an offset of `a` bytes (none for 256): the three pointers are aligned to `a`
