@@ -320,8 +320,14 @@ class CudaTransport final : public Transport {
       // a call at a row count seen before allocates nothing. Its second stream is a lane of
       // its own, so that no other session's waiting call holds back its stores.
       ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond, t->stream_));
-      ULY_ASSIGN_OR_RETURN(t->fused_, FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores,
-                                                          t->second_));
+      // The plan allocates and waits on its second stream, unless that one shares a queue
+      // with another session's stream: then on the rescue stream, as above.
+      const cudaStream_t plan_setup = t->streams_->SetupStreamFor(t->second_);
+      if (plan_setup != t->second_) t->used_rescue_ = true;
+      ULY_ASSIGN_OR_RETURN(t->fused_,
+                           FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores,
+                                               t->second_,
+                                               plan_setup != t->second_ ? plan_setup : nullptr));
       // Its GEMMs' kernels are loaded here, while no call of this session is in flight, and
       // waited for (this stream alone): the session opens with its kernels loaded and run, so
       // nothing of the load is left to meet another session's wait later. On failure, what

@@ -56,7 +56,8 @@ uint64_t FusedRunner::DeviceBytesFor(const FusedSetup& setup) {
 
 absl::StatusOr<std::unique_ptr<FusedRunner>> FusedRunner::Create(const FusedSetup& setup,
                                                                   FusedExchange exchange,
-                                                                  void* second_stream) {
+                                                                  void* second_stream,
+                                                                  void* setup_stream) {
   if (exchange == FusedExchange::kTransportMoves && setup.path != FusedPath::kAuto &&
       setup.path != FusedPath::kPerOperator)
     return absl::FailedPreconditionError(StrCat(
@@ -66,6 +67,7 @@ absl::StatusOr<std::unique_ptr<FusedRunner>> FusedRunner::Create(const FusedSetu
   std::unique_ptr<FusedRunner> runner(new FusedRunner(setup, exchange));
   kernels::FusedQkvConfig config = ConfigOf(setup);
   config.second_stream = second_stream;
+  config.setup_stream = setup_stream;
   absl::StatusOr<std::unique_ptr<kernels::FusedQkvPlan>> plan =
       kernels::FusedQkvPlan::Create(config);
   if (config.cutlass_projection && plan.status().code() == absl::StatusCode::kFailedPrecondition) {

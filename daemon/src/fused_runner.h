@@ -34,9 +34,12 @@ class FusedRunner {
   /// events): every allocation a call needs. FAILED_PRECONDITION, naming `path`, when the
   /// session asks for a path this runner cannot run. `second_stream` (a cudaStream_t, idle,
   /// outliving the runner): the plan's second stream; null: the plan makes its own.
+  /// `setup_stream` (likewise; null: the second stream): where the plan allocates and waits
+  /// (kernels::FusedQkvConfig::setup_stream).
   static absl::StatusOr<std::unique_ptr<FusedRunner>> Create(const FusedSetup& setup,
                                                              FusedExchange exchange,
-                                                             void* second_stream = nullptr);
+                                                             void* second_stream = nullptr,
+                                                             void* setup_stream = nullptr);
 
   /// The device memory a runner of `setup` holds (its plan's), before it is made.
   static uint64_t DeviceBytesFor(const FusedSetup& setup);

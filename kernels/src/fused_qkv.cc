@@ -178,14 +178,18 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
     return absl::InvalidArgumentError("chunk_rows and push_blocks must be >= 0");
   auto impl = std::make_unique<Impl>();
   impl->config = config;
-  // The plan's memory is allocated and freed in its own stream's order, and its counters are
-  // zeroed there, that stream alone then waited for: a device-wide wait (cudaFree's, or a
-  // device synchronization) would wait for every other stream of the process too (a daemon's
-  // other sessions, whose calls may be waiting for their peers).
+  // The plan's memory is allocated and freed in one stream's order (its second stream, or the
+  // setup stream given), and its counters are zeroed there, that stream alone then waited
+  // for: a device-wide wait (cudaFree's, or a device synchronization) would wait for every
+  // other stream of the process too (a daemon's other sessions, whose calls may be waiting
+  // for their peers).
   if (config.second_stream != nullptr)
     impl->side.Borrow(static_cast<cudaStream_t>(config.second_stream));
   else
     ULY_RETURN_IF_ERROR(impl->side.Create());
+  const cudaStream_t setup = config.setup_stream != nullptr
+                                 ? static_cast<cudaStream_t>(config.setup_stream)
+                                 : impl->side.get();
   for (int i = 0; i < 2; ++i) {
     const EpilogueSchedule schedule =
         i == 0 ? EpilogueSchedule::kPingpong : EpilogueSchedule::kPingpongCluster2;
@@ -209,26 +213,26 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
   // one waits for every stream of the device).
   if (!config.cutlass_projection) {
     ULY_ASSIGN_OR_RETURN(impl->gemm, Bf16Gemm::Create(impl->features(), impl->hidden(),
-                                                      GemmWorkspaceBytes(config), impl->side.get()));
+                                                      GemmWorkspaceBytes(config), setup));
   }
   ULY_RETURN_IF_ERROR(impl->projection.Allocate(
       static_cast<size_t>(config.max_tokens * impl->features()) * sizeof(uint16_t),
-      impl->side.get()));
-  ULY_RETURN_IF_ERROR(impl->counters.Allocate(2 * sizeof(unsigned int), impl->side.get()));
+      setup));
+  ULY_RETURN_IF_ERROR(impl->counters.Allocate(2 * sizeof(unsigned int), setup));
   ULY_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(impl->counters.get(), 0, 2 * sizeof(unsigned int), impl->side.get()));
+      cudaMemsetAsync(impl->counters.get(), 0, 2 * sizeof(unsigned int), setup));
   if (impl->epilogue_unavailable.empty()) {
     ULY_RETURN_IF_ERROR(
-        impl->chunk_counters.Allocate(kMaxFusedChunks * sizeof(unsigned int), impl->side.get()));
+        impl->chunk_counters.Allocate(kMaxFusedChunks * sizeof(unsigned int), setup));
     ULY_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(impl->chunk_counters.get(), 0,
                                              kMaxFusedChunks * sizeof(unsigned int),
-                                             impl->side.get()));
+                                             setup));
   }
   ULY_RETURN_IF_ERROR(impl->start.Create());
   ULY_RETURN_IF_ERROR(impl->done.Create());
   for (Event& e : impl->chunk_done) ULY_RETURN_IF_ERROR(e.Create());
   // The counters' memsets must be complete before any launch on another stream reads them.
-  ULY_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl->side.get()));
+  ULY_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(setup));
   return std::unique_ptr<FusedQkvPlan>(new FusedQkvPlan(std::move(impl)));
 }
 

@@ -70,6 +70,11 @@ struct FusedQkvConfig {
   /// no other session's stream uses). Null: the plan makes its own, non-blocking, at the
   /// device's greatest priority.
   void* second_stream = nullptr;
+  /// Where Create allocates, zeroes and waits (a cudaStream_t, borrowed, idle, outliving the
+  /// plan; the plan's memory is freed on it too, once the plan's streams are done). Null: the
+  /// second stream. A daemon passes a stream no session's wait holds back when the second
+  /// stream shares its hardware queue with another session's.
+  void* setup_stream = nullptr;
 };
 
 /// The chunked path's default: about four chunks of at least 512 rows, multiples of 128 rows.
