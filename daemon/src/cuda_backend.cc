@@ -767,6 +767,18 @@ class CudaBackend final : public Backend {
     return CudaTransport::Create(device_, exports_, streams_, drain_limit_, setup);
   }
   QueueLaneCounts Queues() const override { return streams_->counts(); }
+  absl::StatusOr<void*> TakeStream(StreamRole role, void* apart) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    ULY_ASSIGN_OR_RETURN(cudaStream_t s, streams_->Take(role, static_cast<cudaStream_t>(apart)));
+    return static_cast<void*>(s);
+  }
+  void GiveStream(void* stream) override { streams_->Give(static_cast<cudaStream_t>(stream)); }
+  void RetireStream(void* stream) override {
+    streams_->Retire(static_cast<cudaStream_t>(stream));
+  }
+  void* SetupStreamFor(void* stream) override {
+    return streams_->SetupStreamFor(static_cast<cudaStream_t>(stream));
+  }
   uint64_t FusedPlanBytes(const FusedSetup& setup) const override {
     return FusedRunner::DeviceBytesFor(setup);
   }
@@ -866,15 +878,31 @@ class CudaBackend final : public Backend {
   std::map<std::string, std::weak_ptr<ipc::cuda::IpcMapping>> ipc_open_;
 };
 
+// One DeviceStreams per device in the process: every backend of the device (an nvlink daemon's
+// own, and the one its nccl backend wraps) hands out streams from the same lanes, so that no
+// two of their sessions share a hardware queue unknowingly. The first backend's options make
+// it; later ones share it as it is.
+absl::StatusOr<std::shared_ptr<DeviceStreams>> SharedDeviceStreams(
+    int device, const CudaBackendOptions& options) {
+  static std::mutex* mu = new std::mutex;
+  static auto* made = new std::map<int, std::weak_ptr<DeviceStreams>>;
+  std::lock_guard<std::mutex> lock(*mu);
+  if (std::shared_ptr<DeviceStreams> existing = (*made)[device].lock()) return existing;
+  ULY_ASSIGN_OR_RETURN(
+      std::shared_ptr<DeviceStreams> streams,
+      DeviceStreams::Create(device, options.queue_probe_streams, options.queue_sharing));
+  (*made)[device] = streams;
+  return streams;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* exports,
                                                          const CudaBackendOptions& options) {
   ULY_RETURN_IF_ERROR(ipc::cuda::SetDevice(device));
   ULY_ASSIGN_OR_RETURN(ipc::cuda::DeviceInfo info, ipc::cuda::Describe(device));
-  ULY_ASSIGN_OR_RETURN(
-      std::shared_ptr<DeviceStreams> streams,
-      DeviceStreams::Create(device, options.queue_probe_streams, options.queue_sharing));
+  ULY_ASSIGN_OR_RETURN(std::shared_ptr<DeviceStreams> streams,
+                       SharedDeviceStreams(device, options));
   // Probe the VMM path once: a device or driver without POSIX-fd VMM cannot serve sessions.
   // Zeroed as every buffer is (DeviceStreams::ZeroedMapping): without the queue probe on the
   // stream the first session will take, so no other queue runs work.

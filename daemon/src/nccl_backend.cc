@@ -81,39 +81,52 @@ uint64_t BlockCapacity(int world_size, uint64_t slot_bytes) {
 
 class NcclTransport final : public Transport {
  public:
+  // `gpu`: the device's backend, whose hardware queue lanes the session's streams come from
+  // (shared with the device's nvlink sessions, so that none shares a queue unknowingly).
   static absl::StatusOr<std::unique_ptr<Transport>> Create(int device, absl::Duration call_timeout,
-                                                           const TransportSetup& setup) {
+                                                           const TransportSetup& setup,
+                                                           Backend* gpu) {
     ULY_RETURN_IF_ERROR(UseDevice(device));
-    std::unique_ptr<NcclTransport> t(new NcclTransport(device, call_timeout, setup));
+    std::unique_ptr<NcclTransport> t(new NcclTransport(device, call_timeout, setup, gpu));
+    ULY_ASSIGN_OR_RETURN(void* taken, gpu->TakeStream(StreamRole::kSession, nullptr));
+    t->stream_ = static_cast<cudaStream_t>(taken);
+    const cudaStream_t stream = t->stream_;
+    // Setup work is waited for on the session's own stream (idle when taken), or, where it
+    // shares a hardware queue with another session's, on one no session's wait holds back.
+    const auto setup_stream = static_cast<cudaStream_t>(gpu->SetupStreamFor(stream));
     if (setup.fused) {
+      // The plan's second stream is a lane too (it makes none of its own).
+      ULY_ASSIGN_OR_RETURN(void* second, gpu->TakeStream(StreamRole::kSecond, stream));
+      t->second_ = static_cast<cudaStream_t>(second);
+      void* plan_setup = gpu->SetupStreamFor(second);
       ULY_ASSIGN_OR_RETURN(t->fused_,
-                           FusedRunner::Create(*setup.fused, FusedExchange::kTransportMoves));
+                           FusedRunner::Create(*setup.fused, FusedExchange::kTransportMoves,
+                                               second, plan_setup != second ? plan_setup : nullptr));
     }
     const int W = setup.geometry.world_size;
     t->stride_ = AlignUp(setup.slot_bytes, kAlign);
-    cudaStream_t stream = nullptr;
-    ULY_RETURN_IF_ERROR(
-        CudaStatus("cudaStreamCreate", cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)));
-    t->stream_ = stream;
-    // Zeroed on the session's own stream: a wait on the legacy stream could wait behind another
+    // Zeroed on a stream of the session: a wait on the legacy stream could wait behind another
     // session's stream that shares its hardware queue.
-    ULY_ASSIGN_OR_RETURN(t->slots_, ipc::cuda::VmmMapping::Create(
-                                        device, t->stride_ * setup.geometry.num_slots, stream));
+    ULY_ASSIGN_OR_RETURN(t->slots_,
+                         ipc::cuda::VmmMapping::Create(device, t->stride_ * setup.geometry.num_slots,
+                                                       setup_stream));
     ULY_ASSIGN_OR_RETURN(t->client_fd_, t->slots_.Export());
     if (W > 1) {
       // Staging is made once here: a call allocates nothing.
       t->block_capacity_ = BlockCapacity(W, setup.slot_bytes);
-      ULY_ASSIGN_OR_RETURN(t->send_,
-                           ipc::cuda::VmmMapping::Create(device, t->block_capacity_ * W, stream));
-      ULY_ASSIGN_OR_RETURN(t->recv_,
-                           ipc::cuda::VmmMapping::Create(device, t->block_capacity_ * W, stream));
+      ULY_ASSIGN_OR_RETURN(t->send_, ipc::cuda::VmmMapping::Create(
+                                         device, t->block_capacity_ * W, setup_stream));
+      ULY_ASSIGN_OR_RETURN(t->recv_, ipc::cuda::VmmMapping::Create(
+                                         device, t->block_capacity_ * W, setup_stream));
     }
     // The plan's GEMMs' kernels are loaded here, while no call of this session is in flight,
     // and waited for (this stream alone), as the nvlink backend does (on failure, the
     // destructor waits for what was launched before the plan's memory goes).
     if (t->fused_) {
-      ULY_RETURN_IF_ERROR(t->fused_->LoadKernels(stream));
-      ULY_RETURN_IF_ERROR(CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(stream)));
+      const absl::Status loaded = t->fused_->LoadKernels(setup_stream);
+      ULY_RETURN_IF_ERROR(
+          CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(setup_stream)));
+      ULY_RETURN_IF_ERROR(loaded);
     }
     if (setup.geometry.rank == 0)
       ULY_RETURN_IF_ERROR(NcclStatus("ncclGetUniqueId", ncclGetUniqueId(&t->id_), nullptr));
@@ -125,11 +138,12 @@ class NcclTransport final : public Transport {
     // Abort, never destroy: destroying waits for the peers, which may be gone. Abort also ends
     // any NCCL kernel still on the stream, so the synchronize below returns.
     AbortComm();
-    if (stream_ != nullptr) {
-      cudaStreamSynchronize(stream_);
-      cudaStreamDestroy(stream_);
-    }
-    fused_.reset();  // its work was ordered before this stream's end
+    // The streams go back to the device's lanes once idle (the plan's work was ordered before
+    // the session stream's end; what the plan frees goes on its second stream).
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    fused_.reset();
+    if (second_ != nullptr) gpu_->GiveStream(second_);
+    if (stream_ != nullptr) gpu_->GiveStream(stream_);
   }
 
   // nccl|<rank>|<unique id, hex> (rank 0), nccl|<rank>| (the others): rank 0's id reaches every
@@ -300,8 +314,9 @@ class NcclTransport final : public Transport {
   }
 
  private:
-  NcclTransport(int device, absl::Duration call_timeout, const TransportSetup& setup)
-      : device_(device), call_timeout_(call_timeout), setup_(setup) {}
+  NcclTransport(int device, absl::Duration call_timeout, const TransportSetup& setup,
+                Backend* gpu)
+      : device_(device), call_timeout_(call_timeout), setup_(setup), gpu_(gpu) {}
 
   uint8_t* Slot(int slot) const { return static_cast<uint8_t*>(slots_.data()) + SlotOffset(slot); }
 
@@ -424,7 +439,9 @@ class NcclTransport final : public Transport {
   uint64_t block_capacity_ = 0;
   ipc::cuda::VmmMapping send_;
   ipc::cuda::VmmMapping recv_;
-  cudaStream_t stream_ = nullptr;
+  Backend* const gpu_;              // the device's lanes: stream_ and second_ come from there
+  cudaStream_t stream_ = nullptr;   // a lane of the device
+  cudaStream_t second_ = nullptr;   // the fused plan's second stream, a lane; fused only
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   ncclUniqueId id_{};  // rank 0's, generated in Create; the others' from its handle
   ncclComm_t comm_ = nullptr;
@@ -443,7 +460,7 @@ class NcclBackend final : public Backend {
   std::string_view name() const override { return "nccl"; }
   bool slots_in_segment() const override { return false; }
   absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransportSetup& setup) override {
-    return NcclTransport::Create(device_, call_timeout_, setup);
+    return NcclTransport::Create(device_, call_timeout_, setup, gpu_.get());
   }
   // A send and a receive block per rank (none at W = 1).
   uint64_t FusedPlanBytes(const FusedSetup& setup) const override {

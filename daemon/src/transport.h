@@ -212,6 +212,18 @@ class Backend {
   /// the distinct streams handed out since start, those handed out on a shared queue, the
   /// sessions refused).
   virtual QueueLaneCounts Queues() const { return {}; }
+  /// GPU backends: a stream (a cudaStream_t) for `role` from the device's hardware queue lanes
+  /// (QueueLanes::Take; `apart` as there), for another backend's sessions on the same device;
+  /// given back idle with GiveStream, or retired with RetireStream when its work never ended.
+  /// UNIMPLEMENTED elsewhere.
+  virtual absl::StatusOr<void*> TakeStream(StreamRole role, void* apart) {
+    return absl::UnimplementedError("this backend has no device streams");
+  }
+  virtual void GiveStream(void* stream) {}
+  virtual void RetireStream(void* stream) {}
+  /// Where setup work beside `stream` that a host thread waits for goes: `stream`, or a stream
+  /// no session's wait holds back where `stream` shares its queue with another session's.
+  virtual void* SetupStreamFor(void* stream) { return stream; }
 };
 
 /// The host backend: buffers are memfds, slots live in the session segments, the CPU
