@@ -349,8 +349,9 @@ class CudaTransport final : public Transport {
     for (ExportTicket* t : {&ticket_, &words_ticket_})
       if (t->id != 0) exports_->Withdraw(std::exchange(t->id, 0));
     (void)UseDevice(device_);
-    // The plan's work was ordered before this stream's end; what it frees goes on its second
-    // stream, which then serves another session.
+    // The plan's work was ordered before this stream's end, which Drain saw; what it frees
+    // goes on its second stream (which then serves another session), or on the rescue stream
+    // where it was set up there.
     fused_.reset();
     if (second_ != nullptr) streams_->Give(second_);
     if (stream_ != nullptr) streams_->Give(stream_);
@@ -746,7 +747,7 @@ class CudaTransport final : public Transport {
   std::vector<uint64_t> own_unblock_;    // where the device has no pinned ones
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   cudaStream_t second_ = nullptr;       // its plan's second stream, a lane of the device
-  std::atomic<bool> used_rescue_{false};  // Cancel or DescribeStuck enqueued on rescue_
+  std::atomic<bool> used_rescue_{false};  // Cancel, DescribeStuck or setup work on rescue_
   cudaEvent_t rescue_mark_ = nullptr;     // Drain's mark after this session's rescue work
 };
 

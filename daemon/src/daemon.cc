@@ -234,13 +234,10 @@ absl::Status Daemon::ChooseBackend() {
       cuda = absl::FailedPreconditionError(ipc::cuda::Built() ? "no CUDA device is visible"
                                                               : "this build has no CUDA support");
     if (cuda.ok()) {
-      // The nccl backend's own streams serve its sessions: its device backend only holds
-      // buffers, and probes no queues.
+      // The device's queue lanes serve every backend's sessions, the nccl backend's too.
       CudaBackendOptions options;
-      if (!nccl) {
-        options.queue_probe_streams = config_.queue_probe_streams;
-        options.queue_sharing = config_.queue_sharing == "allow";
-      }
+      options.queue_probe_streams = config_.queue_probe_streams;
+      options.queue_sharing = config_.queue_sharing == "allow";
       options.drain_limit = DrainLimitFor(absl::Milliseconds(config_.call_timeout_ms));
       absl::StatusOr<std::unique_ptr<Backend>> gpu =
           MakeCudaBackend(config_.device, &peer_exports_, options);

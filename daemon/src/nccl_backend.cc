@@ -95,18 +95,16 @@ class NcclTransport final : public Transport {
     // shares a hardware queue with another session's, on one no session's wait holds back.
     const auto setup_stream = static_cast<cudaStream_t>(gpu->SetupStreamFor(stream));
     if (setup.fused) {
-      // The plan's second stream is a lane too (it makes none of its own).
-      ULY_ASSIGN_OR_RETURN(void* second, gpu->TakeStream(StreamRole::kSecond, stream));
-      t->second_ = static_cast<cudaStream_t>(second);
-      void* plan_setup = gpu->SetupStreamFor(second);
-      ULY_ASSIGN_OR_RETURN(t->fused_,
-                           FusedRunner::Create(*setup.fused, FusedExchange::kTransportMoves,
-                                               second, plan_setup != second ? plan_setup : nullptr));
+      // Per-operator only (the transport moves the result), so the plan's second stream never
+      // runs work: it borrows the session's stream as that, and takes no lane of its own.
+      ULY_ASSIGN_OR_RETURN(
+          t->fused_, FusedRunner::Create(*setup.fused, FusedExchange::kTransportMoves, stream,
+                                         setup_stream != stream ? setup_stream : nullptr));
     }
     const int W = setup.geometry.world_size;
     t->stride_ = AlignUp(setup.slot_bytes, kAlign);
-    // Zeroed on a stream of the session: a wait on the legacy stream could wait behind another
-    // session's stream that shares its hardware queue.
+    // Zeroed on the setup stream, never the legacy one: a wait on the legacy stream could wait
+    // behind another session's stream that shares its hardware queue.
     ULY_ASSIGN_OR_RETURN(t->slots_,
                          ipc::cuda::VmmMapping::Create(device, t->stride_ * setup.geometry.num_slots,
                                                        setup_stream));
@@ -120,8 +118,7 @@ class NcclTransport final : public Transport {
                                          device, t->block_capacity_ * W, setup_stream));
     }
     // The plan's GEMMs' kernels are loaded here, while no call of this session is in flight,
-    // and waited for (this stream alone), as the nvlink backend does (on failure, the
-    // destructor waits for what was launched before the plan's memory goes).
+    // and waited for (the setup stream alone, also on failure), as the nvlink backend does.
     if (t->fused_) {
       const absl::Status loaded = t->fused_->LoadKernels(setup_stream);
       ULY_RETURN_IF_ERROR(
@@ -138,12 +135,36 @@ class NcclTransport final : public Transport {
     // Abort, never destroy: destroying waits for the peers, which may be gone. Abort also ends
     // any NCCL kernel still on the stream, so the synchronize below returns.
     AbortComm();
-    // The streams go back to the device's lanes once idle (the plan's work was ordered before
-    // the session stream's end; what the plan frees goes on its second stream).
+    // A stream Drain gave up on was retired and is kept with this transport for the daemon's
+    // life (this never runs then). Otherwise the stream goes back to the device's lanes once
+    // idle: the plan's work was ordered before its end, and what the plan frees goes on the
+    // session's stream or the setup stream, after that.
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     fused_.reset();
-    if (second_ != nullptr) gpu_->GiveStream(second_);
     if (stream_ != nullptr) gpu_->GiveStream(stream_);
+  }
+
+  // Aborts the communicator (which ends NCCL's kernels on the stream), then waits, bounded by
+  // the call timeout and 5 s, for the stream to be idle: a stream whose queue another
+  // session's stuck work holds may never be. Then it is retired and the transport kept.
+  bool Drain() override {
+    if (stream_ == nullptr) return true;
+    if (!UseDevice(device_).ok()) return false;
+    AbortComm();
+    const absl::Time give_up = absl::Now() + call_timeout_ + absl::Seconds(5);
+    cudaError_t e;
+    while ((e = cudaStreamQuery(stream_)) == cudaErrorNotReady) {
+      if (absl::Now() > give_up) {
+        Logger("exec")->error(
+            "device {}: an nccl session's device work did not end within {} of its abort; its "
+            "stream and device memory ({} bytes) stay in place for the daemon's life",
+            device_, absl::FormatDuration(call_timeout_ + absl::Seconds(5)), DeviceBytes());
+        gpu_->RetireStream(stream_);
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return true;
   }
 
   // nccl|<rank>|<unique id, hex> (rank 0), nccl|<rank>| (the others): rank 0's id reaches every
@@ -440,8 +461,7 @@ class NcclTransport final : public Transport {
   ipc::cuda::VmmMapping send_;
   ipc::cuda::VmmMapping recv_;
   Backend* const gpu_;              // the device's lanes: stream_ and second_ come from there
-  cudaStream_t stream_ = nullptr;   // a lane of the device
-  cudaStream_t second_ = nullptr;   // the fused plan's second stream, a lane; fused only
+  cudaStream_t stream_ = nullptr;   // a lane of the device (also a fused plan's second stream)
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   ncclUniqueId id_{};  // rank 0's, generated in Create; the others' from its handle
   ncclComm_t comm_ = nullptr;
@@ -484,6 +504,7 @@ class NcclBackend final : public Backend {
   // NCCL picks a transport for any pair of devices (peer access, host memory, network).
   absl::StatusOr<bool> CanReach(int) const override { return true; }
   std::string_view mps_mode() const override { return gpu_->mps_mode(); }
+  QueueLaneCounts Queues() const override { return gpu_->Queues(); }
   absl::Status DeviceHealth() const override { return gpu_->DeviceHealth(); }
   DeviceIdentity identity() const override { return gpu_->identity(); }
 

@@ -71,8 +71,9 @@ struct FusedQkvConfig {
   /// device's greatest priority.
   void* second_stream = nullptr;
   /// Where Create allocates, zeroes and waits (a cudaStream_t, borrowed, idle, outliving the
-  /// plan; the plan's memory is freed on it too, once the plan's streams are done). Null: the
-  /// second stream. A daemon passes a stream no session's wait holds back when the second
+  /// plan). The plan's memory is freed on it too when the plan goes, ordered after nothing on
+  /// the plan's other streams: the caller must have seen those idle first. Null: the second
+  /// stream. A daemon passes a stream no session's wait holds back when the second
   /// stream shares its hardware queue with another session's.
   void* setup_stream = nullptr;
 };
