@@ -280,7 +280,6 @@ class CudaTransport final : public Transport {
     ULY_ASSIGN_OR_RETURN(t->stream_, t->streams_->Take());
     t->rescue_ = t->streams_->rescue();
     const cudaStream_t setup_stream = t->streams_->SetupStreamFor(t->stream_);
-    if (setup_stream != t->stream_) t->used_rescue_ = true;  // Drain waits for it too
     ULY_ASSIGN_OR_RETURN(t->slots_,
                          ipc::cuda::VmmMapping::Create(
                              device, t->words_bytes_ + t->stride_ * setup.geometry.num_slots,
@@ -322,12 +321,9 @@ class CudaTransport final : public Transport {
       ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond, t->stream_));
       // The plan allocates and waits on its second stream, unless that one shares a queue
       // with another session's stream: then on the rescue stream, as above.
-      const cudaStream_t plan_setup = t->streams_->SetupStreamFor(t->second_);
-      if (plan_setup != t->second_) t->used_rescue_ = true;
-      ULY_ASSIGN_OR_RETURN(t->fused_,
-                           FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores,
-                                               t->second_,
-                                               plan_setup != t->second_ ? plan_setup : nullptr));
+      ULY_ASSIGN_OR_RETURN(t->fused_, FusedRunner::Create(*setup.fused,
+                                                          FusedExchange::kPlanStores, t->second_,
+                                                          t->streams_->SetupStreamFor(t->second_)));
       // Its GEMMs' kernels are loaded here, while no call of this session is in flight, and
       // waited for (this stream alone): the session opens with its kernels loaded and run, so
       // nothing of the load is left to meet another session's wait later. On failure, what
@@ -747,7 +743,7 @@ class CudaTransport final : public Transport {
   std::vector<uint64_t> own_unblock_;    // where the device has no pinned ones
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   cudaStream_t second_ = nullptr;       // its plan's second stream, a lane of the device
-  std::atomic<bool> used_rescue_{false};  // Cancel, DescribeStuck or setup work on rescue_
+  std::atomic<bool> used_rescue_{false};  // Cancel or DescribeStuck enqueued on rescue_
   cudaEvent_t rescue_mark_ = nullptr;     // Drain's mark after this session's rescue work
 };
 

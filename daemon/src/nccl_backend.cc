@@ -97,9 +97,9 @@ class NcclTransport final : public Transport {
     if (setup.fused) {
       // Per-operator only (the transport moves the result), so the plan's second stream never
       // runs work: it borrows the session's stream as that, and takes no lane of its own.
-      ULY_ASSIGN_OR_RETURN(
-          t->fused_, FusedRunner::Create(*setup.fused, FusedExchange::kTransportMoves, stream,
-                                         setup_stream != stream ? setup_stream : nullptr));
+      ULY_ASSIGN_OR_RETURN(t->fused_, FusedRunner::Create(*setup.fused,
+                                                          FusedExchange::kTransportMoves, stream,
+                                                          setup_stream));
     }
     const int W = setup.geometry.world_size;
     t->stride_ = AlignUp(setup.slot_bytes, kAlign);
@@ -145,20 +145,21 @@ class NcclTransport final : public Transport {
   }
 
   // Aborts the communicator (which ends NCCL's kernels on the stream), then waits, bounded by
-  // the call timeout and 5 s, for the stream to be idle: a stream whose queue another
-  // session's stuck work holds may never be. Then it is retired and the transport kept.
+  // the drain limit the nvlink backend uses (DrainLimitFor), for the stream to be idle: a
+  // stream whose queue another session's stuck work holds may never be. Then it is retired
+  // and the transport kept.
   bool Drain() override {
     if (stream_ == nullptr) return true;
     if (!UseDevice(device_).ok()) return false;
     AbortComm();
-    const absl::Time give_up = absl::Now() + call_timeout_ + absl::Seconds(5);
-    cudaError_t e;
-    while ((e = cudaStreamQuery(stream_)) == cudaErrorNotReady) {
+    const absl::Duration limit = DrainLimitFor(call_timeout_);
+    const absl::Time give_up = absl::Now() + limit;
+    while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
       if (absl::Now() > give_up) {
         Logger("exec")->error(
             "device {}: an nccl session's device work did not end within {} of its abort; its "
             "stream and device memory ({} bytes) stay in place for the daemon's life",
-            device_, absl::FormatDuration(call_timeout_ + absl::Seconds(5)), DeviceBytes());
+            device_, absl::FormatDuration(limit), DeviceBytes());
         gpu_->RetireStream(stream_);
         return false;
       }
@@ -460,7 +461,7 @@ class NcclTransport final : public Transport {
   uint64_t block_capacity_ = 0;
   ipc::cuda::VmmMapping send_;
   ipc::cuda::VmmMapping recv_;
-  Backend* const gpu_;              // the device's lanes: stream_ and second_ come from there
+  Backend* const gpu_;              // the device's lanes: stream_ comes from there
   cudaStream_t stream_ = nullptr;   // a lane of the device (also a fused plan's second stream)
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   ncclUniqueId id_{};  // rank 0's, generated in Create; the others' from its handle

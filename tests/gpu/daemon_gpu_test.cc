@@ -745,6 +745,15 @@ class GpuTwoRankScatter : public GpuCluster {
     ASSERT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
         << "rank 0's call never reached its daemon's stream";
   }
+  // After work beside rank 0's waiting call (`in_time`: that work ended in time; otherwise
+  // rank 0's call was let go already): rank 0's call still waits, then rank 1 makes it.
+  // `what` names the work.
+  void StillWaitingThenFinish(bool in_time, uint64_t early, const std::string& what) {
+    if (!in_time) return;
+    EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
+        << "rank 0's call ended while " << what;
+    FinishWithRank1(early);
+  }
   // Rank 1 makes the call rank 0 submitted as `early`; rank 0's result must then be right.
   void FinishWithRank1(uint64_t early) {
     auto late = session(1)->Call(Scatter(1));
@@ -913,10 +922,7 @@ TEST_P(GpuFusedPasserBy, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlocke
     const bool in_time = FusedCallBesideTheWait(
         **s, in, kTokens, early, StrCat("the fused call (path ", FusedPathName(GetParam()), ")"));
     ASSERT_TRUE((*s)->Close().ok());
-    if (!in_time) return;
-    EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
-        << "rank 0's call ended while the fused session closed";
-    FinishWithRank1(early);
+    StillWaitingThenFinish(in_time, early, "the fused session closed");
   }
 }
 
@@ -947,10 +953,7 @@ TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideI
       << plan;
   EXPECT_EQ(plan.find("cuBLASLt kernels loaded at open: 0;"), std::string::npos) << plan;
   ASSERT_TRUE((*s)->Close().ok());
-  if (!in_time) return;
-  EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
-      << "rank 0's call ended while the fused session called";
-  FinishWithRank1(early);
+  StillWaitingThenFinish(in_time, early, "the fused session called");
 }
 
 // With fused.projection cutlass a fused session launches no cuBLASLt kernel, so one opened
@@ -994,10 +997,7 @@ TEST_F(GpuTwoRankScatter, WithTheCutlassProjectionAFusedSessionOpensAndCallsBesi
   EXPECT_NE(after.find("cuBLASLt kernels loaded at open: 0;"), std::string::npos) << after;
   EXPECT_NE(after.find("cuBLASLt GEMMs run by calls: 0\n"), std::string::npos) << after;
   ASSERT_TRUE((*s)->Close().ok());
-  if (!in_time) return;
-  EXPECT_TRUE(SlotReaches(0, session(0)->id(), 0, "writing"))
-      << "rank 0's call ended while the cutlass session ran";
-  FinishWithRank1(early);
+  StillWaitingThenFinish(in_time, early, "the cutlass session ran");
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, GpuFusedPasserBy,
