@@ -1,6 +1,8 @@
 #include "ulysses/common/failpoint.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -38,6 +40,10 @@ void Failpoint(std::string_view point) {
   const auto it = points.find(point);
   if (it == points.end()) return;
   struct stat st;
+  if (::stat(it->second.c_str(), &st) == 0) return;
+  // Tells the test that a thread waits here.
+  const int reached = ::open((it->second + ".reached").c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+  if (reached >= 0) ::close(reached);
   for (int i = 0; i < 12000 && ::stat(it->second.c_str(), &st) != 0; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
 }

@@ -425,8 +425,17 @@ class CudaTransport final : public Transport {
                   ticket_.socket);
   }
 
-  absl::Status Connect(const std::vector<std::string>& handles, const std::vector<uint8_t*>&,
-                       absl::Duration timeout) override {
+  absl::StatusOr<std::string> ConnectHandle(const std::vector<std::string>& handles) override {
+    for (int r = 0; r < static_cast<int>(handles.size()); ++r)
+      if (r != setup_.geometry.rank && handles[r].rfind("cuda|", 0) != 0)
+        return absl::FailedPreconditionError(
+            StrCat("rank ", r, " runs another backend (slot handle '", handles[r].substr(0, 64),
+                   "')"));
+    return std::string();
+  }
+
+  absl::Status Connect(const std::vector<std::string>& handles, const std::vector<std::string>&,
+                       const std::vector<uint8_t*>&, absl::Duration timeout) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     const int W = setup_.geometry.world_size;
     peers_.resize(W);

@@ -26,12 +26,17 @@ class HostTransport final : public Transport {
 
   std::string LocalHandle() const override { return "host"; }
 
-  absl::Status Connect(const std::vector<std::string>& handles,
-                       const std::vector<uint8_t*>& peer_segments, absl::Duration) override {
+  absl::StatusOr<std::string> ConnectHandle(const std::vector<std::string>& handles) override {
     for (size_t r = 0; r < handles.size(); ++r)
       if (static_cast<int>(r) != s_.geometry.rank && handles[r] != "host")
         return absl::FailedPreconditionError(
-            StrCat("rank ", r, " runs another backend (slot handle '", handles[r], "')"));
+            StrCat("rank ", r, " runs another backend (slot handle '", handles[r].substr(0, 64),
+                   "')"));
+    return std::string();
+  }
+
+  absl::Status Connect(const std::vector<std::string>&, const std::vector<std::string>&,
+                       const std::vector<uint8_t*>& peer_segments, absl::Duration) override {
     segments_ = peer_segments;
     return absl::OkStatus();
   }

@@ -125,8 +125,6 @@ class NcclTransport final : public Transport {
           CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(setup_stream)));
       ULY_RETURN_IF_ERROR(loaded);
     }
-    if (setup.geometry.rank == 0)
-      ULY_RETURN_IF_ERROR(NcclStatus("ncclGetUniqueId", ncclGetUniqueId(&t->id_), nullptr));
     return std::unique_ptr<Transport>(std::move(t));
   }
 
@@ -168,29 +166,35 @@ class NcclTransport final : public Transport {
     return true;
   }
 
-  // nccl|<rank>|<unique id, hex> (rank 0), nccl|<rank>| (the others): rank 0's id reaches every
-  // rank through the session rendezvous.
-  std::string LocalHandle() const override {
-    const int rank = setup_.geometry.rank;
-    if (rank != 0) return HandlePrefix(rank);
-    return StrCat(HandlePrefix(0),
-                  absl::BytesToHexString(absl::string_view(id_.internal, sizeof id_.internal)));
+  // nccl|<rank>|: rank 0's unique id travels in the second round (ConnectHandle).
+  std::string LocalHandle() const override { return HandlePrefix(setup_.geometry.rank); }
+
+  // Rank 0 makes the unique id here, once every rank's transport exists: making it starts
+  // NCCL's bootstrap root (a thread and a listening socket), which lives until every rank has
+  // joined the communicator, so it is never made for a session some rank failed to create.
+  absl::StatusOr<std::string> ConnectHandle(const std::vector<std::string>& handles) override {
+    const int me = setup_.geometry.rank;
+    for (int r = 0; r < static_cast<int>(handles.size()); ++r) {
+      if (r != me && handles[r] != HandlePrefix(r))
+        return absl::FailedPreconditionError(
+            StrCat("rank ", r, " runs another backend (slot handle '", handles[r].substr(0, 64),
+                   "'); every rank of an nccl group must run nccl"));
+    }
+    if (me != 0) return std::string();
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    ULY_RETURN_IF_ERROR(NcclStatus("ncclGetUniqueId", ncclGetUniqueId(&id_), nullptr));
+    return absl::BytesToHexString(absl::string_view(id_.internal, sizeof id_.internal));
   }
 
-  absl::Status Connect(const std::vector<std::string>& handles,
+  absl::Status Connect(const std::vector<std::string>&,
+                       const std::vector<std::string>& connect_handles,
                        const std::vector<uint8_t*>& /*peer_segments*/,
                        absl::Duration timeout) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     const int W = setup_.geometry.world_size;
     const int me = setup_.geometry.rank;
-    for (int r = 0; r < W; ++r) {
-      if (r != me && handles[r].rfind(HandlePrefix(r), 0) != 0)
-        return absl::FailedPreconditionError(
-            StrCat("rank ", r, " runs another backend (slot handle '", handles[r].substr(0, 64),
-                   "'); every rank of an nccl group must run nccl"));
-    }
     if (me != 0) {
-      const std::string hex = handles[0].substr(HandlePrefix(0).size());
+      const std::string& hex = connect_handles[0];
       if (hex.size() != 2 * sizeof id_.internal || !IsHex(hex))
         return absl::FailedPreconditionError("rank 0 sent a malformed NCCL unique id");
       const std::string bytes = absl::HexStringToBytes(hex);
@@ -464,7 +468,7 @@ class NcclTransport final : public Transport {
   Backend* const gpu_;              // the device's lanes: stream_ comes from there
   cudaStream_t stream_ = nullptr;   // a lane of the device (also a fused plan's second stream)
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
-  ncclUniqueId id_{};  // rank 0's, generated in Create; the others' from its handle
+  ncclUniqueId id_{};  // rank 0's, made in ConnectHandle; the others' from its connect handle
   ncclComm_t comm_ = nullptr;
   absl::Time deadline_ = absl::InfinitePast();
   // The epoch the transport works on: its waits end when a peer left before completing it.

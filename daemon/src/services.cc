@@ -5,6 +5,8 @@
 // synchronous, each bounded (docs/architecture.md section 2.7).
 #include <unistd.h>
 
+#include <future>
+#include <memory>
 #include <optional>
 #include <thread>
 
@@ -363,7 +365,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
     id_ = d_->NextId();
     const uint64_t seq = g_->sessions_created.fetch_add(1);
     timeout_ = absl::Milliseconds(checked.timeout_ms);
-    const std::string key = StrCat(SessionKeyPrefix(*g_), seq);
+    key_ = StrCat(SessionKeyPrefix(*g_), seq);
     // A fused session's weights are this rank's own: a rank that refuses them still arrives.
     FusedWeightsHeld weights;
     FusedSetup fused_setup;
@@ -420,7 +422,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
     const std::string payload = local_.ok() ? StrCat("ok:", session_->RendezvousPayload())
                                             : StrCat("error:", local_.message());
     absl::StatusOr<std::shared_ptr<RendezvousCall>> call = d_->rendezvous_client().Start(
-        g_->members[0], key, g_->world_size, g_->rank, agreement_, payload, timeout_,
+        g_->members[0], key_, g_->world_size, g_->rank, agreement_, payload, timeout_,
         [this](RendezvousTable::Verdict names) {
           std::lock_guard<std::mutex> lock(mu_);
           complete_ = std::thread([this, names = std::move(names)]() mutable {
@@ -431,14 +433,50 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
       Finish(ToGrpcStatus(Complete(call.status())));
       return absl::OkStatus();
     }
+    Track(*call);
+    return absl::OkStatus();
+  }
+
+  // Keeps `call` for OnCancel, which aborts it for every rank when the client goes away (at
+  // once when it already went).
+  void Track(const std::shared_ptr<RendezvousCall>& call) {
     bool gone = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      call_ = *call;
+      call_ = call;
       gone = cancelled_;
     }
-    if (gone) (*call)->ClientGone();
-    return absl::OkStatus();
+    if (gone) call->ClientGone();
+  }
+
+  // The rendezvous's second round, once every rank created its session: each rank's
+  // ConnectPayload (what it may make only then, such as NCCL's unique id, whose bootstrap
+  // thread waits for every rank). Every rank gets the same verdict, an error naming the rank
+  // that could not make its payload included. Blocks the completing thread until the verdict.
+  absl::StatusOr<std::vector<std::string>> ConnectRound(const std::vector<std::string>& segs) {
+    absl::StatusOr<std::string> mine = session_->ConnectPayload(segs);
+    const std::string payload =
+        mine.ok() ? StrCat("ok:", *mine) : StrCat("error:", mine.status().message());
+    Failpoint("session.connect_round");
+    auto verdict = std::make_shared<std::promise<RendezvousTable::Verdict>>();
+    std::future<RendezvousTable::Verdict> answered = verdict->get_future();
+    ULY_ASSIGN_OR_RETURN(std::shared_ptr<RendezvousCall> call,
+                         d_->rendezvous_client().Start(
+                             g_->members[0], StrCat(key_, "/connect"), g_->world_size, g_->rank,
+                             agreement_, payload, timeout_,
+                             [verdict](RendezvousTable::Verdict v) {
+                               verdict->set_value(std::move(v));
+                             }));
+    Track(call);
+    ULY_ASSIGN_OR_RETURN(std::vector<std::string> payloads, answered.get());
+    for (size_t r = 0; r < payloads.size(); ++r) {
+      std::string& p = payloads[r];
+      if (p.rfind("ok:", 0) != 0)
+        return absl::FailedPreconditionError(
+            StrCat("rank ", r, " could not connect its session: ", p.substr(6)));
+      p.erase(0, 3);
+    }
+    return payloads;
   }
 
   absl::Status Complete(RendezvousTable::Verdict names) {
@@ -452,7 +490,11 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
         if (p.rfind("ok:", 0) == 0) segs.push_back(p.substr(3));
         else status = absl::FailedPreconditionError(StrCat("rank ", r, " could not create its session: ", p.substr(6)));
       }
-      if (status.ok()) status = session_->ConnectPeers(segs, timeout_);
+      if (status.ok()) {
+        absl::StatusOr<std::vector<std::string>> connect = ConnectRound(segs);
+        status = connect.ok() ? session_->ConnectPeers(segs, *connect, timeout_)
+                              : connect.status();
+      }
     }
     if (status.ok()) {
       const ClientSlotMapping slots = session_->transport().ClientMapping();
@@ -498,6 +540,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   std::shared_ptr<Group> g_;
   absl::Status local_;  // this rank's own verdict on the request
   std::string agreement_;
+  std::string key_;  // the first round's rendezvous key; the second's adds "/connect"
   uint64_t id_ = 0;
   absl::Duration timeout_;
   uint64_t needed_ = 0;  // reserved against the slot budget, not yet held by the session

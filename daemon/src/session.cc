@@ -256,15 +256,12 @@ uint64_t Session::UndrainedBytes() {
   return u.device_bytes;
 }
 
-absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
-                                   absl::Duration timeout) {
+absl::StatusOr<std::vector<std::string>> Session::HandlesOf(
+    const std::vector<std::string>& payloads) const {
   if (static_cast<int>(payloads.size()) != geometry_.world_size)
     return absl::InternalError(StrCat("session ", id_, ": expected ", geometry_.world_size,
-                                      " peer segments, got ", payloads.size()));
-  std::vector<ipc::SharedSegment> peers(payloads.size());
-  std::vector<ipc::UniqueFd> links(payloads.size());
+                                      " peer payloads, got ", payloads.size()));
   std::vector<std::string> handles(payloads.size());
-  std::vector<uint8_t*> bases(payloads.size(), nullptr);
   for (int r = 0; r < geometry_.world_size; ++r) {
     if (r == geometry_.rank) continue;
     const size_t nl = payloads[r].find('\n');
@@ -272,6 +269,28 @@ absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
       return absl::FailedPreconditionError(
           StrCat("session ", id_, ": rank ", r, " sent a malformed session handle"));
     handles[r] = payloads[r].substr(nl + 1);
+  }
+  return handles;
+}
+
+absl::StatusOr<std::string> Session::ConnectPayload(const std::vector<std::string>& payloads) {
+  ULY_ASSIGN_OR_RETURN(const std::vector<std::string> handles, HandlesOf(payloads));
+  return transport_->ConnectHandle(handles);
+}
+
+absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
+                                   const std::vector<std::string>& connect_payloads,
+                                   absl::Duration timeout) {
+  ULY_ASSIGN_OR_RETURN(const std::vector<std::string> handles, HandlesOf(payloads));
+  if (connect_payloads.size() != payloads.size())
+    return absl::InternalError(StrCat("session ", id_, ": expected ", geometry_.world_size,
+                                      " connect payloads, got ", connect_payloads.size()));
+  std::vector<ipc::SharedSegment> peers(payloads.size());
+  std::vector<ipc::UniqueFd> links(payloads.size());
+  std::vector<uint8_t*> bases(payloads.size(), nullptr);
+  for (int r = 0; r < geometry_.world_size; ++r) {
+    if (r == geometry_.rank) continue;
+    const size_t nl = payloads[r].find('\n');
     absl::StatusOr<ExportTicket> ticket = DecodeTicket(std::string_view(payloads[r]).substr(0, nl));
     if (!ticket.ok())
       return absl::FailedPreconditionError(
@@ -313,7 +332,7 @@ absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
     if (!w.ok()) return w.status();
     peer_watches_.push_back(*w);
   }
-  ULY_RETURN_IF_ERROR(transport_->Connect(handles, bases, timeout));
+  ULY_RETURN_IF_ERROR(transport_->Connect(handles, connect_payloads, bases, timeout));
   return absl::OkStatus();
 }
 

@@ -78,10 +78,16 @@ class Session {
   /// What this rank contributes to the session rendezvous: the ticket of its segment and its
   /// slot handle.
   std::string RendezvousPayload() const;
-  /// Maps the other ranks' segments and slots from their rendezvous payloads (rank order), and
-  /// watches each peer's daemon: when one dies before completing the epoch a call waits on, the
-  /// call ends at once with ABORTED instead of at its timeout.
-  absl::Status ConnectPeers(const std::vector<std::string>& payloads, absl::Duration timeout);
+  /// What this rank contributes to the rendezvous's second round, from every rank's first-round
+  /// payload (rank order): its transport's ConnectHandle.
+  absl::StatusOr<std::string> ConnectPayload(const std::vector<std::string>& payloads);
+  /// Maps the other ranks' segments and slots from their rendezvous payloads (rank order; the
+  /// second round's in `connect_payloads`), and watches each peer's daemon: when one dies
+  /// before completing the epoch a call waits on, the call ends at once with ABORTED instead
+  /// of at its timeout.
+  absl::Status ConnectPeers(const std::vector<std::string>& payloads,
+                            const std::vector<std::string>& connect_payloads,
+                            absl::Duration timeout);
 
   /// Runs one planned call: opens this rank's slot for the next epoch, writes this rank's block
   /// into every destination's slot once that destination opened it, waits for every source's
@@ -184,6 +190,9 @@ class Session {
   Session(uint64_t id, uint64_t group_id, uint64_t owner, SessionGeometry g, SegmentLayout l,
           ipc::SharedSegment seg, FdExports& exports);
   SessionControlBlock* Control(int rank) const;
+  // Every other rank's slot handle out of its first-round payload (this rank's own: empty).
+  absl::StatusOr<std::vector<std::string>> HandlesOf(
+      const std::vector<std::string>& payloads) const;
   // ABORTED for this session's own abort word: why it was set.
   absl::Status OwnAbortError() const;
   absl::Status WaitWord(const std::atomic<uint64_t>& word, uint64_t target, int peer,

@@ -67,10 +67,21 @@ class Transport {
   /// What the peers need to reach this rank's slots; travels in the session rendezvous. Opaque
   /// to everyone but the same backend's Connect.
   virtual std::string LocalHandle() const = 0;
-  /// Maps every peer's slots from their handles (index = rank; this rank's own is ignored).
+  /// What the peers need that this rank may make only once every rank's transport exists:
+  /// the session rendezvous's second round carries it, after the first delivered every rank's
+  /// LocalHandle (`handles`, index = rank; this rank's own is ignored). Checks that the peers
+  /// run this backend. Empty by default. (NCCL's unique id is made here: making it starts
+  /// NCCL's bootstrap root, which waits until every rank has joined, so no rank makes it for a
+  /// session some rank failed to create.) An error reaches every rank, naming this one.
+  virtual absl::StatusOr<std::string> ConnectHandle(const std::vector<std::string>& handles) {
+    return std::string();
+  }
+  /// Maps every peer's slots from their handles (index = rank; this rank's own is ignored):
+  /// `handles` from the first round, `connect_handles` every rank's ConnectHandle.
   /// `peer_segments[r]` is rank r's session control segment mapped here (host backend slots
   /// live in it).
   virtual absl::Status Connect(const std::vector<std::string>& handles,
+                               const std::vector<std::string>& connect_handles,
                                const std::vector<uint8_t*>& peer_segments,
                                absl::Duration timeout) = 0;
 

@@ -48,8 +48,8 @@ class StandInStreamTransport final : public Transport {
     script_->destroyed = true;
   }
   std::string LocalHandle() const override { return "stand-in"; }
-  absl::Status Connect(const std::vector<std::string>&, const std::vector<uint8_t*>&,
-                       absl::Duration) override {
+  absl::Status Connect(const std::vector<std::string>&, const std::vector<std::string>&,
+                       const std::vector<uint8_t*>&, absl::Duration) override {
     return absl::OkStatus();
   }
   absl::Status Push(const CallPlan&, const CallOperands&, int, int) override {

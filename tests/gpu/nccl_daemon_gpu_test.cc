@@ -5,6 +5,8 @@
 // device.
 #include <atomic>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <thread>
 
@@ -161,6 +163,49 @@ TEST_F(NcclCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
         << "rank " << r << ": " << State(r).device_bytes() << " bytes held, baseline "
         << baseline[r];
   }
+}
+
+// Threads of process `pid` whose name starts with "NCCL" (NCCL names the ones it starts).
+int NcclThreads(pid_t pid) {
+  int n = 0;
+  const std::filesystem::path tasks = StrCat("/proc/", pid, "/task");
+  std::error_code ec;
+  for (const auto& t : std::filesystem::directory_iterator(tasks, ec)) {
+    std::ifstream comm(t.path() / "comm");
+    std::string name;
+    if (std::getline(comm, name) && name.rfind("NCCL", 0) == 0) ++n;
+  }
+  return n;
+}
+
+// A session some rank fails to create (here the ranks disagree on its arguments) makes no
+// NCCL unique id: making one starts NCCL's bootstrap root thread, which would wait for the
+// ranks for the process's life. Rank 0's daemon has as many NCCL threads after such failures
+// as before; a session that opens then does start them (so the count can see them).
+TEST_F(NcclCluster, ASessionSomeRankCouldNotCreateLeavesNoNcclThreadBehind) {
+  Start(2);
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int r = 0; r < 2; ++r) clients.push_back(Connect(r, "bootstrap"));
+  std::vector<client::Group> groups = JoinAll(clients, "bootstrap");
+  ASSERT_EQ(groups.size(), 2u);
+  const pid_t rank0 = daemons_[0].pid();
+  const int before = NcclThreads(rank0);
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const std::vector<std::string> errors = OnEveryRank(2, [&](int r) -> std::string {
+      // The ranks disagree on num_slots: every rank's CreateSession fails.
+      const client::SessionSpec spec{8, 64, DType::kBFloat16, 64, 2 + r, {}, 5000};
+      auto s = clients[r]->CreateSession(groups[r], spec);
+      return s.ok() ? "created" : "";
+    });
+    ASSERT_EQ(errors[0], "") << "attempt " << attempt;
+    ASSERT_EQ(errors[1], "") << "attempt " << attempt;
+  }
+  EXPECT_EQ(NcclThreads(rank0), before);
+  std::vector<std::unique_ptr<client::Session>> sessions =
+      CreateAll(clients, groups, {8, 64, DType::kBFloat16, 64, 2, {}, 0});
+  ASSERT_EQ(sessions.size(), 2u);
+  EXPECT_GT(NcclThreads(rank0), before) << "an open nccl session shows no NCCL thread";
+  for (auto& s : sessions) EXPECT_TRUE(s->Close().ok());
 }
 
 // The slot budget counts NCCL's send and receive staging with the slots: what a session

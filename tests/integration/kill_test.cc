@@ -472,6 +472,71 @@ TEST(Reclaim, ADeadClientsSessionsGoWithoutHoldingUpTheOtherClients) {
   demo::RemoveRunDir(*dir);
 }
 
+// A client that goes away between the two rounds of the session rendezvous (rank 1's daemon
+// held by the failpoint `session.connect_round` before its second arrival) aborts the second
+// round for every rank: rank 0's CreateSession fails with ABORTED naming the rank, instead of
+// creating a session whose peer has none, and neither daemon keeps a rendezvous or a session.
+TEST(Reclaim, AClientGoneBetweenTheSessionRoundsAbortsTheSecondForEveryRank) {
+  auto dir = demo::MakeRunDir();
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  const std::string release = StrCat(*dir, "/release"), ready = StrCat(*dir, "/phase.ready");
+  std::vector<demo::DaemonProcess> daemons;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<std::string> env;
+    if (r == 1) env.push_back(StrCat("ULYSSES_FAILPOINTS=session.connect_round=", release));
+    auto d = demo::StartDaemon(ULYSSESD_PATH, *dir, r, "host", {}, absl::Seconds(30), env);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemons.push_back(std::move(*d));
+  }
+  const std::string members = StrCat(daemons[0].socket(), ",", daemons[1].socket());
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::execl(PHASE_CLIENT_PATH, PHASE_CLIENT_PATH, "--socket", daemons[1].socket().c_str(),
+            "--members", members.c_str(), "--rank", "1", "--phase", "session", "--ready",
+            ready.c_str(), "--tag", "-", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  auto c = client::Client::Connect({daemons[0].socket(), "rank0"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto g = (*c)->JoinGroup(
+      {"phase", 2, 0, {daemons[0].socket(), daemons[1].socket()}, "auto", 20000});
+  ASSERT_TRUE(g.ok()) << g.status();
+  absl::StatusOr<std::unique_ptr<client::Session>> s;
+  std::thread create([&] { s = (*c)->CreateSession(*g, {4, 8, DType::kFloat32, 16, 2, {}, 20000}); });
+  // Rank 1's daemon waits before its second arrival: the first round is over.
+  const bool held = Eventually([&] { return ::access((release + ".reached").c_str(), F_OK) == 0; });
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  auto admin1 = testing_util::AdminStub(daemons[1].socket());
+  EXPECT_TRUE(Eventually([&] {
+    v1::ListClientsResponse resp;
+    grpc::ClientContext ctx;
+    return admin1->ListClients(&ctx, {}, &resp).ok() && resp.clients_size() == 0;
+  })) << "the killed client was not reclaimed";
+  { std::ofstream(release) << "go\n"; }
+  create.join();
+  ASSERT_TRUE(held) << "rank 1's daemon never reached the second round";
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kAborted) << s.status();
+  EXPECT_NE(s.status().message().find("rank 1"), std::string::npos) << s.status();
+  for (int r = 0; r < 2; ++r) {
+    auto admin = testing_util::AdminStub(daemons[r].socket());
+    EXPECT_TRUE(Eventually([&] {
+      v1::DaemonState st;
+      grpc::ClientContext ctx;
+      return admin->GetState(&ctx, {}, &st).ok() && st.pending_rendezvous() == 0 &&
+             st.rendezvous_arrivals() == 0;
+    })) << "rank " << r << " still holds a rendezvous";
+    v1::ListSessionsResponse sessions;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(admin->ListSessions(&ctx, {}, &sessions).ok());
+    EXPECT_EQ(sessions.sessions_size(), 0) << "rank " << r;
+  }
+  c->reset();
+  daemons.clear();
+  demo::RemoveRunDir(*dir);
+}
+
 // A launcher killed outright (the demo here; a bench or a test run past its timeout alike)
 // takes its daemons and client processes with it: each gets SIGTERM, drains and exits, and
 // nothing is left holding the sockets. This process adopts the orphans (a subreaper) to see

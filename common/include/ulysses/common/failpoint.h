@@ -2,7 +2,8 @@
 // (one rank stopped between two stores of a call, say), which no timing can arrange, or inject
 // a condition no test can cause (a lost GPU). The environment variable ULYSSES_FAILPOINTS names
 // them: "point=path[,point=path...]"; a thread that reaches `point` waits there until `path`
-// exists (at most a minute), and a fired point is one whose `path` exists. Unset, as in every
+// exists (at most a minute), creating `path`.reached first so that the test knows it waits,
+// and a fired point is one whose `path` exists. Unset, as in every
 // deployment, a failpoint costs one load of a flag. docs/reliability.md lists the points.
 #pragma once
 
