@@ -142,6 +142,8 @@ class DeviceStreams {
   }
   /// Gives back a stream that has no work left.
   void Give(cudaStream_t s) { lanes_->Give(s); }
+  /// The session `s` serves finished its setup on it (QueueLanes::SetupDone).
+  void SetupDone(cudaStream_t s) { lanes_->SetupDone(s); }
   /// A stream whose work never ended: its queue serves no session again (QueueLanes::Retire).
   void Retire(cudaStream_t s) {
     if (lanes_->Retire(s))
@@ -332,7 +334,10 @@ class CudaTransport final : public Transport {
       const cudaError_t synced = cudaStreamSynchronize(setup_stream);
       ULY_RETURN_IF_ERROR(loaded);
       ULY_RETURN_IF_ERROR(CudaStatus("cudaStreamSynchronize", synced));
+      t->streams_->SetupDone(t->second_);
     }
+    // From here a session past the free lanes may share these streams' queues.
+    t->streams_->SetupDone(t->stream_);
     return std::unique_ptr<Transport>(std::move(t));
   }
 
@@ -782,6 +787,7 @@ class CudaBackend final : public Backend {
   void RetireStream(void* stream) override {
     streams_->Retire(static_cast<cudaStream_t>(stream));
   }
+  void SetupDone(void* stream) override { streams_->SetupDone(static_cast<cudaStream_t>(stream)); }
   void* SetupStreamFor(void* stream) override {
     return streams_->SetupStreamFor(static_cast<cudaStream_t>(stream));
   }

@@ -125,6 +125,9 @@ class NcclTransport final : public Transport {
           CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(setup_stream)));
       ULY_RETURN_IF_ERROR(loaded);
     }
+    // The setup waits are over (VmmMapping::Create waits for its zeroing): from here a session
+    // past the free lanes may share this stream's queue.
+    gpu->SetupDone(stream);
     return std::unique_ptr<Transport>(std::move(t));
   }
 

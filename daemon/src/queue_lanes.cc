@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <utility>
 
 #include "ulysses/common/strings.h"
 
@@ -38,8 +39,12 @@ QueueLanes::Member* QueueLanes::Lane::Idle(bool greatest, bool any) {
   return any ? other : nullptr;
 }
 
-QueueLanes::Member* QueueLanes::Hand(Member* m) {
+QueueLanes::Member* QueueLanes::Hand(Member* m, Lane* lane) {
   m->in_use = true;
+  if (lane != nullptr) {
+    m->in_setup = true;
+    ++lane->in_setup;
+  }
   if (!m->used) {
     m->used = true;
     ++streams_used_;
@@ -54,7 +59,7 @@ std::optional<void*> QueueLanes::TakeFreeLocked(StreamRole role) {
     // front).
     Member* m = made_.Idle(want_greatest, false);
     if (m == nullptr) return std::nullopt;
-    return Hand(m)->stream;
+    return Hand(m, nullptr)->stream;
   }
   // The free lane given back last (a lane never taken counts as given back first), preferring
   // one with a stream of the role's priority.
@@ -71,7 +76,7 @@ std::optional<void*> QueueLanes::TakeFreeLocked(StreamRole role) {
   }
   if (best == nullptr) return std::nullopt;
   ++best->in_use;
-  return Hand(best->Idle(want_greatest, true))->stream;
+  return Hand(best->Idle(want_greatest, true), best)->stream;
 }
 
 std::optional<void*> QueueLanes::TakeFree(StreamRole role) {
@@ -95,14 +100,17 @@ absl::StatusOr<void*> QueueLanes::Take(StreamRole role, void* apart) {
             "CUDA_DEVICE_MAX_CONNECTIONS sets how many queues the device gives them)"));
       }
       // A spare stream of the least used lane: it shares that lane's queue, never the rescue
-      // stream's, nor `apart`'s.
+      // stream's, nor `apart`'s; a lane with a session in its setup only when every other is.
       Lane* least = nullptr;
+      auto before = [](const Lane& a, const Lane& b) {
+        return std::make_pair(a.in_setup > 0, a.in_use) < std::make_pair(b.in_setup > 0, b.in_use);
+      };
       for (Lane& lane : lanes_) {
         if (lane.retired || lane.Idle(want_greatest, true) == nullptr) continue;
         const bool holds_apart =
             apart != nullptr && std::any_of(lane.members.begin(), lane.members.end(),
                                             [&](const Member& m) { return m.stream == apart; });
-        if (!holds_apart && (least == nullptr || lane.in_use < least->in_use)) least = &lane;
+        if (!holds_apart && (least == nullptr || before(lane, *least))) least = &lane;
       }
       if (least == nullptr) {
         ++refused_;
@@ -117,14 +125,14 @@ absl::StatusOr<void*> QueueLanes::Take(StreamRole role, void* apart) {
       }
       ++least->in_use;
       ++shared_;
-      return Hand(least->Idle(want_greatest, true))->stream;
+      return Hand(least->Idle(want_greatest, true), least)->stream;
     }
   }
   absl::StatusOr<void*> made = make_(want_greatest);
   if (!made.ok()) return made.status();
   std::lock_guard<std::mutex> lock(mu_);
   made_.members.insert(made_.members.begin(), Member{*made, want_greatest});
-  return Hand(&made_.members.front())->stream;
+  return Hand(&made_.members.front(), nullptr)->stream;
 }
 
 void QueueLanes::Give(void* stream) {
@@ -132,6 +140,7 @@ void QueueLanes::Give(void* stream) {
   for (Lane& lane : lanes_) {
     for (Member& m : lane.members) {
       if (m.stream != stream || !m.in_use) continue;
+      EndSetup(m, lane);
       m.in_use = false;
       if (--lane.in_use == 0) lane.given_back = ++order_;
       return;
@@ -146,6 +155,19 @@ void QueueLanes::Give(void* stream) {
     made_.members.insert(made_.members.begin(), m);
     return;
   }
+}
+
+void QueueLanes::EndSetup(Member& m, Lane& lane) {
+  if (!m.in_setup) return;
+  m.in_setup = false;
+  --lane.in_setup;
+}
+
+void QueueLanes::SetupDone(void* stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Lane& lane : lanes_)
+    for (Member& m : lane.members)
+      if (m.stream == stream && m.in_use) return EndSetup(m, lane);
 }
 
 bool QueueLanes::Retire(void* stream) {

@@ -71,6 +71,11 @@ class QueueLanes {
   std::optional<void*> TakeFree(StreamRole role);
   /// Gives back a stream Take or TakeFree handed out, with no work left on it.
   void Give(void* stream);
+  /// The session `stream` was handed to finished its setup (the work its thread waits for on
+  /// that stream). Until then, past the free lanes, a lane whose stream is in its setup is
+  /// shared only when every other lane with a spare is too: a session that came to share it
+  /// would put its waiting call ahead of that setup's wait. Give ends the setup too.
+  void SetupDone(void* stream);
   /// A stream handed out whose work never ended (a session's drain gave up on it): it is never
   /// given back, and its lane's queue, held by that work, is never handed out again, not even
   /// shared. Returns whether a lane was retired (false for a stream made without the probe,
@@ -101,16 +106,21 @@ class QueueLanes {
     bool greatest = false;
     bool in_use = false;
     bool used = false;  // handed out at least once
+    bool in_setup = false;  // handed out, its session's setup not done (SetupDone)
   };
   struct Lane {
     std::vector<Member> members;  // the queue's streams, in probe order
     int in_use = 0;
+    int in_setup = 0;  // members in their session's setup
     uint64_t given_back = 0;  // order of the last give-back to a free lane (0: never)
     bool retired = false;     // its queue is held by work that never ends (Retire)
     // The first idle member of `greatest` priority, else (`any`) the first idle one.
     Member* Idle(bool greatest, bool any);
   };
-  Member* Hand(Member* m);
+  // Marks `m` handed out, and in its setup (`lane`: its lane; null for a made stream).
+  Member* Hand(Member* m, Lane* lane);
+  // Ends `m`'s setup, if it is in one.
+  static void EndSetup(Member& m, Lane& lane);
   std::optional<void*> TakeFreeLocked(StreamRole role);
 
   mutable std::mutex mu_;

@@ -232,6 +232,9 @@ class Backend {
   }
   virtual void GiveStream(void* stream) {}
   virtual void RetireStream(void* stream) {}
+  /// The session `stream` was taken for finished the setup work its thread waited for there:
+  /// until then no later session shares its queue while another lane can serve it.
+  virtual void SetupDone(void* stream) {}
   /// Where setup work beside `stream` that a host thread waits for goes: `stream`, or a stream
   /// no session's wait holds back where `stream` shares its queue with another session's.
   virtual void* SetupStreamFor(void* stream) { return stream; }

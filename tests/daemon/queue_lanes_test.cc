@@ -174,6 +174,44 @@ TEST(QueueLanesTest, PastTheFreeLanesSharingTakesASpareOfTheLeastUsedQueue) {
   EXPECT_EQ(lanes.counts().shared_streams, 4u);
 }
 
+// Past the free lanes, a session shares a lane whose session finished its setup rather than
+// one whose session is still in it (its setup's wait would sit behind the newcomer's waiting
+// call), even where that lane is the more used; only when every lane is in a setup does it
+// share one of those. A stream given back ends its setup too.
+TEST(QueueLanesTest, PastTheFreeLanesASessionInItsSetupIsSharedLast) {
+  Maker m;
+  // Two queues besides the rescue stream's, queue 1 with two spares, queue 2 with one.
+  QueueLanes lanes({{S(1), false, 1}, {S(2), false, 2}, {S(3), false, 1}, {S(4), false, 2},
+                    {S(5), false, 1}},
+                   0, true, m.Fn());
+  auto a = lanes.Take(StreamRole::kSession);  // queue 1
+  auto b = lanes.Take(StreamRole::kSession);  // queue 2
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(*a, S(1));
+  ASSERT_EQ(*b, S(2));
+  lanes.SetupDone(*b);
+  // Both queues have one user; queue 1's is in its setup, so queue 2 is shared.
+  auto c = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(*c, S(4));
+  EXPECT_FALSE(lanes.Shared(*a));
+  EXPECT_TRUE(lanes.Shared(*b));
+  // Queue 2 has no spare left and queue 1's session is still in its setup: it is shared now,
+  // there being no other.
+  auto d = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(*d, S(3));
+  EXPECT_TRUE(lanes.Shared(*a));
+  // Giving a stream back ends its setup: a's goes, and queue 1's one user is d, in its
+  // setup; queue 2's one user is b, set up (c given back). Queue 2 is shared again.
+  lanes.Give(*a);
+  lanes.Give(*c);
+  auto e = lanes.Take(StreamRole::kSession);
+  ASSERT_TRUE(e.ok());
+  EXPECT_EQ(*e, S(4));
+  EXPECT_EQ(lanes.counts().shared_streams, 3u);
+}
+
 TEST(QueueLanesTest, ASecondStreamNeverSharesItsOwnSessionsQueue) {
   Maker m;
   // Two queues besides the rescue stream's, each with a spare.
