@@ -51,9 +51,7 @@
 #include "ulysses/kernels/gemm.h"
 #include "ulysses/kernels/qkv_norm_rope.h"
 
-#ifndef ULYSSES_GIT_COMMIT
-#define ULYSSES_GIT_COMMIT "unknown"
-#endif
+#include "ulysses_git_commit.h"  // ULYSSES_GIT_COMMIT, written at build time
 
 namespace ulysses::bench {
 namespace {

@@ -80,9 +80,7 @@
 #include "ulysses/kernels/reference.h"
 #include "ulysses/v1/admin.grpc.pb.h"
 
-#ifndef ULYSSES_GIT_COMMIT
-#define ULYSSES_GIT_COMMIT "unknown"
-#endif
+#include "ulysses_git_commit.h"  // ULYSSES_GIT_COMMIT, written at build time
 
 namespace ulysses::bench {
 namespace {

@@ -46,6 +46,7 @@
 #include "handoff_kernels.h"
 #include "ulysses/ipc/cuda_memory.h"
 #include "die.h"
+#include "ulysses_git_commit.h"  // ULYSSES_GIT_COMMIT, written at build time
 
 extern char** environ;
 
@@ -466,9 +467,7 @@ int main(int argc, char** argv) {
   const char* mps = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
   nlohmann::json out = {{"bench", "handoff"},
                         {"gpu", prop.name},
-#ifdef ULYSSES_GIT_COMMIT
                         {"commit", ULYSSES_GIT_COMMIT},
-#endif
                         {"mps_pipe_set", mps != nullptr},
                         {"label", label},
                         {"date", UtcDate()},

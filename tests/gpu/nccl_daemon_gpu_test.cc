@@ -7,6 +7,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
+#include <sstream>
 #include <functional>
 #include <thread>
 
@@ -165,31 +167,46 @@ TEST_F(NcclCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
   }
 }
 
-// Threads of process `pid` whose name starts with "NCCL" (NCCL names the ones it starts).
-int NcclThreads(pid_t pid) {
-  int n = 0;
-  const std::filesystem::path tasks = StrCat("/proc/", pid, "/task");
+// Listening TCP sockets (IPv4 and IPv6) among the descriptors of process `pid`. The daemons
+// talk over unix sockets; NCCL's bootstrap (its root, each rank's own) listens on TCP.
+int ListeningTcpSockets(pid_t pid) {
+  std::set<std::string> inodes;  // "socket:[N]" of the process's descriptors
   std::error_code ec;
-  for (const auto& t : std::filesystem::directory_iterator(tasks, ec)) {
-    std::ifstream comm(t.path() / "comm");
-    std::string name;
-    if (std::getline(comm, name) && name.rfind("NCCL", 0) == 0) ++n;
+  for (const auto& fd : std::filesystem::directory_iterator(StrCat("/proc/", pid, "/fd"), ec)) {
+    std::error_code link_ec;
+    const std::string target = std::filesystem::read_symlink(fd.path(), link_ec).string();
+    if (!link_ec && target.rfind("socket:[", 0) == 0)
+      inodes.insert(target.substr(8, target.size() - 9));
+  }
+  int n = 0;
+  for (const char* table : {"tcp", "tcp6"}) {
+    std::ifstream in(StrCat("/proc/", pid, "/net/", table));
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
+          timeout >> inode;
+      if (state == "0A" && inodes.count(inode) > 0) ++n;  // 0A: LISTEN
+    }
   }
   return n;
 }
 
 // A session some rank fails to create (here the ranks disagree on its arguments) makes no
-// NCCL unique id: making one starts NCCL's bootstrap root thread, which would wait for the
-// ranks for the process's life. Rank 0's daemon has as many NCCL threads after such failures
-// as before; a session that opens then does start them (so the count can see them).
-TEST_F(NcclCluster, ASessionSomeRankCouldNotCreateLeavesNoNcclThreadBehind) {
+// NCCL unique id: making one starts NCCL's bootstrap root, a thread listening on a TCP socket
+// until every rank has joined, which would be there for the process's life. Rank 0's daemon
+// listens on as many TCP sockets after such failures as before; a session that opens then
+// does listen on more (NCCL's bootstrap), so the count can see them.
+TEST_F(NcclCluster, ASessionSomeRankCouldNotCreateLeavesNoNcclListenerBehind) {
   Start(2);
   std::vector<std::unique_ptr<client::Client>> clients;
   for (int r = 0; r < 2; ++r) clients.push_back(Connect(r, "bootstrap"));
   std::vector<client::Group> groups = JoinAll(clients, "bootstrap");
   ASSERT_EQ(groups.size(), 2u);
   const pid_t rank0 = daemons_[0].pid();
-  const int before = NcclThreads(rank0);
+  const int before = ListeningTcpSockets(rank0);
   for (int attempt = 0; attempt < 3; ++attempt) {
     const std::vector<std::string> errors = OnEveryRank(2, [&](int r) -> std::string {
       // The ranks disagree on num_slots: every rank's CreateSession fails.
@@ -200,11 +217,11 @@ TEST_F(NcclCluster, ASessionSomeRankCouldNotCreateLeavesNoNcclThreadBehind) {
     ASSERT_EQ(errors[0], "") << "attempt " << attempt;
     ASSERT_EQ(errors[1], "") << "attempt " << attempt;
   }
-  EXPECT_EQ(NcclThreads(rank0), before);
+  EXPECT_EQ(ListeningTcpSockets(rank0), before);
   std::vector<std::unique_ptr<client::Session>> sessions =
       CreateAll(clients, groups, {8, 64, DType::kBFloat16, 64, 2, {}, 0});
   ASSERT_EQ(sessions.size(), 2u);
-  EXPECT_GT(NcclThreads(rank0), before) << "an open nccl session shows no NCCL thread";
+  EXPECT_GT(ListeningTcpSockets(rank0), before) << "an open nccl session listens on no TCP socket";
   for (auto& s : sessions) EXPECT_TRUE(s->Close().ok());
 }
 
