@@ -431,11 +431,9 @@ class CudaTransport final : public Transport {
   }
 
   absl::StatusOr<std::string> ConnectHandle(const std::vector<std::string>& handles) override {
-    for (int r = 0; r < static_cast<int>(handles.size()); ++r)
-      if (r != setup_.geometry.rank && handles[r].rfind("cuda|", 0) != 0)
-        return absl::FailedPreconditionError(
-            StrCat("rank ", r, " runs another backend (slot handle '", handles[r].substr(0, 64),
-                   "')"));
+    ULY_RETURN_IF_ERROR(CheckPeersRunThisBackend(
+        handles, setup_.geometry.rank,
+        [](int, const std::string& h) { return h.rfind("cuda|", 0) == 0; }));
     return std::string();
   }
 

@@ -27,11 +27,8 @@ class HostTransport final : public Transport {
   std::string LocalHandle() const override { return "host"; }
 
   absl::StatusOr<std::string> ConnectHandle(const std::vector<std::string>& handles) override {
-    for (size_t r = 0; r < handles.size(); ++r)
-      if (static_cast<int>(r) != s_.geometry.rank && handles[r] != "host")
-        return absl::FailedPreconditionError(
-            StrCat("rank ", r, " runs another backend (slot handle '", handles[r].substr(0, 64),
-                   "')"));
+    ULY_RETURN_IF_ERROR(CheckPeersRunThisBackend(
+        handles, s_.geometry.rank, [](int, const std::string& h) { return h == "host"; }));
     return std::string();
   }
 

@@ -177,12 +177,9 @@ class NcclTransport final : public Transport {
   // joined the communicator, so it is never made for a session some rank failed to create.
   absl::StatusOr<std::string> ConnectHandle(const std::vector<std::string>& handles) override {
     const int me = setup_.geometry.rank;
-    for (int r = 0; r < static_cast<int>(handles.size()); ++r) {
-      if (r != me && handles[r] != HandlePrefix(r))
-        return absl::FailedPreconditionError(
-            StrCat("rank ", r, " runs another backend (slot handle '", handles[r].substr(0, 64),
-                   "'); every rank of an nccl group must run nccl"));
-    }
+    ULY_RETURN_IF_ERROR(CheckPeersRunThisBackend(
+        handles, me, [](int r, const std::string& h) { return h == HandlePrefix(r); },
+        "; every rank of an nccl group must run nccl"));
     if (me != 0) return std::string();
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     ULY_RETURN_IF_ERROR(NcclStatus("ncclGetUniqueId", ncclGetUniqueId(&id_), nullptr));

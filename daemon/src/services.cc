@@ -454,7 +454,11 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   // thread waits for every rank). Every rank gets the same verdict, an error naming the rank
   // that could not make its payload included. Blocks the completing thread until the verdict.
   absl::StatusOr<std::vector<std::string>> ConnectRound(const std::vector<std::string>& segs) {
-    absl::StatusOr<std::string> mine = session_->ConnectPayload(segs);
+    absl::StatusOr<std::string> mine =
+        FailpointFired("session.connect_handle")
+            ? absl::StatusOr<std::string>(
+                  absl::InternalError("the failpoint session.connect_handle fired"))
+            : session_->ConnectPayload(segs);
     const std::string payload =
         mine.ok() ? StrCat("ok:", *mine) : StrCat("error:", mine.status().message());
     Failpoint("session.connect_round");

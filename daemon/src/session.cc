@@ -256,6 +256,17 @@ uint64_t Session::UndrainedBytes() {
   return u.device_bytes;
 }
 
+absl::Status CheckPeersRunThisBackend(const std::vector<std::string>& handles, int me,
+                                      const std::function<bool(int, const std::string&)>& ours,
+                                      std::string_view advice) {
+  for (int r = 0; r < static_cast<int>(handles.size()); ++r)
+    if (r != me && !ours(r, handles[r]))
+      return absl::FailedPreconditionError(StrCat("rank ", r,
+                                                  " runs another backend (slot handle '",
+                                                  handles[r].substr(0, 64), "')", advice));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<std::string>> Session::HandlesOf(
     const std::vector<std::string>& payloads) const {
   if (static_cast<int>(payloads.size()) != geometry_.world_size)

@@ -138,6 +138,12 @@ class Transport {
   virtual std::string Describe() const = 0;
 };
 
+/// For ConnectHandle: FAILED_PRECONDITION naming the first rank but `me` whose slot handle
+/// `ours` refuses (it runs another backend), with `advice` appended; OK when every one is ours.
+absl::Status CheckPeersRunThisBackend(const std::vector<std::string>& handles, int me,
+                                      const std::function<bool(int, const std::string&)>& ours,
+                                      std::string_view advice = {});
+
 /// A client buffer as the daemon holds it.
 struct Buffer {
   uint64_t id = 0;

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -533,6 +534,93 @@ TEST(Reclaim, AClientGoneBetweenTheSessionRoundsAbortsTheSecondForEveryRank) {
     EXPECT_EQ(sessions.sessions_size(), 0) << "rank " << r;
   }
   c->reset();
+  daemons.clear();
+  demo::RemoveRunDir(*dir);
+}
+
+// A rank that cannot make its second-round payload (the failpoint `session.connect_handle`
+// makes rank 1's an error, as a backend's ConnectHandle fails for a peer of another backend
+// or NCCL's unique id) fails the session on every rank with the same FAILED_PRECONDITION
+// naming it, leaves no session and no rendezvous behind, and keeps the ranks' session
+// counters in step: once the point no longer fires, the next session opens and calls.
+TEST(SessionRounds, ARankThatCannotConnectFailsTheSessionOnEveryRankNamingIt) {
+  auto dir = demo::MakeRunDir();
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  const std::string fire = StrCat(*dir, "/fire");
+  { std::ofstream(fire) << "on\n"; }
+  std::vector<demo::DaemonProcess> daemons;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<std::string> env;
+    if (r == 1) env.push_back(StrCat("ULYSSES_FAILPOINTS=session.connect_handle=", fire));
+    auto d = demo::StartDaemon(ULYSSESD_PATH, *dir, r, "host", {}, absl::Seconds(30), env);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemons.push_back(std::move(*d));
+  }
+  const std::vector<std::string> members = {daemons[0].socket(), daemons[1].socket()};
+  std::unique_ptr<client::Client> c[2];
+  client::Group g[2];
+  {
+    absl::StatusOr<client::Group> joined[2];
+    std::thread t[2];
+    for (int r = 0; r < 2; ++r) {
+      auto connected = client::Client::Connect({daemons[r].socket(), StrCat("rank", r)});
+      ASSERT_TRUE(connected.ok()) << connected.status();
+      c[r] = std::move(*connected);
+    }
+    for (int r = 0; r < 2; ++r)
+      t[r] = std::thread([&, r] { joined[r] = c[r]->JoinGroup({"rounds", 2, r, members, "auto", 20000}); });
+    for (auto& th : t) th.join();
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(joined[r].ok()) << joined[r].status();
+      g[r] = *joined[r];
+    }
+  }
+  auto create_both = [&] {
+    std::array<absl::StatusOr<std::unique_ptr<client::Session>>, 2> s;
+    std::thread t([&] { s[1] = c[1]->CreateSession(g[1], {4, 8, DType::kFloat32, 16, 2, {}, 20000}); });
+    s[0] = c[0]->CreateSession(g[0], {4, 8, DType::kFloat32, 16, 2, {}, 20000});
+    t.join();
+    return s;
+  };
+  auto failed = create_both();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(failed[r].status().code(), absl::StatusCode::kFailedPrecondition)
+        << "rank " << r << ": " << failed[r].status();
+    EXPECT_THAT(std::string(failed[r].status().message()),
+                ::testing::HasSubstr("rank 1 could not connect its session: the failpoint "
+                                     "session.connect_handle fired"))
+        << "rank " << r;
+  }
+  for (int r = 0; r < 2; ++r) {
+    auto admin = testing_util::AdminStub(daemons[r].socket());
+    EXPECT_TRUE(Eventually([&] {
+      v1::DaemonState st;
+      grpc::ClientContext ctx;
+      v1::ListSessionsResponse sessions;
+      grpc::ClientContext ctx2;
+      return admin->GetState(&ctx, {}, &st).ok() && st.pending_rendezvous() == 0 &&
+             admin->ListSessions(&ctx2, {}, &sessions).ok() && sessions.sessions_size() == 0;
+    })) << "rank " << r << " still holds a session or a rendezvous";
+  }
+  ASSERT_EQ(::unlink(fire.c_str()), 0);
+  auto opened = create_both();
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(opened[r].ok()) << "rank " << r << ": " << opened[r].status();
+  std::string errors[2];
+  std::thread t([&] {
+    auto x = c[1]->AllocBuffer(16 * 4 * 8 * 4, "x");
+    if (!x.ok()) errors[1] = x.status().ToString();
+    else if (auto res = (*opened[1])->ScatterHeads(x->Ref(), 1, 8); !res.ok())
+      errors[1] = res.status().ToString();
+  });
+  auto x = c[0]->AllocBuffer(16 * 4 * 8 * 4, "x");
+  if (!x.ok()) errors[0] = x.status().ToString();
+  else if (auto res = (*opened[0])->ScatterHeads(x->Ref(), 1, 8); !res.ok())
+    errors[0] = res.status().ToString();
+  t.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  for (auto& s : opened) s->reset();
+  for (auto& client : c) client.reset();
   daemons.clear();
   demo::RemoveRunDir(*dir);
 }
