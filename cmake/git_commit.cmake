@@ -2,14 +2,29 @@
 # "-dirty" when tracked files differ from it; "unknown" outside a git checkout). Run at every
 # build (bench/CMakeLists.txt), it rewrites OUT only when the text changes, so what records the
 # commit is rebuilt only then.
-execute_process(COMMAND git rev-parse --short=12 HEAD
+# A tree unpacked inside another checkout is not that checkout's commit.
+execute_process(COMMAND git rev-parse --show-toplevel
                 WORKING_DIRECTORY ${SRC}
-                OUTPUT_VARIABLE commit OUTPUT_STRIP_TRAILING_WHITESPACE
+                OUTPUT_VARIABLE top OUTPUT_STRIP_TRAILING_WHITESPACE
                 RESULT_VARIABLE rc ERROR_QUIET)
+if(rc EQUAL 0)
+  get_filename_component(top "${top}" REALPATH)
+  get_filename_component(src "${SRC}" REALPATH)
+  if(NOT top STREQUAL src)
+    set(rc 1)
+  endif()
+endif()
+if(rc EQUAL 0)
+  execute_process(COMMAND git rev-parse --short=12 HEAD
+                  WORKING_DIRECTORY ${SRC}
+                  OUTPUT_VARIABLE commit OUTPUT_STRIP_TRAILING_WHITESPACE
+                  RESULT_VARIABLE rc ERROR_QUIET)
+endif()
 if(NOT rc EQUAL 0 OR commit STREQUAL "")
   set(commit "unknown")
 else()
-  execute_process(COMMAND git status --porcelain --untracked-files=no
+  # No optional locks: a build beside a running git command takes no index lock.
+  execute_process(COMMAND git --no-optional-locks status --porcelain --untracked-files=no
                   WORKING_DIRECTORY ${SRC}
                   OUTPUT_VARIABLE changes OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
   if(NOT changes STREQUAL "")

@@ -430,11 +430,10 @@ class CudaTransport final : public Transport {
                   ticket_.socket);
   }
 
-  absl::StatusOr<std::string> ConnectHandle(const std::vector<std::string>& handles) override {
-    ULY_RETURN_IF_ERROR(CheckPeersRunThisBackend(
+  absl::Status CheckPeers(const std::vector<std::string>& handles) override {
+    return CheckPeersRunThisBackend(
         handles, setup_.geometry.rank,
-        [](int, const std::string& h) { return h.rfind("cuda|", 0) == 0; }));
-    return std::string();
+        [](int, const std::string& h) { return h.rfind("cuda|", 0) == 0; });
   }
 
   absl::Status Connect(const std::vector<std::string>& handles, const std::vector<std::string>&,

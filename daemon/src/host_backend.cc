@@ -26,10 +26,9 @@ class HostTransport final : public Transport {
 
   std::string LocalHandle() const override { return "host"; }
 
-  absl::StatusOr<std::string> ConnectHandle(const std::vector<std::string>& handles) override {
-    ULY_RETURN_IF_ERROR(CheckPeersRunThisBackend(
-        handles, s_.geometry.rank, [](int, const std::string& h) { return h == "host"; }));
-    return std::string();
+  absl::Status CheckPeers(const std::vector<std::string>& handles) override {
+    return CheckPeersRunThisBackend(handles, s_.geometry.rank,
+                                    [](int, const std::string& h) { return h == "host"; });
   }
 
   absl::Status Connect(const std::vector<std::string>&, const std::vector<std::string>&,

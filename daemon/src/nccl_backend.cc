@@ -169,18 +169,22 @@ class NcclTransport final : public Transport {
     return true;
   }
 
-  // nccl|<rank>|: rank 0's unique id travels in the second round (ConnectHandle).
+  // nccl|<rank>|: rank 0's unique id travels in the third round (ConnectHandle).
   std::string LocalHandle() const override { return HandlePrefix(setup_.geometry.rank); }
 
-  // Rank 0 makes the unique id here, once every rank's transport exists: making it starts
-  // NCCL's bootstrap root (a thread and a listening socket), which lives until every rank has
-  // joined the communicator, so it is never made for a session some rank failed to create.
-  absl::StatusOr<std::string> ConnectHandle(const std::vector<std::string>& handles) override {
-    const int me = setup_.geometry.rank;
-    ULY_RETURN_IF_ERROR(CheckPeersRunThisBackend(
-        handles, me, [](int r, const std::string& h) { return h == HandlePrefix(r); },
-        "; every rank of an nccl group must run nccl"));
-    if (me != 0) return std::string();
+  absl::Status CheckPeers(const std::vector<std::string>& handles) override {
+    return CheckPeersRunThisBackend(
+        handles, setup_.geometry.rank,
+        [](int r, const std::string& h) { return h == HandlePrefix(r); },
+        "; every rank of an nccl group must run nccl");
+  }
+
+  // Rank 0 makes the unique id here, once every rank has mapped its peers (the second round
+  // passed): making it starts NCCL's bootstrap root (a thread and a listening socket), which
+  // lives until every rank has joined the communicator.
+  bool HasConnectHandle() const override { return true; }
+  absl::StatusOr<std::string> ConnectHandle() override {
+    if (setup_.geometry.rank != 0) return std::string();
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     ULY_RETURN_IF_ERROR(NcclStatus("ncclGetUniqueId", ncclGetUniqueId(&id_), nullptr));
     return absl::BytesToHexString(absl::string_view(id_.internal, sizeof id_.internal));
@@ -194,6 +198,8 @@ class NcclTransport final : public Transport {
     const int W = setup_.geometry.world_size;
     const int me = setup_.geometry.rank;
     if (me != 0) {
+      if (connect_handles.size() != static_cast<size_t>(W))
+        return absl::InternalError("the nccl transport connects with every rank's connect handle");
       const std::string& hex = connect_handles[0];
       if (hex.size() != 2 * sizeof id_.internal || !IsHex(hex))
         return absl::FailedPreconditionError("rank 0 sent a malformed NCCL unique id");

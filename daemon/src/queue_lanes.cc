@@ -173,8 +173,9 @@ void QueueLanes::SetupDone(void* stream) {
 bool QueueLanes::Retire(void* stream) {
   std::lock_guard<std::mutex> lock(mu_);
   for (Lane& lane : lanes_) {
-    for (const Member& m : lane.members) {
+    for (Member& m : lane.members) {
       if (m.stream != stream || !m.in_use) continue;
+      EndSetup(m, lane);
       lane.retired = true;
       return true;
     }

@@ -311,13 +311,14 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
 
   void OnCancel() override {
     HappensAfter(this);
-    std::shared_ptr<RendezvousCall> call;
+    std::vector<std::shared_ptr<RendezvousCall>> calls;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      cancelled_ = true;  // Prepare, still running, aborts the step once it arrived
-      call = call_;
+      cancelled_ = true;  // a round not started yet aborts itself once it arrived (Track)
+      calls = calls_;
     }
-    if (call) call->ClientGone();
+    // Every round's call: one whose verdict came ignores it.
+    for (const auto& call : calls) call->ClientGone();
     HappensBefore(this);
   }
 
@@ -443,44 +444,66 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
     bool gone = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      call_ = call;
+      calls_.push_back(call);
       gone = cancelled_;
     }
     if (gone) call->ClientGone();
   }
 
-  // The rendezvous's second round, once every rank created its session: each rank's
-  // ConnectPayload (what it may make only then, such as NCCL's unique id, whose bootstrap
-  // thread waits for every rank). Every rank gets the same verdict, an error naming the rank
-  // that could not make its payload included. Blocks the completing thread until the verdict.
-  absl::StatusOr<std::vector<std::string>> ConnectRound(const std::vector<std::string>& segs) {
-    absl::StatusOr<std::string> mine =
-        FailpointFired("session.connect_handle")
-            ? absl::StatusOr<std::string>(
-                  absl::InternalError("the failpoint session.connect_handle fired"))
-            : session_->ConnectPayload(segs);
+  // A later round of the session rendezvous under key_ + `suffix`: this rank arrives with
+  // `mine` ("ok:<payload>", or "error:<message>" when it failed), and every rank gets the same
+  // verdict: every rank's payload, or FAILED_PRECONDITION naming the first rank that failed.
+  // Blocks the completing thread until the verdict (bounded by the rendezvous timeout).
+  absl::StatusOr<std::vector<std::string>> Round(std::string_view suffix,
+                                                 const absl::StatusOr<std::string>& mine) {
     const std::string payload =
         mine.ok() ? StrCat("ok:", *mine) : StrCat("error:", mine.status().message());
-    Failpoint("session.connect_round");
     auto verdict = std::make_shared<std::promise<RendezvousTable::Verdict>>();
     std::future<RendezvousTable::Verdict> answered = verdict->get_future();
     ULY_ASSIGN_OR_RETURN(std::shared_ptr<RendezvousCall> call,
                          d_->rendezvous_client().Start(
-                             g_->members[0], StrCat(key_, "/connect"), g_->world_size, g_->rank,
+                             g_->members[0], StrCat(key_, suffix), g_->world_size, g_->rank,
                              agreement_, payload, timeout_,
                              [verdict](RendezvousTable::Verdict v) {
                                verdict->set_value(std::move(v));
                              }));
     Track(call);
     ULY_ASSIGN_OR_RETURN(std::vector<std::string> payloads, answered.get());
+    ULY_RETURN_IF_ERROR(StripOk(payloads, "could not connect its session"));
+    return payloads;
+  }
+
+  // Every payload "ok:<x>" becomes x; else FAILED_PRECONDITION "rank R <what>: <its message>"
+  // for the first that is not.
+  static absl::Status StripOk(std::vector<std::string>& payloads, std::string_view what) {
     for (size_t r = 0; r < payloads.size(); ++r) {
       std::string& p = payloads[r];
-      if (p.rfind("ok:", 0) != 0)
-        return absl::FailedPreconditionError(
-            StrCat("rank ", r, " could not connect its session: ", p.substr(6)));
-      p.erase(0, 3);
+      if (p.rfind("ok:", 0) == 0) {
+        p.erase(0, 3);
+        continue;
+      }
+      const std::string_view message =
+          p.rfind("error:", 0) == 0 ? std::string_view(p).substr(6) : std::string_view(p);
+      return absl::FailedPreconditionError(StrCat("rank ", r, " ", what, ": ", message));
     }
-    return payloads;
+    return absl::OkStatus();
+  }
+
+  // After the first round: this rank maps its peers (second round: every rank did, or the
+  // same error everywhere), then, where the transport needs it, makes what may be made only
+  // once every rank is about to connect (third round: NCCL's unique id), then connects.
+  absl::Status Connect(const std::vector<std::string>& segs) {
+    absl::Status mapped = FailpointFired("session.connect_handle")
+                              ? absl::InternalError("the failpoint session.connect_handle fired")
+                              : session_->MapPeers(segs, timeout_);
+    Failpoint("session.connect_round");
+    ULY_RETURN_IF_ERROR(
+        Round("/mapped", mapped.ok() ? absl::StatusOr<std::string>("") : mapped).status());
+    std::vector<std::string> connect;
+    if (session_->NeedsConnectHandles()) {
+      ULY_ASSIGN_OR_RETURN(connect, Round("/connect", session_->ConnectPayload()));
+    }
+    return session_->ConnectTransport(connect, timeout_);
   }
 
   absl::Status Complete(RendezvousTable::Verdict names) {
@@ -488,17 +511,9 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
     absl::Status status = names.status();
     if (status.ok() && !local_.ok()) status = local_;
     if (status.ok()) {
-      std::vector<std::string> segs;
-      for (size_t r = 0; r < names->size() && status.ok(); ++r) {
-        const std::string& p = (*names)[r];
-        if (p.rfind("ok:", 0) == 0) segs.push_back(p.substr(3));
-        else status = absl::FailedPreconditionError(StrCat("rank ", r, " could not create its session: ", p.substr(6)));
-      }
-      if (status.ok()) {
-        absl::StatusOr<std::vector<std::string>> connect = ConnectRound(segs);
-        status = connect.ok() ? session_->ConnectPeers(segs, *connect, timeout_)
-                              : connect.status();
-      }
+      std::vector<std::string> segs = *std::move(names);
+      status = StripOk(segs, "could not create its session");
+      if (status.ok()) status = Connect(segs);
     }
     if (status.ok()) {
       const ClientSlotMapping slots = session_->transport().ClientMapping();
@@ -544,7 +559,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   std::shared_ptr<Group> g_;
   absl::Status local_;  // this rank's own verdict on the request
   std::string agreement_;
-  std::string key_;  // the first round's rendezvous key; the second's adds "/connect"
+  std::string key_;  // the first round's rendezvous key; the later ones add a suffix
   uint64_t id_ = 0;
   absl::Duration timeout_;
   uint64_t needed_ = 0;  // reserved against the slot budget, not yet held by the session
@@ -552,7 +567,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
 
   std::mutex mu_;  // guards what follows
   bool cancelled_ = false;
-  std::shared_ptr<RendezvousCall> call_;
+  std::vector<std::shared_ptr<RendezvousCall>> calls_;  // every round's, in order
   std::thread prepare_, complete_;
 };
 

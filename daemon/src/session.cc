@@ -284,18 +284,10 @@ absl::StatusOr<std::vector<std::string>> Session::HandlesOf(
   return handles;
 }
 
-absl::StatusOr<std::string> Session::ConnectPayload(const std::vector<std::string>& payloads) {
-  ULY_ASSIGN_OR_RETURN(const std::vector<std::string> handles, HandlesOf(payloads));
-  return transport_->ConnectHandle(handles);
-}
-
-absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
-                                   const std::vector<std::string>& connect_payloads,
-                                   absl::Duration timeout) {
-  ULY_ASSIGN_OR_RETURN(const std::vector<std::string> handles, HandlesOf(payloads));
-  if (connect_payloads.size() != payloads.size())
-    return absl::InternalError(StrCat("session ", id_, ": expected ", geometry_.world_size,
-                                      " connect payloads, got ", connect_payloads.size()));
+absl::Status Session::MapPeers(const std::vector<std::string>& payloads,
+                               absl::Duration timeout) {
+  ULY_ASSIGN_OR_RETURN(handles_, HandlesOf(payloads));
+  ULY_RETURN_IF_ERROR(transport_->CheckPeers(handles_));
   std::vector<ipc::SharedSegment> peers(payloads.size());
   std::vector<ipc::UniqueFd> links(payloads.size());
   std::vector<uint8_t*> bases(payloads.size(), nullptr);
@@ -328,6 +320,7 @@ absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
                  " does not match this session's layout"));
     bases[r] = static_cast<uint8_t*>(peers[r].data());
   }
+  bases_ = std::move(bases);
   // The peers are mapped and watched before the transport connects, so that its waits (NCCL's
   // communicator setup) see a peer that aborts or whose daemon dies. A peer daemon that dies
   // closes its end of the link: each rank watches every peer itself, so its waits for an epoch
@@ -343,8 +336,21 @@ absl::Status Session::ConnectPeers(const std::vector<std::string>& payloads,
     if (!w.ok()) return w.status();
     peer_watches_.push_back(*w);
   }
-  ULY_RETURN_IF_ERROR(transport_->Connect(handles, connect_payloads, bases, timeout));
   return absl::OkStatus();
+}
+
+bool Session::NeedsConnectHandles() const { return transport_->HasConnectHandle(); }
+
+absl::StatusOr<std::string> Session::ConnectPayload() { return transport_->ConnectHandle(); }
+
+absl::Status Session::ConnectTransport(const std::vector<std::string>& connect_payloads,
+                                       absl::Duration timeout) {
+  if (static_cast<int>(bases_.size()) != geometry_.world_size)
+    return absl::InternalError(StrCat("session ", id_, ": connected before its peers were mapped"));
+  if (!connect_payloads.empty() && static_cast<int>(connect_payloads.size()) != geometry_.world_size)
+    return absl::InternalError(StrCat("session ", id_, ": expected ", geometry_.world_size,
+                                      " connect payloads, got ", connect_payloads.size()));
+  return transport_->Connect(handles_, connect_payloads, bases_, timeout);
 }
 
 SessionControlBlock* Session::Control(int rank) const {

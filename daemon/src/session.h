@@ -78,16 +78,20 @@ class Session {
   /// What this rank contributes to the session rendezvous: the ticket of its segment and its
   /// slot handle.
   std::string RendezvousPayload() const;
-  /// What this rank contributes to the rendezvous's second round, from every rank's first-round
-  /// payload (rank order): its transport's ConnectHandle.
-  absl::StatusOr<std::string> ConnectPayload(const std::vector<std::string>& payloads);
-  /// Maps the other ranks' segments and slots from their rendezvous payloads (rank order; the
-  /// second round's in `connect_payloads`), and watches each peer's daemon: when one dies
-  /// before completing the epoch a call waits on, the call ends at once with ABORTED instead
-  /// of at its timeout.
-  absl::Status ConnectPeers(const std::vector<std::string>& payloads,
-                            const std::vector<std::string>& connect_payloads,
-                            absl::Duration timeout);
+  /// After the rendezvous's first round: checks that every peer runs this backend
+  /// (Transport::CheckPeers), maps the other ranks' segments from their payloads (rank
+  /// order), and watches each peer's daemon: when one dies before completing the epoch a call
+  /// waits on, the call ends at once with ABORTED instead of at its timeout. Local: its
+  /// verdict is this rank's second-round payload.
+  absl::Status MapPeers(const std::vector<std::string>& payloads, absl::Duration timeout);
+  /// Whether the transport needs a third round (Transport::HasConnectHandle), and this rank's
+  /// payload for it, made only once every rank mapped its peers.
+  bool NeedsConnectHandles() const;
+  absl::StatusOr<std::string> ConnectPayload();
+  /// Connects the transport to the mapped peers (MapPeers first); `connect_payloads`: every
+  /// rank's ConnectPayload in rank order, or empty without a third round.
+  absl::Status ConnectTransport(const std::vector<std::string>& connect_payloads,
+                                absl::Duration timeout);
 
   /// Runs one planned call: opens this rank's slot for the next epoch, writes this rank's block
   /// into every destination's slot once that destination opened it, waits for every source's
@@ -211,6 +215,8 @@ class Session {
   std::vector<uint64_t> peer_watches_;     // FdExports::Watch ids of the peers' links
   std::atomic<uint64_t> peers_gone_{0};    // bit r: rank r's daemon is gone (its link hung up)
   std::vector<ipc::SharedSegment> peers_;  // index = rank; this rank's entry is empty
+  std::vector<std::string> handles_;       // MapPeers: the peers' slot handles (own: empty)
+  std::vector<uint8_t*> bases_;            // MapPeers: the segments' bases (own: null)
   std::optional<FusedSetup> fused_;
   FusedWeightsArgs fused_weights_;
   // Declared before transport_: the weights stay mapped until the transport is gone.

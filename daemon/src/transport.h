@@ -67,17 +67,22 @@ class Transport {
   /// What the peers need to reach this rank's slots; travels in the session rendezvous. Opaque
   /// to everyone but the same backend's Connect.
   virtual std::string LocalHandle() const = 0;
-  /// What the peers need that this rank may make only once every rank's transport exists:
-  /// the session rendezvous's second round carries it, after the first delivered every rank's
-  /// LocalHandle (`handles`, index = rank; this rank's own is ignored). Checks that the peers
-  /// run this backend. Empty by default. (NCCL's unique id is made here: making it starts
-  /// NCCL's bootstrap root, which waits until every rank has joined, so no rank makes it for a
-  /// session some rank failed to create.) An error reaches every rank, naming this one.
-  virtual absl::StatusOr<std::string> ConnectHandle(const std::vector<std::string>& handles) {
-    return std::string();
+  /// After the rendezvous's first round delivered every rank's LocalHandle (`handles`, index
+  /// = rank; this rank's own is empty): FAILED_PRECONDITION when a peer runs another backend.
+  /// Its verdict travels in the second round, so every rank fails alike.
+  virtual absl::Status CheckPeers(const std::vector<std::string>& handles) {
+    return absl::OkStatus();
   }
+  /// Whether Connect needs what every rank makes only once every rank has mapped its peers
+  /// (the second round passed): a third round carries each rank's ConnectHandle. Rank 0's NCCL
+  /// unique id is such: making it starts NCCL's bootstrap root, a thread and a listening
+  /// socket that wait until every rank has joined, so it is made only when every rank is
+  /// about to. The same on every rank of one backend.
+  virtual bool HasConnectHandle() const { return false; }
+  virtual absl::StatusOr<std::string> ConnectHandle() { return std::string(); }
   /// Maps every peer's slots from their handles (index = rank; this rank's own is ignored):
-  /// `handles` from the first round, `connect_handles` every rank's ConnectHandle.
+  /// `handles` from the first round, `connect_handles` every rank's ConnectHandle (empty
+  /// without a third round).
   /// `peer_segments[r]` is rank r's session control segment mapped here (host backend slots
   /// live in it).
   virtual absl::Status Connect(const std::vector<std::string>& handles,
@@ -138,7 +143,7 @@ class Transport {
   virtual std::string Describe() const = 0;
 };
 
-/// For ConnectHandle: FAILED_PRECONDITION naming the first rank but `me` whose slot handle
+/// For CheckPeers: FAILED_PRECONDITION naming the first rank but `me` whose slot handle
 /// `ours` refuses (it runs another backend), with `advice` appended; OK when every one is ours.
 absl::Status CheckPeersRunThisBackend(const std::vector<std::string>& handles, int me,
                                       const std::function<bool(int, const std::string&)>& ours,

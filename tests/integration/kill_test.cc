@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "../util/fd_count.h"
+#include "absl/cleanup/cleanup.h"
 #include "cluster_util.h"
 #include "demo_lib.h"
 #include "gmock/gmock.h"
@@ -473,15 +474,25 @@ TEST(Reclaim, ADeadClientsSessionsGoWithoutHoldingUpTheOtherClients) {
   demo::RemoveRunDir(*dir);
 }
 
-// A client that goes away between the two rounds of the session rendezvous (rank 1's daemon
-// held by the failpoint `session.connect_round` before its second arrival) aborts the second
-// round for every rank: rank 0's CreateSession fails with ABORTED naming the rank, instead of
-// creating a session whose peer has none, and neither daemon keeps a rendezvous or a session.
+// A client that goes away between the rounds of the session rendezvous (rank 1's daemon
+// held by the failpoint `session.connect_round` before its second arrival) ends the later
+// rounds for every rank (its daemon ends the group, and the request's cancel aborts the
+// round): rank 0's CreateSession fails with ABORTED naming the rank, instead of creating a
+// session whose peer has none, and neither daemon keeps a rendezvous or a session.
 TEST(Reclaim, AClientGoneBetweenTheSessionRoundsAbortsTheSecondForEveryRank) {
   auto dir = demo::MakeRunDir();
   ASSERT_TRUE(dir.ok()) << dir.status();
-  const std::string release = StrCat(*dir, "/release"), ready = StrCat(*dir, "/phase.ready");
+  pid_t pid = -1;
   std::vector<demo::DaemonProcess> daemons;
+  const absl::Cleanup cleanup = [&] {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    daemons.clear();
+    demo::RemoveRunDir(*dir);
+  };
+  const std::string release = StrCat(*dir, "/release"), ready = StrCat(*dir, "/phase.ready");
   for (int r = 0; r < 2; ++r) {
     std::vector<std::string> env;
     if (r == 1) env.push_back(StrCat("ULYSSES_FAILPOINTS=session.connect_round=", release));
@@ -490,7 +501,7 @@ TEST(Reclaim, AClientGoneBetweenTheSessionRoundsAbortsTheSecondForEveryRank) {
     daemons.push_back(std::move(*d));
   }
   const std::string members = StrCat(daemons[0].socket(), ",", daemons[1].socket());
-  const pid_t pid = ::fork();
+  pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     ::execl(PHASE_CLIENT_PATH, PHASE_CLIENT_PATH, "--socket", daemons[1].socket().c_str(),
@@ -509,6 +520,7 @@ TEST(Reclaim, AClientGoneBetweenTheSessionRoundsAbortsTheSecondForEveryRank) {
   const bool held = Eventually([&] { return ::access((release + ".reached").c_str(), F_OK) == 0; });
   ::kill(pid, SIGKILL);
   ::waitpid(pid, nullptr, 0);
+  pid = -1;
   auto admin1 = testing_util::AdminStub(daemons[1].socket());
   EXPECT_TRUE(Eventually([&] {
     v1::ListClientsResponse resp;
@@ -534,8 +546,6 @@ TEST(Reclaim, AClientGoneBetweenTheSessionRoundsAbortsTheSecondForEveryRank) {
     EXPECT_EQ(sessions.sessions_size(), 0) << "rank " << r;
   }
   c->reset();
-  daemons.clear();
-  demo::RemoveRunDir(*dir);
 }
 
 // A rank that cannot make its second-round payload (the failpoint `session.connect_handle`
@@ -549,6 +559,10 @@ TEST(SessionRounds, ARankThatCannotConnectFailsTheSessionOnEveryRankNamingIt) {
   const std::string fire = StrCat(*dir, "/fire");
   { std::ofstream(fire) << "on\n"; }
   std::vector<demo::DaemonProcess> daemons;
+  const absl::Cleanup cleanup = [&] {
+    daemons.clear();
+    demo::RemoveRunDir(*dir);
+  };
   for (int r = 0; r < 2; ++r) {
     std::vector<std::string> env;
     if (r == 1) env.push_back(StrCat("ULYSSES_FAILPOINTS=session.connect_handle=", fire));
@@ -621,8 +635,6 @@ TEST(SessionRounds, ARankThatCannotConnectFailsTheSessionOnEveryRankNamingIt) {
   EXPECT_EQ(errors[1], "");
   for (auto& s : opened) s->reset();
   for (auto& client : c) client.reset();
-  daemons.clear();
-  demo::RemoveRunDir(*dir);
 }
 
 // A launcher killed outright (the demo here; a bench or a test run past its timeout alike)
