@@ -363,6 +363,9 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
     if (fused) agreement_ = FusedAgreement(fused->geometry, fused->path);
     else if (IsHeadExchange(req_.kind())) agreement_ = SpecAgreement(geo);
     else agreement_ = StrCat("kind=", static_cast<int>(req_.kind()));
+    // The revision of the rounds that follow: a daemon that meets in other rounds disagrees
+    // in the first one, instead of waiting out a round the other never joins.
+    agreement_ = StrCat("rendezvous=2;", agreement_);
     id_ = d_->NextId();
     const uint64_t seq = g_->sessions_created.fetch_add(1);
     timeout_ = absl::Milliseconds(checked.timeout_ms);
