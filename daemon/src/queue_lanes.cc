@@ -39,12 +39,13 @@ QueueLanes::Member* QueueLanes::Lane::Idle(bool greatest, bool any) {
   return any ? other : nullptr;
 }
 
-QueueLanes::Member* QueueLanes::Hand(Member* m, Lane* lane) {
+bool QueueLanes::Lane::InSetup() const {
+  return std::any_of(members.begin(), members.end(), [](const Member& m) { return m.in_setup; });
+}
+
+QueueLanes::Member* QueueLanes::Hand(Member* m, bool in_lane) {
   m->in_use = true;
-  if (lane != nullptr) {
-    m->in_setup = true;
-    ++lane->in_setup;
-  }
+  m->in_setup = in_lane;
   if (!m->used) {
     m->used = true;
     ++streams_used_;
@@ -59,7 +60,7 @@ std::optional<void*> QueueLanes::TakeFreeLocked(StreamRole role) {
     // front).
     Member* m = made_.Idle(want_greatest, false);
     if (m == nullptr) return std::nullopt;
-    return Hand(m, nullptr)->stream;
+    return Hand(m, false)->stream;
   }
   // The free lane given back last (a lane never taken counts as given back first), preferring
   // one with a stream of the role's priority.
@@ -76,7 +77,7 @@ std::optional<void*> QueueLanes::TakeFreeLocked(StreamRole role) {
   }
   if (best == nullptr) return std::nullopt;
   ++best->in_use;
-  return Hand(best->Idle(want_greatest, true), best)->stream;
+  return Hand(best->Idle(want_greatest, true), true)->stream;
 }
 
 std::optional<void*> QueueLanes::TakeFree(StreamRole role) {
@@ -103,7 +104,7 @@ absl::StatusOr<void*> QueueLanes::Take(StreamRole role, void* apart) {
       // stream's, nor `apart`'s; a lane with a session in its setup only when every other is.
       Lane* least = nullptr;
       auto before = [](const Lane& a, const Lane& b) {
-        return std::make_pair(a.in_setup > 0, a.in_use) < std::make_pair(b.in_setup > 0, b.in_use);
+        return std::make_pair(a.InSetup(), a.in_use) < std::make_pair(b.InSetup(), b.in_use);
       };
       for (Lane& lane : lanes_) {
         if (lane.retired || lane.Idle(want_greatest, true) == nullptr) continue;
@@ -125,26 +126,30 @@ absl::StatusOr<void*> QueueLanes::Take(StreamRole role, void* apart) {
       }
       ++least->in_use;
       ++shared_;
-      return Hand(least->Idle(want_greatest, true), least)->stream;
+      return Hand(least->Idle(want_greatest, true), true)->stream;
     }
   }
   absl::StatusOr<void*> made = make_(want_greatest);
   if (!made.ok()) return made.status();
   std::lock_guard<std::mutex> lock(mu_);
   made_.members.insert(made_.members.begin(), Member{*made, want_greatest});
-  return Hand(&made_.members.front(), nullptr)->stream;
+  return Hand(&made_.members.front(), false)->stream;
+}
+
+std::pair<QueueLanes::Lane*, QueueLanes::Member*> QueueLanes::HandedLocked(void* stream) {
+  for (Lane& lane : lanes_)
+    for (Member& m : lane.members)
+      if (m.stream == stream && m.in_use) return {&lane, &m};
+  return {nullptr, nullptr};
 }
 
 void QueueLanes::Give(void* stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (Lane& lane : lanes_) {
-    for (Member& m : lane.members) {
-      if (m.stream != stream || !m.in_use) continue;
-      EndSetup(m, lane);
-      m.in_use = false;
-      if (--lane.in_use == 0) lane.given_back = ++order_;
-      return;
-    }
+  if (auto [lane, m] = HandedLocked(stream); m != nullptr) {
+    m->in_use = false;
+    m->in_setup = false;
+    if (--lane->in_use == 0) lane->given_back = ++order_;
+    return;
   }
   for (auto it = made_.members.begin(); it != made_.members.end(); ++it) {
     if (it->stream != stream || !it->in_use) continue;
@@ -157,30 +162,18 @@ void QueueLanes::Give(void* stream) {
   }
 }
 
-void QueueLanes::EndSetup(Member& m, Lane& lane) {
-  if (!m.in_setup) return;
-  m.in_setup = false;
-  --lane.in_setup;
-}
-
 void QueueLanes::SetupDone(void* stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (Lane& lane : lanes_)
-    for (Member& m : lane.members)
-      if (m.stream == stream && m.in_use) return EndSetup(m, lane);
+  if (Member* m = HandedLocked(stream).second) m->in_setup = false;
 }
 
 bool QueueLanes::Retire(void* stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (Lane& lane : lanes_) {
-    for (Member& m : lane.members) {
-      if (m.stream != stream || !m.in_use) continue;
-      EndSetup(m, lane);
-      lane.retired = true;
-      return true;
-    }
-  }
-  return false;
+  auto [lane, m] = HandedLocked(stream);
+  if (m == nullptr) return false;
+  m->in_setup = false;
+  lane->retired = true;
+  return true;
 }
 
 std::vector<void*> QueueLanes::AllStreams() const {

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -111,16 +112,17 @@ class QueueLanes {
   struct Lane {
     std::vector<Member> members;  // the queue's streams, in probe order
     int in_use = 0;
-    int in_setup = 0;  // members in their session's setup
     uint64_t given_back = 0;  // order of the last give-back to a free lane (0: never)
     bool retired = false;     // its queue is held by work that never ends (Retire)
     // The first idle member of `greatest` priority, else (`any`) the first idle one.
     Member* Idle(bool greatest, bool any);
+    // Whether a member handed out is still in its session's setup.
+    bool InSetup() const;
   };
-  // Marks `m` handed out, and in its setup (`lane`: its lane; null for a made stream).
-  Member* Hand(Member* m, Lane* lane);
-  // Ends `m`'s setup, if it is in one.
-  static void EndSetup(Member& m, Lane& lane);
+  // Marks `m` handed out, and in its setup when it is a lane's (`in_lane`).
+  Member* Hand(Member* m, bool in_lane);
+  // The lane and member of `stream`, handed out from a lane, or nulls. Caller holds mu_.
+  std::pair<Lane*, Member*> HandedLocked(void* stream);
   std::optional<void*> TakeFreeLocked(StreamRole role);
 
   mutable std::mutex mu_;
