@@ -42,15 +42,16 @@ TEST(FusedChunksTest, GemmRowCountsAreThoseThePathRuns) {
   EXPECT_EQ(FusedGemmRowCounts(16, 0, FusedPath::kAuto), V({16}));
 }
 
-// What LoadKernels loads for calls of up to `rows` rows: the counts at `rows` and at every power
-// of two below it, so that a call of any row count has a loaded count at most twice its own.
-TEST(FusedChunksTest, LoadRowCountsAreThePathsCountsAtEveryPowerOfTwoBelowTheRows) {
+// What LoadKernels loads for calls of up to `rows` rows: the counts at `rows`, at every power of
+// two below it and at 1.5 times each, so that a call of any row count has a loaded count at
+// most 1.5 times its own.
+TEST(FusedChunksTest, LoadRowCountsAreThePathsCountsAtEveryHalfOctaveBelowTheRows) {
   using V = std::vector<int64_t>;
   EXPECT_EQ(FusedGemmLoadRowCounts(1000, 0, FusedPath::kPerOperator),
-            V({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000}));
+            V({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1000}));
   // Up to 512 rows a chunked call is one chunk of all its rows.
   EXPECT_EQ(FusedGemmLoadRowCounts(1000, 0, FusedPath::kChunked),
-            V({1, 2, 4, 8, 16, 32, 64, 128, 256, 488, 512}));
+            V({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 488, 512}));
   EXPECT_EQ(FusedGemmLoadRowCounts(1000, 0, FusedPath::kEpilogue), V{});
   EXPECT_EQ(FusedGemmLoadRowCounts(1, 0, FusedPath::kAuto), V({1}));
   EXPECT_EQ(FusedGemmLoadRowCounts(2048, 0, FusedPath::kPerOperator).back(), 2048);
@@ -60,12 +61,12 @@ TEST(FusedChunksTest, LoadRowCountsAreThePathsCountsAtEveryPowerOfTwoBelowTheRow
       const V counts = FusedGemmLoadRowCounts(rows, 0, path);
       EXPECT_TRUE(std::is_sorted(counts.begin(), counts.end()));
       EXPECT_EQ(std::adjacent_find(counts.begin(), counts.end()), counts.end());
-      // Every count a call of up to `rows` rows runs has a loaded count within twice it.
+      // Every count a call of up to `rows` rows runs has a loaded count within 1.5 times it.
       for (int64_t r = 1; r <= rows; r = r < 64 ? r + 1 : r * 3 / 2) {
         for (int64_t m : FusedGemmRowCounts(r, 0, path)) {
           auto at = std::lower_bound(counts.begin(), counts.end(), m);
           ASSERT_NE(at, counts.end()) << "rows " << r << ", count " << m;
-          EXPECT_LE(*at, 2 * m) << "rows " << r << ", count " << m;
+          EXPECT_LE(2 * *at, 3 * m) << "rows " << r << ", count " << m;
         }
       }
       for (int64_t m : FusedGemmRowCounts(rows, 0, path))
