@@ -843,10 +843,12 @@ class GpuFusedBesideAWaitTest : public FusedGpuBase<int64_t> {
     ASSERT_TRUE(probe.ok()) << probe.status();
     std::cout << "hardware queues seen by 8 streams: " << probe->classes.size() << "\n";
     waiting_ = streams_[0];
+    class_of_ = probe->class_of;
     for (size_t i = 1; i < streams_.size(); ++i) {
       if (probe->class_of[i] == probe->class_of[0]) continue;
       if (run_ == nullptr) {
         run_ = streams_[i];
+        run_class_ = probe->class_of[i];
       } else if (side_ == nullptr) {
         side_ = streams_[i];
       }
@@ -907,6 +909,8 @@ class GpuFusedBesideAWaitTest : public FusedGpuBase<int64_t> {
   }
 
   std::vector<cudaStream_t> streams_;
+  std::vector<int> class_of_;  // the probe's queue class of each of streams_
+  int run_class_ = -1;
   cudaStream_t waiting_ = nullptr, run_ = nullptr, side_ = nullptr;
   uint64_t* gate_ = nullptr;
   uint64_t epoch_ = 0;
@@ -1104,6 +1108,123 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ACutlassProjectingPlansCallsRunBesideAWait
   RunBesideAWait(PlanCalls(*plan, b));
   EXPECT_EQ(plan->cublaslt_runs(), 0u) << "a call ran a cuBLASLt GEMM";
   plan.reset();
+}
+
+// How work on a second stream is ordered after the caller's stream, beside a stream waiting on
+// another hardware queue: by an event, by stream memory operations, each with the second stream
+// on the caller's queue and on a third one; then the chunked call with its second stream on
+// the caller's queue, on a third queue, and the caller's stream itself. Under MPS the chunked
+// call's GPU work was held back by such a wait while the per-operator call's was not; each
+// step here must end in time, and which ones do not says which ordering is held.
+class GpuSecondStreamBesideAWaitTest : public GpuFusedLoadedBesideAWaitTest {};
+
+TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBesideAWait) {
+  if (IsSkipped()) return;
+  ASSERT_NO_FATAL_FAILURE(MakeStreamsAndGate());
+  if (IsSkipped()) return;
+  cudaStream_t same = nullptr, other = nullptr;
+  for (size_t i = 1; i < streams_.size(); ++i) {
+    if (streams_[i] == run_ || class_of_[i] == class_of_[0]) continue;
+    if (class_of_[i] == run_class_) {
+      if (same == nullptr) same = streams_[i];
+    } else if (other == nullptr) {
+      other = streams_[i];
+    }
+  }
+  const bool cutlass = EpilogueRuns();
+  // Plans whose second stream is on the caller's queue, on a third queue, and the caller's
+  // stream itself: CUTLASS-projecting where the epilogue GEMM runs (no cuBLASLt kernel to
+  // load), else loaded up to their max_tokens.
+  struct SidePlan {
+    std::string where;
+    cudaStream_t side;
+    std::unique_ptr<FusedQkvPlan> plan;
+  };
+  std::vector<SidePlan> plans;
+  for (auto [where, side] : {std::pair<const char*, cudaStream_t>{"the caller's queue", same},
+                             {"a third queue", other},
+                             {"the caller's stream", run_}}) {
+    if (side == nullptr) {
+      std::cout << "no second stream on " << where << " among the probed streams\n";
+      continue;
+    }
+    cutlass_projection_ = cutlass;
+    std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0, false, side);
+    cutlass_projection_ = false;
+    ASSERT_NE(plan, nullptr);
+    if (!cutlass) {
+      ASSERT_TRUE(plan->LoadKernels(Rows(), FusedPath::kAuto, run_).ok());
+    }
+    plans.push_back(SidePlan{where, side, std::move(plan)});
+  }
+  const CallBuffers b(*this);
+  DeviceBuffer a(1 << 20), c(1 << 20);
+  DeviceBuffer word(std::vector<uint64_t>{0});
+  cudaEvent_t event = nullptr;
+  ASSERT_CUDA_OK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  auto cuda = [](cudaError_t e, const char* what) {
+    return e == cudaSuccess ? absl::OkStatus()
+                            : absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+  };
+  auto memset = [&](const DeviceBuffer& buf, cudaStream_t s) {
+    return cuda(cudaMemsetAsync(buf.as<void>(), 0, buf.bytes(), s), "cudaMemsetAsync");
+  };
+  auto by_event = [&](cudaStream_t from, cudaStream_t to) -> absl::Status {
+    ULY_RETURN_IF_ERROR(cuda(cudaEventRecord(event, from), "cudaEventRecord"));
+    return cuda(cudaStreamWaitEvent(to, event, 0), "cudaStreamWaitEvent");
+  };
+  uint64_t mark = 0;
+  auto by_memop = [&](cudaStream_t from, cudaStream_t to) -> absl::Status {
+    ++mark;
+    ULY_RETURN_IF_ERROR(ipc::cuda::StreamWrite64(from, word.as<uint64_t>(), mark));
+    return ipc::cuda::StreamWait64(to, word.as<uint64_t>(), mark);
+  };
+  const cudaStream_t run = run_;
+  Steps steps = {{"memset on the caller's stream", [&] { return memset(a, run); }}};
+  for (const SidePlan& p : plans) {
+    const cudaStream_t side = p.side;
+    if (side == run) continue;
+    steps.push_back({"memset on a stream on " + p.where, [&, side] { return memset(c, side); }});
+    steps.push_back({"memset, event, memset on " + p.where, [&, side]() -> absl::Status {
+                       ULY_RETURN_IF_ERROR(memset(a, run));
+                       ULY_RETURN_IF_ERROR(by_event(run, side));
+                       return memset(c, side);
+                     }});
+    steps.push_back({"memset on " + p.where + ", event back, memset", [&, side]() -> absl::Status {
+                       ULY_RETURN_IF_ERROR(memset(c, side));
+                       ULY_RETURN_IF_ERROR(by_event(side, run));
+                       return memset(a, run);
+                     }});
+    steps.push_back({"memset, stream memory ops, memset on " + p.where,
+                     [&, side]() -> absl::Status {
+                       ULY_RETURN_IF_ERROR(memset(a, run));
+                       ULY_RETURN_IF_ERROR(by_memop(run, side));
+                       return memset(c, side);
+                     }});
+    steps.push_back({"projection, event, memset on " + p.where,
+                     [&, side, plan = p.plan.get()]() -> absl::Status {
+                       ULY_RETURN_IF_ERROR(plan->RunProjection(b.x, Rows(), run));
+                       ULY_RETURN_IF_ERROR(by_event(run, side));
+                       return memset(c, side);
+                     }});
+  }
+  for (const SidePlan& p : plans) {
+    FusedQkvPlan* plan = p.plan.get();
+    steps.push_back({"per_operator call, second stream " + p.where, [&, plan] {
+                       return plan->RunPerOperator(b.x, b.pos, 1, Rows(), b.dests, run);
+                     }});
+    steps.push_back({"chunked call, second stream " + p.where, [&, plan] {
+                       return plan->RunChunked(b.x, b.pos, 1, Rows(), b.dests, run);
+                     }});
+  }
+  std::cout << "projection on " << (cutlass ? "the CUTLASS GEMM" : "loaded cuBLASLt kernels")
+            << "; queue classes of the 8 streams:";
+  for (int k : class_of_) std::cout << " " << k;
+  std::cout << "\n";
+  RunBesideAWait(steps);
+  plans.clear();
+  cudaEventDestroy(event);
 }
 
 INSTANTIATE_TEST_SUITE_P(Rows, GpuFusedBesideAWaitTest, ::testing::Values(16, 2048),
