@@ -7,6 +7,7 @@
 #include <iostream>
 #include <limits>
 #include <optional>
+#include <string_view>
 #include <thread>
 
 #include "CLI/CLI.hpp"
@@ -14,6 +15,7 @@
 #include "absl/debugging/symbolize.h"
 #include "daemon.h"
 #include "flags.h"
+#include "transport.h"
 #include "ulysses/common/cli.h"
 #include "ulysses/common/config.h"
 #include "ulysses/common/logging.h"
@@ -22,6 +24,9 @@
 constexpr int kExitDeviceLost = 3;
 
 int main(int argc, char** argv) {
+  // The nccl backend's bootstrap-root helper, a child of a daemon: nothing else of the daemon.
+  if (argc == 2 && std::string_view(argv[1]) == ulysses::daemon::kNcclRootHelperArg)
+    return ulysses::daemon::RunNcclRootHelper();
   // A fatal signal prints the faulting thread's stack on stderr before the process dies.
   absl::InitializeSymbolizer(argv[0]);
   absl::InstallFailureSignalHandler(absl::FailureSignalHandlerOptions());

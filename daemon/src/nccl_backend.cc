@@ -10,15 +10,20 @@
 // only with CUDA and NCCL.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <thread>
 
 #include "absl/strings/escaping.h"
 #include "call_views.h"
 #include "fused_runner.h"
+#include "helper_process.h"
 #include "out_write_cuda.h"
 #include "transport.h"
 #include "ulysses/common/logging.h"
@@ -49,6 +54,9 @@ absl::Status NcclStatus(const char* what, ncclResult_t r, ncclComm_t comm) {
 }
 
 absl::Status UseDevice(int device) { return CudaStatus("cudaSetDevice", cudaSetDevice(device)); }
+
+// How long rank 0 waits for its bootstrap-root helper to start and answer.
+constexpr absl::Duration kRootAnswerWithin = absl::Seconds(30);
 
 // Slots and staged blocks are 256-byte aligned (the pack and unpack kernels need 16).
 constexpr uint64_t kAlign = 256;
@@ -180,14 +188,27 @@ class NcclTransport final : public Transport {
   }
 
   // Rank 0 makes the unique id here, once every rank has mapped its peers (the second round
-  // passed): making it starts NCCL's bootstrap root (a thread and a listening socket), which
-  // lives until every rank has joined the communicator.
+  // passed). Making it starts NCCL's bootstrap root (a thread and a listening socket), which
+  // lives until every rank has joined the communicator, and a rank may fail before it joins:
+  // so the root runs in a helper process of this daemon, ended once this rank's Connect is
+  // over or the transport goes, whatever happened.
   bool HasConnectHandle() const override { return true; }
   absl::StatusOr<std::string> ConnectHandle() override {
     if (setup_.geometry.rank != 0) return std::string();
-    ULY_RETURN_IF_ERROR(UseDevice(device_));
-    ULY_RETURN_IF_ERROR(NcclStatus("ncclGetUniqueId", ncclGetUniqueId(&id_), nullptr));
-    return absl::BytesToHexString(absl::string_view(id_.internal, sizeof id_.internal));
+    ULY_ASSIGN_OR_RETURN(root_, HelperProcess::Start({SelfExecutable(), kNcclRootHelperArg},
+                                                     kRootAnswerWithin));
+    const std::string& answer = root_.answer();
+    const std::string hex = answer.rfind("ok ", 0) == 0 ? answer.substr(3) : std::string();
+    if (hex.size() != 2 * sizeof id_.internal || !IsHex(hex)) {
+      root_.Stop();
+      return absl::FailedPreconditionError(
+          StrCat("NCCL bootstrap root: ",
+                 answer.rfind("error ", 0) == 0 ? answer.substr(6)
+                                                : StrCat("unexpected answer \"", answer, "\"")));
+    }
+    const std::string bytes = absl::HexStringToBytes(hex);
+    std::memcpy(id_.internal, bytes.data(), sizeof id_.internal);
+    return hex;
   }
 
   absl::Status Connect(const std::vector<std::string>&,
@@ -210,13 +231,18 @@ class NcclTransport final : public Transport {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     const ncclResult_t r = ncclCommInitRankConfig(&comm_, W, id_, me, &config);
+    absl::Status joined;
     if (r != ncclSuccess && r != ncclInProgress) {
-      absl::Status s = NcclStatus("ncclCommInitRankConfig", r, comm_);
+      joined = NcclStatus("ncclCommInitRankConfig", r, comm_);
       AbortComm();
-      return s;
+    } else {
+      joined = WaitComm("ncclCommInitRank (every rank joining the communicator)",
+                        absl::Now() + timeout);
     }
-    return WaitComm("ncclCommInitRank (every rank joining the communicator)",
-                    absl::Now() + timeout);
+    // Rank 0's init is complete only once every rank has had its ring neighbour from the
+    // root: the root's work is over either way.
+    root_.Stop();
+    return joined;
   }
 
   absl::Status Push(const CallPlan&, const CallOperands&, int, int) override {
@@ -475,6 +501,7 @@ class NcclTransport final : public Transport {
   cudaStream_t stream_ = nullptr;   // a lane of the device (also a fused plan's second stream)
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   ncclUniqueId id_{};  // rank 0's, made in ConnectHandle; the others' from its connect handle
+  HelperProcess root_;  // rank 0's NCCL bootstrap root, from ConnectHandle to Connect's end
   ncclComm_t comm_ = nullptr;
   absl::Time deadline_ = absl::InfinitePast();
   // The epoch the transport works on: its waits end when a peer left before completing it.
@@ -533,6 +560,32 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeNcclBackend(int device, absl::Durat
   ULY_RETURN_IF_ERROR(NcclStatus("ncclGetVersion", ncclGetVersion(&version), nullptr));
   Logger("main")->info("device {}: NCCL {} (nccl backend)", device, NcclVersion());
   return std::unique_ptr<Backend>(new NcclBackend(device, call_timeout, std::move(device_backend)));
+}
+
+int RunNcclRootHelper() {
+  // NCCL's own messages go to standard output; the answer gets a descriptor of its own and
+  // standard output becomes standard error.
+  const int answer_fd = dup(1);
+  if (answer_fd < 0 || dup2(2, 1) < 0) return 1;
+  FILE* answer = fdopen(answer_fd, "w");
+  if (answer == nullptr) return 1;
+  ncclUniqueId id{};
+  if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {
+    std::fprintf(answer, "error ncclGetUniqueId: %s\n", ncclGetErrorString(r));
+    std::fclose(answer);
+    return 1;
+  }
+  std::fprintf(answer, "ok %s\n",
+               absl::BytesToHexString(absl::string_view(id.internal, sizeof id.internal)).c_str());
+  std::fflush(answer);
+  // The root's thread serves the ranks until this daemon closes standard input.
+  char buf[64];
+  for (;;) {
+    const ssize_t n = read(0, buf, sizeof buf);
+    if (n == 0 || (n < 0 && errno != EINTR)) break;
+  }
+  // Not a return from main: no static destructor runs under the root's thread.
+  std::_Exit(0);
 }
 
 }  // namespace ulysses::daemon

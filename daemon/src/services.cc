@@ -506,6 +506,8 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
     if (session_->NeedsConnectHandles()) {
       ULY_ASSIGN_OR_RETURN(connect, Round("/connect", session_->ConnectPayload()));
     }
+    if (FailpointFired("session.connect_transport"))
+      return absl::InternalError("the failpoint session.connect_transport fired");
     return session_->ConnectTransport(connect, timeout_);
   }
 

@@ -284,4 +284,13 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* 
 absl::StatusOr<std::unique_ptr<Backend>> MakeNcclBackend(int device, absl::Duration call_timeout,
                                                          std::unique_ptr<Backend> device_backend);
 
+/// The argument that starts ulyssesd as the nccl backend's bootstrap-root helper.
+inline constexpr char kNcclRootHelperArg[] = "--nccl-root-helper";
+
+/// The helper's whole run (`ulyssesd --nccl-root-helper`): makes an NCCL unique id, which
+/// starts NCCL's bootstrap root (a thread and a listening socket) in this process, writes
+/// "ok <id in hex>" or "error <why>" as one line on standard output, and returns once standard
+/// input is closed (its daemon is done with the root, or gone). Returns the exit status.
+int RunNcclRootHelper();
+
 }  // namespace ulysses::daemon

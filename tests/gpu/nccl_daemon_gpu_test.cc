@@ -7,14 +7,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <set>
-#include <sstream>
 #include <functional>
 #include <thread>
 
 #include "cluster_util.h"
 #include "gpu_workload.h"
 #include "gtest/gtest.h"
+#include "proc_util.h"
 #include "ulysses/client/client.h"
 #include "ulysses/common/session_layout.h"
 #include "ulysses/common/strings.h"
@@ -167,38 +166,19 @@ TEST_F(NcclCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
   }
 }
 
-// Listening TCP sockets (IPv4 and IPv6) among the descriptors of process `pid`. The daemons
-// talk over unix sockets; NCCL's bootstrap (its root, each rank's own) listens on TCP.
-int ListeningTcpSockets(pid_t pid) {
-  std::set<std::string> inodes;  // "socket:[N]" of the process's descriptors
-  std::error_code ec;
-  for (const auto& fd : std::filesystem::directory_iterator(StrCat("/proc/", pid, "/fd"), ec)) {
-    std::error_code link_ec;
-    const std::string target = std::filesystem::read_symlink(fd.path(), link_ec).string();
-    if (!link_ec && target.rfind("socket:[", 0) == 0)
-      inodes.insert(target.substr(8, target.size() - 9));
-  }
-  int n = 0;
-  for (const char* table : {"tcp", "tcp6"}) {
-    std::ifstream in(StrCat("/proc/", pid, "/net/", table));
-    std::string line;
-    std::getline(in, line);  // the header
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
-      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
-          timeout >> inode;
-      if (state == "0A" && inodes.count(inode) > 0) ++n;  // 0A: LISTEN
-    }
-  }
+// Listening TCP sockets of process `pid` and of its children (rank 0's daemon runs NCCL's
+// bootstrap root in a helper process).
+int ListeningWithChildren(pid_t pid) {
+  int n = testing_util::ListeningTcpSockets(pid);
+  for (pid_t child : testing_util::ChildrenOf(pid)) n += testing_util::ListeningTcpSockets(child);
   return n;
 }
 
 // A session some rank fails to create (here the ranks disagree on its arguments) makes no
 // NCCL unique id: making one starts NCCL's bootstrap root, a thread listening on a TCP socket
-// until every rank has joined, which would be there for the process's life. Rank 0's daemon
-// listens on as many TCP sockets after such failures as before; a session that opens then
-// does listen on more (NCCL's bootstrap), so the count can see them.
+// until every rank has joined. Rank 0's daemon and its children listen on as many TCP sockets
+// after such failures as before, and it has no child left; a session that opens then does
+// listen on more (NCCL's bootstrap), so the count can see them.
 TEST_F(NcclCluster, ASessionSomeRankCouldNotCreateLeavesNoNcclListenerBehind) {
   Start(2);
   std::vector<std::unique_ptr<client::Client>> clients;
@@ -206,7 +186,7 @@ TEST_F(NcclCluster, ASessionSomeRankCouldNotCreateLeavesNoNcclListenerBehind) {
   std::vector<client::Group> groups = JoinAll(clients, "bootstrap");
   ASSERT_EQ(groups.size(), 2u);
   const pid_t rank0 = daemons_[0].pid();
-  const int before = ListeningTcpSockets(rank0);
+  const int before = ListeningWithChildren(rank0);
   for (int attempt = 0; attempt < 3; ++attempt) {
     const std::vector<std::string> errors = OnEveryRank(2, [&](int r) -> std::string {
       // The ranks disagree on num_slots: every rank's CreateSession fails.
@@ -217,11 +197,60 @@ TEST_F(NcclCluster, ASessionSomeRankCouldNotCreateLeavesNoNcclListenerBehind) {
     ASSERT_EQ(errors[0], "") << "attempt " << attempt;
     ASSERT_EQ(errors[1], "") << "attempt " << attempt;
   }
-  EXPECT_EQ(ListeningTcpSockets(rank0), before);
+  EXPECT_EQ(ListeningWithChildren(rank0), before);
+  EXPECT_TRUE(testing_util::ChildrenOf(rank0).empty());
   std::vector<std::unique_ptr<client::Session>> sessions =
       CreateAll(clients, groups, {8, 64, DType::kBFloat16, 64, 2, {}, 0});
   ASSERT_EQ(sessions.size(), 2u);
-  EXPECT_GT(ListeningTcpSockets(rank0), before) << "an open nccl session listens on no TCP socket";
+  EXPECT_GT(ListeningWithChildren(rank0), before)
+      << "an open nccl session listens on no TCP socket";
+  // The root's helper is over once the communicator is made.
+  EXPECT_TRUE(testing_util::ChildrenOf(rank0).empty());
+  for (auto& s : sessions) EXPECT_TRUE(s->Close().ok());
+}
+
+// A rank that fails after rank 0 made the unique id (the failpoint session.connect_transport
+// fires on rank 1 after the third round: it never joins the communicator) fails the session
+// on both ranks, rank 0's within its timeout, and leaves rank 0 with no bootstrap root: its
+// helper process is gone and no TCP socket more listens. Then a session opens and calls.
+TEST_F(NcclCluster, ARankFailingAfterTheUniqueIdLeavesNoBootstrapRootBehind) {
+  const std::string fire = StrCat(testing::TempDir(), "/connect_transport_", getpid());
+  std::filesystem::remove(fire);
+  env_ = [fire](int r) {
+    std::vector<std::string> env{StrCat("NCCL_HOSTID=ulysses-test-", r)};
+    if (r == 1) env.push_back(StrCat("ULYSSES_FAILPOINTS=session.connect_transport=", fire));
+    return env;
+  };
+  Start(2);
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int r = 0; r < 2; ++r) clients.push_back(Connect(r, "late"));
+  std::vector<client::Group> groups = JoinAll(clients, "late");
+  ASSERT_EQ(groups.size(), 2u);
+  const pid_t rank0 = daemons_[0].pid();
+  const int before = ListeningWithChildren(rank0);
+  { std::ofstream(fire) << "fire"; }
+  const std::vector<std::string> errors = OnEveryRank(2, [&](int r) -> std::string {
+    const client::SessionSpec spec{8, 64, DType::kBFloat16, 64, 2, {}, 3000};
+    auto s = clients[r]->CreateSession(groups[r], spec);
+    return s.ok() ? std::string("created") : s.status().ToString();
+  });
+  std::filesystem::remove(fire);
+  EXPECT_NE(errors[0], "created");
+  EXPECT_NE(errors[1].find("connect_transport"), std::string::npos) << errors[1];
+  EXPECT_EQ(ListeningWithChildren(rank0), before);
+  EXPECT_TRUE(testing_util::ChildrenOf(rank0).empty());
+  std::vector<std::unique_ptr<client::Session>> sessions =
+      CreateAll(clients, groups, {8, 64, DType::kBFloat16, 64, 2, {}, 0});
+  ASSERT_EQ(sessions.size(), 2u);
+  const std::vector<std::string> calls = OnEveryRank(2, [&](int r) -> std::string {
+    auto x = clients[r]->AllocBuffer(64 * 8 * 64 * 2, "x");
+    auto out = clients[r]->AllocBuffer(64 * 8 * 64 * 2, "out");
+    if (!x.ok() || !out.ok()) return "alloc";
+    auto res = sessions[r]->ScatterHeads(x->Ref(), 1, 64, out->Ref());
+    return res.ok() ? "" : res.status().ToString();
+  });
+  EXPECT_EQ(calls[0], "");
+  EXPECT_EQ(calls[1], "");
   for (auto& s : sessions) EXPECT_TRUE(s->Close().ok());
 }
 
