@@ -25,7 +25,8 @@ class HelperProcess {
   ~HelperProcess() { Stop(); }
 
   /// Starts `argv` (argv[0] is the program's path), its standard input and output pipes to
-  /// this process, its standard error this process's, and reads its first line. A program
+  /// this process, its standard error this process's, and reads its first line; the program
+  /// must write nothing more on its standard output (its end is closed after the line). A program
   /// that cannot start, that exits or closes its output before a whole line, or that does not
   /// write one within `answer_within` (then it is killed), is an error naming argv[0] and,
   /// where it exited, its status and what it wrote; it is reaped before the error returns.
