@@ -817,6 +817,9 @@ class GpuFusedBesideAWaitTest : public FusedGpuBase<int64_t> {
     // until every stream of the device is idle (which is why a daemon's session loads its
     // kernels when it opens). Reported, not asserted; every other step must end in time.
     bool first_launch = false;
+    // An ordering this library does not use, run to show how the platform behaves: reported,
+    // not asserted.
+    bool reported_only = false;
   };
   using Steps = std::vector<Step>;
 
@@ -895,12 +898,12 @@ class GpuFusedBesideAWaitTest : public FusedGpuBase<int64_t> {
       // A step that waited either held its host call (a device-wide wait inside a library) or
       // put work on its streams that waited for the other stream.
       std::cout << "step " << steps[i].name << (steps[i].first_launch ? " (first launch)" : "")
-                << ": "
+                << (steps[i].reported_only ? " (reported only)" : "") << ": "
                 << (in_time         ? "in time"
                     : host_returned ? "WAITED (the host call had returned; its GPU work waited)"
                                     : "WAITED (the host call itself was held)")
                 << "\n";
-      EXPECT_TRUE(in_time || steps[i].first_launch)
+      EXPECT_TRUE(in_time || steps[i].first_launch || steps[i].reported_only)
           << steps[i].name << " waited for the other stream's wait";
       EXPECT_TRUE(status.ok()) << steps[i].name << ": " << status;
       if (!status.ok()) break;  // the steps after it need it
@@ -1114,8 +1117,10 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ACutlassProjectingPlansCallsRunBesideAWait
 // another hardware queue: by an event, by stream memory operations, each with the second stream
 // on the caller's queue and on a third one; then the chunked call with its second stream on
 // the caller's queue, on a third queue, and the caller's stream itself. Under MPS the chunked
-// call's GPU work was held back by such a wait while the per-operator call's was not; each
-// step here must end in time, and which ones do not says which ordering is held.
+// call's GPU work, when its streams were ordered by events, was held back by such a wait while
+// the per-operator call's was not; it is now ordered by stream memory operations. Every step
+// must end in time except those ordered by events, which no path uses any more: they are
+// reported, to show what the platform does.
 class GpuSecondStreamBesideAWaitTest : public GpuFusedLoadedBesideAWaitTest {};
 
 TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBesideAWait) {
@@ -1186,16 +1191,20 @@ TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBeside
     const cudaStream_t side = p.side;
     if (side == run) continue;
     steps.push_back({"memset on a stream on " + p.where, [&, side] { return memset(c, side); }});
-    steps.push_back({"memset, event, memset on " + p.where, [&, side]() -> absl::Status {
+    steps.push_back({"memset, event, memset on " + p.where,
+                     [&, side]() -> absl::Status {
                        ULY_RETURN_IF_ERROR(memset(a, run));
                        ULY_RETURN_IF_ERROR(by_event(run, side));
                        return memset(c, side);
-                     }});
-    steps.push_back({"memset on " + p.where + ", event back, memset", [&, side]() -> absl::Status {
+                     },
+                     false, true});
+    steps.push_back({"memset on " + p.where + ", event back, memset",
+                     [&, side]() -> absl::Status {
                        ULY_RETURN_IF_ERROR(memset(c, side));
                        ULY_RETURN_IF_ERROR(by_event(side, run));
                        return memset(a, run);
-                     }});
+                     },
+                     false, true});
     steps.push_back({"memset, stream memory ops, memset on " + p.where,
                      [&, side]() -> absl::Status {
                        ULY_RETURN_IF_ERROR(memset(a, run));
@@ -1206,6 +1215,13 @@ TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBeside
                      [&, side, plan = p.plan.get()]() -> absl::Status {
                        ULY_RETURN_IF_ERROR(plan->RunProjection(b.x, Rows(), run));
                        ULY_RETURN_IF_ERROR(by_event(run, side));
+                       return memset(c, side);
+                     },
+                     false, true});
+    steps.push_back({"projection, stream memory ops, memset on " + p.where,
+                     [&, side, plan = p.plan.get()]() -> absl::Status {
+                       ULY_RETURN_IF_ERROR(plan->RunProjection(b.x, Rows(), run));
+                       ULY_RETURN_IF_ERROR(by_memop(run, side));
                        return memset(c, side);
                      }});
   }
