@@ -18,27 +18,31 @@ extern char** environ;
 namespace ulysses::daemon {
 namespace {
 
-// How a reaped child ended, for an error message.
+// How a reaped child ended (its wait status, -1 where it could not be reaped), for a message.
 std::string Ended(int status) {
+  if (status == -1) return "ended (its status could not be read)";
   if (WIFEXITED(status)) return StrCat("exited with status ", WEXITSTATUS(status));
   if (WIFSIGNALED(status)) return StrCat("was killed by signal ", WTERMSIG(status));
   return "ended";
 }
 
-// Waits for `pid` to end, up to `grace` (then kills it), and reaps it; returns its status.
+// Waits for `pid` to end, up to `grace` (then kills it), and reaps it; returns its wait status,
+// or -1 where waitpid failed.
 int Reap(pid_t pid, absl::Duration grace) {
   int status = 0;
   const absl::Time give_up = absl::Now() + grace;
   for (;;) {
     const pid_t r = waitpid(pid, &status, WNOHANG);
-    if (r == pid || (r < 0 && errno != EINTR)) return status;
+    if (r == pid) return status;
+    if (r < 0 && errno != EINTR) return -1;
     if (absl::Now() >= give_up) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   kill(pid, SIGKILL);
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  for (;;) {
+    if (waitpid(pid, &status, 0) == pid) return status;
+    if (errno != EINTR) return -1;
   }
-  return status;
 }
 
 }  // namespace
@@ -77,12 +81,24 @@ absl::StatusOr<HelperProcess> HelperProcess::Start(const std::vector<std::string
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, in_read.get(), 0);
   posix_spawn_file_actions_adddup2(&actions, out_write.get(), 1);
+  // The daemon blocks its stop signals (a thread of its own takes them) and ignores SIGPIPE;
+  // the helper starts with no signal blocked and those at their defaults.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int sig : {SIGPIPE, SIGTERM, SIGINT, SIGHUP}) sigaddset(&defaults, sig);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   HelperProcess helper;
-  const int spawned = posix_spawn(&helper.pid_, program.c_str(), &actions, nullptr, args.data(),
+  const int spawned = posix_spawn(&helper.pid_, program.c_str(), &actions, &attr, args.data(),
                                   environ);
+  posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&actions);
   if (spawned != 0) {
     helper.pid_ = -1;
@@ -111,13 +127,19 @@ absl::StatusOr<HelperProcess> HelperProcess::Start(const std::vector<std::string
     }
     pollfd p{out_read.get(), POLLIN, 0};
     const int ready = poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1);
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) continue;  // the deadline check above ends it
+    if (ready < 0 && errno != EINTR) {
+      const std::string why = std::strerror(errno);
+      helper.Stop(absl::ZeroDuration());
+      return absl::InternalError(StrCat("poll on ", program, "'s output: ", why));
+    }
+    if (ready <= 0) continue;  // interrupted, or the deadline check above ends it
     char buf[512];
     const ssize_t n = read(out_read.get(), buf, sizeof buf);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      // It closed its output without a whole line: it has exited, or will.
+      // It closed its output without a whole line: it has exited, or will (its input closed
+      // too, as a helper told to end).
+      helper.stdin_.reset();
       const int status = Reap(helper.pid_, absl::Seconds(1));
       helper.pid_ = -1;
       return absl::FailedPreconditionError(
@@ -128,11 +150,12 @@ absl::StatusOr<HelperProcess> HelperProcess::Start(const std::vector<std::string
   }
 }
 
-void HelperProcess::Stop(absl::Duration grace) {
+int HelperProcess::Stop(absl::Duration grace) {
   stdin_.reset();
-  if (pid_ <= 0) return;
-  Reap(pid_, grace);
+  if (pid_ <= 0) return -1;
+  const int status = Reap(pid_, grace);
   pid_ = -1;
+  return status;
 }
 
 std::string SelfExecutable() { return "/proc/self/exe"; }

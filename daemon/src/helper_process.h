@@ -22,7 +22,7 @@ class HelperProcess {
   HelperProcess& operator=(HelperProcess&& other) noexcept;
   HelperProcess(const HelperProcess&) = delete;
   HelperProcess& operator=(const HelperProcess&) = delete;
-  ~HelperProcess() { Stop(); }
+  ~HelperProcess() { (void)Stop(); }
 
   /// Starts `argv` (argv[0] is the program's path), its standard input and output pipes to
   /// this process, its standard error this process's, and reads its first line; the program
@@ -39,8 +39,9 @@ class HelperProcess {
   bool running() const { return pid_ > 0; }
 
   /// Closes its standard input, which tells it to exit; kills it if it has not within
-  /// `grace`; reaps it. Idempotent.
-  void Stop(absl::Duration grace = absl::Seconds(1));
+  /// `grace`; reaps it. Returns its wait status (waitpid's), or -1 where there was no child
+  /// to reap (already stopped) or waitpid failed. Idempotent.
+  int Stop(absl::Duration grace = absl::Seconds(1));
 
  private:
   pid_t pid_ = -1;

@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/escaping.h"
 #include "call_views.h"
 #include "fused_runner.h"
@@ -215,6 +216,9 @@ class NcclTransport final : public Transport {
                        const std::vector<std::string>& connect_handles,
                        const std::vector<uint8_t*>& /*peer_segments*/,
                        absl::Duration timeout) override {
+    // Rank 0's init is complete only once every rank has had its ring neighbour from the
+    // root: the root's work is over when this returns, whatever happened.
+    absl::Cleanup stop_root = [this] { root_.Stop(); };
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     const int W = setup_.geometry.world_size;
     const int me = setup_.geometry.rank;
@@ -231,18 +235,13 @@ class NcclTransport final : public Transport {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     const ncclResult_t r = ncclCommInitRankConfig(&comm_, W, id_, me, &config);
-    absl::Status joined;
     if (r != ncclSuccess && r != ncclInProgress) {
-      joined = NcclStatus("ncclCommInitRankConfig", r, comm_);
+      absl::Status s = NcclStatus("ncclCommInitRankConfig", r, comm_);
       AbortComm();
-    } else {
-      joined = WaitComm("ncclCommInitRank (every rank joining the communicator)",
-                        absl::Now() + timeout);
+      return s;
     }
-    // Rank 0's init is complete only once every rank has had its ring neighbour from the
-    // root: the root's work is over either way.
-    root_.Stop();
-    return joined;
+    return WaitComm("ncclCommInitRank (every rank joining the communicator)",
+                    absl::Now() + timeout);
   }
 
   absl::Status Push(const CallPlan&, const CallOperands&, int, int) override {

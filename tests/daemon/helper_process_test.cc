@@ -2,10 +2,13 @@
 // every path reaped; and ulyssesd's own NCCL bootstrap-root helper mode.
 #include "helper_process.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/wait.h>
 
 #include <cerrno>
+#include <cstdint>
+#include <string>
 
 #include "gtest/gtest.h"
 #include "proc_util.h"
@@ -21,17 +24,46 @@ std::vector<std::string> Sh(const std::string& script) { return {"/bin/sh", "-c"
 
 TEST(HelperProcessTest, AnswersItsFirstLineAndEndsWhenItsInputCloses) {
   absl::StatusOr<HelperProcess> h =
-      HelperProcess::Start(Sh("echo 'ok 1234'; echo more; cat >/dev/null; exit 0"),
-                           absl::Seconds(20));
+      HelperProcess::Start(Sh("echo 'ok 1234'; cat >/dev/null; exit 7"), absl::Seconds(20));
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_EQ(h->answer(), "ok 1234");
   const pid_t pid = h->pid();
   EXPECT_TRUE(h->running());
   EXPECT_TRUE(Exists(pid));
-  h->Stop();
+  // It ends on its own once its input closes (the status is its own, not a kill's), well
+  // within a grace that ctest's timeout alone bounds.
+  const int status = h->Stop(absl::Seconds(60));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 7) << "wait status " << status;
   EXPECT_FALSE(h->running());
   EXPECT_FALSE(Exists(pid)) << "the helper was not reaped";
-  h->Stop();  // idempotent
+  EXPECT_EQ(h->Stop(), -1);  // idempotent
+}
+
+// The daemon blocks its stop signals and ignores SIGPIPE; a helper starts with neither.
+TEST(HelperProcessTest, AHelperStartsWithNoSignalBlockedAndSigpipeAtItsDefault) {
+  sigset_t block, old;
+  sigemptyset(&block);
+  sigaddset(&block, SIGTERM);
+  ASSERT_EQ(pthread_sigmask(SIG_BLOCK, &block, &old), 0);
+  struct sigaction ignore {}, old_pipe {};
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(sigaction(SIGPIPE, &ignore, &old_pipe), 0);
+  // SigBlk and SigIgn of /proc/self/status, in hex: SIGTERM is bit 14, SIGPIPE bit 12.
+  absl::StatusOr<HelperProcess> h = HelperProcess::Start(
+      Sh("echo \"$(grep -E '^Sig(Blk|Ign)' /proc/self/status | tr -d '\\t\\n ')\"; cat >/dev/null"),
+      absl::Seconds(20));
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  sigaction(SIGPIPE, &old_pipe, nullptr);
+  ASSERT_TRUE(h.ok()) << h.status();
+  const std::string& line = h->answer();
+  const size_t blk = line.find("SigBlk:"), ign = line.find("SigIgn:");
+  ASSERT_NE(blk, std::string::npos) << line;
+  ASSERT_NE(ign, std::string::npos) << line;
+  const uint64_t blocked = std::stoull(line.substr(blk + 7, 16), nullptr, 16);
+  const uint64_t ignored = std::stoull(line.substr(ign + 7, 16), nullptr, 16);
+  EXPECT_EQ(blocked & (uint64_t{1} << (SIGTERM - 1)), 0u) << line;
+  EXPECT_EQ(ignored & (uint64_t{1} << (SIGPIPE - 1)), 0u) << line;
+  h->Stop();
 }
 
 TEST(HelperProcessTest, OneThatExitsBeforeAnsweringIsAnErrorWithItsStatusAndIsReaped) {
@@ -45,7 +77,8 @@ TEST(HelperProcessTest, OneThatExitsBeforeAnsweringIsAnErrorWithItsStatusAndIsRe
 }
 
 TEST(HelperProcessTest, OneThatDoesNotAnswerInTimeIsKilledAndReaped) {
-  absl::StatusOr<HelperProcess> h = HelperProcess::Start(Sh("exec sleep 60"), absl::Milliseconds(200));
+  absl::StatusOr<HelperProcess> h =
+      HelperProcess::Start(Sh("exec sleep 60"), absl::Milliseconds(200));
   ASSERT_FALSE(h.ok());
   EXPECT_EQ(h.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_NE(h.status().message().find("/bin/sh"), std::string::npos) << h.status();

@@ -881,10 +881,12 @@ class GpuFusedBesideAWaitTest : public FusedGpuBase<int64_t> {
       std::thread worker([&] {
         status = steps[i].run();
         returned = true;
-        const cudaError_t on_run = idle(run_), on_side = idle(side_);
-        if (status.ok() && (on_run != cudaSuccess || on_side != cudaSuccess))
-          status =
-              absl::InternalError(cudaGetErrorString(on_run != cudaSuccess ? on_run : on_side));
+        // Every stream a step may use (all but the waiting one) must be idle.
+        for (cudaStream_t st : streams_) {
+          if (st == waiting_) continue;
+          const cudaError_t e = idle(st);
+          if (status.ok() && e != cudaSuccess) status = absl::InternalError(cudaGetErrorString(e));
+        }
         finished = true;
       });
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(8);

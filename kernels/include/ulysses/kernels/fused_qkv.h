@@ -108,10 +108,10 @@ int64_t EpilogueChunkRows(int64_t rows, int64_t chunk_rows);
 
 /// Owns everything a call needs: the GEMM (descriptors, workspace), the [max_tokens, 3*H*D]
 /// projection buffer, the second stream, the words that order it and the block counters.
-/// Create allocates; a call of a prepared row count allocates nothing. Not thread-safe: calls are issued by one
-/// thread, and a plan's calls must be ordered on one caller stream (each call waits for its
-/// own second-stream work before it returns control to the stream). Destroy only after the
-/// enqueued work has completed.
+/// Create allocates; a call of a prepared row count allocates nothing. Not thread-safe: calls
+/// are issued by one thread, and a plan's calls must be ordered on one caller stream (each
+/// call waits for its own second-stream work before it returns control to the stream).
+/// Destroy only after the enqueued work has completed.
 class FusedQkvPlan {
  public:
   /// Validates the config (the rules of ValidateFusedGeometry for FusedImpl::kCuda, weights
