@@ -20,19 +20,8 @@ inline absl::Status CudaError(absl::string_view call, cudaError_t err, absl::str
                                           cudaGetErrorString(err), ") at ", file, ":", line));
 }
 
-/// A driver function through its entry point (the kernels target links the runtime only), or
-/// null where the driver has none.
-inline void* DriverEntryPoint(const char* name) {
-  void* p = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) !=
-          cudaSuccess ||
-      found != cudaDriverEntryPointSuccess)
-    return nullptr;
-  return p;
-}
-
-/// The driver's current-context calls, through its entry points (resolved once).
+/// The driver's current-context calls, through its entry points (resolved once): the kernels
+/// target links the runtime only.
 struct ContextCalls {
   CUresult (*get)(CUcontext*) = nullptr;
   CUresult (*set)(CUcontext) = nullptr;
@@ -40,28 +29,20 @@ struct ContextCalls {
   static const ContextCalls& Get() {
     static const ContextCalls calls = [] {
       ContextCalls c;
-      c.get = reinterpret_cast<CUresult (*)(CUcontext*)>(DriverEntryPoint("cuCtxGetCurrent"));
-      c.set = reinterpret_cast<CUresult (*)(CUcontext)>(DriverEntryPoint("cuCtxSetCurrent"));
+      auto resolve = [](const char* name) -> void* {
+        void* p = nullptr;
+        cudaDriverEntryPointQueryResult found{};
+        if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess)
+          return nullptr;
+        return p;
+      };
+      c.get = reinterpret_cast<CUresult (*)(CUcontext*)>(resolve("cuCtxGetCurrent"));
+      c.set = reinterpret_cast<CUresult (*)(CUcontext)>(resolve("cuCtxSetCurrent"));
       return c;
     }();
     return calls;
-  }
-};
-
-/// Stream memory operations (cuStreamWriteValue64 / cuStreamWaitValue64), through the driver's
-/// entry points (resolved once; null where the driver has none).
-struct StreamMemOps {
-  CUresult (*write64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
-  CUresult (*wait64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int) = nullptr;
-
-  static const StreamMemOps& Get() {
-    static const StreamMemOps ops = [] {
-      StreamMemOps o;
-      o.write64 = reinterpret_cast<decltype(o.write64)>(DriverEntryPoint("cuStreamWriteValue64"));
-      o.wait64 = reinterpret_cast<decltype(o.wait64)>(DriverEntryPoint("cuStreamWaitValue64"));
-      return o;
-    }();
-    return ops;
   }
 };
 

@@ -48,6 +48,24 @@ class Stream {
   bool owned_ = true;
 };
 
+class Event {
+ public:
+  Event() = default;
+  ~Event() {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  absl::Status Create() {
+    ULY_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    return absl::OkStatus();
+  }
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // The cuBLASLt GEMM's workspace: none where the plan projects on the CUTLASS GEMM (it then has
@@ -70,39 +88,8 @@ struct FusedQkvPlan::Impl {
   DeviceMemory chunk_counters;  // [kMaxFusedChunks] of the epilogue path
   DeviceMemory projection;  // [max_tokens, 3*H*D] bf16
   DeviceMemory counters;    // [2] block counters: 0 main stream, 1 second stream
-  // The chunked path's cross-stream order, by stream memory operations: word kStartWord (the
-  // caller's stream to the second), kChunkWord + i (chunk i's projection is done), kDoneWord
-  // (the second stream back to the caller's); a call's words take the value of its `sequence`.
-  DeviceMemory order_words;  // [kOrderWords] uint64
-  uint64_t sequence = 0;
-
-  static constexpr int kStartWord = 0, kDoneWord = 1, kChunkWord = 2;
-  static constexpr int kOrderWords = kChunkWord + kMaxFusedChunks;
-
-  // Enqueues on `stream`, after its earlier work, order word k = v (with a memory fence, so that
-  // what that work wrote is seen by whatever waits for the word).
-  absl::Status Signal(cudaStream_t stream, int k, uint64_t v) const {
-    const internal::StreamMemOps& ops = internal::StreamMemOps::Get();
-    if (ops.write64 == nullptr)
-      return absl::FailedPreconditionError("the driver has no cuStreamWriteValue64");
-    return DriverStatus("cuStreamWriteValue64",
-                        ops.write64(stream, Word(k), v, CU_STREAM_WRITE_VALUE_DEFAULT));
-  }
-  // Enqueues on `stream` a wait until order word k >= v.
-  absl::Status WaitFor(cudaStream_t stream, int k, uint64_t v) const {
-    const internal::StreamMemOps& ops = internal::StreamMemOps::Get();
-    if (ops.wait64 == nullptr)
-      return absl::FailedPreconditionError("the driver has no cuStreamWaitValue64");
-    return DriverStatus("cuStreamWaitValue64",
-                        ops.wait64(stream, Word(k), v, CU_STREAM_WAIT_VALUE_GEQ));
-  }
-  CUdeviceptr Word(int k) const {
-    return reinterpret_cast<CUdeviceptr>(static_cast<uint64_t*>(order_words.get()) + k);
-  }
-  static absl::Status DriverStatus(const char* call, CUresult r) {
-    if (r == CUDA_SUCCESS) return absl::OkStatus();
-    return absl::InternalError(absl::StrCat(call, " failed: CUresult ", static_cast<int>(r)));
-  }
+  Event start, done;
+  Event chunk_done[kMaxFusedChunks];
 
   int64_t hidden() const { return int64_t{config.heads} * config.head_dim; }
   int64_t features() const { return 3 * hidden(); }
@@ -241,11 +228,10 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
                                              kMaxFusedChunks * sizeof(unsigned int),
                                              setup));
   }
-  ULY_RETURN_IF_ERROR(impl->order_words.Allocate(Impl::kOrderWords * sizeof(uint64_t), setup));
-  ULY_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(impl->order_words.get(), 0, Impl::kOrderWords * sizeof(uint64_t), setup));
-  // The counters' and words' memsets must be complete before any launch on another stream
-  // reads them.
+  ULY_RETURN_IF_ERROR(impl->start.Create());
+  ULY_RETURN_IF_ERROR(impl->done.Create());
+  for (Event& e : impl->chunk_done) ULY_RETURN_IF_ERROR(e.Create());
+  // The counters' memsets must be complete before any launch on another stream reads them.
   ULY_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(setup));
   return std::unique_ptr<FusedQkvPlan>(new FusedQkvPlan(std::move(impl)));
 }
@@ -255,13 +241,12 @@ size_t FusedQkvPlan::DeviceBytesFor(const FusedQkvConfig& config) {
                           static_cast<size_t>(config.head_dim);
   return GemmWorkspaceBytes(config) +
          static_cast<size_t>(std::max<int64_t>(config.max_tokens, 0)) * features * sizeof(uint16_t) +
-         2 * sizeof(unsigned int) + kMaxFusedChunks * sizeof(unsigned int) +
-         Impl::kOrderWords * sizeof(uint64_t);
+         2 * sizeof(unsigned int) + kMaxFusedChunks * sizeof(unsigned int);
 }
 
 size_t FusedQkvPlan::device_bytes() const {
   return (impl_->gemm ? impl_->gemm->device_bytes() : 0) + impl_->projection.bytes() +
-         impl_->counters.bytes() + impl_->chunk_counters.bytes() + impl_->order_words.bytes();
+         impl_->counters.bytes() + impl_->chunk_counters.bytes();
 }
 
 absl::Status FusedQkvPlan::Prepare(int64_t rows) {
@@ -333,31 +318,18 @@ absl::Status FusedQkvPlan::RunChunked(const void* x, const int32_t* positions, i
   const int64_t rows = QkvRows(shape), chunk = impl_->ChunkRows(rows);
   const int64_t hidden = impl_->hidden(), features = impl_->features();
   cudaStream_t side = impl_->side.get();
-  Impl& p = *impl_;
-  // The order between the two streams is kept with stream memory operations, not events:
-  // under MPS, work on the second stream ordered by events waited for another stream's blocked
-  // wait on another hardware queue (docs/architecture.md, section 8). A call's words take a
-  // value of its own.
-  const uint64_t v = ++p.sequence;
   // The second stream's stores must follow whatever the caller's stream did before the call
-  // (for instance the wait for the destination slots to be free). (A plan whose second stream
-  // is the caller's own needs no order between them.)
-  const bool two = side != stream;
-  if (two) {
-    ULY_RETURN_IF_ERROR(p.Signal(stream, Impl::kStartWord, v));
-    ULY_RETURN_IF_ERROR(p.WaitFor(side, Impl::kStartWord, v));
-  }
+  // (for instance the wait for the destination slots to be free).
+  ULY_CUDA_RETURN_IF_ERROR(cudaEventRecord(impl_->start.get(), stream));
+  ULY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, impl_->start.get(), 0));
   uint64_t* ready[kMaxWorldSize] = {};
   const absl::Status chunks = [&]() -> absl::Status {
     for (int64_t i = 0, row = 0; row < rows; ++i, row += chunk) {
       const int64_t end = std::min(rows, row + chunk);
       const auto* x_rows = static_cast<const uint16_t*>(x) + row * hidden;
-      ULY_RETURN_IF_ERROR(p.Project(x_rows, end - row, p.qkv() + row * features, stream));
-      if (two) {
-        // The second stream waits only for a word whose write is already enqueued.
-        ULY_RETURN_IF_ERROR(p.Signal(stream, Impl::kChunkWord + static_cast<int>(i), v));
-        ULY_RETURN_IF_ERROR(p.WaitFor(side, Impl::kChunkWord + static_cast<int>(i), v));
-      }
+      ULY_RETURN_IF_ERROR(impl_->Project(x_rows, end - row, impl_->qkv() + row * features, stream));
+      ULY_CUDA_RETURN_IF_ERROR(cudaEventRecord(impl_->chunk_done[i].get(), stream));
+      ULY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side, impl_->chunk_done[i].get(), 0));
       QkvDestinations chunk_dests{dests.out, nullptr, dests.epoch, dests.cancel};
       if (dests.ready != nullptr) {
         for (int d = 0; d < shape.world; ++d) {
@@ -365,21 +337,19 @@ absl::Status FusedQkvPlan::RunChunked(const void* x, const int32_t* positions, i
         }
         chunk_dests.ready = ready;
       }
-      ULY_RETURN_IF_ERROR(LaunchNormRopeScatter(shape, c.layout, c.weights, positions, p.qkv(),
-                                                c.rank, row, end, chunk_dests, p.counter(1),
+      ULY_RETURN_IF_ERROR(LaunchNormRopeScatter(shape, c.layout, c.weights, positions, impl_->qkv(),
+                                                c.rank, row, end, chunk_dests, impl_->counter(1),
                                                 side, QkvLaunchOptions{c.push_blocks}));
     }
     return absl::OkStatus();
   }();
   // The second stream joins the caller's even after a failure part way: what it enqueued
   // must be ordered before the caller's later work (and before the call's buffers can go).
-  absl::Status join;
-  if (two) {
-    join = p.Signal(side, Impl::kDoneWord, v);
-    if (join.ok()) join = p.WaitFor(stream, Impl::kDoneWord, v);
-  }
+  cudaError_t join = cudaEventRecord(impl_->done.get(), side);
+  if (join == cudaSuccess) join = cudaStreamWaitEvent(stream, impl_->done.get(), 0);
   ULY_RETURN_IF_ERROR(chunks);
-  return join;
+  ULY_CUDA_RETURN_IF_ERROR(join);
+  return absl::OkStatus();
 }
 
 absl::Status FusedQkvPlan::RunEpilogue(const void* x, const int32_t* positions, int64_t batch,

@@ -1119,10 +1119,10 @@ TEST_F(GpuFusedLoadedBesideAWaitTest, ACutlassProjectingPlansCallsRunBesideAWait
 // another hardware queue: by an event, by stream memory operations, each with the second stream
 // on the caller's queue and on a third one; then the chunked call with its second stream on
 // the caller's queue, on a third queue, and the caller's stream itself. Under MPS the chunked
-// call's GPU work, when its streams were ordered by events, was held back by such a wait while
-// the per-operator call's was not; it is now ordered by stream memory operations. Every step
-// must end in time except those ordered by events, which no path uses any more: they are
-// reported, to show what the platform does.
+// call's GPU work was held back by such a wait while the per-operator call's was not (H100,
+// 5b97e23). The chunked path orders its streams by events, so every step must end in time
+// except those ordered by stream memory operations, which no path uses for this: they are
+// reported, to show what the platform does (on an H200 under MPS they waited).
 class GpuSecondStreamBesideAWaitTest : public GpuFusedLoadedBesideAWaitTest {};
 
 TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBesideAWait) {
@@ -1198,34 +1198,33 @@ TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBeside
                        ULY_RETURN_IF_ERROR(memset(a, run));
                        ULY_RETURN_IF_ERROR(by_event(run, side));
                        return memset(c, side);
-                     },
-                     false, true});
+                     }});
     steps.push_back({"memset on " + p.where + ", event back, memset",
                      [&, side]() -> absl::Status {
                        ULY_RETURN_IF_ERROR(memset(c, side));
                        ULY_RETURN_IF_ERROR(by_event(side, run));
                        return memset(a, run);
-                     },
-                     false, true});
+                     }});
     steps.push_back({"memset, stream memory ops, memset on " + p.where,
                      [&, side]() -> absl::Status {
                        ULY_RETURN_IF_ERROR(memset(a, run));
                        ULY_RETURN_IF_ERROR(by_memop(run, side));
                        return memset(c, side);
-                     }});
+                     },
+                     false, true});
     steps.push_back({"projection, event, memset on " + p.where,
                      [&, side, plan = p.plan.get()]() -> absl::Status {
                        ULY_RETURN_IF_ERROR(plan->RunProjection(b.x, Rows(), run));
                        ULY_RETURN_IF_ERROR(by_event(run, side));
                        return memset(c, side);
-                     },
-                     false, true});
+                     }});
     steps.push_back({"projection, stream memory ops, memset on " + p.where,
                      [&, side, plan = p.plan.get()]() -> absl::Status {
                        ULY_RETURN_IF_ERROR(plan->RunProjection(b.x, Rows(), run));
                        ULY_RETURN_IF_ERROR(by_memop(run, side));
                        return memset(c, side);
-                     }});
+                     },
+                     false, true});
   }
   for (const SidePlan& p : plans) {
     FusedQkvPlan* plan = p.plan.get();

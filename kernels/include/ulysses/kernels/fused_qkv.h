@@ -107,7 +107,7 @@ std::vector<int64_t> FusedGemmLoadRowCounts(int64_t rows, int64_t chunk_rows, Fu
 int64_t EpilogueChunkRows(int64_t rows, int64_t chunk_rows);
 
 /// Owns everything a call needs: the GEMM (descriptors, workspace), the [max_tokens, 3*H*D]
-/// projection buffer, the second stream, the words that order it and the block counters.
+/// projection buffer, the second stream, the events and the block counters.
 /// Create allocates; a call of a prepared row count allocates nothing. Not thread-safe: calls
 /// are issued by one thread, and a plan's calls must be ordered on one caller stream (each
 /// call waits for its own second-stream work before it returns control to the stream).
