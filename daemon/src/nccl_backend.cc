@@ -74,6 +74,14 @@ bool IsHex(std::string_view s) {
                      [](char c) { return std::isxdigit(static_cast<unsigned char>(c)) != 0; });
 }
 
+// An NCCL unique id from its hex form; false (and `id` untouched) where `hex` is not one.
+bool IdFromHex(const std::string& hex, ncclUniqueId* id) {
+  if (hex.size() != 2 * sizeof id->internal || !IsHex(hex)) return false;
+  const std::string bytes = absl::HexStringToBytes(hex);
+  std::memcpy(id->internal, bytes.data(), sizeof id->internal);
+  return true;
+}
+
 // Spins briefly, then sleeps: the waits below poll a stream and a communicator.
 void Pause(int round) {
   if (round < 64)
@@ -200,15 +208,13 @@ class NcclTransport final : public Transport {
                                                      kRootAnswerWithin));
     const std::string& answer = root_.answer();
     const std::string hex = answer.rfind("ok ", 0) == 0 ? answer.substr(3) : std::string();
-    if (hex.size() != 2 * sizeof id_.internal || !IsHex(hex)) {
+    if (!IdFromHex(hex, &id_)) {
       root_.Stop();
       return absl::FailedPreconditionError(
           StrCat("NCCL bootstrap root: ",
                  answer.rfind("error ", 0) == 0 ? answer.substr(6)
                                                 : StrCat("unexpected answer \"", answer, "\"")));
     }
-    const std::string bytes = absl::HexStringToBytes(hex);
-    std::memcpy(id_.internal, bytes.data(), sizeof id_.internal);
     return hex;
   }
 
@@ -225,11 +231,8 @@ class NcclTransport final : public Transport {
     if (me != 0) {
       if (connect_handles.size() != static_cast<size_t>(W))
         return absl::InternalError("the nccl transport connects with every rank's connect handle");
-      const std::string& hex = connect_handles[0];
-      if (hex.size() != 2 * sizeof id_.internal || !IsHex(hex))
+      if (!IdFromHex(connect_handles[0], &id_))
         return absl::FailedPreconditionError("rank 0 sent a malformed NCCL unique id");
-      const std::string bytes = absl::HexStringToBytes(hex);
-      std::memcpy(id_.internal, bytes.data(), sizeof id_.internal);
     }
     // Non-blocking init: a rank that never joins ends in DEADLINE_EXCEEDED here, not a hang.
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
