@@ -11,14 +11,15 @@ namespace {
 // The path rule (FusedPath::kAuto) where the plan stores into the slots, from the measurements
 // of docs/benchmarks.md (1x H200 under MPS, 2026-12-03, 72 rows of the grid): from 2048 rows a
 // call the epilogue path is the fastest of the three on every row (0.80-0.97 of the
-// per-operator path on most rows); below 2048 rows it is slower than both others, and the
-// chunked path is within 0.93-1.05 of the per-operator one. Without the epilogue GEMM (not
-// built, not sm_90), the chunked path from 4096 rows (2026-12-01: 0.90-1.01 of the
-// per-operator path there, up to 1.05 below).
+// per-operator path on most rows); below 2048 rows it is slower than both others. Auto never
+// takes the chunked path: under MPS its calls (two streams, ordered by events) were seen to
+// wait on the GPU for another session's call blocked on its peer (H100 2026-12-05, H100
+// 2026-12-06), which the per-operator and epilogue paths never did; the per-operator path is
+// within 0.95-1.07 of it below 2048 rows, and 1.00-1.11 without the epilogue GEMM from 4096
+// rows (2026-12-01). A session may still ask for it.
 constexpr int64_t kEpilogueMinRows = 2048;
-constexpr int64_t kChunkedMinRows = 4096;
 // Where the rule can change path (PathsUpTo looks on either side of each).
-constexpr int64_t kRuleThresholds[] = {kEpilogueMinRows, kChunkedMinRows};
+constexpr int64_t kRuleThresholds[] = {kEpilogueMinRows};
 
 // Line `name` of FusedQkvPlan::Describe (one line per path, each starting with its name).
 std::string PlanLine(const std::string& lines, std::string_view name) {
@@ -103,17 +104,15 @@ FusedRunner::Prepared FusedRunner::Rule(FusedPath asked, FusedExchange exchange,
     p.why = StrCat("auto: from ", kEpilogueMinRows,
                    " rows the epilogue GEMM measured fastest (no projection in memory)");
   } else if (no_epilogue.empty()) {
-    p.path = FusedPath::kChunked;
-    p.why = StrCat("auto: under ", kEpilogueMinRows, " rows the chunked path measured fastest");
-  } else if (rows < kChunkedMinRows) {
     p.path = FusedPath::kPerOperator;
-    p.why = StrCat("auto: no epilogue GEMM (", no_epilogue, "); under ", kChunkedMinRows,
-                   " rows the chunked path measured no faster");
+    p.why = StrCat("auto: under ", kEpilogueMinRows,
+                   " rows the per-operator path (the chunked path, no faster by more than 7%, "
+                   "can wait for another session's blocked call under MPS)");
   } else {
-    // The runner's plans chunk by default (FusedQkvConfig::chunk_rows 0).
-    p.path = FusedPath::kChunked;
-    p.why = StrCat("auto: ", kernels::FusedNumChunks(rows, 0), " chunks of ",
-                   kernels::FusedChunkRows(rows, 0), " rows overlap the stores with the GEMM");
+    p.path = FusedPath::kPerOperator;
+    p.why = StrCat("auto: no epilogue GEMM (", no_epilogue,
+                   "); the per-operator path (the chunked path, no faster by more than 11%, "
+                   "can wait for another session's blocked call under MPS)");
   }
   return p;
 }
@@ -188,9 +187,9 @@ std::string FusedRunner::Describe() const {
     if (exchange_ == FusedExchange::kTransportMoves)
       out += " (rule: per_operator, the only path where the transport moves the result)";
     else if (no_epilogue.empty())
-      out += StrCat(" (rule: epilogue from ", kEpilogueMinRows, " rows, chunked below)");
+      out += StrCat(" (rule: epilogue from ", kEpilogueMinRows, " rows, per_operator below)");
     else
-      out += StrCat(" (rule: chunked from ", kChunkedMinRows, " rows, per_operator below)");
+      out += " (rule: per_operator; no epilogue GEMM)";
   }
   out += StrCat("\nprojection GEMM: ", projection_, "; cuBLASLt kernels loaded at open: ",
                 plan_->loaded_gemm_kernels(),

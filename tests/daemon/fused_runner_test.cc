@@ -47,36 +47,51 @@ TEST(FusedRunnerTest, ThePerOperatorPathIsNotRefusedForItsPath) {
 }
 
 // What a session loads when it opens: every path its calls of 1 to max_tokens rows take, each
-// up to the most rows it takes (the auto rule switches at 2048 rows with the epilogue GEMM, at
-// 4096 without it).
+// up to the most rows it takes (the auto rule switches from per_operator to epilogue at 2048
+// rows with the epilogue GEMM, and takes per_operator alone without it).
 TEST(FusedRunnerTest, PathsUpToAreEveryPathTheRuleGivesWithItsMostRows) {
   using P = std::vector<std::pair<FusedPath, int64_t>>;
   const std::string none, unavailable = "not sm_90";
   const FusedExchange stores = FusedExchange::kPlanStores;
   EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, stores, none, 16384),
-            P({{FusedPath::kChunked, 2047}, {FusedPath::kEpilogue, 16384}}));
+            P({{FusedPath::kPerOperator, 2047}, {FusedPath::kEpilogue, 16384}}));
   EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, stores, none, 2048),
-            P({{FusedPath::kChunked, 2047}, {FusedPath::kEpilogue, 2048}}));
+            P({{FusedPath::kPerOperator, 2047}, {FusedPath::kEpilogue, 2048}}));
   EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, stores, none, 1000),
-            P({{FusedPath::kChunked, 1000}}));
+            P({{FusedPath::kPerOperator, 1000}}));
   EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, stores, unavailable, 16384),
-            P({{FusedPath::kPerOperator, 4095}, {FusedPath::kChunked, 16384}}));
-  EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, stores, unavailable, 4095),
-            P({{FusedPath::kPerOperator, 4095}}));
+            P({{FusedPath::kPerOperator, 16384}}));
   EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, FusedExchange::kTransportMoves, none, 9000),
             P({{FusedPath::kPerOperator, 9000}}));
   for (FusedPath asked : {FusedPath::kPerOperator, FusedPath::kChunked, FusedPath::kEpilogue}) {
     SCOPED_TRACE(FusedPathName(asked));
     EXPECT_EQ(FusedRunner::PathsUpTo(asked, stores, none, 3000), P({{asked, 3000}}));
   }
-  // The rule itself at each side of a threshold.
-  EXPECT_EQ(FusedRunner::Rule(FusedPath::kAuto, stores, none, 2047).path, FusedPath::kChunked);
+  // The rule itself at each side of its threshold, and where no epilogue GEMM exists.
+  EXPECT_EQ(FusedRunner::Rule(FusedPath::kAuto, stores, none, 1).path, FusedPath::kPerOperator);
+  EXPECT_EQ(FusedRunner::Rule(FusedPath::kAuto, stores, none, 2047).path, FusedPath::kPerOperator);
   EXPECT_EQ(FusedRunner::Rule(FusedPath::kAuto, stores, none, 2048).path, FusedPath::kEpilogue);
   EXPECT_EQ(FusedRunner::Rule(FusedPath::kAuto, stores, unavailable, 4095).path,
             FusedPath::kPerOperator);
-  const FusedRunner::Prepared chunked = FusedRunner::Rule(FusedPath::kAuto, stores, unavailable, 32768);
-  EXPECT_EQ(chunked.path, FusedPath::kChunked);
-  EXPECT_NE(chunked.why.find("4 chunks of 8192 rows"), std::string::npos) << chunked.why;
+  const FusedRunner::Prepared large = FusedRunner::Rule(FusedPath::kAuto, stores, unavailable, 32768);
+  EXPECT_EQ(large.path, FusedPath::kPerOperator);
+  EXPECT_NE(large.why.find("no epilogue GEMM (not sm_90)"), std::string::npos) << large.why;
+}
+
+// Auto never takes the chunked path, at any row count, with the epilogue GEMM or without it;
+// a session asking for it gets it, and the reason says so.
+TEST(FusedRunnerTest, AutoNeverTakesTheChunkedPathButASessionMayAskForIt) {
+  const FusedExchange stores = FusedExchange::kPlanStores;
+  for (const std::string& no_epilogue : {std::string(), std::string("not sm_90")}) {
+    for (int64_t rows = 1; rows <= 65536; rows += rows < 4096 ? 1 : 97) {
+      ASSERT_NE(FusedRunner::Rule(FusedPath::kAuto, stores, no_epilogue, rows).path,
+                FusedPath::kChunked)
+          << rows << " rows, no_epilogue \"" << no_epilogue << "\"";
+    }
+  }
+  const FusedRunner::Prepared asked = FusedRunner::Rule(FusedPath::kChunked, stores, "", 777);
+  EXPECT_EQ(asked.path, FusedPath::kChunked);
+  EXPECT_EQ(asked.why, "the session asks for chunked");
 }
 
 }  // namespace

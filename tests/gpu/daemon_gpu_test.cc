@@ -888,7 +888,7 @@ TEST_F(GpuTwoRankScatter, ClosingASessionDoesNotWaitForAnotherSessionsBlockedCal
   FinishWithRank1(early);
 }
 
-// The same with a fused session passing by, on each of its paths (16 rows: `auto` takes the
+// The same with a fused session passing by, on each of its paths (16 rows: one chunk on the
 // chunked path, whose stores run on the plan's second stream): its plan's memory is freed in
 // its own stream's order and its cuBLASLt handle goes back to the device's pool instead of
 // being destroyed (cublasLtDestroy synchronizes the device), so neither its call nor its close
@@ -926,11 +926,12 @@ TEST_P(GpuFusedPasserBy, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlocke
   }
 }
 
-// A fused session opened before another session's call blocks, at a shape no other case of
-// this daemon uses: it loaded its GEMMs' kernels when it opened (the first launch of a cuBLASLt
-// kernel waits for every stream of the device), so its calls on the chunked path (cuBLASLt
-// GEMMs of a chunk and of the remainder), at max_tokens rows and at row counts it never ran,
-// complete while the other call waits; its plan says that every one ran a loaded kernel.
+// A fused session (path auto, as sessions open by default) opened before another session's
+// call blocks, at a shape no other case of this daemon uses: it loaded its GEMMs' kernels when
+// it opened (the first launch of a cuBLASLt kernel waits for every stream of the device), so
+// its calls, at max_tokens rows and at row counts it never ran, complete while the other call
+// waits; its plan says that every one ran a loaded kernel. (Asked for, the chunked path's
+// calls of two chunks waited here under MPS: docs/architecture.md, section 6.2.)
 TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideIt) {
   Alone other;
   // The blocked session's stream, the fused session's and its plan's second stream.
@@ -940,7 +941,7 @@ TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideI
   constexpr int64_t kTokens = 1000;
   FusedInputs in;
   ASSERT_NO_FATAL_FAILURE(
-      MakeFusedInputs(*other.client, kHeads, kTokens, FusedPath::kChunked, &in));
+      MakeFusedInputs(*other.client, kHeads, kTokens, FusedPath::kAuto, &in));
   auto s = other.client->CreateFusedSession(*other.group, in.spec);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(State(0).queue_shared_streams(), 0u) << "a stream of the fused session shares a queue";
@@ -949,6 +950,9 @@ TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideI
   const bool in_time = FusedCallsBesideTheWait(**s, in, {kTokens, 333, 777, 1}, early,
                                                "the loaded session's call");
   const std::string plan = PlanOf((*s)->id());
+  for (int64_t rows : {kTokens, int64_t{333}, int64_t{777}, int64_t{1}})
+    EXPECT_NE(plan.find(StrCat("rows ", rows, ": per_operator (auto: ")), std::string::npos)
+        << plan;
   EXPECT_NE(plan.find("cuBLASLt kernels first launched by calls since: 0;"), std::string::npos)
       << plan;
   EXPECT_EQ(plan.find("cuBLASLt kernels loaded at open: 0;"), std::string::npos) << plan;

@@ -37,7 +37,7 @@ enum class FusedPath : int32_t {
 };
 /// "auto", "per_operator", "chunked" or "epilogue".
 std::string_view FusedPathName(FusedPath path);
-/// Parses "auto", "per_operator" or "chunked".
+/// Parses "auto", "per_operator", "chunked" or "epilogue".
 absl::StatusOr<FusedPath> ParseFusedPath(std::string_view name);
 
 /// Which kernels run the session. The CUDA kernels are specialized for kFusedGpuHeadDim.
