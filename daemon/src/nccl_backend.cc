@@ -483,7 +483,9 @@ class NcclTransport final : public Transport {
 
   void AbortComm() {
     if (comm_ == nullptr) return;
-    if (ncclResult_t r = ncclCommAbort(comm_); r != ncclSuccess)
+    // On a non-blocking communicator the abort answers ncclInProgress and NCCL's own thread
+    // finishes freeing it (its sockets among them); the handle is not to be used again.
+    if (ncclResult_t r = ncclCommAbort(comm_); r != ncclSuccess && r != ncclInProgress)
       Logger("exec")->warn("ncclCommAbort: {}", ncclGetErrorString(r));
     comm_ = nullptr;
   }
