@@ -521,12 +521,28 @@ int RunPinning(const Options& opt, cudaStream_t stream, Json& report) {
     const size_t out_bytes = static_cast<size_t>(opt.pinning_max_rows * features) * 2;
     if (made.ok()) made = scratch.Allocate(out_bytes + 256);
     if (made.ok()) made = out.Allocate(out_bytes);
+    const auto load_start = std::chrono::steady_clock::now();
     if (made.ok())
       made = (*pinned)->Load(kernels::FusedGemmLoadRowCounts(opt.pinning_max_rows, 0,
                                                               FusedPath::kPerOperator),
                              data.d_w.as(), scratch.as(), out_bytes + 256, stream);
     if (made.ok() && cudaStreamSynchronize(stream) != cudaSuccess)
       made = absl::InternalError("the load failed on the device");
+    if (made.ok()) {
+      // What a session of that many rows pays when it opens (host queries, launches, wait).
+      const double load_ms = std::chrono::duration<double, std::milli>(
+                                 std::chrono::steady_clock::now() - load_start)
+                                 .count();
+      std::printf("hidden %d: load up to %ld rows: %zu kernels, %.1f ms\n", hidden,
+                  static_cast<long>(opt.pinning_max_rows), (*pinned)->loaded_algorithms(),
+                  load_ms);
+      Json load;
+      load["hidden"] = hidden;
+      load["max_rows"] = opt.pinning_max_rows;
+      load["kernels"] = (*pinned)->loaded_algorithms();
+      load["load_ms"] = std::round(load_ms * 10) / 10;
+      report["loads"].push_back(load);
+    }
     if (!made.ok()) {
       std::cerr << "hidden " << hidden << ": " << made.message() << "\n";
       ++failures;

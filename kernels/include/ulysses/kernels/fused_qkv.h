@@ -96,10 +96,11 @@ int64_t FusedNumChunks(int64_t rows, int64_t chunk_rows);
 std::vector<int64_t> FusedGemmRowCounts(int64_t rows, int64_t chunk_rows, FusedPath path);
 
 /// The row counts FusedQkvPlan::LoadKernels loads for calls of up to `rows` (> 0) rows on
-/// `path`: FusedGemmRowCounts of `rows`, of every power of two below it and of 1.5 times each
-/// (1, 2, 3, 4, 6, 8, 12, ...) below it, ascending and distinct (the GEMM then runs, at any
-/// row count up to `rows`, an algorithm chosen for a row count at most 1.5 times it). Host
-/// code; the same with or without CUDA.
+/// `path`: FusedGemmRowCounts of `rows` and of eight row counts an octave below it (1 to 15,
+/// then 16, 18, ..., 30, 32, 36, ..., 60, 64, 72, ...), ascending and distinct (the GEMM then
+/// runs, at any row count up to `rows`, cuBLASLt's own pick where a load had it, else an
+/// algorithm chosen for a row count at most 1.125 times it, or 1.5 times a chunked call's
+/// remainder). Host code; the same with or without CUDA.
 std::vector<int64_t> FusedGemmLoadRowCounts(int64_t rows, int64_t chunk_rows, FusedPath path);
 
 /// The epilogue path's readiness chunks: FusedChunkRows rounded up to whole 128-row tiles, so
