@@ -954,7 +954,8 @@ class Client:
         (one ``[B, S_g, H/W, 3D]``); `max_tokens` bounds ``B*S_l`` of every call; `max_pos`
         (default ``cos_sin.shape[0]``) the rows of the cos/sin table; `path` ``"auto"``,
         ``"per_operator"``, ``"chunked"`` or ``"epilogue"`` (GPU backends; the host backend
-            ignores it).
+            ignores it; ``"auto"`` never takes ``"chunked"``, whose calls were seen to wait
+            for another session's blocked call under MPS).
 
         Weights: `w_qkv` bfloat16 ``[3*H*D, hidden]`` (Q, K, V planes, head-major), `q_norm`
         and `k_norm` bfloat16 ``[D]``, `cos_sin` float32 ``[max_pos, D]`` (cos in the first
