@@ -318,14 +318,23 @@ class CudaTransport final : public Transport {
     // VmmMapping::Create zero-fills each allocation on the session's stream and waits for that.
     if (setup.fused) {
       // Everything a fused call needs is made here (GEMM workspace, projection buffer, events);
-      // a call at a row count seen before allocates nothing. Its second stream is a lane of
-      // its own, so that no other session's waiting call holds back its stores.
-      ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond, t->stream_));
-      // The plan allocates and waits on its second stream, unless that one shares a queue
-      // with another session's stream: then on the rescue stream, as above.
-      ULY_ASSIGN_OR_RETURN(t->fused_, FusedRunner::Create(*setup.fused,
-                                                          FusedExchange::kPlanStores, t->second_,
-                                                          t->streams_->SetupStreamFor(t->second_)));
+      // a call at a row count seen before allocates nothing. Only the chunked path, which a
+      // session must ask for (auto never takes it), runs work on a second stream, a lane of
+      // its own so that no other session's waiting call holds back its stores; the other
+      // paths run on the session's stream alone, and such a session takes no second hardware
+      // queue (each queue of this context that runs work slows its hand-offs, and lanes are
+      // few).
+      if (setup.fused->path == FusedPath::kChunked) {
+        ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond, t->stream_));
+      }
+      // The plan allocates and waits on its second stream, or on the session's setup stream
+      // without one; on the rescue stream where that stream shares a queue with another
+      // session's, as above. What it frees at its end goes on the same stream.
+      ULY_ASSIGN_OR_RETURN(
+          t->fused_,
+          FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores, t->second_,
+                              t->second_ != nullptr ? t->streams_->SetupStreamFor(t->second_)
+                                                    : setup_stream));
       // Its GEMMs' kernels are loaded here, while no call of this session is in flight, and
       // waited for (this stream alone): the session opens with its kernels loaded and run, so
       // nothing of the load is left to meet another session's wait later. On failure, what
@@ -334,7 +343,7 @@ class CudaTransport final : public Transport {
       const cudaError_t synced = cudaStreamSynchronize(setup_stream);
       ULY_RETURN_IF_ERROR(loaded);
       ULY_RETURN_IF_ERROR(CudaStatus("cudaStreamSynchronize", synced));
-      t->streams_->SetupDone(t->second_);
+      if (t->second_ != nullptr) t->streams_->SetupDone(t->second_);
     }
     // From here a session past the free lanes may share these streams' queues.
     t->streams_->SetupDone(t->stream_);
@@ -351,8 +360,8 @@ class CudaTransport final : public Transport {
       if (t->id != 0) exports_->Withdraw(std::exchange(t->id, 0));
     (void)UseDevice(device_);
     // The plan's work was ordered before this stream's end, which Drain saw; what it frees
-    // goes on its second stream (which then serves another session), or on the rescue stream
-    // where it was set up there.
+    // goes on the stream it was set up on: its second stream (which then serves another
+    // session), the session's stream (given back below, after it), or the rescue stream.
     fused_.reset();
     if (second_ != nullptr) streams_->Give(second_);
     if (stream_ != nullptr) streams_->Give(stream_);
@@ -671,7 +680,9 @@ class CudaTransport final : public Transport {
                   no_epilogue.empty() ? "CUTLASS sm_90a" : no_epilogue, "), ",
                   QkvLayoutName(setup_.fused->geometry.layout),
                   " layout, stores straight into the W destinations' slots; ", stream,
-                  ", second stream on ", streams_->Where(second_), "; ", fused_->Describe());
+                  second_ != nullptr ? StrCat(", second stream on ", streams_->Where(second_))
+                                     : std::string(", no second stream (path not chunked)"),
+                  "; ", fused_->Describe());
   }
 
  private:

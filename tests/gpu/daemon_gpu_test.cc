@@ -953,6 +953,8 @@ TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideI
   for (int64_t rows : {kTokens, int64_t{333}, int64_t{777}, int64_t{1}})
     EXPECT_NE(plan.find(StrCat("rows ", rows, ": per_operator (auto: ")), std::string::npos)
         << plan;
+  // A session that cannot take the chunked path takes no second hardware queue.
+  EXPECT_NE(plan.find("no second stream (path not chunked)"), std::string::npos) << plan;
   EXPECT_NE(plan.find("cuBLASLt kernels first launched by calls since: 0;"), std::string::npos)
       << plan;
   EXPECT_EQ(plan.find("cuBLASLt kernels loaded at open: 0;"), std::string::npos) << plan;
