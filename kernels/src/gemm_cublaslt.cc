@@ -104,8 +104,6 @@ struct Bf16Gemm::Impl {
     internal::LtLayout x;    // B: [k, m] column-major
     internal::LtLayout out;  // C and D: [n, m] column-major
     cublasLtMatmulAlgo_t algo{};  // cuBLASLt's choice
-    // cuBLASLt's next candidates for the shape, best first (its heuristic's order).
-    std::vector<cublasLtMatmulAlgo_t> runners_up;
     // What Run launches once the GEMM is loaded (`algo` or a loaded one), as of load
     // `generation` (0: not chosen yet).
     cublasLtMatmulAlgo_t run{};
@@ -125,7 +123,6 @@ struct Bf16Gemm::Impl {
   internal::DeviceMemory workspace;
   size_t workspace_bytes = 0;
   static constexpr size_t kMaxShapes = 4096;
-  static constexpr int kCandidates = 8;  // heuristic results asked for per shape
   std::map<std::pair<int64_t, uint32_t>, Shape> shapes;  // at most kMaxShapes
   std::vector<LoadedAlgo> loaded;
   // Distinct algorithms launched since the first Load, each with the alignment class of the
@@ -156,19 +153,16 @@ struct Bf16Gemm::Impl {
       ULY_CUBLAS_RETURN_IF_ERROR(
           cublasLtMatmulPreferenceSetAttribute(pref.get(), attr, &alignment, sizeof alignment));
     }
-    cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
+    cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(
-        handle.get(), desc.get(), w.get(), s.x.get(), s.out.get(), s.out.get(), pref.get(),
-        kCandidates, results, &found));
+    ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(handle.get(), desc.get(), w.get(),
+                                                              s.x.get(), s.out.get(), s.out.get(),
+                                                              pref.get(), 1, &result, &found));
     // NotFound, apart from the errors above: Load skips a lower alignment class for it alone.
-    if (found == 0 || results[0].state != CUBLAS_STATUS_SUCCESS)
+    if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
       return absl::NotFoundError(absl::StrCat("cuBLASLt has no bf16 algorithm for m=", m, " n=", n,
                                               " k=", k, " alignment ", alignment));
-    s.algo = results[0].algo;
-    for (int i = 1; i < found; ++i) {
-      if (results[i].state == CUBLAS_STATUS_SUCCESS) s.runners_up.push_back(results[i].algo);
-    }
+    s.algo = result.algo;
     return &shapes.emplace(std::make_pair(m, alignment), std::move(s)).first->second;
   }
 
@@ -197,24 +191,15 @@ struct Bf16Gemm::Impl {
   }
 
   // The algorithm a Run of `s` (m rows, `alignment`) launches: cuBLASLt's choice until the
-  // GEMM is loaded; then that choice if it was launched, else the best of cuBLASLt's runners-up
-  // for the shape that was, else the first loaded algorithm of the same alignment, in
-  // PinnedTryOrder of the row counts they were chosen for, that cuBLASLt accepts for m;
-  // cuBLASLt's choice when none is.
+  // GEMM is loaded; then that choice if it was launched, else the first loaded algorithm of
+  // the same alignment, in PinnedTryOrder of the row counts they were chosen for, that
+  // cuBLASLt accepts for m; cuBLASLt's choice when none is.
   const cublasLtMatmulAlgo_t& Choose(Shape& s, int64_t m, uint32_t alignment) {
     if (generation == 0) return s.algo;
     if (s.generation == generation) return s.run;
     s.generation = generation;
     s.run = s.algo;
     if (Launched(s.algo, alignment)) return s.run;
-    // cuBLASLt ranks these for this very shape: a loaded one among them is a better guess than
-    // the pick of a neighbouring row count (whose kernel can be 20-37% slower here, H100).
-    for (const cublasLtMatmulAlgo_t& algo : s.runners_up) {
-      if (Launched(algo, alignment)) {
-        s.run = algo;
-        return s.run;
-      }
-    }
     std::vector<const LoadedAlgo*> candidates;
     std::vector<int64_t> rows;
     for (const LoadedAlgo& l : loaded) {
