@@ -783,6 +783,12 @@ class CudaBackend final : public Backend {
   bool slots_in_segment() const override { return false; }
 
   absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransportSetup& setup) override {
+    if (info_.mps && setup.fused && setup.fused->path == FusedPath::kChunked)
+      Logger("exec")->warn(
+          "device {}: a fused session asks for the chunked path, whose calls were seen to wait "
+          "on the GPU for another session's call blocked on its peer under MPS (up to the call "
+          "timeout); path auto never takes it (docs/architecture.md, section 6.2)",
+          device_);
     return CudaTransport::Create(device_, exports_, streams_, drain_limit_, setup);
   }
   QueueLaneCounts Queues() const override { return streams_->counts(); }
