@@ -529,7 +529,8 @@ int RunPinning(const Options& opt, cudaStream_t stream, Json& report) {
     if (made.ok() && cudaStreamSynchronize(stream) != cudaSuccess)
       made = absl::InternalError("the load failed on the device");
     if (made.ok()) {
-      // What a session of that many rows pays when it opens (host queries, launches, wait).
+      // What a per_operator session of that many rows pays when it opens (host queries,
+      // launches, wait).
       const double load_ms = std::chrono::duration<double, std::milli>(
                                  std::chrono::steady_clock::now() - load_start)
                                  .count();

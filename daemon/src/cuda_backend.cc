@@ -327,12 +327,15 @@ class CudaTransport final : public Transport {
       if (setup.fused->path == FusedPath::kChunked) {
         ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond, t->stream_));
       }
-      // The plan allocates and waits on its second stream, or on the session's setup stream
-      // without one; on the rescue stream where that stream shares a queue with another
-      // session's, as above. What it frees at its end goes on the same stream.
+      // Without a second lane the plan's second stream is the session's own (it makes none of
+      // its own: a stream outside the lanes could land on any queue). The plan allocates and
+      // waits on its second stream, or on the session's setup stream without a lane; on the
+      // rescue stream where that stream shares a queue with another session's, as above.
+      // What it frees at its end goes on the same stream.
       ULY_ASSIGN_OR_RETURN(
           t->fused_,
-          FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores, t->second_,
+          FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores,
+                              t->second_ != nullptr ? t->second_ : t->stream_,
                               t->second_ != nullptr ? t->streams_->SetupStreamFor(t->second_)
                                                     : setup_stream));
       // Its GEMMs' kernels are loaded here, while no call of this session is in flight, and

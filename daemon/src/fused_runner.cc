@@ -15,7 +15,7 @@ namespace {
 // takes the chunked path: under MPS its calls (two streams, ordered by events) were seen to
 // wait on the GPU for another session's call blocked on its peer (H100 2026-12-05, H100
 // 2026-12-06), which the per-operator and epilogue paths never did; the per-operator path is
-// within 0.95-1.07 of it below 2048 rows, and 1.00-1.11 without the epilogue GEMM from 4096
+// within 0.95-1.08 of it below 2048 rows, and 0.99-1.11 without the epilogue GEMM from 4096
 // rows (2026-12-01). A session may still ask for it.
 constexpr int64_t kEpilogueMinRows = 2048;
 // Where the rule can change path (PathsUpTo looks on either side of each).
@@ -106,13 +106,13 @@ FusedRunner::Prepared FusedRunner::Rule(FusedPath asked, FusedExchange exchange,
   } else if (no_epilogue.empty()) {
     p.path = FusedPath::kPerOperator;
     p.why = StrCat("auto: under ", kEpilogueMinRows,
-                   " rows the per-operator path (the chunked path, no faster by more than 7%, "
-                   "can wait for another session's blocked call under MPS)");
+                   " rows per_operator (chunked is at most 7% faster and can wait for another "
+                   "session's blocked call under MPS)");
   } else {
     p.path = FusedPath::kPerOperator;
     p.why = StrCat("auto: no epilogue GEMM (", no_epilogue,
-                   "); the per-operator path (the chunked path, no faster by more than 11%, "
-                   "can wait for another session's blocked call under MPS)");
+                   "); per_operator (chunked is at most 11% faster and can wait for another "
+                   "session's blocked call under MPS)");
   }
   return p;
 }

@@ -484,7 +484,9 @@ class NcclTransport final : public Transport {
   void AbortComm() {
     if (comm_ == nullptr) return;
     // On a non-blocking communicator the abort answers ncclInProgress and NCCL's own thread
-    // finishes freeing it (its sockets among them); the handle is not to be used again.
+    // finishes freeing it; the handle is not to be used again. (A communicator aborted in
+    // its bootstrap keeps two listening sockets NCCL never closes: docs/architecture.md,
+    // section 8.)
     if (ncclResult_t r = ncclCommAbort(comm_); r != ncclSuccess && r != ncclInProgress)
       Logger("exec")->warn("ncclCommAbort: {}", ncclGetErrorString(r));
     comm_ = nullptr;

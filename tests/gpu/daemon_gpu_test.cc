@@ -934,8 +934,8 @@ TEST_P(GpuFusedPasserBy, ClosingAFusedSessionDoesNotWaitForAnotherSessionsBlocke
 // calls of two chunks waited here under MPS: docs/architecture.md, section 6.2.)
 TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideIt) {
   Alone other;
-  // The blocked session's stream, the fused session's and its plan's second stream.
-  ASSERT_NO_FATAL_FAILURE(OpenWithPasserBy("blocked-loaded", "loaded-fused", &other, 3));
+  // The blocked session's stream and the fused session's (path auto takes no second stream).
+  ASSERT_NO_FATAL_FAILURE(OpenWithPasserBy("blocked-loaded", "loaded-fused", &other, 2));
   if (IsSkipped()) return;
   constexpr int32_t kHeads = 6;
   constexpr int64_t kTokens = 1000;

@@ -100,7 +100,7 @@ std::vector<int64_t> FusedGemmRowCounts(int64_t rows, int64_t chunk_rows, FusedP
 /// then 16, 18, ..., 30, 32, 36, ..., 60, 64, 72, ...), ascending and distinct (the GEMM then
 /// runs, at any row count up to `rows`, cuBLASLt's own pick where a load had it, else an
 /// algorithm chosen for a row count at most 1.125 times it, or 1.5 times a chunked call's
-/// remainder). Host code; the same with or without CUDA.
+/// chunk or remainder). Host code; the same with or without CUDA.
 std::vector<int64_t> FusedGemmLoadRowCounts(int64_t rows, int64_t chunk_rows, FusedPath path);
 
 /// The epilogue path's readiness chunks: FusedChunkRows rounded up to whole 128-row tiles, so
