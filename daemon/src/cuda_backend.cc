@@ -324,20 +324,19 @@ class CudaTransport final : public Transport {
       // paths run on the session's stream alone, and such a session takes no second hardware
       // queue (each queue of this context that runs work slows its hand-offs, and lanes are
       // few).
-      if (setup.fused->path == FusedPath::kChunked) {
-        ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond, t->stream_));
-      }
       // Without a second lane the plan's second stream is the session's own (it makes none of
       // its own: a stream outside the lanes could land on any queue). The plan allocates and
       // waits on its second stream, or on the session's setup stream without a lane; on the
       // rescue stream where that stream shares a queue with another session's, as above.
       // What it frees at its end goes on the same stream.
-      ULY_ASSIGN_OR_RETURN(
-          t->fused_,
-          FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores,
-                              t->second_ != nullptr ? t->second_ : t->stream_,
-                              t->second_ != nullptr ? t->streams_->SetupStreamFor(t->second_)
-                                                    : setup_stream));
+      cudaStream_t plan_second = t->stream_, plan_setup = setup_stream;
+      if (setup.fused->path == FusedPath::kChunked) {
+        ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond, t->stream_));
+        plan_second = t->second_;
+        plan_setup = t->streams_->SetupStreamFor(t->second_);
+      }
+      ULY_ASSIGN_OR_RETURN(t->fused_, FusedRunner::Create(*setup.fused, FusedExchange::kPlanStores,
+                                                          plan_second, plan_setup));
       // Its GEMMs' kernels are loaded here, while no call of this session is in flight, and
       // waited for (this stream alone): the session opens with its kernels loaded and run, so
       // nothing of the load is left to meet another session's wait later. On failure, what
