@@ -21,8 +21,9 @@
 //
 // --pinning-rows R,... measures instead what a fused session's pinned GEMM costs: per hidden, a
 // GEMM loaded as a session of --pinning-max-rows rows loads it (Bf16Gemm::Load of the
-// per-operator path's FusedGemmLoadRowCounts), which at a row count whose own algorithm it did
-// not load runs a loaded one, against a GEMM of cuBLASLt's own pick, at each R; the same
+// per-operator path's FusedGemmLoadRowCounts and FusedGemmEveryRowLoadRows, the latter
+// replaced by --pinning-every-row-rows where given), which at a row count whose own algorithm
+// it did not load runs a loaded one, against a GEMM of cuBLASLt's own pick, at each R; the same
 // method, an A/A control of the own pick twice, both outputs checked on sampled rows.
 #include <cuda_runtime_api.h>
 
@@ -153,6 +154,7 @@ struct Options {
   bool cutlass_projection = false;
   std::vector<int64_t> pinning_rows;
   int64_t pinning_max_rows = 16384;
+  int64_t pinning_every_row_rows = -1;  // -1: FusedGemmEveryRowLoadRows
   std::string json_path;
   std::string mps = "auto";
   std::string commit = ULYSSES_GIT_COMMIT;
@@ -521,11 +523,15 @@ int RunPinning(const Options& opt, cudaStream_t stream, Json& report) {
     const size_t out_bytes = static_cast<size_t>(opt.pinning_max_rows * features) * 2;
     if (made.ok()) made = scratch.Allocate(out_bytes + 256);
     if (made.ok()) made = out.Allocate(out_bytes);
+    const int64_t every_row =
+        opt.pinning_every_row_rows >= 0
+            ? std::min(opt.pinning_every_row_rows, opt.pinning_max_rows)
+            : kernels::FusedGemmEveryRowLoadRows(opt.pinning_max_rows, 0, FusedPath::kPerOperator);
     const auto load_start = std::chrono::steady_clock::now();
     if (made.ok())
-      made = (*pinned)->Load(kernels::FusedGemmLoadRowCounts(opt.pinning_max_rows, 0,
-                                                              FusedPath::kPerOperator),
-                             data.d_w.as(), scratch.as(), out_bytes + 256, stream);
+      made = (*pinned)->Load(
+          kernels::FusedGemmLoadRowCounts(opt.pinning_max_rows, 0, FusedPath::kPerOperator),
+          data.d_w.as(), scratch.as(), out_bytes + 256, stream, every_row);
     if (made.ok() && cudaStreamSynchronize(stream) != cudaSuccess)
       made = absl::InternalError("the load failed on the device");
     if (made.ok()) {
@@ -534,12 +540,13 @@ int RunPinning(const Options& opt, cudaStream_t stream, Json& report) {
       const double load_ms = std::chrono::duration<double, std::milli>(
                                  std::chrono::steady_clock::now() - load_start)
                                  .count();
-      std::printf("hidden %d: load up to %ld rows: %zu kernels, %.1f ms\n", hidden,
-                  static_cast<long>(opt.pinning_max_rows), (*pinned)->loaded_algorithms(),
-                  load_ms);
+      std::printf("hidden %d: load up to %ld rows (every row up to %ld): %zu kernels, %.1f ms\n",
+                  hidden, static_cast<long>(opt.pinning_max_rows), static_cast<long>(every_row),
+                  (*pinned)->loaded_algorithms(), load_ms);
       Json load;
       load["hidden"] = hidden;
       load["max_rows"] = opt.pinning_max_rows;
+      load["every_row_up_to"] = every_row;
       load["kernels"] = (*pinned)->loaded_algorithms();
       load["load_ms"] = std::round(load_ms * 10) / 10;
       report["loads"].push_back(load);
@@ -679,6 +686,10 @@ int Main(int argc, char** argv) {
   app.add_option("--pinning-max-rows", opt.pinning_max_rows,
                  "the rows the pinned GEMM is loaded for (a session's max_tokens)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--pinning-every-row-rows", opt.pinning_every_row_rows,
+                 "load cuBLASLt's pick of every row count up to this (0: none; default: as a "
+                 "session loads, FusedGemmEveryRowLoadRows)")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
   if (quick) {
     opt.worlds = {2, 8};

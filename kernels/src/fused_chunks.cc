@@ -9,6 +9,7 @@ namespace {
 constexpr int64_t kChunkAlignRows = 128;  // GEMM tile height: chunk boundaries fall on tiles
 constexpr int64_t kMinDefaultChunkRows = 512;
 constexpr int64_t kLoadStepsPerOctave = 8;  // FusedGemmLoadRowCounts
+constexpr int64_t kEveryRowLoadRows = 2048;  // FusedGemmEveryRowLoadRows
 
 int64_t AlignUp(int64_t rows) {
   return (rows + kChunkAlignRows - 1) / kChunkAlignRows * kChunkAlignRows;
@@ -68,6 +69,14 @@ std::vector<int64_t> FusedGemmLoadRowCounts(int64_t rows, int64_t chunk_rows, Fu
   std::sort(counts.begin(), counts.end());
   counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
   return counts;
+}
+
+int64_t FusedGemmEveryRowLoadRows(int64_t rows, int64_t chunk_rows, FusedPath path) {
+  // Below the epilogue path's rows every call's GEMM runs on cuBLASLt (per_operator, or a
+  // chunked call's pieces), where a neighbouring count's kernel ran up to 1.37 times the
+  // count's own pick (H100, eight loads an octave).
+  if (FusedGemmRowCounts(rows, chunk_rows, path).empty()) return 0;
+  return std::min(rows, kEveryRowLoadRows);
 }
 
 int64_t FusedNumChunks(int64_t rows, int64_t chunk_rows) {

@@ -42,7 +42,7 @@ absl::Status Bf16Gemm::Run(const void*, const void*, void*, int64_t, cudaStream_
   return NoCuda();
 }
 absl::Status Bf16Gemm::Load(const std::vector<int64_t>&, const void*, void*, size_t,
-                            cudaStream_t) {
+                            cudaStream_t, int64_t) {
   return NoCuda();
 }
 size_t Bf16Gemm::loaded_algorithms() const { return 0; }

@@ -269,8 +269,9 @@ absl::Status FusedQkvPlan::LoadKernels(int64_t rows, FusedPath path, cudaStream_
   // The projection buffer holds max_tokens rows of 3*H*D: the output's rows * 3*H*D, and the
   // input's rows * hidden after an offset of up to 128 bytes; the values are neither read nor
   // kept.
-  ULY_RETURN_IF_ERROR(impl_->gemm->Load(counts, impl_->config.weights.w_qkv, impl_->qkv(),
-                                        impl_->projection.bytes(), stream));
+  ULY_RETURN_IF_ERROR(impl_->gemm->Load(
+      counts, impl_->config.weights.w_qkv, impl_->qkv(), impl_->projection.bytes(), stream,
+      FusedGemmEveryRowLoadRows(rows, impl_->config.chunk_rows, path)));
   // Prepare again: the row counts prepared before the load are pinned to loaded algorithms.
   return Prepare(rows);
 }

@@ -125,6 +125,7 @@ struct Bf16Gemm::Impl {
   static constexpr size_t kMaxShapes = 4096;
   std::map<std::pair<int64_t, uint32_t>, Shape> shapes;  // at most kMaxShapes
   std::vector<LoadedAlgo> loaded;
+  std::set<std::pair<int64_t, uint32_t>> loaded_keys;  // (m, alignment) of `loaded`
   // Distinct algorithms launched since the first Load, each with the alignment class of the
   // pointers it ran on (cuBLASLt may pick a kernel of the algorithm by the pointers' actual
   // alignment): by Load, then any a call ran that Load had not (each counted in `unloaded`).
@@ -317,51 +318,57 @@ absl::Status Bf16Gemm::Prepare(int64_t m) {
 }
 
 absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void* scratch,
-                            size_t scratch_bytes, cudaStream_t stream) {
+                            size_t scratch_bytes, cudaStream_t stream, int64_t every_row_up_to) {
   if (w == nullptr) return absl::InvalidArgumentError("w must be non-null");
   const uint32_t w_alignment = AlignmentOf(w, w, w);
   if (w_alignment == 0) return absl::InvalidArgumentError("w must be 16-byte aligned");
   if (scratch == nullptr || reinterpret_cast<uintptr_t>(scratch) % 256 != 0)
     return absl::InvalidArgumentError("scratch must be non-null and 256-byte aligned");
+  if (every_row_up_to < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("every_row_up_to must not be negative, got ", every_row_up_to));
   Impl& g = *impl_;
   // The most aligned class a call can have (w's alignment bounds every call's): an algorithm
   // must exist there; the classes below it are best effort.
   const uint32_t top = std::min<uint32_t>(256, w_alignment);
+  // What is loaded, in order: each of `ms` at every class a call can have, then every row
+  // count up to every_row_up_to at the top class.
+  std::vector<std::pair<int64_t, uint32_t>> wanted;
+  int64_t most = every_row_up_to;
   for (int64_t m : ms) {
     if (m <= 0) return absl::InvalidArgumentError(absl::StrCat("ms: row count ", m, " is not positive"));
-    // out at scratch; x after an offset of up to 128 bytes (the alignment classes below 256).
-    const size_t rows = static_cast<size_t>(m);
-    const size_t need = std::max(rows * static_cast<size_t>(g.n) * sizeof(uint16_t),
-                                 128 + rows * static_cast<size_t>(g.k) * sizeof(uint16_t));
-    if (scratch_bytes < need)
-      return absl::InvalidArgumentError(absl::StrCat("scratch_bytes: ", scratch_bytes,
-                                                     " bytes cannot hold ", m, " rows (", need,
-                                                     " bytes needed)"));
-  }
-  for (int64_t m : ms) {
+    most = std::max(most, m);
     for (uint32_t a : kAlignments) {
-      if (a > w_alignment) continue;  // no call's pointers can be aligned so
-      absl::StatusOr<Impl::Shape*> got = g.Get(m, a);
-      // The lower classes are best effort: a call at one with no algorithm fails as before.
-      if (!got.ok() && a < top && absl::IsNotFound(got.status())) continue;
-      if (!got.ok())
-        return absl::IsNotFound(got.status()) ? absl::InternalError(got.status().message())
-                                              : got.status();
-      Impl::Shape* s = *got;
-      if (!g.Launched(s->algo, a)) {
-        // x at an offset of `a` bytes (none for 256): the three pointers are aligned to `a`
-        // (w is aligned to `a` at least: a <= w_alignment).
-        const void* x = static_cast<const char*>(scratch) + (a < 256 ? a : 0);
-        ULY_RETURN_IF_ERROR(g.Launch(s->algo, *s, x, w, scratch, stream));
-        g.launched.emplace_back(s->algo, a);
-        g.loaded_count.fetch_add(1, std::memory_order_relaxed);
-      }
-      // Recorded once launched, so that a failed Load pins no call to a kernel it never ran.
-      const bool seen = std::any_of(g.loaded.begin(), g.loaded.end(), [&](const Impl::LoadedAlgo& l) {
-        return l.m == m && l.alignment == a;
-      });
-      if (!seen) g.loaded.push_back({m, a, s->algo});
+      if (a <= w_alignment) wanted.emplace_back(m, a);  // no call's pointers can be more aligned
     }
+  }
+  for (int64_t m = 1; m <= every_row_up_to; ++m) wanted.emplace_back(m, top);
+  // out at scratch; x after an offset of up to 128 bytes (the alignment classes below 256).
+  const size_t rows = static_cast<size_t>(most);
+  const size_t need = std::max(rows * static_cast<size_t>(g.n) * sizeof(uint16_t),
+                               128 + rows * static_cast<size_t>(g.k) * sizeof(uint16_t));
+  if (scratch_bytes < need)
+    return absl::InvalidArgumentError(absl::StrCat("scratch_bytes: ", scratch_bytes,
+                                                   " bytes cannot hold ", most, " rows (", need,
+                                                   " bytes needed)"));
+  for (const auto& [m, a] : wanted) {
+    absl::StatusOr<Impl::Shape*> got = g.Get(m, a);
+    // The lower classes are best effort: a call at one with no algorithm fails as before.
+    if (!got.ok() && a < top && absl::IsNotFound(got.status())) continue;
+    if (!got.ok())
+      return absl::IsNotFound(got.status()) ? absl::InternalError(got.status().message())
+                                            : got.status();
+    Impl::Shape* s = *got;
+    if (!g.Launched(s->algo, a)) {
+      // x at an offset of `a` bytes (none for 256): the three pointers are aligned to `a` (w
+      // is aligned to `a` at least: a <= w_alignment).
+      const void* x = static_cast<const char*>(scratch) + (a < 256 ? a : 0);
+      ULY_RETURN_IF_ERROR(g.Launch(s->algo, *s, x, w, scratch, stream));
+      g.launched.emplace_back(s->algo, a);
+      g.loaded_count.fetch_add(1, std::memory_order_relaxed);
+    }
+    // Recorded once launched, so that a failed Load pins no call to a kernel it never ran.
+    if (g.loaded_keys.emplace(m, a).second) g.loaded.push_back({m, a, s->algo});
   }
   ++g.generation;
   return absl::OkStatus();

@@ -584,6 +584,52 @@ TEST_P(GpuFusedQkvTest, AGemmLoadedAtOneRowCountRunsItsAlgorithmAtFewerRows) {
   EXPECT_EQ((*gemm)->unloaded_launches(), 0u);
 }
 
+// A GEMM loaded with every row count up to N (Bf16Gemm::Load's every_row_up_to, as a plan's
+// LoadKernels does below the epilogue path's rows) runs cuBLASLt's own pick at each of them:
+// the algorithm a GEMM that is not loaded picks, at every row count from 1 to N; runs at some
+// of them launch no kernel for the first time and are the reference's within tolerance.
+TEST_P(GpuFusedQkvTest, AGemmLoadedAtEveryRowCountRunsCublasLtsOwnPickAtEachOfThem) {
+  const int64_t features = QkvFeatures(shape_), hidden = QkvHidden(shape_);
+  const int64_t every = std::min<int64_t>(Rows(), 512);
+  absl::StatusOr<std::unique_ptr<Bf16Gemm>> gemm = Bf16Gemm::Create(features, hidden);
+  ASSERT_TRUE(gemm.ok()) << gemm.status();
+  DeviceBuffer scratch(static_cast<size_t>(Rows() * features) * sizeof(uint16_t) + 256);
+  DeviceBuffer out(static_cast<size_t>(Rows() * features) * sizeof(uint16_t));
+  const absl::Status loaded = (*gemm)->Load({Rows()}, w_qkv_->as<void>(), scratch.as<void>(),
+                                            scratch.bytes(), stream_, every);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  absl::StatusOr<std::unique_ptr<Bf16Gemm>> own = Bf16Gemm::Create(features, hidden);
+  ASSERT_TRUE(own.ok()) << own.status();
+  int64_t differ = 0;
+  for (int64_t m = 1; m <= every; ++m) {
+    ASSERT_TRUE((*gemm)->Prepare(m).ok());
+    ASSERT_TRUE((*own)->Prepare(m).ok());
+    if ((*own)->AlgoDescription(m) != (*gemm)->AlgoDescription(m)) {
+      ++differ;
+      ADD_FAILURE() << m << " rows: loaded GEMM runs " << (*gemm)->AlgoDescription(m)
+                    << ", cuBLASLt picks " << (*own)->AlgoDescription(m);
+    }
+  }
+  EXPECT_EQ(differ, 0);
+  for (int64_t m : {int64_t{1}, every / 3 + 1, every}) {
+    SCOPED_TRACE(absl::StrCat(m, " rows"));
+    ASSERT_CUDA_OK(cudaMemsetAsync(out.as<void>(), 0xff, out.bytes(), stream_));
+    const absl::Status run =
+        (*gemm)->Run(x_[0]->as<void>(), w_qkv_->as<void>(), out.as<void>(), m, stream_);
+    ASSERT_TRUE(run.ok()) << run;
+    ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+    ExpectWithinGemmTolerance(out.Download<uint16_t>(m * features).data(), proj_ref_[0].data(),
+                              m * features);
+  }
+  std::cout << "every row count up to " << every << ": " << (*gemm)->loaded_algorithms()
+            << " cuBLASLt kernels loaded\n";
+  EXPECT_EQ((*gemm)->unloaded_launches(), 0u);
+  // A negative bound is refused.
+  EXPECT_EQ((*gemm)->Load({1}, w_qkv_->as<void>(), scratch.as<void>(), scratch.bytes(), stream_, -1)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // The per-operator and chunked paths projecting on the epilogue path's CUTLASS GEMM (its
 // epilogue storing the projection only): the projection within the GEMM's tolerance of the
 // reference, each path bit for bit the reference chain on its own projection and within

@@ -71,10 +71,13 @@ class Bf16Gemm {
   /// and alignment) was not launched runs instead the first loaded algorithm of its alignment,
   /// in PinnedTryOrder of the row counts they were chosen for, that cuBLASLt accepts for the
   /// call (cublasLtMatmulAlgoCheck), and its own only when none is (unloaded_launches counts
-  /// those). Nothing waits for the launches to end. May be called again (more row counts); an
-  /// error leaves what earlier calls loaded. Allocates host memory only.
+  /// those). With `every_row_up_to` > 0, also the pick of every row count from 1 to it at the
+  /// most aligned class (256, or w's own alignment), where calls of those row counts then run
+  /// cuBLASLt's own pick (scratch must hold that many rows too). Nothing waits for the
+  /// launches to end. May be called again (more row counts); an error leaves what earlier
+  /// calls loaded. Allocates host memory only.
   absl::Status Load(const std::vector<int64_t>& ms, const void* w, void* scratch,
-                    size_t scratch_bytes, cudaStream_t stream);
+                    size_t scratch_bytes, cudaStream_t stream, int64_t every_row_up_to = 0);
 
   /// Distinct algorithms (kernels), per alignment class, Load launched. Safe to read from
   /// another thread.
