@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -96,6 +97,40 @@ uint32_t AlignmentOf(const void* x, const void* w, const void* out) {
   return 0;
 }
 
+// cuBLASLt's pick per GEMM shape, shared by the process's GEMMs. A daemon opens a fused
+// session per attention layer, the layers of a model all of one shape, and each session's
+// load asks for every row count up to 2048 (about 0.1-0.2 ms a query): the answer depends on
+// the device, the shape, the alignment class and the workspace alone, so it is asked once.
+class PickCache {
+ public:
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, uint32_t, size_t>;  // device n k m a ws
+
+  static PickCache& Get() {
+    static PickCache* cache = new PickCache;  // never destroyed: GEMMs may outlive statics
+    return *cache;
+  }
+  bool Find(const Key& key, cublasLtMatmulAlgo_t& algo) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = picks_.find(key);
+    if (it == picks_.end()) return false;
+    algo = it->second;
+    return true;
+  }
+  void Insert(const Key& key, const cublasLtMatmulAlgo_t& algo) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (picks_.size() >= kMaxPicks) picks_.clear();  // bounded; asked again if they come back
+    picks_.emplace(key, algo);
+  }
+  void CountQuery() { queries_.fetch_add(1, std::memory_order_relaxed); }
+  size_t queries() const { return queries_.load(std::memory_order_relaxed); }
+
+ private:
+  static constexpr size_t kMaxPicks = size_t{1} << 16;
+  std::mutex mu_;
+  std::map<Key, cublasLtMatmulAlgo_t> picks_;
+  std::atomic<size_t> queries_{0};
+};
+
 }  // namespace
 
 struct Bf16Gemm::Impl {
@@ -117,6 +152,7 @@ struct Bf16Gemm::Impl {
   };
 
   int64_t n = 0, k = 0;
+  int device = 0;
   LeasedHandle handle;
   internal::LtMatmulDesc desc;
   internal::LtLayout w;  // A: [k, n] column-major, transposed by the op
@@ -143,6 +179,9 @@ struct Bf16Gemm::Impl {
     Shape s;
     ULY_ASSIGN_OR_RETURN(s.x, internal::LtLayout::Create(k, m, k));
     ULY_ASSIGN_OR_RETURN(s.out, internal::LtLayout::Create(n, m, n));
+    const PickCache::Key key{device, n, k, m, alignment, workspace_bytes};
+    if (PickCache::Get().Find(key, s.algo))
+      return &shapes.emplace(std::make_pair(m, alignment), std::move(s)).first->second;
     internal::LtPreference pref;
     ULY_RETURN_IF_ERROR(pref.Init());
     const uint64_t ws = workspace_bytes;
@@ -156,6 +195,7 @@ struct Bf16Gemm::Impl {
     }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
+    PickCache::Get().CountQuery();
     ULY_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(handle.get(), desc.get(), w.get(),
                                                               s.x.get(), s.out.get(), s.out.get(),
                                                               pref.get(), 1, &result, &found));
@@ -164,6 +204,7 @@ struct Bf16Gemm::Impl {
       return absl::NotFoundError(absl::StrCat("cuBLASLt has no bf16 algorithm for m=", m, " n=", n,
                                               " k=", k, " alignment ", alignment));
     s.algo = result.algo;
+    PickCache::Get().Insert(key, s.algo);
     return &shapes.emplace(std::make_pair(m, alignment), std::move(s)).first->second;
   }
 
@@ -296,6 +337,7 @@ absl::StatusOr<std::unique_ptr<Bf16Gemm>> Bf16Gemm::Create(int64_t n, int64_t k,
   auto impl = std::make_unique<Impl>();
   impl->n = n;
   impl->k = k;
+  ULY_CUDA_RETURN_IF_ERROR(cudaGetDevice(&impl->device));
   ULY_ASSIGN_OR_RETURN(impl->handle, LeasedHandle::Take());
   ULY_RETURN_IF_ERROR(impl->desc.Init(CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
@@ -377,6 +419,7 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
 size_t Bf16Gemm::loaded_algorithms() const {
   return impl_->loaded_count.load(std::memory_order_relaxed);
 }
+size_t Bf16Gemm::algorithm_queries() { return PickCache::Get().queries(); }
 size_t Bf16Gemm::runs() const { return impl_->runs.load(std::memory_order_relaxed); }
 size_t Bf16Gemm::unloaded_launches() const {
   return impl_->unloaded.load(std::memory_order_relaxed);

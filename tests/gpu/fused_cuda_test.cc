@@ -630,6 +630,41 @@ TEST_P(GpuFusedQkvTest, AGemmLoadedAtEveryRowCountRunsCublasLtsOwnPickAtEachOfTh
             absl::StatusCode::kInvalidArgument);
 }
 
+// GEMMs of one shape share cuBLASLt's picks (a daemon's fused sessions, one per layer, ask
+// once): a row count new to the process costs one algorithm query for the first GEMM and none
+// for a second GEMM of the shape, which picks the same algorithm and computes the reference.
+TEST_P(GpuFusedQkvTest, GemmsOfOneShapeAskCublasLtOnceForEachRowCount) {
+  const int64_t features = QkvFeatures(shape_), hidden = QkvHidden(shape_);
+  absl::StatusOr<std::unique_ptr<Bf16Gemm>> first = Bf16Gemm::Create(features, hidden);
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::StatusOr<std::unique_ptr<Bf16Gemm>> second = Bf16Gemm::Create(features, hidden);
+  ASSERT_TRUE(second.ok()) << second.status();
+  static int64_t fresh = int64_t{1} << 20;  // row counts no other case of the process asks for
+  const int64_t unseen = ++fresh;
+  const size_t before = Bf16Gemm::algorithm_queries();
+  ASSERT_TRUE((*first)->Prepare(unseen).ok());
+  EXPECT_EQ(Bf16Gemm::algorithm_queries(), before + 1);
+  ASSERT_TRUE((*second)->Prepare(unseen).ok());
+  EXPECT_EQ(Bf16Gemm::algorithm_queries(), before + 1);
+  EXPECT_EQ((*second)->AlgoDescription(unseen), (*first)->AlgoDescription(unseen));
+  for (int64_t m : {int64_t{1}, Rows()}) {
+    SCOPED_TRACE(absl::StrCat(m, " rows"));
+    ASSERT_TRUE((*first)->Prepare(m).ok());
+    const size_t asked = Bf16Gemm::algorithm_queries();
+    ASSERT_TRUE((*second)->Prepare(m).ok());
+    EXPECT_EQ(Bf16Gemm::algorithm_queries(), asked);
+    EXPECT_EQ((*second)->AlgoDescription(m), (*first)->AlgoDescription(m));
+    DeviceBuffer out(static_cast<size_t>(m * features) * sizeof(uint16_t));
+    ASSERT_CUDA_OK(cudaMemsetAsync(out.as<void>(), 0xff, out.bytes(), stream_));
+    const absl::Status run =
+        (*second)->Run(x_[0]->as<void>(), w_qkv_->as<void>(), out.as<void>(), m, stream_);
+    ASSERT_TRUE(run.ok()) << run;
+    ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+    ExpectWithinGemmTolerance(out.Download<uint16_t>(m * features).data(), proj_ref_[0].data(),
+                              m * features);
+  }
+}
+
 // The per-operator and chunked paths projecting on the epilogue path's CUTLASS GEMM (its
 // epilogue storing the projection only): the projection within the GEMM's tolerance of the
 // reference, each path bit for bit the reference chain on its own projection and within

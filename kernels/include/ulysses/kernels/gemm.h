@@ -56,7 +56,8 @@ class Bf16Gemm {
   Bf16Gemm& operator=(const Bf16Gemm&) = delete;
 
   /// Builds the descriptors and picks the algorithm for `m` rows with pointers aligned to
-  /// 256 bytes (host work only; allocates host memory). Idempotent.
+  /// 256 bytes (host work only; allocates host memory; the pick is the process's, see
+  /// algorithm_queries). Idempotent.
   absl::Status Prepare(int64_t m);
 
   /// Launches once on `stream` the kernel of each algorithm cuBLASLt picks for the row counts
@@ -88,6 +89,11 @@ class Bf16Gemm {
   size_t unloaded_launches() const;
   /// GEMMs Run enqueued (each a cuBLASLt launch). Safe to read from another thread.
   size_t runs() const;
+  /// Algorithm queries (cublasLtMatmulAlgoGetHeuristic) the process's GEMMs made. cuBLASLt's
+  /// pick for a row count and alignment class is asked once per device, shape (n, k) and
+  /// workspace size in the process and shared by every GEMM of that shape (a fused session per
+  /// layer of one model asks once). Safe to read from any thread.
+  static size_t algorithm_queries();
 
   /// Enqueues out = x @ w^T for `m` rows on `stream`. x [m, k], w [n, k], out [m, n], device
   /// pointers, 16-byte aligned at least. A row count (or a pointer alignment below 256 bytes)
