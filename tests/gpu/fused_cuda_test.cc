@@ -465,6 +465,19 @@ class GpuFusedQkvTest : public FusedGpuBase<Param> {
     plain_ref_ = it->second.second;
   }
 
+  // Runs `gemm` on rank 0's first `m` rows into `out`, poisoned first, and checks the result
+  // against the reference projection.
+  void RunGemmAndCheck(Bf16Gemm& gemm, const DeviceBuffer& out, int64_t m) {
+    const int64_t features = QkvFeatures(shape_);
+    ASSERT_CUDA_OK(cudaMemsetAsync(out.as<void>(), 0xff, out.bytes(), stream_));
+    const absl::Status run = gemm.Run(x_[0]->as<void>(), w_qkv_->as<void>(), out.as<void>(), m,
+                                      stream_);
+    ASSERT_TRUE(run.ok()) << run;
+    ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+    ExpectWithinGemmTolerance(out.Download<uint16_t>(m * features).data(), proj_ref_[0].data(),
+                              m * features);
+  }
+
   // Loads `plan`'s kernels, then projects 1, rows/3 + 1, rows - 1 and all rows of rank 0's x,
   // with x 256-byte aligned and 16 bytes off, each into a poisoned buffer, checked against the
   // reference.
@@ -568,13 +581,7 @@ TEST_P(GpuFusedQkvTest, AGemmLoadedAtOneRowCountRunsItsAlgorithmAtFewerRows) {
     if (m < 1 || m >= Rows()) continue;
     SCOPED_TRACE(absl::StrCat(m, " rows"));
     ASSERT_TRUE((*gemm)->Prepare(m).ok());
-    ASSERT_CUDA_OK(cudaMemsetAsync(out.as<void>(), 0xff, out.bytes(), stream_));
-    const absl::Status run =
-        (*gemm)->Run(x_[0]->as<void>(), w_qkv_->as<void>(), out.as<void>(), m, stream_);
-    ASSERT_TRUE(run.ok()) << run;
-    ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
-    ExpectWithinGemmTolerance(out.Download<uint16_t>(m * features).data(), proj_ref_[0].data(),
-                              m * features);
+    ASSERT_NO_FATAL_FAILURE(RunGemmAndCheck(**gemm, out, m));
     ASSERT_TRUE((*own)->Prepare(m).ok());
     substituted += (*own)->AlgoDescription(m) != (*gemm)->AlgoDescription(m);
   }
@@ -613,13 +620,7 @@ TEST_P(GpuFusedQkvTest, AGemmLoadedAtEveryRowCountRunsCublasLtsOwnPickAtEachOfTh
   EXPECT_EQ(differ, 0);
   for (int64_t m : {int64_t{1}, every / 3 + 1, every}) {
     SCOPED_TRACE(absl::StrCat(m, " rows"));
-    ASSERT_CUDA_OK(cudaMemsetAsync(out.as<void>(), 0xff, out.bytes(), stream_));
-    const absl::Status run =
-        (*gemm)->Run(x_[0]->as<void>(), w_qkv_->as<void>(), out.as<void>(), m, stream_);
-    ASSERT_TRUE(run.ok()) << run;
-    ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
-    ExpectWithinGemmTolerance(out.Download<uint16_t>(m * features).data(), proj_ref_[0].data(),
-                              m * features);
+    ASSERT_NO_FATAL_FAILURE(RunGemmAndCheck(**gemm, out, m));
   }
   std::cout << "every row count up to " << every << ": " << (*gemm)->loaded_algorithms()
             << " cuBLASLt kernels loaded\n";
@@ -655,13 +656,7 @@ TEST_P(GpuFusedQkvTest, GemmsOfOneShapeAskCublasLtOnceForEachRowCount) {
     EXPECT_EQ(Bf16Gemm::algorithm_queries(), asked);
     EXPECT_EQ((*second)->AlgoDescription(m), (*first)->AlgoDescription(m));
     DeviceBuffer out(static_cast<size_t>(m * features) * sizeof(uint16_t));
-    ASSERT_CUDA_OK(cudaMemsetAsync(out.as<void>(), 0xff, out.bytes(), stream_));
-    const absl::Status run =
-        (*second)->Run(x_[0]->as<void>(), w_qkv_->as<void>(), out.as<void>(), m, stream_);
-    ASSERT_TRUE(run.ok()) << run;
-    ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
-    ExpectWithinGemmTolerance(out.Download<uint16_t>(m * features).data(), proj_ref_[0].data(),
-                              m * features);
+    ASSERT_NO_FATAL_FAILURE(RunGemmAndCheck(**second, out, m));
   }
 }
 
