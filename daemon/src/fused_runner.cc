@@ -18,6 +18,8 @@ namespace {
 // within 0.95-1.08 of it below 2048 rows, and 0.99-1.11 without the epilogue GEMM from 4096
 // rows (2026-12-01). A session may still ask for it.
 constexpr int64_t kEpilogueMinRows = 2048;
+// A plan loads cuBLASLt's pick of every row count the per-operator path runs under the rule.
+static_assert(kernels::kFusedEveryRowLoadRows >= kEpilogueMinRows - 1);
 // Where the rule can change path (PathsUpTo looks on either side of each).
 constexpr int64_t kRuleThresholds[] = {kEpilogueMinRows};
 

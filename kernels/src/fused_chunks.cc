@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "ulysses/kernels/fused_qkv.h"
+#include "ulysses/kernels/gemm.h"
 
 namespace ulysses::kernels {
 namespace {
@@ -9,7 +10,7 @@ namespace {
 constexpr int64_t kChunkAlignRows = 128;  // GEMM tile height: chunk boundaries fall on tiles
 constexpr int64_t kMinDefaultChunkRows = 512;
 constexpr int64_t kLoadStepsPerOctave = 8;  // FusedGemmLoadRowCounts
-constexpr int64_t kEveryRowLoadRows = 2048;  // FusedGemmEveryRowLoadRows
+static_assert(kFusedEveryRowLoadRows <= Bf16Gemm::kMaxEveryRowLoad);
 
 int64_t AlignUp(int64_t rows) {
   return (rows + kChunkAlignRows - 1) / kChunkAlignRows * kChunkAlignRows;
@@ -75,8 +76,8 @@ int64_t FusedGemmEveryRowLoadRows(int64_t rows, int64_t chunk_rows, FusedPath pa
   // Below the epilogue path's rows every call's GEMM runs on cuBLASLt (per_operator, or a
   // chunked call's pieces), where a neighbouring count's kernel ran up to 1.37 times the
   // count's own pick (H100, eight loads an octave).
-  if (FusedGemmRowCounts(rows, chunk_rows, path).empty()) return 0;
-  return std::min(rows, kEveryRowLoadRows);
+  if (rows <= 0 || FusedGemmRowCounts(rows, chunk_rows, path).empty()) return 0;
+  return std::min(rows, kFusedEveryRowLoadRows);
 }
 
 int64_t FusedNumChunks(int64_t rows, int64_t chunk_rows) {

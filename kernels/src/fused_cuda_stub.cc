@@ -49,6 +49,7 @@ size_t Bf16Gemm::loaded_algorithms() const { return 0; }
 size_t Bf16Gemm::unloaded_launches() const { return 0; }
 size_t Bf16Gemm::runs() const { return 0; }
 size_t Bf16Gemm::algorithm_queries() { return 0; }
+void Bf16Gemm::ForgetPicks() {}
 int64_t Bf16Gemm::n() const { return 0; }
 int64_t Bf16Gemm::k() const { return 0; }
 size_t Bf16Gemm::device_bytes() const { return 0; }

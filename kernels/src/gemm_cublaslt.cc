@@ -121,6 +121,10 @@ class PickCache {
     if (picks_.size() >= kMaxPicks) picks_.clear();  // bounded; asked again if they come back
     picks_.emplace(key, algo);
   }
+  void Clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    picks_.clear();
+  }
   void CountQuery() { queries_.fetch_add(1, std::memory_order_relaxed); }
   size_t queries() const { return queries_.load(std::memory_order_relaxed); }
 
@@ -158,7 +162,9 @@ struct Bf16Gemm::Impl {
   internal::LtLayout w;  // A: [k, n] column-major, transposed by the op
   internal::DeviceMemory workspace;
   size_t workspace_bytes = 0;
-  static constexpr size_t kMaxShapes = 4096;
+  // Room for a load's every-row counts (up to kMaxEveryRowLoad) and its other counts at every
+  // class, with calls' row counts beside them.
+  static constexpr size_t kMaxShapes = 8192;
   std::map<std::pair<int64_t, uint32_t>, Shape> shapes;  // at most kMaxShapes
   std::vector<LoadedAlgo> loaded;
   std::set<std::pair<int64_t, uint32_t>> loaded_keys;  // (m, alignment) of `loaded`
@@ -297,8 +303,8 @@ absl::Status Bf16Gemm::WarmUp(cudaStream_t stream) {
     stream = own;
   }
   // Small shapes: what is warmed is meant to be cuBLASLt's, not a shape's (the kernel-level
-  // case's queries at new row counts test that). The GEMM's handle goes back into the pool, and
-  // its memory is freed on `stream`, as they go (before the wait below).
+  // case's query at a row count new to the process tests that). The GEMM's handle goes back
+  // into the pool, and its memory is freed on `stream`, as they go (before the wait below).
   constexpr int64_t kN = 384, kK = 128, kRows[] = {16, 2048};
   const absl::Status status = [&]() -> absl::Status {
     ULY_ASSIGN_OR_RETURN(std::unique_ptr<Bf16Gemm> gemm,
@@ -366,37 +372,47 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
   if (w_alignment == 0) return absl::InvalidArgumentError("w must be 16-byte aligned");
   if (scratch == nullptr || reinterpret_cast<uintptr_t>(scratch) % 256 != 0)
     return absl::InvalidArgumentError("scratch must be non-null and 256-byte aligned");
-  if (every_row_up_to < 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat("every_row_up_to must not be negative, got ", every_row_up_to));
+  if (every_row_up_to < 0 || every_row_up_to > kMaxEveryRowLoad)
+    return absl::InvalidArgumentError(absl::StrCat("every_row_up_to must be in [0, ",
+                                                   kMaxEveryRowLoad, "], got ", every_row_up_to));
   Impl& g = *impl_;
-  // The most aligned class a call can have (w's alignment bounds every call's): an algorithm
-  // must exist there; the classes below it are best effort.
-  const uint32_t top = std::min<uint32_t>(256, w_alignment);
-  // What is loaded, in order: each of `ms` at every class a call can have, then every row
-  // count up to every_row_up_to at the top class.
-  std::vector<std::pair<int64_t, uint32_t>> wanted;
   int64_t most = every_row_up_to;
   for (int64_t m : ms) {
-    if (m <= 0) return absl::InvalidArgumentError(absl::StrCat("ms: row count ", m, " is not positive"));
+    if (m <= 0)
+      return absl::InvalidArgumentError(absl::StrCat("ms: row count ", m, " is not positive"));
     most = std::max(most, m);
+  }
+  if (most > 0) {
+    // out at scratch; x after an offset of up to 128 bytes (the alignment classes below 256).
+    const size_t rows = static_cast<size_t>(most);
+    const size_t need = std::max(rows * static_cast<size_t>(g.n) * sizeof(uint16_t),
+                                 128 + rows * static_cast<size_t>(g.k) * sizeof(uint16_t));
+    if (scratch_bytes < need)
+      return absl::InvalidArgumentError(absl::StrCat("scratch_bytes: ", scratch_bytes,
+                                                     " bytes cannot hold ", most, " rows (", need,
+                                                     " bytes needed)"));
+  }
+  // The most aligned class a call can have (w's alignment bounds every call's): an algorithm
+  // must exist there for each of `ms`; the classes below it, and the every-row counts (a
+  // speed-up), are best effort.
+  const uint32_t top = std::min<uint32_t>(256, w_alignment);
+  struct Wanted {
+    int64_t m;
+    uint32_t alignment;
+    bool required;
+  };
+  std::vector<Wanted> wanted;  // in load order: each of `ms` at every class, then every row
+  for (int64_t m : ms) {
     for (uint32_t a : kAlignments) {
-      if (a <= w_alignment) wanted.emplace_back(m, a);  // no call's pointers can be more aligned
+      if (a <= w_alignment) wanted.push_back({m, a, a == top});  // no call is more aligned
     }
   }
-  for (int64_t m = 1; m <= every_row_up_to; ++m) wanted.emplace_back(m, top);
-  // out at scratch; x after an offset of up to 128 bytes (the alignment classes below 256).
-  const size_t rows = static_cast<size_t>(most);
-  const size_t need = std::max(rows * static_cast<size_t>(g.n) * sizeof(uint16_t),
-                               128 + rows * static_cast<size_t>(g.k) * sizeof(uint16_t));
-  if (scratch_bytes < need)
-    return absl::InvalidArgumentError(absl::StrCat("scratch_bytes: ", scratch_bytes,
-                                                   " bytes cannot hold ", most, " rows (", need,
-                                                   " bytes needed)"));
-  for (const auto& [m, a] : wanted) {
-    absl::StatusOr<Impl::Shape*> got = g.Get(m, a);
-    // The lower classes are best effort: a call at one with no algorithm fails as before.
-    if (!got.ok() && a < top && absl::IsNotFound(got.status())) continue;
+  for (int64_t m = 1; m <= every_row_up_to; ++m) wanted.push_back({m, top, false});
+  for (const Wanted& want : wanted) {
+    const uint32_t a = want.alignment;
+    absl::StatusOr<Impl::Shape*> got = g.Get(want.m, a);
+    // A call at a class or row count skipped here for want of an algorithm fails as before.
+    if (!got.ok() && !want.required && absl::IsNotFound(got.status())) continue;
     if (!got.ok())
       return absl::IsNotFound(got.status()) ? absl::InternalError(got.status().message())
                                             : got.status();
@@ -410,7 +426,7 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
       g.loaded_count.fetch_add(1, std::memory_order_relaxed);
     }
     // Recorded once launched, so that a failed Load pins no call to a kernel it never ran.
-    if (g.loaded_keys.emplace(m, a).second) g.loaded.push_back({m, a, s->algo});
+    if (g.loaded_keys.emplace(want.m, a).second) g.loaded.push_back({want.m, a, s->algo});
   }
   ++g.generation;
   return absl::OkStatus();
@@ -420,6 +436,7 @@ size_t Bf16Gemm::loaded_algorithms() const {
   return impl_->loaded_count.load(std::memory_order_relaxed);
 }
 size_t Bf16Gemm::algorithm_queries() { return PickCache::Get().queries(); }
+void Bf16Gemm::ForgetPicks() { PickCache::Get().Clear(); }
 size_t Bf16Gemm::runs() const { return impl_->runs.load(std::memory_order_relaxed); }
 size_t Bf16Gemm::unloaded_launches() const {
   return impl_->unloaded.load(std::memory_order_relaxed);

@@ -605,6 +605,8 @@ TEST_P(GpuFusedQkvTest, AGemmLoadedAtEveryRowCountRunsCublasLtsOwnPickAtEachOfTh
   const absl::Status loaded = (*gemm)->Load({Rows()}, w_qkv_->as<void>(), scratch.as<void>(),
                                             scratch.bytes(), stream_, every);
   ASSERT_TRUE(loaded.ok()) << loaded;
+  // cuBLASLt's picks asked afresh, not the ones the load kept for the process.
+  Bf16Gemm::ForgetPicks();
   absl::StatusOr<std::unique_ptr<Bf16Gemm>> own = Bf16Gemm::Create(features, hidden);
   ASSERT_TRUE(own.ok()) << own.status();
   int64_t differ = 0;
@@ -625,9 +627,15 @@ TEST_P(GpuFusedQkvTest, AGemmLoadedAtEveryRowCountRunsCublasLtsOwnPickAtEachOfTh
   std::cout << "every row count up to " << every << ": " << (*gemm)->loaded_algorithms()
             << " cuBLASLt kernels loaded\n";
   EXPECT_EQ((*gemm)->unloaded_launches(), 0u);
-  // A negative bound is refused.
-  EXPECT_EQ((*gemm)->Load({1}, w_qkv_->as<void>(), scratch.as<void>(), scratch.bytes(), stream_, -1)
-                .code(),
+  // A bound out of [0, kMaxEveryRowLoad] is refused, and so is one the scratch cannot hold.
+  for (int64_t bad : {int64_t{-1}, Bf16Gemm::kMaxEveryRowLoad + 1}) {
+    EXPECT_EQ((*gemm)->Load({1}, w_qkv_->as<void>(), scratch.as<void>(), scratch.bytes(), stream_,
+                            bad)
+                  .code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  EXPECT_EQ((*gemm)->Load({1}, w_qkv_->as<void>(), scratch.as<void>(), 256, stream_, every).code(),
             absl::StatusCode::kInvalidArgument);
 }
 
@@ -1023,8 +1031,10 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
   const QkvDestinations dests{outs, nullptr, kEpoch, cancel.as<uint64_t>()};
   const int32_t* pos = positions_[0]->as<int32_t>();
   const void* x = x_[0]->as<void>();
-  // Row counts this plan has not seen: each a new cuBLASLt algorithm query, and a first GEMM.
+  // Row counts this plan has not seen: each a first GEMM of the plan at that count (cuBLASLt's
+  // picks are the process's: another case of the shape may have asked for them before).
   const std::vector<int64_t> more = {1, Rows() / 3 + 1, Rows() - 1};
+  static int64_t fresh = int64_t{1} << 21;  // a row count no other case of the process asks for
   const int64_t plan_chunk_rows = FusedChunkRows(Rows(), 0);  // the plans' chunk_rows are 0
   const Steps steps = {
       {"memset (the control)",
@@ -1044,6 +1054,17 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
        [&]() -> absl::Status {
          for (int64_t r : more) ULY_RETURN_IF_ERROR(plan->Prepare(r));
          return absl::OkStatus();
+       }},
+      {"an algorithm query (a row count no GEMM of the process asked for)",
+       [&]() -> absl::Status {
+         const size_t before = Bf16Gemm::algorithm_queries();
+         // No workspace: nothing to free (cudaFree can wait for the whole device).
+         std::unique_ptr<Bf16Gemm> gemm;
+         ULY_ASSIGN_OR_RETURN(gemm, Bf16Gemm::Create(QkvFeatures(shape_), QkvHidden(shape_), 0));
+         ULY_RETURN_IF_ERROR(gemm->Prepare(++fresh));
+         return Bf16Gemm::algorithm_queries() > before
+                    ? absl::OkStatus()
+                    : absl::InternalError("no cuBLASLt query was made");
        }},
       {"a second plan, made while the first holds the pool's handle (a new cuBLASLt handle)",
        [&] {

@@ -88,19 +88,20 @@ TEST(FusedChunksTest, LoadRowCountsAreThePathsCountsAtEightStepsAnOctaveBelowThe
 // Every row count is loaded up to 2048 rows (below the epilogue path's), on every path that runs
 // cuBLASLt GEMMs, and up to the session's rows where it has fewer; none on the epilogue path.
 TEST(FusedChunksTest, EveryRowCountIsLoadedUpTo2048RowsWhereCublasLtRuns) {
-  EXPECT_EQ(FusedGemmEveryRowLoadRows(100, 0, FusedPath::kPerOperator), 100);
-  EXPECT_EQ(FusedGemmEveryRowLoadRows(2047, 0, FusedPath::kAuto), 2047);
-  EXPECT_EQ(FusedGemmEveryRowLoadRows(16384, 0, FusedPath::kPerOperator), 2048);
-  EXPECT_EQ(FusedGemmEveryRowLoadRows(16384, 0, FusedPath::kChunked), 2048);
-  EXPECT_EQ(FusedGemmEveryRowLoadRows(1, 512, FusedPath::kChunked), 1);
-  EXPECT_EQ(FusedGemmEveryRowLoadRows(16384, 0, FusedPath::kEpilogue), 0);
-  // Every count a call of up to 2048 rows runs is among them.
+  EXPECT_EQ(kFusedEveryRowLoadRows, 2048);
   for (FusedPath path : {FusedPath::kPerOperator, FusedPath::kChunked, FusedPath::kAuto}) {
-    const int64_t every = FusedGemmEveryRowLoadRows(65536, 0, path);
-    for (int64_t r = 1; r <= 2048; ++r) {
-      for (int64_t m : FusedGemmRowCounts(r, 0, path)) EXPECT_LE(m, every) << "rows " << r;
-    }
+    SCOPED_TRACE(FusedPathName(path));
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(1, 0, path), 1);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(100, 0, path), 100);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(2047, 0, path), 2047);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(2048, 0, path), 2048);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(2049, 0, path), 2048);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(65536, 512, path), 2048);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(0, 0, path), 0);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(-5, 0, path), 0);
   }
+  EXPECT_EQ(FusedGemmEveryRowLoadRows(100, 0, FusedPath::kEpilogue), 0);
+  EXPECT_EQ(FusedGemmEveryRowLoadRows(16384, 0, FusedPath::kEpilogue), 0);
 }
 
 // A pinned GEMM's call whose own algorithm was not loaded tries the loaded ones chosen for the

@@ -103,10 +103,14 @@ std::vector<int64_t> FusedGemmRowCounts(int64_t rows, int64_t chunk_rows, FusedP
 /// chunk or remainder). Host code; the same with or without CUDA.
 std::vector<int64_t> FusedGemmLoadRowCounts(int64_t rows, int64_t chunk_rows, FusedPath path);
 
+/// The most rows FusedGemmEveryRowLoadRows gives: the rows below the daemon's epilogue path
+/// (its rule runs per_operator below 2048 rows; daemon/src/fused_runner.cc asserts they agree).
+inline constexpr int64_t kFusedEveryRowLoadRows = 2048;
+
 /// The row count up to which FusedQkvPlan::LoadKernels also loads cuBLASLt's pick of every row
 /// count (at the most aligned class, Bf16Gemm::Load's every_row_up_to), so that calls of up to
-/// that many rows run their own pick: min(rows, 2048) where `path` runs cuBLASLt GEMMs, 0 for
-/// kEpilogue. Host code; the same with or without CUDA.
+/// that many rows run their own pick: min(rows, kFusedEveryRowLoadRows) where `path` runs
+/// cuBLASLt GEMMs, 0 for kEpilogue and for rows <= 0. Host code; the same with or without CUDA.
 int64_t FusedGemmEveryRowLoadRows(int64_t rows, int64_t chunk_rows, FusedPath path);
 
 /// The epilogue path's readiness chunks: FusedChunkRows rounded up to whole 128-row tiles, so
@@ -134,8 +138,8 @@ class FusedQkvPlan {
   /// Loads the cuBLASLt kernels of calls of up to `rows` rows on `path` (Bf16Gemm::Load): the
   /// algorithms cuBLASLt picks for FusedGemmLoadRowCounts(rows, chunk_rows, path), at every
   /// alignment class of x, and for every row count up to FusedGemmEveryRowLoadRows at the most
-  /// aligned class, each distinct algorithm launched once on `stream`, reading and writing the plan's own
-  /// projection buffer (what they compute is discarded: a call's GEMM overwrites it in the
+  /// aligned class, each distinct algorithm launched once on `stream`, reading and writing the
+  /// plan's own projection buffer (what they compute is discarded: a call's GEMM overwrites it in the
   /// stream's order). None for kEpilogue (its GEMM is this library's own kernel, loaded with
   /// its module). The first launch of a cuBLASLt kernel in a process holds the launching
   /// thread until every stream of the device is idle (measured on H100; docs/architecture.md,

@@ -32,6 +32,8 @@ class Bf16Gemm {
  public:
   /// Default device workspace of cuBLASLt (Hopper kernels use up to 32 MiB).
   static constexpr size_t kDefaultWorkspaceBytes = size_t{32} << 20;
+  /// The most rows Load's every_row_up_to takes.
+  static constexpr int64_t kMaxEveryRowLoad = 4096;
 
   /// Does cuBLASLt's one-time work on the current device ahead of the first plan, once per
   /// device (later calls return at once): makes one handle (plans take theirs from a
@@ -72,11 +74,12 @@ class Bf16Gemm {
   /// and alignment) was not launched runs instead the first loaded algorithm of its alignment,
   /// in PinnedTryOrder of the row counts they were chosen for, that cuBLASLt accepts for the
   /// call (cublasLtMatmulAlgoCheck), and its own only when none is (unloaded_launches counts
-  /// those). With `every_row_up_to` > 0, also the pick of every row count from 1 to it at the
-  /// most aligned class (256, or w's own alignment), where calls of those row counts then run
-  /// cuBLASLt's own pick (scratch must hold that many rows too). Nothing waits for the
-  /// launches to end. May be called again (more row counts); an error leaves what earlier
-  /// calls loaded. Allocates host memory only.
+  /// those). With `every_row_up_to` in (0, kMaxEveryRowLoad], also the pick of every row count
+  /// from 1 to it at the most aligned class (256, or w's own alignment), where calls of those
+  /// row counts then run cuBLASLt's own pick (scratch must hold that many rows too; a row count
+  /// cuBLASLt has no algorithm for is skipped). Nothing waits for the launches to end. May be
+  /// called again (more row counts); an error leaves what earlier calls loaded. Allocates host
+  /// memory only.
   absl::Status Load(const std::vector<int64_t>& ms, const void* w, void* scratch,
                     size_t scratch_bytes, cudaStream_t stream, int64_t every_row_up_to = 0);
 
@@ -90,10 +93,15 @@ class Bf16Gemm {
   /// GEMMs Run enqueued (each a cuBLASLt launch). Safe to read from another thread.
   size_t runs() const;
   /// Algorithm queries (cublasLtMatmulAlgoGetHeuristic) the process's GEMMs made. cuBLASLt's
-  /// pick for a row count and alignment class is asked once per device, shape (n, k) and
-  /// workspace size in the process and shared by every GEMM of that shape (a fused session per
-  /// layer of one model asks once). Safe to read from any thread.
+  /// pick for a row count and alignment class is kept per device, shape (n, k) and workspace
+  /// size in the process and shared by every GEMM of that shape (a fused session per layer of
+  /// one model asks once); a row count with no algorithm is asked again, and the picks kept
+  /// are bounded (all dropped when full, then asked again as they come). Safe to read from any
+  /// thread.
   static size_t algorithm_queries();
+  /// Drops the process's kept picks (the next Prepare or Load of each row count asks cuBLASLt
+  /// again; GEMMs keep what they prepared). Safe to call from any thread.
+  static void ForgetPicks();
 
   /// Enqueues out = x @ w^T for `m` rows on `stream`. x [m, k], w [n, k], out [m, n], device
   /// pointers, 16-byte aligned at least. A row count (or a pointer alignment below 256 bytes)
