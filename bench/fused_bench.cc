@@ -511,6 +511,12 @@ int RunPinning(const Options& opt, cudaStream_t stream, Json& report) {
   std::printf("%-6s %-7s %10s %10s %9s %7s  %-6s %s\n", "hidden", "rows", "own_ms", "pinned_ms",
               "pin/own", "A/A", "check", "algorithms (own | pinned)");
   int failures = 0;
+  const int64_t every_row =
+      opt.pinning_every_row_rows >= 0
+          ? std::min(opt.pinning_every_row_rows, opt.pinning_max_rows)
+          : kernels::FusedGemmEveryRowLoadRows(opt.pinning_max_rows, FusedPath::kPerOperator);
+  const std::vector<int64_t> load_counts =
+      kernels::FusedGemmLoadRowCounts(opt.pinning_max_rows, 0, FusedPath::kPerOperator);
   for (int32_t hidden : opt.hiddens) {
     HiddenData data;
     absl::Status made = data.Make(hidden, opt.pinning_max_rows, opt.pinning_max_rows);
@@ -525,10 +531,6 @@ int RunPinning(const Options& opt, cudaStream_t stream, Json& report) {
     const size_t out_bytes = static_cast<size_t>(opt.pinning_max_rows * features) * 2;
     if (made.ok()) made = scratch.Allocate(out_bytes + 256);
     if (made.ok()) made = out.Allocate(out_bytes);
-    const int64_t every_row =
-        opt.pinning_every_row_rows >= 0
-            ? std::min(opt.pinning_every_row_rows, opt.pinning_max_rows)
-            : kernels::FusedGemmEveryRowLoadRows(opt.pinning_max_rows, 0, FusedPath::kPerOperator);
     // What a per_operator session of that many rows pays when it opens (host queries,
     // launches, wait): the first GEMM of the shape in the process, then a second one (another
     // session of the shape, as a daemon opens one per layer), which finds cuBLASLt's picks kept.
@@ -539,9 +541,8 @@ int RunPinning(const Options& opt, cudaStream_t stream, Json& report) {
     auto load = [&](kernels::Bf16Gemm& gemm) -> absl::StatusOr<Loaded> {
       const size_t queries = kernels::Bf16Gemm::algorithm_queries();
       const auto start = std::chrono::steady_clock::now();
-      ULY_RETURN_IF_ERROR(gemm.Load(
-          kernels::FusedGemmLoadRowCounts(opt.pinning_max_rows, 0, FusedPath::kPerOperator),
-          data.d_w.as(), scratch.as(), out_bytes + 256, stream, every_row));
+      ULY_RETURN_IF_ERROR(gemm.Load(load_counts, data.d_w.as(), scratch.as(), out_bytes + 256,
+                                    stream, every_row));
       if (cudaStreamSynchronize(stream) != cudaSuccess)
         return absl::InternalError("the load failed on the device");
       return Loaded{std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -

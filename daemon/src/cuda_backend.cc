@@ -330,7 +330,7 @@ class CudaTransport final : public Transport {
       // rescue stream where that stream shares a queue with another session's, as above.
       // What it frees at its end goes on the same stream.
       cudaStream_t plan_second = t->stream_, plan_setup = setup_stream;
-      if (setup.fused->path == FusedPath::kChunked) {
+      if (FusedRunner::RunsChunked(setup.fused->path, FusedExchange::kPlanStores)) {
         ULY_ASSIGN_OR_RETURN(t->second_, t->streams_->Take(StreamRole::kSecond, t->stream_));
         plan_second = t->second_;
         plan_setup = t->streams_->SetupStreamFor(t->second_);
@@ -785,7 +785,8 @@ class CudaBackend final : public Backend {
   bool slots_in_segment() const override { return false; }
 
   absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransportSetup& setup) override {
-    if (info_.mps && setup.fused && setup.fused->path == FusedPath::kChunked)
+    if (info_.mps && setup.fused &&
+        FusedRunner::RunsChunked(setup.fused->path, FusedExchange::kPlanStores))
       Logger("exec")->warn(
           "device {}: a fused session asks for the chunked path, whose calls were seen to wait "
           "on the GPU for another session's call blocked on its peer under MPS (up to the call "

@@ -119,6 +119,10 @@ FusedRunner::Prepared FusedRunner::Rule(FusedPath asked, FusedExchange exchange,
   return p;
 }
 
+bool FusedRunner::RunsChunked(FusedPath asked, FusedExchange exchange) {
+  return exchange == FusedExchange::kPlanStores && asked == FusedPath::kChunked;
+}
+
 std::vector<std::pair<FusedPath, int64_t>> FusedRunner::PathsUpTo(FusedPath asked,
                                                                   FusedExchange exchange,
                                                                   const std::string& no_epilogue,

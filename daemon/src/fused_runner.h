@@ -71,6 +71,10 @@ class FusedRunner {
   /// available), and why.
   static Prepared Rule(FusedPath asked, FusedExchange exchange, const std::string& no_epilogue,
                        int64_t rows);
+  /// Whether Rule gives any call of a session asking for `asked` the chunked path, the one
+  /// path that runs work on the plan's second stream: only where the session asks for it and
+  /// the plan stores (auto never takes it).
+  static bool RunsChunked(FusedPath asked, FusedExchange exchange);
   /// Every path Rule gives for 1 to `max_tokens` rows, each with the most rows it is given,
   /// in FusedPath order.
   static std::vector<std::pair<FusedPath, int64_t>> PathsUpTo(FusedPath asked,

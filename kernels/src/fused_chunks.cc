@@ -1,5 +1,6 @@
 // Chunk planning of FusedQkvPlan's chunked path: host arithmetic, built with and without CUDA.
 #include <algorithm>
+#include <bit>
 
 #include "ulysses/kernels/fused_qkv.h"
 #include "ulysses/kernels/gemm.h"
@@ -62,8 +63,7 @@ std::vector<int64_t> FusedGemmLoadRowCounts(int64_t rows, int64_t chunk_rows, Fu
   // 1.125 times its own, and more calls find cuBLASLt's own pick for their count loaded.
   for (int64_t r = 1; r < rows;) {
     add(r);
-    int64_t octave = 1;
-    while (octave * 2 <= r) octave *= 2;
+    const auto octave = static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(r)));
     r += std::max<int64_t>(1, octave / kLoadStepsPerOctave);
   }
   add(rows);
@@ -72,11 +72,11 @@ std::vector<int64_t> FusedGemmLoadRowCounts(int64_t rows, int64_t chunk_rows, Fu
   return counts;
 }
 
-int64_t FusedGemmEveryRowLoadRows(int64_t rows, int64_t chunk_rows, FusedPath path) {
+int64_t FusedGemmEveryRowLoadRows(int64_t rows, FusedPath path) {
   // Below the epilogue path's rows every call's GEMM runs on cuBLASLt (per_operator, or a
   // chunked call's pieces), where a neighbouring count's kernel ran up to 1.37 times the
-  // count's own pick (H100, eight loads an octave).
-  if (rows <= 0 || FusedGemmRowCounts(rows, chunk_rows, path).empty()) return 0;
+  // count's own pick (H100, eight loads an octave). The epilogue path runs no cuBLASLt GEMM.
+  if (rows <= 0 || path == FusedPath::kEpilogue) return 0;
   return std::min(rows, kFusedEveryRowLoadRows);
 }
 

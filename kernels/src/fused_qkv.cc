@@ -271,7 +271,7 @@ absl::Status FusedQkvPlan::LoadKernels(int64_t rows, FusedPath path, cudaStream_
   // kept.
   ULY_RETURN_IF_ERROR(impl_->gemm->Load(
       counts, impl_->config.weights.w_qkv, impl_->qkv(), impl_->projection.bytes(), stream,
-      FusedGemmEveryRowLoadRows(rows, impl_->config.chunk_rows, path)));
+      FusedGemmEveryRowLoadRows(rows, path)));
   // Prepare again: the row counts prepared before the load are pinned to loaded algorithms.
   return Prepare(rows);
 }

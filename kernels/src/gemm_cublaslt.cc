@@ -64,6 +64,7 @@ class LeasedHandle {
     return lease;
   }
   cublasLtHandle_t get() const { return handle_; }
+  int device() const { return device_; }
 
  private:
   struct Handles {
@@ -148,15 +149,7 @@ struct Bf16Gemm::Impl {
     cublasLtMatmulAlgo_t run{};
     uint64_t generation = 0;
   };
-  // An algorithm Load asked for, with the row count and alignment it was chosen for.
-  struct LoadedAlgo {
-    int64_t m;
-    uint32_t alignment;
-    cublasLtMatmulAlgo_t algo;
-  };
-
   int64_t n = 0, k = 0;
-  int device = 0;
   LeasedHandle handle;
   internal::LtMatmulDesc desc;
   internal::LtLayout w;  // A: [k, n] column-major, transposed by the op
@@ -166,8 +159,8 @@ struct Bf16Gemm::Impl {
   // class, with calls' row counts beside them.
   static constexpr size_t kMaxShapes = 8192;
   std::map<std::pair<int64_t, uint32_t>, Shape> shapes;  // at most kMaxShapes
-  std::vector<LoadedAlgo> loaded;
-  std::set<std::pair<int64_t, uint32_t>> loaded_keys;  // (m, alignment) of `loaded`
+  // The algorithms Load asked for, by the alignment class and row count they were chosen for.
+  std::map<std::pair<uint32_t, int64_t>, cublasLtMatmulAlgo_t> loaded;
   // Distinct algorithms launched since the first Load, each with the alignment class of the
   // pointers it ran on (cuBLASLt may pick a kernel of the algorithm by the pointers' actual
   // alignment): by Load, then any a call ran that Load had not (each counted in `unloaded`).
@@ -185,7 +178,7 @@ struct Bf16Gemm::Impl {
     Shape s;
     ULY_ASSIGN_OR_RETURN(s.x, internal::LtLayout::Create(k, m, k));
     ULY_ASSIGN_OR_RETURN(s.out, internal::LtLayout::Create(n, m, n));
-    const PickCache::Key key{device, n, k, m, alignment, workspace_bytes};
+    const PickCache::Key key{handle.device(), n, k, m, alignment, workspace_bytes};
     if (PickCache::Get().Find(key, s.algo))
       return &shapes.emplace(std::make_pair(m, alignment), std::move(s)).first->second;
     internal::LtPreference pref;
@@ -248,22 +241,22 @@ struct Bf16Gemm::Impl {
     s.generation = generation;
     s.run = s.algo;
     if (Launched(s.algo, alignment)) return s.run;
-    std::vector<const LoadedAlgo*> candidates;
+    std::vector<const cublasLtMatmulAlgo_t*> candidates;
     std::vector<int64_t> rows;
-    for (const LoadedAlgo& l : loaded) {
-      if (l.alignment != alignment) continue;
-      candidates.push_back(&l);
-      rows.push_back(l.m);
+    for (auto it = loaded.lower_bound({alignment, 0});
+         it != loaded.end() && it->first.first == alignment; ++it) {
+      candidates.push_back(&it->second);
+      rows.push_back(it->first.second);
     }
     std::vector<const cublasLtMatmulAlgo_t*> checked;  // each distinct algorithm asked once
     for (size_t i : PinnedTryOrder(rows, m)) {
-      const cublasLtMatmulAlgo_t& algo = candidates[i]->algo;
+      const cublasLtMatmulAlgo_t& algo = *candidates[i];
       if (std::any_of(checked.begin(), checked.end(),
                       [&](const cublasLtMatmulAlgo_t* c) { return Same(*c, algo); }))
         continue;
       checked.push_back(&algo);
       if (Accepts(s, algo)) {
-        s.run = candidates[i]->algo;
+        s.run = algo;
         return s.run;
       }
     }
@@ -343,7 +336,6 @@ absl::StatusOr<std::unique_ptr<Bf16Gemm>> Bf16Gemm::Create(int64_t n, int64_t k,
   auto impl = std::make_unique<Impl>();
   impl->n = n;
   impl->k = k;
-  ULY_CUDA_RETURN_IF_ERROR(cudaGetDevice(&impl->device));
   ULY_ASSIGN_OR_RETURN(impl->handle, LeasedHandle::Take());
   ULY_RETURN_IF_ERROR(impl->desc.Init(CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
@@ -396,23 +388,10 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
   // must exist there for each of `ms`; the classes below it, and the every-row counts (a
   // speed-up), are best effort.
   const uint32_t top = std::min<uint32_t>(256, w_alignment);
-  struct Wanted {
-    int64_t m;
-    uint32_t alignment;
-    bool required;
-  };
-  std::vector<Wanted> wanted;  // in load order: each of `ms` at every class, then every row
-  for (int64_t m : ms) {
-    for (uint32_t a : kAlignments) {
-      if (a <= w_alignment) wanted.push_back({m, a, a == top});  // no call is more aligned
-    }
-  }
-  for (int64_t m = 1; m <= every_row_up_to; ++m) wanted.push_back({m, top, false});
-  for (const Wanted& want : wanted) {
-    const uint32_t a = want.alignment;
-    absl::StatusOr<Impl::Shape*> got = g.Get(want.m, a);
+  auto load = [&](int64_t m, uint32_t a, bool required) -> absl::Status {
+    absl::StatusOr<Impl::Shape*> got = g.Get(m, a);
     // A call at a class or row count skipped here for want of an algorithm fails as before.
-    if (!got.ok() && !want.required && absl::IsNotFound(got.status())) continue;
+    if (!got.ok() && !required && absl::IsNotFound(got.status())) return absl::OkStatus();
     if (!got.ok())
       return absl::IsNotFound(got.status()) ? absl::InternalError(got.status().message())
                                             : got.status();
@@ -426,8 +405,16 @@ absl::Status Bf16Gemm::Load(const std::vector<int64_t>& ms, const void* w, void*
       g.loaded_count.fetch_add(1, std::memory_order_relaxed);
     }
     // Recorded once launched, so that a failed Load pins no call to a kernel it never ran.
-    if (g.loaded_keys.emplace(want.m, a).second) g.loaded.push_back({want.m, a, s->algo});
+    g.loaded.emplace(std::make_pair(a, m), s->algo);
+    return absl::OkStatus();
+  };
+  // Each of `ms` at every class a call can have, then every row count at the top class.
+  for (int64_t m : ms) {
+    for (uint32_t a : kAlignments) {
+      if (a <= w_alignment) ULY_RETURN_IF_ERROR(load(m, a, a == top));  // no call is more aligned
+    }
   }
+  for (int64_t m = 1; m <= every_row_up_to; ++m) ULY_RETURN_IF_ERROR(load(m, top, false));
   ++g.generation;
   return absl::OkStatus();
 }

@@ -92,6 +92,19 @@ TEST(FusedRunnerTest, AutoNeverTakesTheChunkedPathButASessionMayAskForIt) {
   const FusedRunner::Prepared asked = FusedRunner::Rule(FusedPath::kChunked, stores, "", 777);
   EXPECT_EQ(asked.path, FusedPath::kChunked);
   EXPECT_EQ(asked.why, "the session asks for chunked");
+  // RunsChunked (whether a session's plan takes a second stream) agrees with the rule.
+  for (FusedExchange exchange : {stores, FusedExchange::kTransportMoves}) {
+    for (FusedPath path : {FusedPath::kAuto, FusedPath::kPerOperator, FusedPath::kChunked,
+                           FusedPath::kEpilogue}) {
+      for (const std::string& no_epilogue : {std::string(), std::string("not sm_90")}) {
+        bool chunked = false;
+        for (const auto& [p, most] : FusedRunner::PathsUpTo(path, exchange, no_epilogue, 65536))
+          chunked = chunked || p == FusedPath::kChunked;
+        EXPECT_EQ(FusedRunner::RunsChunked(path, exchange), chunked)
+            << FusedPathName(path) << ", no_epilogue \"" << no_epilogue << "\"";
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -64,6 +64,12 @@ constexpr int32_t kMaxPos = 4096;
 constexpr uint16_t kPoison = 0x7fc1;  // NaN: an element never written fails every comparison
 constexpr uint64_t kEpoch = 0x1234567890ull;
 
+// A row count no other case of the process asks cuBLASLt for (its picks are kept per process).
+int64_t FreshRowCount() {
+  static int64_t next = int64_t{1} << 20;
+  return ++next;
+}
+
 // Device memory freed on destruction.
 class DeviceBuffer {
  public:
@@ -648,8 +654,7 @@ TEST_P(GpuFusedQkvTest, GemmsOfOneShapeAskCublasLtOnceForEachRowCount) {
   ASSERT_TRUE(first.ok()) << first.status();
   absl::StatusOr<std::unique_ptr<Bf16Gemm>> second = Bf16Gemm::Create(features, hidden);
   ASSERT_TRUE(second.ok()) << second.status();
-  static int64_t fresh = int64_t{1} << 20;  // row counts no other case of the process asks for
-  const int64_t unseen = ++fresh;
+  const int64_t unseen = FreshRowCount();
   const size_t before = Bf16Gemm::algorithm_queries();
   ASSERT_TRUE((*first)->Prepare(unseen).ok());
   EXPECT_EQ(Bf16Gemm::algorithm_queries(), before + 1);
@@ -1034,7 +1039,6 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
   // Row counts this plan has not seen: each a first GEMM of the plan at that count (cuBLASLt's
   // picks are the process's: another case of the shape may have asked for them before).
   const std::vector<int64_t> more = {1, Rows() / 3 + 1, Rows() - 1};
-  static int64_t fresh = int64_t{1} << 21;  // a row count no other case of the process asks for
   const int64_t plan_chunk_rows = FusedChunkRows(Rows(), 0);  // the plans' chunk_rows are 0
   const Steps steps = {
       {"memset (the control)",
@@ -1061,7 +1065,7 @@ TEST_P(GpuFusedBesideAWaitTest, EveryStepOfAFusedCallRunsBesideAStreamWaitingOnA
          // No workspace: nothing to free (cudaFree can wait for the whole device).
          std::unique_ptr<Bf16Gemm> gemm;
          ULY_ASSIGN_OR_RETURN(gemm, Bf16Gemm::Create(QkvFeatures(shape_), QkvHidden(shape_), 0));
-         ULY_RETURN_IF_ERROR(gemm->Prepare(++fresh));
+         ULY_RETURN_IF_ERROR(gemm->Prepare(FreshRowCount()));
          return Bf16Gemm::algorithm_queries() > before
                     ? absl::OkStatus()
                     : absl::InternalError("no cuBLASLt query was made");

@@ -91,17 +91,17 @@ TEST(FusedChunksTest, EveryRowCountIsLoadedUpTo2048RowsWhereCublasLtRuns) {
   EXPECT_EQ(kFusedEveryRowLoadRows, 2048);
   for (FusedPath path : {FusedPath::kPerOperator, FusedPath::kChunked, FusedPath::kAuto}) {
     SCOPED_TRACE(FusedPathName(path));
-    EXPECT_EQ(FusedGemmEveryRowLoadRows(1, 0, path), 1);
-    EXPECT_EQ(FusedGemmEveryRowLoadRows(100, 0, path), 100);
-    EXPECT_EQ(FusedGemmEveryRowLoadRows(2047, 0, path), 2047);
-    EXPECT_EQ(FusedGemmEveryRowLoadRows(2048, 0, path), 2048);
-    EXPECT_EQ(FusedGemmEveryRowLoadRows(2049, 0, path), 2048);
-    EXPECT_EQ(FusedGemmEveryRowLoadRows(65536, 512, path), 2048);
-    EXPECT_EQ(FusedGemmEveryRowLoadRows(0, 0, path), 0);
-    EXPECT_EQ(FusedGemmEveryRowLoadRows(-5, 0, path), 0);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(1, path), 1);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(100, path), 100);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(2047, path), 2047);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(2048, path), 2048);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(2049, path), 2048);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(65536, path), 2048);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(0, path), 0);
+    EXPECT_EQ(FusedGemmEveryRowLoadRows(-5, path), 0);
   }
-  EXPECT_EQ(FusedGemmEveryRowLoadRows(100, 0, FusedPath::kEpilogue), 0);
-  EXPECT_EQ(FusedGemmEveryRowLoadRows(16384, 0, FusedPath::kEpilogue), 0);
+  EXPECT_EQ(FusedGemmEveryRowLoadRows(100, FusedPath::kEpilogue), 0);
+  EXPECT_EQ(FusedGemmEveryRowLoadRows(16384, FusedPath::kEpilogue), 0);
 }
 
 // A pinned GEMM's call whose own algorithm was not loaded tries the loaded ones chosen for the

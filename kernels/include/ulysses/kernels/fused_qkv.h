@@ -111,7 +111,7 @@ inline constexpr int64_t kFusedEveryRowLoadRows = 2048;
 /// count (at the most aligned class, Bf16Gemm::Load's every_row_up_to), so that calls of up to
 /// that many rows run their own pick: min(rows, kFusedEveryRowLoadRows) where `path` runs
 /// cuBLASLt GEMMs, 0 for kEpilogue and for rows <= 0. Host code; the same with or without CUDA.
-int64_t FusedGemmEveryRowLoadRows(int64_t rows, int64_t chunk_rows, FusedPath path);
+int64_t FusedGemmEveryRowLoadRows(int64_t rows, FusedPath path);
 
 /// The epilogue path's readiness chunks: FusedChunkRows rounded up to whole 128-row tiles, so
 /// that a tile belongs to one chunk; the same number of chunks as FusedNumChunks.
