@@ -1253,31 +1253,36 @@ TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBeside
       other = streams_[i];
     }
   }
-  const bool cutlass = EpilogueRuns();
   // Plans whose second stream is on the caller's queue, on a third queue, and the caller's
-  // stream itself: CUTLASS-projecting where the epilogue GEMM runs (no cuBLASLt kernel to
-  // load), else loaded up to their max_tokens.
+  // stream itself: projecting on loaded cuBLASLt kernels, and also on the CUTLASS GEMM where
+  // the epilogue GEMM runs (no cuBLASLt kernel to load), so that each ordering is seen after
+  // either GEMM.
   struct SidePlan {
     std::string where;
     cudaStream_t side;
     std::unique_ptr<FusedQkvPlan> plan;
   };
   std::vector<SidePlan> plans;
-  for (auto [where, side] : {std::pair<const char*, cudaStream_t>{"the caller's queue", same},
-                             {"a third queue", other},
-                             {"the caller's stream", run_}}) {
-    if (side == nullptr) {
-      std::cout << "no second stream on " << where << " among the probed streams\n";
-      continue;
+  std::vector<bool> projections = {false};
+  if (EpilogueRuns()) projections.push_back(true);
+  for (const bool cutlass : projections) {
+    const std::string gemm = cutlass ? " (CUTLASS projection)" : " (cuBLASLt projection)";
+    for (auto [where, side] : {std::pair<const char*, cudaStream_t>{"the caller's queue", same},
+                               {"a third queue", other},
+                               {"the caller's stream", run_}}) {
+      if (side == nullptr) {
+        std::cout << "no second stream on " << where << " among the probed streams\n";
+        continue;
+      }
+      cutlass_projection_ = cutlass;
+      std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0, false, side);
+      cutlass_projection_ = false;
+      ASSERT_NE(plan, nullptr);
+      if (!cutlass) {
+        ASSERT_TRUE(plan->LoadKernels(Rows(), FusedPath::kAuto, run_).ok());
+      }
+      plans.push_back(SidePlan{where + gemm, side, std::move(plan)});
     }
-    cutlass_projection_ = cutlass;
-    std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0, false, side);
-    cutlass_projection_ = false;
-    ASSERT_NE(plan, nullptr);
-    if (!cutlass) {
-      ASSERT_TRUE(plan->LoadKernels(Rows(), FusedPath::kAuto, run_).ok());
-    }
-    plans.push_back(SidePlan{where, side, std::move(plan)});
   }
   const CallBuffers b(*this);
   DeviceBuffer a(1 << 20), c(1 << 20);
@@ -1350,8 +1355,7 @@ TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBeside
                      [&, plan] { return plan->RunChunked(b.x, b.pos, 1, Rows(), b.dests, run); },
                      false, UnderMps()});
   }
-  std::cout << "projection on " << (cutlass ? "the CUTLASS GEMM" : "loaded cuBLASLt kernels")
-            << "; queue classes of the 8 streams:";
+  std::cout << "queue classes of the 8 streams:";
   for (int k : class_of_) std::cout << " " << k;
   std::cout << "\n";
   RunBesideAWait(steps);
