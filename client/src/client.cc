@@ -35,6 +35,21 @@ using internal::ReleaseLedger;
 // How long Session::Close waits for the calls pushed before it (stream-ordered sessions).
 constexpr absl::Duration kCloseDrain = absl::Seconds(10);
 
+// How many new streams write the done words when the daemon died (WriteFromNewStreams): twice
+// the hardware queues a context has by default, so that some land on queues no wait holds.
+constexpr int kUnblockStreams = 16;
+
+// A stream-ordered session's done words (ResultWords), in a writable mapping of the first
+// granule of its slot allocation of its own (the slots are mapped read-only). Only the daemon
+// writes them, unless it dies before it could cancel the session: then this client writes past
+// every epoch into them, so that no stream of this process waits for them forever.
+struct DoneWords {
+  int device = 0;
+  int num_slots = 0;
+  ipc::cuda::VmmMapping mapping;
+  ResultWords* words() { return static_cast<ResultWords*>(mapping.data()); }
+};
+
 class ClientImpl : public BufferResolver {
  public:
   std::shared_ptr<grpc::Channel> channel;
@@ -52,6 +67,9 @@ class ClientImpl : public BufferResolver {
   std::unique_ptr<grpc::ClientReaderWriter<v1::WatchRequest, v1::WatchEvent>> watch;
   std::thread watch_thread;
   std::atomic<bool> closed{false};  // read by SlotHold::Release on any thread
+  std::atomic<bool> daemon_gone{false};  // the daemon's end of the fd socket closed
+  std::mutex done_words_mu;
+  std::vector<std::weak_ptr<DoneWords>> done_words;  // of the stream-ordered sessions
 
   // The call fast path (absent when the daemon offered none or the caller opted out).
   std::shared_ptr<ipc::Mapping> segment;  // shared with stream-ordered releases in flight
@@ -119,6 +137,43 @@ class ClientImpl : public BufferResolver {
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
     return submit_bell.Signal();
+  }
+
+  void AddDoneWords(const std::shared_ptr<DoneWords>& words) {
+    std::lock_guard<std::mutex> lock(done_words_mu);
+    std::erase_if(done_words, [](const std::weak_ptr<DoneWords>& w) { return w.expired(); });
+    done_words.push_back(words);
+  }
+
+  // The watch thread's last work, once the daemon's Watch stream ended. That stream also ends
+  // when this client closes, and could break while the daemon lives; so this waits, until the
+  // client closes, for the daemon's end of the fd socket to close. Then the daemon is gone
+  // (SIGKILL included: it could not cancel its sessions), and every stream of this process that
+  // waits on one of its done words is let go: the words are written past every epoch. Calls
+  // then fail UNAVAILABLE; the results of calls in flight are not complete.
+  void LetStreamsGoOnceTheDaemonIsGone() {
+    absl::StatusOr<bool> gone = ipc::WaitHungUp(fd_socket.get(), closed, 20);
+    // A client that closed itself: the daemon cancelled its sessions before it let go.
+    if (!gone.ok() || !*gone || closed.load(std::memory_order_acquire)) return;
+    daemon_gone.store(true, std::memory_order_release);
+    std::map<int, std::vector<uint64_t*>> by_device;
+    std::vector<std::shared_ptr<DoneWords>> live;
+    {
+      std::lock_guard<std::mutex> lock(done_words_mu);
+      for (const std::weak_ptr<DoneWords>& w : done_words)
+        if (std::shared_ptr<DoneWords> d = w.lock()) live.push_back(std::move(d));
+    }
+    for (const std::shared_ptr<DoneWords>& d : live)
+      for (int slot = 0; slot < d->num_slots; ++slot)
+        by_device[d->device].push_back(&d->words()->done[slot]);
+    for (auto& [device, words] : by_device)
+      (void)ipc::cuda::WriteFromNewStreams(device, words, kUnblockEpoch, kUnblockStreams);
+    // The writes run later, on streams nobody waits for: their words stay mapped for the life
+    // of the process (a rare path, one granule of address space per session).
+    static std::mutex kept_mu;
+    static auto* kept = new std::vector<std::shared_ptr<DoneWords>>();
+    std::lock_guard<std::mutex> kept_lock(kept_mu);
+    kept->insert(kept->end(), live.begin(), live.end());
   }
 
   // UNAVAILABLE once the daemon's end of the fd socket closed: a daemon that died (SIGKILL
@@ -373,9 +428,9 @@ class StreamWords {
   // `words_mapping` holds `words`; `slots_mapping` (the daemon's words and the slots) is named
   // by the done waits. Both stay mapped until every marked stream passed its mark.
   StreamWords(std::shared_ptr<void> words_mapping, ClientDeviceWords* words,
-              std::shared_ptr<void> slots_mapping)
+              std::shared_ptr<void> slots_mapping, std::shared_ptr<void> done_words)
       : words_mapping_(std::move(words_mapping)), slots_mapping_(std::move(slots_mapping)),
-        words_(words) {}
+        done_words_(std::move(done_words)), words_(words) {}
   ~StreamWords() { Close(); }
   StreamWords(const StreamWords&) = delete;
   StreamWords& operator=(const StreamWords&) = delete;
@@ -466,6 +521,7 @@ class StreamWords {
     std::lock_guard<std::mutex> kept_lock(kept_mu);
     kept->push_back(words_mapping_);
     kept->push_back(slots_mapping_);
+    kept->push_back(done_words_);  // still to be let go if the daemon dies
   }
 
  private:
@@ -477,6 +533,7 @@ class StreamWords {
   std::mutex mu_;
   bool closed_ = false;
   std::shared_ptr<void> words_mapping_, slots_mapping_;
+  std::shared_ptr<void> done_words_;  // DoneWords, in the client's list while held
   ClientDeviceWords* const words_;
   std::map<void*, std::unique_ptr<ipc::cuda::StreamMark>> marks_;
   ReleaseLedger ledger_;  // how each slot's results were given back
@@ -615,6 +672,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
     while (raw->watch->Read(&ev)) {
     }
     (void)raw->watch->Finish();
+    raw->LetStreamsGoOnceTheDaemonIsGone();
   });
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
@@ -931,7 +989,16 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const v1::CreateSes
                                                          /*writable=*/true));
       auto words_mapping = std::make_shared<ipc::cuda::VmmMapping>(std::move(w));
       auto* words_at = static_cast<ClientDeviceWords*>(words_mapping->data());
-      session->stream_words_ = std::make_shared<StreamWords>(words_mapping, words_at, vmm);
+      // The done words again, writable, for when the daemon dies (DoneWords).
+      ULY_ASSIGN_OR_RETURN(const uint64_t granule, ipc::cuda::VmmMapping::Granularity(dev));
+      auto done = std::make_shared<DoneWords>();
+      done->device = dev;
+      done->num_slots = g.num_slots;
+      ULY_ASSIGN_OR_RETURN(done->mapping, ipc::cuda::VmmMapping::Import(dev, fds[1].get(), granule,
+                                                                        /*writable=*/true));
+      impl_->AddDoneWords(done);
+      session->stream_words_ =
+          std::make_shared<StreamWords>(words_mapping, words_at, vmm, std::move(done));
       session->device_words_ = vmm->data();
       session->slot_offset_ = info.slot_offset_bytes();
       session->slot_stride_ = info.slot_stride_bytes();
@@ -1099,6 +1166,8 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
   if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
   if (!client_->has_rings())
     return absl::UnimplementedError("Submit needs the call rings (ConnectOptions::use_rings)");
+  if (client_->daemon_gone.load(std::memory_order_acquire))
+    return absl::UnavailableError("the daemon is gone (its fd socket closed)");
   // The same verdict the daemon reaches, before anything leaves this process.
   ULY_ASSIGN_OR_RETURN(*plan, Plan(args));
   ipc::CallDescriptor d{};
@@ -1174,8 +1243,7 @@ absl::Status Session::Synchronize(absl::Duration timeout) {
   for (;;) {
     ULY_ASSIGN_OR_RETURN(bool outstanding, client_->DetachedOutstanding(id_));
     if (!outstanding) break;
-    if (client_->header->abort.load(std::memory_order_acquire) != 0)
-      return absl::AbortedError("the daemon dropped this client");
+    ULY_RETURN_IF_ERROR(client_->CheckDaemonAlive());
     if (absl::Now() >= deadline)
       return absl::DeadlineExceededError(StrCat("session ", id_, ": calls still unfinished after ",
                                                 absl::FormatDuration(timeout)));

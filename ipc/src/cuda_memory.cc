@@ -586,6 +586,40 @@ absl::Status StreamWait64(void* stream, const uint64_t* word, uint64_t value) {
   return absl::OkStatus();
 }
 
+absl::Status WriteFromNewStreams(int device, std::span<uint64_t* const> words, uint64_t value,
+                                 int streams) {
+  if (streams <= 0)
+    return absl::InvalidArgumentError(absl::StrCat("streams: ", streams, " is not positive"));
+  // cudaSetDevice alone: no call here may wait for the device (SetDevice's cudaFree might).
+  ULY_CUDART(cudaSetDevice(device));
+  int least = 0, greatest = 0;
+  ULY_CUDART(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  absl::Status first_error;
+  int holding = 0;
+  for (int i = 0; i < streams; ++i) {
+    cudaStream_t s = nullptr;
+    const cudaError_t made =
+        cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, i % 2 == 0 ? least : greatest);
+    absl::Status st = made == cudaSuccess
+                          ? absl::OkStatus()
+                          : absl::InternalError(absl::StrCat("cudaStreamCreateWithPriority: ",
+                                                             cudaGetErrorString(made)));
+    if (st.ok()) {
+      StreamOps ops(s);
+      for (uint64_t* word : words)
+        if (st.ok()) st = ops.Write(word, value);
+      if (st.ok()) st = ops.Flush();
+      cudaStreamDestroy(s);  // returns at once; the stream goes once its writes ran
+    }
+    if (st.ok()) {
+      ++holding;
+    } else if (first_error.ok()) {
+      first_error = st;
+    }
+  }
+  return holding > 0 ? absl::OkStatus() : first_error;
+}
+
 absl::Status StreamOps::Flush() {
   if (count_ == 0) return absl::OkStatus();
   const Driver& d = Drv();

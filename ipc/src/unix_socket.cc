@@ -486,4 +486,14 @@ absl::StatusOr<bool> HungUp(int sock) {
   return (revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
+absl::StatusOr<bool> WaitHungUp(int sock, const std::atomic<bool>& stop, int check_ms) {
+  if (sock < 0)
+    return absl::InvalidArgumentError(ulysses::StrCat("fd: ", sock, " is not an open descriptor"));
+  while (!stop.load(std::memory_order_acquire)) {
+    ULY_ASSIGN_OR_RETURN(short revents, PollFd(sock, POLLRDHUP, check_ms));
+    if ((revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) return true;
+  }
+  return false;
+}
+
 }  // namespace ulysses::ipc

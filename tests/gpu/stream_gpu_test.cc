@@ -2,8 +2,8 @@
 // run them, the daemon's stream waits for the client's inputs, releases follow the stream (a
 // slot is reused only after the stream that read it gave it back), a session closed right
 // after a call still runs it (its result readable after the close), and a client stream that
-// never arrives ends in an error within the call timeout (no stream stays blocked). Skips
-// without a CUDA device.
+// never arrives ends in an error within the call timeout (no stream stays blocked), nor does
+// a stream whose call's daemon died. Skips without a CUDA device.
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -511,6 +511,70 @@ TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing
   for (int r = 0; r < kW; ++r)
     EXPECT_TRUE(testing_util::Eventually([&] { return State(r).device_bytes() == baseline[r]; }))
         << "rank " << r << ": " << State(r).device_bytes() << " bytes, baseline " << baseline[r];
+}
+
+// A client's own daemon killed while the client's stream waits for a call's done word: the
+// daemon can neither finish the call nor cancel it, so the client library writes the word past
+// every epoch itself once the daemon's end of its socket closed. The stream drains, and the
+// session's next call and Synchronize fail UNAVAILABLE. Rank 1 never calls, so rank 0's call
+// waits for it until its daemon dies (the call timeout is far beyond the test).
+TEST_F(StreamCluster, AStreamWaitingForACallWhoseDaemonDiedIsLetGo) {
+  Start(kW, {"--call-timeout-ms", "120000"});
+  std::atomic<bool> rank0_done{false};
+  std::vector<std::string> errors(kW);
+  bool drained = false;
+  absl::Status next_call, synchronized;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kW; ++r) {
+    ranks.emplace_back([&, r] {
+      // Rank 1 keeps its session open until rank 0 is through, on every path of rank 0.
+      struct Through {
+        std::atomic<bool>* flag;
+        ~Through() {
+          if (flag != nullptr) flag->store(true);
+        }
+      } through{r == 0 ? &rank0_done : nullptr};
+      auto fail = [&](const std::string& e) { errors[r] = e; };
+      auto c = client::Client::Connect({Members(kW)[r], "orphan"});
+      if (!c.ok()) return fail(c.status().ToString());
+      auto g = (*c)->JoinGroup({"orphan", kW, r, Members(kW), "nvlink", 0});
+      if (!g.ok()) return fail(g.status().ToString());
+      auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, kSlots, {}, 0});
+      if (!s.ok()) return fail(s.status().ToString());
+      auto x = (*c)->AllocBuffer(int64_t{kB} * kS * kH * kD * 4, "x");
+      if (!x.ok()) return fail(x.status().ToString());
+      if (r == 1) {
+        while (!rank0_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        return;
+      }
+      cudaStream_t stream = nullptr;
+      if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
+        return fail("stream");
+      (*s)->set_stream(stream);
+      auto res = (*s)->ScatterHeads(x->Ref(), kB, kS);
+      if (!res.ok()) return fail(res.status().ToString());
+      res->Release().IgnoreError();
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      if (cudaStreamQuery(stream) != cudaErrorNotReady) return fail("the call did not wait");
+      daemons_[0].Kill();
+      std::fprintf(stderr, "rank 0: daemon killed while the stream waits\n");
+      // Bounded so that a stream that stays blocked fails the case instead of hanging it.
+      const absl::Time give_up = absl::Now() + absl::Seconds(30);
+      cudaError_t q;
+      while ((q = cudaStreamQuery(stream)) == cudaErrorNotReady && absl::Now() < give_up)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      drained = q == cudaSuccess;
+      std::fprintf(stderr, "rank 0: stream %s\n", drained ? "drained" : cudaGetErrorString(q));
+      next_call = (*s)->ScatterHeads(x->Ref(), kB, kS).status();
+      synchronized = (*s)->Synchronize();
+      if (drained) cudaStreamDestroy(stream);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < kW; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  EXPECT_TRUE(drained) << "rank 0's stream still waits for its dead daemon";
+  EXPECT_EQ(next_call.code(), absl::StatusCode::kUnavailable) << next_call;
+  EXPECT_FALSE(synchronized.ok());
 }
 
 }  // namespace

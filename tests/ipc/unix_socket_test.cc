@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -369,6 +371,53 @@ TEST(MessageTest, PeerCloseIsUnavailable) {
   // Sending to a closed peer fails without SIGPIPE.
   auto send = SendMessage(b.get(), "anyone?");
   EXPECT_EQ(send.code(), absl::StatusCode::kUnavailable) << send;
+}
+
+// HungUp and WaitHungUp see the other end's close, not data queued before it; WaitHungUp also
+// ends when told to stop, and names a descriptor that is not open.
+TEST(HungUpTest, TheOtherEndsCloseIsSeenAndQueuedDataIsNot) {
+  auto [a, b] = SocketPair();
+  ASSERT_TRUE(SendMessage(a.get(), "queued").ok());
+  absl::StatusOr<bool> gone = HungUp(b.get());
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_FALSE(*gone);
+  std::atomic<bool> stop{false};
+  std::thread closer([&a] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    a.reset();
+  });
+  gone = WaitHungUp(b.get(), stop, 5);
+  closer.join();
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_TRUE(*gone);
+  gone = HungUp(b.get());
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_TRUE(*gone);
+  // The data sent before the close is still there to read.
+  auto msg = RecvMessage(b.get());
+  ASSERT_TRUE(msg.ok()) << msg.status();
+  EXPECT_EQ(msg->payload, "queued");
+}
+
+TEST(HungUpTest, WaitHungUpEndsWhenToldToStop) {
+  auto [a, b] = SocketPair();
+  std::atomic<bool> stop{false};
+  std::thread stopper([&stop] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    stop.store(true);
+  });
+  absl::StatusOr<bool> gone = WaitHungUp(b.get(), stop, 5);
+  stopper.join();
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_FALSE(*gone);  // a still open: not a hang-up
+  EXPECT_TRUE(a.valid());
+  // Already stopped: returns at once without looking.
+  gone = WaitHungUp(b.get(), stop, 5);
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_FALSE(*gone);
+  std::atomic<bool> run{false};
+  gone = WaitHungUp(-1, run, 5);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kInvalidArgument) << gone.status();
 }
 
 TEST(MessageTest, PeerCloseMidFrameIsUnavailable) {

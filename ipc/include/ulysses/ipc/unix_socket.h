@@ -204,4 +204,9 @@ absl::StatusOr<bool> WaitReadable(int fd, int timeout_ms);
 /// count. INVALID_ARGUMENT naming `fd` when it is not an open descriptor. Thread-safe.
 absl::StatusOr<bool> HungUp(int sock);
 
+/// Blocks until the other end of stream socket `sock` closed (true) or `stop` is set (false),
+/// looking at `stop` at least every `check_ms` milliseconds. Reads nothing. INVALID_ARGUMENT as
+/// HungUp's.
+absl::StatusOr<bool> WaitHungUp(int sock, const std::atomic<bool>& stop, int check_ms);
+
 }  // namespace ulysses::ipc
