@@ -39,8 +39,8 @@ constexpr absl::Duration kCloseDrain = absl::Seconds(10);
 // the hardware queues a context has by default, so that some land on queues no wait holds.
 constexpr int kUnblockStreams = 16;
 
-// A stream-ordered session's done words (ResultWords), in a writable mapping of the first
-// granule of its slot allocation of its own (the slots are mapped read-only). Only the daemon
+// A stream-ordered session's done words (ResultWords), in a second mapping of its slot
+// allocation, writable (the slots' own mapping is read-only). Only the daemon
 // writes them, unless it dies before it could cancel the session: then this client writes past
 // every epoch into them, so that no stream of this process waits for them forever.
 struct DoneWords {
@@ -169,7 +169,7 @@ class ClientImpl : public BufferResolver {
     for (auto& [device, words] : by_device)
       (void)ipc::cuda::WriteFromNewStreams(device, words, kUnblockEpoch, kUnblockStreams);
     // The writes run later, on streams nobody waits for: their words stay mapped for the life
-    // of the process (a rare path, one granule of address space per session).
+    // of the process (a rare path; address space only, the memory is the daemon's).
     static std::mutex kept_mu;
     static auto* kept = new std::vector<std::shared_ptr<DoneWords>>();
     std::lock_guard<std::mutex> kept_lock(kept_mu);
@@ -989,13 +989,15 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const v1::CreateSes
                                                          /*writable=*/true));
       auto words_mapping = std::make_shared<ipc::cuda::VmmMapping>(std::move(w));
       auto* words_at = static_cast<ClientDeviceWords*>(words_mapping->data());
-      // The done words again, writable, for when the daemon dies (DoneWords).
-      ULY_ASSIGN_OR_RETURN(const uint64_t granule, ipc::cuda::VmmMapping::Granularity(dev));
+      // The done words again, writable, for when the daemon dies (DoneWords): the whole
+      // allocation, since the driver maps no part of one (address space only).
       auto done = std::make_shared<DoneWords>();
       done->device = dev;
       done->num_slots = g.num_slots;
-      ULY_ASSIGN_OR_RETURN(done->mapping, ipc::cuda::VmmMapping::Import(dev, fds[1].get(), granule,
-                                                                        /*writable=*/true));
+      ULY_ASSIGN_OR_RETURN(done->mapping,
+                           ipc::cuda::VmmMapping::Import(dev, fds[1].get(),
+                                                         info.device_slots_bytes(),
+                                                         /*writable=*/true));
       impl_->AddDoneWords(done);
       session->stream_words_ =
           std::make_shared<StreamWords>(words_mapping, words_at, vmm, std::move(done));
