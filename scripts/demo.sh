@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job: W daemons (separate processes) and W clients doing a layer's head exchanges,
 # verified bit for bit. On the GPUs if this build and machine have them, else the host backend.
-#   scripts/demo.sh [--ranks 4] [--backend auto|host|nvlink] [other ulysses-demo options]
+#   scripts/demo.sh [--ranks 4] [--backend auto|host|nvlink|nccl] [other ulysses-demo options]
+# (nccl needs a GPU per rank: NCCL refuses two ranks on one GPU.)
 # On a machine with GPUs it runs the daemons and clients as clients of one MPS server (the fast
 # mode, docs/operations.md): it starts an MPS control daemon when none is running and stops the
 # one it started when the demo ends.
