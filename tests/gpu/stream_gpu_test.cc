@@ -14,6 +14,7 @@
 #include "cluster_util.h"
 #include "gtest/gtest.h"
 #include "ulysses/client/client.h"
+#include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/cuda_memory.h"
 
@@ -453,6 +454,25 @@ TEST_F(StreamCluster, ABufferFreedWhileItsCallWaitsOnTheStreamStaysMappedUntilTh
   cudaStreamDestroy(stream);
 }
 
+// One rank's client, session (kH heads of kD, fp32, kB * kS tokens, kSlots slots) and input
+// buffer, in group `name` of kW ranks on `members`.
+struct Rank {
+  std::unique_ptr<client::Client> client;
+  std::unique_ptr<client::Session> session;
+  client::Buffer x;
+};
+absl::StatusOr<Rank> OpenRank(const std::vector<std::string>& members, const std::string& name,
+                              int r) {
+  Rank k;
+  ULY_ASSIGN_OR_RETURN(k.client, client::Client::Connect({members[r], name}));
+  ULY_ASSIGN_OR_RETURN(const client::Group g,
+                       k.client->JoinGroup({name, kW, r, members, "nvlink", 0}));
+  ULY_ASSIGN_OR_RETURN(k.session,
+                       k.client->CreateSession(g, {kH, kD, DType::kFloat32, kB * kS, kSlots, {}, 0}));
+  ULY_ASSIGN_OR_RETURN(k.x, k.client->AllocBuffer(int64_t{kB} * kS * kH * kD * 4, "x"));
+  return k;
+}
+
 TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing) {
   Start(kW, {"--call-timeout-ms", "2000"});
   uint64_t baseline[kW];
@@ -464,22 +484,18 @@ TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing
   for (int r = 0; r < kW; ++r) {
     ranks.emplace_back([&, r] {
       auto fail = [&](const std::string& e) { errors[r] = e; };
-      auto c = client::Client::Connect({Members(kW)[r], "stall"});
-      if (!c.ok()) return fail(c.status().ToString());
-      auto g = (*c)->JoinGroup({"stall", kW, r, Members(kW), "nvlink", 0});
-      if (!g.ok()) return fail(g.status().ToString());
-      auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, kSlots, {}, 0});
-      if (!s.ok()) return fail(s.status().ToString());
-      auto x = (*c)->AllocBuffer(int64_t{kB} * kS * kH * kD * 4, "x");
-      if (!x.ok()) return fail(x.status().ToString());
+      absl::StatusOr<Rank> k = OpenRank(Members(kW), "stall", r);
+      if (!k.ok()) return fail(k.status().ToString());
+      std::unique_ptr<client::Session>& s = k->session;
+      client::Buffer& x = k->x;
       if (r == 1) {
         // Rank 1's stream is held past the call timeout: its ready word comes too late.
         cudaStream_t stream = nullptr;
         if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
           return fail("stream");
         Gate gate(stream);
-        (*s)->set_stream(stream);
-        auto res = (*s)->ScatterHeads(x->Ref(), kB, kS);
+        s->set_stream(stream);
+        auto res = s->ScatterHeads(x.Ref(), kB, kS);
         if (!res.ok()) return fail(res.status().ToString());
         res->Release().IgnoreError();
         std::fprintf(stderr, "rank 1: call returned; holding the stream\n");
@@ -488,11 +504,11 @@ TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing
         // The daemon's cancel passed the stream's wait for done: it drains.
         if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("sync");
         std::fprintf(stderr, "rank 1: stream drained\n");
-        late = (*s)->Synchronize();
+        late = s->Synchronize();
         cudaStreamDestroy(stream);
       } else {
         const absl::Time t0 = absl::Now();
-        waited = (*s)->ScatterHeads(x->Ref(), kB, kS).status();
+        waited = s->ScatterHeads(x.Ref(), kB, kS).status();
         took = absl::Now() - t0;
         std::fprintf(stderr, "rank 0: call ended: %s\n", waited.ToString().c_str());
       }
@@ -535,14 +551,10 @@ TEST_F(StreamCluster, AStreamWaitingForACallWhoseDaemonDiedIsLetGo) {
         }
       } through{r == 0 ? &rank0_done : nullptr};
       auto fail = [&](const std::string& e) { errors[r] = e; };
-      auto c = client::Client::Connect({Members(kW)[r], "orphan"});
-      if (!c.ok()) return fail(c.status().ToString());
-      auto g = (*c)->JoinGroup({"orphan", kW, r, Members(kW), "nvlink", 0});
-      if (!g.ok()) return fail(g.status().ToString());
-      auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, kSlots, {}, 0});
-      if (!s.ok()) return fail(s.status().ToString());
-      auto x = (*c)->AllocBuffer(int64_t{kB} * kS * kH * kD * 4, "x");
-      if (!x.ok()) return fail(x.status().ToString());
+      absl::StatusOr<Rank> k = OpenRank(Members(kW), "orphan", r);
+      if (!k.ok()) return fail(k.status().ToString());
+      std::unique_ptr<client::Session>& s = k->session;
+      client::Buffer& x = k->x;
       if (r == 1) {
         while (!rank0_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
         return;
@@ -550,8 +562,8 @@ TEST_F(StreamCluster, AStreamWaitingForACallWhoseDaemonDiedIsLetGo) {
       cudaStream_t stream = nullptr;
       if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
         return fail("stream");
-      (*s)->set_stream(stream);
-      auto res = (*s)->ScatterHeads(x->Ref(), kB, kS);
+      s->set_stream(stream);
+      auto res = s->ScatterHeads(x.Ref(), kB, kS);
       if (!res.ok()) return fail(res.status().ToString());
       res->Release().IgnoreError();
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -565,8 +577,8 @@ TEST_F(StreamCluster, AStreamWaitingForACallWhoseDaemonDiedIsLetGo) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       drained = q == cudaSuccess;
       std::fprintf(stderr, "rank 0: stream %s\n", drained ? "drained" : cudaGetErrorString(q));
-      next_call = (*s)->ScatterHeads(x->Ref(), kB, kS).status();
-      synchronized = (*s)->Synchronize();
+      next_call = s->ScatterHeads(x.Ref(), kB, kS).status();
+      synchronized = s->Synchronize();
       if (drained) cudaStreamDestroy(stream);
     });
   }
