@@ -36,8 +36,21 @@ using internal::ReleaseLedger;
 constexpr absl::Duration kCloseDrain = absl::Seconds(10);
 
 // How many new streams write the done words when the daemon died (WriteFromNewStreams): twice
-// the hardware queues a context has by default, so that some land on queues no wait holds.
-constexpr int kUnblockStreams = 16;
+// the hardware queues a context spreads its streams over (CUDA_DEVICE_MAX_CONNECTIONS, 8 by
+// default), so that some land on queues no wait holds, unless waits hold all of them.
+int UnblockStreams() {
+  const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const int queues = v != nullptr ? std::atoi(v) : 0;
+  return 2 * std::clamp(queues, 8, 32);
+}
+
+// Keeps `p` until the process ends: mappings that streams may still name.
+void KeepForProcessLife(std::shared_ptr<void> p) {
+  static std::mutex kept_mu;
+  static auto* kept = new std::vector<std::shared_ptr<void>>();
+  std::lock_guard<std::mutex> lock(kept_mu);
+  kept->push_back(std::move(p));
+}
 
 // A stream-ordered session's done words (ResultWords), in a second mapping of its slot
 // allocation, writable (the slots' own mapping is read-only). Only the daemon
@@ -67,7 +80,10 @@ class ClientImpl : public BufferResolver {
   std::unique_ptr<grpc::ClientReaderWriter<v1::WatchRequest, v1::WatchEvent>> watch;
   std::thread watch_thread;
   std::atomic<bool> closed{false};  // read by SlotHold::Release on any thread
-  std::atomic<bool> daemon_gone{false};  // the daemon's end of the fd socket closed
+  std::atomic<bool> daemon_gone{false};  // the daemon died (LetStreamsGoIfTheDaemonDied)
+  std::atomic<bool> rescue_started{false};
+  mutable std::mutex rescue_mu;
+  std::string rescue_failure;  // why the done words may not have been written, if they were not
   std::mutex done_words_mu;
   std::vector<std::weak_ptr<DoneWords>> done_words;  // of the stream-ordered sessions
 
@@ -145,16 +161,22 @@ class ClientImpl : public BufferResolver {
     done_words.push_back(words);
   }
 
-  // The watch thread's last work, once the daemon's Watch stream ended. That stream also ends
-  // when this client closes, and could break while the daemon lives; so this waits, until the
-  // client closes, for the daemon's end of the fd socket to close. Then the daemon is gone
-  // (SIGKILL included: it could not cancel its sessions), and every stream of this process that
-  // waits on one of its done words is let go: the words are written past every epoch. Calls
-  // then fail UNAVAILABLE; the results of calls in flight are not complete.
-  void LetStreamsGoOnceTheDaemonIsGone() {
-    absl::StatusOr<bool> gone = ipc::WaitHungUp(fd_socket.get(), closed, 20);
-    // A client that closed itself: the daemon cancelled its sessions before it let go.
-    if (!gone.ok() || !*gone || closed.load(std::memory_order_acquire)) return;
+  // Called once the daemon's end of the fd socket closed, by the watch thread or by a Detach
+  // whose RPC failed. A live daemon that drops this client (a reclaim, its shutdown) closes the
+  // socket too, but then sets the abort word at once and cancels the client's sessions itself;
+  // a dead one (SIGKILL included) can do neither. So unless the abort word is set within a
+  // grace period, the daemon died: every stream of this process that waits on one of its done
+  // words is let go, the words written past every epoch; calls fail UNAVAILABLE from then on,
+  // and the results of the calls in flight are not complete.
+  void LetStreamsGoIfTheDaemonDied() {
+    if (rescue_started.exchange(true)) return;
+    if (header != nullptr) {
+      const absl::Time grace = absl::Now() + absl::Milliseconds(500);
+      while (absl::Now() < grace) {
+        if (header->abort.load(std::memory_order_acquire) != 0) return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
     daemon_gone.store(true, std::memory_order_release);
     std::map<int, std::vector<uint64_t*>> by_device;
     std::vector<std::shared_ptr<DoneWords>> live;
@@ -166,14 +188,23 @@ class ClientImpl : public BufferResolver {
     for (const std::shared_ptr<DoneWords>& d : live)
       for (int slot = 0; slot < d->num_slots; ++slot)
         by_device[d->device].push_back(&d->words()->done[slot]);
+    absl::Status written;
     for (auto& [device, words] : by_device)
-      (void)ipc::cuda::WriteFromNewStreams(device, words, kUnblockEpoch, kUnblockStreams);
-    // The writes run later, on streams nobody waits for: their words stay mapped for the life
-    // of the process (a rare path; address space only, the memory is the daemon's).
-    static std::mutex kept_mu;
-    static auto* kept = new std::vector<std::shared_ptr<DoneWords>>();
-    std::lock_guard<std::mutex> kept_lock(kept_mu);
-    kept->insert(kept->end(), live.begin(), live.end());
+      written.Update(ipc::cuda::WriteFromNewStreams(device, words, kUnblockEpoch, UnblockStreams(),
+                                                    absl::Seconds(10)));
+    if (written.ok()) return;
+    // Writes still queued name the mappings: keep them.
+    for (std::shared_ptr<DoneWords>& d : live) KeepForProcessLife(std::move(d));
+    std::lock_guard<std::mutex> lock(rescue_mu);
+    rescue_failure = std::string(written.message());
+  }
+
+  // UNAVAILABLE: the daemon died; with why its streams may still wait, if that is so.
+  absl::Status DaemonGone() const {
+    std::lock_guard<std::mutex> lock(rescue_mu);
+    return absl::UnavailableError(StrCat(
+        "the daemon is gone (its fd socket closed)",
+        rescue_failure.empty() ? "" : StrCat("; its calls' done words: ", rescue_failure)));
   }
 
   // UNAVAILABLE once the daemon's end of the fd socket closed: a daemon that died (SIGKILL
@@ -183,7 +214,7 @@ class ClientImpl : public BufferResolver {
       return absl::AbortedError("the daemon dropped this client");
     absl::StatusOr<bool> gone = ipc::HungUp(fd_socket.get());
     if (gone.ok() && !*gone) return absl::OkStatus();
-    return absl::UnavailableError("the daemon is gone (its fd socket closed)");
+    return DaemonGone();
   }
 
   // The first failed completion of `session` not raised yet; it stays pending for its Wait.
@@ -389,6 +420,11 @@ class ClientImpl : public BufferResolver {
     grpc::Status s = stub->Detach(&ctx, req, &resp);
     watch_ctx.TryCancel();
     if (watch_thread.joinable()) watch_thread.join();
+    // A daemon that died before it could answer (the watch thread leaves that to this close).
+    if (!s.ok()) {
+      absl::StatusOr<bool> gone = ipc::HungUp(fd_socket.get());
+      if (gone.ok() && *gone) LetStreamsGoIfTheDaemonDied();
+    }
     fd_socket.reset();
     std::lock_guard<std::mutex> lock(buf_mu);
     buffers.clear();
@@ -425,8 +461,9 @@ bool ReleaseCarriedEnabled() {
 // handed out, whose releases may come from any thread, also after the session closed.
 class StreamWords {
  public:
-  // `words_mapping` holds `words`; `slots_mapping` (the daemon's words and the slots) is named
-  // by the done waits. Both stay mapped until every marked stream passed its mark.
+  // `words_mapping` holds `words`; `slots_mapping` (the done words and the slots) is named by
+  // the done waits; `done_words` (DoneWords) is their writable mapping for when the daemon
+  // dies. All stay mapped until every marked stream passed its mark.
   StreamWords(std::shared_ptr<void> words_mapping, ClientDeviceWords* words,
               std::shared_ptr<void> slots_mapping, std::shared_ptr<void> done_words)
       : words_mapping_(std::move(words_mapping)), slots_mapping_(std::move(slots_mapping)),
@@ -516,12 +553,9 @@ class StreamWords {
     }
     marks_.clear();
     if (passed) return;
-    static std::mutex kept_mu;
-    static auto* kept = new std::vector<std::shared_ptr<void>>();
-    std::lock_guard<std::mutex> kept_lock(kept_mu);
-    kept->push_back(words_mapping_);
-    kept->push_back(slots_mapping_);
-    kept->push_back(done_words_);  // still to be let go if the daemon dies
+    KeepForProcessLife(words_mapping_);
+    KeepForProcessLife(slots_mapping_);
+    KeepForProcessLife(done_words_);  // still to be let go if the daemon dies
   }
 
  private:
@@ -672,7 +706,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
     while (raw->watch->Read(&ev)) {
     }
     (void)raw->watch->Finish();
-    raw->LetStreamsGoOnceTheDaemonIsGone();
+    // The stream also ends when this client closes (Detach looks then) or breaks while the
+    // daemon lives (its fd socket stays open).
+    absl::StatusOr<bool> gone = ipc::WaitHungUp(raw->fd_socket.get(), raw->closed, 20);
+    if (gone.ok() && *gone && !raw->closed.load()) raw->LetStreamsGoIfTheDaemonDied();
   });
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
@@ -1168,8 +1205,7 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
   if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
   if (!client_->has_rings())
     return absl::UnimplementedError("Submit needs the call rings (ConnectOptions::use_rings)");
-  if (client_->daemon_gone.load(std::memory_order_acquire))
-    return absl::UnavailableError("the daemon is gone (its fd socket closed)");
+  if (client_->daemon_gone.load(std::memory_order_acquire)) return client_->DaemonGone();
   // The same verdict the daemon reaches, before anything leaves this process.
   ULY_ASSIGN_OR_RETURN(*plan, Plan(args));
   ipc::CallDescriptor d{};
@@ -1241,6 +1277,7 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
 
 absl::Status Session::Synchronize(absl::Duration timeout) {
   if (!client_->has_rings()) return absl::OkStatus();  // every RPC call returned finished
+  if (client_->daemon_gone.load(std::memory_order_acquire)) return client_->DaemonGone();
   const absl::Time deadline = absl::Now() + timeout;
   for (;;) {
     ULY_ASSIGN_OR_RETURN(bool outstanding, client_->DetachedOutstanding(id_));

@@ -9,8 +9,10 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <string_view>
 #include <mutex>
+#include <string_view>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -587,37 +589,45 @@ absl::Status StreamWait64(void* stream, const uint64_t* word, uint64_t value) {
 }
 
 absl::Status WriteFromNewStreams(int device, std::span<uint64_t* const> words, uint64_t value,
-                                 int streams) {
+                                 int streams, absl::Duration wait) {
   if (streams <= 0)
     return absl::InvalidArgumentError(absl::StrCat("streams: ", streams, " is not positive"));
   // cudaSetDevice alone: no call here may wait for the device (SetDevice's cudaFree might).
   ULY_CUDART(cudaSetDevice(device));
   int least = 0, greatest = 0;
   ULY_CUDART(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  absl::Status first_error;
-  int holding = 0;
-  for (int i = 0; i < streams; ++i) {
+  std::vector<cudaStream_t> made;
+  absl::Status st;
+  for (int i = 0; i < streams && st.ok(); ++i) {
     cudaStream_t s = nullptr;
-    const cudaError_t made =
+    const cudaError_t e =
         cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, i % 2 == 0 ? least : greatest);
-    absl::Status st = made == cudaSuccess
-                          ? absl::OkStatus()
-                          : absl::InternalError(absl::StrCat("cudaStreamCreateWithPriority: ",
-                                                             cudaGetErrorString(made)));
-    if (st.ok()) {
-      StreamOps ops(s);
-      for (uint64_t* word : words)
-        if (st.ok()) st = ops.Write(word, value);
-      if (st.ok()) st = ops.Flush();
-      cudaStreamDestroy(s);  // returns at once; the stream goes once its writes ran
+    if (e != cudaSuccess) {
+      st = absl::InternalError(absl::StrCat("cudaStreamCreateWithPriority: ", cudaGetErrorString(e)));
+      break;
     }
-    if (st.ok()) {
-      ++holding;
-    } else if (first_error.ok()) {
-      first_error = st;
-    }
+    made.push_back(s);
+    StreamOps ops(s);
+    for (uint64_t* word : words)
+      if (st.ok()) st = ops.Write(word, value);
+    if (st.ok()) st = ops.Flush();
   }
-  return holding > 0 ? absl::OkStatus() : first_error;
+  // Until every stream ran its writes (cudaStreamQuery: success once a stream is idle).
+  const absl::Time give_up = absl::Now() + wait;
+  size_t idle = 0;
+  for (;;) {
+    idle = 0;
+    for (cudaStream_t s : made) idle += cudaStreamQuery(s) != cudaErrorNotReady ? 1 : 0;
+    if (idle == made.size() || absl::Now() >= give_up) break;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  for (cudaStream_t s : made) cudaStreamDestroy(s);  // at once; pending work still runs
+  if (!st.ok()) return st;
+  if (idle < made.size())
+    return absl::DeadlineExceededError(absl::StrCat(made.size() - idle, " of ", made.size(),
+                                                    " streams' writes had not run after ",
+                                                    absl::FormatDuration(wait)));
+  return absl::OkStatus();
 }
 
 absl::Status StreamOps::Flush() {

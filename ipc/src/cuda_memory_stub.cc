@@ -45,7 +45,7 @@ absl::StatusOr<uint64_t> StreamId(void*) { return NoCuda(); }
 absl::Status StreamWaitStream(void*, void*) { return NoCuda(); }
 absl::Status StreamWrite64(void*, uint64_t*, uint64_t) { return NoCuda(); }
 absl::Status StreamWait64(void*, const uint64_t*, uint64_t) { return NoCuda(); }
-absl::Status WriteFromNewStreams(int, std::span<uint64_t* const>, uint64_t, int) {
+absl::Status WriteFromNewStreams(int, std::span<uint64_t* const>, uint64_t, int, absl::Duration) {
   return NoCuda();
 }
 absl::Status StreamOps::Flush() {

@@ -481,17 +481,22 @@ absl::StatusOr<bool> WaitReadable(int fd, int timeout_ms) {
   return revents != 0;
 }
 
+// What poll reports once the other end of a stream socket closed.
+constexpr short kHangUp = POLLRDHUP | POLLHUP | POLLERR;
+
 absl::StatusOr<bool> HungUp(int sock) {
   ULY_ASSIGN_OR_RETURN(short revents, PollFd(sock, POLLRDHUP, 0));
-  return (revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+  return (revents & kHangUp) != 0;
 }
 
 absl::StatusOr<bool> WaitHungUp(int sock, const std::atomic<bool>& stop, int check_ms) {
   if (sock < 0)
-    return absl::InvalidArgumentError(ulysses::StrCat("fd: ", sock, " is not an open descriptor"));
+    return absl::InvalidArgumentError(ulysses::StrCat("sock: ", sock, " is not a descriptor"));
+  if (check_ms <= 0)
+    return absl::InvalidArgumentError(ulysses::StrCat("check_ms: ", check_ms, " is not positive"));
   while (!stop.load(std::memory_order_acquire)) {
     ULY_ASSIGN_OR_RETURN(short revents, PollFd(sock, POLLRDHUP, check_ms));
-    if ((revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) return true;
+    if ((revents & kHangUp) != 0) return true;
   }
   return false;
 }

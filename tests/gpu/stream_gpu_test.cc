@@ -586,7 +586,7 @@ TEST_F(StreamCluster, AStreamWaitingForACallWhoseDaemonDiedIsLetGo) {
   for (int r = 0; r < kW; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
   EXPECT_TRUE(drained) << "rank 0's stream still waits for its dead daemon";
   EXPECT_EQ(next_call.code(), absl::StatusCode::kUnavailable) << next_call;
-  EXPECT_FALSE(synchronized.ok());
+  EXPECT_EQ(synchronized.code(), absl::StatusCode::kUnavailable) << synchronized;
 }
 
 }  // namespace

@@ -386,8 +386,17 @@ TEST(HungUpTest, TheOtherEndsCloseIsSeenAndQueuedDataIsNot) {
     std::this_thread::sleep_for(std::chrono::milliseconds(30));
     a.reset();
   });
+  // A hang-up never seen stops the wait (and fails below) instead of hanging the test.
+  std::atomic<bool> done{false};
+  std::thread watchdog([&] {
+    for (int i = 0; i < 1000 && !done.load(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    stop.store(true);
+  });
   gone = WaitHungUp(b.get(), stop, 5);
+  done.store(true);
   closer.join();
+  watchdog.join();
   ASSERT_TRUE(gone.ok()) << gone.status();
   EXPECT_TRUE(*gone);
   gone = HungUp(b.get());
@@ -418,6 +427,10 @@ TEST(HungUpTest, WaitHungUpEndsWhenToldToStop) {
   std::atomic<bool> run{false};
   gone = WaitHungUp(-1, run, 5);
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kInvalidArgument) << gone.status();
+  EXPECT_THAT(std::string(gone.status().message()), HasSubstr("sock"));
+  gone = WaitHungUp(b.get(), run, 0);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kInvalidArgument) << gone.status();
+  EXPECT_THAT(std::string(gone.status().message()), HasSubstr("check_ms"));
 }
 
 TEST(MessageTest, PeerCloseMidFrameIsUnavailable) {

@@ -153,6 +153,23 @@ TEST_F(RestartTest, AClientAttachedAcrossARestartFailsAtOnceAndANewConnectionIsS
   daemon_.Kill();  // SIGKILL
   auto after_death = (*session)->ScatterHeads(x->Ref(), 1, 8);
   EXPECT_EQ(after_death.status().code(), absl::StatusCode::kUnavailable) << after_death.status();
+  // Once the client's watch thread saw the daemon die (no abort word came after the hang-up:
+  // not a reclaim), Synchronize and Submit fail at once, nothing pushed.
+  absl::Status synced;
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(10); absl::Now() < give_up;
+       absl::SleepFor(absl::Milliseconds(10))) {
+    synced = (*session)->Synchronize();
+    if (!synced.ok()) break;
+  }
+  EXPECT_EQ(synced.code(), absl::StatusCode::kUnavailable) << synced;
+  EXPECT_NE(std::string(synced.message()).find("the daemon is gone"), std::string::npos) << synced;
+  CallArgs args;
+  args.op = OpKind::kScatterHeads;
+  args.batch = 1;
+  args.seq = 8;
+  args.inputs[0] = x->Ref();
+  auto submitted = (*session)->Submit(args);
+  EXPECT_EQ(submitted.status().code(), absl::StatusCode::kUnavailable) << submitted.status();
   StartDaemon({});
   {
     v1::DaemonState st;

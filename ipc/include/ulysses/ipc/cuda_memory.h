@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "ulysses/ipc/fd.h"
 
 namespace ulysses::ipc::cuda {
@@ -186,14 +187,17 @@ absl::Status StreamWaitStream(void* consumer, void* producer);
 absl::Status StreamWrite64(void* stream, uint64_t* word, uint64_t value);
 absl::Status StreamWait64(void* stream, const uint64_t* word, uint64_t value);
 /// Stores `value` into every one of `words` (device words of `device`) from each of `streams`
-/// new non-blocking streams, half of them at the greatest priority, and lets the streams go:
-/// each is destroyed once its writes ran. For words that this process's streams wait on after
-/// the writer that should have let them go died. A stream's wait holds back its whole hardware
-/// queue, so a write on a stream of that queue would wait too; the new streams spread over the
-/// queues, and the first write that runs lets every such wait pass. Nothing is waited for here.
-/// OK once at least one stream holds the writes.
+/// new non-blocking streams, half of them at the greatest priority, waits up to `wait` for all
+/// of those writes to run, and destroys the streams (a stream's pending work still runs). For
+/// words that this process's streams wait on after the writer that should have let them go
+/// died. A stream's wait holds back its whole hardware queue, so a write on a stream of that
+/// queue waits too; the new streams spread over the queues, and the first write that runs lets
+/// every wait on the words pass, and with it the writes queued behind those waits. OK once
+/// every write ran; DEADLINE_EXCEEDED when some had not within `wait` (the words must then stay
+/// mapped: those writes may still run); INVALID_ARGUMENT naming `streams` when it is not
+/// positive.
 absl::Status WriteFromNewStreams(int device, std::span<uint64_t* const> words, uint64_t value,
-                                 int streams);
+                                 int streams, absl::Duration wait);
 /// StreamWrite64 and StreamWait64 gathered and enqueued on `stream` with one driver call
 /// (cuStreamBatchMemOp) each Flush, in the order they were added, with the same semantics as
 /// one by one. No allocation: at most kCapacity operations are held, and adding one more

@@ -205,8 +205,9 @@ absl::StatusOr<bool> WaitReadable(int fd, int timeout_ms);
 absl::StatusOr<bool> HungUp(int sock);
 
 /// Blocks until the other end of stream socket `sock` closed (true) or `stop` is set (false),
-/// looking at `stop` at least every `check_ms` milliseconds. Reads nothing. INVALID_ARGUMENT as
-/// HungUp's.
+/// looking at `stop` at least every `check_ms` milliseconds. Reads nothing. INVALID_ARGUMENT
+/// naming `sock` when it is negative or not an open descriptor, or `check_ms` when it is not
+/// positive.
 absl::StatusOr<bool> WaitHungUp(int sock, const std::atomic<bool>& stop, int check_ms);
 
 }  // namespace ulysses::ipc
