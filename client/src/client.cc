@@ -161,22 +161,15 @@ class ClientImpl : public BufferResolver {
     done_words.push_back(words);
   }
 
-  // Called once the daemon's end of the fd socket closed, by the watch thread or by a Detach
-  // whose RPC failed. A live daemon that drops this client (a reclaim, its shutdown) closes the
-  // socket too, but then sets the abort word at once and cancels the client's sessions itself;
-  // a dead one (SIGKILL included) can do neither. So unless the abort word is set within a
-  // grace period, the daemon died: every stream of this process that waits on one of its done
-  // words is let go, the words written past every epoch; calls fail UNAVAILABLE from then on,
-  // and the results of the calls in flight are not complete.
+  // Once the daemon's end of the fd socket closed: unless the daemon set the abort word first
+  // (it dropped this client and cancelled its sessions itself; it sets that word before it
+  // closes the socket), it died, and every stream of this process that waits on one of its
+  // done words is let go (docs/protocol.md section 9.4). Called by the watch thread, or by a
+  // Detach whose RPC failed (the watch thread leaves a closing client's socket to it).
   void LetStreamsGoIfTheDaemonDied() {
-    if (rescue_started.exchange(true)) return;
-    if (header != nullptr) {
-      const absl::Time grace = absl::Now() + absl::Milliseconds(500);
-      while (absl::Now() < grace) {
-        if (header->abort.load(std::memory_order_acquire) != 0) return;
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-    }
+    absl::StatusOr<bool> gone = ipc::HungUp(fd_socket.get());
+    if (!gone.ok() || !*gone || rescue_started.exchange(true)) return;
+    if (header == nullptr || header->abort.load(std::memory_order_acquire) != 0) return;
     daemon_gone.store(true, std::memory_order_release);
     std::map<int, std::vector<uint64_t*>> by_device;
     std::vector<std::shared_ptr<DoneWords>> live;
@@ -199,6 +192,15 @@ class ClientImpl : public BufferResolver {
     rescue_failure = std::string(written.message());
   }
 
+  // Without a system call: ABORTED once the daemon dropped this client (the abort word),
+  // UNAVAILABLE once it died (daemon_gone); else OK.
+  absl::Status Dropped() const {
+    if (header != nullptr && header->abort.load(std::memory_order_acquire) != 0)
+      return absl::AbortedError("the daemon dropped this client");
+    if (daemon_gone.load(std::memory_order_acquire)) return DaemonGone();
+    return absl::OkStatus();
+  }
+
   // UNAVAILABLE: the daemon died; with why its streams may still wait, if that is so.
   absl::Status DaemonGone() const {
     std::lock_guard<std::mutex> lock(rescue_mu);
@@ -210,8 +212,7 @@ class ClientImpl : public BufferResolver {
   // UNAVAILABLE once the daemon's end of the fd socket closed: a daemon that died (SIGKILL
   // included) can never post the completion, nor set the abort word.
   absl::Status CheckDaemonAlive() const {
-    if (header != nullptr && header->abort.load(std::memory_order_acquire) != 0)
-      return absl::AbortedError("the daemon dropped this client");
+    ULY_RETURN_IF_ERROR(Dropped());
     absl::StatusOr<bool> gone = ipc::HungUp(fd_socket.get());
     if (gone.ok() && !*gone) return absl::OkStatus();
     return DaemonGone();
@@ -420,11 +421,7 @@ class ClientImpl : public BufferResolver {
     grpc::Status s = stub->Detach(&ctx, req, &resp);
     watch_ctx.TryCancel();
     if (watch_thread.joinable()) watch_thread.join();
-    // A daemon that died before it could answer (the watch thread leaves that to this close).
-    if (!s.ok()) {
-      absl::StatusOr<bool> gone = ipc::HungUp(fd_socket.get());
-      if (gone.ok() && *gone) LetStreamsGoIfTheDaemonDied();
-    }
+    if (!s.ok()) LetStreamsGoIfTheDaemonDied();  // a daemon that died before it could answer
     fd_socket.reset();
     std::lock_guard<std::mutex> lock(buf_mu);
     buffers.clear();
@@ -707,7 +704,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
     }
     (void)raw->watch->Finish();
     // The stream also ends when this client closes (Detach looks then) or breaks while the
-    // daemon lives (its fd socket stays open).
+    // daemon lives (its fd socket stays open). An error (the socket is not there to watch)
+    // leaves it to the calls, which find the socket closed.
     absl::StatusOr<bool> gone = ipc::WaitHungUp(raw->fd_socket.get(), raw->closed, 20);
     if (gone.ok() && *gone && !raw->closed.load()) raw->LetStreamsGoIfTheDaemonDied();
   });
@@ -1027,15 +1025,19 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const v1::CreateSes
       auto words_mapping = std::make_shared<ipc::cuda::VmmMapping>(std::move(w));
       auto* words_at = static_cast<ClientDeviceWords*>(words_mapping->data());
       // The done words again, writable, for when the daemon dies (DoneWords): the whole
-      // allocation, since the driver maps no part of one (address space only).
-      auto done = std::make_shared<DoneWords>();
-      done->device = dev;
-      done->num_slots = g.num_slots;
-      ULY_ASSIGN_OR_RETURN(done->mapping,
-                           ipc::cuda::VmmMapping::Import(dev, fds[1].get(),
-                                                         info.device_slots_bytes(),
-                                                         /*writable=*/true));
-      impl_->AddDoneWords(done);
+      // allocation, since the driver maps no part of one. Streams wait on them only when the
+      // client has its rings.
+      std::shared_ptr<DoneWords> done;
+      if (impl_->has_rings()) {
+        done = std::make_shared<DoneWords>();
+        done->device = dev;
+        done->num_slots = g.num_slots;
+        ULY_ASSIGN_OR_RETURN(done->mapping,
+                             ipc::cuda::VmmMapping::Import(dev, fds[1].get(),
+                                                           info.device_slots_bytes(),
+                                                           /*writable=*/true));
+        impl_->AddDoneWords(done);
+      }
       session->stream_words_ =
           std::make_shared<StreamWords>(words_mapping, words_at, vmm, std::move(done));
       session->device_words_ = vmm->data();
@@ -1205,7 +1207,7 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
   if (closed_) return absl::FailedPreconditionError(StrCat("session ", id_, " is closed"));
   if (!client_->has_rings())
     return absl::UnimplementedError("Submit needs the call rings (ConnectOptions::use_rings)");
-  if (client_->daemon_gone.load(std::memory_order_acquire)) return client_->DaemonGone();
+  ULY_RETURN_IF_ERROR(client_->Dropped());
   // The same verdict the daemon reaches, before anything leaves this process.
   ULY_ASSIGN_OR_RETURN(*plan, Plan(args));
   ipc::CallDescriptor d{};
@@ -1277,7 +1279,7 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
 
 absl::Status Session::Synchronize(absl::Duration timeout) {
   if (!client_->has_rings()) return absl::OkStatus();  // every RPC call returned finished
-  if (client_->daemon_gone.load(std::memory_order_acquire)) return client_->DaemonGone();
+  ULY_RETURN_IF_ERROR(client_->Dropped());
   const absl::Time deadline = absl::Now() + timeout;
   for (;;) {
     ULY_ASSIGN_OR_RETURN(bool outstanding, client_->DetachedOutstanding(id_));

@@ -515,15 +515,17 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
     c->gone = true;
     ReleaseQuotaLocked(*c);
     c->fd_cv.notify_all();  // a RegisterBuffer waiting for a descriptor ends now
-    if (c->watch != nullptr) c->watch->TryCancel();  // ends the Watch stream
-    if (c->fd_socket.valid()) ::shutdown(c->fd_socket.get(), SHUT_RDWR);
-    c->pidfd.reset();
     if (c->rings) {
-      // Ends the ring worker and any client wait on the segment.
+      // Ends the ring worker and any client wait on the segment. Before the socket closes: a
+      // client that finds its socket closed and this word unset takes its daemon for dead and
+      // lets its streams go itself (docs/protocol.md section 9.4).
       c->rings->header->abort.store(1, std::memory_order_release);
       (void)c->rings->submit_bell.Signal();
       (void)c->rings->complete_bell.Signal();
     }
+    if (c->watch != nullptr) c->watch->TryCancel();  // ends the Watch stream
+    if (c->fd_socket.valid()) ::shutdown(c->fd_socket.get(), SHUT_RDWR);
+    c->pidfd.reset();
   }
   // Abort first: a call of this client blocked on peers ends now, and peers waiting on this
   // rank see ABORTED instead of timing out. The session itself goes when its last in-flight

@@ -932,6 +932,7 @@ class AdminService final : public v1::Admin::Service {
     const ipc::cuda::AllocationStats a = ipc::cuda::Stats();
     resp->set_device_allocations(a.created + a.imported + a.ipc_opened);
     resp->set_device_bytes(a.live_bytes);
+    resp->set_device_mappings_open(a.imported_open + a.ipc_open);
     const QueueLaneCounts q = d_->backend_impl().Queues();
     resp->set_device_streams(q.streams_used);
     resp->set_hardware_queues(q.lanes);

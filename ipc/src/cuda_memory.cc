@@ -143,12 +143,13 @@ absl::StatusOr<CUdeviceptr> MapHandle(int device, CUmemGenericAllocationHandle h
 }
 
 std::atomic<uint64_t> g_created{0}, g_imported{0}, g_ipc_opened{0}, g_live_bytes{0};
+std::atomic<uint64_t> g_imported_open{0}, g_ipc_open{0};
 
 }  // namespace
 
 AllocationStats Stats() {
-  return AllocationStats{g_created.load(), g_imported.load(), g_ipc_opened.load(),
-                         g_live_bytes.load()};
+  return AllocationStats{g_created.load(),   g_imported.load(),      g_ipc_opened.load(),
+                         g_live_bytes.load(), g_imported_open.load(), g_ipc_open.load()};
 }
 
 bool Built() { return true; }
@@ -246,6 +247,9 @@ void VmmMapping::Reset() noexcept {
     }
     d.AddressFree(ptr_, size_);
   }
+  // Imported allocations mapped here: Import's one (its handle kept), ImportParts' parts.
+  if (!exportable_)
+    g_imported_open.fetch_sub(parts_.empty() ? (handle_ != 0 ? 1 : 0) : parts_.size());
   parts_.clear();
   if (handle_ != 0) d.MemRelease(handle_);
   if (handle_ != 0 && exportable_) g_live_bytes.fetch_sub(size_);
@@ -304,6 +308,7 @@ absl::StatusOr<VmmMapping> VmmMapping::Import(int device, int fd, uint64_t bytes
   m.handle_ = h;
   m.size_ = bytes;
   g_imported.fetch_add(1);
+  g_imported_open.fetch_add(1);
   ULY_ASSIGN_OR_RETURN(CUdeviceptr p, MapHandle(device, h, bytes, writable));
   m.ptr_ = p;
   return m;
@@ -353,6 +358,7 @@ absl::StatusOr<VmmMapping> VmmMapping::ImportParts(int device, std::span<const P
                                                      " bytes cannot be mapped: ",
                                                      DrvError("cuMemMap", r).message()));
     m.parts_.push_back(parts[i].size);
+    g_imported_open.fetch_add(1);
     r = d.SetAccess(base + at, parts[i].size, &access, 1);
     if (r != CUDA_SUCCESS)
       return absl::InvalidArgumentError(absl::StrCat(
@@ -385,6 +391,7 @@ void IpcMapping::Close() noexcept {
     (void)cudaGetLastError();
     Logger("ipc")->warn("cudaIpcCloseMemHandle on device {}: {}", device_, cudaGetErrorName(err));
   }
+  g_ipc_open.fetch_sub(1);
   ptr_ = nullptr;
 }
 
@@ -415,6 +422,7 @@ absl::StatusOr<IpcMapping> IpcMapping::Open(const std::string& handle) {
                                                    cudaGetErrorString(err), ")"));
   }
   g_ipc_opened.fetch_add(1);
+  g_ipc_open.fetch_add(1);
   return m;
 }
 
@@ -592,16 +600,19 @@ absl::Status WriteFromNewStreams(int device, std::span<uint64_t* const> words, u
                                  int streams, absl::Duration wait) {
   if (streams <= 0)
     return absl::InvalidArgumentError(absl::StrCat("streams: ", streams, " is not positive"));
+  int caller_device = 0;
+  ULY_CUDART(cudaGetDevice(&caller_device));
   // cudaSetDevice alone: no call here may wait for the device (SetDevice's cudaFree might).
   ULY_CUDART(cudaSetDevice(device));
-  int least = 0, greatest = 0;
-  ULY_CUDART(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  std::vector<cudaStream_t> made;
   absl::Status st;
+  int least = 0, greatest = 0;
+  cudaError_t e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (e != cudaSuccess)
+    st = absl::InternalError(absl::StrCat("cudaDeviceGetStreamPriorityRange: ", cudaGetErrorString(e)));
+  std::vector<cudaStream_t> made;
   for (int i = 0; i < streams && st.ok(); ++i) {
     cudaStream_t s = nullptr;
-    const cudaError_t e =
-        cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, i % 2 == 0 ? least : greatest);
+    e = cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, i % 2 == 0 ? least : greatest);
     if (e != cudaSuccess) {
       st = absl::InternalError(absl::StrCat("cudaStreamCreateWithPriority: ", cudaGetErrorString(e)));
       break;
@@ -612,19 +623,27 @@ absl::Status WriteFromNewStreams(int device, std::span<uint64_t* const> words, u
       if (st.ok()) st = ops.Write(word, value);
     if (st.ok()) st = ops.Flush();
   }
-  // Until every stream ran its writes (cudaStreamQuery: success once a stream is idle).
+  // Until every stream ran its writes: idle (cudaSuccess), or failed (the first error kept).
   const absl::Time give_up = absl::Now() + wait;
-  size_t idle = 0;
-  for (;;) {
-    idle = 0;
-    for (cudaStream_t s : made) idle += cudaStreamQuery(s) != cudaErrorNotReady ? 1 : 0;
-    if (idle == made.size() || absl::Now() >= give_up) break;
+  size_t pending = made.size();
+  while (pending > 0) {
+    pending = 0;
+    for (cudaStream_t s : made) {
+      e = cudaStreamQuery(s);
+      if (e == cudaErrorNotReady) {
+        ++pending;
+      } else if (e != cudaSuccess && st.ok()) {
+        st = absl::InternalError(absl::StrCat("a stream's writes: ", cudaGetErrorString(e)));
+      }
+    }
+    if (pending == 0 || absl::Now() >= give_up) break;
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   for (cudaStream_t s : made) cudaStreamDestroy(s);  // at once; pending work still runs
+  (void)cudaSetDevice(caller_device);
   if (!st.ok()) return st;
-  if (idle < made.size())
-    return absl::DeadlineExceededError(absl::StrCat(made.size() - idle, " of ", made.size(),
+  if (pending > 0)
+    return absl::DeadlineExceededError(absl::StrCat(pending, " of ", made.size(),
                                                     " streams' writes had not run after ",
                                                     absl::FormatDuration(wait)));
   return absl::OkStatus();

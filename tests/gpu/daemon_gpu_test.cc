@@ -127,6 +127,9 @@ TEST_F(GpuCluster, IpcTensorsAndReallocationAtTheSameAddress) {
   ASSERT_TRUE(session.ok()) << session.status();
   const size_t n = static_cast<size_t>(S) * H * D;
   std::vector<float> host(n), got(n);
+  // The daemon's IPC mappings of the client's tensors: one open per registered buffer, closed
+  // by its FreeBuffer, and by the client's end for one never freed.
+  const uint64_t mappings = State(0).device_mappings_open();
   for (int round = 0; round < 3; ++round) {
     void* dev = nullptr;
     ASSERT_EQ(cudaMalloc(&dev, n * sizeof(float)), cudaSuccess);
@@ -141,8 +144,22 @@ TEST_F(GpuCluster, IpcTensorsAndReallocationAtTheSameAddress) {
     // W = 1: the scatter is the identity on [B, S, H, D].
     EXPECT_EQ(std::memcmp(got.data(), host.data(), n * sizeof(float)), 0) << "round " << round;
     ASSERT_TRUE(res->Release().ok());
+    EXPECT_EQ(State(0).device_mappings_open(), mappings + 1) << "round " << round;
+    ASSERT_TRUE(client->FreeBuffer(buf->id).ok());
+    EXPECT_TRUE(testing_util::Eventually([&] { return State(0).device_mappings_open() == mappings; }))
+        << "round " << round << ": " << State(0).device_mappings_open() << " mappings open";
     ASSERT_EQ(cudaFree(dev), cudaSuccess);  // the next round's cudaMalloc may reuse the address
   }
+  void* kept = nullptr;
+  ASSERT_EQ(cudaMalloc(&kept, n * sizeof(float)), cudaSuccess);
+  auto held = client->RegisterDeviceBuffer(kept, n * sizeof(float), "kept");
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(State(0).device_mappings_open(), mappings + 1);
+  session->reset();
+  a.client.reset();  // the client ends with its buffer registered
+  EXPECT_TRUE(testing_util::Eventually([&] { return State(0).device_mappings_open() == mappings; }))
+      << State(0).device_mappings_open() << " mappings open after the client ended";
+  ASSERT_EQ(cudaFree(kept), cudaSuccess);
 }
 
 // A client frees memory it registered by CUDA IPC handle while the daemon holds it open, makes

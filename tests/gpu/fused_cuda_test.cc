@@ -22,6 +22,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <thread>
@@ -1259,16 +1260,16 @@ TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBeside
   // either GEMM.
   struct SidePlan {
     std::string queue;  // where the second stream is
-    std::string where;  // the same, and the projection's GEMM
+    std::string gemm;   // the projection's
     cudaStream_t side;
     std::unique_ptr<FusedQkvPlan> plan;
-    bool first_of_its_stream;  // the steps without a plan run once per stream, with this one
+    std::string where() const { return queue + " (" + gemm + " projection)"; }
   };
   std::vector<SidePlan> plans;
   std::vector<bool> projections = {false};
   if (EpilogueRuns()) projections.push_back(true);
   for (const bool cutlass : projections) {
-    const std::string gemm = cutlass ? " (CUTLASS projection)" : " (cuBLASLt projection)";
+    const std::string gemm = cutlass ? "CUTLASS" : "cuBLASLt";
     for (auto [where, side] : {std::pair<const char*, cudaStream_t>{"the caller's queue", same},
                                {"a third queue", other},
                                {"the caller's stream", run_}}) {
@@ -1283,7 +1284,7 @@ TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBeside
       if (!cutlass) {
         ASSERT_TRUE(plan->LoadKernels(Rows(), FusedPath::kAuto, run_).ok());
       }
-      plans.push_back(SidePlan{where, where + gemm, side, std::move(plan), !cutlass});
+      plans.push_back(SidePlan{where, gemm, side, std::move(plan)});
     }
   }
   const CallBuffers b(*this);
@@ -1311,10 +1312,11 @@ TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBeside
   };
   const cudaStream_t run = run_;
   Steps steps = {{"memset on the caller's stream", [&] { return memset(a, run); }}};
+  std::set<cudaStream_t> seen;  // the steps without a plan run once per second stream
   for (const SidePlan& p : plans) {
     const cudaStream_t side = p.side;
     if (side == run) continue;
-    if (p.first_of_its_stream) {
+    if (seen.insert(side).second) {
       steps.push_back({"memset on a stream on " + p.queue, [&, side] { return memset(c, side); }});
       steps.push_back({"memset, event, memset on " + p.queue,
                        [&, side]() -> absl::Status {
@@ -1336,13 +1338,13 @@ TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBeside
                        },
                        false, true});
     }
-    steps.push_back({"projection, event, memset on " + p.where,
+    steps.push_back({"projection, event, memset on " + p.where(),
                      [&, side, plan = p.plan.get()]() -> absl::Status {
                        ULY_RETURN_IF_ERROR(plan->RunProjection(b.x, Rows(), run));
                        ULY_RETURN_IF_ERROR(by_event(run, side));
                        return memset(c, side);
                      }});
-    steps.push_back({"projection, stream memory ops, memset on " + p.where,
+    steps.push_back({"projection, stream memory ops, memset on " + p.where(),
                      [&, side, plan = p.plan.get()]() -> absl::Status {
                        ULY_RETURN_IF_ERROR(plan->RunProjection(b.x, Rows(), run));
                        ULY_RETURN_IF_ERROR(by_memop(run, side));
@@ -1352,10 +1354,10 @@ TEST_F(GpuSecondStreamBesideAWaitTest, EveryWayOfOrderingASecondStreamRunsBeside
   }
   for (const SidePlan& p : plans) {
     FusedQkvPlan* plan = p.plan.get();
-    steps.push_back({"per_operator call, second stream " + p.where, [&, plan] {
+    steps.push_back({"per_operator call, second stream " + p.where(), [&, plan] {
                        return plan->RunPerOperator(b.x, b.pos, 1, Rows(), b.dests, run);
                      }});
-    steps.push_back({"chunked call, second stream " + p.where,
+    steps.push_back({"chunked call, second stream " + p.where(),
                      [&, plan] { return plan->RunChunked(b.x, b.pos, 1, Rows(), b.dests, run); },
                      false, UnderMps()});
   }

@@ -153,8 +153,8 @@ TEST_F(RestartTest, AClientAttachedAcrossARestartFailsAtOnceAndANewConnectionIsS
   daemon_.Kill();  // SIGKILL
   auto after_death = (*session)->ScatterHeads(x->Ref(), 1, 8);
   EXPECT_EQ(after_death.status().code(), absl::StatusCode::kUnavailable) << after_death.status();
-  // Once the client's watch thread saw the daemon die (no abort word came after the hang-up:
-  // not a reclaim), Synchronize and Submit fail at once, nothing pushed.
+  // Once the client's watch thread saw the daemon die (its socket closed without the abort
+  // word: not a reclaim), Synchronize and Submit fail at once, before the ring.
   absl::Status synced;
   for (const absl::Time give_up = absl::Now() + absl::Seconds(10); absl::Now() < give_up;
        absl::SleepFor(absl::Milliseconds(10))) {
@@ -191,6 +191,37 @@ TEST_F(RestartTest, AClientAttachedAcrossARestartFailsAtOnceAndANewConnectionIsS
   ASSERT_TRUE(v.ok()) << v.status();
   ASSERT_EQ(v->size(), 64u);
   for (int i = 0; i < 64; ++i) EXPECT_EQ((*v)[i], static_cast<float>(i)) << i;
+}
+
+// A daemon that shuts down drops its clients: it sets each client's abort word before it closes
+// their sockets, so a client tells that from a daemon that died. Its Submit and Synchronize
+// then fail ABORTED ("dropped"), not UNAVAILABLE, and it writes no done words of its own.
+TEST_F(RestartTest, AClientItsDaemonDropsAtShutdownIsToldSoAndNotThatItDied) {
+  auto c = client::Client::Connect({daemon_.socket(), "dropped", absl::Seconds(10)});
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::StatusOr<client::Group> group = JoinSolo(**c, daemon_.socket(), "dropped");
+  ASSERT_TRUE(group.ok()) << group.status();
+  auto session = (*c)->CreateSession(*group, {2, 4, DType::kFloat32, 8, 2, {}, 0});
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto x = (*c)->AllocBuffer(8 * 2 * 4 * 4);
+  ASSERT_TRUE(x.ok()) << x.status();
+  ASSERT_TRUE((*session)->ScatterHeads(x->Ref(), 1, 8).ok());
+  absl::StatusOr<int> exited = daemon_.Stop();  // SIGTERM: it reclaims every client, then exits
+  ASSERT_TRUE(exited.ok()) << exited.status();
+  CallArgs args;
+  args.op = OpKind::kScatterHeads;
+  args.batch = 1;
+  args.seq = 8;
+  args.inputs[0] = x->Ref();
+  // The client's watch thread has seen the socket close by now or soon; either way the answer
+  // stays "dropped".
+  for (int i = 0; i < 20; ++i) {
+    absl::Status synced = (*session)->Synchronize();
+    EXPECT_EQ(synced.code(), absl::StatusCode::kAborted) << synced;
+    auto submitted = (*session)->Submit(args);
+    EXPECT_EQ(submitted.status().code(), absl::StatusCode::kAborted) << submitted.status();
+    absl::SleepFor(absl::Milliseconds(10));
+  }
 }
 
 TEST_F(RestartTest, TheControlSocketIsNeverLooserThan0660) {

@@ -159,6 +159,10 @@ struct AllocationStats {
   uint64_t imported = 0;    ///< VMM allocations imported from another process
   uint64_t ipc_opened = 0;  ///< legacy IPC handles opened
   uint64_t live_bytes = 0;  ///< bytes of VMM allocations created here and not yet released
+  /// Other processes' memory mapped here now: VMM allocations imported and not released, and
+  /// legacy IPC handles opened and not closed.
+  uint64_t imported_open = 0;
+  uint64_t ipc_open = 0;
 };
 AllocationStats Stats();
 
