@@ -122,6 +122,30 @@ TEST_F(RestartTest, ARestartRemovesWhatAKilledInstanceLeft) {
   EXPECT_TRUE(Serving());
 }
 
+// A client of the daemon at `socket`, named and grouped `name`, with a one-rank session of
+// [1, 8, 2, 4] fp32 and its input x.
+struct Solo {
+  std::unique_ptr<client::Client> client;
+  std::unique_ptr<client::Session> session;
+  client::Buffer x;
+  CallArgs Scatter() const {
+    CallArgs a;
+    a.op = OpKind::kScatterHeads;
+    a.batch = 1;
+    a.seq = 8;
+    a.inputs[0] = x.Ref();
+    return a;
+  }
+};
+absl::StatusOr<Solo> OpenSolo(const std::string& socket, const std::string& name) {
+  Solo s;
+  ULY_ASSIGN_OR_RETURN(s.client, client::Client::Connect({socket, name, absl::Seconds(10)}));
+  ULY_ASSIGN_OR_RETURN(const client::Group group, JoinSolo(*s.client, socket, name));
+  ULY_ASSIGN_OR_RETURN(s.session, s.client->CreateSession(group, {2, 4, DType::kFloat32, 8, 2, {}, 0}));
+  ULY_ASSIGN_OR_RETURN(s.x, s.client->AllocBuffer(8 * 2 * 4 * 4));
+  return s;
+}
+
 // A client attached across its daemon's death and restart: its next call ends with
 // UNAVAILABLE (not at its deadline), it never talks to the new instance with the old one's
 // ids, and a new connection to the restarted daemon is served, results exact.
@@ -140,35 +164,25 @@ TEST_F(RestartTest, AClientAttachedAcrossARestartFailsAtOnceAndANewConnectionIsS
     ULY_RETURN_IF_ERROR(r.Release());
     return v;
   };
-  auto c = client::Client::Connect({daemon_.socket(), "survivor", absl::Seconds(10)});
-  ASSERT_TRUE(c.ok()) << c.status();
-  absl::StatusOr<client::Group> group = JoinSolo(**c, daemon_.socket(), "before");
-  ASSERT_TRUE(group.ok()) << group.status();
-  auto session = (*c)->CreateSession(*group, {2, 4, DType::kFloat32, 8, 2, {}, 0});
-  ASSERT_TRUE(session.ok()) << session.status();
-  auto x = (*c)->AllocBuffer(8 * 2 * 4 * 4);
-  ASSERT_TRUE(x.ok()) << x.status();
-  ASSERT_TRUE((*session)->ScatterHeads(x->Ref(), 1, 8).ok());
+  absl::StatusOr<Solo> solo = OpenSolo(daemon_.socket(), "survivor");
+  ASSERT_TRUE(solo.ok()) << solo.status();
+  ASSERT_TRUE(solo->session->ScatterHeads(solo->x.Ref(), 1, 8).ok());
 
   daemon_.Kill();  // SIGKILL
-  auto after_death = (*session)->ScatterHeads(x->Ref(), 1, 8);
+  auto after_death = solo->session->ScatterHeads(solo->x.Ref(), 1, 8);
   EXPECT_EQ(after_death.status().code(), absl::StatusCode::kUnavailable) << after_death.status();
   // Once the client's watch thread saw the daemon die (its socket closed without the abort
   // word: not a reclaim), Synchronize and Submit fail at once, before the ring.
   absl::Status synced;
   for (const absl::Time give_up = absl::Now() + absl::Seconds(10); absl::Now() < give_up;
        absl::SleepFor(absl::Milliseconds(10))) {
-    synced = (*session)->Synchronize();
+    synced = solo->session->Synchronize();
     if (!synced.ok()) break;
   }
   EXPECT_EQ(synced.code(), absl::StatusCode::kUnavailable) << synced;
   EXPECT_NE(std::string(synced.message()).find("the daemon is gone"), std::string::npos) << synced;
-  CallArgs args;
-  args.op = OpKind::kScatterHeads;
-  args.batch = 1;
-  args.seq = 8;
-  args.inputs[0] = x->Ref();
-  auto submitted = (*session)->Submit(args);
+  const CallArgs args = solo->Scatter();
+  auto submitted = solo->session->Submit(args);
   EXPECT_EQ(submitted.status().code(), absl::StatusCode::kUnavailable) << submitted.status();
   StartDaemon({});
   {
@@ -179,9 +193,9 @@ TEST_F(RestartTest, AClientAttachedAcrossARestartFailsAtOnceAndANewConnectionIsS
     ASSERT_TRUE(gs.ok()) << gs.error_code() << " " << gs.error_message();
   }
   // The old connection stays dead: no call of it reaches the new instance as if it were its own.
-  auto after_restart = (*session)->ScatterHeads(x->Ref(), 1, 8);
+  auto after_restart = solo->session->ScatterHeads(solo->x.Ref(), 1, 8);
   EXPECT_FALSE(after_restart.ok());
-  EXPECT_FALSE((*c)->AllocBuffer(4096).ok());
+  EXPECT_FALSE(solo->client->AllocBuffer(4096).ok());
   EXPECT_EQ(NumClients(), 0);
   // A new connection is served, and its result is exact: with W = 1, scatter_heads is the
   // identity on a contiguous [1, 8, 2, 4] input.
@@ -197,28 +211,18 @@ TEST_F(RestartTest, AClientAttachedAcrossARestartFailsAtOnceAndANewConnectionIsS
 // their sockets, so a client tells that from a daemon that died. Its Submit and Synchronize
 // then fail ABORTED ("dropped"), not UNAVAILABLE, and it writes no done words of its own.
 TEST_F(RestartTest, AClientItsDaemonDropsAtShutdownIsToldSoAndNotThatItDied) {
-  auto c = client::Client::Connect({daemon_.socket(), "dropped", absl::Seconds(10)});
-  ASSERT_TRUE(c.ok()) << c.status();
-  absl::StatusOr<client::Group> group = JoinSolo(**c, daemon_.socket(), "dropped");
-  ASSERT_TRUE(group.ok()) << group.status();
-  auto session = (*c)->CreateSession(*group, {2, 4, DType::kFloat32, 8, 2, {}, 0});
-  ASSERT_TRUE(session.ok()) << session.status();
-  auto x = (*c)->AllocBuffer(8 * 2 * 4 * 4);
-  ASSERT_TRUE(x.ok()) << x.status();
-  ASSERT_TRUE((*session)->ScatterHeads(x->Ref(), 1, 8).ok());
+  absl::StatusOr<Solo> solo = OpenSolo(daemon_.socket(), "dropped");
+  ASSERT_TRUE(solo.ok()) << solo.status();
+  ASSERT_TRUE(solo->session->ScatterHeads(solo->x.Ref(), 1, 8).ok());
   absl::StatusOr<int> exited = daemon_.Stop();  // SIGTERM: it reclaims every client, then exits
   ASSERT_TRUE(exited.ok()) << exited.status();
-  CallArgs args;
-  args.op = OpKind::kScatterHeads;
-  args.batch = 1;
-  args.seq = 8;
-  args.inputs[0] = x->Ref();
+  const CallArgs args = solo->Scatter();
   // The client's watch thread has seen the socket close by now or soon; either way the answer
   // stays "dropped".
   for (int i = 0; i < 20; ++i) {
-    absl::Status synced = (*session)->Synchronize();
+    absl::Status synced = solo->session->Synchronize();
     EXPECT_EQ(synced.code(), absl::StatusCode::kAborted) << synced;
-    auto submitted = (*session)->Submit(args);
+    auto submitted = solo->session->Submit(args);
     EXPECT_EQ(submitted.status().code(), absl::StatusCode::kAborted) << submitted.status();
     absl::SleepFor(absl::Milliseconds(10));
   }
