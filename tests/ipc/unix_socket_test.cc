@@ -382,9 +382,10 @@ TEST(HungUpTest, TheOtherEndsCloseIsSeenAndQueuedDataIsNot) {
   ASSERT_TRUE(gone.ok()) << gone.status();
   EXPECT_FALSE(*gone);
   std::atomic<bool> stop{false};
-  std::thread closer([&a] {
+  UniqueFd* writer = &a;  // clang 14 cannot capture a structured binding
+  std::thread closer([writer] {
     std::this_thread::sleep_for(std::chrono::milliseconds(30));
-    a.reset();
+    writer->reset();
   });
   // A hang-up never seen stops the wait (and fails below) instead of hanging the test.
   std::atomic<bool> done{false};
