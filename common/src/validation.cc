@@ -162,8 +162,9 @@ absl::StatusOr<CallPlan> PlanCall(const SessionGeometry& g, const CallArgs& args
   p.slot_elems = slot_elems;
 
   const int32_t itemsize = g.itemsize();
-  std::vector<std::string_view> names = InputNames(args.op);
-  p.num_inputs = static_cast<int>(names.size());
+  // The traits' own names: planning a call allocates nothing.
+  const std::array<std::string_view, 3>& names = Traits(args.op).inputs;
+  p.num_inputs = Traits(args.op).num_inputs;
   for (int i = 0; i < p.num_inputs; ++i) {
     ULY_ASSIGN_OR_RETURN(p.inputs[i], ResolveOperand(names[i], args.inputs[i], in_shape, itemsize,
                                                      buffers, /*must_not_self_overlap=*/false));

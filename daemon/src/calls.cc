@@ -1,11 +1,11 @@
 // The call path shared by the Call RPC and the shared-memory rings: find the session, validate
 // against the caller's buffers (never trusting the client), run, account.
 #include <cstring>
-#include <deque>
-#include <map>
+#include <memory>
 #include <optional>
 
 #include "daemon.h"
+#include "host_allocations.h"
 #include "ulysses/common/failpoint.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
@@ -40,6 +40,12 @@ class ClientBuffers : public BufferResolver {
   Daemon* d_;
   ClientRecord* c_;
 };
+
+// What a ring worker reserves up front: calls in flight, sessions with calls in flight, and
+// calls one poll of a session finishes. Past them the lists grow once, and keep the room.
+constexpr size_t kPendingReserved = 64;
+constexpr size_t kSessionsReserved = 8;
+constexpr size_t kFinishedReserved = 16;
 
 }  // namespace
 
@@ -304,8 +310,21 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     return result;
   };
   // Calls enqueued on stream-ordered sessions, oldest first: their completions are posted when
-  // Session::Poll finds them finished, while this worker goes on draining the ring.
-  std::deque<PendingCall> pending;
+  // Session::Poll finds them finished, while this worker goes on draining the ring. Like
+  // `polled` below, it keeps its storage from call to call, so that a steady stream of calls
+  // allocates nothing here.
+  std::vector<PendingCall> pending;
+  // Per session with calls in flight: its calls finished at this collect. An entry stays while
+  // its session lives.
+  struct Polled {
+    uint64_t session_id = 0;
+    std::weak_ptr<Session> session;
+    bool done = false;  // polled at this collect (or its session is closed)
+    std::vector<FinishedCall> finished;
+  };
+  std::vector<Polled> polled;
+  pending.reserve(kPendingReserved);
+  polled.reserve(kSessionsReserved);
   absl::Time last_progress = absl::Now();
   auto post = [&](const ipc::CallDescriptor& d, const absl::StatusOr<CallResult>& r) -> bool {
     ipc::Completion done{};
@@ -332,26 +351,37 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     return true;
   };
   // Posts every pending call that finished (or whose session is gone). False: the client left.
+  auto polled_for = [&](const PendingCall& p) -> Polled& {
+    for (Polled& e : polled)
+      if (e.session_id == p.session_id) return e;
+    polled.push_back(Polled{p.session_id, p.session, false, {}});
+    // It swaps storage with its session's list (Session::TakeFinished): both must have room.
+    polled.back().finished.reserve(kFinishedReserved);
+    return polled.back();
+  };
   auto collect = [&]() -> bool {
-    std::map<uint64_t, std::vector<FinishedCall>> finished;
+    host_allocations::CallPathScope on_call_path;
+    for (Polled& e : polled) {
+      e.done = false;
+      e.finished.clear();
+    }
     for (PendingCall& p : pending) {
-      if (finished.count(p.session_id)) continue;
+      Polled& e = polled_for(p);
+      if (e.done) continue;
+      e.done = true;
       std::shared_ptr<Session> s = p.session.lock();
-      if (!s) {
-        finished[p.session_id];  // closed: its pending calls end below
-        continue;
-      }
+      if (!s) continue;  // closed: its pending calls end below
       // The step holds the last reference a closing session may leave here, so that its
       // teardown is watched too.
-      finished[p.session_id] = step("polling its calls in flight", p.session_id, [&] {
+      step("polling its calls in flight", p.session_id, [&] {
         s->Poll();
-        std::vector<FinishedCall> f = s->TakeFinished();
+        s->TakeFinished(&e.finished);
         s.reset();
-        return f;
+        return true;
       });
     }
     for (auto it = pending.begin(); it != pending.end();) {
-      std::vector<FinishedCall>& f = finished[it->session_id];
+      std::vector<FinishedCall>& f = polled_for(*it).finished;
       absl::StatusOr<CallOutcome> outcome = absl::AbortedError(
           StrCat("session ", it->session_id, " was closed while its call was in flight"));
       bool ended = it->session.expired();
@@ -372,6 +402,7 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
       last_progress = absl::Now();
       if (!post(d, r)) return false;
     }
+    std::erase_if(polled, [](const Polled& e) { return e.session.expired(); });
     return true;
   };
   // After a call, the worker polls its ring this long before it sleeps (rings.worker_spin_us).
@@ -400,6 +431,9 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
       if (!collect()) break;
       continue;
     }
+    // From here to the completion's post, a prepared call allocates no host memory: the
+    // ulyssesd executable counts what it does (GetState call_path_host_allocations).
+    host_allocations::CallPathScope on_call_path;
     absl::StatusOr<CallArgs> args = ipc::CallArgsFromDescriptor(d);
     const ExecuteMode mode{/*async=*/true,
                            /*wait_ready=*/(d.flags & ipc::kDescriptorStreamOrdered) != 0,

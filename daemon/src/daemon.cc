@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "host_allocations.h"
 #include "httplib.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/impl/server_builder_option.h"
@@ -427,6 +428,7 @@ GaugeSnapshot Daemon::Gauges() {
   const ipc::cuda::AllocationStats a = ipc::cuda::Stats();
   g.device_bytes = a.live_bytes;
   g.device_allocations = a.created + a.imported + a.ipc_opened;
+  g.call_path_host_allocations = host_allocations::Counted();
   if (backend_impl_) {
     const QueueLaneCounts q = backend_impl_->Queues();
     g.device_streams = q.streams_used;

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "daemon.h"
+#include "host_allocations.h"
 #include "requests.h"
 #include "ulysses/common/sockets.h"
 #include "ulysses/ipc/cuda_memory.h"
@@ -933,6 +934,8 @@ class AdminService final : public v1::Admin::Service {
     resp->set_device_allocations(a.created + a.imported + a.ipc_opened);
     resp->set_device_bytes(a.live_bytes);
     resp->set_device_mappings_open(a.imported_open + a.ipc_open);
+    resp->set_call_path_host_allocations(host_allocations::Counted());
+    resp->set_host_allocations_counted(host_allocations::Counting());
     const QueueLaneCounts q = d_->backend_impl().Queues();
     resp->set_device_streams(q.streams_used);
     resp->set_hardware_queues(q.lanes);

@@ -105,7 +105,10 @@ Session::Session(uint64_t id, uint64_t group_id, uint64_t owner, SessionGeometry
       layout_(l),
       segment_(std::move(seg)),
       exports_(exports),
-      slots_(geometry_.num_slots, SlotEntry{SlotState::kFree, 0, absl::Now()}) {}
+      slots_(geometry_.num_slots, SlotEntry{SlotState::kFree, 0, absl::Now()}) {
+  inflight_.reserve(geometry_.num_slots);
+  finished_.reserve(geometry_.num_slots);
+}
 
 const char* Session::SlotStateName(SlotState s) {
   switch (s) {
@@ -367,8 +370,9 @@ absl::Status Session::WaitWord(const std::atomic<uint64_t>& word, uint64_t targe
   // are seen too.
   for (;;) {
     const absl::Time slice = std::min(deadline, absl::Now() + absl::Milliseconds(20));
-    absl::Status s = ipc::WaitAtLeast(word, target, slice, peer_abort,
-                                      StrCat("session ", id_, " rank ", peer, " ", what));
+    // This wait's own message is never returned (the errors below name the session), so it
+    // is not built: a call that finds its words in place allocates nothing here.
+    absl::Status s = ipc::WaitAtLeast(word, target, slice, peer_abort, what);
     if (s.ok()) return s;
     // The word may have been stored between the wait's last look at it and its look at the
     // abort: a rank writes all of an epoch's words before it completes the epoch and leaves.
@@ -612,11 +616,10 @@ bool Session::InFlight() const {
   return !inflight_.empty();
 }
 
-std::vector<FinishedCall> Session::TakeFinished() {
+void Session::TakeFinished(std::vector<FinishedCall>* into) {
+  into->clear();
   std::lock_guard<std::mutex> lock(inflight_mu_);
-  std::vector<FinishedCall> out;
-  out.swap(finished_);
-  return out;
+  into->swap(finished_);
 }
 
 std::string Session::StuckWords(const InFlightCall& f) const {
@@ -656,7 +659,7 @@ void Session::Poll() {
     CallOutcome out = FinishCall(f.plan, f.slot, f.epoch, f.released_on_stream);
     if (f.async) finished_.push_back(FinishedCall{f.epoch, out});
     else finished_sync_.emplace(f.epoch, out);
-    inflight_.pop_front();
+    inflight_.erase(inflight_.begin());
   }
 }
 

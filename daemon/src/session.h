@@ -10,7 +10,6 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -110,8 +109,10 @@ class Session {
   void Poll();
   /// Whether stream-ordered calls are enqueued and not finished yet.
   bool InFlight() const;
-  /// The asynchronous calls finished since the last take, in epoch order.
-  std::vector<FinishedCall> TakeFinished();
+  /// The asynchronous calls finished since the last take, in epoch order, into `into` (its
+  /// contents replaced). Swaps storage with the session: a caller that passes the same vector
+  /// every time allocates nothing once both have grown to the calls a poll finishes.
+  void TakeFinished(std::vector<FinishedCall>* into);
   /// A descriptor for `expected_epoch` that the daemon refused before running it: when it is
   /// the next epoch, the epoch is consumed (done and error words set, so no waiter hangs) and
   /// the session breaks, since its peers expect this rank's block. Returns the status to report.
@@ -273,7 +274,9 @@ class Session {
   // the same in the log at warn; empty where the transport has no words.
   std::string StuckWords(const InFlightCall& f) const;
   mutable std::mutex inflight_mu_;
-  std::deque<InFlightCall> inflight_;
+  // Oldest first. At most one per slot (a call claims its slot first), so the capacity
+  // reserved for num_slots serves every call without an allocation.
+  std::vector<InFlightCall> inflight_;
   // Buffers of calls that failed while queued on a stream: their kernels may still run until
   // the transport drains its stream (its destruction), so they are held until then.
   std::vector<std::shared_ptr<const void>> failed_keep_;

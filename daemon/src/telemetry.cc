@@ -160,6 +160,10 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
   Single(out, "ulyssesd_device_allocations_total", "counter",
          "Device allocations made or opened (VMM created or imported, CUDA IPC opened).",
          g.device_allocations);
+  Single(out, "ulyssesd_call_path_host_allocations_total", "counter",
+         "Host allocations the ring workers made taking, running and completing calls (the "
+         "ulyssesd executable counts them; 0 in sanitizer builds).",
+         g.call_path_host_allocations);
   Single(out, "ulyssesd_device_streams_total", "counter",
          "Distinct streams handed to sessions on the device (a closed session's stream serves "
          "the next).",

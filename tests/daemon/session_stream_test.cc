@@ -169,7 +169,8 @@ class SessionStreamTest : public ::testing::Test {
   std::vector<FinishedCall> Collect() {
     for (int i = 0; i < 5000; ++i) {
       session_->Poll();
-      std::vector<FinishedCall> done = session_->TakeFinished();
+      std::vector<FinishedCall> done;
+      session_->TakeFinished(&done);
       if (!done.empty()) return done;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -214,7 +215,8 @@ TEST_F(SessionStreamTest, PoisonLeavesTheSlotOfARunningCallAloneAndDoesNotWaitFo
   }
   Finish(0, 1);
   session_->Poll();
-  const std::vector<FinishedCall> done = session_->TakeFinished();
+  std::vector<FinishedCall> done;
+  session_->TakeFinished(&done);
   ASSERT_EQ(done.size(), 1u);
   EXPECT_EQ(done[0].epoch, 1u);
   EXPECT_TRUE(done[0].outcome.ok()) << done[0].outcome.status();

@@ -144,6 +144,73 @@ TEST_F(RingTest, FourClientsRandomCallsNoneLostDuplicatedOrMisrouted) {
   }
 }
 
+// After the first call of each op and row count, the ring path allocates no host memory: the
+// daemon's count of its call path's allocations stays put over hundreds of calls of those ops
+// and row counts, successful and bit-exact.
+TEST_F(RingTest, PreparedCallsAllocateNoHostMemory) {
+  auto stub = testing_util::AdminStub(daemon_.socket());
+  auto state = [&] {
+    v1::DaemonState st;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(stub->GetState(&ctx, {}, &st).ok());
+    return st;
+  };
+  if (!state().host_allocations_counted())
+    GTEST_SKIP() << "this daemon build does not count its allocations (a sanitizer build)";
+  constexpr int32_t H = 4, D = 16, es = 2;
+  constexpr int64_t kMaxTokens = 32;
+  constexpr uint64_t kTensor = kMaxTokens * H * D * es;
+  auto c = client::Client::Connect({daemon_.socket(), "steady"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->uses_rings());
+  auto g = (*c)->JoinGroup({"steady", 1, 0, {daemon_.socket()}, "auto", 0});
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto s = (*c)->CreateSession(*g, {H, D, DType::kBFloat16, kMaxTokens, 2, {}, 0});
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto buf = (*c)->AllocBuffer(5 * kTensor);
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  auto* base = static_cast<uint8_t*>(buf->data);
+  std::mt19937_64 rng(7);
+  for (uint64_t i = 0; i < 4 * kTensor; ++i) base[i] = static_cast<uint8_t>(rng());
+  std::vector<uint8_t> merged(kTensor, 0);
+  const int64_t rows[] = {1, 7, kMaxTokens};
+  // One pass: every op at every row count, each result checked against the CPU reference.
+  auto pass = [&](int round) {
+    for (int op = 1; op <= 4; ++op)
+      for (int64_t seq : rows) {
+        CallArgs a;
+        a.op = static_cast<OpKind>(op);
+        a.batch = 1;
+        a.seq = seq;
+        a.inputs[0] = buf->Ref(0);
+        if (a.op == OpKind::kScatterQkvHeadChunk) {
+          a.inputs[1] = buf->Ref(kTensor);
+          a.inputs[2] = buf->Ref(2 * kTensor);
+        }
+        if (a.op == OpKind::kScatterQkvHeadChunk || a.op == OpKind::kGatherOutputHeadChunk) {
+          a.head_offset = 1;
+          a.head_count = 2;
+        }
+        if (a.op == OpKind::kGatherOutputHeadChunk) {
+          a.out = buf->Ref(4 * kTensor);
+          std::memcpy(base + 4 * kTensor, merged.data(), seq * H * D * es);
+        }
+        std::vector<uint8_t> want = Expected(a, H, D, es, base, &merged);
+        auto r = (*s)->Call(a);
+        ASSERT_TRUE(r.ok()) << "round " << round << " " << OpName(a.op) << ": " << r.status();
+        const bool merge = a.op == OpKind::kGatherOutputHeadChunk;
+        const uint8_t* got = merge ? base + 4 * kTensor : static_cast<const uint8_t*>(r->data);
+        ASSERT_EQ(std::memcmp(got, want.data(), merge ? seq * H * D * es : want.size()), 0)
+            << "round " << round << " " << OpName(a.op) << " seq " << seq;
+      }
+  };
+  ASSERT_NO_FATAL_FAILURE(pass(0));
+  const uint64_t warm = state().call_path_host_allocations();
+  for (int round = 1; round <= 25; ++round) ASSERT_NO_FATAL_FAILURE(pass(round));
+  EXPECT_EQ(state().call_path_host_allocations(), warm)
+      << "300 calls of ops and row counts already seen allocated host memory";
+}
+
 using testing_util::RawClient;
 
 ipc::CallDescriptor Scatter(uint64_t session, uint64_t epoch, uint64_t buffer, uint64_t offset) {

@@ -1,0 +1,92 @@
+// The ulyssesd executable's global operator new: malloc (aligned_alloc for over-aligned types),
+// as the C++ runtime's own, and one relaxed increment when the allocating thread is on the call
+// path (host_allocations.h). Only the executable has it, so the client library and the
+// processes that load it keep their own allocator. Sanitizer builds keep the sanitizer's
+// operator new, and count nothing.
+#include <cstdlib>
+#include <new>
+
+#include "host_allocations.h"
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || \
+    __has_feature(memory_sanitizer)
+#define ULYSSES_SANITIZED 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define ULYSSES_SANITIZED 1
+#endif
+
+#ifndef ULYSSES_SANITIZED
+
+namespace {
+
+namespace ha = ulysses::daemon::host_allocations;
+
+// Counting is on before main, before any thread can open a scope.
+[[maybe_unused]] const bool kCounting = (ha::g_counting.store(true), true);
+
+// Asks the new handler for memory until it has none to give, as the runtime's own does.
+template <typename Get>
+void* Retry(Get get) noexcept {
+  if (ha::t_on_call_path) ha::g_counted.fetch_add(1, std::memory_order_relaxed);
+  for (;;) {
+    if (void* p = get()) return p;
+    std::new_handler h = std::get_new_handler();
+    if (h == nullptr) return nullptr;
+    h();
+  }
+}
+
+void* Allocate(std::size_t n) noexcept {
+  return Retry([n] { return std::malloc(n == 0 ? 1 : n); });
+}
+
+// aligned_alloc wants a size that is a multiple of the alignment.
+void* AllocateAligned(std::size_t n, std::align_val_t a) noexcept {
+  const std::size_t align = static_cast<std::size_t>(a);
+  const std::size_t size = n == 0 ? align : (n + align - 1) / align * align;
+  return Retry([=] { return std::aligned_alloc(align, size); });
+}
+
+}  // namespace
+
+void* operator new(std::size_t n) {
+  if (void* p = Allocate(n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) {
+  if (void* p = Allocate(n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return Allocate(n); }
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return Allocate(n); }
+void* operator new(std::size_t n, std::align_val_t a) {
+  if (void* p = AllocateAligned(n, a)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n, std::align_val_t a) {
+  if (void* p = AllocateAligned(n, a)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  return AllocateAligned(n, a);
+}
+void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  return AllocateAligned(n, a);
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+
+#endif  // ULYSSES_SANITIZED
