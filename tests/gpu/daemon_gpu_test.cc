@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "cluster_util.h"
+#include "phase_args.h"
 #include "gtest/gtest.h"
 #include "gpu_workload.h"
 #include "ulysses/client/client.h"
@@ -116,7 +117,9 @@ INSTANTIATE_TEST_SUITE_P(
     testing_util::WorkloadName);
 
 // Device tensors from cudaMalloc handed over by CUDA IPC; a freed and re-made allocation at the
-// same address must be registered afresh, never confused with the old one.
+// same address must be registered afresh, never confused with the old one: whether the client
+// freed the old registration first (rounds 0, 1 and 3) or not (round 2: the client library
+// finds the stale registration by the allocation's identity and frees it).
 TEST_F(GpuCluster, IpcTensorsAndReallocationAtTheSameAddress) {
   Start(1);
   Alone a;
@@ -130,13 +133,22 @@ TEST_F(GpuCluster, IpcTensorsAndReallocationAtTheSameAddress) {
   // The daemon's IPC mappings of the client's tensors: one open per registered buffer, closed
   // by its FreeBuffer, and by the client's end for one never freed.
   const uint64_t mappings = State(0).device_mappings_open();
-  for (int round = 0; round < 3; ++round) {
+  void* first = nullptr;
+  uint64_t stale_id = 0;
+  for (int round = 0; round < 4; ++round) {
     void* dev = nullptr;
     ASSERT_EQ(cudaMalloc(&dev, n * sizeof(float)), cudaSuccess);
+    if (round == 0) first = dev;
+    // The case this test is for: the driver gives the freed address to the new allocation.
+    ASSERT_EQ(dev, first) << "round " << round << ": the new allocation is elsewhere";
     for (size_t i = 0; i < n; ++i) host[i] = static_cast<float>(round * 1000003 + i);
     ASSERT_EQ(cudaMemcpy(dev, host.data(), n * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
     auto buf = client->RegisterDeviceBuffer(dev, n * sizeof(float), "x");
     ASSERT_TRUE(buf.ok()) << buf.status();
+    if (round == 3) {
+      EXPECT_NE(buf->id, stale_id) << "a new allocation at the old address: a new registration";
+      EXPECT_FALSE(client->HoldsBuffer(stale_id)) << "the stale registration is freed";
+    }
     auto res = (*session)->ScatterHeads(buf->Ref(), 1, S);
     ASSERT_TRUE(res.ok()) << res.status();
     EXPECT_TRUE(res->device);
@@ -145,10 +157,15 @@ TEST_F(GpuCluster, IpcTensorsAndReallocationAtTheSameAddress) {
     EXPECT_EQ(std::memcmp(got.data(), host.data(), n * sizeof(float)), 0) << "round " << round;
     ASSERT_TRUE(res->Release().ok());
     EXPECT_EQ(State(0).device_mappings_open(), mappings + 1) << "round " << round;
-    ASSERT_TRUE(client->FreeBuffer(buf->id).ok());
-    EXPECT_TRUE(testing_util::Eventually([&] { return State(0).device_mappings_open() == mappings; }))
-        << "round " << round << ": " << State(0).device_mappings_open() << " mappings open";
-    ASSERT_EQ(cudaFree(dev), cudaSuccess);  // the next round's cudaMalloc may reuse the address
+    if (round == 2) {
+      stale_id = buf->id;  // freed by the client library when the next round registers
+    } else {
+      ASSERT_TRUE(client->FreeBuffer(buf->id).ok());
+      EXPECT_TRUE(
+          testing_util::Eventually([&] { return State(0).device_mappings_open() == mappings; }))
+          << "round " << round << ": " << State(0).device_mappings_open() << " mappings open";
+    }
+    ASSERT_EQ(cudaFree(dev), cudaSuccess);  // the next round's cudaMalloc reuses the address
   }
   void* kept = nullptr;
   ASSERT_EQ(cudaMalloc(&kept, n * sizeof(float)), cudaSuccess);
@@ -160,6 +177,16 @@ TEST_F(GpuCluster, IpcTensorsAndReallocationAtTheSameAddress) {
   EXPECT_TRUE(testing_util::Eventually([&] { return State(0).device_mappings_open() == mappings; }))
       << State(0).device_mappings_open() << " mappings open after the client ended";
   ASSERT_EQ(cudaFree(kept), cudaSuccess);
+}
+
+// The daemon reports whether it shares the GPU through MPS (GetState's mps_mode), as the one
+// who started the daemons knows it: ULYSSES_TEST_EXPECT_MPS is "mps" or "no-mps" there.
+TEST_F(GpuCluster, ReportsWhetherItRunsUnderMps) {
+  const char* expect = std::getenv("ULYSSES_TEST_EXPECT_MPS");
+  if (expect == nullptr || *expect == '\0')
+    GTEST_SKIP() << "ULYSSES_TEST_EXPECT_MPS does not say whether MPS runs here";
+  Start(1);
+  EXPECT_EQ(State(0).mps_mode(), expect);
 }
 
 // A client frees memory it registered by CUDA IPC handle while the daemon holds it open, makes
@@ -459,14 +486,15 @@ TEST_F(GpuCluster, HostBufferOnGpuBackendIsInvalidArgument) {
   EXPECT_NE(res.status().message().find("inputs[0]"), std::string::npos) << res.status();
 }
 
-// A prepared call allocates nothing: the daemons' device allocation counters stay put across
-// calls, and their device memory returns to its baseline once the session and client go.
+// A prepared call allocates nothing: the daemons' device allocation counters and their count
+// of the call path's host allocations stay put across calls, and their device memory returns
+// to its baseline once the session and client go.
 TEST_F(GpuCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
   Start(2);
   uint64_t baseline[2];
   for (int r = 0; r < 2; ++r) baseline[r] = State(r).device_bytes();
   std::vector<std::string> errors(2);
-  std::vector<uint64_t> after_first(2), after_many(2);
+  std::vector<uint64_t> after_first(2), after_many(2), host_first(2), host_many(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
@@ -482,9 +510,13 @@ TEST_F(GpuCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
       for (int i = 0; i < 21; ++i) {
         auto res = (*session)->ScatterHeads(x->Ref(), 1, 256, out->Ref());
         if (!res.ok()) return void(errors[r] = res.status().ToString());
-        if (i == 0) after_first[r] = State(r).device_allocations();
+        if (i == 0) {
+          after_first[r] = State(r).device_allocations();
+          host_first[r] = State(r).call_path_host_allocations();
+        }
       }
       after_many[r] = State(r).device_allocations();
+      host_many[r] = State(r).call_path_host_allocations();
     });
   }
   for (auto& t : threads) t.join();
@@ -492,6 +524,8 @@ TEST_F(GpuCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
     EXPECT_EQ(errors[r], "") << "rank " << r;
     EXPECT_GT(after_first[r], 0u);
     EXPECT_EQ(after_many[r], after_first[r]) << "rank " << r << " allocated during calls";
+    EXPECT_TRUE(State(r).host_allocations_counted()) << "rank " << r;
+    EXPECT_EQ(host_many[r], host_first[r]) << "rank " << r << "'s call path allocated host memory";
     // The clients are gone: every slot and buffer of theirs is released.
     EXPECT_TRUE(testing_util::Eventually([&] { return State(r).device_bytes() == baseline[r]; }))
         << "rank " << r << ": " << State(r).device_bytes() << " bytes held, baseline "
@@ -1141,8 +1175,29 @@ TEST_F(GpuCluster, TheSlotBudgetGetsBackExactlyWhatEachSessionHeld) {
 // waits for it (phase "session": rank 1 never called; phase "gated": rank 1's call is on its
 // daemon's stream, waiting for inputs its held stream never gives). Rank 0's call ends with
 // ABORTED long before the call timeout, rank 1's daemon gives back every byte of device memory
-// the client and its session held, and both daemons serve new sessions.
+// the client and its session held (its own count, and the GPU's free memory once rank 0's
+// broken session is closed too), a session of another client open on rank 1's daemon all along
+// goes on, and both daemons serve new sessions.
 class GpuClientKill : public GpuCluster, public testing::WithParamInterface<const char*> {};
+
+// A one-rank session's call on `s`, whose input `in` the caller filled with `host`: the result
+// is the input (a one-rank scatter_heads is the identity). "" or what went wrong.
+std::string IdentityScatter(client::Session& s, const client::Buffer& in,
+                            const std::vector<uint16_t>& host, int rows) {
+  auto res = s.ScatterHeads(in.Ref(), 1, rows);
+  if (!res.ok()) return res.status().ToString();
+  std::vector<uint16_t> back(host.size());
+  if (cudaMemcpy(back.data(), res->data, back.size() * 2, cudaMemcpyDeviceToHost) != cudaSuccess)
+    return "cudaMemcpy of the result";
+  if (std::memcmp(back.data(), host.data(), host.size() * 2) != 0) return "the result differs";
+  return res->Release().ok() ? "" : "release";
+}
+
+size_t DeviceFreeBytes() {
+  size_t free = 0, total = 0;
+  EXPECT_EQ(cudaMemGetInfo(&free, &total), cudaSuccess);
+  return free;
+}
 
 // The phase client: $GPU_PHASE_CLIENT when set (a build copied to another machine), else this
 // build's.
@@ -1155,7 +1210,27 @@ TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
   const std::string phase = GetParam();
   // A call timeout far beyond the test's: ABORTED can only come from the kill.
   Start(2, {"--call-timeout-ms", "600000"});
+  const uint64_t baseline0 = State(0).device_bytes();
+  // A bystander: another client's one-rank session on rank 1's daemon, used before and after.
+  const int kRows = 64;
+  std::vector<uint16_t> host(kRows * 8 * 64);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint16_t>(i * 2654435761u >> 16);
+  auto bc = client::Client::Connect({Members(2)[1], "bystander"});
+  ASSERT_TRUE(bc.ok()) << bc.status();
+  auto bg = (*bc)->JoinGroup({"bystander", 1, 0, {Members(2)[1]}, "nvlink", 0});
+  ASSERT_TRUE(bg.ok()) << bg.status();
+  auto bs = (*bc)->CreateSession(*bg, {8, 64, DType::kBFloat16, kRows, 2, {}, 0});
+  ASSERT_TRUE(bs.ok()) << bs.status();
+  auto bin = (*bc)->AllocBuffer(host.size() * 2, "x");
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  ASSERT_EQ(cudaMemcpy(bin->data, host.data(), host.size() * 2, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(IdentityScatter(**bs, *bin, host, kRows), "");
   const uint64_t baseline = State(1).device_bytes();
+  // The GPU's free memory with the bystander's session in place, before the killed client
+  // and its peer's session exist. Their sessions' slots (2 x 3 x 64K x 8 x 64 x 2 bytes, about
+  // 400 MB per rank) dwarf what a CUDA context or stream may take lazily.
+  const size_t free_before = DeviceFreeBytes();
   const std::string ready = dir_ + "/gpu-phase.ready";
   const std::string members = Members(2)[0] + "," + Members(2)[1];
   const std::string program = PhaseClientPath();
@@ -1177,7 +1252,8 @@ TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
   ASSERT_TRUE(c0.ok()) << c0.status();
   auto g0 = (*c0)->JoinGroup({"gpu-phase", 2, 0, Members(2), "nvlink", 0});
   ASSERT_TRUE(g0.ok()) << g0.status();
-  auto s0 = (*c0)->CreateSession(*g0, {8, 64, DType::kBFloat16, 64, 2, {}, 0});
+  auto s0 = (*c0)->CreateSession(*g0, {8, 64, DType::kBFloat16, testing_util::kGpuPhaseMaxTokens,
+                                        2, {}, 0});
   ASSERT_TRUE(s0.ok()) << s0.status();
   auto x = (*c0)->AllocBuffer(64 * 8 * 64 * 2, "x");
   ASSERT_TRUE(x.ok()) << x.status();
@@ -1200,27 +1276,30 @@ TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
   EXPECT_TRUE(testing_util::Eventually([&] { return NumSessions(1) == 0; }));
   EXPECT_TRUE(testing_util::Eventually([&] { return State(1).device_bytes() == baseline; }))
       << State(1).device_bytes() << " bytes held, baseline " << baseline;
+  // The bystander's session went on through all of it.
+  EXPECT_EQ(IdentityScatter(**bs, *bin, host, kRows), "") << "the bystander's session";
+  // Rank 0's broken session closed, and its client gone: both daemons are back to their
+  // counts, and the GPU to its free memory (rank 0's mapping of rank 1's slots is gone too).
+  s0->reset();
+  c0->reset();
+  EXPECT_TRUE(testing_util::Eventually([&] { return State(0).device_bytes() == baseline0; }))
+      << State(0).device_bytes() << " bytes held by rank 0, baseline " << baseline0;
+  constexpr size_t kSlack = size_t{64} << 20;
+  EXPECT_TRUE(testing_util::Eventually([&] { return DeviceFreeBytes() + kSlack >= free_before; }))
+      << "free device memory " << DeviceFreeBytes() << ", before " << free_before;
   // Both daemons serve: a one-rank session on each runs a call, bit-exact on the device.
   for (int r = 0; r < 2; ++r) {
     auto c = client::Client::Connect({Members(2)[r], "after"});
     ASSERT_TRUE(c.ok()) << c.status();
     auto g = (*c)->JoinGroup({StrCat("after-", r), 1, 0, {Members(2)[r]}, "nvlink", 0});
     ASSERT_TRUE(g.ok()) << g.status();
-    auto s = (*c)->CreateSession(*g, {8, 64, DType::kBFloat16, 64, 2, {}, 0});
+    auto s = (*c)->CreateSession(*g, {8, 64, DType::kBFloat16, kRows, 2, {}, 0});
     ASSERT_TRUE(s.ok()) << s.status();
-    auto in = (*c)->AllocBuffer(64 * 8 * 64 * 2, "x");
+    auto in = (*c)->AllocBuffer(host.size() * 2, "x");
     ASSERT_TRUE(in.ok()) << in.status();
-    std::vector<uint16_t> host(64 * 8 * 64);
-    for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint16_t>(i * 2654435761u >> 16);
     ASSERT_EQ(cudaMemcpy(in->data, host.data(), host.size() * 2, cudaMemcpyHostToDevice),
               cudaSuccess);
-    auto res = (*s)->ScatterHeads(in->Ref(), 1, 64);
-    ASSERT_TRUE(res.ok()) << "rank " << r << ": " << res.status();
-    std::vector<uint16_t> back(host.size());
-    ASSERT_EQ(cudaMemcpy(back.data(), res->data, back.size() * 2, cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    EXPECT_EQ(std::memcmp(back.data(), host.data(), host.size() * 2), 0)
-        << "rank " << r << ": a one-rank scatter_heads is the identity";
+    EXPECT_EQ(IdentityScatter(**s, *in, host, kRows), "") << "rank " << r;
   }
 }
 

@@ -49,7 +49,8 @@ int main(int argc, char** argv) {
   const int world = static_cast<int>(members.size());
   auto g = (*c)->JoinGroup({"gpu-phase", world, rank, members, "nvlink", 0});
   if (!g.ok()) return fail(g.status());
-  auto s = (*c)->CreateSession(*g, {8, 64, DType::kBFloat16, 64, 2, {}, 0});
+  auto s = (*c)->CreateSession(*g, {8, 64, DType::kBFloat16, testing_util::kGpuPhaseMaxTokens, 2,
+                                    {}, 0});
   if (!s.ok()) return fail(s.status());
   auto x = (*c)->AllocBuffer(64 * 8 * 64 * 2, "x");
   if (!x.ok()) return fail(x.status());

@@ -92,8 +92,10 @@ INSTANTIATE_TEST_SUITE_P(
     testing::Values(WorkloadShape{1, 1, 64, 8, 128, DType::kBFloat16, {}},
                     WorkloadShape{2, 2, 200, 14, 128, DType::kBFloat16, {2, 10, 2}},
                     WorkloadShape{2, 1, 33, 6, 64, DType::kFloat32, {1, 4, 1}},
+                    WorkloadShape{2, 2, 21, 5, 64, DType::kFloat16, {1, 3, 1}},
                     WorkloadShape{4, 2, 17, 28, 128, DType::kBFloat16, {7, 14, 7}},
                     WorkloadShape{4, 1, 9, 3, 3, DType::kFloat32, {1, 1, 1}},  // scalar, odd D
+                    WorkloadShape{4, 1, 11, 2, 3, DType::kFloat16, {1, 1}},    // scalar, odd D
                     WorkloadShape{4, 2, 5, 2, 96, DType::kFloat32, {2}}),
     testing_util::WorkloadName);
 
@@ -135,7 +137,7 @@ TEST_F(NcclCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
   uint64_t baseline[2];
   for (int r = 0; r < 2; ++r) baseline[r] = State(r).device_bytes();
   std::vector<std::string> errors(2);
-  std::vector<uint64_t> after_first(2), after_many(2);
+  std::vector<uint64_t> after_first(2), after_many(2), host_first(2), host_many(2);
   {
     std::vector<std::unique_ptr<client::Client>> clients;
     for (int r = 0; r < 2; ++r) clients.push_back(Connect(r, "alloc"));
@@ -150,9 +152,13 @@ TEST_F(NcclCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
       for (int i = 0; i < 21; ++i) {
         auto res = sessions[r]->ScatterHeads(x->Ref(), 1, 256, out->Ref());
         if (!res.ok()) return res.status().ToString();
-        if (i == 0) after_first[r] = State(r).device_allocations();
+        if (i == 0) {
+          after_first[r] = State(r).device_allocations();
+          host_first[r] = State(r).call_path_host_allocations();
+        }
       }
       after_many[r] = State(r).device_allocations();
+      host_many[r] = State(r).call_path_host_allocations();
       return "";
     });
   }
@@ -160,6 +166,8 @@ TEST_F(NcclCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
     EXPECT_EQ(errors[r], "") << "rank " << r;
     EXPECT_GT(after_first[r], 0u);
     EXPECT_EQ(after_many[r], after_first[r]) << "rank " << r << " allocated during calls";
+    EXPECT_TRUE(State(r).host_allocations_counted()) << "rank " << r;
+    EXPECT_EQ(host_many[r], host_first[r]) << "rank " << r << "'s call path allocated host memory";
     EXPECT_TRUE(testing_util::Eventually([&] { return State(r).device_bytes() == baseline[r]; }))
         << "rank " << r << ": " << State(r).device_bytes() << " bytes held, baseline "
         << baseline[r];

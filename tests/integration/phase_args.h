@@ -13,6 +13,10 @@
 
 namespace ulysses::testing_util {
 
+/// The session's max_tokens of the GPU phase client and its peer: receive slots of about
+/// 200 MB (8 heads of 64 bf16 values), so that memory they leak shows in cudaMemGetInfo.
+inline constexpr int kGpuPhaseMaxTokens = 65536;
+
 struct PhaseArgs {
   std::string socket, phase, ready;
   std::string tag;  ///< names the groups of the pair-cycle phase
