@@ -268,14 +268,19 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
           // The first result holds its slot; give it back before calls cycle onto that slot.
           if (!(*views)[0].Release().ok()) return fail("release");
           // A prepared row count allocates nothing more (the daemon's VMM and IPC counters;
-          // the plan's own buffers were made at session creation).
+          // the plan's own buffers were made at session creation), nor host memory on the call
+          // path (the GEMM library's own allocations included, where it uses operator new).
           const uint64_t allocations = State(r).device_allocations();
+          const uint64_t host = State(r).call_path_host_allocations();
           for (int i = 0; i < 3; ++i) {
             auto again = (*session)->QkvNormRopeExchange(x->Ref(), pos->Ref(), kBatch, kSeqLocal,
                                                          out->Ref());
             if (!again.ok()) return fail("repeated call: " + again.status().ToString());
           }
           if (State(r).device_allocations() != allocations) return fail("a prepared call allocated");
+          if (State(r).call_path_host_allocations() != host)
+            return fail(StrCat("prepared calls made ", State(r).call_path_host_allocations() - host,
+                               " host allocations on the call path"));
         });
       }
       for (auto& t : threads) t.join();
