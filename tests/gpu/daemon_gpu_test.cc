@@ -97,6 +97,55 @@ class GpuCluster : public testing_util::ClusterTest {
 
 using testing_util::WorkloadShape;
 
+// A one-rank session's call on `s`, whose input `in` the caller filled with `host`: the result
+// is the input (a one-rank scatter_heads is the identity). "" or what went wrong.
+std::string IdentityScatter(client::Session& s, const client::Buffer& in,
+                            const std::vector<uint16_t>& host, int rows) {
+  auto res = s.ScatterHeads(in.Ref(), 1, rows);
+  if (!res.ok()) return res.status().ToString();
+  std::vector<uint16_t> back(host.size());
+  if (cudaMemcpy(back.data(), res->data, back.size() * 2, cudaMemcpyDeviceToHost) != cudaSuccess)
+    return "cudaMemcpy of the result";
+  if (std::memcmp(back.data(), host.data(), host.size() * 2) != 0) return "the result differs";
+  return res->Release().ok() ? "" : "release";
+}
+
+size_t DeviceFreeBytes() {
+  size_t free = 0, total = 0;
+  EXPECT_EQ(cudaMemGetInfo(&free, &total), cudaSuccess);
+  return free;
+}
+
+// A bystander: a client's one-rank session of [64, 8, 64] bf16 on daemon `daemon`, its input
+// filled, and one call checked.
+struct Bystander {
+  static constexpr int kRows = 64;
+  std::vector<uint16_t> host;
+  std::unique_ptr<client::Client> client;
+  std::unique_ptr<client::Session> session;
+  std::optional<client::Buffer> in;
+  std::string Call() { return IdentityScatter(*session, *in, host, kRows); }
+};
+void OpenBystander(const std::string& socket, Bystander* b) {
+  b->host.resize(Bystander::kRows * 8 * 64);
+  for (size_t i = 0; i < b->host.size(); ++i)
+    b->host[i] = static_cast<uint16_t>(i * 2654435761u >> 16);
+  auto c = client::Client::Connect({socket, "bystander"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto g = (*c)->JoinGroup({"bystander", 1, 0, {socket}, "nvlink", 0});
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto s = (*c)->CreateSession(*g, {8, 64, DType::kBFloat16, Bystander::kRows, 2, {}, 0});
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto in = (*c)->AllocBuffer(b->host.size() * 2, "x");
+  ASSERT_TRUE(in.ok()) << in.status();
+  ASSERT_EQ(cudaMemcpy(in->data, b->host.data(), b->host.size() * 2, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  b->client = std::move(*c);
+  b->session = std::move(*s);
+  b->in = *in;
+  ASSERT_EQ(b->Call(), "");
+}
+
 class GpuSemantics : public GpuCluster, public testing::WithParamInterface<WorkloadShape> {};
 
 // The demo's workload on device memory (gpu_workload.h).
@@ -641,14 +690,21 @@ TEST_F(GpuCluster, PastTheHardwareQueuesRefuseNamesTheSetting) {
 }
 
 // A peer daemon killed while a call waits on it: the survivor's call ends with an error within
-// the configured call timeout, and the survivor keeps serving new sessions.
+// the configured call timeout, a session of another client on the survivor goes on, the
+// survivor's device memory and mappings return to their baseline once the broken session is
+// closed, and the survivor keeps serving new sessions.
 TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
   Start(2, {"--call-timeout-ms", "3000"});
+  Bystander bystander;
+  ASSERT_NO_FATAL_FAILURE(OpenBystander(Members(2)[0], &bystander));
+  const uint64_t bytes = State(0).device_bytes(), mappings = State(0).device_mappings_open();
   const client::SessionSpec spec{4, 64, DType::kBFloat16, 64, 2, {}, 0};
   TwoRanks t;
   ASSERT_NO_FATAL_FAILURE(OpenTwoRanks("kill", "survivor", "victim", spec, &t));
+  const uint64_t before_x = State(0).device_bytes();
   auto x = t.c0->AllocBuffer(64 * 4 * 64 * 2, "x");
   ASSERT_TRUE(x.ok());
+  const uint64_t x_bytes = State(0).device_bytes() - before_x;  // kept: the solo session uses it
   // Rank 1 never calls; its daemon dies while rank 0's call waits for it.
   std::thread killer([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -663,6 +719,14 @@ TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
               res.status().code() == absl::StatusCode::kAborted)
       << res.status();
   EXPECT_LT(took, absl::Seconds(20)) << "the call waited " << took;
+  EXPECT_EQ(bystander.Call(), "") << "the bystander's session";
+  EXPECT_GT(State(0).device_mappings_open(), mappings) << "the victim's slots, mapped";
+  t.s0.reset();
+  EXPECT_TRUE(testing_util::Eventually([&] {
+    return State(0).device_mappings_open() == mappings && State(0).device_bytes() == bytes + x_bytes;
+  })) << State(0).device_mappings_open() << " mappings open (baseline " << mappings << "), "
+      << State(0).device_bytes() << " bytes held (baseline " << bytes << ", and " << x_bytes
+      << " of the buffer)";
   // The survivor still serves: a one-rank session on it works.
   auto solo = t.c0->JoinGroup({"solo", 1, 0, {Members(2)[0]}, "nvlink", 0});
   ASSERT_TRUE(solo.ok()) << solo.status();
@@ -1180,24 +1244,6 @@ TEST_F(GpuCluster, TheSlotBudgetGetsBackExactlyWhatEachSessionHeld) {
 // goes on, and both daemons serve new sessions.
 class GpuClientKill : public GpuCluster, public testing::WithParamInterface<const char*> {};
 
-// A one-rank session's call on `s`, whose input `in` the caller filled with `host`: the result
-// is the input (a one-rank scatter_heads is the identity). "" or what went wrong.
-std::string IdentityScatter(client::Session& s, const client::Buffer& in,
-                            const std::vector<uint16_t>& host, int rows) {
-  auto res = s.ScatterHeads(in.Ref(), 1, rows);
-  if (!res.ok()) return res.status().ToString();
-  std::vector<uint16_t> back(host.size());
-  if (cudaMemcpy(back.data(), res->data, back.size() * 2, cudaMemcpyDeviceToHost) != cudaSuccess)
-    return "cudaMemcpy of the result";
-  if (std::memcmp(back.data(), host.data(), host.size() * 2) != 0) return "the result differs";
-  return res->Release().ok() ? "" : "release";
-}
-
-size_t DeviceFreeBytes() {
-  size_t free = 0, total = 0;
-  EXPECT_EQ(cudaMemGetInfo(&free, &total), cudaSuccess);
-  return free;
-}
 
 // The phase client: $GPU_PHASE_CLIENT when set (a build copied to another machine), else this
 // build's.
@@ -1212,20 +1258,10 @@ TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
   Start(2, {"--call-timeout-ms", "600000"});
   const uint64_t baseline0 = State(0).device_bytes();
   // A bystander: another client's one-rank session on rank 1's daemon, used before and after.
-  const int kRows = 64;
-  std::vector<uint16_t> host(kRows * 8 * 64);
-  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint16_t>(i * 2654435761u >> 16);
-  auto bc = client::Client::Connect({Members(2)[1], "bystander"});
-  ASSERT_TRUE(bc.ok()) << bc.status();
-  auto bg = (*bc)->JoinGroup({"bystander", 1, 0, {Members(2)[1]}, "nvlink", 0});
-  ASSERT_TRUE(bg.ok()) << bg.status();
-  auto bs = (*bc)->CreateSession(*bg, {8, 64, DType::kBFloat16, kRows, 2, {}, 0});
-  ASSERT_TRUE(bs.ok()) << bs.status();
-  auto bin = (*bc)->AllocBuffer(host.size() * 2, "x");
-  ASSERT_TRUE(bin.ok()) << bin.status();
-  ASSERT_EQ(cudaMemcpy(bin->data, host.data(), host.size() * 2, cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(IdentityScatter(**bs, *bin, host, kRows), "");
+  Bystander bystander;
+  ASSERT_NO_FATAL_FAILURE(OpenBystander(Members(2)[1], &bystander));
+  const int kRows = Bystander::kRows;
+  const std::vector<uint16_t>& host = bystander.host;
   const uint64_t baseline = State(1).device_bytes();
   // The GPU's free memory with the bystander's session in place, before the killed client
   // and its peer's session exist. Their sessions' slots (2 x 3 x 64K x 8 x 64 x 2 bytes, about
@@ -1277,7 +1313,7 @@ TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
   EXPECT_TRUE(testing_util::Eventually([&] { return State(1).device_bytes() == baseline; }))
       << State(1).device_bytes() << " bytes held, baseline " << baseline;
   // The bystander's session went on through all of it.
-  EXPECT_EQ(IdentityScatter(**bs, *bin, host, kRows), "") << "the bystander's session";
+  EXPECT_EQ(bystander.Call(), "") << "the bystander's session";
   // Rank 0's broken session closed, and its client gone: both daemons are back to their
   // counts, and the GPU to its free memory (rank 0's mapping of rank 1's slots is gone too).
   s0->reset();
