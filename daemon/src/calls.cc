@@ -1,5 +1,6 @@
 // The call path shared by the Call RPC and the shared-memory rings: find the session, validate
 // against the caller's buffers (never trusting the client), run, account.
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -382,18 +383,18 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     }
     for (auto it = pending.begin(); it != pending.end();) {
       std::vector<FinishedCall>& f = polled_for(*it).finished;
-      absl::StatusOr<CallOutcome> outcome = absl::AbortedError(
-          StrCat("session ", it->session_id, " was closed while its call was in flight"));
-      bool ended = it->session.expired();
-      for (FinishedCall& fc : f)
-        if (fc.epoch == it->epoch) {
-          outcome = std::move(fc.outcome);
-          ended = true;
-        }
-      if (!ended) {
+      auto match = std::find_if(f.begin(), f.end(),
+                                [&](const FinishedCall& fc) { return fc.epoch == it->epoch; });
+      if (match == f.end() && !it->session.expired()) {
         ++it;
         continue;
       }
+      // Its error is built only for a call whose session closed under it.
+      absl::StatusOr<CallOutcome> outcome =
+          match != f.end() ? std::move(match->outcome)
+                           : absl::StatusOr<CallOutcome>(absl::AbortedError(StrCat(
+                                 "session ", it->session_id,
+                                 " was closed while its call was in flight")));
       ipc::CallDescriptor d{};
       d.session_id = it->session_id;
       d.epoch = it->epoch;

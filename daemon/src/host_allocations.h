@@ -2,8 +2,8 @@
 // operator new (operator_new.cc) with one that counts the allocations a thread makes while a
 // CallPathScope is open on it; the ring worker opens one around each call it takes from a
 // client's ring and each poll of the calls in flight. Elsewhere (processes that link the daemon
-// library without that file, and sanitizer builds, whose runtimes own operator new) nothing is
-// counted, and Counting() says so.
+// library without that file, and address, thread and memory sanitizer builds, whose runtimes
+// own operator new) nothing is counted, and Counting() says so.
 #pragma once
 
 #include <atomic>
@@ -33,19 +33,6 @@ class CallPathScope {
   ~CallPathScope() { t_on_call_path = outer_; }
   CallPathScope(const CallPathScope&) = delete;
   CallPathScope& operator=(const CallPathScope&) = delete;
-
- private:
-  bool outer_;
-};
-
-/// A region inside a CallPathScope whose allocations are not the call's own: failure
-/// reporting (log lines, error messages), which a call that succeeds never reaches.
-class OffCallPath {
- public:
-  OffCallPath() : outer_(t_on_call_path) { t_on_call_path = false; }
-  ~OffCallPath() { t_on_call_path = outer_; }
-  OffCallPath(const OffCallPath&) = delete;
-  OffCallPath& operator=(const OffCallPath&) = delete;
 
  private:
   bool outer_;

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
@@ -388,9 +389,19 @@ class NcclTransport final : public Transport {
     uint64_t out_offset = 0;
     uint64_t packed_bytes = 0;  // one block of it, packed
   };
+  // At most three parts (a bshd fused call's planes), kept in place: a call allocates nothing.
+  struct Parts {
+    std::array<Part, 3> items{};
+    int count = 0;
+    void push_back(const Part& p) { items[count++] = p; }
+    Part* begin() { return items.data(); }
+    Part* end() { return items.data() + count; }
+    const Part* begin() const { return items.data(); }
+    const Part* end() const { return items.data() + count; }
+  };
   struct Exchange {
     kernels::ExchangeShape shape;
-    std::vector<Part> parts;
+    Parts parts;
   };
 
   // A fused call's projection and norm + RoPE are enqueued here, on the session's stream.

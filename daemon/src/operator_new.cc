@@ -1,8 +1,9 @@
 // The ulyssesd executable's global operator new: malloc (aligned_alloc for over-aligned types),
 // as the C++ runtime's own, and one relaxed increment when the allocating thread is on the call
 // path (host_allocations.h). Only the executable has it, so the client library and the
-// processes that load it keep their own allocator. Sanitizer builds keep the sanitizer's
-// operator new, and count nothing.
+// processes that load it keep their own allocator. Address, thread and memory sanitizer builds
+// keep the sanitizer's operator new, and count nothing.
+#include <cstdint>
 #include <cstdlib>
 #include <new>
 
@@ -27,9 +28,11 @@ namespace ha = ulysses::daemon::host_allocations;
 // Counting is on before main, before any thread can open a scope.
 [[maybe_unused]] const bool kCounting = (ha::g_counting.store(true), true);
 
-// Asks the new handler for memory until it has none to give, as the runtime's own does.
+// Asks the new handler for memory until it has none to give, as the runtime's own does: null
+// when there is no handler; a handler's bad_alloc goes to the caller (the nothrow forms below
+// turn it into null).
 template <typename Get>
-void* Retry(Get get) noexcept {
+void* Retry(Get get) {
   if (ha::t_on_call_path) ha::g_counted.fetch_add(1, std::memory_order_relaxed);
   for (;;) {
     if (void* p = get()) return p;
@@ -39,15 +42,26 @@ void* Retry(Get get) noexcept {
   }
 }
 
-void* Allocate(std::size_t n) noexcept {
+void* Allocate(std::size_t n) {
   return Retry([n] { return std::malloc(n == 0 ? 1 : n); });
 }
 
-// aligned_alloc wants a size that is a multiple of the alignment.
-void* AllocateAligned(std::size_t n, std::align_val_t a) noexcept {
+// aligned_alloc wants a size that is a multiple of the alignment; a size that cannot be
+// rounded up without wrapping cannot be allocated.
+void* AllocateAligned(std::size_t n, std::align_val_t a) {
   const std::size_t align = static_cast<std::size_t>(a);
+  if (n > SIZE_MAX - align) return nullptr;
   const std::size_t size = n == 0 ? align : (n + align - 1) / align * align;
   return Retry([=] { return std::aligned_alloc(align, size); });
+}
+
+template <typename F>
+void* NoThrow(F allocate) noexcept {
+  try {
+    return allocate();
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
 }
 
 }  // namespace
@@ -60,8 +74,12 @@ void* operator new[](std::size_t n) {
   if (void* p = Allocate(n)) return p;
   throw std::bad_alloc();
 }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return Allocate(n); }
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return Allocate(n); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  return NoThrow([n] { return Allocate(n); });
+}
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
+  return NoThrow([n] { return Allocate(n); });
+}
 void* operator new(std::size_t n, std::align_val_t a) {
   if (void* p = AllocateAligned(n, a)) return p;
   throw std::bad_alloc();
@@ -71,10 +89,10 @@ void* operator new[](std::size_t n, std::align_val_t a) {
   throw std::bad_alloc();
 }
 void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return AllocateAligned(n, a);
+  return NoThrow([=] { return AllocateAligned(n, a); });
 }
 void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return AllocateAligned(n, a);
+  return NoThrow([=] { return AllocateAligned(n, a); });
 }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }

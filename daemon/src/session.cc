@@ -370,15 +370,15 @@ absl::Status Session::WaitWord(const std::atomic<uint64_t>& word, uint64_t targe
   // are seen too.
   for (;;) {
     const absl::Time slice = std::min(deadline, absl::Now() + absl::Milliseconds(20));
-    // This wait's own message is never returned (the errors below name the session), so it
-    // is not built: a call that finds its words in place allocates nothing here.
-    absl::Status s = ipc::WaitAtLeast(word, target, slice, peer_abort, what);
-    if (s.ok()) return s;
+    // A plain outcome, no status: the errors below name the session, and a call whose peer is
+    // slow allocates nothing at the end of each slice.
+    const ipc::WaitOutcome w = ipc::WaitFor(word, target, slice, peer_abort);
+    if (w.end == ipc::WaitOutcome::kReached) return absl::OkStatus();
     // The word may have been stored between the wait's last look at it and its look at the
     // abort: a rank writes all of an epoch's words before it completes the epoch and leaves.
     if (word.load(std::memory_order_acquire) >= target) return absl::OkStatus();
     ULY_RETURN_IF_ERROR(CanComplete(target));
-    if (s.code() == absl::StatusCode::kAborted) peer_abort = nullptr;  // it completed `target`
+    if (w.end == ipc::WaitOutcome::kAborted) peer_abort = nullptr;  // it completed `target`
     if (absl::Now() >= deadline)
       return absl::DeadlineExceededError(StrCat("session ", id_, ": timed out waiting for rank ",
                                                 peer, " (", what, ", epoch ", target, ")"));

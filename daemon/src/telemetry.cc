@@ -162,7 +162,7 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
          g.device_allocations);
   Single(out, "ulyssesd_call_path_host_allocations_total", "counter",
          "Host allocations the ring workers made taking, running and completing calls (the "
-         "ulyssesd executable counts them; 0 in sanitizer builds).",
+         "ulyssesd executable counts them; 0 in address, thread and memory sanitizer builds).",
          g.call_path_host_allocations);
   Single(out, "ulyssesd_device_streams_total", "counter",
          "Distinct streams handed to sessions on the device (a closed session's stream serves "

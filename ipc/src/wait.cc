@@ -28,25 +28,20 @@ inline void CpuRelax() {
 
 }  // namespace
 
-absl::Status WaitAtLeast(const std::atomic<uint64_t>& word, uint64_t target, absl::Time deadline,
-                         const std::atomic<uint64_t>* abort_word, std::string_view what) {
-  const std::string_view label = what.empty() ? std::string_view("wait") : what;
+WaitOutcome WaitFor(const std::atomic<uint64_t>& word, uint64_t target, absl::Time deadline,
+                    const std::atomic<uint64_t>* abort_word) {
   long sleep_ns = kFirstSleepNs;
   for (int iteration = 0;; ++iteration) {
     // Acquire pairs with the writer's release store: data published before the word is visible.
     const uint64_t have = word.load(std::memory_order_acquire);
-    if (have >= target) return absl::OkStatus();
+    if (have >= target) return {WaitOutcome::kReached, have, 0};
     if (abort_word != nullptr) {
       const uint64_t code = abort_word->load(std::memory_order_acquire);
-      if (code != 0) {
-        return absl::AbortedError(ulysses::StrCat(label, ": aborted (code ", code, ")"));
-      }
+      if (code != 0) return {WaitOutcome::kAborted, have, code};
     }
     // Reading the clock costs a vDSO call; during the spin phase look only every 64 rounds.
-    if ((iteration >= kSpinIterations || iteration % 64 == 0) && absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          ulysses::StrCat(label, ": timed out waiting for epoch ", target, " (have ", have, ")"));
-    }
+    if ((iteration >= kSpinIterations || iteration % 64 == 0) && absl::Now() >= deadline)
+      return {WaitOutcome::kDeadline, have, 0};
     if (iteration < kSpinIterations) {
       CpuRelax();
     } else if (iteration < kSpinIterations + kYieldIterations) {
@@ -57,6 +52,22 @@ absl::Status WaitAtLeast(const std::atomic<uint64_t>& word, uint64_t target, abs
       sleep_ns = sleep_ns * 2 > kMaxSleepNs ? kMaxSleepNs : sleep_ns * 2;
     }
   }
+}
+
+absl::Status WaitAtLeast(const std::atomic<uint64_t>& word, uint64_t target, absl::Time deadline,
+                         const std::atomic<uint64_t>* abort_word, std::string_view what) {
+  const std::string_view label = what.empty() ? std::string_view("wait") : what;
+  const WaitOutcome w = WaitFor(word, target, deadline, abort_word);
+  switch (w.end) {
+    case WaitOutcome::kReached:
+      return absl::OkStatus();
+    case WaitOutcome::kAborted:
+      return absl::AbortedError(ulysses::StrCat(label, ": aborted (code ", w.abort_code, ")"));
+    case WaitOutcome::kDeadline:
+      break;
+  }
+  return absl::DeadlineExceededError(
+      ulysses::StrCat(label, ": timed out waiting for epoch ", target, " (have ", w.have, ")"));
 }
 
 }  // namespace ulysses::ipc

@@ -72,6 +72,25 @@ TEST(WaitAtLeastTest, DeadlineExceededWithShortDeadline) {
   EXPECT_THAT(std::string(unnamed.message()), HasSubstr("wait: timed out"));
 }
 
+// WaitFor ends as WaitAtLeast does, with the values it saw instead of a message.
+TEST(WaitForTest, OutcomesCarryWhatTheWaitSaw) {
+  std::atomic<uint64_t> word{6};
+  std::atomic<uint64_t> abort_word{0};
+  WaitOutcome w = WaitFor(word, 6, absl::InfinitePast(), &abort_word);
+  EXPECT_EQ(w.end, WaitOutcome::kReached);
+  EXPECT_EQ(w.have, 6u);
+  w = WaitFor(word, 8, absl::Now() + absl::Milliseconds(5), &abort_word);
+  EXPECT_EQ(w.end, WaitOutcome::kDeadline);
+  EXPECT_EQ(w.have, 6u);
+  abort_word.store(3);
+  w = WaitFor(word, 8, FarDeadline(), &abort_word);
+  EXPECT_EQ(w.end, WaitOutcome::kAborted);
+  EXPECT_EQ(w.abort_code, 3u);
+  EXPECT_EQ(w.have, 6u);
+  // A satisfied word wins over the abort.
+  EXPECT_EQ(WaitFor(word, 5, FarDeadline(), &abort_word).end, WaitOutcome::kReached);
+}
+
 // The word lives in a memfd shared with a forked child, as it would between daemon and client.
 TEST(WaitAtLeastTest, WordInSharedMemoryWrittenByAnotherProcess) {
   auto fd = CreateMemfd("wait-test", 4096);

@@ -19,6 +19,20 @@ static_assert(sizeof(std::atomic<uint64_t>) == sizeof(uint64_t),
 static_assert(alignof(std::atomic<uint64_t>) == alignof(uint64_t),
               "std::atomic<uint64_t> must have the alignment of uint64_t");
 
+/// How a wait on a word ended (WaitFor), and what it saw last.
+struct WaitOutcome {
+  enum End { kReached, kAborted, kDeadline };
+  End end = kReached;
+  uint64_t have = 0;        // the word's last value seen
+  uint64_t abort_code = 0;  // the abort word's value, when kAborted
+};
+
+/// WaitAtLeast without its status: the same wait and the same order of checks, ending in a
+/// plain outcome. It builds no message, so a caller that only needs to know how the wait ended
+/// allocates nothing.
+WaitOutcome WaitFor(const std::atomic<uint64_t>& word, uint64_t target, absl::Time deadline,
+                    const std::atomic<uint64_t>* abort_word = nullptr);
+
 /// Waits until `word` >= `target` (epochs only grow), bounded by `deadline`.
 ///
 /// Loads are acquire loads, so whatever the writer published before its release store of the
