@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cassert>
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
@@ -393,7 +394,10 @@ class NcclTransport final : public Transport {
   struct Parts {
     std::array<Part, 3> items{};
     int count = 0;
-    void push_back(const Part& p) { items[count++] = p; }
+    void push_back(const Part& p) {
+      assert(count < static_cast<int>(items.size()));
+      items[count++] = p;
+    }
     Part* begin() { return items.data(); }
     Part* end() { return items.data() + count; }
     const Part* begin() const { return items.data(); }
