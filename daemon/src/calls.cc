@@ -351,7 +351,7 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     (void)rings->complete_bell.Signal();
     return true;
   };
-  // Posts every pending call that finished (or whose session is gone). False: the client left.
+  // The entry of `p`'s session, made at its first call in flight.
   auto polled_for = [&](const PendingCall& p) -> Polled& {
     for (Polled& e : polled)
       if (e.session_id == p.session_id) return e;
@@ -360,6 +360,7 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     polled.back().finished.reserve(kFinishedReserved);
     return polled.back();
   };
+  // Posts every pending call that finished (or whose session is gone). False: the client left.
   auto collect = [&]() -> bool {
     host_allocations::CallPathScope on_call_path;
     for (Polled& e : polled) {
