@@ -13,8 +13,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
-#include <cassert>
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
@@ -23,6 +21,7 @@
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/escaping.h"
 #include "call_views.h"
 #include "fused_runner.h"
@@ -390,22 +389,10 @@ class NcclTransport final : public Transport {
     uint64_t out_offset = 0;
     uint64_t packed_bytes = 0;  // one block of it, packed
   };
-  // At most three parts (a bshd fused call's planes), kept in place: a call allocates nothing.
-  struct Parts {
-    std::array<Part, 3> items{};
-    int count = 0;
-    void push_back(const Part& p) {
-      assert(count < static_cast<int>(items.size()));
-      items[count++] = p;
-    }
-    Part* begin() { return items.data(); }
-    Part* end() { return items.data() + count; }
-    const Part* begin() const { return items.data(); }
-    const Part* end() const { return items.data() + count; }
-  };
   struct Exchange {
     kernels::ExchangeShape shape;
-    Parts parts;
+    // At most three parts (a bshd fused call's planes), kept in place: a call allocates nothing.
+    absl::InlinedVector<Part, 3> parts;
   };
 
   // A fused call's projection and norm + RoPE are enqueued here, on the session's stream.

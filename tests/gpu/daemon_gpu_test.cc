@@ -122,8 +122,8 @@ size_t DeviceFreeBytes(int device) {
   return free;
 }
 
-// A bystander: a client's one-rank session of [64, 8, 64] bf16 on daemon `daemon`, its input
-// filled, and one call checked.
+// A client's one-rank session of [64, 8, 64] bf16 on one daemon, its input filled: Call runs
+// a scatter_heads on it and checks the result.
 struct Bystander {
   static constexpr int kRows = 64;
   std::vector<uint16_t> host;
@@ -132,13 +132,14 @@ struct Bystander {
   std::optional<client::Buffer> in;
   std::string Call() { return IdentityScatter(*session, *in, host, kRows); }
 };
-void OpenBystander(const std::string& socket, Bystander* b) {
+// Opens `b` on the daemon at `socket`, its client and group named `name`.
+void OpenBystander(const std::string& socket, const std::string& name, Bystander* b) {
   b->host.resize(Bystander::kRows * 8 * 64);
   for (size_t i = 0; i < b->host.size(); ++i)
     b->host[i] = static_cast<uint16_t>(i * 2654435761u >> 16);
-  auto c = client::Client::Connect({socket, "bystander"});
+  auto c = client::Client::Connect({socket, name});
   ASSERT_TRUE(c.ok()) << c.status();
-  auto g = (*c)->JoinGroup({"bystander", 1, 0, {socket}, "nvlink", 0});
+  auto g = (*c)->JoinGroup({name, 1, 0, {socket}, "nvlink", 0});
   ASSERT_TRUE(g.ok()) << g.status();
   auto s = (*c)->CreateSession(*g, {8, 64, DType::kBFloat16, Bystander::kRows, 2, {}, 0});
   ASSERT_TRUE(s.ok()) << s.status();
@@ -149,7 +150,6 @@ void OpenBystander(const std::string& socket, Bystander* b) {
   b->client = std::move(*c);
   b->session = std::move(*s);
   b->in = *in;
-  ASSERT_EQ(b->Call(), "");
 }
 
 class GpuSemantics : public GpuCluster, public testing::WithParamInterface<WorkloadShape> {};
@@ -723,7 +723,8 @@ TEST_F(GpuCluster, PastTheHardwareQueuesRefuseNamesTheSetting) {
 TEST_F(GpuCluster, PeerDaemonKilledMidCallEndsTheCallAndTheSurvivorServes) {
   Start(2, {"--call-timeout-ms", "3000"});
   Bystander bystander;
-  ASSERT_NO_FATAL_FAILURE(OpenBystander(Members(2)[0], &bystander));
+  ASSERT_NO_FATAL_FAILURE(OpenBystander(Members(2)[0], "bystander", &bystander));
+  ASSERT_EQ(bystander.Call(), "");
   const uint64_t bytes = State(0).device_bytes(), mappings = State(0).device_mappings_open();
   const client::SessionSpec spec{4, 64, DType::kBFloat16, 64, 2, {}, 0};
   TwoRanks t;
@@ -1286,9 +1287,8 @@ TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
   const uint64_t baseline0 = State(0).device_bytes();
   // A bystander: another client's one-rank session on rank 1's daemon, used before and after.
   Bystander bystander;
-  ASSERT_NO_FATAL_FAILURE(OpenBystander(Members(2)[1], &bystander));
-  const int kRows = Bystander::kRows;
-  const std::vector<uint16_t>& host = bystander.host;
+  ASSERT_NO_FATAL_FAILURE(OpenBystander(Members(2)[1], "bystander", &bystander));
+  ASSERT_EQ(bystander.Call(), "");
   const uint64_t baseline = State(1).device_bytes();
   // The GPU's free memory with the bystander's session in place, before the killed client
   // and its peer's session exist. Their sessions' slots (2 x 3 x 64K x 8 x 64 x 2 bytes, about
@@ -1359,17 +1359,9 @@ TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
       << "free device memory " << DeviceFreeBytes(victim_device) << ", before " << free_before;
   // Both daemons serve: a one-rank session on each runs a call, bit-exact on the device.
   for (int r = 0; r < 2; ++r) {
-    auto c = client::Client::Connect({Members(2)[r], "after"});
-    ASSERT_TRUE(c.ok()) << c.status();
-    auto g = (*c)->JoinGroup({StrCat("after-", r), 1, 0, {Members(2)[r]}, "nvlink", 0});
-    ASSERT_TRUE(g.ok()) << g.status();
-    auto s = (*c)->CreateSession(*g, {8, 64, DType::kBFloat16, kRows, 2, {}, 0});
-    ASSERT_TRUE(s.ok()) << s.status();
-    auto in = (*c)->AllocBuffer(host.size() * 2, "x");
-    ASSERT_TRUE(in.ok()) << in.status();
-    ASSERT_EQ(cudaMemcpy(in->data, host.data(), host.size() * 2, cudaMemcpyHostToDevice),
-              cudaSuccess);
-    EXPECT_EQ(IdentityScatter(**s, *in, host, kRows), "") << "rank " << r;
+    Bystander after;
+    ASSERT_NO_FATAL_FAILURE(OpenBystander(Members(2)[r], StrCat("after-", r), &after));
+    EXPECT_EQ(after.Call(), "") << "rank " << r;
   }
 }
 
