@@ -15,10 +15,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "call_views.h"
-#include "out_write_cuda.h"
 #include "fd_exports.h"
+#include "out_write_cuda.h"
 #include "fused_runner.h"
 #include "queue_lanes.h"
+#include "stream_rescue.h"
 #include "transport.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/protocol_words.h"
@@ -94,9 +95,9 @@ class DeviceStreams {
     }
     // Without it a cancel copies from pageable memory, which the driver may stage by waiting
     // for the stream.
-    if (cudaHostAlloc(&d->unblock_words_, kUnblockWords * sizeof(uint64_t),
+    if (cudaHostAlloc(&d->unblock_words_, kUnblockWordCount * sizeof(uint64_t),
                       cudaHostAllocDefault) == cudaSuccess) {
-      std::fill_n(static_cast<uint64_t*>(d->unblock_words_), kUnblockWords, kUnblockEpoch);
+      std::fill_n(static_cast<uint64_t*>(d->unblock_words_), kUnblockWordCount, kUnblockEpoch);
     } else {
       d->unblock_words_ = nullptr;
       (void)cudaGetLastError();
@@ -186,10 +187,9 @@ class DeviceStreams {
   HostWords host_words() {
     return HostWords{std::unique_lock<std::mutex>(host_mu_), static_cast<uint8_t*>(host_words_)};
   }
-  /// Words a cancel copies over a session's slot and client words: kUnblockWords of
+  /// Words a cancel copies over a session's slot and client words: kUnblockWordCount of
   /// kUnblockEpoch in pinned memory, made once and never written again (null when there is
   /// none).
-  static constexpr size_t kUnblockWords = sizeof(DeviceSlotWords) / sizeof(uint64_t) * kMaxSlots;
   const uint64_t* unblock_words() const { return static_cast<const uint64_t*>(unblock_words_); }
   QueueLaneCounts counts() const { return lanes_->counts(); }
   std::string Where(cudaStream_t s) const { return lanes_->Where(s); }
@@ -255,7 +255,7 @@ class DeviceStreams {
   cudaStream_t rescue_ = nullptr;
   std::mutex host_mu_;  // one DescribeStuck at a time
   void* host_words_ = nullptr;
-  void* unblock_words_ = nullptr;  // pinned kUnblockWords of kUnblockEpoch, never written again
+  void* unblock_words_ = nullptr;  // pinned kUnblockWordCount of kUnblockEpoch, never written again
   std::unique_ptr<QueueLanes> lanes_;
 };
 
@@ -299,14 +299,6 @@ class CudaTransport final : public Transport {
                          ipc::cuda::VmmMapping::Create(device, sizeof(ClientDeviceWords),
                                                        setup_stream));
     ULY_ASSIGN_OR_RETURN(t->client_words_fd_, t->client_words_.Export());
-    // What a cancel writes over this rank's slot words (every wait passes): the device's
-    // pinned words, else words of its own.
-    if (t->streams_->unblock_words() != nullptr) {
-      t->unblock_ = t->streams_->unblock_words();
-    } else {
-      t->own_unblock_.assign(DeviceStreams::kUnblockWords, kUnblockEpoch);
-      t->unblock_ = t->own_unblock_.data();
-    }
     t->events_.assign(setup.geometry.num_slots, nullptr);
     t->event_epoch_.assign(setup.geometry.num_slots, 0);
     for (cudaEvent_t& ev : t->events_)
@@ -390,36 +382,9 @@ class CudaTransport final : public Transport {
     if (stream_ == nullptr) return true;
     // Its work cannot be asked about: keep everything rather than free it under that work.
     if (!UseDevice(device_).ok()) return false;
-    const auto give_up =
-        std::chrono::steady_clock::now() + absl::ToChronoMilliseconds(drain_limit_);
-    auto idle_by_then = [&](auto query, std::chrono::microseconds poll) {
-      while (query() == cudaErrorNotReady) {
-        if (std::chrono::steady_clock::now() > give_up) return false;
-        std::this_thread::sleep_for(poll);
-      }
-      return true;  // done, or an error that leaves nothing to wait for
-    };
-    constexpr std::chrono::microseconds kCancelEvery(1000), kPoll(100);
-    // A cancel again every millisecond while the stream runs, but none while the last one has
-    // not run: a rescue stream that cannot run (a daemon without the queue probe) would
-    // otherwise collect thousands of them until an enqueue waits for room.
-    bool cancel_marked = false;
-    bool drained = idle_by_then([&] {
-      if (cudaStreamQuery(stream_) != cudaErrorNotReady) return cudaSuccess;
-      if (!cancel_marked || cudaEventQuery(rescue_mark_) != cudaErrorNotReady) {
-        Cancel();
-        cancel_marked = cudaEventRecord(rescue_mark_, rescue_) == cudaSuccess;
-      }
-      return cudaErrorNotReady;
-    }, kCancelEvery);
-    if (drained) {
-      CancelOn(stream_);  // idle: after its last write of a done word
-      drained = idle_by_then([&] { return cudaStreamQuery(stream_); }, kPoll);
-    }
-    if (drained && used_rescue_) {
-      drained = cudaEventRecord(rescue_mark_, rescue_) == cudaSuccess &&
-                idle_by_then([&] { return cudaEventQuery(rescue_mark_); }, kPoll);
-    }
+    const bool drained = DrainSessionStream(stream_, rescue_, rescue_mark_, used_rescue_,
+                                            drain_limit_, [this] { Cancel(); },
+                                            [this](cudaStream_t on) { CancelOn(on); });
     if (!drained) {
       Logger("exec")->error(
           "device {}: a session's device work did not end within {} of its cancel; its stream "
@@ -691,24 +656,16 @@ class CudaTransport final : public Transport {
   // Cancel()'s writes, enqueued on `on`: a stream no wait of this session blocks.
   void CancelOn(cudaStream_t on) {
     if (UseDevice(device_).ok() == false) return;
-    namespace cu = ipc::cuda;
     auto* mine = static_cast<DeviceWords*>(daemon_words_.data());
-    // cancel first (kernels that pass a wait after this store nothing), then every word this
-    // rank's stream or its client's waits on. `on` is never blocked (the rescue stream, or
-    // this session's stream when idle), so this completes.
-    absl::Status st = cu::StreamWrite64(on, &mine->cancel, 1);
-    if (st.ok())
-      st = CudaStatus("cudaMemcpyAsync",
-                      cudaMemcpyAsync(mine->slots, unblock_,
-                                      setup_.geometry.num_slots * sizeof(DeviceSlotWords),
-                                      cudaMemcpyHostToDevice, on));
-    for (uint64_t* client_words :
-         {ClientWords()->ready, ClientWords()->released, Results(setup_.geometry.rank)->done})
-      if (st.ok())
-        st = CudaStatus("cudaMemcpyAsync",
-                        cudaMemcpyAsync(client_words, unblock_,
-                                        setup_.geometry.num_slots * sizeof(uint64_t),
-                                        cudaMemcpyHostToDevice, on));
+    // `on` is never blocked (the rescue stream, or this session's stream when idle), so this
+    // completes.
+    const size_t n = static_cast<size_t>(setup_.geometry.num_slots);
+    const absl::Status st = EnqueueCancel(
+        on, &mine->cancel, unblock_,
+        {{&mine->slots[0].grant[0], n * sizeof(DeviceSlotWords) / sizeof(uint64_t)},
+         {ClientWords()->ready, n},
+         {ClientWords()->released, n},
+         {Results(setup_.geometry.rank)->done, n}});
     if (!st.ok())
       Logger("exec")->error("device {}: cancel of a session stream: {}", device_,
                             std::string(st.message()));
@@ -720,7 +677,8 @@ class CudaTransport final : public Transport {
         exports_(exports),
         streams_(std::move(streams)),
         setup_(setup),
-        drain_limit_(drain_limit) {}
+        drain_limit_(drain_limit),
+        unblock_(streams_->unblock_words()) {}
 
   const uint64_t* cancel() const {
     return &static_cast<const DeviceWords*>(daemon_words_.data())->cancel;
@@ -763,8 +721,7 @@ class CudaTransport final : public Transport {
   cudaStream_t rescue_ = nullptr;  // the device's, shared: Cancel's writes, never waits
   std::vector<cudaEvent_t> events_;      // per slot: recorded after the call's done write
   std::vector<uint64_t> event_epoch_;    // the epoch each slot's event was recorded for
-  const uint64_t* unblock_ = nullptr;   // kUnblockWords of kUnblockEpoch (DeviceStreams')
-  std::vector<uint64_t> own_unblock_;    // where the device has no pinned ones
+  const UnblockWords unblock_;          // what a cancel copies over the waited words
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   cudaStream_t second_ = nullptr;       // its plan's second stream, a lane of the device
   std::atomic<bool> used_rescue_{false};  // Cancel or DescribeStuck enqueued on rescue_
@@ -808,6 +765,8 @@ class CudaBackend final : public Backend {
   void* SetupStreamFor(void* stream) override {
     return streams_->SetupStreamFor(static_cast<cudaStream_t>(stream));
   }
+  void* RescueStream() override { return streams_->rescue(); }
+  const uint64_t* UnblockWordsOfDevice() override { return streams_->unblock_words(); }
   uint64_t FusedPlanBytes(const FusedSetup& setup) const override {
     return FusedRunner::DeviceBytesFor(setup);
   }

@@ -6,19 +6,24 @@
 // ends bit-identical. A qkv_norm_rope_exchange session's call first computes this rank's
 // normalized projection (the per-operator path's GEMM and norm + RoPE), then moves it the same
 // way, as the head-chunk exchange of its q, k and v (layout fused) or as three head scatters,
-// one per plane (layout bshd). Client buffers are the GPU backend's (CUDA IPC, VMM). Built
-// only with CUDA and NCCL.
+// one per plane (layout bshd). Calls are stream-ordered as on nvlink: the whole call goes on
+// the session's stream behind the client's ready word and ends in its done word, and the
+// daemon's host enqueues it and returns. Client buffers are the GPU backend's (CUDA IPC, VMM).
+// Built only with CUDA and NCCL.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <cstdlib>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/inlined_vector.h"
@@ -27,6 +32,7 @@
 #include "fused_runner.h"
 #include "helper_process.h"
 #include "out_write_cuda.h"
+#include "stream_rescue.h"
 #include "transport.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/session_layout.h"
@@ -97,15 +103,27 @@ uint64_t BlockCapacity(int world_size, uint64_t slot_bytes) {
   return AlignUp((slot_bytes + w - 1) / w, kAlign);
 }
 
+// What leads this rank's slot allocation, before the slots: its client's done words (as on
+// nvlink), then the cancel word the call's kernels read. The client maps the allocation and
+// could write there: what it could change harms only its own results.
+struct NcclSlotsHead {
+  ResultWords results;
+  uint64_t cancel;
+};
+
 class NcclTransport final : public Transport {
  public:
   // `gpu`: the device's backend, whose hardware queue lanes the session's streams come from
-  // (shared with the device's nvlink sessions, so that none shares a queue unknowingly).
+  // (shared with the device's nvlink sessions, so that none shares a queue unknowingly) and
+  // whose rescue stream runs this session's cancels.
   static absl::StatusOr<std::unique_ptr<Transport>> Create(int device, absl::Duration call_timeout,
                                                            const TransportSetup& setup,
                                                            Backend* gpu) {
     ULY_RETURN_IF_ERROR(UseDevice(device));
     std::unique_ptr<NcclTransport> t(new NcclTransport(device, call_timeout, setup, gpu));
+    t->rescue_ = static_cast<cudaStream_t>(gpu->RescueStream());
+    if (t->rescue_ == nullptr)
+      return absl::FailedPreconditionError("the nccl backend needs the device's rescue stream");
     ULY_ASSIGN_OR_RETURN(void* taken, gpu->TakeStream(StreamRole::kSession, nullptr));
     t->stream_ = static_cast<cudaStream_t>(taken);
     const cudaStream_t stream = t->stream_;
@@ -121,12 +139,18 @@ class NcclTransport final : public Transport {
     }
     const int W = setup.geometry.world_size;
     t->stride_ = AlignUp(setup.slot_bytes, kAlign);
+    t->head_bytes_ = AlignUp(sizeof(NcclSlotsHead), kAlign);
     // Zeroed on the setup stream, never the legacy one: a wait on the legacy stream could wait
-    // behind another session's stream that shares its hardware queue.
+    // behind another session's stream that shares its hardware queue. Every word starts at 0
+    // (no epoch reached) before the client can see it.
     ULY_ASSIGN_OR_RETURN(t->slots_,
-                         ipc::cuda::VmmMapping::Create(device, t->stride_ * setup.geometry.num_slots,
-                                                       setup_stream));
+                         ipc::cuda::VmmMapping::Create(
+                             device, t->head_bytes_ + t->stride_ * setup.geometry.num_slots,
+                             setup_stream));
     ULY_ASSIGN_OR_RETURN(t->client_fd_, t->slots_.Export());
+    ULY_ASSIGN_OR_RETURN(t->client_words_, ipc::cuda::VmmMapping::Create(
+                                               device, sizeof(ClientDeviceWords), setup_stream));
+    ULY_ASSIGN_OR_RETURN(t->client_words_fd_, t->client_words_.Export());
     if (W > 1) {
       // Staging is made once here: a call allocates nothing.
       t->block_capacity_ = BlockCapacity(W, setup.slot_bytes);
@@ -135,6 +159,13 @@ class NcclTransport final : public Transport {
       ULY_ASSIGN_OR_RETURN(t->recv_, ipc::cuda::VmmMapping::Create(
                                          device, t->block_capacity_ * W, setup_stream));
     }
+    t->events_.assign(setup.geometry.num_slots, nullptr);
+    t->event_epoch_.assign(setup.geometry.num_slots, 0);
+    for (cudaEvent_t& ev : t->events_)
+      ULY_RETURN_IF_ERROR(
+          CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)));
+    ULY_RETURN_IF_ERROR(CudaStatus(
+        "cudaEventCreate", cudaEventCreateWithFlags(&t->rescue_mark_, cudaEventDisableTiming)));
     // The plan's GEMMs' kernels are loaded here, while no call of this session is in flight,
     // and waited for (the setup stream alone, also on failure), as the nvlink backend does.
     if (t->fused_) {
@@ -149,42 +180,44 @@ class NcclTransport final : public Transport {
     return std::unique_ptr<Transport>(std::move(t));
   }
 
+  // Session drains every transport it made (Drain: the communicator aborted, the stream idle,
+  // the cancels on the rescue stream run) and keeps for the process's life one whose Drain
+  // failed; one never drained comes from a failed Create, which ran no call.
   ~NcclTransport() override {
     (void)UseDevice(device_);
-    // Abort, never destroy: destroying waits for the peers, which may be gone. Abort also ends
-    // any NCCL kernel still on the stream, so the synchronize below returns.
+    // Abort, never destroy: destroying waits for the peers, which may be gone.
     AbortComm();
-    // A stream Drain gave up on was retired and is kept with this transport for the daemon's
-    // life (this never runs then). Otherwise the stream goes back to the device's lanes once
-    // idle: the plan's work was ordered before its end, and what the plan frees goes on the
-    // session's stream or the setup stream, after that.
+    // The plan's work was ordered before the stream's end, and what the plan frees goes on
+    // the session's stream or the setup stream, after that; the stream then goes back to the
+    // device's lanes.
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     fused_.reset();
     if (stream_ != nullptr) gpu_->GiveStream(stream_);
+    for (cudaEvent_t ev : events_)
+      if (ev != nullptr) cudaEventDestroy(ev);
+    if (rescue_mark_ != nullptr) cudaEventDestroy(rescue_mark_);
   }
 
-  // Aborts the communicator (which ends NCCL's kernels on the stream), then waits, bounded by
-  // the drain limit the nvlink backend uses (DrainLimitFor), for the stream to be idle: a
-  // stream whose queue another session's stuck work holds may never be. Then it is retired
-  // and the transport kept.
+  // Cancels (the words on the rescue stream, then the communicator's abort, which ends NCCL's
+  // kernels once the stream reaches them) while the stream runs, and waits, bounded by the
+  // drain limit the nvlink backend uses (DrainLimitFor), for it to be idle and for the
+  // cancels to have run: a stream whose queue another session's stuck work holds may never
+  // be. Then it is retired and the transport kept.
   bool Drain() override {
     if (stream_ == nullptr) return true;
     if (!UseDevice(device_).ok()) return false;
-    AbortComm();
     const absl::Duration limit = DrainLimitFor(call_timeout_);
-    const absl::Time give_up = absl::Now() + limit;
-    while (cudaStreamQuery(stream_) == cudaErrorNotReady) {
-      if (absl::Now() > give_up) {
-        Logger("exec")->error(
-            "device {}: an nccl session's device work did not end within {} of its abort; its "
-            "stream and device memory ({} bytes) stay in place for the daemon's life",
-            device_, absl::FormatDuration(limit), DeviceBytes());
-        gpu_->RetireStream(stream_);
-        return false;
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    const bool drained = DrainSessionStream(stream_, rescue_, rescue_mark_, used_rescue_, limit,
+                                            [this] { Cancel(); },
+                                            [this](cudaStream_t on) { CancelOn(on); });
+    if (!drained) {
+      Logger("exec")->error(
+          "device {}: an nccl session's device work did not end within {} of its cancel; its "
+          "stream and device memory ({} bytes) stay in place for the daemon's life",
+          device_, absl::FormatDuration(limit), DeviceBytes());
+      gpu_->RetireStream(stream_);
     }
-    return true;
+    return drained;
   }
 
   // nccl|<rank>|: rank 0's unique id travels in the third round (ConnectHandle).
@@ -235,40 +268,189 @@ class NcclTransport final : public Transport {
       if (!IdFromHex(connect_handles[0], &id_))
         return absl::FailedPreconditionError("rank 0 sent a malformed NCCL unique id");
     }
+    std::lock_guard<std::mutex> lock(comm_mu_);
     // Non-blocking init: a rank that never joins ends in DEADLINE_EXCEEDED here, not a hang.
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     const ncclResult_t r = ncclCommInitRankConfig(&comm_, W, id_, me, &config);
     if (r != ncclSuccess && r != ncclInProgress) {
       absl::Status s = NcclStatus("ncclCommInitRankConfig", r, comm_);
-      AbortComm();
+      AbortCommLocked();
       return s;
     }
-    return WaitComm("ncclCommInitRank (every rank joining the communicator)",
-                    absl::Now() + timeout);
+    const absl::Time deadline = absl::Now() + timeout;
+    ULY_RETURN_IF_ERROR(
+        WaitComm("ncclCommInitRank (every rank joining the communicator)", deadline));
+    return ConnectPeers(deadline);
   }
 
+  // Host-protocol entry points: this transport enqueues whole calls (Enqueue).
   absl::Status Push(const CallPlan&, const CallOperands&, int, int) override {
-    return absl::InternalError("the nccl transport moves every block of a call at once");
+    return absl::InternalError("the nccl transport enqueues whole calls on its stream");
+  }
+  absl::Status Flush() override {
+    return absl::InternalError("the nccl transport enqueues whole calls on its stream");
+  }
+  absl::Status Finish(const CallPlan&, const CallOperands&, int) override {
+    return absl::InternalError("the nccl transport enqueues whole calls on its stream");
   }
 
-  bool PushesAtOnce(const CallPlan&) const override { return true; }
+  bool StreamOrdered() const override { return true; }
 
-  // Pack every peer's block, one NCCL group of sends and receives, unpack every peer's block
-  // into the slot; this rank's own block goes straight into its slot. A fused call first
-  // computes what it moves. All on the session's stream, in that order; Flush waits for it.
-  absl::Status PushAll(const CallPlan& plan, const CallOperands& ops, int slot,
-                       uint64_t epoch) override {
+  // The whole call on the session's stream (docs/protocol.md sections 8.5 and 9): wait for the
+  // client's inputs (and the slot's release where its ready word does not imply it); a fused
+  // call's projection and norm + RoPE; this rank's own block straight into its slot; every
+  // peer's block packed into send staging; one group of ncclSend/ncclRecv; every received
+  // block unpacked into the slot; the out= copy or the merge; done. The host waits only for
+  // NCCL to have enqueued the group, never for the device.
+  absl::Status Enqueue(const CallPlan& plan, const CallOperands& ops,
+                       const StreamCall& call) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
-    if (comm_ == nullptr) return absl::FailedPreconditionError("the NCCL communicator is gone");
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    if (comm_ == nullptr)
+      return absl::FailedPreconditionError("the NCCL communicator is gone (the session was cancelled)");
+    const int s = call.slot;
+    const uint64_t e = call.epoch;
     deadline_ = absl::Now() + call_timeout_;
-    epoch_ = epoch;
+    epoch_ = e;
+    ipc::cuda::StreamOps memops(stream_);
+    if (call.wait_ready) ULY_RETURN_IF_ERROR(memops.Wait(&ClientWords()->ready[s], e));
+    if (call.wait_released != 0)
+      ULY_RETURN_IF_ERROR(memops.Wait(&ClientWords()->released[s], call.wait_released));
+    ULY_RETURN_IF_ERROR(memops.Flush());
+    ULY_RETURN_IF_ERROR(EnqueueMoves(plan, ops, s));
+    ULY_RETURN_IF_ERROR(
+        EnqueueOutWrite(setup_.geometry, plan, ops, Slot(s), stream_, cancel()).status());
+    ULY_RETURN_IF_ERROR(memops.Write(&Head()->results.done[s], e));
+    ULY_RETURN_IF_ERROR(memops.Flush());
+    event_epoch_[s] = e;
+    return CudaStatus("cudaEventRecord", cudaEventRecord(events_[s], stream_));
+  }
+
+  // The call's event, and NCCL's own verdict meanwhile: a remote or system error (a peer gone)
+  // fails the call at once rather than at its timeout.
+  absl::StatusOr<bool> Completed(int slot, uint64_t epoch) override {
+    if (slot < 0 || slot >= static_cast<int>(events_.size()) || event_epoch_[slot] != epoch)
+      return absl::InternalError(StrCat("slot ", slot, " has no call of epoch ", epoch, " enqueued"));
+    const cudaError_t q = cudaEventQuery(events_[slot]);
+    if (q != cudaErrorNotReady) {
+      ULY_RETURN_IF_ERROR(CudaStatus("cudaEventQuery", q));
+      return true;
+    }
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    if (comm_ != nullptr) ULY_RETURN_IF_ERROR(AsyncError("NCCL"));
+    return false;
+  }
+
+  // The words first, on the rescue stream (the session's stream passes every wait and its
+  // kernels store nothing), then the communicator's abort: NCCL's kernels already on the
+  // stream, or reached once the cancel let the stream on, end at once.
+  void Cancel() override {
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    CancelLocked();
+  }
+
+  absl::Status Poison(int slot) override {
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    // Stream-ordered like the calls, and not waited for: a call before it may wait for its
+    // client or a peer.
+    return CudaStatus("cudaMemsetAsync",
+                      cudaMemsetAsync(Slot(slot), 0xff, setup_.slot_bytes, stream_));
+  }
+
+  uint64_t SlotOffset(int slot) const override {
+    return head_bytes_ + stride_ * static_cast<uint64_t>(slot);
+  }
+  ClientSlotMapping ClientMapping() const override {
+    return ClientSlotMapping{client_fd_.get(), slots_.size(), true, client_words_fd_.get(),
+                             client_words_.size()};
+  }
+  // The slots, as on nvlink (what the slot budget charged), the client's words and the
+  // staging.
+  uint64_t DeviceBytes() const override {
+    return slots_.size() + client_words_.size() + send_.size() + recv_.size() +
+           (fused_ ? fused_->plan().device_bytes() : 0);
+  }
+  std::string Describe() const override {
+    std::string out = StrCat("nccl: NCCL ", NcclVersion(), ", communicator of ",
+                             setup_.geometry.world_size, " ranks on device ", device_,
+                             "; per call, on the session's stream after the client's ready word: ");
+    if (fused_)
+      out += StrCat("FusedQkvPlan's projection (bf16 GEMM) and norm_rope kernel in "
+                    "place, then its ",
+                    QkvLayoutName(setup_.fused->geometry.layout), " layout's ",
+                    setup_.fused->geometry.layout == QkvLayout::kBshd
+                        ? "three head scatters (one per plane): "
+                        : "head-chunk scatter: ");
+    out += "pack kernels (one per peer) into send staging, one group of ncclSend/ncclRecv, "
+           "unpack kernels into the slot, then the done word; the own block is stored straight "
+           "into the slot";
+    if (fused_) out += StrCat("; ", fused_->Describe());
+    return out;
+  }
+
+ private:
+  NcclTransport(int device, absl::Duration call_timeout, const TransportSetup& setup,
+                Backend* gpu)
+      : device_(device),
+        call_timeout_(call_timeout),
+        setup_(setup),
+        gpu_(gpu),
+        unblock_(gpu->UnblockWordsOfDevice()) {}
+
+  NcclSlotsHead* Head() const { return static_cast<NcclSlotsHead*>(slots_.data()); }
+  uint64_t* cancel() const { return &Head()->cancel; }
+  ClientDeviceWords* ClientWords() const {
+    return static_cast<ClientDeviceWords*>(client_words_.data());
+  }
+  uint8_t* Slot(int slot) const { return static_cast<uint8_t*>(slots_.data()) + SlotOffset(slot); }
+
+  // Every connection to a peer is made now, while every rank is here: one byte each way with
+  // every peer, waited for. NCCL makes a pair's connection at its first transfer, and a call's
+  // group that had to make it would hold this daemon's host until the peer's daemon reached
+  // the same call.
+  absl::Status ConnectPeers(absl::Time deadline) {
+    const int W = setup_.geometry.world_size;
+    const int me = setup_.geometry.rank;
+    if (W == 1) return absl::OkStatus();
+    ULY_RETURN_IF_ERROR(NcclStatus("ncclGroupStart", ncclGroupStart(), comm_));
+    for (int k = 1; k < W; ++k) {
+      const int peer = (me + k) % W;
+      ncclResult_t r = ncclSend(Staged(send_, peer), 1, ncclUint8, peer, comm_, stream_);
+      if (r == ncclSuccess || r == ncclInProgress)
+        r = ncclRecv(Staged(recv_, peer), 1, ncclUint8, peer, comm_, stream_);
+      if (r != ncclSuccess && r != ncclInProgress) {
+        (void)ncclGroupEnd();
+        return Fail(NcclStatus("ncclSend/ncclRecv (connecting the peers)", r, comm_));
+      }
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    if (end != ncclSuccess && end != ncclInProgress)
+      return Fail(NcclStatus("ncclGroupEnd (connecting the peers)", end, comm_));
+    ULY_RETURN_IF_ERROR(WaitComm("the connection to every peer", deadline));
+    for (int round = 0;; ++round) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return absl::OkStatus();
+      if (q != cudaErrorNotReady) return Fail(CudaStatus("cudaStreamQuery", q));
+      ULY_RETURN_IF_ERROR(AsyncError("the first transfer with every peer"));
+      ULY_RETURN_IF_ERROR(Interrupted("the first transfer with every peer", deadline));
+      Pause(round);
+    }
+  }
+
+  // Everything of a call after its waits, on the session's stream: a fused call's projection
+  // and norm + RoPE, the own block, the packs, the group, the unpacks. The kernels that store
+  // into the slot read the cancel word.
+  absl::Status EnqueueMoves(const CallPlan& plan, const CallOperands& ops, int slot) {
     ULY_ASSIGN_OR_RETURN(const Exchange x, ExchangeOf(plan, ops));
     const int W = setup_.geometry.world_size;
     const int me = setup_.geometry.rank;
     uint8_t* out = Slot(slot);
-    for (const Part& p : x.parts)
-      ULY_RETURN_IF_ERROR(kernels::LaunchBlock(x.shape, p.ops, me, me, out + p.out_offset, stream_));
+    for (const Part& p : x.parts) {
+      void* outs[kMaxWorldSize] = {};
+      outs[me] = out + p.out_offset;
+      ULY_RETURN_IF_ERROR(kernels::LaunchBlocks(x.shape, p.ops, me, outs, stream_, cancel()));
+    }
     if (W == 1) return absl::OkStatus();
     uint64_t bytes = 0;  // one peer's staged block: its parts back to back
     for (const Part& p : x.parts) bytes += p.packed_bytes;
@@ -299,87 +481,20 @@ class NcclTransport final : public Transport {
     if (end != ncclSuccess && end != ncclInProgress)
       return Fail(NcclStatus("ncclGroupEnd", end, comm_));
     // A non-blocking communicator may still be enqueuing: nothing else goes on the stream
-    // before it is done.
+    // before it is done. With every peer connected at the session's start this is NCCL's own
+    // host work, not a wait for a peer.
     ULY_RETURN_IF_ERROR(WaitComm("ncclGroupEnd", deadline_));
     for (int k = 1; k < W; ++k) {
       const int src = (me + k) % W;
       const uint8_t* at = Staged(recv_, src);
       for (const Part& p : x.parts) {
-        ULY_RETURN_IF_ERROR(
-            kernels::LaunchUnpackBlock(x.shape, p.ops, src, me, at, out + p.out_offset, stream_));
+        ULY_RETURN_IF_ERROR(kernels::LaunchUnpackBlock(x.shape, p.ops, src, me, at,
+                                                       out + p.out_offset, stream_, cancel()));
         at += p.packed_bytes;
       }
     }
     return absl::OkStatus();
   }
-
-  // Waits for the call's kernels and transfers, bounded by the call timeout; ends early when
-  // NCCL reports a failure or this or a peer's session aborts. Any failure aborts the
-  // communicator, which ends NCCL's kernels, so the stream never stays blocked.
-  absl::Status Flush() override {
-    ULY_RETURN_IF_ERROR(UseDevice(device_));
-    for (int round = 0;; ++round) {
-      const cudaError_t e = cudaStreamQuery(stream_);
-      if (e == cudaSuccess) return absl::OkStatus();
-      if (e != cudaErrorNotReady) return Fail(CudaStatus("cudaStreamQuery", e));
-      if (comm_ != nullptr) {
-        ncclResult_t state = ncclSuccess;
-        const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-        if (r != ncclSuccess) return Fail(NcclStatus("ncclCommGetAsyncError", r, comm_));
-        if (state != ncclSuccess && state != ncclInProgress)
-          return Fail(NcclStatus("NCCL", state, comm_));
-      }
-      ULY_RETURN_IF_ERROR(Interrupted("the call's transfers", deadline_));
-      Pause(round);
-    }
-  }
-
-  absl::Status Finish(const CallPlan& plan, const CallOperands& ops, int slot) override {
-    ULY_RETURN_IF_ERROR(UseDevice(device_));
-    ULY_ASSIGN_OR_RETURN(const bool enqueued,
-                         EnqueueOutWrite(setup_.geometry, plan, ops, Slot(slot), stream_));
-    return enqueued ? SyncLocal() : absl::OkStatus();
-  }
-
-  absl::Status Poison(int slot) override {
-    ULY_RETURN_IF_ERROR(UseDevice(device_));
-    ULY_RETURN_IF_ERROR(CudaStatus("cudaMemsetAsync",
-                                   cudaMemsetAsync(Slot(slot), 0xff, setup_.slot_bytes, stream_)));
-    return SyncLocal();
-  }
-
-  uint64_t SlotOffset(int slot) const override { return stride_ * static_cast<uint64_t>(slot); }
-  ClientSlotMapping ClientMapping() const override {
-    return ClientSlotMapping{client_fd_.get(), slots_.size(), true};
-  }
-  // The slots, as on nvlink (what the slot budget charged); the staging shows in the
-  // daemon's device allocation counters.
-  uint64_t DeviceBytes() const override {
-    return slots_.size() + send_.size() + recv_.size() + (fused_ ? fused_->plan().device_bytes() : 0);
-  }
-  std::string Describe() const override {
-    std::string out = StrCat("nccl: NCCL ", NcclVersion(), ", communicator of ",
-                             setup_.geometry.world_size, " ranks on device ", device_,
-                             "; per call: ");
-    if (fused_)
-      out += StrCat("FusedQkvPlan's projection (bf16 GEMM) and norm_rope kernel in "
-                    "place, then its ",
-                    QkvLayoutName(setup_.fused->geometry.layout), " layout's ",
-                    setup_.fused->geometry.layout == QkvLayout::kBshd
-                        ? "three head scatters (one per plane): "
-                        : "head-chunk scatter: ");
-    out += "pack kernels (one per peer) into send staging, one group of ncclSend/ncclRecv, "
-           "unpack kernels into the slot; the own block is stored straight into the slot";
-    if (fused_) out += StrCat("; ", fused_->Describe());
-    return out;
-  }
-
- private:
-  NcclTransport(int device, absl::Duration call_timeout, const TransportSetup& setup,
-                Backend* gpu)
-      : device_(device), call_timeout_(call_timeout), setup_(setup), gpu_(gpu) {}
-
-  uint8_t* Slot(int slot) const { return static_cast<uint8_t*>(slots_.data()) + SlotOffset(slot); }
 
   // A call's data as the block, pack and unpack kernels take it: one exchange (a head-exchange
   // op), or for a fused call the exchanges of its normalized projection. A part's blocks land
@@ -447,7 +562,7 @@ class NcclTransport final : public Transport {
   }
 
   // ABORTED when this session or a peer's is gone; DEADLINE_EXCEEDED past `deadline`. Either
-  // aborts the communicator.
+  // cancels the session.
   absl::Status Interrupted(const char* what, absl::Time deadline) {
     if (setup_.can_complete) {
       if (absl::Status end = setup_.can_complete(epoch_); !end.ok())
@@ -455,6 +570,16 @@ class NcclTransport final : public Transport {
     }
     if (absl::Now() >= deadline)
       return Fail(absl::DeadlineExceededError(StrCat("timed out waiting for ", what)));
+    return absl::OkStatus();
+  }
+
+  // NCCL's asynchronous error of the communicator (held, not null), as a status: a peer gone
+  // is ABORTED. OK while it is fine or still working.
+  absl::Status AsyncError(const char* what) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    if (r != ncclSuccess) return NcclStatus("ncclCommGetAsyncError", r, comm_);
+    if (state != ncclSuccess && state != ncclInProgress) return NcclStatus(what, state, comm_);
     return absl::OkStatus();
   }
 
@@ -472,23 +597,44 @@ class NcclTransport final : public Transport {
     }
   }
 
-  // Local kernels only (copy out, merge, poison): they end on their own. A failed call's NCCL
-  // kernels were ended by the abort that failed it.
-  absl::Status SyncLocal() {
-    return CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(stream_));
-  }
-
+  // A failure while comm_mu_ is held: the session is cancelled (CancelLocked).
   absl::Status Fail(absl::Status why) {
-    AbortComm();
+    CancelLocked();
     return why;
   }
 
+  void CancelLocked() {
+    used_rescue_ = true;
+    CancelOn(rescue_);
+    AbortCommLocked();
+  }
+
+  // The cancel word, then every word this session's stream or its client's waits on, past
+  // every epoch, enqueued on `on`: a stream no wait of this session blocks (the rescue stream,
+  // or this session's stream when idle), so this completes.
+  void CancelOn(cudaStream_t on) {
+    if (!UseDevice(device_).ok()) return;
+    const size_t n = static_cast<size_t>(setup_.geometry.num_slots);
+    const absl::Status st =
+        EnqueueCancel(on, cancel(), unblock_,
+                      {{ClientWords()->ready, n}, {ClientWords()->released, n},
+                       {Head()->results.done, n}});
+    if (!st.ok())
+      Logger("exec")->error("device {}: cancel of an nccl session's stream: {}", device_,
+                            std::string(st.message()));
+  }
+
   void AbortComm() {
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    AbortCommLocked();
+  }
+
+  void AbortCommLocked() {
     if (comm_ == nullptr) return;
     // On a non-blocking communicator the abort answers ncclInProgress and NCCL's own thread
-    // finishes freeing it; the handle is not to be used again. (A communicator aborted in
-    // its bootstrap keeps two listening sockets NCCL never closes: docs/architecture.md,
-    // section 8.)
+    // finishes freeing it once the kernels on the stream have ended; the handle is not to be
+    // used again. (A communicator aborted in its bootstrap keeps two listening sockets NCCL
+    // never closes: docs/architecture.md, section 8.)
     if (ncclResult_t r = ncclCommAbort(comm_); r != ncclSuccess && r != ncclInProgress)
       Logger("exec")->warn("ncclCommAbort: {}", ncclGetErrorString(r));
     comm_ = nullptr;
@@ -498,22 +644,34 @@ class NcclTransport final : public Transport {
   const absl::Duration call_timeout_;
   const TransportSetup setup_;
   uint64_t stride_ = 0;
-  ipc::cuda::VmmMapping slots_;  // this rank's slots; only its client maps them too
+  uint64_t head_bytes_ = 0;        // NcclSlotsHead, before the slots
+  ipc::cuda::VmmMapping slots_;    // this rank's head and slots; only its client maps them too
   ipc::UniqueFd client_fd_;
+  ipc::cuda::VmmMapping client_words_;  // ClientDeviceWords, written by the client
+  ipc::UniqueFd client_words_fd_;
   // Staging, W blocks of block_capacity_ bytes each, indexed by peer rank: send_[dst] is this
   // rank's packed block for dst, recv_[src] the block src sent here. Empty at W = 1.
   uint64_t block_capacity_ = 0;
   ipc::cuda::VmmMapping send_;
   ipc::cuda::VmmMapping recv_;
   Backend* const gpu_;              // the device's lanes: stream_ comes from there
+  const UnblockWords unblock_;      // what a cancel copies over the waited words
   cudaStream_t stream_ = nullptr;   // a lane of the device (also a fused plan's second stream)
+  cudaStream_t rescue_ = nullptr;   // the device's, shared: cancels, never waits
+  std::vector<cudaEvent_t> events_;    // per slot: recorded after the call's done write
+  std::vector<uint64_t> event_epoch_;  // the epoch each slot's event was recorded for
+  std::atomic<bool> used_rescue_{false};  // a cancel was enqueued on rescue_
+  cudaEvent_t rescue_mark_ = nullptr;     // Drain's mark after this session's rescue work
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   ncclUniqueId id_{};  // rank 0's, made in ConnectHandle; the others' from its connect handle
   HelperProcess root_;  // rank 0's NCCL bootstrap root, from ConnectHandle to Connect's end
+  // Held while comm_ is used or aborted: a cancel may come from another thread than the
+  // call's.
+  std::mutex comm_mu_;
   ncclComm_t comm_ = nullptr;
   absl::Time deadline_ = absl::InfinitePast();
   // The epoch the transport works on: its waits end when a peer left before completing it.
-  // Set by PushAll; the communicator's setup counts as the first call's.
+  // Set by Enqueue; the communicator's setup counts as the first call's.
   uint64_t epoch_ = 1;
 };
 

@@ -249,6 +249,13 @@ class Backend {
   /// Where setup work beside `stream` that a host thread waits for goes: `stream`, or a stream
   /// no session's wait holds back where `stream` shares its queue with another session's.
   virtual void* SetupStreamFor(void* stream) { return stream; }
+  /// GPU backends: the device's rescue stream (a cudaStream_t that no session's wait holds
+  /// back, which runs cancels), for another backend's sessions on the same device. Null
+  /// elsewhere.
+  virtual void* RescueStream() { return nullptr; }
+  /// GPU backends: the device's pinned words of kUnblockEpoch that cancels copy (null where
+  /// there are none).
+  virtual const uint64_t* UnblockWordsOfDevice() { return nullptr; }
 };
 
 /// The host backend: buffers are memfds, slots live in the session segments, the CPU

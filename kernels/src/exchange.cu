@@ -246,10 +246,11 @@ absl::Status LaunchPackBlock(const ExchangeShape& shape, const BlockOperands& op
 }
 
 absl::Status LaunchUnpackBlock(const ExchangeShape& shape, const BlockOperands& ops, int src,
-                               int dst, const void* packed, void* out_dst, cudaStream_t stream) {
+                               int dst, const void* packed, void* out_dst, cudaStream_t stream,
+                               const uint64_t* cancel) {
   ULY_ASSIGN_OR_RETURN(const internal::BlockPlans b,
                        internal::PlanUnpackBlock(shape, ops, src, dst, packed, out_dst));
-  for (int i = 0; i < b.count; ++i) ULY_RETURN_IF_ERROR(LaunchPlan(b.plans[i], stream));
+  for (int i = 0; i < b.count; ++i) ULY_RETURN_IF_ERROR(LaunchPlan(b.plans[i], stream, cancel));
   return absl::OkStatus();
 }
 

@@ -59,7 +59,7 @@ absl::Status LaunchPackBlock(const ExchangeShape&, const BlockOperands&, int, in
 }
 
 absl::Status LaunchUnpackBlock(const ExchangeShape&, const BlockOperands&, int, int, const void*,
-                               void*, cudaStream_t) {
+                               void*, cudaStream_t, const uint64_t*) {
   return NoCuda();
 }
 

@@ -1,9 +1,11 @@
-// The stream-ordered protocol on the GPU backend: calls return before the client's stream has
+// The stream-ordered protocol on the GPU backends: calls return before the client's stream has
 // run them, the daemon's stream waits for the client's inputs, releases follow the stream (a
 // slot is reused only after the stream that read it gave it back), a session closed right
 // after a call still runs it (its result readable after the close), and a client stream that
-// never arrives ends in an error within the call timeout (no stream stays blocked), nor does
-// a stream whose call's daemon died. Skips without a CUDA device.
+// never arrives ends in an error within the call timeout (no stream stays blocked, and the
+// daemons serve the next group), nor does a stream whose call's daemon died. Every case runs
+// once per GPU backend (StreamBackends): nvlink, and nccl in its test mode (an NCCL_HOSTID per
+// daemon). Skips without a CUDA device.
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -26,6 +28,19 @@ class StreamCluster : public testing_util::ClusterTest {
   void SetUp() override {
     if (ipc::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
     backend_ = "nvlink";
+  }
+};
+
+// A case once per GPU backend (the parameter). nccl runs in its one-GPU test mode: every daemon its own NCCL_HOSTID, so NCCL moves the blocks over its
+// socket transport.
+class StreamBackends : public StreamCluster, public testing::WithParamInterface<std::string> {
+ protected:
+  void SetUp() override {
+    StreamCluster::SetUp();
+    if (IsSkipped()) return;
+    backend_ = GetParam();
+    if (backend_ == "nccl")
+      env_ = [](int r) { return std::vector<std::string>{StrCat("NCCL_HOSTID=ulysses-test-", r)}; };
   }
 };
 
@@ -69,7 +84,7 @@ int64_t WrongScatterElements(const std::vector<float>& got, int dst, int it) {
   return wrong;
 }
 
-TEST_F(StreamCluster, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
+TEST_P(StreamBackends, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
   Start(kW);
   const int64_t hl = kH / kW, in_elems = int64_t{kB} * kS * kH * kD;
   const int64_t out_elems = int64_t{kB} * kS * kW * hl * kD;
@@ -83,7 +98,7 @@ TEST_F(StreamCluster, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
       auto fail = [&](const std::string& e) { errors[r] = e; };
       auto c = client::Client::Connect({Members(kW)[r], "stream"});
       if (!c.ok()) return fail(c.status().ToString());
-      auto g = (*c)->JoinGroup({"stream", kW, r, Members(kW), "nvlink", 0});
+      auto g = (*c)->JoinGroup({"stream", kW, r, Members(kW), backend_, 0});
       if (!g.ok()) return fail(g.status().ToString());
       auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, kSlots, {}, 0});
       if (!s.ok()) return fail(s.status().ToString());
@@ -159,18 +174,18 @@ void MakeInput(client::Client& c, int it, std::vector<float>* in, client::Buffer
   ASSERT_EQ(cudaMemcpy(x->data, in->data(), elems * 4, cudaMemcpyHostToDevice), cudaSuccess);
 }
 
-// A client of a one-rank nvlink group named `name` and `sessions` float32 sessions of one
-// slot in it (the sessions go before the client).
+// A client of a one-rank group named `name` running `backend` and `sessions` float32 sessions
+// of one slot in it (the sessions go before the client).
 struct OneRank {
   std::unique_ptr<client::Client> client;
   std::vector<std::unique_ptr<client::Session>> sessions;
 };
-void OpenOneRank(const std::vector<std::string>& members, const std::string& name, int sessions,
-                 OneRank* r) {
+void OpenOneRank(const std::vector<std::string>& members, const std::string& name,
+                 const std::string& backend, int sessions, OneRank* r) {
   auto c = client::Client::Connect({members[0], name});
   ASSERT_TRUE(c.ok()) << c.status();
   r->client = std::move(*c);
-  auto g = r->client->JoinGroup({name, 1, 0, members, "nvlink", 0});
+  auto g = r->client->JoinGroup({name, 1, 0, members, backend, 0});
   ASSERT_TRUE(g.ok()) << g.status();
   for (int i = 0; i < sessions; ++i) {
     auto s = r->client->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, /*num_slots=*/1, {}, 0});
@@ -179,11 +194,11 @@ void OpenOneRank(const std::vector<std::string>& members, const std::string& nam
   }
 }
 
-TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
+TEST_P(StreamBackends, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
   Start(1);
   const int64_t elems = int64_t{kB} * kS * kH * kD;  // W = 1: the result has the input's size
   OneRank r;
-  ASSERT_NO_FATAL_FAILURE(OpenOneRank(Members(1), "reuse", 2, &r));
+  ASSERT_NO_FATAL_FAILURE(OpenOneRank(Members(1), "reuse", backend_, 2, &r));
   client::Session* s1 = r.sessions[0].get();
   client::Session* s2 = r.sessions[1].get();
   std::vector<float> in[2];
@@ -254,11 +269,11 @@ TEST_F(StreamCluster, ASlotIsReusedOnlyAfterTheStreamThatReadItReleasedIt) {
 // The same on one stream: the release is enqueued on the stream the next call uses, so the
 // call's ready word implies it and the daemon's stream does not wait for the release word
 // (ipc::kDescriptorReleasedInOrder). The first result is still read before it is overwritten.
-TEST_F(StreamCluster, AReleaseOnTheCallsOwnStreamIsImpliedByItsReadyWord) {
+TEST_P(StreamBackends, AReleaseOnTheCallsOwnStreamIsImpliedByItsReadyWord) {
   Start(1);
   const int64_t elems = int64_t{kB} * kS * kH * kD;
   OneRank r;
-  ASSERT_NO_FATAL_FAILURE(OpenOneRank(Members(1), "in-order", 1, &r));
+  ASSERT_NO_FATAL_FAILURE(OpenOneRank(Members(1), "in-order", backend_, 1, &r));
   client::Session* s = r.sessions[0].get();
   std::vector<float> in[3];
   std::vector<client::Buffer> x(3);
@@ -302,11 +317,11 @@ TEST_F(StreamCluster, AReleaseOnTheCallsOwnStreamIsImpliedByItsReadyWord) {
 // release is a word, which call 2's daemon waits for. Both results are read intact, and
 // nothing waits out the call timeout. (On a stream of its own that waits for each call's
 // done, the same order would deadlock: the stream reaches the release only after call 2.)
-TEST_F(StreamCluster, AResultTakenAfterItsSlotsNextCallWasSubmittedIsGivenBackByAWord) {
+TEST_P(StreamBackends, AResultTakenAfterItsSlotsNextCallWasSubmittedIsGivenBackByAWord) {
   Start(1);
   const int64_t elems = int64_t{kB} * kS * kH * kD;
   OneRank r;
-  ASSERT_NO_FATAL_FAILURE(OpenOneRank(Members(1), "late-take", 1, &r));
+  ASSERT_NO_FATAL_FAILURE(OpenOneRank(Members(1), "late-take", backend_, 1, &r));
   client::Session* s = r.sessions[0].get();
   std::vector<float> in[3];
   std::vector<client::Buffer> x(3);
@@ -345,7 +360,7 @@ TEST_F(StreamCluster, AResultTakenAfterItsSlotsNextCallWasSubmittedIsGivenBackBy
 // A session closed right after its last call: the close lets that call run first, so its
 // result (read on the stream after the close) holds the exchange, and the stream that waits for
 // the call passes. Repeated: the close races the daemon's ring worker for the descriptor.
-TEST_F(StreamCluster, ACallMadeJustBeforeTheCloseRunsAndItsResultIsReadableAfterIt) {
+TEST_P(StreamBackends, ACallMadeJustBeforeTheCloseRunsAndItsResultIsReadableAfterIt) {
   Start(kW);
   constexpr int kRounds = 8;
   const int64_t hl = kH / kW, in_elems = int64_t{kB} * kS * kH * kD;
@@ -373,7 +388,7 @@ TEST_F(StreamCluster, ACallMadeJustBeforeTheCloseRunsAndItsResultIsReadableAfter
                                              (i / kD) % kH, i % kD);
       for (int it = 0; it < kRounds && errors[r].empty(); ++it) {
         const std::string name = StrCat("close", it);
-        auto g = (*c)->JoinGroup({name, kW, r, Members(kW), "nvlink", 0});
+        auto g = (*c)->JoinGroup({name, kW, r, Members(kW), backend_, 0});
         if (!g.ok()) return fail(g.status().ToString());
         auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, kSlots, {}, 0});
         if (!s.ok()) return fail(s.status().ToString());
@@ -404,11 +419,11 @@ TEST_F(StreamCluster, ACallMadeJustBeforeTheCloseRunsAndItsResultIsReadableAfter
 
 // A buffer freed while its call still waits on the client's stream: the daemon keeps the memory
 // mapped until the call ran, so the kernel reads the data, not an unmapped range (a GPU fault).
-TEST_F(StreamCluster, ABufferFreedWhileItsCallWaitsOnTheStreamStaysMappedUntilTheCallRan) {
+TEST_P(StreamBackends, ABufferFreedWhileItsCallWaitsOnTheStreamStaysMappedUntilTheCallRan) {
   Start(1);
   auto c = client::Client::Connect({Members(1)[0], "free"});
   ASSERT_TRUE(c.ok()) << c.status();
-  auto g = (*c)->JoinGroup({"free", 1, 0, Members(1), "nvlink", 0});
+  auto g = (*c)->JoinGroup({"free", 1, 0, Members(1), backend_, 0});
   ASSERT_TRUE(g.ok()) << g.status();
   auto s = (*c)->CreateSession(*g, {kH, kD, DType::kFloat32, kB * kS, kSlots, {}, 0});
   ASSERT_TRUE(s.ok()) << s.status();
@@ -455,25 +470,25 @@ TEST_F(StreamCluster, ABufferFreedWhileItsCallWaitsOnTheStreamStaysMappedUntilTh
 }
 
 // One rank's client, session (kH heads of kD, fp32, kB * kS tokens, kSlots slots) and input
-// buffer, in group `name` of kW ranks on `members`.
+// buffer, in group `name` of kW ranks on `members` running `backend`.
 struct Rank {
   std::unique_ptr<client::Client> client;
   std::unique_ptr<client::Session> session;
   client::Buffer x;
 };
 absl::StatusOr<Rank> OpenRank(const std::vector<std::string>& members, const std::string& name,
-                              int r) {
+                              int r, const std::string& backend) {
   Rank k;
   ULY_ASSIGN_OR_RETURN(k.client, client::Client::Connect({members[r], name}));
   ULY_ASSIGN_OR_RETURN(const client::Group g,
-                       k.client->JoinGroup({name, kW, r, members, "nvlink", 0}));
+                       k.client->JoinGroup({name, kW, r, members, backend, 0}));
   ULY_ASSIGN_OR_RETURN(k.session,
                        k.client->CreateSession(g, {kH, kD, DType::kFloat32, kB * kS, kSlots, {}, 0}));
   ULY_ASSIGN_OR_RETURN(k.x, k.client->AllocBuffer(int64_t{kB} * kS * kH * kD * 4, "x"));
   return k;
 }
 
-TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing) {
+TEST_P(StreamBackends, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing) {
   Start(kW, {"--call-timeout-ms", "2000"});
   uint64_t baseline[kW];
   for (int r = 0; r < kW; ++r) baseline[r] = State(r).device_bytes();
@@ -484,7 +499,7 @@ TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing
   for (int r = 0; r < kW; ++r) {
     ranks.emplace_back([&, r] {
       auto fail = [&](const std::string& e) { errors[r] = e; };
-      absl::StatusOr<Rank> k = OpenRank(Members(kW), "stall", r);
+      absl::StatusOr<Rank> k = OpenRank(Members(kW), "stall", r, backend_);
       if (!k.ok()) return fail(k.status().ToString());
       std::unique_ptr<client::Session>& s = k->session;
       client::Buffer& x = k->x;
@@ -527,6 +542,21 @@ TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing
   for (int r = 0; r < kW; ++r)
     EXPECT_TRUE(testing_util::Eventually([&] { return State(r).device_bytes() == baseline[r]; }))
         << "rank " << r << ": " << State(r).device_bytes() << " bytes, baseline " << baseline[r];
+  // Nothing was left blocked or broken on the device: both daemons serve a new group, whose
+  // call completes on every rank.
+  std::vector<absl::Status> next(kW);
+  std::vector<std::thread> again;
+  for (int r = 0; r < kW; ++r)
+    again.emplace_back([&, r] {
+      absl::StatusOr<Rank> k = OpenRank(Members(kW), "after-stall", r, backend_);
+      if (!k.ok()) {
+        next[r] = k.status();
+        return;
+      }
+      next[r] = k->session->ScatterHeads(k->x.Ref(), kB, kS).status();
+    });
+  for (auto& t : again) t.join();
+  for (int r = 0; r < kW; ++r) EXPECT_TRUE(next[r].ok()) << "rank " << r << ": " << next[r];
 }
 
 // A client's own daemon killed while the client's stream waits for a call's done word: the
@@ -534,7 +564,7 @@ TEST_F(StreamCluster, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing
 // every epoch itself once the daemon's end of its socket closed. The stream drains, and the
 // session's next call and Synchronize fail UNAVAILABLE. Rank 1 never calls, so rank 0's call
 // waits for it until its daemon dies (the call timeout is far beyond the test).
-TEST_F(StreamCluster, AStreamWaitingForACallWhoseDaemonDiedIsLetGo) {
+TEST_P(StreamBackends, AStreamWaitingForACallWhoseDaemonDiedIsLetGo) {
   Start(kW, {"--call-timeout-ms", "120000"});
   std::atomic<bool> rank0_done{false};
   std::vector<std::string> errors(kW);
@@ -551,7 +581,7 @@ TEST_F(StreamCluster, AStreamWaitingForACallWhoseDaemonDiedIsLetGo) {
         }
       } through{r == 0 ? &rank0_done : nullptr};
       auto fail = [&](const std::string& e) { errors[r] = e; };
-      absl::StatusOr<Rank> k = OpenRank(Members(kW), "orphan", r);
+      absl::StatusOr<Rank> k = OpenRank(Members(kW), "orphan", r, backend_);
       if (!k.ok()) return fail(k.status().ToString());
       std::unique_ptr<client::Session>& s = k->session;
       client::Buffer& x = k->x;
@@ -588,6 +618,9 @@ TEST_F(StreamCluster, AStreamWaitingForACallWhoseDaemonDiedIsLetGo) {
   EXPECT_EQ(next_call.code(), absl::StatusCode::kUnavailable) << next_call;
   EXPECT_EQ(synchronized.code(), absl::StatusCode::kUnavailable) << synchronized;
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, StreamBackends, testing::Values("nvlink", "nccl"),
+                         [](const testing::TestParamInfo<std::string>& p) { return p.param; });
 
 }  // namespace
 }  // namespace ulysses

@@ -93,7 +93,8 @@ absl::Status LaunchPackBlock(const ExchangeShape& shape, const BlockOperands& op
 /// where LaunchBlock would have: the receive buffer ends bit-identical. Reads the kind and head
 /// band of `ops`, not its inputs (they are the source's).
 absl::Status LaunchUnpackBlock(const ExchangeShape& shape, const BlockOperands& ops, int src,
-                               int dst, const void* packed, void* out_dst, cudaStream_t stream);
+                               int dst, const void* packed, void* out_dst, cudaStream_t stream,
+                               const uint64_t* cancel = nullptr);
 
 /// Number of CUDA devices visible to this process. 0, not an error, when there is no device or
 /// no driver (so tests can skip); INTERNAL for any other runtime failure.

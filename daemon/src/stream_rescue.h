@@ -1,0 +1,112 @@
+// What the stream-ordered GPU transports (nvlink, nccl) share to end a session's device work:
+// the cancel's writes, which let every wait of the session's stream and of its client's stream
+// pass, and the drain before the session's memory goes (docs/protocol.md sections 9.3, 9.4).
+// CUDA builds only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <initializer_list>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "ulysses/common/session_layout.h"
+#include "ulysses/common/status.h"
+#include "ulysses/common/strings.h"
+#include "ulysses/ipc/cuda_memory.h"
+
+namespace ulysses::daemon {
+
+/// The most words one range of a cancel covers (a rank's slot words, every slot).
+inline constexpr size_t kUnblockWordCount = sizeof(DeviceSlotWords) / sizeof(uint64_t) * kMaxSlots;
+
+/// The words a cancel copies over the waited words: kUnblockWordCount of kUnblockEpoch, the
+/// device's pinned ones where it has them (made once, never written again), else a copy of
+/// this object's own (pageable: the driver may stage the copy by waiting for the stream).
+class UnblockWords {
+ public:
+  explicit UnblockWords(const uint64_t* pinned) : at_(pinned) {
+    if (at_ == nullptr) {
+      own_.assign(kUnblockWordCount, kUnblockEpoch);
+      at_ = own_.data();
+    }
+  }
+  const uint64_t* data() const { return at_; }
+
+ private:
+  const uint64_t* at_;
+  std::vector<uint64_t> own_;
+};
+
+/// `count` consecutive device words a cancel sets to kUnblockEpoch (at most kUnblockWordCount).
+struct UnblockRange {
+  uint64_t* words;
+  size_t count;
+};
+
+/// Enqueues a session's cancel on `on`, a stream that none of the session's waits holds back:
+/// `*cancel` = 1 first (kernels that pass a wait after it store nothing), then `unblock` copied
+/// over every range (every wait on those words passes).
+inline absl::Status EnqueueCancel(cudaStream_t on, uint64_t* cancel, const UnblockWords& unblock,
+                                  std::initializer_list<UnblockRange> ranges) {
+  ULY_RETURN_IF_ERROR(ipc::cuda::StreamWrite64(on, cancel, 1));
+  for (const UnblockRange& r : ranges) {
+    const cudaError_t e = cudaMemcpyAsync(r.words, unblock.data(), r.count * sizeof(uint64_t),
+                                          cudaMemcpyHostToDevice, on);
+    if (e != cudaSuccess)
+      return absl::InternalError(
+          StrCat("cudaMemcpyAsync: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+  }
+  return absl::OkStatus();
+}
+
+/// Ends a stream-ordered session's device work before its mappings go, within `limit`.
+///
+/// Calls still enqueued on `stream` may wait for a client or peer that will never come:
+/// `cancel()` enqueues a cancel on `rescue` (and marks it used), again every millisecond while
+/// late peer writes (or the client's, to its own words) re-arm a wait, but never while the last
+/// one, marked by `rescue_mark`, has not run (a rescue stream that cannot run would otherwise
+/// collect thousands of them until an enqueue waits for room). Once `stream` is idle,
+/// `cancel_on(stream)` cancels once more on it, since its last done write may have landed after
+/// the last cancel. Then the session's work on the rescue stream (cancels, copies of its words)
+/// is waited for when `used_rescue` says there is some. False past `limit`: the caller keeps
+/// the session's memory and stream for the process's life.
+template <typename Cancel, typename CancelOn>
+bool DrainSessionStream(cudaStream_t stream, cudaStream_t rescue, cudaEvent_t rescue_mark,
+                        const std::atomic<bool>& used_rescue, absl::Duration limit, Cancel cancel,
+                        CancelOn cancel_on) {
+  const auto give_up = std::chrono::steady_clock::now() + absl::ToChronoMilliseconds(limit);
+  auto idle_by_then = [&](auto query, std::chrono::microseconds poll) {
+    while (query() == cudaErrorNotReady) {
+      if (std::chrono::steady_clock::now() > give_up) return false;
+      std::this_thread::sleep_for(poll);
+    }
+    return true;  // done, or an error that leaves nothing to wait for
+  };
+  constexpr std::chrono::microseconds kCancelEvery(1000), kPoll(100);
+  bool cancel_marked = false;
+  bool drained = idle_by_then([&] {
+    if (cudaStreamQuery(stream) != cudaErrorNotReady) return cudaSuccess;
+    if (!cancel_marked || cudaEventQuery(rescue_mark) != cudaErrorNotReady) {
+      cancel();
+      cancel_marked = cudaEventRecord(rescue_mark, rescue) == cudaSuccess;
+    }
+    return cudaErrorNotReady;
+  }, kCancelEvery);
+  if (drained) {
+    cancel_on(stream);  // idle: after its last write of a done word
+    drained = idle_by_then([&] { return cudaStreamQuery(stream); }, kPoll);
+  }
+  if (drained && used_rescue.load()) {
+    drained = cudaEventRecord(rescue_mark, rescue) == cudaSuccess &&
+              idle_by_then([&] { return cudaEventQuery(rescue_mark); }, kPoll);
+  }
+  return drained;
+}
+
+}  // namespace ulysses::daemon
