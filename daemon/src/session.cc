@@ -644,6 +644,9 @@ void Session::Poll() {
       // Closed, or a peer left (session gone or broken, or its daemon gone) before completing
       // this epoch. One that completed it stored its blocks and words already.
       failure = CanComplete(f.epoch);
+      // A peer that took this epoch with another call, or failed it: the call cannot end well,
+      // and on a transport whose peers must post matching transfers (nccl) it may never end.
+      if (failure.ok()) failure = CheckCompleted(f.epoch, f.slot, f.call_shape, f.call_op);
       if (!failure.ok()) (void)StuckWords(f);  // where this rank's stream stood, for the logs
       if (failure.ok() && absl::Now() >= f.deadline)
         failure = absl::DeadlineExceededError(StrCat(

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "cluster_util.h"
 #include "gtest/gtest.h"
 #include "ulysses/client/client.h"
@@ -488,6 +489,22 @@ absl::StatusOr<Rank> OpenRank(const std::vector<std::string>& members, const std
   return k;
 }
 
+// The daemons on `members` serve a new group `name` of kW ranks running `backend`, whose call
+// completes on every rank: nothing of an earlier failure was left blocked or broken on the
+// device.
+void ExpectANewGroupServes(const std::vector<std::string>& members, const std::string& name,
+                           const std::string& backend) {
+  std::vector<absl::Status> next(kW);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kW; ++r)
+    ranks.emplace_back([&, r] {
+      absl::StatusOr<Rank> k = OpenRank(members, name, r, backend);
+      next[r] = k.ok() ? k->session->ScatterHeads(k->x.Ref(), kB, kS).status() : k.status();
+    });
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < kW; ++r) EXPECT_TRUE(next[r].ok()) << "rank " << r << ": " << next[r];
+}
+
 TEST_P(StreamBackends, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothing) {
   Start(kW, {"--call-timeout-ms", "2000"});
   uint64_t baseline[kW];
@@ -542,21 +559,41 @@ TEST_P(StreamBackends, AClientStreamThatNeverArrivesEndsInAnErrorAndBlocksNothin
   for (int r = 0; r < kW; ++r)
     EXPECT_TRUE(testing_util::Eventually([&] { return State(r).device_bytes() == baseline[r]; }))
         << "rank " << r << ": " << State(r).device_bytes() << " bytes, baseline " << baseline[r];
-  // Nothing was left blocked or broken on the device: both daemons serve a new group, whose
-  // call completes on every rank.
-  std::vector<absl::Status> next(kW);
-  std::vector<std::thread> again;
+  // Nothing was left blocked or broken on the device.
+  ExpectANewGroupServes(Members(kW), "after-stall", backend_);
+}
+
+// Ranks that issue different calls at one epoch (rank 1 with fewer tokens) fail that call
+// well before the call timeout: each rank's daemon compares the peers' call signatures while
+// its call is in flight, not only once it finished (on nccl the ranks' transfers then differ
+// in size and may never finish). The daemons serve a new group afterwards.
+TEST_P(StreamBackends, RanksThatCallDifferentlyAtOneEpochFailLongBeforeTheTimeout) {
+  Start(kW, {"--call-timeout-ms", "60000"});
+  std::vector<absl::Status> got(kW);
+  std::vector<absl::Duration> took(kW);
+  std::vector<std::thread> ranks;
   for (int r = 0; r < kW; ++r)
-    again.emplace_back([&, r] {
-      absl::StatusOr<Rank> k = OpenRank(Members(kW), "after-stall", r, backend_);
+    ranks.emplace_back([&, r] {
+      absl::StatusOr<Rank> k = OpenRank(Members(kW), "mismatch", r, backend_);
       if (!k.ok()) {
-        next[r] = k.status();
+        got[r] = absl::InternalError(StrCat("setup: ", k.status().ToString()));
         return;
       }
-      next[r] = k->session->ScatterHeads(k->x.Ref(), kB, kS).status();
+      const absl::Time t0 = absl::Now();
+      got[r] = k->session->ScatterHeads(k->x.Ref(), kB, r == 0 ? kS : kS - 8).status();
+      took[r] = absl::Now() - t0;
     });
-  for (auto& t : again) t.join();
-  for (int r = 0; r < kW; ++r) EXPECT_TRUE(next[r].ok()) << "rank " << r << ": " << next[r];
+  for (auto& t : ranks) t.join();
+  int named = 0;
+  for (int r = 0; r < kW; ++r) {
+    EXPECT_TRUE(got[r].code() == absl::StatusCode::kInvalidArgument ||
+                got[r].code() == absl::StatusCode::kAborted)
+        << "rank " << r << ": " << got[r];
+    EXPECT_LT(took[r], absl::Seconds(20)) << "rank " << r << " waited " << took[r];
+    if (absl::StrContains(got[r].message(), "ranks issued different calls")) ++named;
+  }
+  EXPECT_GE(named, 1) << "no rank named the mismatch: " << got[0] << " / " << got[1];
+  ExpectANewGroupServes(Members(kW), "after-mismatch", backend_);
 }
 
 // A client's own daemon killed while the client's stream waits for a call's done word: the
