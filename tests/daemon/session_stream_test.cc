@@ -4,7 +4,8 @@
 // PoisonSlots leaves a slot whose call is still running alone, and one whose result is given
 // back on the client's stream; a call whose enqueue failed
 // part way keeps its buffers until the session goes; a transport whose device work does not
-// end when the session goes is kept, with the buffers of its calls, instead of destroyed.
+// end when the session goes is kept, with the buffers of its calls, instead of destroyed; a
+// call in flight fails as soon as a peer took its epoch with another call.
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -394,6 +395,57 @@ TEST_F(SessionStreamTest, ASessionWhoseTransportCannotBeMadeIsAClearErrorAndLeav
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), absl::StatusCode::kResourceExhausted) << s.status();
   EXPECT_EQ(Session::UndrainedCount(), undrained);
+}
+
+// Two ranks in this process that take epoch 1 with different calls (rank 1 with fewer
+// tokens), neither of which ever finishes on the "device" (as NCCL transfers of different
+// sizes may not): each rank's call fails with the mismatch while it is in flight, long before
+// its hour-long timeout, and its stream is cancelled.
+TEST_F(SessionStreamTest, ACallInFlightFailsAsSoonAsAPeerTookItsEpochWithAnotherCall) {
+  SessionGeometry g = geometry_;
+  g.world_size = 2;
+  std::unique_ptr<Session> ranks[2];
+  for (int r = 0; r < 2; ++r) {
+    g.rank = r;
+    auto s = Session::Create(10 + r, 2, 1, g, exports_, backend_);
+    ASSERT_TRUE(s.ok()) << s.status();
+    ranks[r] = std::move(*s);
+  }
+  const std::vector<std::string> payloads = {ranks[0]->RendezvousPayload(),
+                                             ranks[1]->RendezvousPayload()};
+  for (auto& s : ranks) {
+    ASSERT_TRUE(s->MapPeers(payloads, absl::Seconds(5)).ok());
+    ASSERT_TRUE(s->ConnectTransport({}, absl::Seconds(5)).ok());
+  }
+  for (int r = 0; r < 2; ++r) {
+    CallPlan plan = plan_;
+    plan.seq_local = r == 0 ? kS : kS - 4;
+    plan.slot_elems = int64_t{2} * plan.seq_local * (kH / 2) * kD;
+    auto out = ranks[r]->Execute(plan, CallOperands{}, absl::Hours(1), 0,
+                                 ExecuteMode{.async = true, .wait_ready = true});
+    ASSERT_TRUE(out.ok()) << "rank " << r << ": " << out.status();
+  }
+  for (int r = 0; r < 2; ++r) {
+    std::vector<FinishedCall> done;
+    for (int i = 0; i < 5000 && done.empty(); ++i) {
+      ranks[r]->Poll();
+      ranks[r]->TakeFinished(&done);
+      if (done.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_EQ(done.size(), 1u) << "rank " << r << "'s call is still in flight";
+    const absl::Status& got = done[0].outcome.status();
+    // The first rank to look finds the mismatch; the other may find that rank's failure.
+    EXPECT_TRUE(got.code() == absl::StatusCode::kInvalidArgument ||
+                got.code() == absl::StatusCode::kAborted)
+        << "rank " << r << ": " << got;
+    if (r == 0) {
+      EXPECT_EQ(got.code(), absl::StatusCode::kInvalidArgument) << got;
+      EXPECT_NE(std::string(got.message()).find("ranks issued different calls"), std::string::npos)
+          << got;
+    }
+    EXPECT_TRUE(ranks[r]->broken()) << "rank " << r;
+  }
+  EXPECT_GE(Cancels(), 2);
 }
 
 // A closing session's device work may sit behind another session's wait (a shared queue)
