@@ -65,6 +65,8 @@ absl::Status UseDevice(int device) { return CudaStatus("cudaSetDevice", cudaSetD
 
 // How long rank 0 waits for its bootstrap-root helper to start and answer.
 constexpr absl::Duration kRootAnswerWithin = absl::Seconds(30);
+// How long a cancel waits for its words to land before the communicator is aborted.
+constexpr absl::Duration kCancelLandsWithin = absl::Seconds(1);
 
 // Slots and staged blocks are 256-byte aligned (the pack and unpack kernels need 16).
 constexpr uint64_t kAlign = 256;
@@ -164,8 +166,9 @@ class NcclTransport final : public Transport {
     for (cudaEvent_t& ev : t->events_)
       ULY_RETURN_IF_ERROR(
           CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)));
-    ULY_RETURN_IF_ERROR(CudaStatus(
-        "cudaEventCreate", cudaEventCreateWithFlags(&t->rescue_mark_, cudaEventDisableTiming)));
+    for (cudaEvent_t* ev : {&t->rescue_mark_, &t->cancel_mark_})
+      ULY_RETURN_IF_ERROR(
+          CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(ev, cudaEventDisableTiming)));
     // The plan's GEMMs' kernels are loaded here, while no call of this session is in flight,
     // and waited for (the setup stream alone, also on failure), as the nvlink backend does.
     if (t->fused_) {
@@ -195,7 +198,8 @@ class NcclTransport final : public Transport {
     if (stream_ != nullptr) gpu_->GiveStream(stream_);
     for (cudaEvent_t ev : events_)
       if (ev != nullptr) cudaEventDestroy(ev);
-    if (rescue_mark_ != nullptr) cudaEventDestroy(rescue_mark_);
+    for (cudaEvent_t ev : {rescue_mark_, cancel_mark_})
+      if (ev != nullptr) cudaEventDestroy(ev);
   }
 
   // Cancels (the words on the rescue stream, then the communicator's abort, which ends NCCL's
@@ -206,6 +210,7 @@ class NcclTransport final : public Transport {
   bool Drain() override {
     if (stream_ == nullptr) return true;
     if (!UseDevice(device_).ok()) return false;
+    WaitForPeersPastLastCall();
     const absl::Duration limit = DrainLimitFor(call_timeout_);
     const bool drained = DrainSessionStream(stream_, rescue_, rescue_mark_, used_rescue_, limit,
                                             [this] { Cancel(); },
@@ -218,6 +223,26 @@ class NcclTransport final : public Transport {
       gpu_->RetireStream(stream_);
     }
     return drained;
+  }
+
+  // A call that completed here may still be on its way to a peer: this rank's send kernels end
+  // once the data is handed to NCCL's connection (its proxy thread, the peer's buffers), not
+  // once the peer has it. So while every call of the session has completed, the connections
+  // stay until every peer is past the last one (completed it, or left), bounded by the call
+  // timeout; a call still in flight is cancelled instead, and so is the peers' epoch.
+  void WaitForPeersPastLastCall() {
+    if (last_enqueued_ == 0 || !setup_.peers_past || cudaStreamQuery(stream_) != cudaSuccess)
+      return;
+    const absl::Time give_up = absl::Now() + call_timeout_;
+    while (!setup_.peers_past(last_enqueued_)) {
+      if (absl::Now() > give_up) {
+        Logger("exec")->warn("device {}: an nccl session closes while a peer has not finished "
+                             "epoch {} within {}; that peer's call may fail",
+                             device_, last_enqueued_, absl::FormatDuration(call_timeout_));
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
   }
 
   // nccl|<rank>|: rank 0's unique id travels in the third round (ConnectHandle).
@@ -313,6 +338,7 @@ class NcclTransport final : public Transport {
     const uint64_t e = call.epoch;
     deadline_ = absl::Now() + call_timeout_;
     epoch_ = e;
+    last_enqueued_ = e;
     ipc::cuda::StreamOps memops(stream_);
     if (call.wait_ready) ULY_RETURN_IF_ERROR(memops.Wait(&ClientWords()->ready[s], e));
     if (call.wait_released != 0)
@@ -432,7 +458,8 @@ class NcclTransport final : public Transport {
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) return absl::OkStatus();
       if (q != cudaErrorNotReady) return Fail(CudaStatus("cudaStreamQuery", q));
-      ULY_RETURN_IF_ERROR(AsyncError("the first transfer with every peer"));
+      if (absl::Status failed = AsyncError("the first transfer with every peer"); !failed.ok())
+        return Fail(std::move(failed));
       ULY_RETURN_IF_ERROR(Interrupted("the first transfer with every peer", deadline));
       Pause(round);
     }
@@ -603,9 +630,28 @@ class NcclTransport final : public Transport {
     return why;
   }
 
+  // The words, then the abort. The abort ends NCCL's kernels at once, and the stream may then
+  // reach the unpacks and the out= copy: the cancel word must be in place first, so the abort
+  // waits for the rescue stream's writes (bounded: a rescue stream that cannot run, as in a
+  // daemon without the queue probe, is logged and the abort goes ahead).
   void CancelLocked() {
     used_rescue_ = true;
     CancelOn(rescue_);
+    if (comm_ == nullptr) return;
+    if (cudaEventRecord(cancel_mark_, rescue_) == cudaSuccess) {
+      const absl::Time give_up = absl::Now() + kCancelLandsWithin;
+      while (cudaEventQuery(cancel_mark_) == cudaErrorNotReady) {
+        if (absl::Now() > give_up) {
+          Logger("exec")->warn(
+              "device {}: an nccl session's cancel did not run on the rescue stream within {}; "
+              "its communicator is aborted anyway, and the call's unpacks may store what "
+              "arrived before the abort",
+              device_, absl::FormatDuration(kCancelLandsWithin));
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
     AbortCommLocked();
   }
 
@@ -662,6 +708,7 @@ class NcclTransport final : public Transport {
   std::vector<uint64_t> event_epoch_;  // the epoch each slot's event was recorded for
   std::atomic<bool> used_rescue_{false};  // a cancel was enqueued on rescue_
   cudaEvent_t rescue_mark_ = nullptr;     // Drain's mark after this session's rescue work
+  cudaEvent_t cancel_mark_ = nullptr;     // after a cancel's words, waited for before the abort
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   ncclUniqueId id_{};  // rank 0's, made in ConnectHandle; the others' from its connect handle
   HelperProcess root_;  // rank 0's NCCL bootstrap root, from ConnectHandle to Connect's end
@@ -673,6 +720,7 @@ class NcclTransport final : public Transport {
   // The epoch the transport works on: its waits end when a peer left before completing it.
   // Set by Enqueue; the communicator's setup counts as the first call's.
   uint64_t epoch_ = 1;
+  uint64_t last_enqueued_ = 0;  // the last epoch Enqueue took (0: none)
 };
 
 // Client buffers, MPS and identity are the GPU backend's (`device`); sessions are NCCL's.

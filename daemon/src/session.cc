@@ -88,6 +88,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Create(
   session->weight_buffers_ = std::move(weight_buffers);
   const Session* self = session.get();  // owns the transport, so outlives it
   setup.can_complete = [self](uint64_t epoch) { return self->CanComplete(epoch); };
+  setup.peers_past = [self](uint64_t epoch) { return self->PeersPast(epoch); };
   ULY_ASSIGN_OR_RETURN(session->transport_, backend.MakeTransport(setup));
   return session;
 }
@@ -405,6 +406,19 @@ absl::Status Session::CanComplete(uint64_t epoch) const {
                                      "epoch ", epoch));
   }
   return absl::OkStatus();
+}
+
+bool Session::PeersPast(uint64_t epoch) const {
+  if (peers_.empty()) return true;  // not connected: no peer ever took an epoch with this rank
+  const uint64_t gone = peers_gone_.load(std::memory_order_acquire);
+  for (int r = 0; r < geometry_.world_size; ++r) {
+    if (r == geometry_.rank) continue;
+    const SessionControlBlock& theirs = *Control(r);
+    if (theirs.completed.load(std::memory_order_acquire) >= epoch) continue;
+    if (theirs.abort.load(std::memory_order_acquire) != 0 || (gone >> r & 1) != 0) continue;
+    return false;
+  }
+  return true;
 }
 
 uint64_t Session::next_epoch() const {

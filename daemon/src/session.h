@@ -129,6 +129,9 @@ class Session {
   /// the first such rank otherwise. A peer that completed `epoch` wrote every word and block it
   /// owed for it, so its leaving afterwards fails nothing of `epoch`.
   absl::Status CanComplete(uint64_t epoch) const;
+  /// True once every peer completed `epoch` or left (its session gone or broken, or its
+  /// daemon gone): none can still be working on it. True before the peers are connected.
+  bool PeersPast(uint64_t epoch) const;
 
   /// Gives back the slot holding the result of `epoch`. FAILED_PRECONDITION when no slot holds
   /// that epoch (never issued, copied out, or released already).

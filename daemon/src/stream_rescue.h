@@ -36,6 +36,9 @@ class UnblockWords {
       at_ = own_.data();
     }
   }
+  // A copy would point at the original's own words.
+  UnblockWords(const UnblockWords&) = delete;
+  UnblockWords& operator=(const UnblockWords&) = delete;
   const uint64_t* data() const { return at_; }
 
  private:

@@ -187,6 +187,10 @@ struct TransportSetup {
   /// OK while a call of the given epoch can still complete (Session::CanComplete): transports
   /// that wait on the host ask it between polls.
   std::function<absl::Status(uint64_t epoch)> can_complete;
+  /// True once no peer can still be working on `epoch`: each completed it, or left (its
+  /// session gone or broken, its daemon gone) (Session::PeersPast). A transport whose peers may
+  /// still be receiving what this rank sent asks it before its connections go.
+  std::function<bool(uint64_t epoch)> peers_past;
 };
 
 /// The GPU a daemon serves, as operators and the device plugin name it. Empty on the host.

@@ -329,6 +329,69 @@ TEST_P(GpuExchangeTest, AllBlocksOfASourceInOneLaunchMatchRef) {
   }
 }
 
+// The nccl transport's path: block (src, dst) packed into flat bytes, then unpacked into dst's
+// buffer, stores what the direct block stores, bit for bit; with the unpack's cancel word set
+// it stores nothing.
+TEST_P(GpuExchangeTest, PackedBlocksUnpackAsTheDirectBlockAndNotOnceCancelled) {
+  const ExchangeShape sh = Shape();
+  const int32_t hl = static_cast<int32_t>(LocalHeads(sh));
+  const int64_t out_bytes = sh.batch * GlobalSeq(sh) * hl * 3 * sh.head_dim * sh.itemsize;
+  const std::vector<uint8_t> zero(sizeof(uint64_t), 0), one{1, 0, 0, 0, 0, 0, 0, 0};
+  DeviceBuffer go(zero), cancelled(one);
+  for (const Variant& variant : kVariants) {
+    SCOPED_TRACE(VariantName(variant));
+    std::vector<TwinView> q, k, v;
+    for (int j = 0; j < sh.world; ++j) {
+      q.push_back(MakeTwin(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize,
+                           40 * j + 3));
+      k.push_back(MakeTwin(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize,
+                           40 * j + 4));
+      v.push_back(MakeTwin(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize,
+                           40 * j + 5));
+    }
+    for (const BlockKind kind : {BlockKind::kScatterHeads, BlockKind::kScatterQkvHeadChunk}) {
+      SCOPED_TRACE(::testing::Message() << "kind " << static_cast<int>(kind));
+      std::vector<std::vector<uint8_t>> host_out;
+      std::vector<std::unique_ptr<DeviceBuffer>> unpacked, untouched;
+      for (int dst = 0; dst < sh.world; ++dst) {
+        host_out.push_back(testing::RandomBytes(out_bytes, 600 + dst));
+        unpacked.emplace_back(new DeviceBuffer(host_out.back()));
+        untouched.emplace_back(new DeviceBuffer(host_out.back()));
+      }
+      const std::vector<std::vector<uint8_t>> before = host_out;
+      for (int src = 0; src < sh.world; ++src) {
+        const BlockOperands ops{
+            kind, {q[src].device_view(), k[src].device_view(), v[src].device_view()}, 0, hl};
+        absl::StatusOr<int64_t> packed_bytes = PackedBlockBytes(sh, ops);
+        ASSERT_TRUE(packed_bytes.ok()) << packed_bytes.status();
+        for (int dst = 0; dst < sh.world; ++dst) {
+          DeviceBuffer packed(std::vector<uint8_t>(static_cast<size_t>(*packed_bytes), 0));
+          absl::Status st = LaunchPackBlock(sh, ops, src, dst, packed.data(), stream());
+          ASSERT_TRUE(st.ok()) << st;
+          st = LaunchUnpackBlock(sh, ops, src, dst, packed.data(), unpacked[dst]->data(),
+                                 stream(), reinterpret_cast<const uint64_t*>(go.data()));
+          ASSERT_TRUE(st.ok()) << st;
+          st = LaunchUnpackBlock(sh, ops, src, dst, packed.data(), untouched[dst]->data(),
+                                 stream(), reinterpret_cast<const uint64_t*>(cancelled.data()));
+          ASSERT_TRUE(st.ok()) << st;
+          // The packed buffer goes at the end of this scope: its kernels end first.
+          ASSERT_CUDA_OK(cudaStreamSynchronize(stream()));
+          if (kind == BlockKind::kScatterHeads)
+            ScatterHeadsBlockRef(sh, q[src].host.view(), src, dst, host_out[dst].data());
+          else
+            ScatterQkvHeadChunkBlockRef(sh, q[src].host.view(), k[src].host.view(),
+                                        v[src].host.view(), 0, hl, src, dst,
+                                        host_out[dst].data());
+        }
+      }
+      for (int dst = 0; dst < sh.world; ++dst) {
+        EXPECT_EQ(unpacked[dst]->Download(), host_out[dst]) << "dst " << dst;
+        EXPECT_EQ(untouched[dst]->Download(), before[dst]) << "dst " << dst << " (cancelled)";
+      }
+    }
+  }
+}
+
 TEST_P(GpuExchangeTest, CopiesMatchRef) {
   const ExchangeShape sh = Shape();
   const int64_t shape[4] = {sh.batch, sh.seq_local, sh.heads, sh.head_dim};

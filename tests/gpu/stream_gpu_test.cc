@@ -40,8 +40,13 @@ class StreamBackends : public StreamCluster, public testing::WithParamInterface<
     StreamCluster::SetUp();
     if (IsSkipped()) return;
     backend_ = GetParam();
-    if (backend_ == "nccl")
-      env_ = [](int r) { return std::vector<std::string>{StrCat("NCCL_HOSTID=ulysses-test-", r)}; };
+    if (backend_ != "nccl") return;
+    // Under MPS a daemon of an nccl group killed mid-call was seen to fault the surviving
+    // daemon's context, and with it every process on the GPU (docs/operations.md, section 4):
+    // the nccl cases run without MPS.
+    absl::StatusOr<ipc::cuda::DeviceInfo> device = ipc::cuda::Describe(0);
+    if (device.ok() && device->mps) GTEST_SKIP() << "the nccl cases run without MPS";
+    env_ = [](int r) { return std::vector<std::string>{StrCat("NCCL_HOSTID=ulysses-test-", r)}; };
   }
 };
 
@@ -656,7 +661,12 @@ TEST_P(StreamBackends, AStreamWaitingForACallWhoseDaemonDiedIsLetGo) {
   EXPECT_EQ(synchronized.code(), absl::StatusCode::kUnavailable) << synchronized;
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, StreamBackends, testing::Values("nvlink", "nccl"),
+INSTANTIATE_TEST_SUITE_P(Backends, StreamBackends,
+#if ULYSSES_TEST_NCCL
+                         testing::Values("nvlink", "nccl"),
+#else
+                         testing::Values("nvlink"),
+#endif
                          [](const testing::TestParamInfo<std::string>& p) { return p.param; });
 
 }  // namespace
