@@ -19,7 +19,7 @@
 #include "out_write_cuda.h"
 #include "fused_runner.h"
 #include "queue_lanes.h"
-#include "stream_rescue.h"
+#include "stream_ordered.h"
 #include "transport.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/protocol_words.h"
@@ -299,11 +299,7 @@ class CudaTransport final : public Transport {
                          ipc::cuda::VmmMapping::Create(device, sizeof(ClientDeviceWords),
                                                        setup_stream));
     ULY_ASSIGN_OR_RETURN(t->client_words_fd_, t->client_words_.Export());
-    t->events_.assign(setup.geometry.num_slots, nullptr);
-    t->event_epoch_.assign(setup.geometry.num_slots, 0);
-    for (cudaEvent_t& ev : t->events_)
-      ULY_RETURN_IF_ERROR(
-          CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)));
+    ULY_RETURN_IF_ERROR(t->events_.Create(setup.geometry.num_slots));
     ULY_RETURN_IF_ERROR(CudaStatus(
         "cudaEventCreate", cudaEventCreateWithFlags(&t->rescue_mark_, cudaEventDisableTiming)));
     // Every word starts at 0 (no epoch reached) before any peer or client can see it:
@@ -359,8 +355,6 @@ class CudaTransport final : public Transport {
     fused_.reset();
     if (second_ != nullptr) streams_->Give(second_);
     if (stream_ != nullptr) streams_->Give(stream_);
-    for (cudaEvent_t ev : events_)
-      if (ev != nullptr) cudaEventDestroy(ev);
     if (rescue_mark_ != nullptr) cudaEventDestroy(rescue_mark_);
   }
 
@@ -545,17 +539,11 @@ class CudaTransport final : public Transport {
     ULY_RETURN_IF_ERROR(EnqueueFinish(plan, ops, s));
     ULY_RETURN_IF_ERROR(memops.Write(&Results(me)->done[s], e));
     ULY_RETURN_IF_ERROR(memops.Flush());
-    event_epoch_[s] = e;
-    return CudaStatus("cudaEventRecord", cudaEventRecord(events_[s], stream_));
+    return events_.Record(s, e, stream_);
   }
 
   absl::StatusOr<bool> Completed(int slot, uint64_t epoch) override {
-    if (slot < 0 || slot >= static_cast<int>(events_.size()) || event_epoch_[slot] != epoch)
-      return absl::InternalError(StrCat("slot ", slot, " has no call of epoch ", epoch, " enqueued"));
-    const cudaError_t q = cudaEventQuery(events_[slot]);
-    if (q == cudaErrorNotReady) return false;
-    ULY_RETURN_IF_ERROR(CudaStatus("cudaEventQuery", q));
-    return true;
+    return events_.Finished(slot, epoch);
   }
 
   void Cancel() override {
@@ -719,8 +707,7 @@ class CudaTransport final : public Transport {
   ipc::UniqueFd client_words_fd_;
   cudaStream_t stream_ = nullptr;  // this session's alone while it is open
   cudaStream_t rescue_ = nullptr;  // the device's, shared: Cancel's writes, never waits
-  std::vector<cudaEvent_t> events_;      // per slot: recorded after the call's done write
-  std::vector<uint64_t> event_epoch_;    // the epoch each slot's event was recorded for
+  SlotEvents events_;                    // per slot: recorded after the call's done write
   const UnblockWords unblock_;          // what a cancel copies over the waited words
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   cudaStream_t second_ = nullptr;       // its plan's second stream, a lane of the device

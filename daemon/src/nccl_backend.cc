@@ -32,7 +32,7 @@
 #include "fused_runner.h"
 #include "helper_process.h"
 #include "out_write_cuda.h"
-#include "stream_rescue.h"
+#include "stream_ordered.h"
 #include "transport.h"
 #include "ulysses/common/logging.h"
 #include "ulysses/common/session_layout.h"
@@ -161,11 +161,7 @@ class NcclTransport final : public Transport {
       ULY_ASSIGN_OR_RETURN(t->recv_, ipc::cuda::VmmMapping::Create(
                                          device, t->block_capacity_ * W, setup_stream));
     }
-    t->events_.assign(setup.geometry.num_slots, nullptr);
-    t->event_epoch_.assign(setup.geometry.num_slots, 0);
-    for (cudaEvent_t& ev : t->events_)
-      ULY_RETURN_IF_ERROR(
-          CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)));
+    ULY_RETURN_IF_ERROR(t->events_.Create(setup.geometry.num_slots));
     for (cudaEvent_t* ev : {&t->rescue_mark_, &t->cancel_mark_})
       ULY_RETURN_IF_ERROR(
           CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(ev, cudaEventDisableTiming)));
@@ -196,8 +192,6 @@ class NcclTransport final : public Transport {
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     fused_.reset();
     if (stream_ != nullptr) gpu_->GiveStream(stream_);
-    for (cudaEvent_t ev : events_)
-      if (ev != nullptr) cudaEventDestroy(ev);
     for (cudaEvent_t ev : {rescue_mark_, cancel_mark_})
       if (ev != nullptr) cudaEventDestroy(ev);
   }
@@ -349,20 +343,14 @@ class NcclTransport final : public Transport {
         EnqueueOutWrite(setup_.geometry, plan, ops, Slot(s), stream_, cancel()).status());
     ULY_RETURN_IF_ERROR(memops.Write(&Head()->results.done[s], e));
     ULY_RETURN_IF_ERROR(memops.Flush());
-    event_epoch_[s] = e;
-    return CudaStatus("cudaEventRecord", cudaEventRecord(events_[s], stream_));
+    return events_.Record(s, e, stream_);
   }
 
   // The call's event, and NCCL's own verdict meanwhile: a remote or system error (a peer gone)
   // fails the call at once rather than at its timeout.
   absl::StatusOr<bool> Completed(int slot, uint64_t epoch) override {
-    if (slot < 0 || slot >= static_cast<int>(events_.size()) || event_epoch_[slot] != epoch)
-      return absl::InternalError(StrCat("slot ", slot, " has no call of epoch ", epoch, " enqueued"));
-    const cudaError_t q = cudaEventQuery(events_[slot]);
-    if (q != cudaErrorNotReady) {
-      ULY_RETURN_IF_ERROR(CudaStatus("cudaEventQuery", q));
-      return true;
-    }
+    ULY_ASSIGN_OR_RETURN(const bool finished, events_.Finished(slot, epoch));
+    if (finished) return true;
     std::lock_guard<std::mutex> lock(comm_mu_);
     if (comm_ != nullptr) ULY_RETURN_IF_ERROR(AsyncError("NCCL"));
     return false;
@@ -436,24 +424,8 @@ class NcclTransport final : public Transport {
   // group that had to make it would hold this daemon's host until the peer's daemon reached
   // the same call.
   absl::Status ConnectPeers(absl::Time deadline) {
-    const int W = setup_.geometry.world_size;
-    const int me = setup_.geometry.rank;
-    if (W == 1) return absl::OkStatus();
-    ULY_RETURN_IF_ERROR(NcclStatus("ncclGroupStart", ncclGroupStart(), comm_));
-    for (int k = 1; k < W; ++k) {
-      const int peer = (me + k) % W;
-      ncclResult_t r = ncclSend(Staged(send_, peer), 1, ncclUint8, peer, comm_, stream_);
-      if (r == ncclSuccess || r == ncclInProgress)
-        r = ncclRecv(Staged(recv_, peer), 1, ncclUint8, peer, comm_, stream_);
-      if (r != ncclSuccess && r != ncclInProgress) {
-        (void)ncclGroupEnd();
-        return Fail(NcclStatus("ncclSend/ncclRecv (connecting the peers)", r, comm_));
-      }
-    }
-    const ncclResult_t end = ncclGroupEnd();
-    if (end != ncclSuccess && end != ncclInProgress)
-      return Fail(NcclStatus("ncclGroupEnd (connecting the peers)", end, comm_));
-    ULY_RETURN_IF_ERROR(WaitComm("the connection to every peer", deadline));
+    if (setup_.geometry.world_size == 1) return absl::OkStatus();
+    ULY_RETURN_IF_ERROR(SendReceive(1, "the connection to every peer", deadline));
     for (int round = 0;; ++round) {
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) return absl::OkStatus();
@@ -463,6 +435,32 @@ class NcclTransport final : public Transport {
       ULY_RETURN_IF_ERROR(Interrupted("the first transfer with every peer", deadline));
       Pause(round);
     }
+  }
+
+  // One group of an ncclSend of `bytes` from send_[peer] and an ncclRecv of as many into
+  // recv_[peer] for every peer, on the session's stream, and the wait (bounded by `deadline`)
+  // until the non-blocking communicator has enqueued it: nothing else may go on the stream
+  // before. With every peer connected at the session's start that is NCCL's own host work,
+  // not a wait for a peer.
+  absl::Status SendReceive(uint64_t bytes, const char* what, absl::Time deadline) {
+    const int W = setup_.geometry.world_size;
+    const int me = setup_.geometry.rank;
+    const size_t n = static_cast<size_t>(bytes);
+    ULY_RETURN_IF_ERROR(NcclStatus("ncclGroupStart", ncclGroupStart(), comm_));
+    for (int k = 1; k < W; ++k) {
+      const int peer = (me + k) % W;
+      ncclResult_t r = ncclSend(Staged(send_, peer), n, ncclUint8, peer, comm_, stream_);
+      if (r == ncclSuccess || r == ncclInProgress)
+        r = ncclRecv(Staged(recv_, peer), n, ncclUint8, peer, comm_, stream_);
+      if (r != ncclSuccess && r != ncclInProgress) {
+        (void)ncclGroupEnd();
+        return Fail(NcclStatus("ncclSend/ncclRecv", r, comm_));
+      }
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    if (end != ncclSuccess && end != ncclInProgress)
+      return Fail(NcclStatus("ncclGroupEnd", end, comm_));
+    return WaitComm(what, deadline);
   }
 
   // Everything of a call after its waits, on the session's stream: a fused call's projection
@@ -492,25 +490,7 @@ class NcclTransport final : public Transport {
         at += p.packed_bytes;
       }
     }
-    ULY_RETURN_IF_ERROR(NcclStatus("ncclGroupStart", ncclGroupStart(), comm_));
-    for (int k = 1; k < W; ++k) {
-      const int peer = (me + k) % W;
-      const size_t n = static_cast<size_t>(bytes);
-      ncclResult_t r = ncclSend(Staged(send_, peer), n, ncclUint8, peer, comm_, stream_);
-      if (r == ncclSuccess || r == ncclInProgress)
-        r = ncclRecv(Staged(recv_, peer), n, ncclUint8, peer, comm_, stream_);
-      if (r != ncclSuccess && r != ncclInProgress) {
-        (void)ncclGroupEnd();
-        return Fail(NcclStatus("ncclSend/ncclRecv", r, comm_));
-      }
-    }
-    const ncclResult_t end = ncclGroupEnd();
-    if (end != ncclSuccess && end != ncclInProgress)
-      return Fail(NcclStatus("ncclGroupEnd", end, comm_));
-    // A non-blocking communicator may still be enqueuing: nothing else goes on the stream
-    // before it is done. With every peer connected at the session's start this is NCCL's own
-    // host work, not a wait for a peer.
-    ULY_RETURN_IF_ERROR(WaitComm("ncclGroupEnd", deadline_));
+    ULY_RETURN_IF_ERROR(SendReceive(bytes, "ncclGroupEnd", deadline_));
     for (int k = 1; k < W; ++k) {
       const int src = (me + k) % W;
       const uint8_t* at = Staged(recv_, src);
@@ -704,8 +684,7 @@ class NcclTransport final : public Transport {
   const UnblockWords unblock_;      // what a cancel copies over the waited words
   cudaStream_t stream_ = nullptr;   // a lane of the device (also a fused plan's second stream)
   cudaStream_t rescue_ = nullptr;   // the device's, shared: cancels, never waits
-  std::vector<cudaEvent_t> events_;    // per slot: recorded after the call's done write
-  std::vector<uint64_t> event_epoch_;  // the epoch each slot's event was recorded for
+  SlotEvents events_;                  // per slot: recorded after the call's done write
   std::atomic<bool> used_rescue_{false};  // a cancel was enqueued on rescue_
   cudaEvent_t rescue_mark_ = nullptr;     // Drain's mark after this session's rescue work
   cudaEvent_t cancel_mark_ = nullptr;     // after a cancel's words, waited for before the abort

@@ -141,6 +141,17 @@ class GpuExchangeTest : public ::testing::TestWithParam<Param> {
                          dims.heads, dims.head_dim, testing::ItemSize(dtype)};
   }
 
+  // Every rank's [B, S_l, H, D] input laid out as `variant`: rank j's from seed
+  // `stride * j + seed`.
+  std::vector<TwinView> RankInputs(const Variant& variant, uint64_t seed, uint64_t stride) const {
+    const ExchangeShape sh = Shape();
+    std::vector<TwinView> in;
+    for (int j = 0; j < sh.world; ++j)
+      in.push_back(MakeTwin(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize,
+                            stride * j + seed));
+    return in;
+  }
+
   // For every (src, dst): `launch(src, dst, device_out)` and `ref(src, dst, host_out)` into
   // W output buffers that start as the same random bytes; then all buffers must be equal.
   template <typename Launch, typename Ref>
@@ -215,17 +226,12 @@ TEST_P(GpuExchangeTest, HeadChunkBlocksMatchRef) {
   const int32_t count = hl > 2 ? hl - 2 : hl;
   for (const Variant& variant : kVariants) {
     SCOPED_TRACE(VariantName(variant));
-    std::vector<TwinView> q, k, v, x;
-    for (int j = 0; j < sh.world; ++j) {
-      q.push_back(MakeTwin(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize,
-                           20 * j + 3));
-      k.push_back(MakeTwin(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize,
-                           20 * j + 4));
-      v.push_back(MakeTwin(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize,
-                           20 * j + 5));
+    const std::vector<TwinView> q = RankInputs(variant, 3, 20), k = RankInputs(variant, 4, 20),
+                                v = RankInputs(variant, 5, 20);
+    std::vector<TwinView> x;
+    for (int j = 0; j < sh.world; ++j)
       x.push_back(
           MakeTwin(variant, sh.batch, GlobalSeq(sh), count, sh.head_dim, sh.itemsize, 20 * j + 6));
-    }
     ExpectLaunchesMatchRefs(
         sh.batch * GlobalSeq(sh) * count * 3 * sh.head_dim * sh.itemsize,
         [&](int src, int dst, void* out) {
@@ -340,15 +346,8 @@ TEST_P(GpuExchangeTest, PackedBlocksUnpackAsTheDirectBlockAndNotOnceCancelled) {
   DeviceBuffer go(zero), cancelled(one);
   for (const Variant& variant : kVariants) {
     SCOPED_TRACE(VariantName(variant));
-    std::vector<TwinView> q, k, v;
-    for (int j = 0; j < sh.world; ++j) {
-      q.push_back(MakeTwin(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize,
-                           40 * j + 3));
-      k.push_back(MakeTwin(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize,
-                           40 * j + 4));
-      v.push_back(MakeTwin(variant, sh.batch, sh.seq_local, sh.heads, sh.head_dim, sh.itemsize,
-                           40 * j + 5));
-    }
+    const std::vector<TwinView> q = RankInputs(variant, 3, 40), k = RankInputs(variant, 4, 40),
+                                v = RankInputs(variant, 5, 40);
     for (const BlockKind kind : {BlockKind::kScatterHeads, BlockKind::kScatterQkvHeadChunk}) {
       SCOPED_TRACE(::testing::Message() << "kind " << static_cast<int>(kind));
       std::vector<std::vector<uint8_t>> host_out;

@@ -1,7 +1,7 @@
-// What the stream-ordered GPU transports (nvlink, nccl) share to end a session's device work:
-// the cancel's writes, which let every wait of the session's stream and of its client's stream
-// pass, and the drain before the session's memory goes (docs/protocol.md sections 9.3, 9.4).
-// CUDA builds only.
+// What the stream-ordered GPU transports (nvlink, nccl) share: the events that tell a call
+// finished on the device, the cancel's writes, which let every wait of the session's stream
+// and of its client's stream pass, and the drain before the session's memory goes
+// (docs/protocol.md sections 9.2 to 9.4). CUDA builds only.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,6 +21,54 @@
 #include "ulysses/ipc/cuda_memory.h"
 
 namespace ulysses::daemon {
+
+/// One event per slot, recorded after the done write of the slot's latest call: whether the
+/// call of an epoch finished on the device, asked without blocking.
+class SlotEvents {
+ public:
+  SlotEvents() = default;
+  ~SlotEvents() {
+    for (cudaEvent_t ev : events_)
+      if (ev != nullptr) cudaEventDestroy(ev);
+  }
+  SlotEvents(const SlotEvents&) = delete;
+  SlotEvents& operator=(const SlotEvents&) = delete;
+
+  /// Makes the events of `num_slots` slots (on the current device).
+  absl::Status Create(int num_slots) {
+    events_.assign(num_slots, nullptr);
+    epochs_.assign(num_slots, 0);
+    for (cudaEvent_t& ev : events_)
+      if (const cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+          e != cudaSuccess)
+        return absl::InternalError(StrCat("cudaEventCreate: ", cudaGetErrorName(e)));
+    return absl::OkStatus();
+  }
+  /// Records `slot`'s event on `stream` for the call of `epoch`.
+  absl::Status Record(int slot, uint64_t epoch, cudaStream_t stream) {
+    epochs_[slot] = epoch;
+    if (const cudaError_t e = cudaEventRecord(events_[slot], stream); e != cudaSuccess)
+      return absl::InternalError(StrCat("cudaEventRecord: ", cudaGetErrorName(e), " (",
+                                        cudaGetErrorString(e), ")"));
+    return absl::OkStatus();
+  }
+  /// Whether the call recorded as `epoch` in `slot` finished. INTERNAL when none was, or when
+  /// the device reports an error.
+  absl::StatusOr<bool> Finished(int slot, uint64_t epoch) const {
+    if (slot < 0 || slot >= static_cast<int>(events_.size()) || epochs_[slot] != epoch)
+      return absl::InternalError(StrCat("slot ", slot, " has no call of epoch ", epoch, " enqueued"));
+    const cudaError_t q = cudaEventQuery(events_[slot]);
+    if (q == cudaErrorNotReady) return false;
+    if (q != cudaSuccess)
+      return absl::InternalError(StrCat("cudaEventQuery: ", cudaGetErrorName(q), " (",
+                                        cudaGetErrorString(q), ")"));
+    return true;
+  }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+  std::vector<uint64_t> epochs_;  // the epoch each slot's event was recorded for
+};
 
 /// The most words one range of a cancel covers (a rank's slot words, every slot).
 inline constexpr size_t kUnblockWordCount = sizeof(DeviceSlotWords) / sizeof(uint64_t) * kMaxSlots;
