@@ -16,8 +16,8 @@
 #include "absl/strings/str_split.h"
 #include "call_views.h"
 #include "fd_exports.h"
-#include "out_write_cuda.h"
 #include "fused_runner.h"
+#include "out_write_cuda.h"
 #include "queue_lanes.h"
 #include "stream_ordered.h"
 #include "transport.h"
@@ -34,12 +34,6 @@
 
 namespace ulysses::daemon {
 namespace {
-
-absl::Status CudaStatus(const char* what, cudaError_t err) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(
-      StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
-}
 
 // CUDA's current device is per thread, and calls arrive on gRPC and ring-worker threads.
 absl::Status UseDevice(int device) { return CudaStatus("cudaSetDevice", cudaSetDevice(device)); }

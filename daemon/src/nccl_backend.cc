@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <cstddef>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -43,12 +44,6 @@
 
 namespace ulysses::daemon {
 namespace {
-
-absl::Status CudaStatus(const char* what, cudaError_t err) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(
-      StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
-}
 
 // A peer that went away or failed shows up as a remote or system error of the communicator:
 // that is the group's failure (ABORTED), not this daemon's.
@@ -112,6 +107,9 @@ struct NcclSlotsHead {
   ResultWords results;
   uint64_t cancel;
 };
+// The client finds its done words at the start of the allocation, as on nvlink.
+static_assert(offsetof(NcclSlotsHead, results) == 0);
+static_assert(offsetof(NcclSlotsHead, cancel) == sizeof(ResultWords));
 
 class NcclTransport final : public Transport {
  public:
@@ -173,15 +171,14 @@ class NcclTransport final : public Transport {
           CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(setup_stream)));
       ULY_RETURN_IF_ERROR(loaded);
     }
-    // The setup waits are over (VmmMapping::Create waits for its zeroing): from here a session
-    // past the free lanes may share this stream's queue.
-    gpu->SetupDone(stream);
+    // The setup waits go on in Connect (the peers' first transfers), whose end lets a session
+    // past the free lanes share this stream's queue.
     return std::unique_ptr<Transport>(std::move(t));
   }
 
-  // Session drains every transport it made (Drain: the communicator aborted, the stream idle,
-  // the cancels on the rescue stream run) and keeps for the process's life one whose Drain
-  // failed; one never drained comes from a failed Create, which ran no call.
+  // Session drains every transport it made (Drain: the stream idle, the cancels on the rescue
+  // stream run) and keeps for the process's life one whose Drain failed; one never drained
+  // comes from a failed Create, which ran no call.
   ~NcclTransport() override {
     (void)UseDevice(device_);
     // Abort, never destroy: destroying waits for the peers, which may be gone.
@@ -196,11 +193,13 @@ class NcclTransport final : public Transport {
       if (ev != nullptr) cudaEventDestroy(ev);
   }
 
-  // Cancels (the words on the rescue stream, then the communicator's abort, which ends NCCL's
-  // kernels once the stream reaches them) while the stream runs, and waits, bounded by the
-  // drain limit the nvlink backend uses (DrainLimitFor), for it to be idle and for the
-  // cancels to have run: a stream whose queue another session's stuck work holds may never
-  // be. Then it is retired and the transport kept.
+  // First, with every call completed, the wait for the peers to be past the last one
+  // (WaitForPeersPastLastCall). Then, while the stream runs, cancels (the words on the rescue
+  // stream, then the communicator's abort, which ends NCCL's kernels once the stream reaches
+  // them), and waits, bounded by the drain limit the nvlink backend uses (DrainLimitFor), for
+  // it to be idle and for the cancels to have run: a stream whose queue another session's
+  // stuck work holds may never be. Then it is retired and the transport kept. An idle stream
+  // gets the cancel's words on itself; the destructor aborts the communicator.
   bool Drain() override {
     if (stream_ == nullptr) return true;
     if (!UseDevice(device_).ok()) return false;
@@ -225,14 +224,20 @@ class NcclTransport final : public Transport {
   // stay until every peer is past the last one (completed it, or left), bounded by the call
   // timeout; a call still in flight is cancelled instead, and so is the peers' epoch.
   void WaitForPeersPastLastCall() {
-    if (last_enqueued_ == 0 || !setup_.peers_past || cudaStreamQuery(stream_) != cudaSuccess)
-      return;
+    uint64_t last = 0;
+    {
+      std::lock_guard<std::mutex> lock(comm_mu_);
+      // A cancelled session's communicator is gone already: nothing left to keep.
+      if (comm_ == nullptr) return;
+      last = last_enqueued_;
+    }
+    if (last == 0 || !setup_.peers_past || cudaStreamQuery(stream_) != cudaSuccess) return;
     const absl::Time give_up = absl::Now() + call_timeout_;
-    while (!setup_.peers_past(last_enqueued_)) {
+    while (!setup_.peers_past(last)) {
       if (absl::Now() > give_up) {
         Logger("exec")->warn("device {}: an nccl session closes while a peer has not finished "
                              "epoch {} within {}; that peer's call may fail",
-                             device_, last_enqueued_, absl::FormatDuration(call_timeout_));
+                             device_, last, absl::FormatDuration(call_timeout_));
         return;
       }
       std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -278,6 +283,9 @@ class NcclTransport final : public Transport {
     // Rank 0's init is complete only once every rank has had its ring neighbour from the
     // root: the root's work is over when this returns, whatever happened.
     absl::Cleanup stop_root = [this] { root_.Stop(); };
+    // The session's stream waits here for the peers' first transfers: until that is over no
+    // later session shares its hardware queue while another lane can serve it.
+    absl::Cleanup setup_done = [this] { gpu_->SetupDone(stream_); };
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     const int W = setup_.geometry.world_size;
     const int me = setup_.geometry.rank;
@@ -288,19 +296,10 @@ class NcclTransport final : public Transport {
         return absl::FailedPreconditionError("rank 0 sent a malformed NCCL unique id");
     }
     std::lock_guard<std::mutex> lock(comm_mu_);
-    // Non-blocking init: a rank that never joins ends in DEADLINE_EXCEEDED here, not a hang.
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    const ncclResult_t r = ncclCommInitRankConfig(&comm_, W, id_, me, &config);
-    if (r != ncclSuccess && r != ncclInProgress) {
-      absl::Status s = NcclStatus("ncclCommInitRankConfig", r, comm_);
-      AbortCommLocked();
-      return s;
-    }
-    const absl::Time deadline = absl::Now() + timeout;
-    ULY_RETURN_IF_ERROR(
-        WaitComm("ncclCommInitRank (every rank joining the communicator)", deadline));
-    return ConnectPeers(deadline);
+    // A session that failed to connect runs no call: its communicator goes now.
+    absl::Status connected = ConnectLocked(me, absl::Now() + timeout);
+    if (!connected.ok()) CancelLocked();
+    return connected;
   }
 
   // Host-protocol entry points: this transport enqueues whole calls (Enqueue).
@@ -327,7 +326,8 @@ class NcclTransport final : public Transport {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     std::lock_guard<std::mutex> lock(comm_mu_);
     if (comm_ == nullptr)
-      return absl::FailedPreconditionError("the NCCL communicator is gone (the session was cancelled)");
+      return absl::FailedPreconditionError(
+          "the NCCL communicator is gone (the session was cancelled)");
     const int s = call.slot;
     const uint64_t e = call.epoch;
     deadline_ = absl::Now() + call_timeout_;
@@ -419,6 +419,20 @@ class NcclTransport final : public Transport {
   }
   uint8_t* Slot(int slot) const { return static_cast<uint8_t*>(slots_.data()) + SlotOffset(slot); }
 
+  // The communicator (non-blocking init: a rank that never joins ends in DEADLINE_EXCEEDED
+  // here, not a hang), then the connection to every peer.
+  absl::Status ConnectLocked(int me, absl::Time deadline) {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t r =
+        ncclCommInitRankConfig(&comm_, setup_.geometry.world_size, id_, me, &config);
+    if (r != ncclSuccess && r != ncclInProgress)
+      return NcclStatus("ncclCommInitRankConfig", r, comm_);
+    ULY_RETURN_IF_ERROR(
+        WaitComm("ncclCommInitRank (every rank joining the communicator)", deadline));
+    return ConnectPeers(deadline);
+  }
+
   // Every connection to a peer is made now, while every rank is here: one byte each way with
   // every peer, waited for. NCCL makes a pair's connection at its first transfer, and a call's
   // group that had to make it would hold this daemon's host until the peer's daemon reached
@@ -429,9 +443,8 @@ class NcclTransport final : public Transport {
     for (int round = 0;; ++round) {
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) return absl::OkStatus();
-      if (q != cudaErrorNotReady) return Fail(CudaStatus("cudaStreamQuery", q));
-      if (absl::Status failed = AsyncError("the first transfer with every peer"); !failed.ok())
-        return Fail(std::move(failed));
+      if (q != cudaErrorNotReady) return CudaStatus("cudaStreamQuery", q);
+      ULY_RETURN_IF_ERROR(AsyncError("the first transfer with every peer"));
       ULY_RETURN_IF_ERROR(Interrupted("the first transfer with every peer", deadline));
       Pause(round);
     }
@@ -454,12 +467,12 @@ class NcclTransport final : public Transport {
         r = ncclRecv(Staged(recv_, peer), n, ncclUint8, peer, comm_, stream_);
       if (r != ncclSuccess && r != ncclInProgress) {
         (void)ncclGroupEnd();
-        return Fail(NcclStatus("ncclSend/ncclRecv", r, comm_));
+        return NcclStatus("ncclSend/ncclRecv", r, comm_);
       }
     }
     const ncclResult_t end = ncclGroupEnd();
     if (end != ncclSuccess && end != ncclInProgress)
-      return Fail(NcclStatus("ncclGroupEnd", end, comm_));
+      return NcclStatus("ncclGroupEnd", end, comm_);
     return WaitComm(what, deadline);
   }
 
@@ -568,15 +581,14 @@ class NcclTransport final : public Transport {
     return static_cast<uint8_t*>(m.data()) + block_capacity_ * static_cast<uint64_t>(rank);
   }
 
-  // ABORTED when this session or a peer's is gone; DEADLINE_EXCEEDED past `deadline`. Either
-  // cancels the session.
+  // ABORTED when this session or a peer's is gone; DEADLINE_EXCEEDED past `deadline`.
   absl::Status Interrupted(const char* what, absl::Time deadline) {
     if (setup_.can_complete) {
       if (absl::Status end = setup_.can_complete(epoch_); !end.ok())
-        return Fail(absl::AbortedError(StrCat(end.message(), " while waiting for ", what)));
+        return absl::AbortedError(StrCat(end.message(), " while waiting for ", what));
     }
     if (absl::Now() >= deadline)
-      return Fail(absl::DeadlineExceededError(StrCat("timed out waiting for ", what)));
+      return absl::DeadlineExceededError(StrCat("timed out waiting for ", what));
     return absl::OkStatus();
   }
 
@@ -596,18 +608,12 @@ class NcclTransport final : public Transport {
       if (comm_ == nullptr) return absl::FailedPreconditionError("the NCCL communicator is gone");
       ncclResult_t state = ncclInProgress;
       const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-      if (r != ncclSuccess) return Fail(NcclStatus(what, r, comm_));
+      if (r != ncclSuccess) return NcclStatus(what, r, comm_);
       if (state == ncclSuccess) return absl::OkStatus();
-      if (state != ncclInProgress) return Fail(NcclStatus(what, state, comm_));
+      if (state != ncclInProgress) return NcclStatus(what, state, comm_);
       ULY_RETURN_IF_ERROR(Interrupted(what, deadline));
       Pause(round);
     }
-  }
-
-  // A failure while comm_mu_ is held: the session is cancelled (CancelLocked).
-  absl::Status Fail(absl::Status why) {
-    CancelLocked();
-    return why;
   }
 
   // The words, then the abort. The abort ends NCCL's kernels at once, and the stream may then

@@ -189,6 +189,9 @@ int Session::Poison() {
 
 Session::~Session() {
   Failpoint("session.destroy");
+  // A call that finished on the device but was not collected yet completes as it did: failing
+  // it now would fail the peers' calls of its epoch, which they completed over its blocks.
+  if (transport_ != nullptr) Poll();
   {
     // Calls still enqueued end with the session: their error words first. The transport's
     // drain then cancels its stream, whose waits pass and whose arrival words reach the

@@ -22,6 +22,13 @@
 
 namespace ulysses::daemon {
 
+/// OK for cudaSuccess, else INTERNAL naming `what` and the error.
+inline absl::Status CudaStatus(const char* what, cudaError_t err) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(
+      StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+}
+
 /// One event per slot, recorded after the done write of the slot's latest call: whether the
 /// call of an epoch finished on the device, asked without blocking.
 class SlotEvents {
@@ -39,29 +46,24 @@ class SlotEvents {
     events_.assign(num_slots, nullptr);
     epochs_.assign(num_slots, 0);
     for (cudaEvent_t& ev : events_)
-      if (const cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
-          e != cudaSuccess)
-        return absl::InternalError(StrCat("cudaEventCreate: ", cudaGetErrorName(e)));
+      ULY_RETURN_IF_ERROR(
+          CudaStatus("cudaEventCreate", cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)));
     return absl::OkStatus();
   }
   /// Records `slot`'s event on `stream` for the call of `epoch`.
   absl::Status Record(int slot, uint64_t epoch, cudaStream_t stream) {
     epochs_[slot] = epoch;
-    if (const cudaError_t e = cudaEventRecord(events_[slot], stream); e != cudaSuccess)
-      return absl::InternalError(StrCat("cudaEventRecord: ", cudaGetErrorName(e), " (",
-                                        cudaGetErrorString(e), ")"));
-    return absl::OkStatus();
+    return CudaStatus("cudaEventRecord", cudaEventRecord(events_[slot], stream));
   }
   /// Whether the call recorded as `epoch` in `slot` finished. INTERNAL when none was, or when
   /// the device reports an error.
   absl::StatusOr<bool> Finished(int slot, uint64_t epoch) const {
     if (slot < 0 || slot >= static_cast<int>(events_.size()) || epochs_[slot] != epoch)
-      return absl::InternalError(StrCat("slot ", slot, " has no call of epoch ", epoch, " enqueued"));
+      return absl::InternalError(
+          StrCat("slot ", slot, " has no call of epoch ", epoch, " enqueued"));
     const cudaError_t q = cudaEventQuery(events_[slot]);
     if (q == cudaErrorNotReady) return false;
-    if (q != cudaSuccess)
-      return absl::InternalError(StrCat("cudaEventQuery: ", cudaGetErrorName(q), " (",
-                                        cudaGetErrorString(q), ")"));
+    ULY_RETURN_IF_ERROR(CudaStatus("cudaEventQuery", q));
     return true;
   }
 
@@ -107,11 +109,10 @@ inline absl::Status EnqueueCancel(cudaStream_t on, uint64_t* cancel, const Unblo
                                   std::initializer_list<UnblockRange> ranges) {
   ULY_RETURN_IF_ERROR(ipc::cuda::StreamWrite64(on, cancel, 1));
   for (const UnblockRange& r : ranges) {
-    const cudaError_t e = cudaMemcpyAsync(r.words, unblock.data(), r.count * sizeof(uint64_t),
-                                          cudaMemcpyHostToDevice, on);
-    if (e != cudaSuccess)
-      return absl::InternalError(
-          StrCat("cudaMemcpyAsync: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+    ULY_RETURN_IF_ERROR(CudaStatus("cudaMemcpyAsync",
+                                   cudaMemcpyAsync(r.words, unblock.data(),
+                                                   r.count * sizeof(uint64_t),
+                                                   cudaMemcpyHostToDevice, on)));
   }
   return absl::OkStatus();
 }

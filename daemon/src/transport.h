@@ -126,7 +126,8 @@ class Transport {
   /// again to unblock waits a late peer write re-armed.
   virtual void Cancel() {}
   /// Before the transport goes: ends this rank's device work (a stream-ordered transport
-  /// cancels and waits, bounded, until its stream is idle). False when the work did not end:
+  /// cancels and waits, bounded, until its stream is idle; nccl first lets its peers get past
+  /// its last completed call, also bounded). False when the work did not end:
   /// the caller then keeps the transport, and what the calls used, for the process's life.
   virtual bool Drain() { return true; }
   /// For a stream-ordered call that did not finish in time: the protocol words it waits on, as

@@ -32,8 +32,8 @@ class StreamCluster : public testing_util::ClusterTest {
   }
 };
 
-// A case once per GPU backend (the parameter). nccl runs in its one-GPU test mode: every daemon its own NCCL_HOSTID, so NCCL moves the blocks over its
-// socket transport.
+// A case once per GPU backend (the parameter). nccl runs in its one-GPU test mode: every
+// daemon its own NCCL_HOSTID, so NCCL moves the blocks over its socket transport.
 class StreamBackends : public StreamCluster, public testing::WithParamInterface<std::string> {
  protected:
   void SetUp() override {
