@@ -17,11 +17,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
-#include <cstddef>
 #include <cerrno>
+#include <cstddef>
 #include <cstdio>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <thread>
 #include <vector>
