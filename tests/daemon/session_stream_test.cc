@@ -5,7 +5,8 @@
 // back on the client's stream; a call whose enqueue failed
 // part way keeps its buffers until the session goes; a transport whose device work does not
 // end when the session goes is kept, with the buffers of its calls, instead of destroyed; a
-// call in flight fails as soon as a peer took its epoch with another call.
+// call in flight fails as soon as a peer took its epoch with another call; a call that finished
+// before its session went is not failed by that end.
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -401,13 +402,14 @@ TEST_F(SessionStreamTest, ASessionWhoseTransportCannotBeMadeIsAClearErrorAndLeav
 // tokens), neither of which ever finishes on the "device" (as NCCL transfers of different
 // sizes may not): each rank's call fails with the mismatch while it is in flight, long before
 // its hour-long timeout, and its stream is cancelled.
-TEST_F(SessionStreamTest, ACallInFlightFailsAsSoonAsAPeerTookItsEpochWithAnotherCall) {
-  SessionGeometry g = geometry_;
+// Two ranks of one session in this process on the stand-in backend, connected to each other.
+void OpenTwoRanks(const SessionGeometry& geometry, FdExports& exports, Backend& backend,
+                  std::unique_ptr<Session> (&ranks)[2]) {
+  SessionGeometry g = geometry;
   g.world_size = 2;
-  std::unique_ptr<Session> ranks[2];
   for (int r = 0; r < 2; ++r) {
     g.rank = r;
-    auto s = Session::Create(10 + r, 2, 1, g, exports_, backend_);
+    auto s = Session::Create(10 + r, 2, 1, g, exports, backend);
     ASSERT_TRUE(s.ok()) << s.status();
     ranks[r] = std::move(*s);
   }
@@ -417,14 +419,23 @@ TEST_F(SessionStreamTest, ACallInFlightFailsAsSoonAsAPeerTookItsEpochWithAnother
     ASSERT_TRUE(s->MapPeers(payloads, absl::Seconds(5)).ok());
     ASSERT_TRUE(s->ConnectTransport({}, absl::Seconds(5)).ok());
   }
-  for (int r = 0; r < 2; ++r) {
-    CallPlan plan = plan_;
-    plan.seq_local = r == 0 ? kS : kS - 4;
-    plan.slot_elems = int64_t{2} * plan.seq_local * (kH / 2) * kD;
-    auto out = ranks[r]->Execute(plan, CallOperands{}, absl::Hours(1), 0,
-                                 ExecuteMode{.async = true, .wait_ready = true});
-    ASSERT_TRUE(out.ok()) << "rank " << r << ": " << out.status();
-  }
+}
+
+// Rank r's call of `seq_local` tokens, enqueued (not waited for), with an hour's timeout.
+void SubmitOnRank(Session& rank, const CallPlan& base, int64_t seq_local) {
+  CallPlan plan = base;
+  plan.seq_local = seq_local;
+  plan.slot_elems = int64_t{2} * seq_local * (base.out_shape[2] / 2) * base.out_shape[3];
+  auto out = rank.Execute(plan, CallOperands{}, absl::Hours(1), 0,
+                          ExecuteMode{.async = true, .wait_ready = true});
+  ASSERT_TRUE(out.ok()) << out.status();
+}
+
+TEST_F(SessionStreamTest, ACallInFlightFailsAsSoonAsAPeerTookItsEpochWithAnotherCall) {
+  std::unique_ptr<Session> ranks[2];
+  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks(geometry_, exports_, backend_, ranks));
+  for (int r = 0; r < 2; ++r)
+    ASSERT_NO_FATAL_FAILURE(SubmitOnRank(*ranks[r], plan_, r == 0 ? kS : kS - 4));
   for (int r = 0; r < 2; ++r) {
     std::vector<FinishedCall> done;
     for (int i = 0; i < 5000 && done.empty(); ++i) {
@@ -446,6 +457,25 @@ TEST_F(SessionStreamTest, ACallInFlightFailsAsSoonAsAPeerTookItsEpochWithAnother
     EXPECT_TRUE(ranks[r]->broken()) << "rank " << r;
   }
   EXPECT_GE(Cancels(), 2);
+}
+
+// A session that goes while its last call finished on the "device" but was not collected yet
+// completes that call rather than failing it: the peer, which completed the same epoch over
+// this rank's blocks, finds no failure recorded for it.
+TEST_F(SessionStreamTest, ACallFinishedBeforeTheSessionGoesIsNotFailedByItsEnd) {
+  std::unique_ptr<Session> ranks[2];
+  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks(geometry_, exports_, backend_, ranks));
+  for (auto& rank : ranks) ASSERT_NO_FATAL_FAILURE(SubmitOnRank(*rank, plan_, kS));
+  Finish(0, 1);  // both ranks' slot 0, epoch 1
+  ranks[0].reset();
+  std::vector<FinishedCall> done;
+  for (int i = 0; i < 5000 && done.empty(); ++i) {
+    ranks[1]->Poll();
+    ranks[1]->TakeFinished(&done);
+    if (done.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(done.size(), 1u) << "rank 1's call is still in flight";
+  EXPECT_TRUE(done[0].outcome.ok()) << done[0].outcome.status();
 }
 
 // A closing session's device work may sit behind another session's wait (a shared queue)
