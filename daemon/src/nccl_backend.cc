@@ -352,7 +352,7 @@ class NcclTransport final : public Transport {
     ULY_ASSIGN_OR_RETURN(const bool finished, events_.Finished(slot, epoch));
     if (finished) return true;
     std::lock_guard<std::mutex> lock(comm_mu_);
-    if (comm_ != nullptr) ULY_RETURN_IF_ERROR(AsyncError("NCCL"));
+    if (comm_ != nullptr) ULY_RETURN_IF_ERROR(CommBusy("NCCL").status());
     return false;
   }
 
@@ -444,7 +444,7 @@ class NcclTransport final : public Transport {
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) return absl::OkStatus();
       if (q != cudaErrorNotReady) return CudaStatus("cudaStreamQuery", q);
-      ULY_RETURN_IF_ERROR(AsyncError("the first transfer with every peer"));
+      ULY_RETURN_IF_ERROR(CommBusy("the first transfer with every peer").status());
       ULY_RETURN_IF_ERROR(Interrupted("the first transfer with every peer", deadline));
       Pause(round);
     }
@@ -592,25 +592,23 @@ class NcclTransport final : public Transport {
     return absl::OkStatus();
   }
 
-  // NCCL's asynchronous error of the communicator (held, not null), as a status: a peer gone
-  // is ABORTED. OK while it is fine or still working.
-  absl::Status AsyncError(const char* what) {
-    ncclResult_t state = ncclSuccess;
+  // The communicator's (held, not null) state: true while an operation (init, a group's
+  // enqueue) is still in progress, false once done; NCCL's asynchronous error as a status (a
+  // peer gone is ABORTED).
+  absl::StatusOr<bool> CommBusy(const char* what) {
+    ncclResult_t state = ncclInProgress;
     const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-    if (r != ncclSuccess) return NcclStatus("ncclCommGetAsyncError", r, comm_);
+    if (r != ncclSuccess) return NcclStatus(what, r, comm_);
     if (state != ncclSuccess && state != ncclInProgress) return NcclStatus(what, state, comm_);
-    return absl::OkStatus();
+    return state == ncclInProgress;
   }
 
   // Polls the communicator until its pending operation (init, group end) is done.
   absl::Status WaitComm(const char* what, absl::Time deadline) {
     for (int round = 0;; ++round) {
       if (comm_ == nullptr) return absl::FailedPreconditionError("the NCCL communicator is gone");
-      ncclResult_t state = ncclInProgress;
-      const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-      if (r != ncclSuccess) return NcclStatus(what, r, comm_);
-      if (state == ncclSuccess) return absl::OkStatus();
-      if (state != ncclInProgress) return NcclStatus(what, state, comm_);
+      ULY_ASSIGN_OR_RETURN(const bool busy, CommBusy(what));
+      if (!busy) return absl::OkStatus();
       ULY_RETURN_IF_ERROR(Interrupted(what, deadline));
       Pause(round);
     }
