@@ -29,6 +29,24 @@ std::string FormatSlotWords(const SlotWordsReport& r) {
   return out;
 }
 
+std::string FormatPeerProgress(uint64_t epoch, const std::vector<PeerProgress>& peers) {
+  std::string out = StrCat("peers at epoch ", epoch, ":");
+  const char* sep = " ";
+  for (const PeerProgress& p : peers) {
+    out += StrCat(sep, "rank ", p.rank, p.took ? " took it" : " has not taken it", ", completed ",
+                  p.completed);
+    switch (p.abort) {
+      case 0: break;
+      case kAbortClosed: out += ", closed"; break;
+      case kAbortClientGone: out += ", client gone"; break;
+      case kAbortCallFailed: out += ", call failed"; break;
+      default: out += StrCat(", abort ", p.abort); break;
+    }
+    sep = "; ";
+  }
+  return out;
+}
+
 bool ReportsReadyNotWritten(std::string_view text) {
   constexpr std::string_view kReady = ": ready ";
   for (size_t ready = text.find(kReady); ready != std::string_view::npos;

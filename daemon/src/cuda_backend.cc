@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -68,9 +69,8 @@ class DeviceStreams {
  public:
   // What DescribeStuck reads per call: every rank's slot words, every rank's done word, then
   // the client's three.
-  static constexpr size_t kDoneWordsAt = kMaxWorldSize * sizeof(DeviceSlotWords);
-  static constexpr size_t kClientWordsAt = kDoneWordsAt + kMaxWorldSize * sizeof(uint64_t);
-  static constexpr size_t kHostWordsBytes = kClientWordsAt + 4 * sizeof(uint64_t);
+  static constexpr size_t kHostWordsBytes =
+      kMaxWorldSize * (sizeof(DeviceSlotWords) + sizeof(uint64_t)) + 4 * sizeof(uint64_t);
 
   // `probe_streams` default-priority streams (and a quarter as many, at least one, at the
   // greatest priority) are probed; 0: none, streams are made as sessions come. A probe that
@@ -173,13 +173,36 @@ class DeviceStreams {
   cudaStream_t SetupStreamFor(cudaStream_t session) const {
     return lanes_->probed() && lanes_->Shared(session) ? rescue_ : session;
   }
-  /// The pinned words (kHostWordsBytes; null when there are none), for the holder of the lock.
-  struct HostWords {
-    std::unique_lock<std::mutex> lock;
-    uint8_t* bytes;
-  };
-  HostWords host_words() {
-    return HostWords{std::unique_lock<std::mutex>(host_mu_), static_cast<uint8_t*>(host_words_)};
+  /// Backend::ReadDeviceWords: `ranges` copied on the rescue stream into the pinned words (at
+  /// most kHostWordsBytes in all), then into `into`.
+  absl::Status ReadWords(std::span<const DeviceRange> ranges, void* into) {
+    std::lock_guard<std::mutex> lock(host_mu_);
+    if (host_words_ == nullptr)
+      return absl::FailedPreconditionError("no pinned host memory to read them into");
+    size_t total = 0;
+    for (const DeviceRange& r : ranges) total += r.bytes;
+    if (total > kHostWordsBytes)
+      return absl::InvalidArgumentError(
+          StrCat("ranges: ", total, " bytes, more than the ", kHostWordsBytes, " read at once"));
+    ULY_RETURN_IF_ERROR(UseDevice(device_));
+    auto* host = static_cast<uint8_t*>(host_words_);
+    size_t at = 0;
+    for (const DeviceRange& r : ranges) {
+      ULY_RETURN_IF_ERROR(CudaStatus("cudaMemcpyAsync",
+                                     cudaMemcpyAsync(host + at, r.at, r.bytes,
+                                                     cudaMemcpyDeviceToHost, rescue_)));
+      at += r.bytes;
+    }
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    cudaError_t err;
+    while ((err = cudaStreamQuery(rescue_)) == cudaErrorNotReady) {
+      if (std::chrono::steady_clock::now() > give_up)
+        return absl::DeadlineExceededError("the rescue stream's copies did not run within 1 s");
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    ULY_RETURN_IF_ERROR(CudaStatus("cudaStreamQuery", err));
+    std::memcpy(into, host, total);
+    return absl::OkStatus();
   }
   /// Words a cancel copies over a session's slot and client words: kUnblockWordCount of
   /// kUnblockEpoch in pinned memory, made once and never written again (null when there is
@@ -545,53 +568,44 @@ class CudaTransport final : public Transport {
     CancelOn(rescue_);
   }
 
-  // Reads the words through copies on the rescue stream (never blocked by this session's
-  // waits) into pinned memory, waited for at most a second: a rescue stream that cannot run is
-  // itself the finding.
+  // Every rank's words of the slot as the device holds them, read through the rescue stream.
   std::string DescribeStuck(int slot, uint64_t epoch) override {
     const int W = setup_.geometry.world_size;
     // Only a connected transport has calls in flight (every rank's words mapped).
-    if (!UseDevice(device_).ok() || slot < 0 || slot >= setup_.geometry.num_slots ||
-        words_.size() != static_cast<size_t>(W))
+    if (slot < 0 || slot >= setup_.geometry.num_slots || words_.size() != static_cast<size_t>(W))
       return {};
     const int me = setup_.geometry.rank;
-    constexpr size_t kDoneAt = DeviceStreams::kDoneWordsAt;
-    constexpr size_t kClientAt = DeviceStreams::kClientWordsAt;
-    const DeviceStreams::HostWords held = streams_->host_words();
-    uint8_t* const host = held.bytes;
-    if (host == nullptr) return "unreadable (no pinned host memory for them)";
     used_rescue_ = true;
-    cudaError_t err = cudaSuccess;
-    for (int r = 0; r < W && err == cudaSuccess; ++r)
-      err = cudaMemcpyAsync(host + r * sizeof(DeviceSlotWords), &words_[r]->slots[slot],
-                            sizeof(DeviceSlotWords), cudaMemcpyDeviceToHost, rescue_);
-    // Every rank's done word of the slot, after the slot words.
-    for (int r = 0; r < W && err == cudaSuccess; ++r)
-      err = cudaMemcpyAsync(host + kDoneAt + r * sizeof(uint64_t), &Results(r)->done[slot],
-                            sizeof(uint64_t), cudaMemcpyDeviceToHost, rescue_);
-    const uint64_t* client_words[] = {&ClientWords()->ready[slot], &ClientWords()->released[slot],
-                                      cancel()};
-    for (int i = 0; i < 3 && err == cudaSuccess; ++i)
-      err = cudaMemcpyAsync(host + kClientAt + i * sizeof(uint64_t), client_words[i],
-                            sizeof(uint64_t), cudaMemcpyDeviceToHost, rescue_);
-    if (err != cudaSuccess) return StrCat("unreadable (", cudaGetErrorName(err), ")");
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-    while ((err = cudaStreamQuery(rescue_)) == cudaErrorNotReady) {
-      if (std::chrono::steady_clock::now() > give_up)
-        return "unreadable (the rescue stream's copies did not run within 1 s)";
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    if (err != cudaSuccess) return StrCat("unreadable (", cudaGetErrorName(err), ")");
-    auto at = [&](int r) {
-      return reinterpret_cast<const DeviceSlotWords*>(host + r * sizeof(DeviceSlotWords));
-    };
-    const auto* done = reinterpret_cast<const uint64_t*>(host + kDoneAt);
-    const auto* client = reinterpret_cast<const uint64_t*>(host + kClientAt);
-    SlotWordsReport report{me, slot, epoch, client[0], client[1], client[2], done[me], {}};
+    // Every rank's slot words, every rank's done word of the slot, the client's two and the
+    // cancel word.
+    std::vector<DeviceRange> ranges;
     for (int r = 0; r < W; ++r)
-      if (r != me)
-        report.peers.push_back({r, at(me)->grant[r], at(me)->arrive[r], at(r)->grant[me],
-                                at(r)->arrive[me], done[r]});
+      ranges.push_back({&words_[r]->slots[slot], sizeof(DeviceSlotWords)});
+    for (int r = 0; r < W; ++r) ranges.push_back({&Results(r)->done[slot], sizeof(uint64_t)});
+    ranges.push_back({&ClientWords()->ready[slot], sizeof(uint64_t)});
+    ranges.push_back({&ClientWords()->released[slot], sizeof(uint64_t)});
+    ranges.push_back({cancel(), sizeof(uint64_t)});
+    // Packed as copied: W slot words, W done words, then the three.
+    uint8_t bytes[DeviceStreams::kHostWordsBytes];
+    if (absl::Status st = streams_->ReadWords(ranges, bytes); !st.ok())
+      return StrCat("unreadable (", st.message(), ")");
+    auto words_of = [&](int r) {
+      DeviceSlotWords w;
+      std::memcpy(&w, bytes + r * sizeof(DeviceSlotWords), sizeof(w));
+      return w;
+    };
+    const uint8_t* tail = bytes + W * sizeof(DeviceSlotWords);
+    uint64_t done[kMaxWorldSize], client[3];
+    std::memcpy(done, tail, W * sizeof(uint64_t));
+    std::memcpy(client, tail + W * sizeof(uint64_t), sizeof(client));
+    SlotWordsReport report{me, slot, epoch, client[0], client[1], client[2], done[me], {}};
+    const DeviceSlotWords mine = words_of(me);
+    for (int r = 0; r < W; ++r)
+      if (r != me) {
+        const DeviceSlotWords theirs = words_of(r);
+        report.peers.push_back(
+            {r, mine.grant[r], mine.arrive[r], theirs.grant[me], theirs.arrive[me], done[r]});
+      }
     // A stream on a shared queue may wait behind another session's call, not for a word.
     return StrCat(FormatSlotWords(report), "; its stream on ", streams_->Where(stream_));
   }
@@ -748,6 +762,12 @@ class CudaBackend final : public Backend {
   }
   void* RescueStream() override { return streams_->rescue(); }
   const uint64_t* UnblockWordsOfDevice() override { return streams_->unblock_words(); }
+  absl::Status ReadDeviceWords(std::span<const DeviceRange> ranges, void* into) override {
+    return streams_->ReadWords(ranges, into);
+  }
+  std::string StreamPlace(void* stream) const override {
+    return streams_->Where(static_cast<cudaStream_t>(stream));
+  }
   uint64_t FusedPlanBytes(const FusedSetup& setup) const override {
     return FusedRunner::DeviceBytesFor(setup);
   }

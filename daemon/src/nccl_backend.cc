@@ -36,6 +36,7 @@
 #include "stream_ordered.h"
 #include "transport.h"
 #include "ulysses/common/logging.h"
+#include "ulysses/common/protocol_words.h"
 #include "ulysses/common/session_layout.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
@@ -362,6 +363,36 @@ class NcclTransport final : public Transport {
   void Cancel() override {
     std::lock_guard<std::mutex> lock(comm_mu_);
     CancelLocked();
+  }
+
+  // This rank's words of the slot as the device holds them (no daemon maps a peer's words
+  // here: Session adds where the peers stood), the communicator's state, and the stream's
+  // hardware queue.
+  std::string DescribeStuck(int slot, uint64_t epoch) override {
+    if (slot < 0 || slot >= setup_.geometry.num_slots || stream_ == nullptr) return {};
+    used_rescue_ = true;
+    const DeviceRange ranges[] = {{&ClientWords()->ready[slot], sizeof(uint64_t)},
+                                  {&ClientWords()->released[slot], sizeof(uint64_t)},
+                                  {cancel(), sizeof(uint64_t)},
+                                  {&Head()->results.done[slot], sizeof(uint64_t)}};
+    uint64_t w[4] = {};
+    if (absl::Status st = gpu_->ReadDeviceWords(ranges, w); !st.ok())
+      return StrCat("unreadable (", st.message(), ")");
+    const SlotWordsReport report{setup_.geometry.rank, slot, epoch, w[0], w[1], w[2], w[3], {}};
+    std::string comm;
+    {
+      std::lock_guard<std::mutex> lock(comm_mu_);
+      if (comm_ == nullptr) {
+        comm = "aborted";
+      } else {
+        const absl::StatusOr<bool> busy = CommBusy("NCCL");
+        comm = !busy.ok() ? std::string(busy.status().message())
+               : *busy    ? "an operation still being posted"
+                          : "no error";
+      }
+    }
+    return StrCat(FormatSlotWords(report), "; communicator: ", comm, "; its stream on ",
+                  gpu_->StreamPlace(stream_));
   }
 
   absl::Status Poison(int slot) override {
@@ -742,6 +773,10 @@ class NcclBackend final : public Backend {
   QueueLaneCounts Queues() const override { return gpu_->Queues(); }
   absl::Status DeviceHealth() const override { return gpu_->DeviceHealth(); }
   DeviceIdentity identity() const override { return gpu_->identity(); }
+  absl::Status ReadDeviceWords(std::span<const DeviceRange> ranges, void* into) override {
+    return gpu_->ReadDeviceWords(ranges, into);
+  }
+  std::string StreamPlace(void* stream) const override { return gpu_->StreamPlace(stream); }
 
  private:
   const int device_;

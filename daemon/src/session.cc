@@ -7,6 +7,7 @@
 
 #include "ulysses/common/failpoint.h"
 #include "ulysses/common/logging.h"
+#include "ulysses/common/protocol_words.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/wait.h"
@@ -640,8 +641,24 @@ void Session::TakeFinished(std::vector<FinishedCall>* into) {
 }
 
 std::string Session::StuckWords(const InFlightCall& f) const {
-  const std::string words = transport_->DescribeStuck(f.slot, f.epoch);
+  std::string words = transport_->DescribeStuck(f.slot, f.epoch);
   if (words.empty()) return {};
+  // Where each peer stood, from its session segment: the part of the picture a transport
+  // whose daemons map no peer's words (nccl) cannot give.
+  if (!peers_.empty()) {
+    std::vector<PeerProgress> peers;
+    for (int r = 0; r < geometry_.world_size; ++r) {
+      if (r == geometry_.rank) continue;
+      const SessionControlBlock& theirs = *Control(r);
+      const uint64_t completed = theirs.completed.load(std::memory_order_acquire);
+      const bool took =
+          theirs.signatures[f.epoch % kSignatureRing].epoch.load(std::memory_order_acquire) ==
+              f.epoch ||
+          completed >= f.epoch;
+      peers.push_back({r, took, completed, theirs.abort.load(std::memory_order_acquire)});
+    }
+    words += StrCat("; ", FormatPeerProgress(f.epoch, peers));
+  }
   Logger("exec")->warn("session {} epoch {} slot {} did not finish; its protocol words: {}", id_,
                        f.epoch, f.slot, words);
   return StrCat("; protocol words: ", words);

@@ -23,6 +23,20 @@ TEST(ProtocolWords, TheReportNamesEveryWordAndEveryPeer) {
             "grant 6, arrive 0; to rank 2: grant 7, arrive 0, its done 6");
 }
 
+TEST(ProtocolWords, ThePeersReportSaysWhoTookTheEpochAndWhyOneLeft) {
+  EXPECT_EQ(FormatPeerProgress(5, {{1, true, 4, 0}}),
+            "peers at epoch 5: rank 1 took it, completed 4");
+  EXPECT_EQ(FormatPeerProgress(3, {{0, false, 2, 0},
+                                   {2, true, 3, kAbortClosed},
+                                   {3, false, 0, kAbortClientGone},
+                                   {4, true, 2, kAbortCallFailed},
+                                   {5, false, 1, 9}}),
+            "peers at epoch 3: rank 0 has not taken it, completed 2; rank 2 took it, completed 3, "
+            "closed; rank 3 has not taken it, completed 0, client gone; rank 4 took it, completed "
+            "2, call failed; rank 5 has not taken it, completed 1, abort 9");
+  EXPECT_EQ(FormatPeerProgress(1, {}), "peers at epoch 1:");
+}
+
 TEST(ProtocolWords, AReadyBelowTheEpochIsAClientThatNeverGotThere) {
   SlotWordsReport never{1, 0, 1, 0, 0, 0, 0, {}};
   SlotWordsReport behind{1, 0, 3, 1, 1, 0, 1, {}};  // wrote epoch 1's, not epoch 3's

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "fd_exports.h"
 #include "gtest/gtest.h"
 #include "session.h"
@@ -39,6 +40,7 @@ struct DeviceScript {
   bool destroyed = false;
   int cancels = 0;
   bool make_fails = false;  // the backend cannot make the session's transport
+  std::string stuck_words;  // what DescribeStuck answers
 };
 
 class StandInStreamTransport final : public Transport {
@@ -88,6 +90,10 @@ class StandInStreamTransport final : public Transport {
   bool Drain() override {
     std::lock_guard<std::mutex> lock(script_->mu);
     return script_->drains;
+  }
+  std::string DescribeStuck(int, uint64_t) override {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    return script_->stuck_words;
   }
 
  private:
@@ -421,14 +427,27 @@ void OpenTwoRanks(const SessionGeometry& geometry, FdExports& exports, Backend& 
   }
 }
 
-// Rank r's call of `seq_local` tokens, enqueued (not waited for), with an hour's timeout.
-void SubmitOnRank(Session& rank, const CallPlan& base, int64_t seq_local) {
+// Rank r's call of `seq_local` tokens, enqueued (not waited for), with an hour's timeout
+// unless `timeout` says otherwise.
+void SubmitOnRank(Session& rank, const CallPlan& base, int64_t seq_local,
+                  absl::Duration timeout = absl::Hours(1)) {
   CallPlan plan = base;
   plan.seq_local = seq_local;
   plan.slot_elems = int64_t{2} * seq_local * (base.out_shape[2] / 2) * base.out_shape[3];
-  auto out = rank.Execute(plan, CallOperands{}, absl::Hours(1), 0,
+  auto out = rank.Execute(plan, CallOperands{}, timeout, 0,
                           ExecuteMode{.async = true, .wait_ready = true});
   ASSERT_TRUE(out.ok()) << out.status();
+}
+
+// The rank's first finished call, polled for up to 5 s; none when it is still in flight.
+std::vector<FinishedCall> CollectOnRank(Session& rank) {
+  std::vector<FinishedCall> done;
+  for (int i = 0; i < 5000 && done.empty(); ++i) {
+    rank.Poll();
+    rank.TakeFinished(&done);
+    if (done.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return done;
 }
 
 TEST_F(SessionStreamTest, ACallInFlightFailsAsSoonAsAPeerTookItsEpochWithAnotherCall) {
@@ -437,12 +456,7 @@ TEST_F(SessionStreamTest, ACallInFlightFailsAsSoonAsAPeerTookItsEpochWithAnother
   for (int r = 0; r < 2; ++r)
     ASSERT_NO_FATAL_FAILURE(SubmitOnRank(*ranks[r], plan_, r == 0 ? kS : kS - 4));
   for (int r = 0; r < 2; ++r) {
-    std::vector<FinishedCall> done;
-    for (int i = 0; i < 5000 && done.empty(); ++i) {
-      ranks[r]->Poll();
-      ranks[r]->TakeFinished(&done);
-      if (done.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    const std::vector<FinishedCall> done = CollectOnRank(*ranks[r]);
     ASSERT_EQ(done.size(), 1u) << "rank " << r << "'s call is still in flight";
     const absl::Status& got = done[0].outcome.status();
     // The first rank to look finds the mismatch; the other may find that rank's failure.
@@ -459,6 +473,53 @@ TEST_F(SessionStreamTest, ACallInFlightFailsAsSoonAsAPeerTookItsEpochWithAnother
   EXPECT_GE(Cancels(), 2);
 }
 
+// A call that times out names where its stream stood (the transport's words) and where each
+// peer stood at its epoch, from the peers' session segments: whether it took the epoch, what
+// it completed, and why it left.
+TEST_F(SessionStreamTest, ATimedOutCallNamesThePeersThatNeverTookItsEpoch) {
+  {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    script_->stuck_words = "rank 0 slot 0 epoch 1: ready 1";
+  }
+  std::unique_ptr<Session> ranks[2];
+  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks(geometry_, exports_, backend_, ranks));
+  // Rank 1 never calls.
+  ASSERT_NO_FATAL_FAILURE(SubmitOnRank(*ranks[0], plan_, kS, absl::Milliseconds(1)));
+  std::vector<FinishedCall> done = CollectOnRank(*ranks[0]);
+  ASSERT_EQ(done.size(), 1u) << "rank 0's call is still in flight";
+  const absl::Status& got = done[0].outcome.status();
+  EXPECT_EQ(got.code(), absl::StatusCode::kDeadlineExceeded) << got;
+  EXPECT_TRUE(absl::StrContains(got.message(),
+                                "; protocol words: rank 0 slot 0 epoch 1: ready 1; peers at epoch "
+                                "1: rank 1 has not taken it, completed 0"))
+      << got;
+  // Rank 0's failure broke its session: rank 1's next call is failed by it, and says so.
+  ranks[0].reset();
+  ASSERT_NO_FATAL_FAILURE(SubmitOnRank(*ranks[1], plan_, kS, absl::Milliseconds(1)));
+  done = CollectOnRank(*ranks[1]);
+  ASSERT_EQ(done.size(), 1u) << "rank 1's call is still in flight";
+  EXPECT_EQ(done[0].outcome.status().code(), absl::StatusCode::kAborted)
+      << done[0].outcome.status();
+}
+
+// Both ranks took the epoch and the "device" never finishes: the report says so.
+TEST_F(SessionStreamTest, ATimedOutCallWhosePeersTookItsEpochSaysSo) {
+  {
+    std::lock_guard<std::mutex> lock(script_->mu);
+    script_->stuck_words = "words";
+  }
+  std::unique_ptr<Session> ranks[2];
+  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks(geometry_, exports_, backend_, ranks));
+  ASSERT_NO_FATAL_FAILURE(SubmitOnRank(*ranks[1], plan_, kS));
+  ASSERT_NO_FATAL_FAILURE(SubmitOnRank(*ranks[0], plan_, kS, absl::Milliseconds(1)));
+  const std::vector<FinishedCall> done = CollectOnRank(*ranks[0]);
+  ASSERT_EQ(done.size(), 1u) << "rank 0's call is still in flight";
+  EXPECT_TRUE(absl::StrContains(done[0].outcome.status().message(),
+                                "; protocol words: words; peers at epoch 1: rank 1 took it, "
+                                "completed 0"))
+      << done[0].outcome.status();
+}
+
 // A session that goes while its last call finished on the "device" but was not collected yet
 // completes that call rather than failing it: the peer, which completed the same epoch over
 // this rank's blocks, finds no failure recorded for it.
@@ -468,12 +529,7 @@ TEST_F(SessionStreamTest, ACallFinishedBeforeTheSessionGoesIsNotFailedByItsEnd) 
   for (auto& rank : ranks) ASSERT_NO_FATAL_FAILURE(SubmitOnRank(*rank, plan_, kS));
   Finish(0, 1);  // both ranks' slot 0, epoch 1
   ranks[0].reset();
-  std::vector<FinishedCall> done;
-  for (int i = 0; i < 5000 && done.empty(); ++i) {
-    ranks[1]->Poll();
-    ranks[1]->TakeFinished(&done);
-    if (done.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  const std::vector<FinishedCall> done = CollectOnRank(*ranks[1]);
   ASSERT_EQ(done.size(), 1u) << "rank 1's call is still in flight";
   EXPECT_TRUE(done[0].outcome.ok()) << done[0].outcome.status();
 }

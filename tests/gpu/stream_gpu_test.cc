@@ -601,6 +601,56 @@ TEST_P(StreamBackends, RanksThatCallDifferentlyAtOneEpochFailLongBeforeTheTimeou
   ExpectANewGroupServes(Members(kW), "after-mismatch", backend_);
 }
 
+// A call that times out says where its stream stood: its slot's words as the device holds
+// them (read through the rescue stream) and where each peer stood at its epoch, in the error
+// and in the flight recorder's record of the call; on nccl also the communicator's state.
+// Rank 1 joins the session but never calls.
+TEST_P(StreamBackends, ATimedOutCallReportsItsWordsAndWhereThePeersStood) {
+  Start(kW, {"--call-timeout-ms", "1500"});
+  std::atomic<bool> rank0_done{false};
+  std::vector<std::string> errors(kW);
+  absl::Status got;
+  uint64_t session_id = 0;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kW; ++r)
+    ranks.emplace_back([&, r] {
+      absl::StatusOr<Rank> k = OpenRank(Members(kW), "words", r, backend_);
+      if (!k.ok()) errors[r] = k.status().ToString();
+      if (r == 1) {
+        while (k.ok() && !rank0_done.load())
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        return;
+      }
+      if (k.ok()) {
+        session_id = k->session->id();
+        got = k->session->ScatterHeads(k->x.Ref(), kB, kS).status();
+      }
+      rank0_done.store(true);
+    });
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < kW; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  EXPECT_EQ(got.code(), absl::StatusCode::kDeadlineExceeded) << got;
+  v1::ListRecentCallsResponse calls;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(Admin(0)->ListRecentCalls(&ctx, {}, &calls).ok());
+  std::string recorded;
+  for (const v1::CallRecord& c : calls.calls())
+    if (c.session_id() == session_id && c.epoch() == 1) recorded = c.message();
+  // The client's copy of the message is cut to the completion record's length; the
+  // recorder keeps it whole.
+  EXPECT_TRUE(absl::StrContains(got.message(), "did not finish within the call timeout")) << got;
+  EXPECT_TRUE(absl::StrContains(recorded, "protocol words: rank 0 slot 0 epoch 1: ready "))
+      << recorded;
+  EXPECT_TRUE(absl::StrContains(recorded, ", done 0")) << recorded;
+  EXPECT_TRUE(
+      absl::StrContains(recorded, "; peers at epoch 1: rank 1 has not taken it, completed 0"))
+      << recorded;
+  EXPECT_TRUE(absl::StrContains(recorded, "; its stream on hardware queue ")) << recorded;
+  if (backend_ == "nccl") {
+    EXPECT_TRUE(absl::StrContains(recorded, "; communicator: no error")) << recorded;
+  }
+}
+
 // A client's own daemon killed while the client's stream waits for a call's done word: the
 // daemon can neither finish the call nor cancel it, so the client library writes the word past
 // every epoch itself once the daemon's end of its socket closed. The stream drains, and the

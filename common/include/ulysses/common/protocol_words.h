@@ -31,6 +31,20 @@ struct SlotWordsReport {
 /// or above kUnblockEpoch (a cancel's) reads "unblock".
 std::string FormatSlotWords(const SlotWordsReport& report);
 
+/// Where a peer rank of a session stood at a call's epoch, as its session segment tells
+/// (any stream-ordered backend; on nccl, where no daemon maps a peer's words, the only
+/// view of the peers).
+struct PeerProgress {
+  int rank = 0;
+  bool took = false;        ///< its daemon took the epoch (its call signature is there)
+  uint64_t completed = 0;   ///< the last epoch it completed
+  uint64_t abort = 0;       ///< its abort word (kAbortClosed, ...; 0: none)
+};
+
+/// "peers at epoch E: rank J took it, completed C; rank K has not taken it, completed C,
+/// closed" (the abort word, when set, as closed / client gone / call failed / abort N).
+std::string FormatPeerProgress(uint64_t epoch, const std::vector<PeerProgress>& peers);
+
 /// Whether `text` (a log line, an error message) holds a report whose client had not written
 /// `ready` for the call's epoch ("epoch E: ready R" with R < E).
 bool ReportsReadyNotWritten(std::string_view text);
