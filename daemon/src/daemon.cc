@@ -35,11 +35,13 @@
 namespace ulysses::daemon {
 namespace {
 
-std::string MetadataValue(const grpc::ServerContextBase* ctx, const char* key) {
+// A view into `ctx`'s metadata: valid while the request is.
+std::string_view MetadataValue(const grpc::ServerContextBase* ctx, const char* key) {
   auto range = ctx->client_metadata().equal_range(key);
-  if (range.first == range.second) return "";
-  return std::string(range.first->second.data(), range.first->second.size());
+  if (range.first == range.second) return {};
+  return std::string_view(range.first->second.data(), range.first->second.size());
 }
+
 
 // A gRPC socket's path while gRPC binds it: `<dir>/.XXXXXX/s` in a directory of mode 0700
 // beside the final path (same filesystem, so rename(2) can move it). The directory goes with
@@ -429,6 +431,7 @@ GaugeSnapshot Daemon::Gauges() {
   g.device_bytes = a.live_bytes;
   g.device_allocations = a.created + a.imported + a.ipc_opened;
   g.call_path_host_allocations = host_allocations::Counted();
+  g.grpc_call_host_allocations = host_allocations::GrpcCounted();
   if (backend_impl_) {
     const QueueLaneCounts q = backend_impl_->Queues();
     g.device_streams = q.streams_used;
@@ -473,8 +476,8 @@ absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::st
 
 absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::Authenticate(
     const grpc::ServerContextBase* ctx) {
-  const std::string id_text = MetadataValue(ctx, "ulysses-client-id");
-  const std::string token = MetadataValue(ctx, "ulysses-token");
+  const std::string_view id_text = MetadataValue(ctx, "ulysses-client-id");
+  const std::string_view token = MetadataValue(ctx, "ulysses-token");
   uint64_t id = 0;
   if (id_text.empty() || !absl::SimpleAtoi(AbslView(id_text), &id))
     return absl::UnauthenticatedError("ulysses-client-id: missing; call Attach first");
@@ -485,7 +488,8 @@ absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::Authenticate(
     if (it != clients_.end()) c = it->second;
   }
   if (!c) return absl::UnauthenticatedError(StrCat("client ", id, " is not attached"));
-  if (c->token != token) return absl::UnauthenticatedError(StrCat("client ", id, ": bad token"));
+  if (!EqualInConstantTime(c->token, token))
+    return absl::UnauthenticatedError(StrCat("client ", id, ": bad token"));
   return c;
 }
 

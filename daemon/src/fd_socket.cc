@@ -98,7 +98,8 @@ void Daemon::HandleHello(ipc::UniqueFd sock, const std::string& payload) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = clients_.find(hello->client_id);
-    if (it != clients_.end() && it->second->token == hello->token) c = it->second;
+    if (it != clients_.end() && EqualInConstantTime(it->second->token, hello->token))
+      c = it->second;
   }
   if (!c) return refuse(absl::PermissionDeniedError("unknown client or bad token"));
   absl::Status admitted;

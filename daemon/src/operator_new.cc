@@ -1,8 +1,9 @@
 // The ulyssesd executable's global operator new: malloc (aligned_alloc for over-aligned types),
-// as the C++ runtime's own, and one relaxed increment when the allocating thread is on the call
-// path (host_allocations.h). Only the executable has it, so the client library and the
-// processes that load it keep their own allocator. Address, thread and memory sanitizer builds
+// as the C++ runtime's own, and one relaxed increment of the path's counter when the allocating
+// thread is on a call path (host_allocations.h). Only the executable has it, so the client
+// library and the processes that load it keep their own allocator. Address, thread and memory sanitizer builds
 // keep the sanitizer's operator new, and count nothing.
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
@@ -33,7 +34,8 @@ namespace ha = ulysses::daemon::host_allocations;
 // turn it into null).
 template <typename Get>
 void* Retry(Get get) {
-  if (ha::t_on_call_path) ha::g_counted.fetch_add(1, std::memory_order_relaxed);
+  if (std::atomic<uint64_t>* counter = ha::t_on_call_path)
+    counter->fetch_add(1, std::memory_order_relaxed);
   for (;;) {
     if (void* p = get()) return p;
     std::new_handler h = std::get_new_handler();

@@ -691,11 +691,15 @@ class ControlService final
 
   grpc::Status Call(grpc::ServerContext* ctx, const v1::CallRequest* req,
                     v1::CallResponse* resp) override {
+    // Counted apart from the ring path: what the handler does, gRPC's work before and after it
+    // not (GetState grpc_call_host_allocations).
+    host_allocations::CallPathScope on_call_path(host_allocations::g_grpc_counted);
     return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
       ULY_ASSIGN_OR_RETURN(CallArgs args, CallArgsFromRequest(*req));
       ULY_ASSIGN_OR_RETURN(CallResult r, d_->Call(c, req->session_id(), args, /*expected_epoch=*/0));
       resp->set_epoch(r.outcome.epoch);
       resp->set_slot(r.outcome.slot);
+      resp->mutable_out_shape()->Reserve(static_cast<int>(r.out_shape.size()));
       for (int64_t d : r.out_shape) resp->add_out_shape(d);
       resp->set_slot_offset_bytes(r.outcome.slot_offset_bytes);
       resp->set_result_bytes(r.outcome.result_bytes);
@@ -935,6 +939,7 @@ class AdminService final : public v1::Admin::Service {
     resp->set_device_bytes(a.live_bytes);
     resp->set_device_mappings_open(a.imported_open + a.ipc_open);
     resp->set_call_path_host_allocations(host_allocations::Counted());
+    resp->set_grpc_call_host_allocations(host_allocations::GrpcCounted());
     resp->set_host_allocations_counted(host_allocations::Counting());
     const QueueLaneCounts q = d_->backend_impl().Queues();
     resp->set_device_streams(q.streams_used);

@@ -62,6 +62,7 @@ struct GaugeSnapshot {
   uint64_t device_bytes = 0;        // device memory the daemon holds (GPU backends)
   uint64_t device_allocations = 0;  // device allocations made or opened since start
   uint64_t call_path_host_allocations = 0;  // operator new on the ring workers' call path
+  uint64_t grpc_call_host_allocations = 0;  // operator new in the Control.Call handlers
   uint64_t device_streams = 0;      // distinct streams handed to sessions since start (GPU)
   int32_t hardware_queues = 0;      // probed queues that serve sessions (0: not probed)
   int32_t hardware_queues_in_use = 0;

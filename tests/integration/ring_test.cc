@@ -147,8 +147,16 @@ TEST_F(RingTest, FourClientsRandomCallsNoneLostDuplicatedOrMisrouted) {
 // After the first call of each op and row count, the ring path allocates no host memory: the
 // daemon's count of its call path's allocations stays put over hundreds of calls of those ops
 // and row counts, successful and bit-exact.
-TEST_F(RingTest, PreparedCallsAllocateNoHostMemory) {
-  auto stub = testing_util::AdminStub(daemon_.socket());
+// Every op at W = 1 at three row counts per pass, each result checked against the CPU
+// reference, through a client on the rings (`rings`) or on the Control.Call RPC; returns the
+// daemon's state before the first pass and after the first and the last. Skips where the daemon
+// build does not count its allocations.
+struct AllocationCounts {
+  v1::DaemonState before, warm, after;
+  int calls_after_warm = 0;
+};
+void CountOpsPasses(const std::string& socket, bool rings, int rounds, AllocationCounts* counts) {
+  auto stub = testing_util::AdminStub(socket);
   auto state = [&] {
     v1::DaemonState st;
     grpc::ClientContext ctx;
@@ -160,10 +168,12 @@ TEST_F(RingTest, PreparedCallsAllocateNoHostMemory) {
   constexpr int32_t H = 4, D = 16, es = 2;
   constexpr int64_t kMaxTokens = 32;
   constexpr uint64_t kTensor = kMaxTokens * H * D * es;
-  auto c = client::Client::Connect({daemon_.socket(), "steady"});
+  client::ConnectOptions options{socket, "steady"};
+  options.use_rings = rings;
+  auto c = client::Client::Connect(options);
   ASSERT_TRUE(c.ok()) << c.status();
-  ASSERT_TRUE((*c)->uses_rings());
-  auto g = (*c)->JoinGroup({"steady", 1, 0, {daemon_.socket()}, "auto", 0});
+  ASSERT_EQ((*c)->uses_rings(), rings);
+  auto g = (*c)->JoinGroup({"steady", 1, 0, {socket}, "auto", 0});
   ASSERT_TRUE(g.ok()) << g.status();
   auto s = (*c)->CreateSession(*g, {H, D, DType::kBFloat16, kMaxTokens, 2, {}, 0});
   ASSERT_TRUE(s.ok()) << s.status();
@@ -174,6 +184,7 @@ TEST_F(RingTest, PreparedCallsAllocateNoHostMemory) {
   for (uint64_t i = 0; i < 4 * kTensor; ++i) base[i] = static_cast<uint8_t>(rng());
   std::vector<uint8_t> merged(kTensor, 0);
   const int64_t rows[] = {1, 7, kMaxTokens};
+  int calls = 0;
   // One pass: every op at every row count, each result checked against the CPU reference.
   auto pass = [&](int round) {
     for (int op = 1; op <= 4; ++op)
@@ -197,6 +208,7 @@ TEST_F(RingTest, PreparedCallsAllocateNoHostMemory) {
         }
         std::vector<uint8_t> want = Expected(a, H, D, es, base, &merged);
         auto r = (*s)->Call(a);
+        ++calls;
         ASSERT_TRUE(r.ok()) << "round " << round << " " << OpName(a.op) << ": " << r.status();
         const bool merge = a.op == OpKind::kGatherOutputHeadChunk;
         const uint8_t* got = merge ? base + 4 * kTensor : static_cast<const uint8_t*>(r->data);
@@ -204,11 +216,42 @@ TEST_F(RingTest, PreparedCallsAllocateNoHostMemory) {
             << "round " << round << " " << OpName(a.op) << " seq " << seq;
       }
   };
+  counts->before = state();
   ASSERT_NO_FATAL_FAILURE(pass(0));
-  const uint64_t warm = state().call_path_host_allocations();
-  for (int round = 1; round <= 25; ++round) ASSERT_NO_FATAL_FAILURE(pass(round));
-  EXPECT_EQ(state().call_path_host_allocations(), warm)
-      << "300 calls of ops and row counts already seen allocated host memory";
+  counts->warm = state();
+  calls = 0;
+  for (int round = 1; round <= rounds; ++round) ASSERT_NO_FATAL_FAILURE(pass(round));
+  counts->after = state();
+  counts->calls_after_warm = calls;
+}
+
+TEST_F(RingTest, PreparedCallsAllocateNoHostMemory) {
+  AllocationCounts n;
+  ASSERT_NO_FATAL_FAILURE(CountOpsPasses(daemon_.socket(), /*rings=*/true, 25, &n));
+  if (IsSkipped()) return;
+  EXPECT_EQ(n.after.call_path_host_allocations(), n.warm.call_path_host_allocations())
+      << n.calls_after_warm << " calls of ops and row counts already seen allocated host memory";
+  EXPECT_EQ(n.after.grpc_call_host_allocations(), n.before.grpc_call_host_allocations())
+      << "ring calls were counted as Control.Call's";
+}
+
+// The Control.Call path: per call, the handler allocates only what gRPC makes for it: the map
+// of the request's metadata, built when the handler reads the client's id and token (one node
+// per item; the client library sends three), and the response's shape field (gRPC makes a new
+// response per call). Anything the daemon's own code allocated per call would show here.
+TEST_F(RingTest, CallsOverGrpcAllocateOnlyWhatGrpcMakesPerCall) {
+  constexpr uint64_t kGrpcOwnedPerCall = 4;
+  AllocationCounts n;
+  ASSERT_NO_FATAL_FAILURE(CountOpsPasses(daemon_.socket(), /*rings=*/false, 10, &n));
+  if (IsSkipped()) return;
+  ASSERT_EQ(n.calls_after_warm, 120);
+  const uint64_t counted =
+      n.after.grpc_call_host_allocations() - n.warm.grpc_call_host_allocations();
+  EXPECT_GT(counted, 0u) << "Control.Call's handler is not counted";
+  EXPECT_LE(counted, kGrpcOwnedPerCall * n.calls_after_warm)
+      << counted << " allocations in " << n.calls_after_warm << " calls";
+  EXPECT_EQ(n.after.call_path_host_allocations(), n.before.call_path_host_allocations())
+      << "Control.Call's allocations were counted as the ring path's";
 }
 
 using testing_util::RawClient;

@@ -43,6 +43,16 @@ inline absl::string_view AbslView(std::string_view v) { return absl::string_view
 /// std::string_view of an absl::string_view.
 inline std::string_view StdView(absl::string_view v) { return std::string_view(v.data(), v.size()); }
 
+/// Whether `a` equals `b`, in a time that depends on their lengths only (a client's token
+/// against the one it sent: timing the answers tells nothing of the token).
+inline bool EqualInConstantTime(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    diff |= static_cast<unsigned char>(a[i]) ^ static_cast<unsigned char>(b[i]);
+  return diff == 0;
+}
+
 /// A client's pid for people: the one the daemon knows from the socket's credentials, else the
 /// one the client reported ("1234 (reported)": from another PID namespace), else "unknown".
 inline std::string PidText(int64_t pid, int64_t reported_pid) {
