@@ -444,6 +444,15 @@ bool ReleaseInOrderEnabled() {
   return enabled;
 }
 
+// Whether a call claims the next call's slot given back in stream order
+// (ipc::kDescriptorNextReleasedInOrder), so that its daemon grants that slot to the peers at
+// once: ULYSSES_GRANT_AHEAD=0 never claims it (the benchmark's A/B), nor does
+// ULYSSES_RELEASE_IN_ORDER=0.
+bool GrantAheadEnabled() {
+  static const bool enabled = !EnvIs("ULYSSES_GRANT_AHEAD", "0");
+  return enabled;
+}
+
 // Whether a stream release is carried by the slot's next ready word (the default) instead of
 // written as a word of its own: ULYSSES_RELEASE_WORD=1 writes it (the benchmark's A/B), as
 // does ULYSSES_RELEASE_IN_ORDER=0.
@@ -511,7 +520,18 @@ class StreamWords {
   // word still comes after the work that read the result.
   absl::StatusOr<bool> CarryRelease(void* stream, int slot, uint64_t epoch, uint64_t stream_id) {
     std::lock_guard<std::mutex> lock(mu_);
-    switch (ledger_.OnCall(slot, epoch, stream_id)) {
+    return CarriedLocked(ledger_.OnCall(slot, epoch, stream_id), stream, slot);
+  }
+  // The same for the slot of the call after the one being made (its result of `epoch`), which
+  // that call's CarryRelease still asks about: whether this call's ready word implies that
+  // release too (ipc::kDescriptorNextReleasedInOrder).
+  absl::StatusOr<bool> CarryNextRelease(void* stream, int slot, uint64_t epoch,
+                                        uint64_t stream_id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return CarriedLocked(ledger_.Peek(slot, epoch, stream_id), stream, slot);
+  }
+  absl::StatusOr<bool> CarriedLocked(ReleaseLedger::Carry carry, void* stream, int slot) {
+    switch (carry) {
       case ReleaseLedger::Carry::kNo:
         return false;
       case ReleaseLedger::Carry::kSameStream:
@@ -1248,14 +1268,26 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
     // the ready word, and this stream's later work waits for the done word.
     // The slot's previous result given back on this stream: this ready word implies it, and
     // the daemon's stream skips its wait for the release word.
-    const uint64_t previous = d.epoch > static_cast<uint64_t>(geometry_.num_slots)
-                                  ? d.epoch - static_cast<uint64_t>(geometry_.num_slots)
-                                  : 0;
-    if (previous != 0 && ReleaseInOrderEnabled()) {
+    const uint64_t slots = static_cast<uint64_t>(geometry_.num_slots);
+    const uint64_t previous = d.epoch > slots ? d.epoch - slots : 0;
+    // Likewise the next call's slot: its result given back on this stream already lets the
+    // daemon grant that slot to the peers now (ULYSSES_GRANT_AHEAD=0: not claimed).
+    const uint64_t next_previous = d.epoch + 1 > slots ? d.epoch + 1 - slots : 0;
+    if (ReleaseInOrderEnabled() && (previous != 0 || next_previous != 0)) {
       absl::StatusOr<uint64_t> id = ipc::cuda::StreamId(stream_);
-      ULY_ASSIGN_OR_RETURN(const bool carried,
-                           stream_words_->CarryRelease(stream_, slot, previous, id.ok() ? *id : 0));
-      if (carried) d.flags |= ipc::kDescriptorReleasedInOrder;
+      const uint64_t stream_id = id.ok() ? *id : 0;
+      if (previous != 0) {
+        ULY_ASSIGN_OR_RETURN(const bool carried,
+                             stream_words_->CarryRelease(stream_, slot, previous, stream_id));
+        if (carried) d.flags |= ipc::kDescriptorReleasedInOrder;
+      }
+      if (slots > 1 && next_previous != 0 && GrantAheadEnabled()) {
+        const int next_slot = static_cast<int>(d.epoch % slots);
+        ULY_ASSIGN_OR_RETURN(
+            const bool carried,
+            stream_words_->CarryNextRelease(stream_, next_slot, next_previous, stream_id));
+        if (carried) d.flags |= ipc::kDescriptorNextReleasedInOrder;
+      }
     }
     ULY_RETURN_IF_ERROR(stream_words_->Ready(stream_, slot, d.epoch));
     d.flags |= ipc::kDescriptorStreamOrdered;

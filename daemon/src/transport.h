@@ -58,6 +58,12 @@ struct StreamCall {
   /// Nonzero: the slot holds the result of this epoch, which the client's stream gives back by
   /// writing released[slot]; the daemon's stream waits for that before it grants the slot.
   uint64_t wait_released = 0;
+  /// The previous call granted this call's slot to the peers already (grant_ahead): no grant
+  /// word to write.
+  bool granted = false;
+  /// Nonzero: the next call's epoch (epoch + 1), whose slot is free once this call's ready
+  /// wait passed; the stream grants it to the peers then, beside this call's grants.
+  uint64_t grant_ahead = 0;
 };
 
 class Transport {

@@ -520,6 +520,78 @@ TEST_F(SessionStreamTest, ATimedOutCallWhosePeersTookItsEpochSaysSo) {
       << done[0].outcome.status();
 }
 
+// The next call's slot is granted to the peers by the call before it wherever nothing of that
+// slot is left to read once that call's ready wait passed: a slot never used, one whose result
+// was copied out, or one whose result the client gave back on its stream before the ready word
+// (docs/protocol.md section 9.2). The next call then writes no grant of its own. A slot
+// granted so is not poisoned either: the peers' blocks may be on their way.
+TEST_F(SessionStreamTest, TheNextCallsSlotIsGrantedAheadWhereNothingOfItIsLeftToRead) {
+  std::unique_ptr<Session> ranks[2];
+  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks(geometry_, exports_, backend_, ranks));
+  Session& rank0 = *ranks[0];
+  // Epoch e's call on rank 0 alone (rank 1 never calls: its calls are not needed here).
+  auto call = [&](uint64_t e, bool next_released, bool out) {
+    CallPlan plan = plan_;
+    plan.has_out = out;
+    auto got = rank0.Execute(plan, CallOperands{}, absl::Seconds(30), 0,
+                             ExecuteMode{.async = true,
+                                         .wait_ready = true,
+                                         .released_in_order = true,
+                                         .next_released_in_order = next_released});
+    ASSERT_TRUE(got.ok()) << "epoch " << e << ": " << got.status();
+    if (e == 1) {
+      // Slot 1 was never used and is granted for epoch 2 already: not poisoned.
+      EXPECT_EQ(rank0.Poison(), 0);
+    }
+    Finish(static_cast<int>((e - 1) % 2), e);
+    const std::vector<FinishedCall> done = CollectOnRank(rank0);
+    ASSERT_EQ(done.size(), 1u) << "epoch " << e;
+    ASSERT_TRUE(done[0].outcome.ok()) << "epoch " << e << ": " << done[0].outcome.status();
+  };
+  ASSERT_NO_FATAL_FAILURE(call(1, false, false));  // slot 1 never used: granted for epoch 2
+  ASSERT_NO_FATAL_FAILURE(call(2, false, false));  // slot 0 still held: no grant ahead
+  ASSERT_NO_FATAL_FAILURE(call(3, true, false));   // the client says slot 1 was given back
+  ASSERT_NO_FATAL_FAILURE(call(4, false, true));   // copied out; slot 0 held: none ahead
+  ASSERT_NO_FATAL_FAILURE(call(5, false, false));  // slot 1's epoch 4 was copied out
+  ASSERT_NO_FATAL_FAILURE(call(6, false, false));
+  std::lock_guard<std::mutex> lock(script_->mu);
+  ASSERT_EQ(script_->enqueued.size(), 6u);
+  const bool granted[] = {false, true, false, true, false, true};
+  const uint64_t ahead[] = {2, 0, 4, 0, 6, 0};
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(script_->enqueued[i].granted, granted[i]) << "epoch " << i + 1;
+    EXPECT_EQ(script_->enqueued[i].grant_ahead, ahead[i]) << "epoch " << i + 1;
+  }
+}
+
+// A rank alone has no peer to grant anything to, and with one slot the next call's slot is
+// the call's own.
+TEST_F(SessionStreamTest, NoGrantAheadForARankAloneOrWithOneSlot) {
+  for (uint64_t e = 1; e <= 3; ++e) {
+    auto out = session_->Execute(plan_, CallOperands{}, absl::Seconds(30), 0,
+                                 ExecuteMode{.async = true,
+                                             .wait_ready = true,
+                                             .released_in_order = true,
+                                             .next_released_in_order = true});
+    ASSERT_TRUE(out.ok()) << out.status();
+    Finish(out->slot, e);
+    ASSERT_EQ(Collect().size(), 1u);
+  }
+  SessionGeometry one = geometry_;
+  one.num_slots = 1;
+  std::unique_ptr<Session> ranks[2];
+  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks(one, exports_, backend_, ranks));
+  auto got = ranks[0]->Execute(plan_, CallOperands{}, absl::Seconds(30), 0,
+                               ExecuteMode{.async = true, .wait_ready = true});
+  ASSERT_TRUE(got.ok()) << got.status();
+  std::lock_guard<std::mutex> lock(script_->mu);
+  ASSERT_EQ(script_->enqueued.size(), 4u);
+  for (const StreamCall& c : script_->enqueued) {
+    EXPECT_FALSE(c.granted) << "epoch " << c.epoch;
+    EXPECT_EQ(c.grant_ahead, 0u) << "epoch " << c.epoch;
+  }
+}
+
 // A session that goes while its last call finished on the "device" but was not collected yet
 // completes that call rather than failing it: the peer, which completed the same epoch over
 // this rank's blocks, finds no failure recorded for it.

@@ -601,6 +601,86 @@ TEST_P(StreamBackends, RanksThatCallDifferentlyAtOneEpochFailLongBeforeTheTimeou
   ExpectANewGroupServes(Members(kW), "after-mismatch", backend_);
 }
 
+// A result still held when the call before its slot's next one is made keeps its slot from
+// being granted ahead (docs/protocol.md section 9.2): rank 0 keeps its epoch 1 result while
+// both ranks make epoch 2, and rank 1, which gives each result back before its next call (so
+// its slots are granted ahead), goes on to epoch 3, whose blocks for rank 0 go into the slot
+// of that result. Rank 0 copies the result 300 ms later: still epoch 1's. Rank 1's epoch 3
+// completes once rank 0 gave it back and made the call. Every result is checked.
+TEST_P(StreamBackends, AHeldResultsSlotIsNotGrantedAheadOfItsRelease) {
+  Start(kW);
+  constexpr int kCalls = 3;
+  const int64_t elems = int64_t{kB} * kS * kH * kD;  // input and result alike
+  std::vector<std::string> errors(kW);
+  std::vector<std::vector<std::vector<float>>> got(kW);
+  std::atomic<bool> third_submitted{false};
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kW; ++r)
+    ranks.emplace_back([&, r] {
+      auto fail = [&](const std::string& e) {
+        errors[r] = e;
+        if (r == 1) third_submitted.store(true);  // rank 0 waits for nothing more
+      };
+      absl::StatusOr<Rank> k = OpenRank(Members(kW), "ahead", r, backend_);
+      if (!k.ok()) return fail(k.status().ToString());
+      cudaStream_t stream = nullptr;
+      if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
+        return fail("stream");
+      k->session->set_stream(stream);
+      float* in = nullptr;
+      float* out = nullptr;
+      if (cudaMallocHost(reinterpret_cast<void**>(&in), elems * 4 * kCalls) != cudaSuccess ||
+          cudaMallocHost(reinterpret_cast<void**>(&out), elems * 4 * kCalls) != cudaSuccess)
+        return fail("pinned memory");
+      for (int it = 0; it < kCalls; ++it)
+        for (int64_t i = 0; i < elems; ++i)
+          in[it * elems + i] = Value(r, it, i / (kS * kH * kD), (i / (kH * kD)) % kS,
+                                     (i / kD) % kH, i % kD);
+      // Call `it`: its input written on the stream first.
+      auto call = [&](int it) {
+        cudaMemcpyAsync(k->x.data, in + it * elems, elems * 4, cudaMemcpyHostToDevice, stream);
+        return k->session->ScatterHeads(k->x.Ref(), kB, kS);
+      };
+      auto read = [&](client::Result& res, int it) {
+        cudaMemcpyAsync(out + it * elems, res.data, elems * 4, cudaMemcpyDeviceToHost, stream);
+        return res.Release();
+      };
+      absl::StatusOr<client::Result> first = call(0);
+      if (!first.ok()) return fail(first.status().ToString());
+      if (r == 1 && !read(*first, 0).ok()) return fail("release 1");
+      absl::StatusOr<client::Result> second = call(1);
+      if (!second.ok()) return fail(second.status().ToString());
+      if (!read(*second, 1).ok()) return fail("release 2");
+      if (r == 1) {
+        absl::StatusOr<client::Result> third = call(2);
+        third_submitted.store(true);
+        if (!third.ok()) return fail(third.status().ToString());
+        if (!read(*third, 2).ok()) return fail("release 3");
+      } else {
+        while (!third_submitted.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        // Long enough for rank 1's epoch 3 to have stored into this slot, had it been granted.
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        if (!read(*first, 0).ok()) return fail("release 1");
+        absl::StatusOr<client::Result> third = call(2);
+        if (!third.ok()) return fail(third.status().ToString());
+        if (!read(*third, 2).ok()) return fail("release 3");
+      }
+      if (cudaStreamSynchronize(stream) != cudaSuccess) return fail("sync");
+      if (absl::Status st = k->session->Synchronize(); !st.ok()) return fail(st.ToString());
+      for (int it = 0; it < kCalls; ++it)
+        got[r].emplace_back(out + it * elems, out + (it + 1) * elems);
+      cudaFreeHost(in);
+      cudaFreeHost(out);
+      cudaStreamDestroy(stream);
+    });
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < kW; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  for (int dst = 0; dst < kW; ++dst)
+    for (int it = 0; it < kCalls; ++it)
+      EXPECT_EQ(WrongScatterElements(got[dst][it], dst, it), 0)
+          << "rank " << dst << " call " << it + 1;
+}
+
 // A call that times out says where its stream stood: its slot's words as the device holds
 // them (read through the rescue stream) and where each peer stood at its epoch, in the error
 // and in the flight recorder's record of the call; on nccl also the communicator's state.
