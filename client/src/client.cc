@@ -71,6 +71,8 @@ class ClientImpl : public BufferResolver {
   std::string token;
   std::string backend;
   std::string mps_mode;
+  // The descriptor flags the daemon accepts (AttachResponse.descriptor_flags).
+  uint32_t descriptor_flags = ipc::kDescriptorStreamOrdered | ipc::kDescriptorReleasedInOrder;
   ipc::UniqueFd fd_socket;
   std::mutex fd_mu;  // an RPC that answers with an fd frame and the read of that frame
   mutable std::mutex buf_mu;
@@ -520,18 +522,7 @@ class StreamWords {
   // word still comes after the work that read the result.
   absl::StatusOr<bool> CarryRelease(void* stream, int slot, uint64_t epoch, uint64_t stream_id) {
     std::lock_guard<std::mutex> lock(mu_);
-    return CarriedLocked(ledger_.OnCall(slot, epoch, stream_id), stream, slot);
-  }
-  // The same for the slot of the call after the one being made (its result of `epoch`), which
-  // that call's CarryRelease still asks about: whether this call's ready word implies that
-  // release too (ipc::kDescriptorNextReleasedInOrder).
-  absl::StatusOr<bool> CarryNextRelease(void* stream, int slot, uint64_t epoch,
-                                        uint64_t stream_id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return CarriedLocked(ledger_.Peek(slot, epoch, stream_id), stream, slot);
-  }
-  absl::StatusOr<bool> CarriedLocked(ReleaseLedger::Carry carry, void* stream, int slot) {
-    switch (carry) {
+    switch (ledger_.OnCall(slot, epoch, stream_id)) {
       case ReleaseLedger::Carry::kNo:
         return false;
       case ReleaseLedger::Carry::kSameStream:
@@ -541,6 +532,15 @@ class StreamWords {
         return true;
     }
     return false;
+  }
+  // Whether this call's ready word on the stream with id `stream_id` comes after the release
+  // of the next call's slot's result of `epoch` (ipc::kDescriptorNextReleasedInOrder): only
+  // when that release went on this same stream. A mark on another stream is left to the next
+  // call, which orders its own stream after it: waiting for it here would hold this call back
+  // for the sake of the next one.
+  bool NextReleaseInOrder(int slot, uint64_t epoch, uint64_t stream_id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ledger_.Peek(slot, epoch, stream_id) == ReleaseLedger::Carry::kSameStream;
   }
   // Marks `stream` after work enqueued on it that names these mappings.
   absl::Status Mark(void* stream) {
@@ -704,6 +704,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
   impl->token = resp.token();
   impl->backend = resp.backend();
   impl->mps_mode = resp.mps_mode();
+  if (resp.descriptor_flags() != 0) impl->descriptor_flags = resp.descriptor_flags();
   ULY_ASSIGN_OR_RETURN(impl->fd_socket, ipc::ConnectUnix(resp.fd_socket()));
   nlohmann::json hello = {{"client_id", impl->client_id}, {"token", impl->token}};
   ULY_RETURN_IF_ERROR(ipc::SendMessage(impl->fd_socket.get(), hello.dump()));
@@ -1281,13 +1282,12 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
                              stream_words_->CarryRelease(stream_, slot, previous, stream_id));
         if (carried) d.flags |= ipc::kDescriptorReleasedInOrder;
       }
-      if (slots > 1 && next_previous != 0 && GrantAheadEnabled()) {
-        const int next_slot = static_cast<int>(d.epoch % slots);
-        ULY_ASSIGN_OR_RETURN(
-            const bool carried,
-            stream_words_->CarryNextRelease(stream_, next_slot, next_previous, stream_id));
-        if (carried) d.flags |= ipc::kDescriptorNextReleasedInOrder;
-      }
+      // Not to a daemon that predates the flag: it would refuse the descriptor.
+      if (slots > 1 && next_previous != 0 && GrantAheadEnabled() &&
+          (client_->descriptor_flags & ipc::kDescriptorNextReleasedInOrder) != 0 &&
+          stream_words_->NextReleaseInOrder(static_cast<int>(d.epoch % slots), next_previous,
+                                            stream_id))
+        d.flags |= ipc::kDescriptorNextReleasedInOrder;
     }
     ULY_RETURN_IF_ERROR(stream_words_->Ready(stream_, slot, d.epoch));
     d.flags |= ipc::kDescriptorStreamOrdered;

@@ -42,6 +42,7 @@ std::string FormatPeerProgress(uint64_t epoch, const std::vector<PeerProgress>& 
       case kAbortCallFailed: out += ", call failed"; break;
       default: out += StrCat(", abort ", p.abort); break;
     }
+    if (p.daemon_gone) out += ", its daemon gone";
     sep = "; ";
   }
   return out;

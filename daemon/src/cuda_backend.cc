@@ -518,6 +518,7 @@ class CudaTransport final : public Transport {
   // The whole call on the session's stream (docs/protocol.md section 9): wait for the client's
   // inputs, grant this rank's slot to every source, store each block once its destination
   // granted, announce the blocks, wait for every source's, finish, publish done.
+  bool GrantsSlots() const override { return true; }
   absl::Status Enqueue(const CallPlan& plan, const CallOperands& ops,
                        const StreamCall& call) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
@@ -594,16 +595,18 @@ class CudaTransport final : public Transport {
     ranges.push_back({&ClientWords()->ready[slot], sizeof(uint64_t)});
     ranges.push_back({&ClientWords()->released[slot], sizeof(uint64_t)});
     ranges.push_back({cancel(), sizeof(uint64_t)});
-    // Packed as copied: W slot words, W done words, then the three.
-    uint8_t bytes[DeviceStreams::kHostWordsBytes];
-    if (absl::Status st = streams_->ReadWords(ranges, bytes); !st.ok())
+    // Packed as copied: W slot words, W done words, then the three. (Made only for a call that
+    // did not finish: the call path's count of allocations is about calls that do.)
+    std::vector<uint8_t> bytes(W * (sizeof(DeviceSlotWords) + sizeof(uint64_t)) +
+                               3 * sizeof(uint64_t));
+    if (absl::Status st = streams_->ReadWords(ranges, bytes.data()); !st.ok())
       return StrCat("unreadable (", st.message(), ")");
     auto words_of = [&](int r) {
       DeviceSlotWords w;
-      std::memcpy(&w, bytes + r * sizeof(DeviceSlotWords), sizeof(w));
+      std::memcpy(&w, bytes.data() + r * sizeof(DeviceSlotWords), sizeof(w));
       return w;
     };
-    const uint8_t* tail = bytes + W * sizeof(DeviceSlotWords);
+    const uint8_t* tail = bytes.data() + W * sizeof(DeviceSlotWords);
     uint64_t done[kMaxWorldSize], client[3];
     std::memcpy(done, tail, W * sizeof(uint64_t));
     std::memcpy(client, tail + W * sizeof(uint64_t), sizeof(client));

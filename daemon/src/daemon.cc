@@ -42,7 +42,6 @@ std::string_view MetadataValue(const grpc::ServerContextBase* ctx, const char* k
   return std::string_view(range.first->second.data(), range.first->second.size());
 }
 
-
 // A gRPC socket's path while gRPC binds it: `<dir>/.XXXXXX/s` in a directory of mode 0700
 // beside the final path (same filesystem, so rename(2) can move it). The directory goes with
 // this object.

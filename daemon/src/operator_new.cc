@@ -1,8 +1,8 @@
 // The ulyssesd executable's global operator new: malloc (aligned_alloc for over-aligned types),
 // as the C++ runtime's own, and one relaxed increment of the path's counter when the allocating
 // thread is on a call path (host_allocations.h). Only the executable has it, so the client
-// library and the processes that load it keep their own allocator. Address, thread and memory sanitizer builds
-// keep the sanitizer's operator new, and count nothing.
+// library and the processes that load it keep their own allocator. Address, thread and memory
+// sanitizer builds keep the sanitizer's operator new, and count nothing.
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>

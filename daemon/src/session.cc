@@ -110,6 +110,7 @@ Session::Session(uint64_t id, uint64_t group_id, uint64_t owner, SessionGeometry
       slots_(geometry_.num_slots, SlotEntry{SlotState::kFree, 0, absl::Now()}) {
   inflight_.reserve(geometry_.num_slots);
   finished_.reserve(geometry_.num_slots);
+  spare_sync_nodes_.reserve(geometry_.num_slots);
 }
 
 const char* Session::SlotStateName(SlotState s) {
@@ -593,7 +594,7 @@ void Session::FailInFlightLocked(const absl::Status& why) {
     mine->slots[f.slot].done.store(f.epoch, std::memory_order_release);
     SetSlot(f.slot, SlotState::kFree, f.epoch);
     if (f.async) finished_.push_back(FinishedCall{f.epoch, why});
-    else finished_sync_.emplace(f.epoch, why);
+    else PutSyncResultLocked(f.epoch, why);
     Logger("exec")->warn("session {} epoch {}: call failed: {}", id_, f.epoch,
                          std::string(why.message()));
     for (const auto& k : f.keep)
@@ -601,6 +602,18 @@ void Session::FailInFlightLocked(const absl::Status& why) {
   }
   inflight_.clear();
   Break();
+}
+
+void Session::PutSyncResultLocked(uint64_t epoch, absl::StatusOr<CallOutcome> outcome) {
+  if (spare_sync_nodes_.empty()) {
+    finished_sync_.emplace(epoch, std::move(outcome));
+    return;
+  }
+  SyncResults::node_type node = std::move(spare_sync_nodes_.back());
+  spare_sync_nodes_.pop_back();
+  node.key() = epoch;
+  node.mapped() = std::move(outcome);
+  finished_sync_.insert(std::move(node));
 }
 
 absl::Status Session::CheckCompleted(uint64_t e, int s, uint64_t call_shape,
@@ -657,7 +670,8 @@ std::string Session::StuckWords(const InFlightCall& f) const {
           theirs.signatures[f.epoch % kSignatureRing].epoch.load(std::memory_order_acquire) ==
               f.epoch ||
           completed >= f.epoch;
-      peers.push_back({r, took, completed, theirs.abort.load(std::memory_order_acquire)});
+      peers.push_back({r, took, completed, theirs.abort.load(std::memory_order_acquire),
+                       (peers_gone_.load(std::memory_order_acquire) >> r & 1) != 0});
     }
     words += StrCat("; ", FormatPeerProgress(f.epoch, peers));
   }
@@ -697,7 +711,7 @@ void Session::Poll() {
     }
     CallOutcome out = FinishCall(f.plan, f.slot, f.epoch, f.released_on_stream);
     if (f.async) finished_.push_back(FinishedCall{f.epoch, out});
-    else finished_sync_.emplace(f.epoch, out);
+    else PutSyncResultLocked(f.epoch, out);
     inflight_.erase(inflight_.begin());
   }
 }
@@ -793,17 +807,22 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
     mine->slots[s].open.store(e, std::memory_order_release);  // bookkeeping: the grant is on the GPU
     StreamCall call{s, e, mode.wait_ready, wait_released};
     // The next call's slot, granted to the peers now where nothing of it is left to read once
-    // this call's ready wait passed (its previous call is earlier on this stream): never used
-    // yet, its result copied out, or its result given back on the client's stream before this
-    // call's ready word. With one slot the next call's is this call's own.
+    // this call's ready wait passed (its previous call is earlier on this stream): its result
+    // copied out, or given back on the client's stream before this call's ready word (the
+    // claim is about the result the slot holds, as for released_in_order). With one slot the
+    // next call's is this call's own.
     const uint64_t n = static_cast<uint64_t>(geometry_.num_slots);
     copied_out_[s] = plan.has_out ? e : 0;
-    if (n > 1 && geometry_.world_size > 1) {
+    if (n > 1 && geometry_.world_size > 1 && transport_->GrantsSlots()) {
       call.granted = granted_ahead_[s] == e;
       const uint64_t next = e + 1;
       const int next_slot = static_cast<int>(e % n);
-      if (next <= n || copied_out_[next_slot] == next - n ||
-          (mode.wait_ready && mode.next_released_in_order)) {
+      bool claimed_released = false;
+      if (next > n && mode.wait_ready && mode.next_released_in_order) {
+        std::lock_guard<std::mutex> lk(slot_mu_);
+        claimed_released = slots_[next_slot].epoch == next - n;
+      }
+      if (next > n && (copied_out_[next_slot] == next - n || claimed_released)) {
         call.grant_ahead = next;
         granted_ahead_[next_slot] = next;
       }
@@ -834,8 +853,10 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
       std::lock_guard<std::mutex> lock(inflight_mu_);
       auto it = finished_sync_.find(e);
       if (it != finished_sync_.end()) {
-        absl::StatusOr<CallOutcome> out = std::move(it->second);
-        finished_sync_.erase(it);
+        SyncResults::node_type node = finished_sync_.extract(it);
+        absl::StatusOr<CallOutcome> out = std::move(node.mapped());
+        if (spare_sync_nodes_.size() < spare_sync_nodes_.capacity())
+          spare_sync_nodes_.push_back(std::move(node));
         return out;
       }
     }

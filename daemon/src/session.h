@@ -292,7 +292,12 @@ class Session {
   // the transport drains its stream (its destruction), so they are held until then.
   std::vector<std::shared_ptr<const void>> failed_keep_;
   std::vector<FinishedCall> finished_;              // async calls, for TakeFinished
-  std::map<uint64_t, absl::StatusOr<CallOutcome>> finished_sync_;  // for their Execute
+  // Calls whose caller waits (Execute without async), by epoch, for that caller. The nodes of
+  // taken results are kept (as many as slots) and reused, so a call allocates none.
+  using SyncResults = std::map<uint64_t, absl::StatusOr<CallOutcome>>;
+  SyncResults finished_sync_;
+  std::vector<SyncResults::node_type> spare_sync_nodes_;
+  void PutSyncResultLocked(uint64_t epoch, absl::StatusOr<CallOutcome> outcome);
   // A held slot whose result the client released through its word becomes free. Caller holds
   // slot_mu_. Returns whether the slot is (now) not held.
   bool NotHeldLocked(int slot);

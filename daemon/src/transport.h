@@ -121,6 +121,10 @@ class Transport {
   /// and returns; Completed() reports the end. Others run the host protocol (Push, Flush,
   /// Finish) under Session's waits.
   virtual bool StreamOrdered() const { return false; }
+  /// Stream-ordered transports whose stream writes grant words (nvlink): Enqueue honours
+  /// StreamCall::granted and grant_ahead. Others (nccl: NCCL matches the transfers) ignore
+  /// them, and Session grants nothing ahead for them.
+  virtual bool GrantsSlots() const { return false; }
   virtual absl::Status Enqueue(const CallPlan& plan, const CallOperands& ops,
                                const StreamCall& call) {
     return absl::UnimplementedError("this transport runs the host protocol");

@@ -24,8 +24,7 @@ absl::StatusOr<CallArgs> CallArgsFromDescriptor(const CallDescriptor& d) {
     return absl::InvalidArgumentError(StrCat("op: ", d.op, " is not an operation"));
   if (d.num_inputs > 3)
     return absl::InvalidArgumentError(StrCat("num_inputs: ", d.num_inputs, " exceeds 3"));
-  if ((d.flags & ~(kDescriptorStreamOrdered | kDescriptorReleasedInOrder |
-                   kDescriptorNextReleasedInOrder)) != 0)
+  if ((d.flags & ~kDescriptorFlags) != 0)
     return absl::InvalidArgumentError(absl::StrCat("flags: unknown bits 0x", absl::Hex(d.flags)));
   if ((d.flags & (kDescriptorReleasedInOrder | kDescriptorNextReleasedInOrder)) != 0 &&
       (d.flags & kDescriptorStreamOrdered) == 0)

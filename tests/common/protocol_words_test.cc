@@ -30,10 +30,12 @@ TEST(ProtocolWords, ThePeersReportSaysWhoTookTheEpochAndWhyOneLeft) {
                                    {2, true, 3, kAbortClosed},
                                    {3, false, 0, kAbortClientGone},
                                    {4, true, 2, kAbortCallFailed},
-                                   {5, false, 1, 9}}),
+                                   {5, false, 1, 9},
+                                   {6, false, 1, 0, true}}),
             "peers at epoch 3: rank 0 has not taken it, completed 2; rank 2 took it, completed 3, "
             "closed; rank 3 has not taken it, completed 0, client gone; rank 4 took it, completed "
-            "2, call failed; rank 5 has not taken it, completed 1, abort 9");
+            "2, call failed; rank 5 has not taken it, completed 1, abort 9; rank 6 has not taken "
+            "it, completed 1, its daemon gone");
   EXPECT_EQ(FormatPeerProgress(1, {}), "peers at epoch 1:");
 }
 

@@ -39,10 +39,12 @@ struct PeerProgress {
   bool took = false;        ///< its daemon took the epoch (its call signature is there)
   uint64_t completed = 0;   ///< the last epoch it completed
   uint64_t abort = 0;       ///< its abort word (kAbortClosed, ...; 0: none)
+  bool daemon_gone = false; ///< its daemon is gone (its words can no longer change)
 };
 
 /// "peers at epoch E: rank J took it, completed C; rank K has not taken it, completed C,
-/// closed" (the abort word, when set, as closed / client gone / call failed / abort N).
+/// closed" (the abort word, when set, as closed / client gone / call failed / abort N; then
+/// "its daemon gone" when it is).
 std::string FormatPeerProgress(uint64_t epoch, const std::vector<PeerProgress>& peers);
 
 /// Whether `text` (a log line, an error message) holds a report whose client had not written

@@ -55,6 +55,9 @@ inline constexpr uint16_t kDescriptorReleasedInOrder = 2;
 /// this call's ready wait, so the peers' next stores wait for no hand-off. A false claim, too,
 /// can only overwrite the client's own view.
 inline constexpr uint16_t kDescriptorNextReleasedInOrder = 4;
+/// Every flag this build knows (a daemon accepts these, AttachResponse.descriptor_flags).
+inline constexpr uint16_t kDescriptorFlags =
+    kDescriptorStreamOrdered | kDescriptorReleasedInOrder | kDescriptorNextReleasedInOrder;
 
 struct CallDescriptor {
   uint64_t session_id;
