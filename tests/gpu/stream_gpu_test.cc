@@ -90,6 +90,23 @@ int64_t WrongScatterElements(const std::vector<float>& got, int dst, int it) {
   return wrong;
 }
 
+// Rank r's inputs of `iterations` calls, one [B, S, H, D] float32 tensor after the other.
+void FillInputs(float* in, int r, int iterations) {
+  const int64_t elems = int64_t{kB} * kS * kH * kD;
+  for (int it = 0; it < iterations; ++it)
+    for (int64_t i = 0; i < elems; ++i)
+      in[it * elems + i] =
+          Value(r, it, i / (kS * kH * kD), (i / (kH * kD)) % kS, (i / kD) % kH, i % kD);
+}
+
+// Every rank's result of every call (got[rank][call]) is that call's scatter, bit for bit.
+void ExpectEveryScatter(const std::vector<std::vector<std::vector<float>>>& got, int calls) {
+  for (int dst = 0; dst < kW; ++dst)
+    for (int it = 0; it < calls; ++it)
+      EXPECT_EQ(WrongScatterElements(got[dst][it], dst, it), 0)
+          << "rank " << dst << " call " << it + 1;
+}
+
 TEST_P(StreamBackends, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
   Start(kW);
   const int64_t hl = kH / kW, in_elems = int64_t{kB} * kS * kH * kD;
@@ -117,12 +134,7 @@ TEST_P(StreamBackends, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
       float* host_out = nullptr;
       cudaMallocHost(reinterpret_cast<void**>(&host_in), in_elems * 4 * kIters);
       cudaMallocHost(reinterpret_cast<void**>(&host_out), out_elems * 4 * kIters);
-      for (int it = 0; it < kIters; ++it)
-        for (int64_t b = 0; b < kB; ++b)
-          for (int64_t q = 0; q < kS; ++q)
-            for (int64_t h = 0; h < kH; ++h)
-              for (int64_t d = 0; d < kD; ++d)
-                host_in[it * in_elems + ((b * kS + q) * kH + h) * kD + d] = Value(r, it, b, q, h, d);
+      FillInputs(host_in, r, kIters);
       (*s)->set_stream(stream);
       gates[r] = std::make_unique<Gate>(stream);
       // Every iteration rewrites x on the stream, calls, copies the result out and releases
@@ -157,10 +169,7 @@ TEST_P(StreamBackends, CallsReturnBeforeTheStreamRunsThemAndFollowItsOrder) {
   }
   for (auto& t : ranks) t.join();
   for (int r = 0; r < kW; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
-  for (int dst = 0; dst < kW; ++dst)
-    for (int it = 0; it < kIters; ++it)
-      EXPECT_EQ(WrongScatterElements(got[dst][it], dst, it), 0)
-          << "rank " << dst << " iteration " << it;
+  ExpectEveryScatter(got, kIters);
 }
 
 // A result is given back on the stream that reads it; the call that needs its slot next may
@@ -632,10 +641,7 @@ TEST_P(StreamBackends, AHeldResultsSlotIsNotGrantedAheadOfItsRelease) {
       if (cudaMallocHost(reinterpret_cast<void**>(&in), elems * 4 * kCalls) != cudaSuccess ||
           cudaMallocHost(reinterpret_cast<void**>(&out), elems * 4 * kCalls) != cudaSuccess)
         return fail("pinned memory");
-      for (int it = 0; it < kCalls; ++it)
-        for (int64_t i = 0; i < elems; ++i)
-          in[it * elems + i] = Value(r, it, i / (kS * kH * kD), (i / (kH * kD)) % kS,
-                                     (i / kD) % kH, i % kD);
+      FillInputs(in, r, kCalls);
       // Call `it`: its input written on the stream first.
       auto call = [&](int it) {
         cudaMemcpyAsync(k->x.data, in + it * elems, elems * 4, cudaMemcpyHostToDevice, stream);
@@ -675,10 +681,7 @@ TEST_P(StreamBackends, AHeldResultsSlotIsNotGrantedAheadOfItsRelease) {
     });
   for (auto& t : ranks) t.join();
   for (int r = 0; r < kW; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
-  for (int dst = 0; dst < kW; ++dst)
-    for (int it = 0; it < kCalls; ++it)
-      EXPECT_EQ(WrongScatterElements(got[dst][it], dst, it), 0)
-          << "rank " << dst << " call " << it + 1;
+  ExpectEveryScatter(got, kCalls);
 }
 
 // A call that times out says where its stream stood: its slot's words as the device holds
