@@ -71,8 +71,6 @@ class ClientImpl : public BufferResolver {
   std::string token;
   std::string backend;
   std::string mps_mode;
-  // The descriptor flags the daemon accepts (AttachResponse.descriptor_flags).
-  uint32_t descriptor_flags = ipc::kDescriptorStreamOrdered | ipc::kDescriptorReleasedInOrder;
   ipc::UniqueFd fd_socket;
   std::mutex fd_mu;  // an RPC that answers with an fd frame and the read of that frame
   mutable std::mutex buf_mu;
@@ -446,15 +444,6 @@ bool ReleaseInOrderEnabled() {
   return enabled;
 }
 
-// Whether a call claims the next call's slot given back in stream order
-// (ipc::kDescriptorNextReleasedInOrder), so that its daemon grants that slot to the peers at
-// once: ULYSSES_GRANT_AHEAD=0 never claims it (the benchmark's A/B), nor does
-// ULYSSES_RELEASE_IN_ORDER=0.
-bool GrantAheadEnabled() {
-  static const bool enabled = !EnvIs("ULYSSES_GRANT_AHEAD", "0");
-  return enabled;
-}
-
 // Whether a stream release is carried by the slot's next ready word (the default) instead of
 // written as a word of its own: ULYSSES_RELEASE_WORD=1 writes it (the benchmark's A/B), as
 // does ULYSSES_RELEASE_IN_ORDER=0.
@@ -532,15 +521,6 @@ class StreamWords {
         return true;
     }
     return false;
-  }
-  // Whether this call's ready word on the stream with id `stream_id` comes after the release
-  // of the next call's slot's result of `epoch` (ipc::kDescriptorNextReleasedInOrder): only
-  // when that release went on this same stream. A mark on another stream is left to the next
-  // call, which orders its own stream after it: waiting for it here would hold this call back
-  // for the sake of the next one.
-  bool NextReleaseInOrder(int slot, uint64_t epoch, uint64_t stream_id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return ledger_.Peek(slot, epoch, stream_id) == ReleaseLedger::Carry::kSameStream;
   }
   // Marks `stream` after work enqueued on it that names these mappings.
   absl::Status Mark(void* stream) {
@@ -704,7 +684,6 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ConnectOptions& op
   impl->token = resp.token();
   impl->backend = resp.backend();
   impl->mps_mode = resp.mps_mode();
-  if (resp.descriptor_flags() != 0) impl->descriptor_flags = resp.descriptor_flags();
   ULY_ASSIGN_OR_RETURN(impl->fd_socket, ipc::ConnectUnix(resp.fd_socket()));
   nlohmann::json hello = {{"client_id", impl->client_id}, {"token", impl->token}};
   ULY_RETURN_IF_ERROR(ipc::SendMessage(impl->fd_socket.get(), hello.dump()));
@@ -1269,25 +1248,14 @@ absl::StatusOr<uint64_t> Session::SubmitPlanned(const CallArgs& args, CallPlan* 
     // the ready word, and this stream's later work waits for the done word.
     // The slot's previous result given back on this stream: this ready word implies it, and
     // the daemon's stream skips its wait for the release word.
-    const uint64_t slots = static_cast<uint64_t>(geometry_.num_slots);
-    const uint64_t previous = d.epoch > slots ? d.epoch - slots : 0;
-    // Likewise the next call's slot: its result given back on this stream already lets the
-    // daemon grant that slot to the peers now (ULYSSES_GRANT_AHEAD=0: not claimed).
-    const uint64_t next_previous = d.epoch + 1 > slots ? d.epoch + 1 - slots : 0;
-    if (ReleaseInOrderEnabled() && (previous != 0 || next_previous != 0)) {
+    const uint64_t previous = d.epoch > static_cast<uint64_t>(geometry_.num_slots)
+                                  ? d.epoch - static_cast<uint64_t>(geometry_.num_slots)
+                                  : 0;
+    if (previous != 0 && ReleaseInOrderEnabled()) {
       absl::StatusOr<uint64_t> id = ipc::cuda::StreamId(stream_);
-      const uint64_t stream_id = id.ok() ? *id : 0;
-      if (previous != 0) {
-        ULY_ASSIGN_OR_RETURN(const bool carried,
-                             stream_words_->CarryRelease(stream_, slot, previous, stream_id));
-        if (carried) d.flags |= ipc::kDescriptorReleasedInOrder;
-      }
-      // Not to a daemon that predates the flag: it would refuse the descriptor.
-      if (slots > 1 && next_previous != 0 && GrantAheadEnabled() &&
-          (client_->descriptor_flags & ipc::kDescriptorNextReleasedInOrder) != 0 &&
-          stream_words_->NextReleaseInOrder(static_cast<int>(d.epoch % slots), next_previous,
-                                            stream_id))
-        d.flags |= ipc::kDescriptorNextReleasedInOrder;
+      ULY_ASSIGN_OR_RETURN(const bool carried,
+                           stream_words_->CarryRelease(stream_, slot, previous, id.ok() ? *id : 0));
+      if (carried) d.flags |= ipc::kDescriptorReleasedInOrder;
     }
     ULY_RETURN_IF_ERROR(stream_words_->Ready(stream_, slot, d.epoch));
     d.flags |= ipc::kDescriptorStreamOrdered;

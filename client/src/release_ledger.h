@@ -45,13 +45,6 @@ class ReleaseLedger {
   Carry OnCall(int slot, uint64_t previous, uint64_t stream_id) {
     uint64_t& called = called_[slot];
     if (previous > called) called = previous;
-    return Peek(slot, previous, stream_id);
-  }
-
-  /// What a ready word written now on the stream with id `stream_id` says of the release of
-  /// `slot`'s result of `previous`, recording nothing: for the slot of the call after the one
-  /// being made (ipc::kDescriptorNextReleasedInOrder), whose own OnCall still comes.
-  Carry Peek(int slot, uint64_t previous, uint64_t stream_id) const {
     auto it = last_.find(slot);
     if (it == last_.end() || it->second.epoch != previous) return Carry::kNo;
     if (stream_id != 0 && it->second.stream_id == stream_id) return Carry::kSameStream;

@@ -439,9 +439,7 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     absl::StatusOr<CallArgs> args = ipc::CallArgsFromDescriptor(d);
     const ExecuteMode mode{/*async=*/true,
                            /*wait_ready=*/(d.flags & ipc::kDescriptorStreamOrdered) != 0,
-                           /*released_in_order=*/(d.flags & ipc::kDescriptorReleasedInOrder) != 0,
-                           /*next_released_in_order=*/
-                           (d.flags & ipc::kDescriptorNextReleasedInOrder) != 0};
+                           /*released_in_order=*/(d.flags & ipc::kDescriptorReleasedInOrder) != 0};
     PendingCall p;
     absl::StatusOr<CallResult> r = step("executing a call", d.session_id, [&] {
       Failpoint("ring_worker.execute");

@@ -518,7 +518,6 @@ class CudaTransport final : public Transport {
   // The whole call on the session's stream (docs/protocol.md section 9): wait for the client's
   // inputs, grant this rank's slot to every source, store each block once its destination
   // granted, announce the blocks, wait for every source's, finish, publish done.
-  bool GrantsSlots() const override { return true; }
   absl::Status Enqueue(const CallPlan& plan, const CallOperands& ops,
                        const StreamCall& call) override {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
@@ -535,17 +534,8 @@ class CudaTransport final : public Transport {
     // This rank's own grant and arrival are this stream's order itself: no word.
     if (call.wait_released != 0)
       ULY_RETURN_IF_ERROR(memops.Wait(&ClientWords()->released[s], call.wait_released));
-    // This slot's grants, unless the previous call wrote them, and the next call's slot's
-    // where it is free already: a peer's next call then finds its grant waiting.
-    const int next = call.grant_ahead != 0
-                         ? static_cast<int>((call.grant_ahead - 1) % setup_.geometry.num_slots)
-                         : -1;
-    for (int r = 0; r < W; ++r) {
-      if (r == me) continue;
-      if (!call.granted) ULY_RETURN_IF_ERROR(memops.Write(&words_[r]->slots[s].grant[me], e));
-      if (next >= 0)
-        ULY_RETURN_IF_ERROR(memops.Write(&words_[r]->slots[next].grant[me], call.grant_ahead));
-    }
+    for (int r = 0; r < W; ++r)
+      if (r != me) ULY_RETURN_IF_ERROR(memops.Write(&words_[r]->slots[s].grant[me], e));
     // One launch stores every block (the fused path: its GEMM, norm + RoPE and stores), once
     // every destination granted its slot: a launch and a flush per destination cost more host
     // time than the grants' skew costs the stream.

@@ -14,7 +14,6 @@
 #include "host_allocations.h"
 #include "requests.h"
 #include "ulysses/common/sockets.h"
-#include "ulysses/ipc/client_segment.h"
 #include "ulysses/ipc/cuda_memory.h"
 #include "nlohmann/json.hpp"
 #include "ulysses/common/backend_choice.h"
@@ -597,7 +596,6 @@ class ControlService final
     resp->set_device(d_->config().device);
     resp->set_backend(d_->backend());
     resp->set_mps_mode(d_->mps_mode());
-    resp->set_descriptor_flags(ipc::kDescriptorFlags);
     return grpc::Status::OK;
   }
 

@@ -180,8 +180,6 @@ int Session::Poison() {
     if (e.state == SlotState::kWriting || (e.stream_release != 0 && e.stream_release == e.epoch) ||
         !NotHeldLocked(s))
       continue;
-    // Granted to the peers for the next call already: their blocks may be on the way.
-    if (granted_ahead_[s] > epoch_) continue;
     if (absl::Status st = transport_->Poison(s); !st.ok()) {
       Logger("exec")->warn("session {}: poison slot {}: {}", id_, s, std::string(st.message()));
       continue;
@@ -805,30 +803,10 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
     mine->slots[s].call_shape.store(call_shape, std::memory_order_relaxed);
     mine->slots[s].call_op.store(call_op, std::memory_order_relaxed);
     mine->slots[s].open.store(e, std::memory_order_release);  // bookkeeping: the grant is on the GPU
-    StreamCall call{s, e, mode.wait_ready, wait_released};
-    // The next call's slot, granted to the peers now where nothing of it is left to read once
-    // this call's ready wait passed (its previous call is earlier on this stream): its result
-    // copied out, or given back on the client's stream before this call's ready word (the
-    // claim is about the result the slot holds, as for released_in_order). With one slot the
-    // next call's is this call's own.
-    const uint64_t n = static_cast<uint64_t>(geometry_.num_slots);
-    copied_out_[s] = plan.has_out ? e : 0;
-    if (n > 1 && geometry_.world_size > 1 && transport_->GrantsSlots()) {
-      call.granted = granted_ahead_[s] == e;
-      const uint64_t next = e + 1;
-      const int next_slot = static_cast<int>(e % n);
-      bool claimed_released = false;
-      if (next > n && mode.wait_ready && mode.next_released_in_order) {
-        std::lock_guard<std::mutex> lk(slot_mu_);
-        claimed_released = slots_[next_slot].epoch == next - n;
-      }
-      if (next > n && (copied_out_[next_slot] == next - n || claimed_released)) {
-        call.grant_ahead = next;
-        granted_ahead_[next_slot] = next;
-      }
-    }
     std::unique_lock<std::mutex> inflight(inflight_mu_);
-    if (absl::Status st = transport_->Enqueue(plan, ops, call); !st.ok()) {
+    if (absl::Status st =
+            transport_->Enqueue(plan, ops, StreamCall{s, e, mode.wait_ready, wait_released});
+        !st.ok()) {
       // Part of the call may be on the stream already: its buffers stay until the stream
       // drains, as a failed in-flight call's do.
       for (const auto& k : ops.keep)

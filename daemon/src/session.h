@@ -51,9 +51,6 @@ struct ExecuteMode {
   /// ready word, so the daemon's stream need not wait for the release word
   /// (ipc::kDescriptorReleasedInOrder).
   bool released_in_order = false;
-  /// With wait_ready: likewise for the next call's slot (ipc::kDescriptorNextReleasedInOrder):
-  /// the call grants that slot to the peers for the next epoch.
-  bool next_released_in_order = false;
 };
 
 /// A finished asynchronous call.
@@ -232,11 +229,6 @@ class Session {
   std::unique_ptr<Transport> transport_;
   mutable std::mutex call_mu_;            // one call in flight per session
   uint64_t epoch_ = 0;
-  // Per slot, under call_mu_: the epoch an earlier call granted it to the peers for
-  // (StreamCall::grant_ahead), and the epoch of its last call whose result was copied out
-  // (`out=`: nothing left in the slot for the client to read once the call ended).
-  std::array<uint64_t, kMaxSlots> granted_ahead_{};
-  std::array<uint64_t, kMaxSlots> copied_out_{};
   std::atomic<uint64_t> calls_{0};
   std::atomic<uint64_t> last_epoch_{0};
   std::atomic<bool> broken_{false};

@@ -58,12 +58,6 @@ struct StreamCall {
   /// Nonzero: the slot holds the result of this epoch, which the client's stream gives back by
   /// writing released[slot]; the daemon's stream waits for that before it grants the slot.
   uint64_t wait_released = 0;
-  /// The previous call granted this call's slot to the peers already (grant_ahead): no grant
-  /// word to write.
-  bool granted = false;
-  /// Nonzero: the next call's epoch (epoch + 1), whose slot is free once this call's ready
-  /// wait passed; the stream grants it to the peers then, beside this call's grants.
-  uint64_t grant_ahead = 0;
 };
 
 class Transport {
@@ -121,10 +115,6 @@ class Transport {
   /// and returns; Completed() reports the end. Others run the host protocol (Push, Flush,
   /// Finish) under Session's waits.
   virtual bool StreamOrdered() const { return false; }
-  /// Stream-ordered transports whose stream writes grant words (nvlink): Enqueue honours
-  /// StreamCall::granted and grant_ahead. Others (nccl: NCCL matches the transfers) ignore
-  /// them, and Session grants nothing ahead for them.
-  virtual bool GrantsSlots() const { return false; }
   virtual absl::Status Enqueue(const CallPlan& plan, const CallOperands& ops,
                                const StreamCall& call) {
     return absl::UnimplementedError("this transport runs the host protocol");

@@ -24,14 +24,12 @@ absl::StatusOr<CallArgs> CallArgsFromDescriptor(const CallDescriptor& d) {
     return absl::InvalidArgumentError(StrCat("op: ", d.op, " is not an operation"));
   if (d.num_inputs > 3)
     return absl::InvalidArgumentError(StrCat("num_inputs: ", d.num_inputs, " exceeds 3"));
-  if ((d.flags & ~kDescriptorFlags) != 0)
+  if ((d.flags & ~(kDescriptorStreamOrdered | kDescriptorReleasedInOrder)) != 0)
     return absl::InvalidArgumentError(absl::StrCat("flags: unknown bits 0x", absl::Hex(d.flags)));
-  if ((d.flags & (kDescriptorReleasedInOrder | kDescriptorNextReleasedInOrder)) != 0 &&
-      (d.flags & kDescriptorStreamOrdered) == 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "flags: released-in-order (",
-        d.flags & (kDescriptorReleasedInOrder | kDescriptorNextReleasedInOrder),
-        ") needs stream-ordered (1): only a ready word on the stream can imply the release"));
+  if ((d.flags & kDescriptorReleasedInOrder) != 0 && (d.flags & kDescriptorStreamOrdered) == 0)
+    return absl::InvalidArgumentError(
+        "flags: released-in-order (2) needs stream-ordered (1): only a ready word on the stream "
+        "can imply the release");
   CallArgs args;
   args.op = static_cast<OpKind>(d.op);
   args.batch = d.batch;

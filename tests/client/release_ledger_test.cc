@@ -46,23 +46,6 @@ TEST(ReleaseLedger, WithoutMarksEveryReleaseIsAWord) {
   EXPECT_EQ(l.OnRelease(kSlot, 3, /*marks=*/false), Give::kWord);
 }
 
-// The call before the slot's next asks too (ipc::kDescriptorNextReleasedInOrder): it sees what
-// the next call will see, and records nothing, so a release that comes between the two calls
-// is still a mark that the next call carries.
-TEST(ReleaseLedger, ACallAheadSeesTheReleaseAndLeavesItToTheSlotsNextCall) {
-  ReleaseLedger l;
-  EXPECT_EQ(l.Peek(kSlot, 3, kStreamA), Carry::kNo);  // not given back yet
-  ASSERT_EQ(l.OnRelease(kSlot, 3, /*marks=*/true), Give::kMark);
-  l.Released(kSlot, 3, kStreamA, /*written=*/false);
-  EXPECT_EQ(l.Peek(kSlot, 3, kStreamA), Carry::kSameStream);
-  EXPECT_EQ(l.Peek(kSlot, 3, kStreamB), Carry::kAfterMark);
-  EXPECT_EQ(l.Peek(kSlot, 1, kStreamA), Carry::kNo);  // another epoch's result
-  EXPECT_EQ(l.OnCall(kSlot, 3, kStreamA), Carry::kSameStream);
-  // A peek before the release: the release after it is still a mark.
-  EXPECT_EQ(l.Peek(kSlot, 5, kStreamA), Carry::kNo);
-  EXPECT_EQ(l.OnRelease(kSlot, 5, /*marks=*/true), Give::kMark);
-}
-
 // The result dropped on another thread while the slot's next call is made: the call finds no
 // release to carry, so its daemon waits for the word, and the release, coming after, writes it.
 TEST(ReleaseLedger, AReleaseThatComesAfterTheNextCallIsAWord) {

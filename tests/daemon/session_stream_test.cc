@@ -10,7 +10,6 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
-#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -42,7 +41,6 @@ struct DeviceScript {
   int cancels = 0;
   bool make_fails = false;  // the backend cannot make the session's transport
   std::string stuck_words;  // what DescribeStuck answers
-  bool grants_slots = true;  // whether the transport writes grant words (nvlink does, nccl not)
 };
 
 class StandInStreamTransport final : public Transport {
@@ -92,10 +90,6 @@ class StandInStreamTransport final : public Transport {
   bool Drain() override {
     std::lock_guard<std::mutex> lock(script_->mu);
     return script_->drains;
-  }
-  bool GrantsSlots() const override {
-    std::lock_guard<std::mutex> lock(script_->mu);
-    return script_->grants_slots;
   }
   std::string DescribeStuck(int, uint64_t) override {
     std::lock_guard<std::mutex> lock(script_->mu);
@@ -524,106 +518,6 @@ TEST_F(SessionStreamTest, ATimedOutCallWhosePeersTookItsEpochSaysSo) {
                                 "; protocol words: words; peers at epoch 1: rank 1 took it, "
                                 "completed 0"))
       << done[0].outcome.status();
-}
-
-// Epoch e's call on rank 0 of `ranks`, made and finished (rank 1 never calls: its calls are
-// not needed for this); `check` runs while it is in flight.
-void CallOnRankZero(std::unique_ptr<Session> (&ranks)[2], const CallPlan& base, uint64_t e,
-                    bool next_released, bool out, DeviceScript& script,
-                    const std::function<void()>& check = {}) {
-  CallPlan plan = base;
-  plan.has_out = out;
-  auto got = ranks[0]->Execute(plan, CallOperands{}, absl::Seconds(30), 0,
-                               ExecuteMode{.async = true,
-                                           .wait_ready = true,
-                                           .released_in_order = true,
-                                           .next_released_in_order = next_released});
-  ASSERT_TRUE(got.ok()) << "epoch " << e << ": " << got.status();
-  if (check) check();
-  {
-    std::lock_guard<std::mutex> lock(script.mu);
-    script.finished.insert({got->slot, e});
-  }
-  const std::vector<FinishedCall> done = CollectOnRank(*ranks[0]);
-  ASSERT_EQ(done.size(), 1u) << "epoch " << e;
-  ASSERT_TRUE(done[0].outcome.ok()) << "epoch " << e << ": " << done[0].outcome.status();
-}
-
-// The next call's slot is granted to the peers by the call before it wherever nothing of that
-// slot is left to read once that call's ready wait passed: a slot whose result was copied out,
-// or one whose result the client gave back on its stream before the ready word
-// (docs/protocol.md section 9.2). The next call then writes no grant of its own. A slot
-// granted so is not poisoned either: the peers' blocks may be on their way.
-TEST_F(SessionStreamTest, TheNextCallsSlotIsGrantedAheadWhereNothingOfItIsLeftToRead) {
-  std::unique_ptr<Session> ranks[2];
-  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks(geometry_, exports_, backend_, ranks));
-  auto call = [&](uint64_t e, bool next_released, bool out,
-                  const std::function<void()>& check = {}) {
-    CallOnRankZero(ranks, plan_, e, next_released, out, *script_, check);
-  };
-  ASSERT_NO_FATAL_FAILURE(call(1, false, false));
-  ASSERT_NO_FATAL_FAILURE(call(2, false, false));  // slot 0 still held: no grant ahead
-  ASSERT_NO_FATAL_FAILURE(call(3, true, false));   // the client says slot 1 was given back
-  ASSERT_NO_FATAL_FAILURE(call(4, false, true));   // copied out; slot 0 held: none ahead
-  // Slot 1's epoch 4 was copied out: granted for epoch 6 now, so not poisoned meanwhile (slot
-  // 0 is this call's).
-  ASSERT_NO_FATAL_FAILURE(call(5, false, false, [&] { EXPECT_EQ(ranks[0]->Poison(), 0); }));
-  ASSERT_NO_FATAL_FAILURE(call(6, false, false));
-  std::lock_guard<std::mutex> lock(script_->mu);
-  ASSERT_EQ(script_->enqueued.size(), 6u);
-  const bool granted[] = {false, false, false, true, false, true};
-  const uint64_t ahead[] = {0, 0, 4, 0, 6, 0};
-  for (size_t i = 0; i < 6; ++i) {
-    EXPECT_EQ(script_->enqueued[i].granted, granted[i]) << "epoch " << i + 1;
-    EXPECT_EQ(script_->enqueued[i].grant_ahead, ahead[i]) << "epoch " << i + 1;
-  }
-}
-
-// A transport that writes no grant words (nccl) is asked for none ahead, and its slots are
-// poisoned as before.
-TEST_F(SessionStreamTest, NoGrantAheadForATransportWithoutGrants) {
-  {
-    std::lock_guard<std::mutex> lock(script_->mu);
-    script_->grants_slots = false;
-  }
-  std::unique_ptr<Session> ranks[2];
-  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks(geometry_, exports_, backend_, ranks));
-  ASSERT_NO_FATAL_FAILURE(CallOnRankZero(ranks, plan_, 1, false, true, *script_));
-  ASSERT_NO_FATAL_FAILURE(CallOnRankZero(ranks, plan_, 2, true, false, *script_,
-                                         [&] { EXPECT_EQ(ranks[0]->Poison(), 1); }));
-  std::lock_guard<std::mutex> lock(script_->mu);
-  for (const StreamCall& c : script_->enqueued) {
-    EXPECT_FALSE(c.granted) << "epoch " << c.epoch;
-    EXPECT_EQ(c.grant_ahead, 0u) << "epoch " << c.epoch;
-  }
-}
-
-// A rank alone has no peer to grant anything to, and with one slot the next call's slot is
-// the call's own.
-TEST_F(SessionStreamTest, NoGrantAheadForARankAloneOrWithOneSlot) {
-  for (uint64_t e = 1; e <= 3; ++e) {
-    auto out = session_->Execute(plan_, CallOperands{}, absl::Seconds(30), 0,
-                                 ExecuteMode{.async = true,
-                                             .wait_ready = true,
-                                             .released_in_order = true,
-                                             .next_released_in_order = true});
-    ASSERT_TRUE(out.ok()) << out.status();
-    Finish(out->slot, e);
-    ASSERT_EQ(Collect().size(), 1u);
-  }
-  SessionGeometry one = geometry_;
-  one.num_slots = 1;
-  std::unique_ptr<Session> ranks[2];
-  ASSERT_NO_FATAL_FAILURE(OpenTwoRanks(one, exports_, backend_, ranks));
-  auto got = ranks[0]->Execute(plan_, CallOperands{}, absl::Seconds(30), 0,
-                               ExecuteMode{.async = true, .wait_ready = true});
-  ASSERT_TRUE(got.ok()) << got.status();
-  std::lock_guard<std::mutex> lock(script_->mu);
-  ASSERT_EQ(script_->enqueued.size(), 4u);
-  for (const StreamCall& c : script_->enqueued) {
-    EXPECT_FALSE(c.granted) << "epoch " << c.epoch;
-    EXPECT_EQ(c.grant_ahead, 0u) << "epoch " << c.epoch;
-  }
 }
 
 // A session that goes while its last call finished on the "device" but was not collected yet

@@ -610,13 +610,12 @@ TEST_P(StreamBackends, RanksThatCallDifferentlyAtOneEpochFailLongBeforeTheTimeou
   ExpectANewGroupServes(Members(kW), "after-mismatch", backend_);
 }
 
-// A result still held when the call before its slot's next one is made keeps its slot from
-// being granted ahead (docs/protocol.md section 9.2): rank 0 keeps its epoch 1 result while
-// both ranks make epoch 2, and rank 1, which gives each result back before its next call (so
-// its slots are granted ahead), goes on to epoch 3, whose blocks for rank 0 go into the slot
-// of that result. Rank 0 copies the result 300 ms later: still epoch 1's. Rank 1's epoch 3
-// completes once rank 0 gave it back and made the call. Every result is checked.
-TEST_P(StreamBackends, AHeldResultsSlotIsNotGrantedAheadOfItsRelease) {
+// A peer that runs ahead never stores into a slot whose result is still held: rank 0 keeps
+// its epoch 1 result while both ranks make epoch 2, and rank 1, which gives each result back
+// before its next call, goes on to epoch 3, whose blocks for rank 0 go into the slot of that
+// result. Rank 0 copies the result 300 ms later: still epoch 1's. Rank 1's epoch 3 completes
+// once rank 0 gave it back and made the call. Every result is checked.
+TEST_P(StreamBackends, APeerAheadNeverStoresIntoAHeldResultsSlot) {
   Start(kW);
   constexpr int kCalls = 3;
   const int64_t elems = int64_t{kB} * kS * kH * kD;  // input and result alike

@@ -235,19 +235,6 @@ TEST_F(RingTest, PreparedCallsAllocateNoHostMemory) {
       << "ring calls were counted as Control.Call's";
 }
 
-// Attach names the descriptor flags the daemon takes, so that a client sets no flag an older
-// daemon would refuse (a refused stream-ordered call breaks its session).
-TEST_F(RingTest, AttachNamesTheDescriptorFlagsTheDaemonTakes) {
-  auto stub = testing_util::ControlStub(daemon_.socket());
-  v1::AttachRequest req;
-  req.set_client_name("flags");
-  v1::AttachResponse resp;
-  grpc::ClientContext ctx;
-  ASSERT_TRUE(stub->Attach(&ctx, req, &resp).ok());
-  EXPECT_EQ(resp.descriptor_flags(), ipc::kDescriptorFlags);
-  EXPECT_NE(resp.descriptor_flags() & ipc::kDescriptorNextReleasedInOrder, 0u);
-}
-
 // The Control.Call path: per call, the handler allocates only what gRPC makes for it: the map
 // of the request's metadata, built when the handler reads the client's id and token (one node
 // per item; the client library sends three), and the response's shape field (gRPC makes a new

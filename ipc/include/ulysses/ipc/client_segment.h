@@ -49,15 +49,6 @@ inline constexpr uint16_t kDescriptorStreamOrdered = 1;
 /// the ready word implies the release and the daemon's stream does not wait for the release
 /// word. A client that claims it falsely can only overwrite its own view of that slot.
 inline constexpr uint16_t kDescriptorReleasedInOrder = 2;
-/// With kDescriptorStreamOrdered: likewise for the slot of the next call (epoch + 1), whose
-/// result before (epoch + 1 - num_slots) was given back on this call's stream before its ready
-/// word. The daemon's stream then grants that slot to the peers for the next call right after
-/// this call's ready wait, so the peers' next stores wait for no hand-off. A false claim, too,
-/// can only overwrite the client's own view.
-inline constexpr uint16_t kDescriptorNextReleasedInOrder = 4;
-/// Every flag this build knows (a daemon accepts these, AttachResponse.descriptor_flags).
-inline constexpr uint16_t kDescriptorFlags =
-    kDescriptorStreamOrdered | kDescriptorReleasedInOrder | kDescriptorNextReleasedInOrder;
 
 struct CallDescriptor {
   uint64_t session_id;
