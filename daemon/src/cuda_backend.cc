@@ -67,8 +67,8 @@ constexpr uint64_t kSlotAlign = 256;
 // freeing pinned memory can wait for the whole device, so a session's close frees none.
 class DeviceStreams {
  public:
-  // What DescribeStuck reads per call: every rank's slot words, every rank's done word, then
-  // the client's three.
+  // The most a DescribeStuck reads at once: every rank's slot words and done word, then at most
+  // four more (the client's ready and released, the cancel word, and nccl's done word).
   static constexpr size_t kHostWordsBytes =
       kMaxWorldSize * (sizeof(DeviceSlotWords) + sizeof(uint64_t)) + 4 * sizeof(uint64_t);
 

@@ -720,7 +720,7 @@ class NcclTransport final : public Transport {
   cudaStream_t stream_ = nullptr;   // a lane of the device (also a fused plan's second stream)
   cudaStream_t rescue_ = nullptr;   // the device's, shared: cancels, never waits
   SlotEvents events_;                  // per slot: recorded after the call's done write
-  std::atomic<bool> used_rescue_{false};  // a cancel was enqueued on rescue_
+  std::atomic<bool> used_rescue_{false};  // Cancel or DescribeStuck enqueued on rescue_
   cudaEvent_t rescue_mark_ = nullptr;     // Drain's mark after this session's rescue work
   cudaEvent_t cancel_mark_ = nullptr;     // after a cancel's words, waited for before the abort
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only

@@ -658,7 +658,7 @@ std::string Session::StuckWords(const InFlightCall& f) const {
   if (words.empty()) return {};
   // Where each peer stood, from its session segment: the part of the picture a transport
   // whose daemons map no peer's words (nccl) cannot give.
-  if (!peers_.empty()) {
+  if (geometry_.world_size > 1 && !peers_.empty()) {
     std::vector<PeerProgress> peers;
     for (int r = 0; r < geometry_.world_size; ++r) {
       if (r == geometry_.rank) continue;

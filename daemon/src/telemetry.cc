@@ -165,8 +165,9 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
          "ulyssesd executable counts them; 0 in address, thread and memory sanitizer builds).",
          g.call_path_host_allocations);
   Single(out, "ulyssesd_grpc_call_host_allocations_total", "counter",
-         "Host allocations the Control.Call handlers made (the gRPC call path; gRPC's own "
-         "per-call messages and metadata included), counted as the ring path's are.",
+         "Host allocations the Control.Call handlers made (the gRPC call path; the request's "
+         "metadata map and the response's shape field, which gRPC makes per call, included), "
+         "counted as the ring path's are.",
          g.grpc_call_host_allocations);
   Single(out, "ulyssesd_device_streams_total", "counter",
          "Distinct streams handed to sessions on the device (a closed session's stream serves "

@@ -365,6 +365,25 @@ TEST_F(SessionStreamTest, AHeldResultsReleaseIsWaitedForOnTheStreamUnlessTheRead
   for (const StreamCall& c : script_->enqueued) EXPECT_TRUE(c.wait_ready);
 }
 
+// Callers that wait for their call (the Control.Call path) each get their own call's
+// outcome, call after call past the number of slots, where the session reuses the map nodes
+// that carry the outcomes; a failure reaches its own caller too.
+TEST_F(SessionStreamTest, WaitingCallersGetTheirOwnOutcomesPastTheSlotCount) {
+  CallPlan plan = plan_;
+  plan.has_out = true;  // each result copied out: its slot is free at once
+  const ExecuteMode waits{.async = false, .wait_ready = true};
+  for (uint64_t e = 1; e <= 7; ++e) {
+    const int slot = static_cast<int>((e - 1) % 2);
+    Finish(slot, e);  // done on the "device" as soon as it is enqueued
+    auto out = session_->Execute(plan, CallOperands{}, absl::Seconds(30), 0, waits);
+    ASSERT_TRUE(out.ok()) << "epoch " << e << ": " << out.status();
+    EXPECT_EQ(out->epoch, e);
+    EXPECT_EQ(out->slot, slot);
+  }
+  auto late = session_->Execute(plan, CallOperands{}, absl::Milliseconds(1), 0, waits);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+}
+
 TEST_F(SessionStreamTest, ACallPastItsTimeoutFailsBreaksTheSessionAndCancelsTheStream) {
   auto out = Submit(nullptr, false, absl::Milliseconds(1));
   ASSERT_TRUE(out.ok()) << out.status();
