@@ -173,23 +173,23 @@ class DeviceStreams {
   cudaStream_t SetupStreamFor(cudaStream_t session) const {
     return lanes_->probed() && lanes_->Shared(session) ? rescue_ : session;
   }
-  /// Backend::ReadDeviceWords: `ranges` copied on the rescue stream into the pinned words (at
-  /// most kHostWordsBytes in all), then into `into`.
-  absl::Status ReadWords(std::span<const DeviceRange> ranges, void* into) {
+  /// Backend::ReadDeviceWords: `reads` copied on the rescue stream into the pinned words (at
+  /// most kHostWordsBytes in all), then each to its destination.
+  absl::Status ReadWords(std::span<const DeviceRead> reads) {
     std::lock_guard<std::mutex> lock(host_mu_);
     if (host_words_ == nullptr)
       return absl::FailedPreconditionError("no pinned host memory to read them into");
     size_t total = 0;
-    for (const DeviceRange& r : ranges) total += r.bytes;
+    for (const DeviceRead& r : reads) total += r.bytes;
     if (total > kHostWordsBytes)
       return absl::InvalidArgumentError(
-          StrCat("ranges: ", total, " bytes, more than the ", kHostWordsBytes, " read at once"));
+          StrCat("reads: ", total, " bytes, more than the ", kHostWordsBytes, " read at once"));
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     auto* host = static_cast<uint8_t*>(host_words_);
     size_t at = 0;
-    for (const DeviceRange& r : ranges) {
+    for (const DeviceRead& r : reads) {
       ULY_RETURN_IF_ERROR(CudaStatus("cudaMemcpyAsync",
-                                     cudaMemcpyAsync(host + at, r.at, r.bytes,
+                                     cudaMemcpyAsync(host + at, r.from, r.bytes,
                                                      cudaMemcpyDeviceToHost, rescue_)));
       at += r.bytes;
     }
@@ -201,7 +201,11 @@ class DeviceStreams {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     ULY_RETURN_IF_ERROR(CudaStatus("cudaStreamQuery", err));
-    std::memcpy(into, host, total);
+    at = 0;
+    for (const DeviceRead& r : reads) {
+      std::memcpy(r.to, host + at, r.bytes);
+      at += r.bytes;
+    }
     return absl::OkStatus();
   }
   /// Words a cancel copies over a session's slot and client words: kUnblockWordCount of
@@ -576,38 +580,27 @@ class CudaTransport final : public Transport {
       return {};
     const int me = setup_.geometry.rank;
     used_rescue_ = true;
-    // Every rank's slot words, every rank's done word of the slot, the client's two and the
-    // cancel word.
-    std::vector<DeviceRange> ranges;
-    for (int r = 0; r < W; ++r)
-      ranges.push_back({&words_[r]->slots[slot], sizeof(DeviceSlotWords)});
-    for (int r = 0; r < W; ++r) ranges.push_back({&Results(r)->done[slot], sizeof(uint64_t)});
-    ranges.push_back({&ClientWords()->ready[slot], sizeof(uint64_t)});
-    ranges.push_back({&ClientWords()->released[slot], sizeof(uint64_t)});
-    ranges.push_back({cancel(), sizeof(uint64_t)});
-    // Packed as copied: W slot words, W done words, then the three. (Made only for a call that
-    // did not finish: the call path's count of allocations is about calls that do.)
-    std::vector<uint8_t> bytes(W * (sizeof(DeviceSlotWords) + sizeof(uint64_t)) +
-                               3 * sizeof(uint64_t));
-    if (absl::Status st = streams_->ReadWords(ranges, bytes.data()); !st.ok())
+    // Every rank's slot words and done word of the slot, the client's two and the cancel
+    // word. (Made only for a call that did not finish: the call path's count of allocations is
+    // about calls that do.)
+    std::vector<DeviceSlotWords> slots(W);
+    std::vector<uint64_t> done(W);
+    uint64_t client[3] = {};
+    std::vector<DeviceRead> reads;
+    for (int r = 0; r < W; ++r) {
+      reads.push_back({&words_[r]->slots[slot], &slots[r], sizeof(DeviceSlotWords)});
+      reads.push_back({&Results(r)->done[slot], &done[r], sizeof(uint64_t)});
+    }
+    reads.push_back({&ClientWords()->ready[slot], &client[0], sizeof(uint64_t)});
+    reads.push_back({&ClientWords()->released[slot], &client[1], sizeof(uint64_t)});
+    reads.push_back({cancel(), &client[2], sizeof(uint64_t)});
+    if (absl::Status st = streams_->ReadWords(reads); !st.ok())
       return StrCat("unreadable (", st.message(), ")");
-    auto words_of = [&](int r) {
-      DeviceSlotWords w;
-      std::memcpy(&w, bytes.data() + r * sizeof(DeviceSlotWords), sizeof(w));
-      return w;
-    };
-    const uint8_t* tail = bytes.data() + W * sizeof(DeviceSlotWords);
-    uint64_t done[kMaxWorldSize], client[3];
-    std::memcpy(done, tail, W * sizeof(uint64_t));
-    std::memcpy(client, tail + W * sizeof(uint64_t), sizeof(client));
     SlotWordsReport report{me, slot, epoch, client[0], client[1], client[2], done[me], {}};
-    const DeviceSlotWords mine = words_of(me);
     for (int r = 0; r < W; ++r)
-      if (r != me) {
-        const DeviceSlotWords theirs = words_of(r);
-        report.peers.push_back(
-            {r, mine.grant[r], mine.arrive[r], theirs.grant[me], theirs.arrive[me], done[r]});
-      }
+      if (r != me)
+        report.peers.push_back({r, slots[me].grant[r], slots[me].arrive[r], slots[r].grant[me],
+                                slots[r].arrive[me], done[r]});
     // A stream on a shared queue may wait behind another session's call, not for a word.
     return StrCat(FormatSlotWords(report), "; its stream on ", streams_->Where(stream_));
   }
@@ -764,8 +757,8 @@ class CudaBackend final : public Backend {
   }
   void* RescueStream() override { return streams_->rescue(); }
   const uint64_t* UnblockWordsOfDevice() override { return streams_->unblock_words(); }
-  absl::Status ReadDeviceWords(std::span<const DeviceRange> ranges, void* into) override {
-    return streams_->ReadWords(ranges, into);
+  absl::Status ReadDeviceWords(std::span<const DeviceRead> reads) override {
+    return streams_->ReadWords(reads);
   }
   std::string StreamPlace(void* stream) const override {
     return streams_->Where(static_cast<cudaStream_t>(stream));

@@ -371,12 +371,12 @@ class NcclTransport final : public Transport {
   std::string DescribeStuck(int slot, uint64_t epoch) override {
     if (slot < 0 || slot >= setup_.geometry.num_slots || stream_ == nullptr) return {};
     used_rescue_ = true;
-    const DeviceRange ranges[] = {{&ClientWords()->ready[slot], sizeof(uint64_t)},
-                                  {&ClientWords()->released[slot], sizeof(uint64_t)},
-                                  {cancel(), sizeof(uint64_t)},
-                                  {&Head()->results.done[slot], sizeof(uint64_t)}};
-    uint64_t w[4] = {};
-    if (absl::Status st = gpu_->ReadDeviceWords(ranges, w); !st.ok())
+    uint64_t w[4] = {};  // ready, released, cancel, done
+    const DeviceRead reads[] = {{&ClientWords()->ready[slot], &w[0], sizeof(uint64_t)},
+                                {&ClientWords()->released[slot], &w[1], sizeof(uint64_t)},
+                                {cancel(), &w[2], sizeof(uint64_t)},
+                                {&Head()->results.done[slot], &w[3], sizeof(uint64_t)}};
+    if (absl::Status st = gpu_->ReadDeviceWords(reads); !st.ok())
       return StrCat("unreadable (", st.message(), ")");
     const SlotWordsReport report{setup_.geometry.rank, slot, epoch, w[0], w[1], w[2], w[3], {}};
     std::string comm;
@@ -773,8 +773,8 @@ class NcclBackend final : public Backend {
   QueueLaneCounts Queues() const override { return gpu_->Queues(); }
   absl::Status DeviceHealth() const override { return gpu_->DeviceHealth(); }
   DeviceIdentity identity() const override { return gpu_->identity(); }
-  absl::Status ReadDeviceWords(std::span<const DeviceRange> ranges, void* into) override {
-    return gpu_->ReadDeviceWords(ranges, into);
+  absl::Status ReadDeviceWords(std::span<const DeviceRead> reads) override {
+    return gpu_->ReadDeviceWords(reads);
   }
   std::string StreamPlace(void* stream) const override { return gpu_->StreamPlace(stream); }
 

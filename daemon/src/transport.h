@@ -201,9 +201,11 @@ struct DeviceIdentity {
   int numa_node = -1;
 };
 
-/// A range of device memory a stuck call's report reads (Backend::ReadDeviceWords).
-struct DeviceRange {
-  const void* at = nullptr;
+/// Device memory a stuck call's report reads, and where on the host it goes
+/// (Backend::ReadDeviceWords).
+struct DeviceRead {
+  const void* from = nullptr;
+  void* to = nullptr;
   size_t bytes = 0;
 };
 
@@ -267,12 +269,11 @@ class Backend {
   /// GPU backends: the device's pinned words of kUnblockEpoch that cancels copy (null where
   /// there are none).
   virtual const uint64_t* UnblockWordsOfDevice() { return nullptr; }
-  /// GPU backends: copies `ranges` of device memory, one after the other, into `into`, through
-  /// the rescue stream (which no session's wait holds back) and the device's pinned memory; one
-  /// read at a time, waited for at most a second (a rescue stream that cannot run is itself
-  /// the finding: DEADLINE_EXCEEDED). What a stuck call's report reads (DescribeStuck).
-  /// UNIMPLEMENTED elsewhere.
-  virtual absl::Status ReadDeviceWords(std::span<const DeviceRange> ranges, void* into) {
+  /// GPU backends: makes each of `reads`, through the rescue stream (which no session's wait
+  /// holds back) and the device's pinned memory; one ReadDeviceWords at a time, waited for at
+  /// most a second (a rescue stream that cannot run is itself the finding: DEADLINE_EXCEEDED).
+  /// What a stuck call's report reads (DescribeStuck). UNIMPLEMENTED elsewhere.
+  virtual absl::Status ReadDeviceWords(std::span<const DeviceRead> reads) {
     return absl::UnimplementedError("this backend has no device memory");
   }
   /// GPU backends: which hardware queue `stream` (a cudaStream_t of TakeStream) is on and
