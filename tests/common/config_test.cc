@@ -11,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "status_matchers.h"
+#include "absl/strings/str_cat.h"
 #include "ulysses/common/strings.h"
 
 namespace ulysses {
@@ -418,6 +419,26 @@ TEST(DaemonConfig, FusedProjectionIsReadCheckedAndNamedWithItsFlag) {
       {R"({"fused": {"projection": "cublas"}})", "fused.projection (--fused-projection)"},
       {R"({"fused": {"projection": 1}})", "fused.projection"},
       {R"({"fused": {"path": "auto"}})", "fused.path"}};
+  for (const auto& [text, named] : bad) {
+    absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(text, 0);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find(named), std::string::npos) << r.status();
+  }
+}
+
+TEST(DaemonConfig, CallEndIsReadCheckedAndNamedWithItsFlag) {
+  EXPECT_EQ(ParseDaemonConfig("{}", 0)->call_end, "auto");
+  for (const char* mode : {"auto", "kernel", "stream"}) {
+    absl::StatusOr<DaemonConfig> c =
+        ParseDaemonConfig(absl::StrCat(R"({"calls": {"end": ")", mode, R"("}})"), 0);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->call_end, mode);
+  }
+  const std::pair<const char*, const char*> bad[] = {
+      {R"({"calls": {"end": "host"}})", "calls.end (--call-end)"},
+      {R"({"calls": {"end": true}})", "calls.end"},
+      {R"({"calls": {"timeout_ms": 5}})", "calls.timeout_ms"}};
   for (const auto& [text, named] : bad) {
     absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(text, 0);
     ASSERT_FALSE(r.ok()) << text;
