@@ -40,14 +40,14 @@ namespace {
 absl::Status UseDevice(int device) { return CudaStatus("cudaSetDevice", cudaSetDevice(device)); }
 
 // calls.end (DaemonConfig::call_end) for a session of `world` ranks: whether its plain calls
-// end in their store launch. "auto" takes the kernel where the peers' launches run beside its
-// waiting block: a session of one rank (no peers), or a daemon under MPS, whose peers share the
-// device under MPS too or run on other GPUs (without MPS, daemons on one GPU take turns and the
-// waiting block would hold its context's turn). The launch's parameters carry at most
-// kernels::kCallEndWords words of each kind.
+// do their arrivals in their store launch. A session of one rank has none. "auto" takes the
+// kernel where the peers' launches run beside its waiting block: in a daemon under MPS, whose
+// peers share the device under MPS too or run on other GPUs (without MPS, daemons on one GPU
+// take turns and the waiting block would hold its context's turn). The launch's parameters
+// carry at most kernels::kCallEndWords words of each kind.
 bool CallEndInKernel(const std::string& mode, int world, bool mps) {
-  if (world > kernels::kCallEndWords || mode == "stream") return false;
-  return mode == "kernel" || world == 1 || mps;
+  if (world == 1 || world > kernels::kCallEndWords || mode == "stream") return false;
+  return mode == "kernel" || mps;
 }
 
 // Slots are 256-byte aligned inside the allocation (16-byte vector stores need 16).
@@ -491,11 +491,11 @@ class CudaTransport final : public Transport {
                                  stream_, cancel(), end);
   }
 
-  // Whether the store launch of a call of `plan` ends the call itself: its last block announces
-  // the blocks, waits for every source's and writes done (docs/protocol.md section 9.2), in
-  // place of two batches of stream memory operations. Only a call with nothing to do after
-  // the arrivals (no out=, no merge; the fused op runs a plan of several launches), and only
-  // where the session's ends in kernels are on (CallEndInKernel).
+  // Whether the store launch of a call of `plan` does the call's arrivals itself: its last block
+  // announces the blocks and waits for every source's (docs/protocol.md section 9.2), in place
+  // of a batch of stream memory operations; then `done` is written by the stream. Only a call
+  // with nothing to do between the arrivals and done (no out=, no merge; the fused op runs a
+  // plan of several launches), and only where the session's are on (CallEndInKernel).
   bool EndsInKernel(const CallPlan& plan) const {
     return end_in_kernel_ && !PushesAtOnce(plan) && !WritesOut(plan);
   }
@@ -580,9 +580,13 @@ class CudaTransport final : public Transport {
         end.announce[r] = &words_[r]->slots[s].arrive[me];
         end.await[r] = &mine.arrive[r];
       }
-      end.done = &Results(me)->done[s];
       end.blocks = reinterpret_cast<unsigned long long*>(&words_[me]->end_blocks);
       ULY_RETURN_IF_ERROR(LaunchBlocksTo(plan, ops, outs, &end));
+      // A stream write, not the kernel's store: with the kernel storing done, a call of one
+      // rank added 2.5-3 us more (H200, 2bf7d66, docs/benchmarks.md): a client stream's wait
+      // passes later after a kernel's store than after a stream write.
+      ULY_RETURN_IF_ERROR(memops.Write(&Results(me)->done[s], e));
+      ULY_RETURN_IF_ERROR(memops.Flush());
       return events_.Record(s, e, stream_);
     }
     ULY_RETURN_IF_ERROR(PushesAtOnce(plan) ? PushAll(plan, ops, s, e)
@@ -667,8 +671,8 @@ class CudaTransport final : public Transport {
     const std::string stream = StrCat("stream on ", streams_->Where(stream_));
     if (!fused_)
       return StrCat("nvlink: CUDA exchange kernels storing into every destination's slot, one "
-                    "launch per call; plain calls end ",
-                    end_in_kernel_ ? "in their launch" : "by stream words", "; ", stream);
+                    "launch per call; plain calls' arrivals ",
+                    end_in_kernel_ ? "in that launch" : "by stream words", "; ", stream);
     const std::string no_epilogue = fused_->plan().EpilogueUnavailable();
     return StrCat("nvlink: FusedQkvPlan on device ", device_,
                   " (bf16 projection GEMM, norm_rope kernels; epilogue GEMM: ",

@@ -88,8 +88,8 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
       "cublaslt)");
   f.call_end_opt = app.add_option(
       "--call-end", f.call_end,
-      "GPU (nvlink): who ends a plain call after its stores: kernel | stream | auto (the kernel "
-      "for one rank or under MPS) (config: calls.end; default auto)");
+      "GPU (nvlink): who does a plain call's arrivals after its stores: kernel | stream | auto "
+      "(the kernel under MPS) (config: calls.end; default auto)");
 }
 
 }  // namespace ulysses::daemon

@@ -72,9 +72,6 @@ __device__ __forceinline__ void EndCall(const CallEnd& end, const uint64_t* canc
       __nanosleep(100);
     }
   }
-  if (end.done == nullptr || Cancelled(cancel)) return;
-  __threadfence_system();
-  StoreReleaseSystem(end.done, end.epoch);
 }
 
 template <typename Unit>
@@ -118,7 +115,7 @@ absl::Status LaunchPlan(const RowCopyPlan& p, cudaStream_t stream,
                         const uint64_t* cancel = nullptr, const CallEnd& end = {}) {
   const dim3 block(static_cast<unsigned>(p.lanes), static_cast<unsigned>(kThreads / p.lanes));
   ULY_ASSIGN_OR_RETURN(const int64_t resident, ResidentBlocks());
-  // At least one block: a plan without rows still ends its call.
+  // At least one block: a plan without rows still does its call's arrivals.
   const int64_t blocks =
       std::max<int64_t>(1, std::min<int64_t>((p.rows + block.y - 1) / block.y, resident));
   const dim3 grid(static_cast<unsigned>(blocks));

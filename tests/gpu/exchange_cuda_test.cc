@@ -531,18 +531,18 @@ TEST(GpuLauncherTest, RejectsBadArgumentsBeforeLaunching) {
   EXPECT_NE(st.message().find("end.blocks"), std::string::npos) << st;
 }
 
-// A store launch that ends its call (CallEnd), with the peer played by this host through words
-// in mapped host memory: the launch announces its blocks only once they are stored, writes
-// done only once the awaited word reaches the epoch, writes no done when cancelled while it
-// waits, and leaves its block counter at zero for the next call, also after a cancel and
-// across the two launches of a call whose views differ in vector width.
+// A store launch that does its call's arrivals (CallEnd), with the peer played by this host
+// through words in mapped host memory: the launch announces its blocks only once they are
+// stored, ends only once the awaited word reaches the epoch or the cancel word is set, and
+// leaves its block counter at zero for the next call, also after a cancel and across the two
+// launches of a call whose views differ in vector width.
 class GpuCallEndTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ULY_SKIP_WITHOUT_GPU();
-    ASSERT_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&words_), 4 * sizeof(uint64_t),
+    ASSERT_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&words_), 3 * sizeof(uint64_t),
                                  cudaHostAllocMapped));
-    std::memset(words_, 0, 4 * sizeof(uint64_t));
+    std::memset(words_, 0, 3 * sizeof(uint64_t));
     ASSERT_CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&blocks_), sizeof(unsigned long long)));
     ASSERT_CUDA_OK(cudaMemset(blocks_, 0, sizeof(unsigned long long)));
     ASSERT_CUDA_OK(cudaDeviceSynchronize());
@@ -560,7 +560,6 @@ class GpuCallEndTest : public ::testing::Test {
     end.epoch = epoch;
     end.announce[1] = &words_[0];
     end.await[1] = &words_[1];
-    end.done = &words_[2];
     end.blocks = blocks_;
     return end;
   }
@@ -569,14 +568,15 @@ class GpuCallEndTest : public ::testing::Test {
     for (int n = 0; n < 20000 && Word(i) != v; ++n) usleep(500);
     return Word(i) == v;
   }
-  const uint64_t* cancel() const { return &words_[3]; }
+  const uint64_t* cancel() const { return &words_[2]; }
+  cudaStream_t stream() const { return stream_->get(); }
 
-  uint64_t* words_ = nullptr;  // [0] announced, [1] awaited, [2] done, [3] cancel
+  uint64_t* words_ = nullptr;  // [0] announced, [1] awaited, [2] cancel
   unsigned long long* blocks_ = nullptr;
   std::unique_ptr<Stream> stream_;
 };
 
-TEST_F(GpuCallEndTest, TheStoreLaunchAnnouncesWaitsAndWritesDoneInOrder) {
+TEST_F(GpuCallEndTest, TheStoreLaunchAnnouncesItsBlocksAndEndsOnlyOnceTheSourcesArrived) {
   const ExchangeShape sh{2, 2, 16, 8, 64, 2};
   const int64_t out_bytes = sh.batch * GlobalSeq(sh) * LocalHeads(sh) * sh.head_dim * sh.itemsize;
   const TwinView x = MakeTwin(kVariants[0], sh.batch, sh.seq_local, sh.heads, sh.head_dim,
@@ -591,9 +591,9 @@ TEST_F(GpuCallEndTest, TheStoreLaunchAnnouncesWaitsAndWritesDoneInOrder) {
   const BlockOperands ops{BlockKind::kScatterHeads, {x.device_view(), x.device_view(), x.device_view()},
                           0, 0};
 
-  // Epoch 1: the blocks are announced once stored; done waits for the awaited word.
+  // Epoch 1: the blocks are announced once stored; the launch ends once the source arrived.
   const CallEnd one = End(1);
-  ASSERT_TRUE(LaunchBlocks(sh, ops, 0, outs, stream_->get(), cancel(), &one).ok());
+  ASSERT_TRUE(LaunchBlocks(sh, ops, 0, outs, stream(), cancel(), &one).ok());
   ASSERT_TRUE(WordReaches(0, 1)) << "the launch never announced its blocks";
   for (int dst = 0; dst < 2; ++dst) {
     ScatterHeadsBlockRef(sh, x.host.view(), 0, dst, host_out[dst].data());
@@ -602,23 +602,22 @@ TEST_F(GpuCallEndTest, TheStoreLaunchAnnouncesWaitsAndWritesDoneInOrder) {
     ASSERT_CUDA_OK(cudaMemcpy(now.data(), device_out[dst]->data(), out_bytes, cudaMemcpyDefault));
     EXPECT_EQ(now, host_out[dst]) << "dst " << dst;
   }
-  EXPECT_EQ(Word(2), 0u) << "done before the awaited word";
-  EXPECT_EQ(cudaStreamQuery(stream_->get()), cudaErrorNotReady);
+  EXPECT_EQ(cudaStreamQuery(stream()), cudaErrorNotReady) << "ended before the source arrived";
   SetWord(1, 1);
-  ASSERT_CUDA_OK(cudaStreamSynchronize(stream_->get()));
-  EXPECT_EQ(Word(2), 1u);
+  ASSERT_CUDA_OK(cudaStreamSynchronize(stream()));
 
-  // Epoch 2, cancelled while it waits: the launch ends, done stays at 1.
+  // Epoch 2, cancelled while it waits: the launch ends without the arrival.
   const CallEnd two = End(2);
-  ASSERT_TRUE(LaunchBlocks(sh, ops, 0, outs, stream_->get(), cancel(), &two).ok());
+  ASSERT_TRUE(LaunchBlocks(sh, ops, 0, outs, stream(), cancel(), &two).ok());
   ASSERT_TRUE(WordReaches(0, 2));
-  SetWord(3, 1);
-  ASSERT_CUDA_OK(cudaStreamSynchronize(stream_->get()));
-  EXPECT_EQ(Word(2), 1u) << "a cancelled call wrote done";
+  EXPECT_EQ(cudaStreamQuery(stream()), cudaErrorNotReady);
+  SetWord(2, 1);
+  ASSERT_CUDA_OK(cudaStreamSynchronize(stream()));
+  EXPECT_EQ(Word(1), 1u);
 
   // Epoch 3, in two launches (k one element off a 16-byte boundary): the counter is back at
-  // zero after the cancel, the end goes with the last launch, and the results are exact.
-  SetWord(3, 0);
+  // zero after the cancel, the arrivals go with the last launch, and the results are exact.
+  SetWord(2, 0);
   SetWord(1, 3);
   const int32_t count = static_cast<int32_t>(LocalHeads(sh));
   const TwinView k = MakeTwin(kVariants[3], sh.batch, sh.seq_local, sh.heads, sh.head_dim,
@@ -636,10 +635,9 @@ TEST_F(GpuCallEndTest, TheStoreLaunchAnnouncesWaitsAndWritesDoneInOrder) {
   }
   void* qkv_outs[2] = {qkv_device[0]->data(), qkv_device[1]->data()};
   const CallEnd three = End(3);
-  ASSERT_TRUE(LaunchBlocks(sh, qkv, 0, qkv_outs, stream_->get(), cancel(), &three).ok());
-  ASSERT_CUDA_OK(cudaStreamSynchronize(stream_->get()));
+  ASSERT_TRUE(LaunchBlocks(sh, qkv, 0, qkv_outs, stream(), cancel(), &three).ok());
+  ASSERT_CUDA_OK(cudaStreamSynchronize(stream()));
   EXPECT_EQ(Word(0), 3u);
-  EXPECT_EQ(Word(2), 3u);
   unsigned long long left = 1;
   ASSERT_CUDA_OK(cudaMemcpy(&left, blocks_, sizeof left, cudaMemcpyDeviceToHost));
   EXPECT_EQ(left, 0u);
