@@ -386,6 +386,17 @@ TEST(DaemonConfigTest, LimitsParsedDefaultedAndChecked) {
 }
 
 }  // namespace
+// Each config text of `bad` is INVALID_ARGUMENT with a message naming what it pairs with.
+template <size_t N>
+void ExpectEachRefusedNaming(const std::pair<const char*, const char*> (&bad)[N]) {
+  for (const auto& [text, named] : bad) {
+    absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(text, 0);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find(named), std::string::npos) << r.status();
+  }
+}
+
 TEST(DaemonConfig, QueueProbeAndSharingAreReadCheckedAndNamedWithTheirFlags) {
   absl::StatusOr<DaemonConfig> d = ParseDaemonConfig("{}", 0);
   ASSERT_TRUE(d.ok()) << d.status();
@@ -402,12 +413,7 @@ TEST(DaemonConfig, QueueProbeAndSharingAreReadCheckedAndNamedWithTheirFlags) {
       {R"({"queues": {"sharing": "never"}})", "queues.sharing (--queue-sharing)"},
       {R"({"queues": {"sharing": 1}})", "queues.sharing"},
       {R"({"queues": {"probe": 4}})", "queues.probe"}};
-  for (const auto& [text, named] : bad) {
-    absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(text, 0);
-    ASSERT_FALSE(r.ok()) << text;
-    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << text;
-    EXPECT_NE(r.status().message().find(named), std::string::npos) << r.status();
-  }
+  ExpectEachRefusedNaming(bad);
 }
 
 TEST(DaemonConfig, FusedProjectionIsReadCheckedAndNamedWithItsFlag) {
@@ -419,12 +425,7 @@ TEST(DaemonConfig, FusedProjectionIsReadCheckedAndNamedWithItsFlag) {
       {R"({"fused": {"projection": "cublas"}})", "fused.projection (--fused-projection)"},
       {R"({"fused": {"projection": 1}})", "fused.projection"},
       {R"({"fused": {"path": "auto"}})", "fused.path"}};
-  for (const auto& [text, named] : bad) {
-    absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(text, 0);
-    ASSERT_FALSE(r.ok()) << text;
-    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << text;
-    EXPECT_NE(r.status().message().find(named), std::string::npos) << r.status();
-  }
+  ExpectEachRefusedNaming(bad);
 }
 
 TEST(DaemonConfig, CallEndIsReadCheckedAndNamedWithItsFlag) {
@@ -439,12 +440,7 @@ TEST(DaemonConfig, CallEndIsReadCheckedAndNamedWithItsFlag) {
       {R"({"calls": {"end": "host"}})", "calls.end (--call-end)"},
       {R"({"calls": {"end": true}})", "calls.end"},
       {R"({"calls": {"timeout_ms": 5}})", "calls.timeout_ms"}};
-  for (const auto& [text, named] : bad) {
-    absl::StatusOr<DaemonConfig> r = ParseDaemonConfig(text, 0);
-    ASSERT_FALSE(r.ok()) << text;
-    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << text;
-    EXPECT_NE(r.status().message().find(named), std::string::npos) << r.status();
-  }
+  ExpectEachRefusedNaming(bad);
 }
 
 TEST(DaemonConfig, RingWorkerSpinIsReadBoundedAndNamedWithItsFlag) {
