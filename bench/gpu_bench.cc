@@ -1134,10 +1134,6 @@ int Main(int argc, char** argv) {
                  "The daemons' queues.probe_streams (0: no probe, the streams made as sessions "
                  "come; default: the daemon's own, 16)")
       ->check(CLI::Range(0, ulysses::kMaxQueueProbeStreams));
-  std::string call_end = ulysses::DaemonConfig{}.call_end;
-  app.add_option("--call-end", call_end,
-                 "The daemons' calls.end: auto, kernel or stream (default: the daemon's own, auto)")
-      ->check(CLI::IsMember({"auto", "kernel", "stream"}));
   app.add_flag("--no-grpc", no_grpc,
                "Part overhead: leave out the gRPC path, so each daemon serves the ring path's "
                "session alone");
@@ -1279,7 +1275,6 @@ int Main(int argc, char** argv) {
     cfg["slots"]["memory_budget_bytes"] = budget;
     if (ring_spin_us >= 0) cfg["rings"]["worker_spin_us"] = ring_spin_us;
     if (queue_probe_streams >= 0) cfg["queues"]["probe_streams"] = queue_probe_streams;
-    cfg["calls"]["end"] = call_end;
     status = WriteTextFile(config, cfg.dump());
     if (!status.ok()) break;
     Say(StrCat("W=", W, ": starting ", W, " ulyssesd (nvlink backend) on ", prop.name));
@@ -1431,7 +1426,6 @@ int Main(int argc, char** argv) {
     out["daemon_queues"] = g_daemon_connections;
   out["queue_probe_streams"] = queue_probe_streams >= 0 ? queue_probe_streams
                                                         : ulysses::DaemonConfig{}.queue_probe_streams;
-  out["call_end"] = call_end;  // the daemons' calls.end
   out["grpc_path"] = !no_grpc;  // false: each daemon served the ring path's session alone
   out["dtype"] = "bf16";
   out["heads_per_rank"] = heads_per_rank;

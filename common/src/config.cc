@@ -105,7 +105,7 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
   ULY_RETURN_IF_ERROR(CheckKeys(root, "", {"log_level", "backend", "timeouts", "slots",
                                            "metrics", "ready_file", "devices",
                                            "flight_recorder_size", "limits", "rings",
-                                           "admin", "queues", "fused", "calls"}));
+                                           "admin", "queues", "fused"}));
   DaemonConfig c;
   c.device = device;
   ULY_RETURN_IF_ERROR(Read(root, "flight_recorder_size", "", &c.flight_recorder_size));
@@ -163,11 +163,6 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
     const json& f = root["fused"];
     ULY_RETURN_IF_ERROR(CheckKeys(f, "fused", {"projection"}));
     ULY_RETURN_IF_ERROR(Read(f, "projection", "fused", &c.fused_projection));
-  }
-  if (root.contains("calls")) {
-    const json& k = root["calls"];
-    ULY_RETURN_IF_ERROR(CheckKeys(k, "calls", {"end"}));
-    ULY_RETURN_IF_ERROR(Read(k, "end", "calls", &c.call_end));
   }
   if (root.contains("admin")) {
     const json& a = root["admin"];
@@ -232,7 +227,6 @@ constexpr KeyFlag kKeyFlags[] = {
     {"queues.probe_streams", "--queue-probe-streams"},
     {"queues.sharing", "--queue-sharing"},
     {"fused.projection", "--fused-projection"},
-    {"calls.end", "--call-end"},
 };
 
 absl::Status Invalid(std::string_view key, std::string_view rule) {
@@ -354,8 +348,6 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
   if (c.fused_projection != "cublaslt" && c.fused_projection != "cutlass")
     return Invalid("fused.projection",
                    StrCat("'", c.fused_projection, "' is not one of cublaslt, cutlass"));
-  if (c.call_end != "auto" && c.call_end != "kernel" && c.call_end != "stream")
-    return Invalid("calls.end", StrCat("'", c.call_end, "' is not one of auto, kernel, stream"));
   if (c.flight_recorder_size < 1 || c.flight_recorder_size > 1000000)
     return Invalid("flight_recorder_size",
                    StrCat("must be in [1, 1000000], got ", c.flight_recorder_size));

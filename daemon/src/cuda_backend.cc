@@ -39,17 +39,6 @@ namespace {
 // CUDA's current device is per thread, and calls arrive on gRPC and ring-worker threads.
 absl::Status UseDevice(int device) { return CudaStatus("cudaSetDevice", cudaSetDevice(device)); }
 
-// calls.end (DaemonConfig::call_end) for a session of `world` ranks: whether its plain calls
-// do their arrivals in their store launch. A session of one rank has none. "auto" takes the
-// kernel where the peers' launches run beside its waiting block: in a daemon under MPS, whose
-// peers share the device under MPS too or run on other GPUs (without MPS, daemons on one GPU
-// take turns and the waiting block would hold its context's turn). The launch's parameters
-// carry at most kernels::kCallEndWords words of each kind.
-bool CallEndInKernel(const std::string& mode, int world, bool mps) {
-  if (world == 1 || world > kernels::kCallEndWords || mode == "stream") return false;
-  return mode == "kernel" || mps;
-}
-
 // Slots are 256-byte aligned inside the allocation (16-byte vector stores need 16).
 constexpr uint64_t kSlotAlign = 256;
 
@@ -296,11 +285,10 @@ class CudaTransport final : public Transport {
   static absl::StatusOr<std::unique_ptr<Transport>> Create(int device, FdExports* exports,
                                                            std::shared_ptr<DeviceStreams> streams,
                                                            absl::Duration drain_limit,
-                                                           const TransportSetup& setup,
-                                                           bool end_in_kernel) {
+                                                           const TransportSetup& setup) {
     ULY_RETURN_IF_ERROR(UseDevice(device));
-    std::unique_ptr<CudaTransport> t(new CudaTransport(device, exports, std::move(streams),
-                                                       drain_limit, setup, end_in_kernel));
+    std::unique_ptr<CudaTransport> t(
+        new CudaTransport(device, exports, std::move(streams), drain_limit, setup));
     t->stride_ = AlignUp(setup.slot_bytes, kSlotAlign);
     // The client's done words first (ResultWords), then the slots: one allocation, lent to
     // the peers (they store into the slots) and mapped by the client. The words only daemons
@@ -481,23 +469,12 @@ class CudaTransport final : public Transport {
     return LaunchBlocksTo(plan, ops, outs);
   }
 
-  // This rank's blocks of the call into the destinations' slots `outs` (null: none), one launch;
-  // with `end`, that launch also ends the call (kernels::CallEnd).
-  absl::Status LaunchBlocksTo(const CallPlan& plan, const CallOperands& ops, void* const* outs,
-                              const kernels::CallEnd* end = nullptr) {
+  // This rank's blocks of the call into the destinations' slots `outs` (null: none), one launch.
+  absl::Status LaunchBlocksTo(const CallPlan& plan, const CallOperands& ops, void* const* outs) {
     ULY_RETURN_IF_ERROR(UseDevice(device_));
     ULY_ASSIGN_OR_RETURN(const kernels::BlockOperands bops, BlockOperandsOf(plan, ops));
     return kernels::LaunchBlocks(ShapeOf(setup_.geometry, plan), bops, setup_.geometry.rank, outs,
-                                 stream_, cancel(), end);
-  }
-
-  // Whether the store launch of a call of `plan` does the call's arrivals itself: its last block
-  // announces the blocks and waits for every source's (docs/protocol.md section 9.2), in place
-  // of a batch of stream memory operations; then `done` is written by the stream. Only a call
-  // with nothing to do between the arrivals and done (no out=, no merge; the fused op runs a
-  // plan of several launches), and only where the session's are on (CallEndInKernel).
-  bool EndsInKernel(const CallPlan& plan) const {
-    return end_in_kernel_ && !PushesAtOnce(plan) && !WritesOut(plan);
+                                 stream_, cancel());
   }
 
   bool PushesAtOnce(const CallPlan& plan) const override {
@@ -572,23 +549,6 @@ class CudaTransport final : public Transport {
       outs[r] = slot_base_[r] + SlotOffset(s);
     }
     ULY_RETURN_IF_ERROR(memops.Flush());
-    if (EndsInKernel(plan)) {
-      kernels::CallEnd end;
-      end.epoch = e;
-      for (int r = 0; r < W; ++r) {
-        if (r == me) continue;
-        end.announce[r] = &words_[r]->slots[s].arrive[me];
-        end.await[r] = &mine.arrive[r];
-      }
-      end.blocks = reinterpret_cast<unsigned long long*>(&words_[me]->end_blocks);
-      ULY_RETURN_IF_ERROR(LaunchBlocksTo(plan, ops, outs, &end));
-      // A stream write, not the kernel's store: with the kernel storing done, a call of one
-      // rank added 2.5-3 us more (H200, 2bf7d66, docs/benchmarks.md): a client stream's wait
-      // passes later after a kernel's store than after a stream write.
-      ULY_RETURN_IF_ERROR(memops.Write(&Results(me)->done[s], e));
-      ULY_RETURN_IF_ERROR(memops.Flush());
-      return events_.Record(s, e, stream_);
-    }
     ULY_RETURN_IF_ERROR(PushesAtOnce(plan) ? PushAll(plan, ops, s, e)
                                            : LaunchBlocksTo(plan, ops, outs));
     // Each write's memory barrier makes this stream's stores visible before the word.
@@ -671,8 +631,7 @@ class CudaTransport final : public Transport {
     const std::string stream = StrCat("stream on ", streams_->Where(stream_));
     if (!fused_)
       return StrCat("nvlink: CUDA exchange kernels storing into every destination's slot, one "
-                    "launch per call; plain calls' arrivals ",
-                    end_in_kernel_ ? "in that launch" : "by stream words", "; ", stream);
+                    "launch per call; ", stream);
     const std::string no_epilogue = fused_->plan().EpilogueUnavailable();
     return StrCat("nvlink: FusedQkvPlan on device ", device_,
                   " (bf16 projection GEMM, norm_rope kernels; epilogue GEMM: ",
@@ -704,14 +663,13 @@ class CudaTransport final : public Transport {
   }
 
   CudaTransport(int device, FdExports* exports, std::shared_ptr<DeviceStreams> streams,
-                absl::Duration drain_limit, const TransportSetup& setup, bool end_in_kernel)
+                absl::Duration drain_limit, const TransportSetup& setup)
       : device_(device),
         exports_(exports),
         streams_(std::move(streams)),
         setup_(setup),
         drain_limit_(drain_limit),
-        unblock_(streams_->unblock_words()),
-        end_in_kernel_(end_in_kernel) {}
+        unblock_(streams_->unblock_words()) {}
 
   const uint64_t* cancel() const {
     return &static_cast<const DeviceWords*>(daemon_words_.data())->cancel;
@@ -754,7 +712,6 @@ class CudaTransport final : public Transport {
   cudaStream_t rescue_ = nullptr;  // the device's, shared: Cancel's writes, never waits
   SlotEvents events_;                    // per slot: recorded after the call's done write
   const UnblockWords unblock_;          // what a cancel copies over the waited words
-  const bool end_in_kernel_;            // EndsInKernel
   std::unique_ptr<FusedRunner> fused_;  // fused sessions only
   cudaStream_t second_ = nullptr;       // its plan's second stream, a lane of the device
   std::atomic<bool> used_rescue_{false};  // Cancel or DescribeStuck enqueued on rescue_
@@ -764,14 +721,12 @@ class CudaTransport final : public Transport {
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, FdExports* exports, ipc::cuda::DeviceInfo info,
-              std::shared_ptr<DeviceStreams> streams, absl::Duration drain_limit,
-              std::string call_end)
+              std::shared_ptr<DeviceStreams> streams, absl::Duration drain_limit)
       : device_(device),
         exports_(exports),
         info_(std::move(info)),
         streams_(std::move(streams)),
-        drain_limit_(drain_limit),
-        call_end_(std::move(call_end)) {}
+        drain_limit_(drain_limit) {}
 
   std::string_view name() const override { return "nvlink"; }
   bool slots_in_segment() const override { return false; }
@@ -784,9 +739,7 @@ class CudaBackend final : public Backend {
           "on the GPU for another session's call blocked on its peer under MPS (up to the call "
           "timeout); path auto never takes it (docs/architecture.md, section 6.2)",
           device_);
-    return CudaTransport::Create(
-        device_, exports_, streams_, drain_limit_, setup,
-        CallEndInKernel(call_end_, setup.geometry.world_size, info_.mps));
+    return CudaTransport::Create(device_, exports_, streams_, drain_limit_, setup);
   }
   QueueLaneCounts Queues() const override { return streams_->counts(); }
   absl::StatusOr<void*> TakeStream(StreamRole role, void* apart) override {
@@ -905,7 +858,6 @@ class CudaBackend final : public Backend {
   const ipc::cuda::DeviceInfo info_;
   const std::shared_ptr<DeviceStreams> streams_;  // the sessions' (each transport holds it too)
   const absl::Duration drain_limit_;               // each transport's Drain bound
-  const std::string call_end_;                     // calls.end: CallEndInKernel
   std::mutex ipc_mu_;
   std::map<std::string, std::weak_ptr<ipc::cuda::IpcMapping>> ipc_open_;
 };
@@ -952,8 +904,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, FdExports* 
   Logger("main")->info("device {}: {} ({}, {}), MPS {}", device, info.name, info.uuid,
                        info.pci_bus_id, info.mps ? "on" : "off");
   return std::unique_ptr<Backend>(
-      new CudaBackend(device, exports, std::move(info), std::move(streams), options.drain_limit,
-                      options.call_end));
+      new CudaBackend(device, exports, std::move(info), std::move(streams), options.drain_limit));
 }
 
 }  // namespace ulysses::daemon

@@ -241,7 +241,6 @@ absl::Status Daemon::ChooseBackend() {
       options.queue_probe_streams = config_.queue_probe_streams;
       options.queue_sharing = config_.queue_sharing == "allow";
       options.drain_limit = DrainLimitFor(absl::Milliseconds(config_.call_timeout_ms));
-      options.call_end = config_.call_end;
       absl::StatusOr<std::unique_ptr<Backend>> gpu =
           MakeCudaBackend(config_.device, &peer_exports_, options);
       if (gpu.ok() && nccl)

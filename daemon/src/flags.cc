@@ -23,7 +23,6 @@ void DaemonFlags::ApplyTo(DaemonConfig& c) const {
   if (queue_probe_opt->count()) c.queue_probe_streams = queue_probe_streams;
   if (queue_sharing_opt->count()) c.queue_sharing = queue_sharing;
   if (fused_projection_opt->count()) c.fused_projection = fused_projection;
-  if (call_end_opt->count()) c.call_end = call_end;
 }
 
 void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
@@ -36,7 +35,6 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
   f.queue_probe_streams = defaults.queue_probe_streams;
   f.queue_sharing = defaults.queue_sharing;
   f.fused_projection = defaults.fused_projection;
-  f.call_end = defaults.call_end;
   app.add_option("--device", f.device, "Device index this daemon serves")
       ->check(cli::IntIn(0, std::numeric_limits<int32_t>::max()));
   f.socket_opt = app.add_option(
@@ -86,10 +84,6 @@ void AddDaemonFlags(CLI::App& app, DaemonFlags& f) {
       "GPU: the GEMM of fused sessions' per-operator and chunked paths: cublaslt | cutlass "
       "(the epilogue GEMM, where the device has it) (config: fused.projection; default "
       "cublaslt)");
-  f.call_end_opt = app.add_option(
-      "--call-end", f.call_end,
-      "GPU (nvlink): who does a plain call's arrivals after its stores: kernel | stream | auto "
-      "(the kernel under MPS) (config: calls.end; default auto)");
 }
 
 }  // namespace ulysses::daemon

@@ -13,12 +13,6 @@
 
 namespace ulysses::daemon {
 
-/// Whether a call of `plan` writes the caller's out after its blocks arrived (EnqueueOutWrite
-/// enqueues something).
-inline bool WritesOut(const CallPlan& plan) {
-  return plan.has_out || (!Traits(plan.op).fused && Traits(plan.op).merges_into_out);
-}
-
 /// Enqueues on `stream` the write of the caller's out from this rank's slot `data`: the merge
 /// of the band (an op that merges into out), the copy of the result (any op given out; the
 /// fused op's out is contiguous, a plain device copy). True when something was enqueued, false
@@ -26,8 +20,8 @@ inline bool WritesOut(const CallPlan& plan) {
 inline absl::StatusOr<bool> EnqueueOutWrite(const SessionGeometry& g, const CallPlan& plan,
                                             const CallOperands& ops, const uint8_t* data,
                                             cudaStream_t stream, const uint64_t* cancel = nullptr) {
-  if (!WritesOut(plan)) return false;
   if (Traits(plan.op).fused) {
+    if (!plan.has_out) return false;
     // The copy kernel in rows of D elements, not a device copy: like every kernel of the
     // call it reads the cancel word first, so a cancelled call (whose client stream was let
     // go) writes nothing into out afterwards.
@@ -44,6 +38,7 @@ inline absl::StatusOr<bool> EnqueueOutWrite(const SessionGeometry& g, const Call
         cancel));
     return true;
   }
+  if (!plan.has_out) return false;
   ULY_RETURN_IF_ERROR(kernels::LaunchCopyContiguousToView(
       data, plan.out_shape.data(), g.itemsize(), OutView(plan, ops), stream, cancel));
   return true;

@@ -298,8 +298,6 @@ struct CudaBackendOptions {
   /// stream shares a queue can sit behind another session's wait until that call times out,
   /// so the daemon sets this past its call timeout (DrainLimitFor).
   absl::Duration drain_limit = absl::Seconds(30);
-  /// calls.end (DaemonConfig::call_end): "auto", "kernel" or "stream".
-  std::string call_end = "auto";
 };
 /// The drain limit for a daemon whose calls time out after `call_timeout`: 30 s, or the call
 /// timeout and 5 s more where that is longer, at most a day (a deadline that stays a time).

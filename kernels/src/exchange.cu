@@ -37,49 +37,11 @@ __device__ __forceinline__ void CopyRows(const RowCopyPlan& p) {
   }
 }
 
-__device__ __forceinline__ uint64_t LoadAcquireSystem(const uint64_t* word) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(word) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void StoreReleaseSystem(uint64_t* word, uint64_t v) {
-  asm volatile("st.release.sys.u64 [%0], %1;" : : "l"(word), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ bool Cancelled(const uint64_t* cancel) {
-  return cancel != nullptr && *static_cast<const volatile uint64_t*>(cancel) != 0;
-}
-
-// CallEnd (exchange_cuda.h), after this block's stores; every thread of the block calls it. A
-// cancelled block counts too, so the counter always returns to zero.
-__device__ __forceinline__ void EndCall(const CallEnd& end, const uint64_t* cancel) {
-  if (end.blocks == nullptr) return;
-  __syncthreads();  // the block's stores come before thread (0, 0)'s fence below
-  if (threadIdx.x != 0 || threadIdx.y != 0) return;
-  __threadfence_system();
-  const unsigned long long blocks = static_cast<unsigned long long>(gridDim.x) * gridDim.y;
-  if (atomicAdd(end.blocks, 1ull) != blocks - 1) return;
-  // The last block: every other block's fence came before its count, which this block read.
-  *end.blocks = 0;
-  __threadfence_system();
-  for (uint64_t* word : end.announce)
-    if (word != nullptr) StoreReleaseSystem(word, end.epoch);
-  for (const uint64_t* word : end.await) {
-    if (word == nullptr) continue;
-    while (static_cast<int64_t>(LoadAcquireSystem(word) - end.epoch) < 0) {
-      if (Cancelled(cancel)) return;
-      __nanosleep(100);
-    }
-  }
-}
-
 template <typename Unit>
 __global__ void __launch_bounds__(kThreads) RowCopyKernel(const RowCopyPlan p,
-                                                          const uint64_t* cancel,
-                                                          const CallEnd end) {
-  if (!internal::BlockCancelled(cancel)) CopyRows<Unit>(p);
-  EndCall(end, cancel);
+                                                          const uint64_t* cancel) {
+  if (internal::BlockCancelled(cancel)) return;
+  CopyRows<Unit>(p);
 }
 
 // Several plans of one unit width and lane count in one launch: blockIdx.y picks the plan, and
@@ -89,15 +51,13 @@ constexpr int kPlansPerLaunch = 24;  // 8 destinations x 3 parts
 struct PlanBatch {
   RowCopyPlan plans[kPlansPerLaunch];
 };
-static_assert(sizeof(PlanBatch) + sizeof(CallEnd) + sizeof(void*) <= 4096,
-              "a kernel's parameters stay within 4 KiB");
+static_assert(sizeof(PlanBatch) <= 4000, "a kernel's parameters stay within 4 KiB");
 
 template <typename Unit>
 __global__ void __launch_bounds__(kThreads) RowCopyBatchKernel(const PlanBatch b,
-                                                               const uint64_t* cancel,
-                                                               const CallEnd end) {
-  if (!internal::BlockCancelled(cancel)) CopyRows<Unit>(b.plans[blockIdx.y]);
-  EndCall(end, cancel);
+                                                               const uint64_t* cancel) {
+  if (internal::BlockCancelled(cancel)) return;
+  CopyRows<Unit>(b.plans[blockIdx.y]);
 }
 
 // Blocks the current device holds resident at once (one wave): the kernel strides over the rest
@@ -112,22 +72,20 @@ absl::StatusOr<int64_t> ResidentBlocks() {
 }
 
 absl::Status LaunchPlan(const RowCopyPlan& p, cudaStream_t stream,
-                        const uint64_t* cancel = nullptr, const CallEnd& end = {}) {
+                        const uint64_t* cancel = nullptr) {
   const dim3 block(static_cast<unsigned>(p.lanes), static_cast<unsigned>(kThreads / p.lanes));
   ULY_ASSIGN_OR_RETURN(const int64_t resident, ResidentBlocks());
-  // At least one block: a plan without rows still does its call's arrivals.
-  const int64_t blocks =
-      std::max<int64_t>(1, std::min<int64_t>((p.rows + block.y - 1) / block.y, resident));
+  const int64_t blocks = std::min<int64_t>((p.rows + block.y - 1) / block.y, resident);
   const dim3 grid(static_cast<unsigned>(blocks));
   switch (p.unit_bytes) {
     case 16:
-      RowCopyKernel<uint4><<<grid, block, 0, stream>>>(p, cancel, end);
+      RowCopyKernel<uint4><<<grid, block, 0, stream>>>(p, cancel);
       break;
     case 4:
-      RowCopyKernel<uint32_t><<<grid, block, 0, stream>>>(p, cancel, end);
+      RowCopyKernel<uint32_t><<<grid, block, 0, stream>>>(p, cancel);
       break;
     case 2:
-      RowCopyKernel<uint16_t><<<grid, block, 0, stream>>>(p, cancel, end);
+      RowCopyKernel<uint16_t><<<grid, block, 0, stream>>>(p, cancel);
       break;
     default:
       return absl::InvalidArgumentError(
@@ -139,8 +97,8 @@ absl::Status LaunchPlan(const RowCopyPlan& p, cudaStream_t stream,
 
 // `count` plans of the same unit width and lane count, in one launch.
 absl::Status LaunchBatch(const RowCopyPlan* plans, int count, cudaStream_t stream,
-                         const uint64_t* cancel, const CallEnd& end) {
-  if (count == 1) return LaunchPlan(plans[0], stream, cancel, end);
+                         const uint64_t* cancel) {
+  if (count == 1) return LaunchPlan(plans[0], stream, cancel);
   PlanBatch batch;
   int64_t rows = 0;
   for (int i = 0; i < count; ++i) {
@@ -155,13 +113,13 @@ absl::Status LaunchBatch(const RowCopyPlan* plans, int count, cudaStream_t strea
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(count));
   switch (plans[0].unit_bytes) {
     case 16:
-      RowCopyBatchKernel<uint4><<<grid, block, 0, stream>>>(batch, cancel, end);
+      RowCopyBatchKernel<uint4><<<grid, block, 0, stream>>>(batch, cancel);
       break;
     case 4:
-      RowCopyBatchKernel<uint32_t><<<grid, block, 0, stream>>>(batch, cancel, end);
+      RowCopyBatchKernel<uint32_t><<<grid, block, 0, stream>>>(batch, cancel);
       break;
     case 2:
-      RowCopyBatchKernel<uint16_t><<<grid, block, 0, stream>>>(batch, cancel, end);
+      RowCopyBatchKernel<uint16_t><<<grid, block, 0, stream>>>(batch, cancel);
       break;
     default:
       return absl::InvalidArgumentError(
@@ -173,40 +131,23 @@ absl::Status LaunchBatch(const RowCopyPlan* plans, int count, cudaStream_t strea
 
 // Every plan, in as few launches as their unit widths and lane counts allow (plans with no
 // rows are skipped). All of them are planned before this runs, so a bad argument enqueued
-// nothing. `end` (null: none) goes with the last launch, or with a launch of one block that
-// stores nothing when no plan has rows.
+// nothing.
 absl::Status LaunchPlans(const RowCopyPlan* plans, int count, cudaStream_t stream,
-                         const uint64_t* cancel, const CallEnd* end = nullptr) {
+                         const uint64_t* cancel) {
   bool done[kMaxWorldSize * 3] = {};
   if (count > static_cast<int>(sizeof done)) return absl::InternalError("too many plans");
-  // The groups first, then their launches, so that the last one is known.
-  RowCopyPlan groups[kMaxWorldSize * 3];
-  int starts[kMaxWorldSize * 3 + 1] = {};
-  int group_count = 0, planned = 0;
   for (int i = 0; i < count; ++i) {
     if (done[i]) continue;
+    RowCopyPlan group[kPlansPerLaunch];
     int n = 0;
     for (int j = i; j < count && n < kPlansPerLaunch; ++j) {
       if (done[j] || plans[j].unit_bytes != plans[i].unit_bytes || plans[j].lanes != plans[i].lanes)
         continue;
       done[j] = true;
-      if (plans[j].rows > 0) groups[planned + n++] = plans[j];
+      if (plans[j].rows > 0) group[n++] = plans[j];
     }
     // More plans of this kind than one launch takes: the rest start a group of their own.
-    if (n == 0) continue;
-    planned += n;
-    starts[++group_count] = planned;
-  }
-  for (int g = 0; g < group_count; ++g) {
-    const bool last = g + 1 == group_count;
-    ULY_RETURN_IF_ERROR(LaunchBatch(groups + starts[g], starts[g + 1] - starts[g], stream, cancel,
-                                    last && end != nullptr ? *end : CallEnd{}));
-  }
-  if (group_count == 0 && end != nullptr) {
-    RowCopyPlan empty{};
-    empty.unit_bytes = 16;
-    empty.lanes = 1;
-    return LaunchPlan(empty, stream, cancel, *end);
+    if (n > 0) ULY_RETURN_IF_ERROR(LaunchBatch(group, n, stream, cancel));
   }
   return absl::OkStatus();
 }
@@ -280,8 +221,7 @@ absl::Status LaunchBlock(const ExchangeShape& shape, const BlockOperands& ops, i
 }
 
 absl::Status LaunchBlocks(const ExchangeShape& shape, const BlockOperands& ops, int src,
-                          void* const* out, cudaStream_t stream, const uint64_t* cancel,
-                          const CallEnd* end) {
+                          void* const* out, cudaStream_t stream, const uint64_t* cancel) {
   if (shape.world < 1 || shape.world > kMaxWorldSize)
     return absl::InvalidArgumentError(absl::StrCat("shape.world: ", shape.world, " not in [1, ",
                                                    kMaxWorldSize, "]"));
@@ -294,8 +234,7 @@ absl::Status LaunchBlocks(const ExchangeShape& shape, const BlockOperands& ops, 
                          internal::PlanBlock(shape, ops, src, dst, out[dst]));
     for (int i = 0; i < b.count; ++i) plans[count++] = b.plans[i];
   }
-  if (end != nullptr && end->blocks == nullptr) return absl::InvalidArgumentError("end.blocks: null");
-  return LaunchPlans(plans, count, stream, cancel, end);
+  return LaunchPlans(plans, count, stream, cancel);
 }
 
 absl::Status LaunchPackBlock(const ExchangeShape& shape, const BlockOperands& ops, int src,

@@ -35,7 +35,7 @@ absl::Status LaunchGatherOutputHeadChunkMerge(const ExchangeShape&, const void*,
 }
 
 absl::Status LaunchBlocks(const ExchangeShape&, const BlockOperands&, int, void* const*,
-                          cudaStream_t, const uint64_t*, const CallEnd*) {
+                          cudaStream_t, const uint64_t*) {
   return NoCuda();
 }
 

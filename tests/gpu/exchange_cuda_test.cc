@@ -8,8 +8,6 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <cstring>
 #include <memory>
 #include <string>
@@ -524,124 +522,6 @@ TEST(GpuLauncherTest, RejectsBadArgumentsBeforeLaunching) {
   st = LaunchBlocks(ok, BlockOperands{BlockKind::kScatterHeads, {x, x, x}, 0, 0}, 0, nullptr, nullptr);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_NE(st.message().find("out"), std::string::npos) << st;
-  const CallEnd no_counter;
-  st = LaunchBlocks(ok, BlockOperands{BlockKind::kScatterHeads, {x, x, x}, 0, 0}, 0, outs, nullptr,
-                    nullptr, &no_counter);
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-  EXPECT_NE(st.message().find("end.blocks"), std::string::npos) << st;
-}
-
-// A store launch that does its call's arrivals (CallEnd), with the peer played by this host
-// through words in mapped host memory: the launch announces its blocks only once they are
-// stored, ends only once the awaited word reaches the epoch or the cancel word is set, and
-// leaves its block counter at zero for the next call, also after a cancel and across the two
-// launches of a call whose views differ in vector width.
-class GpuCallEndTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    ULY_SKIP_WITHOUT_GPU();
-    ASSERT_CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&words_), 3 * sizeof(uint64_t),
-                                 cudaHostAllocMapped));
-    std::memset(words_, 0, 3 * sizeof(uint64_t));
-    ASSERT_CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&blocks_), sizeof(unsigned long long)));
-    ASSERT_CUDA_OK(cudaMemset(blocks_, 0, sizeof(unsigned long long)));
-    ASSERT_CUDA_OK(cudaDeviceSynchronize());
-    stream_ = std::make_unique<Stream>();
-  }
-  void TearDown() override {
-    stream_.reset();
-    if (words_ != nullptr) cudaFreeHost(words_);
-    if (blocks_ != nullptr) cudaFree(blocks_);
-  }
-  uint64_t Word(int i) const { return static_cast<volatile uint64_t*>(words_)[i]; }
-  void SetWord(int i, uint64_t v) { static_cast<volatile uint64_t*>(words_)[i] = v; }
-  CallEnd End(uint64_t epoch) {
-    CallEnd end;
-    end.epoch = epoch;
-    end.announce[1] = &words_[0];
-    end.await[1] = &words_[1];
-    end.blocks = blocks_;
-    return end;
-  }
-  // Waits (bounded) until word `i` reads `v`.
-  bool WordReaches(int i, uint64_t v) const {
-    for (int n = 0; n < 20000 && Word(i) != v; ++n) usleep(500);
-    return Word(i) == v;
-  }
-  const uint64_t* cancel() const { return &words_[2]; }
-  cudaStream_t stream() const { return stream_->get(); }
-
-  uint64_t* words_ = nullptr;  // [0] announced, [1] awaited, [2] cancel
-  unsigned long long* blocks_ = nullptr;
-  std::unique_ptr<Stream> stream_;
-};
-
-TEST_F(GpuCallEndTest, TheStoreLaunchAnnouncesItsBlocksAndEndsOnlyOnceTheSourcesArrived) {
-  const ExchangeShape sh{2, 2, 16, 8, 64, 2};
-  const int64_t out_bytes = sh.batch * GlobalSeq(sh) * LocalHeads(sh) * sh.head_dim * sh.itemsize;
-  const TwinView x = MakeTwin(kVariants[0], sh.batch, sh.seq_local, sh.heads, sh.head_dim,
-                              sh.itemsize, 41);
-  std::vector<std::vector<uint8_t>> host_out;
-  std::vector<std::unique_ptr<DeviceBuffer>> device_out;
-  for (int dst = 0; dst < 2; ++dst) {
-    host_out.push_back(testing::RandomBytes(out_bytes, 900 + dst));
-    device_out.emplace_back(new DeviceBuffer(host_out.back()));
-  }
-  void* outs[2] = {device_out[0]->data(), device_out[1]->data()};
-  const BlockOperands ops{BlockKind::kScatterHeads, {x.device_view(), x.device_view(), x.device_view()},
-                          0, 0};
-
-  // Epoch 1: the blocks are announced once stored; the launch ends once the source arrived.
-  const CallEnd one = End(1);
-  ASSERT_TRUE(LaunchBlocks(sh, ops, 0, outs, stream(), cancel(), &one).ok());
-  ASSERT_TRUE(WordReaches(0, 1)) << "the launch never announced its blocks";
-  for (int dst = 0; dst < 2; ++dst) {
-    ScatterHeadsBlockRef(sh, x.host.view(), 0, dst, host_out[dst].data());
-    // Announced means stored: the blocks read back complete while the launch still waits.
-    std::vector<uint8_t> now(out_bytes);
-    ASSERT_CUDA_OK(cudaMemcpy(now.data(), device_out[dst]->data(), out_bytes, cudaMemcpyDefault));
-    EXPECT_EQ(now, host_out[dst]) << "dst " << dst;
-  }
-  EXPECT_EQ(cudaStreamQuery(stream()), cudaErrorNotReady) << "ended before the source arrived";
-  SetWord(1, 1);
-  ASSERT_CUDA_OK(cudaStreamSynchronize(stream()));
-
-  // Epoch 2, cancelled while it waits: the launch ends without the arrival.
-  const CallEnd two = End(2);
-  ASSERT_TRUE(LaunchBlocks(sh, ops, 0, outs, stream(), cancel(), &two).ok());
-  ASSERT_TRUE(WordReaches(0, 2));
-  EXPECT_EQ(cudaStreamQuery(stream()), cudaErrorNotReady);
-  SetWord(2, 1);
-  ASSERT_CUDA_OK(cudaStreamSynchronize(stream()));
-  EXPECT_EQ(Word(1), 1u);
-
-  // Epoch 3, in two launches (k one element off a 16-byte boundary): the counter is back at
-  // zero after the cancel, the arrivals go with the last launch, and the results are exact.
-  SetWord(2, 0);
-  SetWord(1, 3);
-  const int32_t count = static_cast<int32_t>(LocalHeads(sh));
-  const TwinView k = MakeTwin(kVariants[3], sh.batch, sh.seq_local, sh.heads, sh.head_dim,
-                              sh.itemsize, 43);
-  const BlockOperands qkv{BlockKind::kScatterQkvHeadChunk,
-                          {x.device_view(), k.device_view(), x.device_view()}, 0, count};
-  const int64_t qkv_bytes = out_bytes * 3;
-  std::vector<std::vector<uint8_t>> qkv_host;
-  std::vector<std::unique_ptr<DeviceBuffer>> qkv_device;
-  for (int dst = 0; dst < 2; ++dst) {
-    qkv_host.push_back(testing::RandomBytes(qkv_bytes, 950 + dst));
-    qkv_device.emplace_back(new DeviceBuffer(qkv_host.back()));
-    ScatterQkvHeadChunkBlockRef(sh, x.host.view(), k.host.view(), x.host.view(), 0, count, 0, dst,
-                                qkv_host[dst].data());
-  }
-  void* qkv_outs[2] = {qkv_device[0]->data(), qkv_device[1]->data()};
-  const CallEnd three = End(3);
-  ASSERT_TRUE(LaunchBlocks(sh, qkv, 0, qkv_outs, stream(), cancel(), &three).ok());
-  ASSERT_CUDA_OK(cudaStreamSynchronize(stream()));
-  EXPECT_EQ(Word(0), 3u);
-  unsigned long long left = 1;
-  ASSERT_CUDA_OK(cudaMemcpy(&left, blocks_, sizeof left, cudaMemcpyDeviceToHost));
-  EXPECT_EQ(left, 0u);
-  for (int dst = 0; dst < 2; ++dst) EXPECT_EQ(qkv_device[dst]->Download(), qkv_host[dst]) << dst;
 }
 
 }  // namespace

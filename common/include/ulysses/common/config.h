@@ -72,13 +72,6 @@ struct DaemonConfig {
   /// where the build and device have it, cuBLASLt elsewhere), with which a fused session loads
   /// no cuBLASLt kernel when it opens.
   std::string fused_projection = "cublaslt";
-  /// GPU backend nvlink: who does a plain call's arrivals once its blocks are stored
-  /// (calls.end). "kernel": the store launch's last block announces the blocks and waits for
-  /// every source's, in place of a batch of stream memory operations; it holds one block of an
-  /// SM while it waits for the peers' launches, which run beside it only in one context, under
-  /// MPS or on other GPUs. "stream": stream memory operations after the launch. "auto": the
-  /// kernel when the daemon runs under MPS, else the stream.
-  std::string call_end = "auto";
   std::string ready_file;             ///< written once the daemon serves (empty: none)
   std::string metrics_address;        ///< host:port of the metrics endpoint (empty: off)
   /// The group (a name or a numeric gid) whose members may use the operator socket, which then

@@ -114,10 +114,7 @@ struct DeviceWords {
   /// exchange kernels read it first and store nothing, so waits passed by a cancel never write
   /// into a slot its owner did not open.
   uint64_t cancel;
-  /// The count of a store launch's blocks that finished, when the launch does the arrivals
-  /// (kernels::CallEnd): zero between launches. Only this rank's stream's kernels touch it.
-  uint64_t end_blocks;
-  uint64_t reserved[14];
+  uint64_t reserved[15];
   DeviceSlotWords slots[kMaxSlots];
 };
 static_assert(offsetof(DeviceWords, slots) == 128);

@@ -72,35 +72,12 @@ absl::Status LaunchCopyViewToContiguous(ConstView src, const int64_t shape[4], i
 absl::Status LaunchBlock(const ExchangeShape& shape, const BlockOperands& ops, int src, int dst,
                          void* out_dst, cudaStream_t stream);
 
-/// The arrivals of a stream-ordered call, done by the last block of a launch to finish its
-/// stores instead of by stream memory operations after the launch (docs/protocol.md section
-/// 9.2). That block makes every block's stores visible system-wide, sets each `announce` word
-/// to `epoch` (a release store), and waits until each `await` word reaches `epoch` (the cyclic
-/// comparison "word - epoch >= 0", acquire loads) or the cancel word is set; the launch ends
-/// then. Null entries are skipped. `blocks` is a device counter that is zero before the
-/// launch; the last block sets it back to zero, so one counter serves the launches of one
-/// stream one after another (never two streams at once).
-/// At most kCallEndWords words of each kind (the launch's parameters carry them): a group of
-/// at most that many ranks.
-inline constexpr int kCallEndWords = 8;
-struct CallEnd {
-  uint64_t epoch = 0;
-  uint64_t* announce[kCallEndWords] = {};
-  const uint64_t* await[kCallEndWords] = {};
-  unsigned long long* blocks = nullptr;
-};
-
 /// Every block of source `src`: block (src, d) into `out[d]` for each d in [0, shape.world)
 /// whose `out[d]` is not null, as LaunchBlock would store it, in one launch (one per distinct
 /// vector width of the blocks, which is one unless the views' alignments differ). Plans every
-/// block before launching: a bad argument enqueues nothing. With `end`, the last launch also
-/// does the call's arrivals as CallEnd says (a launch of one block does them when no block
-/// has rows).
-/// Its waits hold one block resident until every awaited word is written: only where the
-/// writers' kernels can run beside it (one context, MPS, or other GPUs) is that short.
+/// block before launching: a bad argument enqueues nothing.
 absl::Status LaunchBlocks(const ExchangeShape& shape, const BlockOperands& ops, int src,
-                          void* const* out, cudaStream_t stream, const uint64_t* cancel = nullptr,
-                          const CallEnd* end = nullptr);
+                          void* const* out, cudaStream_t stream, const uint64_t* cancel = nullptr);
 
 /// Bytes of one block of `ops` in packed form (equal for every (src, dst) pair): the block's
 /// rows back to back, in the order the block launcher visits them (for the head-chunk scatter,
