@@ -30,11 +30,56 @@
 namespace ulysses {
 namespace {
 
+// What the daemons of a 2-rank session count around `calls` ScatterHeads calls with out= per
+// rank, through the rings or (use_rings false) each a Control.Call RPC: each counter after
+// the first call (a row count's first call may allocate) and after the last.
+struct CallCounts {
+  std::string error;
+  uint64_t device_first = 0, device_last = 0;  // device allocations
+  uint64_t ring_first = 0, ring_last = 0;      // the ring path's host allocations
+  uint64_t grpc_first = 0, grpc_last = 0;      // the Control.Call handler's host allocations
+};
+
 class GpuCluster : public testing_util::ClusterTest {
  protected:
   void SetUp() override {
     if (ipc::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
     backend_ = "nvlink";
+  }
+
+  std::vector<CallCounts> CountScatterCalls(bool use_rings, int calls) {
+    std::vector<CallCounts> counts(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        CallCounts& n = counts[r];
+        client::ConnectOptions options{Members(2)[r], "alloc"};
+        options.use_rings = use_rings;
+        auto client = client::Client::Connect(options);
+        if (!client.ok()) return void(n.error = client.status().ToString());
+        auto group = (*client)->JoinGroup({"alloc", 2, r, Members(2), "nvlink", 0});
+        if (!group.ok()) return void(n.error = group.status().ToString());
+        auto session = (*client)->CreateSession(*group, {8, 128, DType::kBFloat16, 256, 2, {}, 0});
+        if (!session.ok()) return void(n.error = session.status().ToString());
+        auto x = (*client)->AllocBuffer(256 * 8 * 128 * 2, "x");
+        auto out = (*client)->AllocBuffer(2 * 256 * 4 * 128 * 2, "out");
+        if (!x.ok() || !out.ok()) return void(n.error = "alloc");
+        for (int i = 0; i < calls; ++i) {
+          auto res = (*session)->ScatterHeads(x->Ref(), 1, 256, out->Ref());
+          if (!res.ok()) return void(n.error = res.status().ToString());
+          if (i == 0) Count(r, &n.device_first, &n.ring_first, &n.grpc_first);
+        }
+        Count(r, &n.device_last, &n.ring_last, &n.grpc_last);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return counts;
+  }
+  void Count(int rank, uint64_t* device, uint64_t* ring, uint64_t* grpc) {
+    const v1::DaemonState st = State(rank);
+    *device = st.device_allocations();
+    *ring = st.call_path_host_allocations();
+    *grpc = st.grpc_call_host_allocations();
   }
 
   // A client of the one daemon started, in a group `name` of its own.
@@ -569,43 +614,39 @@ TEST_F(GpuCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
   Start(2);
   uint64_t baseline[2];
   for (int r = 0; r < 2; ++r) baseline[r] = State(r).device_bytes();
-  std::vector<std::string> errors(2);
-  std::vector<uint64_t> after_first(2), after_many(2), host_first(2), host_many(2);
-  std::vector<std::thread> threads;
+  const std::vector<CallCounts> n = CountScatterCalls(/*use_rings=*/true, 21);
   for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      auto client = client::Client::Connect({Members(2)[r], "alloc"});
-      if (!client.ok()) return void(errors[r] = client.status().ToString());
-      auto group = (*client)->JoinGroup({"alloc", 2, r, Members(2), "nvlink", 0});
-      if (!group.ok()) return void(errors[r] = group.status().ToString());
-      auto session = (*client)->CreateSession(*group, {8, 128, DType::kBFloat16, 256, 2, {}, 0});
-      if (!session.ok()) return void(errors[r] = session.status().ToString());
-      auto x = (*client)->AllocBuffer(256 * 8 * 128 * 2, "x");
-      auto out = (*client)->AllocBuffer(2 * 256 * 4 * 128 * 2, "out");
-      if (!x.ok() || !out.ok()) return void(errors[r] = "alloc");
-      for (int i = 0; i < 21; ++i) {
-        auto res = (*session)->ScatterHeads(x->Ref(), 1, 256, out->Ref());
-        if (!res.ok()) return void(errors[r] = res.status().ToString());
-        if (i == 0) {
-          after_first[r] = State(r).device_allocations();
-          host_first[r] = State(r).call_path_host_allocations();
-        }
-      }
-      after_many[r] = State(r).device_allocations();
-      host_many[r] = State(r).call_path_host_allocations();
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(errors[r], "") << "rank " << r;
-    EXPECT_GT(after_first[r], 0u);
-    EXPECT_EQ(after_many[r], after_first[r]) << "rank " << r << " allocated during calls";
+    EXPECT_EQ(n[r].error, "") << "rank " << r;
+    EXPECT_GT(n[r].device_first, 0u);
+    EXPECT_EQ(n[r].device_last, n[r].device_first) << "rank " << r << " allocated during calls";
     EXPECT_TRUE(State(r).host_allocations_counted()) << "rank " << r;
-    EXPECT_EQ(host_many[r], host_first[r]) << "rank " << r << "'s call path allocated host memory";
+    EXPECT_EQ(n[r].ring_last, n[r].ring_first)
+        << "rank " << r << "'s call path allocated host memory";
     // The clients are gone: every slot and buffer of theirs is released.
     EXPECT_TRUE(testing_util::Eventually([&] { return State(r).device_bytes() == baseline[r]; }))
         << "rank " << r << ": " << State(r).device_bytes() << " bytes held, baseline "
         << baseline[r];
+  }
+}
+
+// A GPU session's calls as Control.Call RPCs (the caller waits for each, docs/protocol.md
+// section 4.4) allocate on the daemon's host only what gRPC makes per call (4 on the host
+// backend, RingTest.CallsOverGrpcAllocateOnlyWhatGrpcMakesPerCall), nothing on the ring
+// path's count, and no device memory.
+TEST_F(GpuCluster, CallsOverGrpcAllocateOnlyWhatGrpcMakesPerCall) {
+  Start(2);
+  constexpr int kCalls = 21;
+  constexpr uint64_t kGrpcOwnedPerCall = 4;
+  const std::vector<CallCounts> n = CountScatterCalls(/*use_rings=*/false, kCalls);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(n[r].error, "") << "rank " << r;
+    EXPECT_EQ(n[r].device_last, n[r].device_first) << "rank " << r << " allocated during calls";
+    const uint64_t counted = n[r].grpc_last - n[r].grpc_first;
+    EXPECT_GT(counted, 0u) << "rank " << r << ": Control.Call's handler is not counted";
+    EXPECT_LE(counted, kGrpcOwnedPerCall * (kCalls - 1))
+        << "rank " << r << ": " << counted << " allocations in " << kCalls - 1 << " calls";
+    EXPECT_EQ(n[r].ring_last, n[r].ring_first)
+        << "rank " << r << ": Control.Call's allocations were counted as the ring path's";
   }
 }
 
