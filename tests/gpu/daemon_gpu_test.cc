@@ -31,13 +31,13 @@ namespace ulysses {
 namespace {
 
 // What the daemons of a 2-rank session count around `calls` ScatterHeads calls with out= per
-// rank, through the rings or (use_rings false) each a Control.Call RPC: each counter after
-// the first call (a row count's first call may allocate) and after the last.
+// rank, through the rings or (use_rings false) each a Control.Call RPC: each counter before
+// the first call, after it (a row count's first call may allocate) and after the last.
 struct CallCounts {
   std::string error;
-  uint64_t device_first = 0, device_last = 0;  // device allocations
-  uint64_t ring_first = 0, ring_last = 0;      // the ring path's host allocations
-  uint64_t grpc_first = 0, grpc_last = 0;      // the Control.Call handler's host allocations
+  uint64_t device_before = 0, device_first = 0, device_last = 0;  // device allocations
+  uint64_t ring_before = 0, ring_first = 0, ring_last = 0;  // the ring path's host allocations
+  uint64_t grpc_before = 0, grpc_first = 0, grpc_last = 0;  // the Control.Call handler's
 };
 
 class GpuCluster : public testing_util::ClusterTest {
@@ -64,6 +64,7 @@ class GpuCluster : public testing_util::ClusterTest {
         auto x = (*client)->AllocBuffer(256 * 8 * 128 * 2, "x");
         auto out = (*client)->AllocBuffer(2 * 256 * 4 * 128 * 2, "out");
         if (!x.ok() || !out.ok()) return void(n.error = "alloc");
+        Count(r, &n.device_before, &n.ring_before, &n.grpc_before);
         for (int i = 0; i < calls; ++i) {
           auto res = (*session)->ScatterHeads(x->Ref(), 1, 256, out->Ref());
           if (!res.ok()) return void(n.error = res.status().ToString());
@@ -622,6 +623,8 @@ TEST_F(GpuCluster, NoDeviceAllocationPerCallAndMemoryBackToBaseline) {
     EXPECT_TRUE(State(r).host_allocations_counted()) << "rank " << r;
     EXPECT_EQ(n[r].ring_last, n[r].ring_first)
         << "rank " << r << "'s call path allocated host memory";
+    EXPECT_EQ(n[r].grpc_last, n[r].grpc_before)
+        << "rank " << r << ": ring calls were counted as Control.Call's";
     // The clients are gone: every slot and buffer of theirs is released.
     EXPECT_TRUE(testing_util::Eventually([&] { return State(r).device_bytes() == baseline[r]; }))
         << "rank " << r << ": " << State(r).device_bytes() << " bytes held, baseline "
@@ -640,12 +643,14 @@ TEST_F(GpuCluster, CallsOverGrpcAllocateOnlyWhatGrpcMakesPerCall) {
   const std::vector<CallCounts> n = CountScatterCalls(/*use_rings=*/false, kCalls);
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(n[r].error, "") << "rank " << r;
+    if (!n[r].error.empty()) continue;
+    ASSERT_TRUE(State(r).host_allocations_counted()) << "rank " << r << ": not counted here";
     EXPECT_EQ(n[r].device_last, n[r].device_first) << "rank " << r << " allocated during calls";
     const uint64_t counted = n[r].grpc_last - n[r].grpc_first;
     EXPECT_GT(counted, 0u) << "rank " << r << ": Control.Call's handler is not counted";
     EXPECT_LE(counted, kGrpcOwnedPerCall * (kCalls - 1))
         << "rank " << r << ": " << counted << " allocations in " << kCalls - 1 << " calls";
-    EXPECT_EQ(n[r].ring_last, n[r].ring_first)
+    EXPECT_EQ(n[r].ring_last, n[r].ring_before)
         << "rank " << r << ": Control.Call's allocations were counted as the ring path's";
   }
 }
