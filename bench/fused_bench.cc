@@ -307,9 +307,12 @@ absl::StatusOr<Json> RunRow(const Options& opt, HiddenData& data, int32_t world,
   c.chunk_rows = opt.chunk_rows;
   c.push_blocks = opt.push_blocks;
   using kernels::EpilogueSchedule;
-  c.epilogue_schedule = opt.epilogue_schedule == "pingpong"    ? EpilogueSchedule::kPingpong
-                        : opt.epilogue_schedule == "pingpong2" ? EpilogueSchedule::kPingpongCluster2
-                                                               : EpilogueSchedule::kAuto;
+  c.epilogue_schedule = EpilogueSchedule::kAuto;
+  for (int i = 0; i < kernels::kEpilogueSchedules; ++i) {
+    const auto schedule = static_cast<EpilogueSchedule>(i + 1);
+    if (opt.epilogue_schedule == kernels::EpilogueScheduleName(schedule))
+      c.epilogue_schedule = schedule;
+  }
   ULY_ASSIGN_OR_RETURN(std::unique_ptr<kernels::FusedQkvPlan> plan,
                        kernels::FusedQkvPlan::Create(c));
   ULY_RETURN_IF_ERROR(plan->Prepare(rows));
@@ -693,8 +696,10 @@ int Main(int argc, char** argv) {
   app.add_option("--push-blocks", opt.push_blocks,
                  "grid cap of the chunked store kernel (0: none)");
   app.add_option("--epilogue-schedule", opt.epilogue_schedule,
-                 "the epilogue path's GEMM: auto, pingpong (single CTAs) or pingpong2 (clusters of 2)")
-      ->check(CLI::IsMember({"auto", "pingpong", "pingpong2"}));
+                 "the epilogue path's GEMM: auto, pingpong (single CTAs), pingpong2 (clusters "
+                 "of 2 along the rows), pingpong2x2 (clusters of 2 x 2) or pingpong4 (clusters "
+                 "of 4 along the rows)")
+      ->check(CLI::IsMember({"auto", "pingpong", "pingpong2", "pingpong2x2", "pingpong4"}));
   app.add_option("--readiness", opt.readiness,
                  "none: the paths as the daemon runs them; words: each chunk also publishes its "
                  "readiness word per destination")
@@ -751,6 +756,7 @@ int Main(int argc, char** argv) {
   report["mps"] = mps;
   report["layout"] = opt.layout;
   report["readiness"] = opt.readiness;
+  report["epilogue_schedule"] = opt.epilogue_schedule;
   report["method"] = StrCat("CUDA events, L2 flushed (256 MiB memset) before each sample, ",
                             opt.rounds, " A/B/B/A rounds x ", opt.samples,
                             " samples, median; A/A control = fused_chunked twice");

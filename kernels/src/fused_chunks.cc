@@ -30,6 +30,22 @@ int64_t FusedChunkRows(int64_t rows, int64_t chunk_rows) {
   return std::min(chunk, rows);
 }
 
+const char* EpilogueScheduleName(EpilogueSchedule schedule) {
+  switch (schedule) {
+    case EpilogueSchedule::kAuto:
+      return "auto";
+    case EpilogueSchedule::kPingpong:
+      return "pingpong";
+    case EpilogueSchedule::kPingpongCluster2:
+      return "pingpong2";
+    case EpilogueSchedule::kPingpongCluster2x2:
+      return "pingpong2x2";
+    case EpilogueSchedule::kPingpongCluster4:
+      return "pingpong4";
+  }
+  return "unknown";
+}
+
 EpilogueSchedule EpilogueScheduleFor(int64_t rows) {
   return rows >= 2048 ? EpilogueSchedule::kPingpongCluster2 : EpilogueSchedule::kPingpong;
 }

@@ -250,13 +250,15 @@ class NormRopeStoreEpilogue {
 
 using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
 
-// The ping-pong GEMM kernel, single CTAs (kClusterM 1) or clusters of 2 along M.
+// The ping-pong GEMM kernel on single CTAs or clusters of kClusterM x kClusterN CTAs (the
+// CTAs of a cluster along M share each w_qkv tile, those along N each x tile, by multicast).
 // x [rows, hidden] row-major is A (M x K, K-major); w_qkv [features, hidden] row-major is B as
 // K x N column-major (also K-major): the TN GEMM that Hopper's TMA + wgmma path wants.
-template <int kClusterM>
+template <int kClusterM, int kClusterN>
 struct PingpongKernel {
-  static constexpr int kCluster = kClusterM;
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+  static constexpr int kCluster = kClusterM * kClusterN;
+  static constexpr int kClusterRows = kClusterM, kClusterCols = kClusterN;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
   using Epilogue = NormRopeStoreEpilogue;
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
@@ -318,7 +320,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
 
   std::string Description() const override {
     return absl::StrCat("cutlass sm90a tma warp-specialized ping-pong, persistent, tile ",
-                        kTileM, "x", kTileN, "x", kTileK, ", cluster ", K::kCluster, "x1, swizzle ",
+                        kTileM, "x", kTileN, "x", kTileK, ", cluster ", K::kClusterRows, "x", K::kClusterCols, ", swizzle ",
                         kSwizzle,
                         ", ", K::CollectiveMainloop::DispatchPolicy::Stages,
                         " stages, epilogue norm_rope_store");
@@ -396,7 +398,8 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
       ULY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     } else {
       const cutlass::Status st = cutlass::launch_kernel_on_cluster(
-          {grid, block, dim3(K::kCluster, 1, 1), GemmKernel::SharedStorageSize, stream},
+          {grid, block, dim3(K::kClusterRows, K::kClusterCols, 1), GemmKernel::SharedStorageSize,
+           stream},
           reinterpret_cast<const void*>(&cutlass::device_kernel<GemmKernel>), params);
       if (st != cutlass::Status::kSuccess)
         return absl::InternalError(
@@ -436,9 +439,18 @@ absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t featu
   if (major != 9 || minor != 0)
     return absl::FailedPreconditionError(absl::StrCat(
         "the epilogue-fused GEMM needs an sm_90 GPU; device ", device, " is sm_", major, minor));
-  if (schedule == EpilogueSchedule::kPingpongCluster2)
-    return Make<PingpongKernel<2>>(features, hidden, device, sms);
-  return Make<PingpongKernel<1>>(features, hidden, device, sms);
+  switch (schedule) {
+    case EpilogueSchedule::kPingpongCluster2:
+      return Make<PingpongKernel<2, 1>>(features, hidden, device, sms);
+    case EpilogueSchedule::kPingpongCluster2x2:
+      return Make<PingpongKernel<2, 2>>(features, hidden, device, sms);
+    case EpilogueSchedule::kPingpongCluster4:
+      return Make<PingpongKernel<4, 1>>(features, hidden, device, sms);
+    case EpilogueSchedule::kAuto:
+    case EpilogueSchedule::kPingpong:
+      break;
+  }
+  return Make<PingpongKernel<1, 1>>(features, hidden, device, sms);
 }
 
 }  // namespace ulysses::kernels::internal

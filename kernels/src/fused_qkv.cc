@@ -81,9 +81,9 @@ struct FusedQkvPlan::Impl {
   // First, so that it goes last: the buffers below are allocated and freed in its order.
   Stream side;
   std::unique_ptr<Bf16Gemm> gemm;  // null with cutlass_projection
-  // The epilogue path's GEMMs: [0] single CTAs, [1] clusters of 2 (EpilogueSchedule); those
-  // the config can use are made, both null when epilogue_unavailable says why.
-  std::unique_ptr<internal::EpilogueGemm> epilogue[2];
+  // The epilogue path's GEMMs, one per EpilogueSchedule (index: the schedule - 1); those the
+  // config can use are made, all null when epilogue_unavailable says why.
+  std::unique_ptr<internal::EpilogueGemm> epilogue[kEpilogueSchedules];
   std::string epilogue_unavailable;
   DeviceMemory chunk_counters;  // [kMaxFusedChunks] of the epilogue path
   DeviceMemory projection;  // [max_tokens, 3*H*D] bf16
@@ -110,7 +110,7 @@ struct FusedQkvPlan::Impl {
     const EpilogueSchedule s = config.epilogue_schedule == EpilogueSchedule::kAuto
                                    ? EpilogueScheduleFor(rows)
                                    : config.epilogue_schedule;
-    return epilogue[s == EpilogueSchedule::kPingpongCluster2 ? 1 : 0].get();
+    return epilogue[static_cast<int>(s) - 1].get();
   }
 
   absl::StatusOr<QkvNormRopeShape> CallShape(const void* x, const int32_t* positions, int64_t batch,
@@ -190,16 +190,18 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
   const cudaStream_t setup = config.setup_stream != nullptr
                                  ? static_cast<cudaStream_t>(config.setup_stream)
                                  : impl->side.get();
-  for (int i = 0; i < 2; ++i) {
-    const EpilogueSchedule schedule =
-        i == 0 ? EpilogueSchedule::kPingpong : EpilogueSchedule::kPingpongCluster2;
-    if (config.epilogue_schedule != EpilogueSchedule::kAuto &&
-        config.epilogue_schedule != schedule)
-      continue;
+  for (int i = 0; i < kEpilogueSchedules; ++i) {
+    const auto schedule = static_cast<EpilogueSchedule>(i + 1);
+    // kAuto makes the two that EpilogueScheduleFor picks from.
+    const bool used = config.epilogue_schedule == EpilogueSchedule::kAuto
+                          ? schedule == EpilogueSchedule::kPingpong ||
+                                schedule == EpilogueSchedule::kPingpongCluster2
+                          : config.epilogue_schedule == schedule;
+    if (!used) continue;
     absl::StatusOr<std::unique_ptr<internal::EpilogueGemm>> epilogue =
         internal::EpilogueGemm::Create(impl->features(), impl->hidden(), schedule);
     if (!epilogue.ok()) {  // the other paths still serve
-      impl->epilogue[0].reset();
+      for (std::unique_ptr<internal::EpilogueGemm>& made : impl->epilogue) made.reset();
       impl->epilogue_unavailable = std::string(epilogue.status().message());
       break;
     }

@@ -194,6 +194,7 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
     c.chunk_rows = chunk_rows;
     c.keep_projection = keep_projection;
     c.cutlass_projection = cutlass_projection_;
+    c.epilogue_schedule = schedule_;
     absl::StatusOr<std::unique_ptr<FusedQkvPlan>> plan = FusedQkvPlan::Create(c);
     EXPECT_TRUE(plan.ok()) << plan.status();
     return plan.ok() ? std::move(*plan) : nullptr;
@@ -436,6 +437,7 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
   std::unique_ptr<DeviceBuffer> w_qkv_, q_norm_, k_norm_, cos_sin_;
   std::vector<std::unique_ptr<DeviceBuffer>> x_, positions_;
   bool cutlass_projection_ = false;  // MakePlan's plans project on the epilogue GEMM
+  EpilogueSchedule schedule_ = EpilogueSchedule::kAuto;  // MakePlan's plans' schedule
 };
 
 // hidden, world, batch, seq_local
@@ -750,6 +752,30 @@ TEST_P(GpuFusedQkvTest, EpiloguePathMatchesReferenceAndThePerOperatorPath) {
     const PathResult per_op = RunPath(layout, Path::kPerOperator);
     CheckPathsAgree(layout, epilogue, per_op, "epilogue");
   }
+}
+
+// Every mainloop schedule of the epilogue GEMM (single CTAs and each cluster shape, whose
+// clusters reach past the last row or head tile on shapes that are not whole clusters) gives
+// the reference's bits, and its plan says which kernel it ran.
+TEST_P(GpuFusedQkvTest, EveryEpilogueScheduleMatchesTheReference) {
+  if (!EpilogueRuns()) GTEST_SKIP() << "no epilogue path in this build or on this device";
+  for (int i = 0; i < kEpilogueSchedules; ++i) {
+    schedule_ = static_cast<EpilogueSchedule>(i + 1);
+    SCOPED_TRACE(EpilogueScheduleName(schedule_));
+    std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0);
+    ASSERT_NE(plan, nullptr);
+    const std::string cluster = schedule_ == EpilogueSchedule::kPingpong          ? "cluster 1x1"
+                                : schedule_ == EpilogueSchedule::kPingpongCluster2 ? "cluster 2x1"
+                                : schedule_ == EpilogueSchedule::kPingpongCluster2x2
+                                    ? "cluster 2x2"
+                                    : "cluster 4x1";
+    EXPECT_NE(plan->Describe(Rows()).find(cluster), std::string::npos) << plan->Describe(Rows());
+    for (QkvLayout layout : {QkvLayout::kBshd, QkvLayout::kFused}) {
+      SCOPED_TRACE(std::string(QkvLayoutName(layout)));
+      CheckPath("epilogue", layout, RunPath(layout, Path::kEpilogue));
+    }
+  }
+  schedule_ = EpilogueSchedule::kAuto;
 }
 
 // The slot budget reserves DeviceBytesFor(config) before a fused session's plan is made, and
@@ -1397,7 +1423,8 @@ INSTANTIATE_TEST_SUITE_P(ShortShards, GpuFusedQkvTest,
                                             ::testing::Values(int64_t{5})),
                          ParamName);
 INSTANTIATE_TEST_SUITE_P(OddShards, GpuFusedQkvTest,
-                         ::testing::Values(Param{512, 2, 3, 67}, Param{1024, 4, 25, 9}),
+                         ::testing::Values(Param{512, 2, 3, 67}, Param{1024, 4, 25, 9},
+                                           Param{384, 3, 2, 75}),
                          ParamName);
 
 }  // namespace
