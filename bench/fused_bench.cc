@@ -697,9 +697,11 @@ int Main(int argc, char** argv) {
                  "grid cap of the chunked store kernel (0: none)");
   app.add_option("--epilogue-schedule", opt.epilogue_schedule,
                  "the epilogue path's GEMM: auto, pingpong (single CTAs), pingpong2 (clusters "
-                 "of 2 along the rows), pingpong2x2 (clusters of 2 x 2) or pingpong4 (clusters "
-                 "of 4 along the rows)")
-      ->check(CLI::IsMember({"auto", "pingpong", "pingpong2", "pingpong2x2", "pingpong4"}));
+                 "of 2 along the rows), pingpong2x2 (clusters of 2 x 2), pingpong4 (clusters "
+                 "of 4 along the rows) or pingpong2wide (tiles of 64 rows x 2 heads, clusters "
+                 "of 2 along the rows)")
+      ->check(CLI::IsMember(
+          {"auto", "pingpong", "pingpong2", "pingpong2x2", "pingpong4", "pingpong2wide"}));
   app.add_option("--readiness", opt.readiness,
                  "none: the paths as the daemon runs them; words: each chunk also publishes its "
                  "readiness word per destination")

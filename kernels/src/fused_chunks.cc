@@ -42,6 +42,8 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
       return "pingpong2x2";
     case EpilogueSchedule::kPingpongCluster4:
       return "pingpong4";
+    case EpilogueSchedule::kPingpongWideCluster2:
+      return "pingpong2wide";
   }
   return "unknown";
 }

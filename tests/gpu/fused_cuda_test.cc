@@ -764,11 +764,12 @@ TEST_P(GpuFusedQkvTest, EveryEpilogueScheduleMatchesTheReference) {
     SCOPED_TRACE(EpilogueScheduleName(schedule_));
     std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0);
     ASSERT_NE(plan, nullptr);
-    const std::string cluster = schedule_ == EpilogueSchedule::kPingpong          ? "cluster 1x1"
-                                : schedule_ == EpilogueSchedule::kPingpongCluster2 ? "cluster 2x1"
-                                : schedule_ == EpilogueSchedule::kPingpongCluster2x2
-                                    ? "cluster 2x2"
-                                    : "cluster 4x1";
+    const std::string cluster =
+        schedule_ == EpilogueSchedule::kPingpong             ? "tile 128x128x64, cluster 1x1"
+        : schedule_ == EpilogueSchedule::kPingpongCluster2   ? "tile 128x128x64, cluster 2x1"
+        : schedule_ == EpilogueSchedule::kPingpongCluster2x2 ? "tile 128x128x64, cluster 2x2"
+        : schedule_ == EpilogueSchedule::kPingpongCluster4   ? "tile 128x128x64, cluster 4x1"
+                                                             : "tile 64x256x64, cluster 2x1";
     EXPECT_NE(plan->Describe(Rows()).find(cluster), std::string::npos) << plan->Describe(Rows());
     for (QkvLayout layout : {QkvLayout::kBshd, QkvLayout::kFused}) {
       SCOPED_TRACE(std::string(QkvLayoutName(layout)));
