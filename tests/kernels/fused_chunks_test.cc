@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "ulysses/kernels/fused_qkv.h"
@@ -162,6 +164,15 @@ TEST(FusedChunksTest, EpilogueScheduleClustersFrom2048Rows) {
   EXPECT_EQ(EpilogueScheduleFor(2047), EpilogueSchedule::kPingpong);
   EXPECT_EQ(EpilogueScheduleFor(2048), EpilogueSchedule::kPingpongCluster2);
   EXPECT_EQ(EpilogueScheduleFor(65536), EpilogueSchedule::kPingpongCluster2);
+}
+
+TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
+  std::set<std::string> names = {EpilogueScheduleName(EpilogueSchedule::kAuto)};
+  for (int i = 0; i < kEpilogueSchedules; ++i) {
+    names.insert(EpilogueScheduleName(static_cast<EpilogueSchedule>(i + 1)));
+  }
+  EXPECT_EQ(names, (std::set<std::string>{"auto", "pingpong", "pingpong2", "pingpong2x2",
+                                          "pingpong4", "pingpong2wide"}));
 }
 
 }  // namespace
