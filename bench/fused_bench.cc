@@ -672,11 +672,11 @@ int RunGrid(const Options& opt, QkvLayout layout, cudaStream_t stream, Json& rep
   return failures;
 }
 
+// Whether this process's context on device 0 is an MPS client (as the daemon tells it), not
+// whether an MPS pipe directory exists.
 bool MpsDetected() {
-  const char* pipe = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
-  const std::string dir = pipe != nullptr ? pipe : "/tmp/nvidia-mps";
-  std::ifstream control(dir + "/control");
-  return control.good();
+  int on = 0;
+  return cudaDeviceGetAttribute(&on, cudaDevAttrMpsEnabled, 0) == cudaSuccess && on != 0;
 }
 
 int Main(int argc, char** argv) {
@@ -696,12 +696,8 @@ int Main(int argc, char** argv) {
   app.add_option("--push-blocks", opt.push_blocks,
                  "grid cap of the chunked store kernel (0: none)");
   app.add_option("--epilogue-schedule", opt.epilogue_schedule,
-                 "the epilogue path's GEMM: auto, pingpong (single CTAs), pingpong2 (clusters "
-                 "of 2 along the rows), pingpong2x2 (clusters of 2 x 2), pingpong4 (clusters "
-                 "of 4 along the rows) or pingpong2wide (tiles of 64 rows x 2 heads, clusters "
-                 "of 2 along the rows)")
-      ->check(CLI::IsMember(
-          {"auto", "pingpong", "pingpong2", "pingpong2x2", "pingpong4", "pingpong2wide"}));
+                 "the epilogue path's GEMM: auto, pingpong (single CTAs) or pingpong2 (clusters of 2)")
+      ->check(CLI::IsMember({"auto", "pingpong", "pingpong2"}));
   app.add_option("--readiness", opt.readiness,
                  "none: the paths as the daemon runs them; words: each chunk also publishes its "
                  "readiness word per destination")

@@ -38,12 +38,6 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
       return "pingpong";
     case EpilogueSchedule::kPingpongCluster2:
       return "pingpong2";
-    case EpilogueSchedule::kPingpongCluster2x2:
-      return "pingpong2x2";
-    case EpilogueSchedule::kPingpongCluster4:
-      return "pingpong4";
-    case EpilogueSchedule::kPingpongWideCluster2:
-      return "pingpong2wide";
   }
   return "unknown";
 }

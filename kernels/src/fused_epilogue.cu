@@ -43,8 +43,11 @@
 namespace ulysses::kernels::internal {
 namespace {
 
+constexpr int kTileM = static_cast<int>(kEpilogueTileRows);
+constexpr int kTileN = kHeadDim;  // one head of one plane per tile
 constexpr int kTileK = 64;
-constexpr int kSwizzle = 8;  // the tile scheduler's swizzle (1, 2, 4 or 8)
+constexpr int kPitch = kTileN + 8;  // bf16 elements per shared row: 16 bytes of padding
+constexpr int kSwizzle = 8;          // the tile scheduler's swizzle (1, 2, 4 or 8)
 
 // What the epilogue needs on the device; trivially copyable, passed in the kernel's params.
 struct EpilogueParams {
@@ -54,7 +57,6 @@ struct EpilogueParams {
   int32_t rows;
   int32_t chunk_tiles;  // M tiles per readiness chunk
   int32_t n_tiles;      // tiles across the features
-  int32_t head_tiles;   // heads of the three planes (3*H): a tile's heads from this on are none
   const int32_t* positions;
   const uint16_t* q_norm;
   const uint16_t* k_norm;
@@ -72,20 +74,14 @@ struct EpilogueParams {
 using Element = cutlass::bfloat16_t;
 using StrideCD = cute::Stride<int64_t, cute::Int<1>, int64_t>;
 
-// The epilogue of one tile of kTileM rows by kTileHeads heads, run by the one consumer
-// warpgroup of the ping-pong kernel that owns the tile (one warpgroup's epilogue beside the
-// other's mainloop; the kernel orders the two epilogues, so they share one staging tile). A
-// tile of two heads loads its rows' positions and cos/sin once for both.
-template <int kTileRows, int kTileHeads>
+// The epilogue of one tile, run by the one consumer warpgroup of the ping-pong kernel that
+// owns the tile (one warpgroup's epilogue beside the other's mainloop; the kernel orders the
+// two epilogues, so they share one staging tile).
 class NormRopeStoreEpilogue {
  public:
-  static constexpr int kTileM = kTileRows;
-  static constexpr int kTileN = kTileHeads * kHeadDim;
-  static constexpr int kPitch = kTileN + 8;  // bf16 elements per shared row: 16 bytes of padding
   static constexpr int kThreads = 128;
   static constexpr int kHalfWarps = kThreads / kHeadLanes;
   static constexpr int kRowsPerThread = kTileM / kHalfWarps;
-  static_assert(kTileM % kHalfWarps == 0 && kEpilogueTileRows % kTileM == 0);
 
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
   using DispatchPolicy = EpilogueSchedule;
@@ -155,22 +151,10 @@ class NormRopeStoreEpilogue {
     if (n_tile >= p.n_tiles || m_tile * kTileM >= p.rows) return;
     const bool only = p.projection_only != 0;  // alike for every thread of the kernel
     const int lane = thread_idx % kHeadLanes, half_warp = thread_idx / kHeadLanes;
-    const int64_t features = int64_t{3} * p.shape.heads * kHeadDim;
+    const int64_t hd = int64_t{p.shape.heads} * kHeadDim, features = 3 * hd;
     const int64_t n = int64_t{n_tile} * kTileN;
-    // The tile's heads (of all three planes, 3*H in all): plane, head within it, and whether
-    // the tile has it (a last tile of two heads over an odd count has one).
-    int plane[kTileHeads];
-    int32_t head[kTileHeads];
-    bool has[kTileHeads];
-    bool any_rope = false;
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kTileHeads; ++k) {
-      const int32_t all = n_tile * kTileHeads + k;
-      has[k] = all < p.head_tiles;
-      plane[k] = all / p.shape.heads;
-      head[k] = all % p.shape.heads;
-      any_rope = any_rope || (has[k] && plane[k] < 2);
-    }
+    const int plane = static_cast<int>(n / hd);
+    const int32_t head = static_cast<int32_t>((n % hd) / kHeadDim);
     // This thread's rows of the tile: the two halves of a warp take rows 2w and 2w+1 (+16 j),
     // so both run the same steps (the norm's shuffles need all 32 lanes). Their positions are
     // loaded first, and their cos/sin while the tile is written, so that the rows' steps below
@@ -179,7 +163,7 @@ class NormRopeStoreEpilogue {
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kRowsPerThread; ++j) {
       const int64_t row = int64_t{m_tile} * kTileM + half_warp + j * kHalfWarps;
-      pos[j] = any_rope && !only && row < p.rows ? p.positions[row] : 0;
+      pos[j] = plane < 2 && !only && row < p.rows ? p.positions[row] : 0;
     }
     if (thread_idx == 0) {
       storage.cancelled =
@@ -195,13 +179,10 @@ class NormRopeStoreEpilogue {
     for (int i = 0; i < size(accumulators); ++i) {
       t_s(i) = __bfloat16_as_ushort(__float2bfloat16_rn(accumulators(i)));
     }
-    float w[kTileHeads][kHeadVec] = {};
+    float w[kHeadVec] = {};
     CosSin cs[kRowsPerThread] = {};
-    if (any_rope && !only) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kTileHeads; ++k) {
-        if (has[k] && plane[k] < 2) LoadNormWeights(plane[k] == 0 ? p.q_norm : p.k_norm, lane, w[k]);
-      }
+    if (plane < 2 && !only) {
+      LoadNormWeights(plane == 0 ? p.q_norm : p.k_norm, lane, w);
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kRowsPerThread; ++j) {
         cs[j] = LoadCosSin(CosSinRow(p.cos_sin, pos[j], p.shape.max_pos), lane);
@@ -212,39 +193,32 @@ class NormRopeStoreEpilogue {
     // 2 and 3. Norm + RoPE and the stores, row by row.
     const bool cancelled = storage.cancelled != 0;
     const uint32_t hl = static_cast<uint32_t>(p.shape.heads / p.shape.world);
+    const uint32_t dst = static_cast<uint32_t>(head) / hl, h = static_cast<uint32_t>(head) % hl;
     const uint32_t world = static_cast<uint32_t>(p.shape.world);
     const uint32_t src_base = static_cast<uint32_t>(p.src * p.shape.seq_local);
     const uint32_t plane_elems = static_cast<uint32_t>(QkvPlaneElems(p.shape));
+    uint16_t* out = p.out[dst];
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kRowsPerThread; ++j) {
       const int r = half_warp + j * kHalfWarps;
       const int64_t row = int64_t{m_tile} * kTileM + r;
       const bool valid = row < p.rows;
-      // QkvDestOffset in 32-bit arithmetic: every offset of a slot is below 2^31 (Run checks
-      // B*S_l*3*H*D), and a 64-bit division costs a long software sequence per row.
-      const uint32_t r32 = static_cast<uint32_t>(row), sl = static_cast<uint32_t>(p.shape.seq_local);
-      const uint32_t b = r32 / sl, token = b * sl * world + src_base + (r32 - b * sl);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kTileHeads; ++k) {
-        if (!has[k]) continue;  // alike for every thread of the tile
-        uint4 raw = *reinterpret_cast<const uint4*>(storage.tile + r * kPitch + k * kHeadDim +
-                                                    lane * kHeadVec);
-        if (valid && p.projection != nullptr) {
-          *reinterpret_cast<uint4*>(p.projection + row * features + n + k * kHeadDim +
-                                    lane * kHeadVec) = raw;
-        }
-        if (only) continue;
-        if (plane[k] < 2) NormRopeHead(raw, valid, w[k], cs[j]);  // alike for the tile's lanes
-        if (valid && !cancelled) {
-          const uint32_t dst = static_cast<uint32_t>(head[k]) / hl;
-          const uint32_t h = static_cast<uint32_t>(head[k]) % hl;
-          const uint32_t pl = static_cast<uint32_t>(plane[k]);
-          const uint32_t at =
-              p.layout == QkvLayout::kFused
-                  ? (token * hl + h) * 3 * kHeadDim + pl * kHeadDim + lane * kHeadVec
-                  : pl * plane_elems + (token * hl + h) * kHeadDim + lane * kHeadVec;
-          *reinterpret_cast<uint4*>(p.out[dst] + at) = raw;
-        }
+      uint4 raw = *reinterpret_cast<const uint4*>(storage.tile + r * kPitch + lane * kHeadVec);
+      if (valid && p.projection != nullptr) {
+        *reinterpret_cast<uint4*>(p.projection + row * features + n + lane * kHeadVec) = raw;
+      }
+      if (only) continue;
+      if (plane < 2) NormRopeHead(raw, valid, w, cs[j]);  // the same for every lane of the tile
+      if (valid && !cancelled) {
+        // QkvDestOffset in 32-bit arithmetic: every offset of a slot is below 2^31 (Run checks
+        // B*S_l*3*H*D), and a 64-bit division costs a long software sequence per row.
+        const uint32_t r32 = static_cast<uint32_t>(row), sl = static_cast<uint32_t>(p.shape.seq_local);
+        const uint32_t b = r32 / sl, token = b * sl * world + src_base + (r32 - b * sl);
+        const uint32_t at =
+            p.layout == QkvLayout::kFused
+                ? (token * hl + h) * 3 * kHeadDim + plane * kHeadDim + lane * kHeadVec
+                : plane * plane_elems + (token * hl + h) * kHeadDim + lane * kHeadVec;
+        *reinterpret_cast<uint4*>(out + at) = raw;
       }
     }
 
@@ -274,18 +248,16 @@ class NormRopeStoreEpilogue {
   Params const* params_;
 };
 
-// The ping-pong GEMM kernel on single CTAs or clusters of kClusterM x kClusterN CTAs (the
-// CTAs of a cluster along M share each w_qkv tile, those along N each x tile, by multicast).
+using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
+
+// The ping-pong GEMM kernel, single CTAs (kClusterM 1) or clusters of 2 along M.
 // x [rows, hidden] row-major is A (M x K, K-major); w_qkv [features, hidden] row-major is B as
 // K x N column-major (also K-major): the TN GEMM that Hopper's TMA + wgmma path wants.
-template <int kClusterM, int kClusterN, int kTileRows = 128, int kTileHeads = 1>
+template <int kClusterM>
 struct PingpongKernel {
-  static constexpr int kCluster = kClusterM * kClusterN;
-  static constexpr int kClusterRows = kClusterM, kClusterCols = kClusterN;
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
-  using Epilogue = NormRopeStoreEpilogue<kTileRows, kTileHeads>;
-  using TileShape = cute::Shape<cute::Int<Epilogue::kTileM>, cute::Int<Epilogue::kTileN>,
-                                cute::Int<kTileK>>;
+  static constexpr int kCluster = kClusterM;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+  using Epilogue = NormRopeStoreEpilogue;
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -303,7 +275,6 @@ template <class K>
 class CutlassEpilogueGemm final : public EpilogueGemm {
  public:
   using GemmKernel = typename K::Kernel;
-  static constexpr int kTileM = K::Epilogue::kTileM, kTileN = K::Epilogue::kTileN;
   CutlassEpilogueGemm(int64_t features, int64_t hidden, int device, int sms)
       : features_(features), hidden_(hidden), device_(device), sms_(sms) {}
 
@@ -336,8 +307,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
       e.projection_only = 1;
       e.shape = s;  // the projection's row pitch (3*H*D) and the tiles' planes and heads
       e.rows = static_cast<int32_t>(rows);
-      e.n_tiles = NTiles();
-      e.head_tiles = static_cast<int32_t>(features_ / kHeadDim);
+      e.n_tiles = static_cast<int32_t>(features_ / kTileN);
       e.projection = static_cast<uint16_t*>(c.projection);
     } else {
       ULY_RETURN_IF_ERROR(CheckEpilogueArguments(c, rows));
@@ -348,7 +318,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
 
   std::string Description() const override {
     return absl::StrCat("cutlass sm90a tma warp-specialized ping-pong, persistent, tile ",
-                        kTileM, "x", kTileN, "x", kTileK, ", cluster ", K::kClusterRows, "x", K::kClusterCols, ", swizzle ",
+                        kTileM, "x", kTileN, "x", kTileK, ", cluster ", K::kCluster, "x1, swizzle ",
                         kSwizzle,
                         ", ", K::CollectiveMainloop::DispatchPolicy::Stages,
                         " stages, epilogue norm_rope_store");
@@ -376,9 +346,8 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
     e.layout = c.layout;
     e.src = c.src;
     e.rows = static_cast<int32_t>(rows);
-    e.chunk_tiles = static_cast<int32_t>(c.chunk_rows / kTileM);
-    e.n_tiles = NTiles();
-    e.head_tiles = static_cast<int32_t>(features_ / kHeadDim);
+    e.chunk_tiles = static_cast<int32_t>(c.chunk_rows / kEpilogueTileRows);
+    e.n_tiles = static_cast<int32_t>(features_ / kTileN);
     e.positions = c.positions;
     e.q_norm = static_cast<const uint16_t*>(c.weights.q_norm);
     e.k_norm = static_cast<const uint16_t*>(c.weights.k_norm);
@@ -427,8 +396,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
       ULY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     } else {
       const cutlass::Status st = cutlass::launch_kernel_on_cluster(
-          {grid, block, dim3(K::kClusterRows, K::kClusterCols, 1), GemmKernel::SharedStorageSize,
-           stream},
+          {grid, block, dim3(K::kCluster, 1, 1), GemmKernel::SharedStorageSize, stream},
           reinterpret_cast<const void*>(&cutlass::device_kernel<GemmKernel>), params);
       if (st != cutlass::Status::kSuccess)
         return absl::InternalError(
@@ -438,9 +406,6 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
   }
 
  private:
-  // Tiles across the features (a last tile of two heads may hold one).
-  int32_t NTiles() const { return static_cast<int32_t>((features_ + kTileN - 1) / kTileN); }
-
   int64_t features_, hidden_;
   int device_, sms_;
 };
@@ -459,10 +424,10 @@ std::string EpilogueGemm::Unavailable() { return {}; }
 absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t features,
                                                                    int64_t hidden,
                                                                    EpilogueSchedule schedule) {
-  if (features <= 0 || features % kHeadDim != 0 || hidden <= 0 || hidden % kHeadDim != 0)
+  if (features <= 0 || features % kTileN != 0 || hidden <= 0 || hidden % kTileN != 0)
     return absl::InvalidArgumentError(absl::StrCat("features (", features, ") and hidden (",
                                                    hidden, ") must be positive multiples of ",
-                                                   kHeadDim));
+                                                   kTileN));
   int device = 0, major = 0, minor = 0, sms = 0;
   ULY_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   ULY_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -471,20 +436,9 @@ absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t featu
   if (major != 9 || minor != 0)
     return absl::FailedPreconditionError(absl::StrCat(
         "the epilogue-fused GEMM needs an sm_90 GPU; device ", device, " is sm_", major, minor));
-  switch (schedule) {
-    case EpilogueSchedule::kPingpongCluster2:
-      return Make<PingpongKernel<2, 1>>(features, hidden, device, sms);
-    case EpilogueSchedule::kPingpongCluster2x2:
-      return Make<PingpongKernel<2, 2>>(features, hidden, device, sms);
-    case EpilogueSchedule::kPingpongCluster4:
-      return Make<PingpongKernel<4, 1>>(features, hidden, device, sms);
-    case EpilogueSchedule::kPingpongWideCluster2:
-      return Make<PingpongKernel<2, 1, 64, 2>>(features, hidden, device, sms);
-    case EpilogueSchedule::kAuto:
-    case EpilogueSchedule::kPingpong:
-      break;
-  }
-  return Make<PingpongKernel<1, 1>>(features, hidden, device, sms);
+  if (schedule == EpilogueSchedule::kPingpongCluster2)
+    return Make<PingpongKernel<2>>(features, hidden, device, sms);
+  return Make<PingpongKernel<1>>(features, hidden, device, sms);
 }
 
 }  // namespace ulysses::kernels::internal

@@ -30,23 +30,12 @@ inline constexpr int32_t kMaxFusedChunks = 32;
 /// The epilogue path's GEMM (CUTLASS's warp-specialized ping-pong kernel: a tile per
 /// consumer warpgroup, one's epilogue beside the other's mainloop): kPingpong launches single
 /// CTAs; kPingpongCluster2 clusters of 2 CTAs along the rows, which share each w_qkv tile
-/// through TMA multicast; kPingpongCluster2x2 clusters of 2 x 2 CTAs, which also share each
-/// x tile between the two CTAs of a row pair; kPingpongCluster4 clusters of 4 CTAs along the
-/// rows. These tiles are 128 rows by one head; kPingpongWideCluster2's are 64 rows by two
-/// heads (each row's positions and cos/sin loaded once for both), in clusters of 2 along the
-/// rows. kAuto picks per call (EpilogueScheduleFor).
-enum class EpilogueSchedule {
-  kAuto,
-  kPingpong,
-  kPingpongCluster2,
-  kPingpongCluster2x2,
-  kPingpongCluster4,
-  kPingpongWideCluster2
-};
+/// through TMA multicast. kAuto picks per call (EpilogueScheduleFor).
+enum class EpilogueSchedule { kAuto, kPingpong, kPingpongCluster2 };
 /// The schedules a plan can be made with (kAuto excluded), in the enum's order.
-inline constexpr int kEpilogueSchedules = 5;
-/// The schedule's name as the benchmark and describe() spell it: "pingpong", "pingpong2",
-/// "pingpong2x2", "pingpong4", "pingpong2wide" ("auto" for kAuto).
+inline constexpr int kEpilogueSchedules = 2;
+/// The schedule's name as the benchmark spells it: "pingpong", "pingpong2" ("auto" for
+/// kAuto).
 const char* EpilogueScheduleName(EpilogueSchedule schedule);
 
 /// kAuto's rule, from the measurements of docs/benchmarks.md: clusters of 2 from 2048 rows a
