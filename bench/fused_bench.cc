@@ -696,8 +696,9 @@ int Main(int argc, char** argv) {
   app.add_option("--push-blocks", opt.push_blocks,
                  "grid cap of the chunked store kernel (0: none)");
   app.add_option("--epilogue-schedule", opt.epilogue_schedule,
-                 "the epilogue path's GEMM: auto, pingpong (single CTAs) or pingpong2 (clusters of 2)")
-      ->check(CLI::IsMember({"auto", "pingpong", "pingpong2"}));
+                 "the epilogue path's GEMM: auto, pingpong (single CTAs), pingpong2 (clusters of "
+                 "2) or cooperative2 (256-row tiles, clusters of 2)")
+      ->check(CLI::IsMember({"auto", "pingpong", "pingpong2", "cooperative2"}));
   app.add_option("--readiness", opt.readiness,
                  "none: the paths as the daemon runs them; words: each chunk also publishes its "
                  "readiness word per destination")

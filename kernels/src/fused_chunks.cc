@@ -38,6 +38,8 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
       return "pingpong";
     case EpilogueSchedule::kPingpongCluster2:
       return "pingpong2";
+    case EpilogueSchedule::kCooperativeCluster2:
+      return "cooperative2";
   }
   return "unknown";
 }

@@ -43,7 +43,6 @@
 namespace ulysses::kernels::internal {
 namespace {
 
-constexpr int kTileM = static_cast<int>(kEpilogueTileRows);
 constexpr int kTileN = kHeadDim;  // one head of one plane per tile
 constexpr int kTileK = 64;
 constexpr int kPitch = kTileN + 8;  // bf16 elements per shared row: 16 bytes of padding
@@ -74,14 +73,18 @@ struct EpilogueParams {
 using Element = cutlass::bfloat16_t;
 using StrideCD = cute::Stride<int64_t, cute::Int<1>, int64_t>;
 
-// The epilogue of one tile, run by the one consumer warpgroup of the ping-pong kernel that
-// owns the tile (one warpgroup's epilogue beside the other's mainloop; the kernel orders the
-// two epilogues, so they share one staging tile).
+// The epilogue of one tile of kTileRows rows, run by the kThreadCount consumer threads that
+// own it: in the ping-pong kernel one warpgroup (one warpgroup's epilogue beside the other's
+// mainloop; the kernel orders the two epilogues, so they share one staging tile), in the
+// cooperative kernel both warpgroups on a tile of twice the rows.
+template <int kTileRows, int kThreadCount>
 class NormRopeStoreEpilogue {
  public:
-  static constexpr int kThreads = 128;
+  static constexpr int kTileM = kTileRows;
+  static constexpr int kThreads = kThreadCount;
   static constexpr int kHalfWarps = kThreads / kHeadLanes;
   static constexpr int kRowsPerThread = kTileM / kHalfWarps;
+  static_assert(kTileM % kHalfWarps == 0 && kTileM % kEpilogueTileRows == 0);
 
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
   using DispatchPolicy = EpilogueSchedule;
@@ -140,9 +143,10 @@ class NormRopeStoreEpilogue {
     const Params& p = *params_;
     if (p.gemm_alone != 0) return;
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
-    // A user named barrier per consumer warpgroup (warpgroup 0 is the producer); CUTLASS
-    // offsets user ids past the ones it reserves.
-    const uint32_t barrier = threadIdx.x / kThreads;
+    // A user named barrier per consumer warpgroup of the ping-pong kernel (warpgroup 0 is the
+    // producer), one for both of the cooperative kernel's; CUTLASS offsets user ids past the
+    // ones it reserves.
+    const uint32_t barrier = kThreads == 128 ? threadIdx.x / kThreads : 1;
     const int m_tile = static_cast<int>(get<0>(blk_coord_mnkl));
     const int n_tile = static_cast<int>(get<1>(blk_coord_mnkl));
     // The swizzled scheduler rounds the tile grid up to whole swizzle groups: a tile outside
@@ -248,16 +252,16 @@ class NormRopeStoreEpilogue {
   Params const* params_;
 };
 
-using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
-
 // The ping-pong GEMM kernel, single CTAs (kClusterM 1) or clusters of 2 along M.
 // x [rows, hidden] row-major is A (M x K, K-major); w_qkv [features, hidden] row-major is B as
 // K x N column-major (also K-major): the TN GEMM that Hopper's TMA + wgmma path wants.
 template <int kClusterM>
 struct PingpongKernel {
   static constexpr int kCluster = kClusterM;
+  static constexpr const char* kName = "ping-pong";
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
-  using Epilogue = NormRopeStoreEpilogue;
+  using Epilogue = NormRopeStoreEpilogue<128, 128>;
+  using TileShape = cute::Shape<cute::Int<Epilogue::kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -271,10 +275,33 @@ struct PingpongKernel {
                                            CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
 };
 
+// The cooperative GEMM kernel: 256-row tiles, both consumer warpgroups on one tile (128 rows
+// each) and then on its epilogue together; clusters of kClusterM along M.
+template <int kClusterM>
+struct CooperativeKernel {
+  static constexpr int kCluster = kClusterM;
+  static constexpr const char* kName = "cooperative";
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+  using Epilogue = NormRopeStoreEpilogue<256, 256>;
+  using TileShape = cute::Shape<cute::Int<Epilogue::kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
+  using CollectiveEpilogue =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8,
+      Element, cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
+                                           CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
+};
+
 template <class K>
 class CutlassEpilogueGemm final : public EpilogueGemm {
  public:
   using GemmKernel = typename K::Kernel;
+  static constexpr int kTileM = K::Epilogue::kTileM;
   CutlassEpilogueGemm(int64_t features, int64_t hidden, int device, int sms)
       : features_(features), hidden_(hidden), device_(device), sms_(sms) {}
 
@@ -317,7 +344,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
   }
 
   std::string Description() const override {
-    return absl::StrCat("cutlass sm90a tma warp-specialized ping-pong, persistent, tile ",
+    return absl::StrCat("cutlass sm90a tma warp-specialized ", K::kName, ", persistent, tile ",
                         kTileM, "x", kTileN, "x", kTileK, ", cluster ", K::kCluster, "x1, swizzle ",
                         kSwizzle,
                         ", ", K::CollectiveMainloop::DispatchPolicy::Stages,
@@ -332,6 +359,10 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
     if (c.chunk_rows <= 0 || c.chunk_rows % kEpilogueTileRows != 0)
       return absl::InvalidArgumentError(absl::StrCat(
           "chunk_rows ", c.chunk_rows, " is not a positive multiple of ", kEpilogueTileRows));
+    if (c.dests.ready != nullptr && c.chunk_rows < rows && c.chunk_rows % kTileM != 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk_rows ", c.chunk_rows, " splits this kernel's ", kTileM,
+                       "-row tiles (", rows, " rows in more than one chunk)"));
     if ((rows + c.chunk_rows - 1) / c.chunk_rows > kMaxFusedChunks)
       return absl::InvalidArgumentError(
           absl::StrCat("chunk_rows ", c.chunk_rows, " makes more than ", kMaxFusedChunks,
@@ -346,7 +377,9 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
     e.layout = c.layout;
     e.src = c.src;
     e.rows = static_cast<int32_t>(rows);
-    e.chunk_tiles = static_cast<int32_t>(c.chunk_rows / kEpilogueTileRows);
+    // With readiness words, a chunk ends inside a tile only where it is the last
+    // (CheckEpilogueArguments); without, the chunks are not used.
+    e.chunk_tiles = static_cast<int32_t>((std::min(c.chunk_rows, rows) + kTileM - 1) / kTileM);
     e.n_tiles = static_cast<int32_t>(features_ / kTileN);
     e.positions = c.positions;
     e.q_norm = static_cast<const uint16_t*>(c.weights.q_norm);
@@ -438,6 +471,8 @@ absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t featu
         "the epilogue-fused GEMM needs an sm_90 GPU; device ", device, " is sm_", major, minor));
   if (schedule == EpilogueSchedule::kPingpongCluster2)
     return Make<PingpongKernel<2>>(features, hidden, device, sms);
+  if (schedule == EpilogueSchedule::kCooperativeCluster2)
+    return Make<CooperativeKernel<2>>(features, hidden, device, sms);
   return Make<PingpongKernel<1>>(features, hidden, device, sms);
 }
 

@@ -171,7 +171,7 @@ TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
   for (int i = 0; i < kEpilogueSchedules; ++i) {
     names.insert(EpilogueScheduleName(static_cast<EpilogueSchedule>(i + 1)));
   }
-  EXPECT_EQ(names, (std::set<std::string>{"auto", "pingpong", "pingpong2"}));
+  EXPECT_EQ(names, (std::set<std::string>{"auto", "pingpong", "pingpong2", "cooperative2"}));
 }
 
 }  // namespace

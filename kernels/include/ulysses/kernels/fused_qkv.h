@@ -30,12 +30,15 @@ inline constexpr int32_t kMaxFusedChunks = 32;
 /// The epilogue path's GEMM (CUTLASS's warp-specialized ping-pong kernel: a tile per
 /// consumer warpgroup, one's epilogue beside the other's mainloop): kPingpong launches single
 /// CTAs; kPingpongCluster2 clusters of 2 CTAs along the rows, which share each w_qkv tile
-/// through TMA multicast. kAuto picks per call (EpilogueScheduleFor).
-enum class EpilogueSchedule { kAuto, kPingpong, kPingpongCluster2 };
+/// through TMA multicast. kCooperativeCluster2 is CUTLASS's cooperative kernel (both consumer
+/// warpgroups on one tile of 256 rows, then on its epilogue) in clusters of 2 along the rows;
+/// its readiness chunks must be whole 256-row tiles. kAuto picks per call
+/// (EpilogueScheduleFor).
+enum class EpilogueSchedule { kAuto, kPingpong, kPingpongCluster2, kCooperativeCluster2 };
 /// The schedules a plan can be made with (kAuto excluded), in the enum's order.
-inline constexpr int kEpilogueSchedules = 2;
-/// The schedule's name as the benchmark spells it: "pingpong", "pingpong2" ("auto" for
-/// kAuto).
+inline constexpr int kEpilogueSchedules = 3;
+/// The schedule's name as the benchmark spells it: "pingpong", "pingpong2", "cooperative2"
+/// ("auto" for kAuto).
 const char* EpilogueScheduleName(EpilogueSchedule schedule);
 
 /// kAuto's rule, from the measurements of docs/benchmarks.md: clusters of 2 from 2048 rows a
