@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "cuda_check.h"
@@ -252,15 +253,20 @@ class NormRopeStoreEpilogue {
   Params const* params_;
 };
 
-// The ping-pong GEMM kernel, single CTAs (kClusterM 1) or clusters of 2 along M.
+// The GEMM kernel with this epilogue: CUTLASS's ping-pong schedule on 128-row tiles (one per
+// consumer warpgroup) or its cooperative schedule on 256-row tiles (both warpgroups on one
+// tile, 128 rows each, then on its epilogue together); single CTAs (kClusterM 1) or clusters
+// of 2 along M.
 // x [rows, hidden] row-major is A (M x K, K-major); w_qkv [features, hidden] row-major is B as
 // K x N column-major (also K-major): the TN GEMM that Hopper's TMA + wgmma path wants.
-template <int kClusterM>
-struct PingpongKernel {
+template <int kClusterM, class Schedule>
+struct EpilogueKernel {
+  static constexpr bool kPingpong =
+      std::is_same_v<Schedule, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   static constexpr int kCluster = kClusterM;
-  static constexpr const char* kName = "ping-pong";
+  static constexpr const char* kName = kPingpong ? "ping-pong" : "cooperative";
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
-  using Epilogue = NormRopeStoreEpilogue<128, 128>;
+  using Epilogue = NormRopeStoreEpilogue<kPingpong ? 128 : 256, kPingpong ? 128 : 256>;
   using TileShape = cute::Shape<cute::Int<Epilogue::kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
@@ -269,33 +275,16 @@ struct PingpongKernel {
       Element, cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+      Schedule>::CollectiveOp;
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
                                            CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
 };
-
-// The cooperative GEMM kernel: 256-row tiles, both consumer warpgroups on one tile (128 rows
-// each) and then on its epilogue together; clusters of kClusterM along M.
 template <int kClusterM>
-struct CooperativeKernel {
-  static constexpr int kCluster = kClusterM;
-  static constexpr const char* kName = "cooperative";
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
-  using Epilogue = NormRopeStoreEpilogue<256, 256>;
-  using TileShape = cute::Shape<cute::Int<Epilogue::kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
-  using CollectiveEpilogue =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8,
-      Element, cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
-                                           CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
-};
+using PingpongKernel = EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+template <int kClusterM>
+using CooperativeKernel =
+    EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
 
 template <class K>
 class CutlassEpilogueGemm final : public EpilogueGemm {
