@@ -1,17 +1,18 @@
 // The epilogue-fused GEMM of the fused QKV op (fused_epilogue.h): CUTLASS's sm_90a TMA
-// warp-specialized ping-pong mainloop (a tile per consumer warpgroup, a persistent swizzled
-// tile scheduler; single CTAs or clusters of 2) with an epilogue of our own in the operator
-// form that CUTLASS's Sm90TmaWarpSpecializedAdapter runs in place of its TMA epilogues. (The
-// cooperative kernel was measured and not kept: docs/benchmarks.md, 2026-12-03.)
+// warp-specialized mainloop, ping-pong (a 128-row tile per consumer warpgroup) or cooperative
+// (a 256-row tile for both), with a persistent swizzled tile scheduler on single CTAs or
+// clusters of 2, and an epilogue of our own in the operator form that CUTLASS's
+// Sm90TmaWarpSpecializedAdapter runs in place of its TMA epilogues.
 //
-// Per 128x128 output tile (128 token rows of one head of one plane):
+// Per output tile (128 or 256 token rows of one head of one plane):
 //   1. the consumer threads round their accumulators to bf16 into a padded shared-memory tile;
 //   2. each half-warp takes whole rows of the tile, 16 bytes a lane, as the norm_rope.cu
 //      kernels do, and applies RMSNorm + RoPE (Q and K) through the same device function, so
 //      the step is bit for bit that of the other paths on the same projection;
 //   3. each row goes straight to its destination's slot (at QkvDestOffset);
-//   4. the tile counts itself on its chunk's counter; the chunk's last tile publishes the
-//      chunk's readiness word in every destination (release order after every store).
+//   4. each 128 rows of the tile count themselves on their chunk's counter; the chunk's last
+//      arrival publishes the chunk's readiness word in every destination (release order
+//      after every store).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -55,7 +56,7 @@ struct EpilogueParams {
   QkvLayout layout;
   int32_t src;
   int32_t rows;
-  int32_t chunk_tiles;  // M tiles per readiness chunk
+  int32_t chunk_units;  // 128-row units per readiness chunk
   int32_t n_tiles;      // tiles across the features
   const int32_t* positions;
   const uint16_t* q_norm;
@@ -160,10 +161,10 @@ class NormRopeStoreEpilogue {
     const int64_t n = int64_t{n_tile} * kTileN;
     const int plane = static_cast<int>(n / hd);
     const int32_t head = static_cast<int32_t>((n % hd) / kHeadDim);
-    // This thread's rows of the tile: the two halves of a warp take rows 2w and 2w+1 (+16 j),
-    // so both run the same steps (the norm's shuffles need all 32 lanes). Their positions are
-    // loaded first, and their cos/sin while the tile is written, so that the rows' steps below
-    // wait on no global load.
+    // This thread's rows of the tile: the two halves of a warp take rows 2w and 2w+1
+    // (+kHalfWarps j), so both run the same steps (the norm's shuffles need all 32 lanes).
+    // Their positions are loaded first, and their cos/sin while the tile is written, so that
+    // the rows' steps below wait on no global load.
     int32_t pos[kRowsPerThread];
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kRowsPerThread; ++j) {
@@ -228,24 +229,30 @@ class NormRopeStoreEpilogue {
     }
 
     // 4. Readiness. The barrier orders every thread's stores before thread 0's system-scope
-    // fence and arrival (as a grid barrier does: one fence per tile, not one per thread); the
-    // chunk's last tile has seen every arrival (fence after the atomic) and publishes the words
-    // with release stores. The barrier also keeps the shared tile until every half-warp has
-    // read it.
+    // fence and arrivals (as a grid barrier does: one fence per tile, not one per thread).
+    // Chunks are whole 128-row units (kEpilogueTileRows), so a 256-row tile may end one chunk
+    // and start the next: each of its units in the problem arrives on its own chunk. A chunk's
+    // last arrival has seen every other (fence after the atomic) and publishes the words with
+    // release stores. The barrier also keeps the shared tile until every half-warp has read it.
     cutlass::arch::NamedBarrier::sync(kThreads, barrier);
     if (p.counters == nullptr || thread_idx != 0) return;
     __threadfence_system();
-    const int32_t m_tiles = (p.rows + kTileM - 1) / kTileM;
-    const int32_t chunk = m_tile / p.chunk_tiles, first = chunk * p.chunk_tiles;
-    const unsigned int tiles =
-        static_cast<unsigned int>((min(m_tiles, first + p.chunk_tiles) - first) * p.n_tiles);
-    const unsigned int arrived = atomicAdd(p.counters + chunk, 1u);
-    if (arrived == tiles - 1) {
-      __threadfence_system();
-      for (int d = 0; d < p.shape.world; ++d) {
-        if (p.ready[d] != nullptr) StoreRelease(p.ready[d] + chunk, p.epoch);
+    constexpr int kUnitsPerTile = kTileM / static_cast<int>(kEpilogueTileRows);
+    const int32_t units = (p.rows + kEpilogueTileRows - 1) / kEpilogueTileRows;
+    for (int k = 0; k < kUnitsPerTile; ++k) {
+      const int32_t unit = m_tile * kUnitsPerTile + k;
+      if (unit >= units) break;
+      const int32_t chunk = unit / p.chunk_units, first = chunk * p.chunk_units;
+      const unsigned int arrivals =
+          static_cast<unsigned int>((min(units, first + p.chunk_units) - first) * p.n_tiles);
+      const unsigned int arrived = atomicAdd(p.counters + chunk, 1u);
+      if (arrived == arrivals - 1) {
+        __threadfence_system();
+        for (int d = 0; d < p.shape.world; ++d) {
+          if (p.ready[d] != nullptr) StoreRelease(p.ready[d] + chunk, p.epoch);
+        }
+        atomicExch(p.counters + chunk, 0u);
       }
-      atomicExch(p.counters + chunk, 0u);
     }
   }
 
@@ -348,10 +355,6 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
     if (c.chunk_rows <= 0 || c.chunk_rows % kEpilogueTileRows != 0)
       return absl::InvalidArgumentError(absl::StrCat(
           "chunk_rows ", c.chunk_rows, " is not a positive multiple of ", kEpilogueTileRows));
-    if (c.dests.ready != nullptr && c.chunk_rows < rows && c.chunk_rows % kTileM != 0)
-      return absl::InvalidArgumentError(
-          absl::StrCat("chunk_rows ", c.chunk_rows, " splits this kernel's ", kTileM,
-                       "-row tiles (", rows, " rows in more than one chunk)"));
     if ((rows + c.chunk_rows - 1) / c.chunk_rows > kMaxFusedChunks)
       return absl::InvalidArgumentError(
           absl::StrCat("chunk_rows ", c.chunk_rows, " makes more than ", kMaxFusedChunks,
@@ -366,9 +369,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
     e.layout = c.layout;
     e.src = c.src;
     e.rows = static_cast<int32_t>(rows);
-    // With readiness words, a chunk ends inside a tile only where it is the last
-    // (CheckEpilogueArguments); without, the chunks are not used.
-    e.chunk_tiles = static_cast<int32_t>((std::min(c.chunk_rows, rows) + kTileM - 1) / kTileM);
+    e.chunk_units = static_cast<int32_t>(c.chunk_rows / kEpilogueTileRows);
     e.n_tiles = static_cast<int32_t>(features_ / kTileN);
     e.positions = c.positions;
     e.q_norm = static_cast<const uint16_t*>(c.weights.q_norm);

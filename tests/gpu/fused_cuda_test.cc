@@ -754,9 +754,10 @@ TEST_P(GpuFusedQkvTest, EpiloguePathMatchesReferenceAndThePerOperatorPath) {
   }
 }
 
-// Every mainloop schedule of the epilogue GEMM (single CTAs, and clusters, which reach past
-// the last row tile on shapes that are not whole clusters) gives the reference's bits, and its
-// plan says which kernel it ran.
+// Every mainloop schedule of the epilogue GEMM (single CTAs; clusters, which reach past the
+// last row tile on shapes that are not whole clusters; the cooperative kernel's 256-row tiles)
+// gives the reference chain's bits with the readiness words of every chunk, and its plan says
+// which kernel it ran.
 TEST_P(GpuFusedQkvTest, EveryEpilogueScheduleMatchesTheReference) {
   if (!EpilogueRuns()) GTEST_SKIP() << "no epilogue path in this build or on this device";
   for (int i = 0; i < kEpilogueSchedules; ++i) {
@@ -765,42 +766,22 @@ TEST_P(GpuFusedQkvTest, EveryEpilogueScheduleMatchesTheReference) {
     std::unique_ptr<FusedQkvPlan> plan = MakePlan(0, QkvLayout::kBshd, 0);
     ASSERT_NE(plan, nullptr);
     const std::string cluster =
-        schedule_ == EpilogueSchedule::kPingpong ? "ping-pong, persistent, tile 128x128x64, cluster 1x1"
+        schedule_ == EpilogueSchedule::kPingpong
+            ? "ping-pong, persistent, tile 128x128x64, cluster 1x1"
         : schedule_ == EpilogueSchedule::kPingpongCluster2
             ? "ping-pong, persistent, tile 128x128x64, cluster 2x1"
             : "cooperative, persistent, tile 256x128x64, cluster 2x1";
     EXPECT_NE(plan->Describe(Rows()).find(cluster), std::string::npos) << plan->Describe(Rows());
-    if (schedule_ == EpilogueSchedule::kCooperativeCluster2 && Rows() > 128) {
-      // Chunks of 128 rows would split its tiles: refused, naming the argument.
-      std::unique_ptr<FusedQkvPlan> split = MakePlan(0, QkvLayout::kBshd, 128);
-      ASSERT_NE(split, nullptr);
-      ASSERT_TRUE(split->Prepare(Rows()).ok());
-      std::vector<void*> out(shape_.world, nullptr);
-      std::vector<uint64_t*> ready(shape_.world, nullptr);
-      std::vector<std::unique_ptr<DeviceBuffer>> slots;
-      DeviceBuffer words(std::vector<uint64_t>(shape_.world * kMaxFusedChunks, 0));
-      for (int d = 0; d < shape_.world; ++d) {
-        slots.push_back(std::make_unique<DeviceBuffer>(
-            std::vector<uint16_t>(static_cast<size_t>(SlotElems()), kPoison)));
-        out[d] = slots.back()->as<void>();
-        ready[d] = words.as<uint64_t>() + d * kMaxFusedChunks;
-      }
-      const QkvDestinations dests{out.data(), ready.data(), kEpoch};
-      const absl::Status s = split->RunEpilogue(x_[0]->as<void>(), positions_[0]->as<int32_t>(),
-                                                shape_.batch, shape_.seq_local, dests, stream_);
-      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-      EXPECT_NE(s.message().find("chunk_rows"), std::string::npos) << s;
-      EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
-      EXPECT_EQ(slots[0]->Download<uint16_t>(SlotElems()),
-                std::vector<uint16_t>(static_cast<size_t>(SlotElems()), kPoison));
-    }
-    // Readiness chunks of 256 rows: whole tiles of every schedule.
+    // Readiness chunks of 128 rows (each 256-row tile of the cooperative kernel ends one and
+    // starts the next) and of 256 rows; RunPath checks every chunk's word.
     for (QkvLayout layout : {QkvLayout::kBshd, QkvLayout::kFused}) {
-      SCOPED_TRACE(std::string(QkvLayoutName(layout)));
-      CheckPath("epilogue", layout, RunPath(layout, Path::kEpilogue, 256));
+      for (int64_t chunk_rows : {128, 256}) {
+        SCOPED_TRACE(std::string(QkvLayoutName(layout)) + ", chunks of " +
+                     std::to_string(chunk_rows));
+        CheckPath("epilogue", layout, RunPath(layout, Path::kEpilogue, chunk_rows));
+      }
     }
   }
-  schedule_ = EpilogueSchedule::kAuto;
 }
 
 // The slot budget reserves DeviceBytesFor(config) before a fused session's plan is made, and

@@ -32,11 +32,11 @@ inline constexpr int32_t kMaxFusedChunks = 32;
 /// CTAs; kPingpongCluster2 clusters of 2 CTAs along the rows, which share each w_qkv tile
 /// through TMA multicast. kCooperativeCluster2 is CUTLASS's cooperative kernel (both consumer
 /// warpgroups on one tile of 256 rows, then on its epilogue) in clusters of 2 along the rows;
-/// its readiness chunks must be whole 256-row tiles. kAuto picks per call
-/// (EpilogueScheduleFor).
+/// kAuto picks per call between the two ping-pong schedules (EpilogueScheduleFor).
 enum class EpilogueSchedule { kAuto, kPingpong, kPingpongCluster2, kCooperativeCluster2 };
 /// The schedules a plan can be made with (kAuto excluded), in the enum's order.
 inline constexpr int kEpilogueSchedules = 3;
+static_assert(static_cast<int>(EpilogueSchedule::kCooperativeCluster2) == kEpilogueSchedules);
 /// The schedule's name as the benchmark spells it: "pingpong", "pingpong2", "cooperative2"
 /// ("auto" for kAuto).
 const char* EpilogueScheduleName(EpilogueSchedule schedule);
