@@ -34,7 +34,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <functional>
@@ -672,8 +671,7 @@ int RunGrid(const Options& opt, QkvLayout layout, cudaStream_t stream, Json& rep
   return failures;
 }
 
-// Whether this process's context on device 0 is an MPS client (as the daemon tells it), not
-// whether an MPS pipe directory exists.
+// Whether this process's context on device 0 is an MPS client (the attribute the daemon reads).
 bool MpsDetected() {
   int on = 0;
   return cudaDeviceGetAttribute(&on, cudaDevAttrMpsEnabled, 0) == cudaSuccess && on != 0;
