@@ -238,20 +238,18 @@ class NormRopeStoreEpilogue {
     if (p.counters == nullptr || thread_idx != 0) return;
     __threadfence_system();
     constexpr int kUnitsPerTile = kTileM / static_cast<int>(kEpilogueTileRows);
-    const int32_t units = (p.rows + kEpilogueTileRows - 1) / kEpilogueTileRows;
+    const auto units = static_cast<int32_t>((p.rows + kEpilogueTileRows - 1) / kEpilogueTileRows);
     for (int k = 0; k < kUnitsPerTile; ++k) {
       const int32_t unit = m_tile * kUnitsPerTile + k;
       if (unit >= units) break;
-      const int32_t chunk = unit / p.chunk_units, first = chunk * p.chunk_units;
-      const unsigned int arrivals =
-          static_cast<unsigned int>((min(units, first + p.chunk_units) - first) * p.n_tiles);
-      const unsigned int arrived = atomicAdd(p.counters + chunk, 1u);
-      if (arrived == arrivals - 1) {
+      const UnitArrival a = ArrivalOf(unit, units, p.chunk_units, p.n_tiles);
+      const unsigned int arrived = atomicAdd(p.counters + a.chunk, 1u);
+      if (arrived == a.arrivals - 1) {
         __threadfence_system();
         for (int d = 0; d < p.shape.world; ++d) {
-          if (p.ready[d] != nullptr) StoreRelease(p.ready[d] + chunk, p.epoch);
+          if (p.ready[d] != nullptr) StoreRelease(p.ready[d] + a.chunk, p.epoch);
         }
-        atomicExch(p.counters + chunk, 0u);
+        atomicExch(p.counters + a.chunk, 0u);
       }
     }
   }

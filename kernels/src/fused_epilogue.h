@@ -1,8 +1,8 @@
 // The fused QKV op's epilogue-fused GEMM (path 4b of the fused session): a Hopper (sm_90a)
-// CUTLASS GEMM, 128x128 tiles, whose epilogue takes each tile (128 token rows of one 128-wide
-// head of Q, K or V) from the accumulators, rounds it to bf16, applies RMSNorm + interleaved
-// RoPE to Q and K heads, stores every row straight into its destination rank's slot and
-// counts the tile towards its chunk's readiness words. The projection is not written to
+// CUTLASS GEMM, 128x128 tiles (ping-pong) or 256x128 (cooperative), whose epilogue takes each
+// tile (128 or 256 token rows of one 128-wide head of Q, K or V) from the accumulators, rounds
+// it to bf16, applies RMSNorm + interleaved RoPE to Q and K heads, stores every row straight
+// into its destination rank's slot and counts the tile towards its chunks' readiness words. The projection is not written to
 // memory, except on request (for tests), or alone (EpilogueCall::projection_only: the
 // per-operator and chunked paths' GEMM of a plan with cutlass_projection). Internal to ulysses::kernels; host-visible, no CUDA
 // or CUTLASS headers.
@@ -17,14 +17,30 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "ulysses/kernels/exchange.h"  // ULY_HOST_DEVICE
 #include "ulysses/kernels/fused_qkv.h"
 #include "ulysses/kernels/qkv_norm_rope.h"
 #include "ulysses/kernels/qkv_norm_rope_cuda.h"
 
 namespace ulysses::kernels::internal {
 
-/// Rows of one GEMM tile: chunk boundaries of a call fall on multiples of it.
+/// Rows of a readiness unit (and of a ping-pong GEMM tile): chunk boundaries of a call fall
+/// on multiples of it.
 inline constexpr int64_t kEpilogueTileRows = 128;
+
+/// Where unit `unit` (rows [128 unit, 128 unit + 128)) of a call of `units` units arrives:
+/// its readiness chunk (chunks of `chunk_units` units), and the arrivals that chunk takes
+/// before its word is published (one per unit of the chunk and tile across the features).
+struct UnitArrival {
+  int32_t chunk;
+  uint32_t arrivals;
+};
+ULY_HOST_DEVICE constexpr UnitArrival ArrivalOf(int32_t unit, int32_t units, int32_t chunk_units,
+                                                int32_t n_tiles) {
+  const int32_t chunk = unit / chunk_units, first = chunk * chunk_units;
+  const int32_t end = units < first + chunk_units ? units : first + chunk_units;
+  return {chunk, static_cast<uint32_t>((end - first) * n_tiles)};
+}
 
 /// One call: rows [0, B*S_l) of source rank `src` (shape.world ranks).
 struct EpilogueCall {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "fused_epilogue.h"
 #include "ulysses/kernels/fused_qkv.h"
 #include "ulysses/kernels/gemm.h"
 
@@ -164,6 +165,53 @@ TEST(FusedChunksTest, EpilogueScheduleClustersFrom2048Rows) {
   EXPECT_EQ(EpilogueScheduleFor(2047), EpilogueSchedule::kPingpong);
   EXPECT_EQ(EpilogueScheduleFor(2048), EpilogueSchedule::kPingpongCluster2);
   EXPECT_EQ(EpilogueScheduleFor(65536), EpilogueSchedule::kPingpongCluster2);
+}
+
+// The epilogue GEMM's readiness count, played on the host for tiles of 128 rows (ping-pong)
+// and 256 (cooperative): every tile counts each of its 128-row units in the call on the unit's
+// chunk, as every tile across the features does; each chunk the receivers wait for must reach
+// its arrival count exactly once, after all of its rows' tiles, and no other chunk is counted.
+TEST(FusedChunksTest, EveryChunkIsPublishedOnceAfterEveryTileOfItsRowsForBothTileHeights) {
+  constexpr int32_t kHeadTiles = 3;
+  for (int64_t tile_rows : {128, 256}) {
+    for (int64_t rows : {1, 100, 128, 129, 255, 256, 257, 400, 640, 1000, 2560, 5000, 40000}) {
+      for (int64_t configured : {0, 128, 256, 384, 640}) {
+        SCOPED_TRACE(testing::Message() << "tile " << tile_rows << ", rows " << rows
+                                        << ", chunk_rows " << configured);
+        const int64_t chunk_rows = EpilogueChunkRows(rows, configured);
+        const int64_t chunks = FusedNumChunks(rows, configured);
+        const auto units = static_cast<int32_t>((rows + 127) / 128);
+        const auto chunk_units = static_cast<int32_t>(chunk_rows / internal::kEpilogueTileRows);
+        std::vector<uint32_t> count(static_cast<size_t>(chunks) + 1, 0);
+        std::vector<int> published(static_cast<size_t>(chunks) + 1, 0);
+        const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+        for (int64_t n = 0; n < kHeadTiles; ++n) {
+          for (int64_t m = 0; m < tiles; ++m) {
+            for (int64_t k = 0; k < tile_rows / 128; ++k) {
+              const auto unit = static_cast<int32_t>(m * (tile_rows / 128) + k);
+              if (unit >= units) break;
+              const internal::UnitArrival a =
+                  internal::ArrivalOf(unit, units, chunk_units, kHeadTiles);
+              ASSERT_LT(a.chunk, chunks);
+              // The chunk holds this unit's rows.
+              EXPECT_LE(a.chunk * chunk_rows, int64_t{unit} * 128);
+              EXPECT_LT(int64_t{unit} * 128, (a.chunk + 1) * chunk_rows);
+              if (++count[a.chunk] == a.arrivals) ++published[a.chunk];
+            }
+          }
+        }
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t chunk_first = c * chunk_rows;
+          const int64_t chunk_end = std::min(rows, chunk_first + chunk_rows);
+          EXPECT_EQ(published[c], 1) << "chunk " << c;
+          EXPECT_EQ(count[c], static_cast<uint32_t>((chunk_end - chunk_first + 127) / 128 *
+                                                    kHeadTiles))
+              << "chunk " << c;
+        }
+        EXPECT_EQ(count[chunks], 0u);
+      }
+    }
+  }
 }
 
 TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
