@@ -75,15 +75,15 @@ struct EpilogueParams {
 using Element = cutlass::bfloat16_t;
 using StrideCD = cute::Stride<int64_t, cute::Int<1>, int64_t>;
 
-// The epilogue of one tile of kTileRows rows, run by the kThreadCount consumer threads that
-// own it: in the ping-pong kernel one warpgroup (one warpgroup's epilogue beside the other's
-// mainloop; the kernel orders the two epilogues, so they share one staging tile), in the
-// cooperative kernel both warpgroups on a tile of twice the rows.
-template <int kTileRows, int kThreadCount>
+// The epilogue of one tile of kTileRows rows, run by the consumer threads that own it, a
+// warpgroup per 128 rows: in the ping-pong kernel one warpgroup (one warpgroup's epilogue
+// beside the other's mainloop; the kernel orders the two epilogues, so they share one staging
+// tile), in the cooperative kernel both warpgroups on a tile of twice the rows.
+template <int kTileRows>
 class NormRopeStoreEpilogue {
  public:
   static constexpr int kTileM = kTileRows;
-  static constexpr int kThreads = kThreadCount;
+  static constexpr int kThreads = kTileRows;
   static constexpr int kHalfWarps = kThreads / kHeadLanes;
   static constexpr int kRowsPerThread = kTileM / kHalfWarps;
   static_assert(kTileM % kHalfWarps == 0 && kTileM % kEpilogueTileRows == 0);
@@ -271,7 +271,7 @@ struct EpilogueKernel {
   static constexpr int kCluster = kClusterM;
   static constexpr const char* kName = kPingpong ? "ping-pong" : "cooperative";
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
-  using Epilogue = NormRopeStoreEpilogue<kPingpong ? 128 : 256, kPingpong ? 128 : 256>;
+  using Epilogue = NormRopeStoreEpilogue<kPingpong ? 128 : 256>;
   using TileShape = cute::Shape<cute::Int<Epilogue::kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
