@@ -40,6 +40,8 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
       return "pingpong2";
     case EpilogueSchedule::kCooperativeCluster2:
       return "cooperative2";
+    case EpilogueSchedule::kCooperativeCluster2Halves:
+      return "cooperative2h";
   }
   return "unknown";
 }

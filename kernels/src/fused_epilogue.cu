@@ -79,14 +79,18 @@ using StrideCD = cute::Stride<int64_t, cute::Int<1>, int64_t>;
 // warpgroup per 128 rows: in the ping-pong kernel one warpgroup (one warpgroup's epilogue
 // beside the other's mainloop; the kernel orders the two epilogues, so they share one staging
 // tile), in the cooperative kernel both warpgroups on a tile of twice the rows.
-template <int kTileRows>
+template <int kTileRows, int kStagedRows = kTileRows>
 class NormRopeStoreEpilogue {
  public:
   static constexpr int kTileM = kTileRows;
   static constexpr int kThreads = kTileRows;
   static constexpr int kHalfWarps = kThreads / kHeadLanes;
-  static constexpr int kRowsPerThread = kTileM / kHalfWarps;
-  static_assert(kTileM % kHalfWarps == 0 && kTileM % kEpilogueTileRows == 0);
+  // The tile goes through shared memory kStagedRows rows at a time: one pass, or two halves
+  // of a 256-row tile in a staging tile of 128 rows (which leaves the mainloop a stage more).
+  static constexpr int kPasses = kTileM / kStagedRows;
+  static constexpr int kRowsPerThread = kStagedRows / kHalfWarps;  // per pass
+  static_assert(kTileM % kStagedRows == 0 && kStagedRows % kHalfWarps == 0 &&
+                kStagedRows % kEpilogueTileRows == 0);
 
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
   using DispatchPolicy = EpilogueSchedule;
@@ -104,7 +108,7 @@ class NormRopeStoreEpilogue {
   using GmemTiledCopyD = void;
 
   struct SharedStorage {
-    alignas(128) uint16_t tile[kTileM * kPitch];
+    alignas(128) uint16_t tile[kStagedRows * kPitch];
     int cancelled;
   };
   using TensorStorage = SharedStorage;
@@ -161,71 +165,93 @@ class NormRopeStoreEpilogue {
     const int64_t n = int64_t{n_tile} * kTileN;
     const int plane = static_cast<int>(n / hd);
     const int32_t head = static_cast<int32_t>((n % hd) / kHeadDim);
-    // This thread's rows of the tile: the two halves of a warp take rows 2w and 2w+1
-    // (+kHalfWarps j), so both run the same steps (the norm's shuffles need all 32 lanes).
-    // Their positions are loaded first, and their cos/sin while the tile is written, so that
-    // the rows' steps below wait on no global load.
-    int32_t pos[kRowsPerThread];
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kRowsPerThread; ++j) {
-      const int64_t row = int64_t{m_tile} * kTileM + half_warp + j * kHalfWarps;
-      pos[j] = plane < 2 && !only && row < p.rows ? p.positions[row] : 0;
-    }
     if (thread_idx == 0) {
       storage.cancelled =
           p.cancel != nullptr && *static_cast<const volatile uint64_t*>(p.cancel) != 0 ? 1 : 0;
     }
-    // 1. Accumulators -> bf16 (round to nearest even, as cuBLASLt's bf16 output) -> shared.
-    Tensor s_tile = make_tensor(make_smem_ptr(storage.tile),
-                                Layout<Shape<Int<kTileM>, Int<kTileN>>, Stride<Int<kPitch>, _1>>{});
+    // The staging tile seen as the whole tile: row r of the tile at shared row r mod
+    // kStagedRows. A pass writes only the accumulators of its rows: the tiled MMA's steps
+    // along M (mode 1 of the fragment) are equal row bands, kMmaStepsPerPass to a pass.
+    Tensor s_tile = make_tensor(
+        make_smem_ptr(storage.tile),
+        Layout<Shape<Shape<Int<kStagedRows>, Int<kPasses>>, Int<kTileN>>,
+               Stride<Stride<Int<kPitch>, _0>, _1>>{});
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor t_s = thr_mma.partition_C(s_tile);
     CUTE_STATIC_ASSERT_V(size(t_s) == size(accumulators));
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(accumulators); ++i) {
-      t_s(i) = __bfloat16_as_ushort(__float2bfloat16_rn(accumulators(i)));
-    }
+    constexpr int kMmaSteps = decltype(size<1>(accumulators))::value;
+    static_assert(kMmaSteps % kPasses == 0);
+    constexpr int kMmaStepsPerPass = kMmaSteps / kPasses;
     float w[kHeadVec] = {};
-    CosSin cs[kRowsPerThread] = {};
-    if (plane < 2 && !only) {
-      LoadNormWeights(plane == 0 ? p.q_norm : p.k_norm, lane, w);
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kRowsPerThread; ++j) {
-        cs[j] = LoadCosSin(CosSinRow(p.cos_sin, pos[j], p.shape.max_pos), lane);
-      }
-    }
-    cutlass::arch::NamedBarrier::sync(kThreads, barrier);
-
-    // 2 and 3. Norm + RoPE and the stores, row by row.
-    const bool cancelled = storage.cancelled != 0;
     const uint32_t hl = static_cast<uint32_t>(p.shape.heads / p.shape.world);
     const uint32_t dst = static_cast<uint32_t>(head) / hl, h = static_cast<uint32_t>(head) % hl;
     const uint32_t world = static_cast<uint32_t>(p.shape.world);
     const uint32_t src_base = static_cast<uint32_t>(p.src * p.shape.seq_local);
     const uint32_t plane_elems = static_cast<uint32_t>(QkvPlaneElems(p.shape));
     uint16_t* out = p.out[dst];
+
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kRowsPerThread; ++j) {
-      const int r = half_warp + j * kHalfWarps;
-      const int64_t row = int64_t{m_tile} * kTileM + r;
-      const bool valid = row < p.rows;
-      uint4 raw = *reinterpret_cast<const uint4*>(storage.tile + r * kPitch + lane * kHeadVec);
-      if (valid && p.projection != nullptr) {
-        *reinterpret_cast<uint4*>(p.projection + row * features + n + lane * kHeadVec) = raw;
+    for (int pass = 0; pass < kPasses; ++pass) {
+      // This thread's rows of the pass: the two halves of a warp take rows 2w and 2w+1
+      // (+kHalfWarps j), so both run the same steps (the norm's shuffles need all 32 lanes).
+      // Their positions are loaded first, and their cos/sin while the tile is written, so
+      // that the rows' steps below wait on no global load.
+      const int64_t first_row = int64_t{m_tile} * kTileM + pass * kStagedRows;
+      int32_t pos[kRowsPerThread];
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kRowsPerThread; ++j) {
+        const int64_t row = first_row + half_warp + j * kHalfWarps;
+        pos[j] = plane < 2 && !only && row < p.rows ? p.positions[row] : 0;
       }
-      if (only) continue;
-      if (plane < 2) NormRopeHead(raw, valid, w, cs[j]);  // the same for every lane of the tile
-      if (valid && !cancelled) {
-        // QkvDestOffset in 32-bit arithmetic: every offset of a slot is below 2^31 (Run checks
-        // B*S_l*3*H*D), and a 64-bit division costs a long software sequence per row.
-        const uint32_t r32 = static_cast<uint32_t>(row), sl = static_cast<uint32_t>(p.shape.seq_local);
-        const uint32_t b = r32 / sl, token = b * sl * world + src_base + (r32 - b * sl);
-        const uint32_t at =
-            p.layout == QkvLayout::kFused
-                ? (token * hl + h) * 3 * kHeadDim + plane * kHeadDim + lane * kHeadVec
-                : plane * plane_elems + (token * hl + h) * kHeadDim + lane * kHeadVec;
-        *reinterpret_cast<uint4*>(out + at) = raw;
+      // 1. Accumulators -> bf16 (round to nearest even, as cuBLASLt's bf16 output) -> shared.
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = pass * kMmaStepsPerPass; m < (pass + 1) * kMmaStepsPerPass; ++m) {
+        Tensor acc_m = accumulators(_, m, _);
+        Tensor s_m = t_s(_, m, _);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(acc_m); ++i) {
+          s_m(i) = __bfloat16_as_ushort(__float2bfloat16_rn(acc_m(i)));
+        }
       }
+      CosSin cs[kRowsPerThread] = {};
+      if (plane < 2 && !only) {
+        if (pass == 0) LoadNormWeights(plane == 0 ? p.q_norm : p.k_norm, lane, w);
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kRowsPerThread; ++j) {
+          cs[j] = LoadCosSin(CosSinRow(p.cos_sin, pos[j], p.shape.max_pos), lane);
+        }
+      }
+      cutlass::arch::NamedBarrier::sync(kThreads, barrier);
+
+      // 2 and 3. Norm + RoPE and the stores, row by row.
+      const bool cancelled = storage.cancelled != 0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kRowsPerThread; ++j) {
+        const int r = half_warp + j * kHalfWarps;
+        const int64_t row = first_row + r;
+        const bool valid = row < p.rows;
+        uint4 raw = *reinterpret_cast<const uint4*>(storage.tile + r * kPitch + lane * kHeadVec);
+        if (valid && p.projection != nullptr) {
+          *reinterpret_cast<uint4*>(p.projection + row * features + n + lane * kHeadVec) = raw;
+        }
+        if (only) continue;
+        if (plane < 2) NormRopeHead(raw, valid, w, cs[j]);  // the same for every lane of the tile
+        if (valid && !cancelled) {
+          // QkvDestOffset in 32-bit arithmetic: every offset of a slot is below 2^31 (Run
+          // checks B*S_l*3*H*D), and a 64-bit division costs a long software sequence per row.
+          const uint32_t r32 = static_cast<uint32_t>(row),
+                         sl = static_cast<uint32_t>(p.shape.seq_local);
+          const uint32_t b = r32 / sl, token = b * sl * world + src_base + (r32 - b * sl);
+          const uint32_t at =
+              p.layout == QkvLayout::kFused
+                  ? (token * hl + h) * 3 * kHeadDim + plane * kHeadDim + lane * kHeadVec
+                  : plane * plane_elems + (token * hl + h) * kHeadDim + lane * kHeadVec;
+          *reinterpret_cast<uint4*>(out + at) = raw;
+        }
+      }
+      // Every half-warp has read the staging tile before the next pass writes it (the last
+      // pass's barrier is the readiness step's).
+      if (pass + 1 < kPasses) cutlass::arch::NamedBarrier::sync(kThreads, barrier);
     }
 
     // 4. Readiness. The barrier orders every thread's stores before thread 0's system-scope
@@ -264,14 +290,17 @@ class NormRopeStoreEpilogue {
 // of 2 along M.
 // x [rows, hidden] row-major is A (M x K, K-major); w_qkv [features, hidden] row-major is B as
 // K x N column-major (also K-major): the TN GEMM that Hopper's TMA + wgmma path wants.
-template <int kClusterM, class Schedule>
+template <int kClusterM, class Schedule, int kStagedRows = 0>
 struct EpilogueKernel {
   static constexpr bool kPingpong =
       std::is_same_v<Schedule, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   static constexpr int kCluster = kClusterM;
   static constexpr const char* kName = kPingpong ? "ping-pong" : "cooperative";
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
-  using Epilogue = NormRopeStoreEpilogue<kPingpong ? 128 : 256>;
+  static constexpr int kTileRows = kPingpong ? 128 : 256;
+  // Rows through shared memory at a time (0: the whole tile).
+  using Epilogue =
+      NormRopeStoreEpilogue<kTileRows, kStagedRows == 0 ? kTileRows : kStagedRows>;
   using TileShape = cute::Shape<cute::Int<Epilogue::kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
@@ -287,9 +316,9 @@ struct EpilogueKernel {
 };
 template <int kClusterM>
 using PingpongKernel = EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
-template <int kClusterM>
+template <int kClusterM, int kStagedRows = 0>
 using CooperativeKernel =
-    EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+    EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedCooperative, kStagedRows>;
 
 template <class K>
 class CutlassEpilogueGemm final : public EpilogueGemm {
@@ -340,9 +369,9 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
   std::string Description() const override {
     return absl::StrCat("cutlass sm90a tma warp-specialized ", K::kName, ", persistent, tile ",
                         kTileM, "x", kTileN, "x", kTileK, ", cluster ", K::kCluster, "x1, swizzle ",
-                        kSwizzle,
-                        ", ", K::CollectiveMainloop::DispatchPolicy::Stages,
-                        " stages, epilogue norm_rope_store");
+                        kSwizzle, ", ", K::CollectiveMainloop::DispatchPolicy::Stages,
+                        " stages, epilogue norm_rope_store",
+                        K::Epilogue::kPasses > 1 ? " in halves" : "");
   }
 
  private:
@@ -461,6 +490,8 @@ absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t featu
     return Make<PingpongKernel<2>>(features, hidden, device, sms);
   if (schedule == EpilogueSchedule::kCooperativeCluster2)
     return Make<CooperativeKernel<2>>(features, hidden, device, sms);
+  if (schedule == EpilogueSchedule::kCooperativeCluster2Halves)
+    return Make<CooperativeKernel<2, 128>>(features, hidden, device, sms);
   return Make<PingpongKernel<1>>(features, hidden, device, sms);
 }
 

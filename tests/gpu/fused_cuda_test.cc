@@ -772,6 +772,9 @@ TEST_P(GpuFusedQkvTest, EveryEpilogueScheduleMatchesTheReference) {
             ? "ping-pong, persistent, tile 128x128x64, cluster 2x1"
             : "cooperative, persistent, tile 256x128x64, cluster 2x1";
     EXPECT_NE(plan->Describe(Rows()).find(cluster), std::string::npos) << plan->Describe(Rows());
+    EXPECT_EQ(plan->Describe(Rows()).find("in halves") != std::string::npos,
+              schedule_ == EpilogueSchedule::kCooperativeCluster2Halves)
+        << plan->Describe(Rows());
     // Readiness chunks of 128 rows (each 256-row tile of the cooperative kernel ends one and
     // starts the next) and of 256 rows; RunPath checks every chunk's word.
     for (QkvLayout layout : {QkvLayout::kBshd, QkvLayout::kFused}) {

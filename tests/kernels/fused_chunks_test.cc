@@ -219,6 +219,8 @@ TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kPingpong), "pingpong");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kPingpongCluster2), "pingpong2");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2), "cooperative2");
+  EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2Halves),
+               "cooperative2h");
   std::set<std::string> names;
   for (int i = 0; i < kEpilogueSchedules; ++i) {
     names.insert(EpilogueScheduleName(static_cast<EpilogueSchedule>(i + 1)));

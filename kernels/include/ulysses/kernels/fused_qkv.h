@@ -32,13 +32,22 @@ inline constexpr int32_t kMaxFusedChunks = 32;
 /// CTAs; kPingpongCluster2 clusters of 2 CTAs along the rows, which share each w_qkv tile
 /// through TMA multicast. kCooperativeCluster2 is CUTLASS's cooperative kernel (both consumer
 /// warpgroups on one tile of 256 rows, then on its epilogue) in clusters of 2 along the rows;
+/// kCooperativeCluster2Halves the same kernel with the epilogue staging its tile in two
+/// halves of 128 rows (half the shared memory, which leaves the mainloop a stage more);
 /// kAuto picks per call between the two ping-pong schedules (EpilogueScheduleFor).
-enum class EpilogueSchedule { kAuto, kPingpong, kPingpongCluster2, kCooperativeCluster2 };
+enum class EpilogueSchedule {
+  kAuto,
+  kPingpong,
+  kPingpongCluster2,
+  kCooperativeCluster2,
+  kCooperativeCluster2Halves
+};
 /// The schedules a plan can be made with (kAuto excluded), in the enum's order.
-inline constexpr int kEpilogueSchedules = 3;
-static_assert(static_cast<int>(EpilogueSchedule::kCooperativeCluster2) == kEpilogueSchedules);
-/// The schedule's name as the benchmark spells it: "pingpong", "pingpong2", "cooperative2"
-/// ("auto" for kAuto).
+inline constexpr int kEpilogueSchedules = 4;
+static_assert(static_cast<int>(EpilogueSchedule::kCooperativeCluster2Halves) ==
+              kEpilogueSchedules);
+/// The schedule's name as the benchmark spells it: "pingpong", "pingpong2", "cooperative2",
+/// "cooperative2h" ("auto" for kAuto).
 const char* EpilogueScheduleName(EpilogueSchedule schedule);
 
 /// kAuto's rule, from the measurements of docs/benchmarks.md: clusters of 2 from 2048 rows a
