@@ -42,6 +42,8 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
       return "cooperative2";
     case EpilogueSchedule::kCooperativeCluster2Halves:
       return "cooperative2h";
+    case EpilogueSchedule::kPingpongCluster2Registers:
+      return "pingpong2r";
   }
   return "unknown";
 }

@@ -75,23 +75,9 @@ struct EpilogueParams {
 using Element = cutlass::bfloat16_t;
 using StrideCD = cute::Stride<int64_t, cute::Int<1>, int64_t>;
 
-// The epilogue of one tile of kTileRows rows, run by the consumer threads that own it, a
-// warpgroup per 128 rows: in the ping-pong kernel one warpgroup (one warpgroup's epilogue
-// beside the other's mainloop; the kernel orders the two epilogues, so they share one staging
-// tile), in the cooperative kernel both warpgroups on a tile of twice the rows.
-template <int kTileRows, int kStagedRows = kTileRows>
-class NormRopeStoreEpilogue {
- public:
-  static constexpr int kTileM = kTileRows;
-  static constexpr int kThreads = kTileRows;
-  static constexpr int kHalfWarps = kThreads / kHeadLanes;
-  // The tile goes through shared memory kStagedRows rows at a time: one pass, or two halves
-  // of a 256-row tile in a staging tile of 128 rows (which leaves the mainloop a stage more).
-  static constexpr int kPasses = kTileM / kStagedRows;
-  static constexpr int kRowsPerThread = kStagedRows / kHalfWarps;  // per pass
-  static_assert(kTileM % kStagedRows == 0 && kStagedRows % kHalfWarps == 0 &&
-                kStagedRows % kEpilogueTileRows == 0);
-
+// What CUTLASS's Sm90TmaWarpSpecializedAdapter and kernel ask of an epilogue in the operator
+// form, for both epilogues below.
+struct EpilogueOperatorBase {
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
   using DispatchPolicy = EpilogueSchedule;
   // Names only: the adapter and the kernel ask for these types; nothing here runs them.
@@ -106,12 +92,6 @@ class NormRopeStoreEpilogue {
   using StrideD = StrideCD;
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
-
-  struct SharedStorage {
-    alignas(128) uint16_t tile[kStagedRows * kPitch];
-    int cancelled;
-  };
-  using TensorStorage = SharedStorage;
   using Arguments = EpilogueParams;
   using Params = EpilogueParams;
 
@@ -134,6 +114,87 @@ class NormRopeStoreEpilogue {
   static bool can_implement(ProblemShape const&, Arguments const&) {
     return true;
   }
+};
+
+// Where a tile's head goes in its destination's slot: the head `h` of the destination's
+// `hl` (= H / W), of plane `plane`; and the call's constants of the rows' offsets.
+struct TileDest {
+  uint16_t* out;
+  uint32_t plane, h, hl, world, src_base, plane_elems;
+};
+__device__ __forceinline__ TileDest DestOf(const EpilogueParams& p, int plane, int32_t head) {
+  const uint32_t hl = static_cast<uint32_t>(p.shape.heads / p.shape.world);
+  const uint32_t dst = static_cast<uint32_t>(head) / hl;
+  return {p.out[dst],
+          static_cast<uint32_t>(plane),
+          static_cast<uint32_t>(head) % hl,
+          hl,
+          static_cast<uint32_t>(p.shape.world),
+          static_cast<uint32_t>(p.src * p.shape.seq_local),
+          static_cast<uint32_t>(QkvPlaneElems(p.shape))};
+}
+
+// Element offset of row `row`'s head (its first element) in the destination's slot:
+// QkvDestOffset in 32-bit arithmetic (every offset of a slot is below 2^31: Run checks
+// B*S_l*3*H*D), since a 64-bit division costs a long software sequence per row.
+__device__ __forceinline__ uint32_t DestRowOffset(const EpilogueParams& p, const TileDest& d,
+                                                  int64_t row) {
+  const uint32_t r32 = static_cast<uint32_t>(row), sl = static_cast<uint32_t>(p.shape.seq_local);
+  const uint32_t b = r32 / sl, token = b * sl * d.world + d.src_base + (r32 - b * sl);
+  return p.layout == QkvLayout::kFused
+             ? (token * d.hl + d.h) * 3 * kHeadDim + d.plane * kHeadDim
+             : d.plane * d.plane_elems + (token * d.hl + d.h) * kHeadDim;
+}
+
+// Step 4, readiness, by the tile's thread 0 once a barrier has ordered every thread's stores
+// before it (as a grid barrier does: one system-scope fence per tile, not one per thread).
+// Chunks are whole 128-row units (kEpilogueTileRows), so a 256-row tile may end one chunk and
+// start the next: each of its units in the problem arrives on its own chunk. A chunk's last
+// arrival has seen every other (fence after the atomic) and publishes the words with release
+// stores.
+template <int kTileM>
+__device__ __forceinline__ void ArriveTile(const EpilogueParams& p, int m_tile) {
+  __threadfence_system();
+  constexpr int kUnitsPerTile = kTileM / static_cast<int>(kEpilogueTileRows);
+  const auto units = static_cast<int32_t>((p.rows + kEpilogueTileRows - 1) / kEpilogueTileRows);
+  for (int k = 0; k < kUnitsPerTile; ++k) {
+    const int32_t unit = m_tile * kUnitsPerTile + k;
+    if (unit >= units) break;
+    const UnitArrival a = ArrivalOf(unit, units, p.chunk_units, p.n_tiles);
+    const unsigned int arrived = atomicAdd(p.counters + a.chunk, 1u);
+    if (arrived == a.arrivals - 1) {
+      __threadfence_system();
+      for (int d = 0; d < p.shape.world; ++d) {
+        if (p.ready[d] != nullptr) StoreRelease(p.ready[d] + a.chunk, p.epoch);
+      }
+      atomicExch(p.counters + a.chunk, 0u);
+    }
+  }
+}
+
+// The epilogue of one tile of kTileRows rows, run by the consumer threads that own it, a
+// warpgroup per 128 rows: in the ping-pong kernel one warpgroup (one warpgroup's epilogue
+// beside the other's mainloop; the kernel orders the two epilogues, so they share one staging
+// tile), in the cooperative kernel both warpgroups on a tile of twice the rows.
+template <int kTileRows, int kStagedRows = kTileRows>
+class NormRopeStoreEpilogue : public EpilogueOperatorBase {
+ public:
+  static constexpr int kTileM = kTileRows;
+  static constexpr int kThreads = kTileRows;
+  static constexpr int kHalfWarps = kThreads / kHeadLanes;
+  // The tile goes through shared memory kStagedRows rows at a time: one pass, or two halves
+  // of a 256-row tile in a staging tile of 128 rows (which leaves the mainloop a stage more).
+  static constexpr int kPasses = kTileM / kStagedRows;
+  static constexpr int kRowsPerThread = kStagedRows / kHalfWarps;  // per pass
+  static_assert(kTileM % kStagedRows == 0 && kStagedRows % kHalfWarps == 0 &&
+                kStagedRows % kEpilogueTileRows == 0);
+  static constexpr const char* kForm = kPasses > 1 ? " in halves" : "";
+
+  struct SharedStorage {
+    alignas(128) uint16_t tile[kStagedRows * kPitch];
+    int cancelled;
+  };
+  using TensorStorage = SharedStorage;
 
   // `params` is the kernel's (a __grid_constant__ parameter): kept by address, not copied. A
   // copy is a per-thread struct of 1 KiB (the W destinations' pointers) that the dynamic
@@ -183,12 +244,7 @@ class NormRopeStoreEpilogue {
     static_assert(kMmaSteps % kPasses == 0);
     constexpr int kMmaStepsPerPass = kMmaSteps / kPasses;
     float w[kHeadVec] = {};
-    const uint32_t hl = static_cast<uint32_t>(p.shape.heads / p.shape.world);
-    const uint32_t dst = static_cast<uint32_t>(head) / hl, h = static_cast<uint32_t>(head) % hl;
-    const uint32_t world = static_cast<uint32_t>(p.shape.world);
-    const uint32_t src_base = static_cast<uint32_t>(p.src * p.shape.seq_local);
-    const uint32_t plane_elems = static_cast<uint32_t>(QkvPlaneElems(p.shape));
-    uint16_t* out = p.out[dst];
+    const TileDest dest = DestOf(p, plane, head);
 
     CUTLASS_PRAGMA_UNROLL
     for (int pass = 0; pass < kPasses; ++pass) {
@@ -237,16 +293,8 @@ class NormRopeStoreEpilogue {
         if (only) continue;
         if (plane < 2) NormRopeHead(raw, valid, w, cs[j]);  // the same for every lane of the tile
         if (valid && !cancelled) {
-          // QkvDestOffset in 32-bit arithmetic: every offset of a slot is below 2^31 (Run
-          // checks B*S_l*3*H*D), and a 64-bit division costs a long software sequence per row.
-          const uint32_t r32 = static_cast<uint32_t>(row),
-                         sl = static_cast<uint32_t>(p.shape.seq_local);
-          const uint32_t b = r32 / sl, token = b * sl * world + src_base + (r32 - b * sl);
-          const uint32_t at =
-              p.layout == QkvLayout::kFused
-                  ? (token * hl + h) * 3 * kHeadDim + plane * kHeadDim + lane * kHeadVec
-                  : plane * plane_elems + (token * hl + h) * kHeadDim + lane * kHeadVec;
-          *reinterpret_cast<uint4*>(out + at) = raw;
+          *reinterpret_cast<uint4*>(dest.out + DestRowOffset(p, dest, row) + lane * kHeadVec) =
+              raw;
         }
       }
       // Every half-warp has read the staging tile before the next pass writes it (the last
@@ -254,30 +302,151 @@ class NormRopeStoreEpilogue {
       if (pass + 1 < kPasses) cutlass::arch::NamedBarrier::sync(kThreads, barrier);
     }
 
-    // 4. Readiness. The barrier orders every thread's stores before thread 0's system-scope
-    // fence and arrivals (as a grid barrier does: one fence per tile, not one per thread).
-    // Chunks are whole 128-row units (kEpilogueTileRows), so a 256-row tile may end one chunk
-    // and start the next: each of its units in the problem arrives on its own chunk. A chunk's
-    // last arrival has seen every other (fence after the atomic) and publishes the words with
-    // release stores. The barrier also keeps the shared tile until every half-warp has read it.
+    // 4. Readiness (ArriveTile). The barrier also keeps the shared tile until every half-warp
+    // has read it.
     cutlass::arch::NamedBarrier::sync(kThreads, barrier);
-    if (p.counters == nullptr || thread_idx != 0) return;
-    __threadfence_system();
-    constexpr int kUnitsPerTile = kTileM / static_cast<int>(kEpilogueTileRows);
-    const auto units = static_cast<int32_t>((p.rows + kEpilogueTileRows - 1) / kEpilogueTileRows);
-    for (int k = 0; k < kUnitsPerTile; ++k) {
-      const int32_t unit = m_tile * kUnitsPerTile + k;
-      if (unit >= units) break;
-      const UnitArrival a = ArrivalOf(unit, units, p.chunk_units, p.n_tiles);
-      const unsigned int arrived = atomicAdd(p.counters + a.chunk, 1u);
-      if (arrived == a.arrivals - 1) {
-        __threadfence_system();
-        for (int d = 0; d < p.shape.world; ++d) {
-          if (p.ready[d] != nullptr) StoreRelease(p.ready[d] + a.chunk, p.epoch);
-        }
-        atomicExch(p.counters + a.chunk, 0u);
+    if (p.counters != nullptr && thread_idx == 0) ArriveTile<kTileM>(p, m_tile);
+  }
+
+ private:
+  Params const* params_;
+};
+
+// The epilogue of one 128-row tile of the ping-pong kernel straight from the accumulators,
+// without shared memory. The MMA leaves each quad of lanes (4k .. 4k + 3) 4 rows of the tile
+// (rows 64m + 16 warp + lane / 4 + 8 v, m and v in {0, 1}), lane q with columns 2q, 2q + 1
+// of each 8-column block. Per row, the quad transposes its blocks in groups of 4
+// (QuadSend / QuadReceive), so that lane q holds blocks q, 4 + q, 8 + q and 12 + q whole:
+// 16-byte vectors to store, and 4 of the 16 partials of the head's sum of squares, which the
+// quad then adds in the reference's order (QuadPartialSum and two exchanges). Norm + RoPE
+// per vector is NormRopeVec, as in the other paths, so the bits are theirs.
+class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
+ public:
+  static constexpr int kTileM = 128;
+  static constexpr int kThreads = 128;
+  static constexpr const char* kForm = " from registers";
+
+  struct SharedStorage {
+    int unused;  // no staging: the adapter asks for a type
+  };
+  using TensorStorage = SharedStorage;
+
+  // `params` is kept by address, as NormRopeStoreEpilogue's.
+  CUTLASS_HOST_DEVICE explicit NormRopeRegisterEpilogue(Params const& params)
+      : params_(&params) {}
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
+            class FrgLayout, class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL, BlockShapeMNK, BlockCoordMNKL blk_coord_mnkl,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
+                                 TiledMma, ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    // One warpgroup's 64 x 128 MMA (values: 2 columns x 2 row halves x 16 blocks), twice
+    // along M.
+    CUTE_STATIC_ASSERT_V(size<0>(accumulators) == Int<64>{});
+    CUTE_STATIC_ASSERT_V(size<1>(accumulators) == Int<2>{});
+    CUTE_STATIC_ASSERT_V(size<2>(accumulators) == Int<1>{});
+    const Params& p = *params_;
+    if (p.gemm_alone != 0) return;
+    const uint32_t barrier = threadIdx.x / kThreads;  // the consumer warpgroup's, as above
+    const int m_tile = static_cast<int>(get<0>(blk_coord_mnkl));
+    const int n_tile = static_cast<int>(get<1>(blk_coord_mnkl));
+    if (n_tile >= p.n_tiles || m_tile * kTileM >= p.rows) return;  // as above
+    const bool only = p.projection_only != 0;
+    const int lane = thread_idx % 32, warp = thread_idx / 32, q = lane % 4;
+    const int64_t hd = int64_t{p.shape.heads} * kHeadDim, features = 3 * hd;
+    const int64_t n = int64_t{n_tile} * kTileN;
+    const int plane = static_cast<int>(n / hd);
+    const int32_t head = static_cast<int32_t>((n % hd) / kHeadDim);
+    const bool norm = plane < 2 && !only;  // alike for every thread of the tile
+    const bool cancelled =
+        !only && p.cancel != nullptr && *static_cast<const volatile uint64_t*>(p.cancel) != 0;
+    int64_t row[4];
+    int32_t pos[4];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      row[k] = int64_t{m_tile} * kTileM + 64 * (k / 2) + 16 * warp + lane / 4 + 8 * (k % 2);
+      pos[k] = norm && row[k] < p.rows ? p.positions[row[k]] : 0;
+    }
+    // 1. Accumulators -> bf16 pairs (round to nearest even): u[k][b] is columns 8b + 2q and
+    // 8b + 2q + 1 of row k.
+    uint32_t u[4][16];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int b = 0; b < 16; ++b) {
+        const int v = 4 * b + 2 * (k % 2);
+        const __nv_bfloat162 pair =
+            __floats2bfloat162_rn(accumulators(v, k / 2, 0), accumulators(v + 1, k / 2, 0));
+        u[k][b] = *reinterpret_cast<const uint32_t*>(&pair);
       }
     }
+    uint4 w[4] = {};
+    if (norm) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < 4; ++g) w[g] = LoadNormWeightPairs(plane == 0 ? p.q_norm : p.k_norm, 4 * g + q);
+    }
+    const TileDest dest = DestOf(p, plane, head);
+
+    // 2 and 3, row by row: the quad's transpose, norm + RoPE, the stores.
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      CosSin cs[4] = {};
+      if (norm) {
+        const float* cs_row = CosSinRow(p.cos_sin, pos[k], p.shape.max_pos);
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < 4; ++g) cs[g] = LoadCosSin(cs_row, 4 * g + q);
+      }
+      uint4 vec[4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < 4; ++g) {
+        uint32_t a[4] = {u[k][4 * g], u[k][4 * g + 1], u[k][4 * g + 2], u[k][4 * g + 3]};
+        CUTLASS_PRAGMA_UNROLL
+        for (int step = 1; step <= 2; ++step) {
+          uint32_t send[2], got[2];
+          QuadSend(a, q, step, send);
+          got[0] = __shfl_xor_sync(0xffffffffu, send[0], step);
+          got[1] = __shfl_xor_sync(0xffffffffu, send[1], step);
+          QuadReceive(a, q, step, got);
+        }
+        vec[g] = make_uint4(a[0], a[1], a[2], a[3]);
+      }
+      const bool valid = row[k] < p.rows;
+      if (valid && p.projection != nullptr) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < 4; ++g) {
+          *reinterpret_cast<uint4*>(p.projection + row[k] * features + n + (4 * g + q) * kHeadVec) =
+              vec[g];
+        }
+      }
+      if (only) continue;
+      if (plane < 2) {
+        float part[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < 4; ++g) {
+          float y[kHeadVec];
+          Unpack(vec[g], y);
+          part[g] = SumSquares(y);
+        }
+        float sum_sq = QuadPartialSum(part);
+        sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 2);
+        sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 1);
+        if (valid) {
+          const float inv_rms = InvRms(sum_sq);
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 0; g < 4; ++g) NormRopeVec(vec[g], inv_rms, w[g], cs[g]);
+        }
+      }
+      if (valid && !cancelled) {
+        uint16_t* at = dest.out + DestRowOffset(p, dest, row[k]);
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < 4; ++g) *reinterpret_cast<uint4*>(at + (4 * g + q) * kHeadVec) = vec[g];
+      }
+    }
+
+    // 4. Readiness (ArriveTile), after every thread's stores.
+    cutlass::arch::NamedBarrier::sync(kThreads, barrier);
+    if (p.counters != nullptr && thread_idx == 0) ArriveTile<kTileM>(p, m_tile);
   }
 
  private:
@@ -290,17 +459,15 @@ class NormRopeStoreEpilogue {
 // of 2 along M.
 // x [rows, hidden] row-major is A (M x K, K-major); w_qkv [features, hidden] row-major is B as
 // K x N column-major (also K-major): the TN GEMM that Hopper's TMA + wgmma path wants.
-template <int kClusterM, class Schedule, int kStagedRows = 0>
+template <int kClusterM, class Schedule, class EpilogueOp>
 struct EpilogueKernel {
   static constexpr bool kPingpong =
       std::is_same_v<Schedule, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   static constexpr int kCluster = kClusterM;
   static constexpr const char* kName = kPingpong ? "ping-pong" : "cooperative";
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
-  static constexpr int kTileRows = kPingpong ? 128 : 256;
-  // Rows through shared memory at a time (0: the whole tile).
-  using Epilogue =
-      NormRopeStoreEpilogue<kTileRows, kStagedRows == 0 ? kTileRows : kStagedRows>;
+  using Epilogue = EpilogueOp;
+  static_assert(Epilogue::kTileM == (kPingpong ? 128 : 256));
   using TileShape = cute::Shape<cute::Int<Epilogue::kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
@@ -315,10 +482,16 @@ struct EpilogueKernel {
                                            CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
 };
 template <int kClusterM>
-using PingpongKernel = EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
-template <int kClusterM, int kStagedRows = 0>
+using PingpongKernel = EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                      NormRopeStoreEpilogue<128>>;
+template <int kClusterM>
+using PingpongRegisterKernel =
+    EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                   NormRopeRegisterEpilogue>;
+template <int kClusterM, int kStagedRows = 256>
 using CooperativeKernel =
-    EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedCooperative, kStagedRows>;
+    EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                   NormRopeStoreEpilogue<256, kStagedRows>>;
 
 template <class K>
 class CutlassEpilogueGemm final : public EpilogueGemm {
@@ -370,8 +543,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
     return absl::StrCat("cutlass sm90a tma warp-specialized ", K::kName, ", persistent, tile ",
                         kTileM, "x", kTileN, "x", kTileK, ", cluster ", K::kCluster, "x1, swizzle ",
                         kSwizzle, ", ", K::CollectiveMainloop::DispatchPolicy::Stages,
-                        " stages, epilogue norm_rope_store",
-                        K::Epilogue::kPasses > 1 ? " in halves" : "");
+                        " stages, epilogue norm_rope_store", K::Epilogue::kForm);
   }
 
  private:
@@ -492,6 +664,8 @@ absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t featu
     return Make<CooperativeKernel<2>>(features, hidden, device, sms);
   if (schedule == EpilogueSchedule::kCooperativeCluster2Halves)
     return Make<CooperativeKernel<2, 128>>(features, hidden, device, sms);
+  if (schedule == EpilogueSchedule::kPingpongCluster2Registers)
+    return Make<PingpongRegisterKernel<2>>(features, hidden, device, sms);
   return Make<PingpongKernel<1>>(features, hidden, device, sms);
 }
 

@@ -42,6 +42,52 @@ ULY_HOST_DEVICE constexpr UnitArrival ArrivalOf(int32_t unit, int32_t units, int
   return {chunk, static_cast<uint32_t>((end - first) * n_tiles)};
 }
 
+/// The register epilogue's 4 x 4 transpose across a quad (lanes 4k .. 4k + 3 of a warp, `q`
+/// = lane % 4). The MMA leaves quad lane q with columns 2q, 2q + 1 of each 8-column block;
+/// after the transpose lane q holds the whole block 4g + q of each group g of 4 blocks (16
+/// bytes to store, 8 elements of one partial of the head's sum of squares). Before, a[j] is
+/// element (q, j) of the quad's 4 x 4 matrix; after, a[j] is element (j, q). Two exchanges
+/// of two values each, with lane q ^ 1 (step 1) and then q ^ 2 (step 2): QuadSend gives what
+/// lane q sends, QuadReceive stores what its partner sent.
+/// (Constant indices only, selected by the lane: an index that depends on the lane would put
+/// the array in local memory.)
+ULY_HOST_DEVICE constexpr void QuadSend(const uint32_t (&a)[4], int q, int step,
+                                        uint32_t (&send)[2]) {
+  if (step == 1) {  // the even lane sends its odd columns, the odd lane its even ones
+    const bool even = (q & 1) == 0;
+    send[0] = even ? a[1] : a[0];
+    send[1] = even ? a[3] : a[2];
+  } else {  // lanes 0, 1 send columns 2, 3; lanes 2, 3 columns 0, 1
+    const bool low = (q & 2) == 0;
+    send[0] = low ? a[2] : a[0];
+    send[1] = low ? a[3] : a[1];
+  }
+}
+ULY_HOST_DEVICE constexpr void QuadReceive(uint32_t (&a)[4], int q, int step,
+                                           const uint32_t (&got)[2]) {
+  if (step == 1) {  // into the places of what was sent
+    const bool even = (q & 1) == 0;
+    a[0] = even ? a[0] : got[0];
+    a[1] = even ? got[0] : a[1];
+    a[2] = even ? a[2] : got[1];
+    a[3] = even ? got[1] : a[3];
+  } else {
+    const bool low = (q & 2) == 0;
+    a[0] = low ? a[0] : got[0];
+    a[1] = low ? a[1] : got[1];
+    a[2] = low ? got[0] : a[2];
+    a[3] = low ? got[1] : a[3];
+  }
+}
+
+/// The head's sum of squares in the reference's order (HeadSumSquares: 16 partials of 8
+/// elements, then halved by strides 8, 4, 2, 1) from quad lane q's partials p[g] of blocks
+/// 4g + q: this lane's part of strides 8 and 4 here; strides 2 and 1 are the quad's xor
+/// exchanges with lanes q ^ 2 and then q ^ 1, each adding its partner's value.
+ULY_HOST_DEVICE constexpr float QuadPartialSum(const float (&p)[4]) {
+  return (p[0] + p[2]) + (p[1] + p[3]);
+}
+
 /// One call: rows [0, B*S_l) of source rank `src` (shape.world ranks).
 struct EpilogueCall {
   QkvNormRopeShape shape{};

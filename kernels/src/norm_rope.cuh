@@ -16,10 +16,6 @@ inline constexpr int kHeadLanes = 16;                   // lanes per head
 inline constexpr int kHeadVec = kHeadDim / kHeadLanes;  // bf16 elements per lane
 static_assert(kHeadVec == 8, "a lane holds one 16-byte vector of its head");
 
-__device__ __forceinline__ float RoundBf16(float v) {
-  return __bfloat162float(__float2bfloat16_rn(v));
-}
-
 __device__ __forceinline__ void Unpack(const uint4& raw, float (&v)[kHeadVec]) {
   const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
@@ -49,6 +45,71 @@ __device__ __forceinline__ CosSin LoadCosSin(const float* cos_sin_row, int lane)
           *reinterpret_cast<const float4*>(cos_sin_row + kHeadDim / 2 + lane * (kHeadVec / 2))};
 }
 
+/// Sum of y^2 over a lane's 8 elements by fused multiply-adds in order: one partial of the
+/// reference's sum (HeadSumSquares).
+__device__ __forceinline__ float SumSquares(const float (&y)[kHeadVec]) {
+  float sum_sq = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kHeadVec; ++i) sum_sq = __fmaf_rn(y[i], y[i], sum_sq);
+  return sum_sq;
+}
+
+/// 1 / sqrt(mean + eps) of a head's sum of squares, both steps correctly rounded, as the
+/// reference computes it.
+__device__ __forceinline__ float InvRms(float sum_sq) {
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(sum_sq * (1.0f / kHeadDim), kFusedRmsEps)));
+}
+
+/// This lane's 8 norm weights as they are stored: 4 bf16 pairs.
+__device__ __forceinline__ uint4 LoadNormWeightPairs(const uint16_t* norm_w, int lane) {
+  return *reinterpret_cast<const uint4*>(norm_w + lane * kHeadVec);
+}
+
+/// The norm and RoPE of 8 elements of a head in `raw` (4 pairs), with its weights (pair i
+/// from `weight_pair(i)`) and the cos/sin `cs` of its pairs.
+template <class WeightPair>
+__device__ __forceinline__ void NormRopeVecWith(uint4& raw, float inv_rms, WeightPair weight_pair,
+                                                const CosSin& cs) {
+  float y[kHeadVec];
+  Unpack(raw, y);
+  const float cv[4] = {cs.c.x, cs.c.y, cs.c.z, cs.c.w}, sv[4] = {cs.s.x, cs.s.y, cs.s.z, cs.s.w};
+  auto* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kHeadVec / 2; ++i) {
+    // The reference rounds y * inv_rms to bf16, then that times the bf16 weight to bf16. The
+    // second product, of two bf16 values, is exact in fp32 (16 significant bits), so one
+    // bf16x2 multiply rounding it once gives the same bits (short of fp32 underflow, below
+    // 2^-126, where the fp32 product itself would round first).
+    const __nv_bfloat162 normed =
+        __floats2bfloat162_rn(__fmul_rn(y[2 * i], inv_rms), __fmul_rn(y[2 * i + 1], inv_rms));
+    const float2 ab = __bfloat1622float2(__hmul2_rn(normed, weight_pair(i)));
+    // Separate roundings (no FMA contraction), as the reference.
+    const float o0 = __fsub_rn(__fmul_rn(cv[i], ab.x), __fmul_rn(sv[i], ab.y));
+    const float o1 = __fadd_rn(__fmul_rn(sv[i], ab.x), __fmul_rn(cv[i], ab.y));
+    pairs[i] = __floats2bfloat162_rn(o0, o1);
+  }
+}
+
+/// NormRopeVecWith, the weights as floats (LoadNormWeights; their conversion back to bf16 is
+/// exact, and the same for every row) ...
+__device__ __forceinline__ void NormRopeVec(uint4& raw, float inv_rms,
+                                            const float (&w)[kHeadVec], const CosSin& cs) {
+  NormRopeVecWith(
+      raw, inv_rms, [&](int i) { return __floats2bfloat162_rn(w[2 * i], w[2 * i + 1]); }, cs);
+}
+
+/// ... or as they are stored (LoadNormWeightPairs).
+__device__ __forceinline__ void NormRopeVec(uint4& raw, float inv_rms, const uint4& w,
+                                            const CosSin& cs) {
+  NormRopeVecWith(
+      raw, inv_rms,
+      [&](int i) {
+        const uint32_t bits = i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
+        return *reinterpret_cast<const __nv_bfloat162*>(&bits);
+      },
+      cs);
+}
+
 /// RMSNorm + interleaved RoPE of one head in registers (NormRopeRef's steps 2 and 3). Lane
 /// `lane` (0..15) of a half-warp holds elements [8*lane, 8*lane + 8) of the head in `raw`,
 /// `w` its norm weights (LoadNormWeights) and `cs` the cos/sin of its pairs for the token's
@@ -59,31 +120,15 @@ __device__ __forceinline__ void NormRopeHead(uint4& raw, bool apply, const float
                                              const CosSin& cs) {
   float y[kHeadVec];
   Unpack(raw, y);
-  // sum(y^2) in the order HeadSumSquares (the reference) adds it: each lane's 8 elements by
-  // fused multiply-adds, then the half-warp's xor butterfly (offsets 8, 4, 2, 1).
-  float sum_sq = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kHeadVec; ++i) sum_sq = __fmaf_rn(y[i], y[i], sum_sq);
+  // sum(y^2) in the order HeadSumSquares (the reference) adds it: each lane's 8 elements,
+  // then the half-warp's xor butterfly (offsets 8, 4, 2, 1).
+  float sum_sq = SumSquares(y);
 #pragma unroll
   for (int offset = kHeadLanes / 2; offset > 0; offset /= 2) {
     sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
   }
   if (!apply) return;
-  // 1 / sqrt(x) with both steps correctly rounded, as the reference computes it.
-  const float inv_rms =
-      __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(sum_sq * (1.0f / kHeadDim), kFusedRmsEps)));
-  const float cv[4] = {cs.c.x, cs.c.y, cs.c.z, cs.c.w}, sv[4] = {cs.s.x, cs.s.y, cs.s.z, cs.s.w};
-  auto* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < kHeadVec / 2; ++i) {
-    const float a = RoundBf16(__fmul_rn(RoundBf16(__fmul_rn(y[2 * i], inv_rms)), w[2 * i]));
-    const float b =
-        RoundBf16(__fmul_rn(RoundBf16(__fmul_rn(y[2 * i + 1], inv_rms)), w[2 * i + 1]));
-    // Separate roundings (no FMA contraction), as the reference.
-    const float o0 = __fsub_rn(__fmul_rn(cv[i], a), __fmul_rn(sv[i], b));
-    const float o1 = __fadd_rn(__fmul_rn(sv[i], a), __fmul_rn(cv[i], b));
-    pairs[i] = __floats2bfloat162_rn(o0, o1);
-  }
+  NormRopeVec(raw, InvRms(sum_sq), w, cs);
 }
 
 /// The cos/sin row of position `pos`, clamped into [0, max_pos).

@@ -768,13 +768,18 @@ TEST_P(GpuFusedQkvTest, EveryEpilogueScheduleMatchesTheReference) {
     const std::string cluster =
         schedule_ == EpilogueSchedule::kPingpong
             ? "ping-pong, persistent, tile 128x128x64, cluster 1x1"
-        : schedule_ == EpilogueSchedule::kPingpongCluster2
+        : schedule_ == EpilogueSchedule::kPingpongCluster2 ||
+                schedule_ == EpilogueSchedule::kPingpongCluster2Registers
             ? "ping-pong, persistent, tile 128x128x64, cluster 2x1"
             : "cooperative, persistent, tile 256x128x64, cluster 2x1";
-    EXPECT_NE(plan->Describe(Rows()).find(cluster), std::string::npos) << plan->Describe(Rows());
-    EXPECT_EQ(plan->Describe(Rows()).find("in halves") != std::string::npos,
+    const std::string describe = plan->Describe(Rows());
+    EXPECT_NE(describe.find(cluster), std::string::npos) << describe;
+    EXPECT_EQ(describe.find("in halves") != std::string::npos,
               schedule_ == EpilogueSchedule::kCooperativeCluster2Halves)
-        << plan->Describe(Rows());
+        << describe;
+    EXPECT_EQ(describe.find("from registers") != std::string::npos,
+              schedule_ == EpilogueSchedule::kPingpongCluster2Registers)
+        << describe;
     // Readiness chunks of 128 rows (each 256-row tile of the cooperative kernel ends one and
     // starts the next) and of 256 rows; RunPath checks every chunk's word.
     for (QkvLayout layout : {QkvLayout::kBshd, QkvLayout::kFused}) {

@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -11,6 +14,7 @@
 #include "fused_epilogue.h"
 #include "ulysses/kernels/fused_qkv.h"
 #include "ulysses/kernels/gemm.h"
+#include "ulysses/kernels/qkv_norm_rope.h"
 
 namespace ulysses::kernels {
 namespace {
@@ -214,6 +218,73 @@ TEST(FusedChunksTest, EveryChunkIsPublishedOnceAfterEveryTileOfItsRowsForBothTil
   }
 }
 
+// The register epilogue's quad transpose, played on the host for the 4 lanes of a quad: each
+// step's sends are all taken before any lane receives (as a shuffle exchanges), and lane q
+// ends with column q of the matrix the quad started with, whatever its values.
+TEST(FusedChunksTest, TheQuadTransposeGivesEachLaneItsColumn) {
+  uint32_t a[4][4];
+  for (int q = 0; q < 4; ++q) {
+    for (int j = 0; j < 4; ++j) a[q][j] = static_cast<uint32_t>(0x1000 * (q + 1) + j);
+  }
+  for (int step : {1, 2}) {
+    uint32_t sent[4][2];
+    for (int q = 0; q < 4; ++q) internal::QuadSend(a[q], q, step, sent[q]);
+    for (int q = 0; q < 4; ++q) internal::QuadReceive(a[q], q, step, sent[q ^ step]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    for (int j = 0; j < 4; ++j) {
+      EXPECT_EQ(a[q][j], static_cast<uint32_t>(0x1000 * (j + 1) + q)) << "lane " << q << ", " << j;
+    }
+  }
+}
+
+// The register epilogue's sum of squares: quad lane q's fused multiply-add chains over blocks
+// 4g + q, QuadPartialSum, then the xor exchanges with lanes q ^ 2 and q ^ 1, give every lane
+// the reference's bits (HeadSumSquares) for heads of values of very different magnitudes,
+// where another order of the additions would round differently.
+TEST(FusedChunksTest, TheQuadSumOfSquaresHasTheReferencesBits) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-12, 12);
+  int differs_from_a_plain_sum = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    uint16_t head[128];
+    float y[128];
+    for (int i = 0; i < 128; ++i) {
+      const float v = std::ldexp(mantissa(rng), exponent(rng));
+      uint32_t bits = 0;
+      std::memcpy(&bits, &v, sizeof(bits));
+      head[i] = static_cast<uint16_t>(bits >> 16);  // truncated to bf16: any bf16 value will do
+      bits = static_cast<uint32_t>(head[i]) << 16;
+      std::memcpy(&y[i], &bits, sizeof(bits));
+    }
+    const float want = HeadSumSquares(head, 128);
+    float r[4];
+    for (int q = 0; q < 4; ++q) {
+      float p[4];
+      for (int g = 0; g < 4; ++g) {
+        p[g] = 0.0f;
+        for (int e = 0; e < 8; ++e) {
+          const float v = y[(4 * g + q) * 8 + e];
+          p[g] = std::fma(v, v, p[g]);
+        }
+      }
+      r[q] = internal::QuadPartialSum(p);
+    }
+    float s[4], t[4];
+    for (int q = 0; q < 4; ++q) s[q] = r[q] + r[q ^ 2];
+    for (int q = 0; q < 4; ++q) t[q] = s[q] + s[q ^ 1];
+    for (int q = 0; q < 4; ++q) {
+      ASSERT_EQ(t[q], want) << "trial " << trial << ", lane " << q;
+    }
+    float plain = 0.0f;
+    for (float v : y) plain = std::fma(v, v, plain);
+    if (plain != want) ++differs_from_a_plain_sum;
+  }
+  // The order is what is checked: a plain running sum rounds differently on many heads.
+  EXPECT_GT(differs_from_a_plain_sum, 100);
+}
+
 TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kAuto), "auto");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kPingpong), "pingpong");
@@ -221,6 +292,7 @@ TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2), "cooperative2");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2Halves),
                "cooperative2h");
+  EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kPingpongCluster2Registers), "pingpong2r");
   std::set<std::string> names;
   for (int i = 0; i < kEpilogueSchedules; ++i) {
     names.insert(EpilogueScheduleName(static_cast<EpilogueSchedule>(i + 1)));

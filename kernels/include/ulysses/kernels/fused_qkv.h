@@ -34,20 +34,22 @@ inline constexpr int32_t kMaxFusedChunks = 32;
 /// warpgroups on one tile of 256 rows, then on its epilogue) in clusters of 2 along the rows;
 /// kCooperativeCluster2Halves the same kernel with the epilogue staging its tile in two
 /// halves of 128 rows (half the shared memory, which leaves the mainloop a stage more);
-/// kAuto picks per call between the two ping-pong schedules (EpilogueScheduleFor).
+/// kPingpongCluster2Registers is kPingpongCluster2 with the epilogue working from the
+/// accumulators in registers, without a shared staging tile; kAuto picks per call between the two ping-pong schedules (EpilogueScheduleFor).
 enum class EpilogueSchedule {
   kAuto,
   kPingpong,
   kPingpongCluster2,
   kCooperativeCluster2,
-  kCooperativeCluster2Halves
+  kCooperativeCluster2Halves,
+  kPingpongCluster2Registers
 };
 /// The schedules a plan can be made with (kAuto excluded), in the enum's order.
-inline constexpr int kEpilogueSchedules = 4;
-static_assert(static_cast<int>(EpilogueSchedule::kCooperativeCluster2Halves) ==
+inline constexpr int kEpilogueSchedules = 5;
+static_assert(static_cast<int>(EpilogueSchedule::kPingpongCluster2Registers) ==
               kEpilogueSchedules);
 /// The schedule's name as the benchmark spells it: "pingpong", "pingpong2", "cooperative2",
-/// "cooperative2h" ("auto" for kAuto).
+/// "cooperative2h", "pingpong2r" ("auto" for kAuto).
 const char* EpilogueScheduleName(EpilogueSchedule schedule);
 
 /// kAuto's rule, from the measurements of docs/benchmarks.md: clusters of 2 from 2048 rows a
