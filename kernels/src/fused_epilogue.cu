@@ -5,10 +5,13 @@
 // Sm90TmaWarpSpecializedAdapter runs in place of its TMA epilogues.
 //
 // Per output tile (128 or 256 token rows of one head of one plane):
-//   1. the consumer threads round their accumulators to bf16 into a padded shared-memory tile;
-//   2. each half-warp takes whole rows of the tile, 16 bytes a lane, as the norm_rope.cu
-//      kernels do, and applies RMSNorm + RoPE (Q and K) through the same device function, so
-//      the step is bit for bit that of the other paths on the same projection;
+//   1. the consumer threads round their accumulators to bf16: into a padded shared-memory
+//      tile (NormRopeStoreEpilogue; in two passes of 128 rows for the cooperative schedule
+//      in halves), or they keep them in registers (NormRopeRegisterEpilogue);
+//   2. whole rows of 16-byte vectors (a half-warp's from the shared tile, or a quad's after
+//      a transpose in registers) get RMSNorm + RoPE (Q and K) through the norm_rope.cu
+//      kernels' device functions, so the step is bit for bit that of the other paths on the
+//      same projection;
 //   3. each row goes straight to its destination's slot (at QkvDestOffset);
 //   4. each 128 rows of the tile count themselves on their chunk's counter; the chunk's last
 //      arrival publishes the chunk's readiness word in every destination (release order
@@ -146,6 +149,30 @@ __device__ __forceinline__ uint32_t DestRowOffset(const EpilogueParams& p, const
              : d.plane * d.plane_elems + (token * d.hl + d.h) * kHeadDim;
 }
 
+// A tile of the call: its place, and whether it is in the problem at all. The swizzled
+// scheduler rounds the tile grid up to whole swizzle groups: a tile outside the problem (seen
+// with 12 tiles across) has nothing to store and is no chunk's tile; every thread of the
+// group finds this alike, before any of its barriers.
+struct TileOf {
+  int m_tile, n_tile;
+  bool in_problem;
+  int64_t n;      // first feature column
+  int plane;      // 0 Q, 1 K, 2 V
+  int32_t head;   // in the plane
+};
+template <int kTileM, class BlockCoordMNKL>
+__device__ __forceinline__ TileOf TileAt(const EpilogueParams& p, const BlockCoordMNKL& blk) {
+  TileOf t{};
+  t.m_tile = static_cast<int>(cute::get<0>(blk));
+  t.n_tile = static_cast<int>(cute::get<1>(blk));
+  t.in_problem = t.n_tile < p.n_tiles && int64_t{t.m_tile} * kTileM < p.rows;
+  const int64_t hd = int64_t{p.shape.heads} * kHeadDim;
+  t.n = int64_t{t.n_tile} * kTileN;
+  t.plane = static_cast<int>(t.n / hd);
+  t.head = static_cast<int32_t>((t.n % hd) / kHeadDim);
+  return t;
+}
+
 // Step 4, readiness, by the tile's thread 0 once a barrier has ordered every thread's stores
 // before it (as a grid barrier does: one system-scope fence per tile, not one per thread).
 // Chunks are whole 128-row units (kEpilogueTileRows), so a 256-row tile may end one chunk and
@@ -214,18 +241,12 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
     // producer), one for both of the cooperative kernel's; CUTLASS offsets user ids past the
     // ones it reserves.
     const uint32_t barrier = kThreads == 128 ? threadIdx.x / kThreads : 1;
-    const int m_tile = static_cast<int>(get<0>(blk_coord_mnkl));
-    const int n_tile = static_cast<int>(get<1>(blk_coord_mnkl));
-    // The swizzled scheduler rounds the tile grid up to whole swizzle groups: a tile outside
-    // the problem (seen with 12 tiles across) has nothing to store and is no chunk's tile.
-    // Every thread of the group takes this branch alike, before any of its barriers.
-    if (n_tile >= p.n_tiles || m_tile * kTileM >= p.rows) return;
+    const TileOf tile = TileAt<kTileM>(p, blk_coord_mnkl);
+    if (!tile.in_problem) return;
+    const int m_tile = tile.m_tile, plane = tile.plane;
+    const int64_t n = tile.n, features = 3 * int64_t{p.shape.heads} * kHeadDim;
     const bool only = p.projection_only != 0;  // alike for every thread of the kernel
     const int lane = thread_idx % kHeadLanes, half_warp = thread_idx / kHeadLanes;
-    const int64_t hd = int64_t{p.shape.heads} * kHeadDim, features = 3 * hd;
-    const int64_t n = int64_t{n_tile} * kTileN;
-    const int plane = static_cast<int>(n / hd);
-    const int32_t head = static_cast<int32_t>((n % hd) / kHeadDim);
     if (thread_idx == 0) {
       storage.cancelled =
           p.cancel != nullptr && *static_cast<const volatile uint64_t*>(p.cancel) != 0 ? 1 : 0;
@@ -244,7 +265,7 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
     static_assert(kMmaSteps % kPasses == 0);
     constexpr int kMmaStepsPerPass = kMmaSteps / kPasses;
     float w[kHeadVec] = {};
-    const TileDest dest = DestOf(p, plane, head);
+    const TileDest dest = DestOf(p, plane, tile.head);
 
     CUTLASS_PRAGMA_UNROLL
     for (int pass = 0; pass < kPasses; ++pass) {
@@ -349,18 +370,21 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
     const Params& p = *params_;
     if (p.gemm_alone != 0) return;
     const uint32_t barrier = threadIdx.x / kThreads;  // the consumer warpgroup's, as above
-    const int m_tile = static_cast<int>(get<0>(blk_coord_mnkl));
-    const int n_tile = static_cast<int>(get<1>(blk_coord_mnkl));
-    if (n_tile >= p.n_tiles || m_tile * kTileM >= p.rows) return;  // as above
+    const TileOf tile = TileAt<kTileM>(p, blk_coord_mnkl);
+    if (!tile.in_problem) return;
+    const int m_tile = tile.m_tile, plane = tile.plane;
+    const int64_t n = tile.n, features = 3 * int64_t{p.shape.heads} * kHeadDim;
     const bool only = p.projection_only != 0;
     const int lane = thread_idx % 32, warp = thread_idx / 32, q = lane % 4;
-    const int64_t hd = int64_t{p.shape.heads} * kHeadDim, features = 3 * hd;
-    const int64_t n = int64_t{n_tile} * kTileN;
-    const int plane = static_cast<int>(n / hd);
-    const int32_t head = static_cast<int32_t>((n % hd) / kHeadDim);
     const bool norm = plane < 2 && !only;  // alike for every thread of the tile
-    const bool cancelled =
-        !only && p.cancel != nullptr && *static_cast<const volatile uint64_t*>(p.cancel) != 0;
+    // The cancel word, read once per warp (without a shared tile there is no place to share
+    // one read by the whole tile): a cancel that lands during the tile may leave some of its
+    // rows stored and others not, as it may between the tiles of a call.
+    bool cancelled = false;
+    if (!only && p.cancel != nullptr) {
+      const int word = lane == 0 ? (*static_cast<const volatile uint64_t*>(p.cancel) != 0) : 0;
+      cancelled = __shfl_sync(0xffffffffu, word, 0) != 0;
+    }
     int64_t row[4];
     int32_t pos[4];
     CUTLASS_PRAGMA_UNROLL
@@ -384,9 +408,11 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
     uint4 w[4] = {};
     if (norm) {
       CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < 4; ++g) w[g] = LoadNormWeightPairs(plane == 0 ? p.q_norm : p.k_norm, 4 * g + q);
+      for (int g = 0; g < 4; ++g) {
+        w[g] = LoadNormWeightPairs(plane == 0 ? p.q_norm : p.k_norm, 4 * g + q);
+      }
     }
-    const TileDest dest = DestOf(p, plane, head);
+    const TileDest dest = DestOf(p, plane, tile.head);
 
     // 2 and 3, row by row: the quad's transpose, norm + RoPE, the stores.
     CUTLASS_PRAGMA_UNROLL

@@ -77,9 +77,10 @@ __device__ __forceinline__ void NormRopeVecWith(uint4& raw, float inv_rms, Weigh
 #pragma unroll
   for (int i = 0; i < kHeadVec / 2; ++i) {
     // The reference rounds y * inv_rms to bf16, then that times the bf16 weight to bf16. The
-    // second product, of two bf16 values, is exact in fp32 (16 significant bits), so one
-    // bf16x2 multiply rounding it once gives the same bits (short of fp32 underflow, below
-    // 2^-126, where the fp32 product itself would round first).
+    // second product, of two bf16 values, has at most 16 significant bits, so one bf16x2
+    // multiply rounding it once gives the same bits: an fp32 rounding first (below 2^-126,
+    // where fp32 keeps fewer bits) could change the bf16 result only by landing on a bf16
+    // midpoint from beside it, which takes a 17th bit.
     const __nv_bfloat162 normed =
         __floats2bfloat162_rn(__fmul_rn(y[2 * i], inv_rms), __fmul_rn(y[2 * i + 1], inv_rms));
     const float2 ab = __bfloat1622float2(__hmul2_rn(normed, weight_pair(i)));
@@ -91,7 +92,8 @@ __device__ __forceinline__ void NormRopeVecWith(uint4& raw, float inv_rms, Weigh
 }
 
 /// NormRopeVecWith, the weights as floats (LoadNormWeights; their conversion back to bf16 is
-/// exact, and the same for every row) ...
+/// exact, and the same for every row) ... (The staged epilogues keep the float form: with the
+/// stored form instead, the cooperative kernel's epilogue spills registers.)
 __device__ __forceinline__ void NormRopeVec(uint4& raw, float inv_rms,
                                             const float (&w)[kHeadVec], const CosSin& cs) {
   NormRopeVecWith(

@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <random>
 #include <tuple>
 #include <vector>
 
@@ -40,6 +43,60 @@ TEST(Bf16Test, RoundsToNearestEven) {
   EXPECT_EQ(Bf16ToFloat(0x3f81), 1.0078125f);
   EXPECT_NE(FloatToBf16(NAN) & 0x7f80, 0);
   EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(NAN))));
+}
+
+// The exact value `d` (of at most 53 significant bits) rounded once to bf16, to nearest even:
+// 8 significant bits, subnormals down to 2^-133, overflow to infinity.
+uint16_t RoundOnceToBf16(double d) {
+  const uint16_t sign = std::signbit(d) ? 0x8000 : 0;
+  const double a = std::fabs(d);
+  if (a == 0.0) return sign;
+  int e = 0;
+  std::frexp(a, &e);  // a = m 2^e, m in [0.5, 1)
+  const int ulp = std::max(e - 8, -133);
+  const double v = std::ldexp(std::nearbyint(std::ldexp(a, -ulp)), ulp);
+  if (v > 0x1.fep127) return static_cast<uint16_t>(sign | 0x7f80);
+  return static_cast<uint16_t>(sign | FloatToBf16(static_cast<float>(v)));
+}
+
+// The GPU's norm multiplies the bf16-rounded normed value by the bf16 weight in one bf16x2
+// multiply, which rounds the exact product once; the reference multiplies in fp32 and rounds
+// that to bf16. The two agree: the product of two bf16 values has at most 16 significant
+// bits, so the fp32 rounding (which loses bits only below 2^-126) never moves it onto a bf16
+// midpoint. Every bf16 value against a spread of others, products in the subnormal range
+// included.
+TEST(Bf16Test, AProductOfTwoBf16RoundedOnceIsTheReferencesTwoRoundings) {
+  // The single rounding itself: a tie goes to even; a 17th bit past the tie is what an fp32
+  // rounding first would lose (1 + 2^-8 + 2^-30 is 1 + 2^-8 in fp32, a tie).
+  EXPECT_EQ(RoundOnceToBf16(1.0 + 0x1p-8), 0x3f80);
+  EXPECT_EQ(RoundOnceToBf16(1.0 + 3 * 0x1p-8), 0x3f82);
+  EXPECT_EQ(RoundOnceToBf16(1.0 + 0x1p-8 + 0x1p-30), 0x3f81);
+  EXPECT_EQ(FloatToBf16(static_cast<float>(1.0 + 0x1p-8 + 0x1p-30)), 0x3f80);
+  EXPECT_EQ(RoundOnceToBf16(0x1p-134), 0x0000);  // half the smallest subnormal: to even
+  EXPECT_EQ(RoundOnceToBf16(0x1.8p-133), 0x0002);
+
+  std::vector<uint16_t> others = {0x0001, 0x0003, 0x007f, 0x0080, 0x00ff, 0x3f80, 0x3f81,
+                                  0x3fff, 0x4000, 0x7f7f, 0x8001, 0xbf80, 0x2001, 0x1fff};
+  std::mt19937 rng(11);
+  while (others.size() < 160) others.push_back(static_cast<uint16_t>(rng() & 0xffffu));
+  int64_t compared = 0, subnormal = 0;
+  for (uint32_t a = 0; a < 0x10000; ++a) {
+    const float fa = Bf16ToFloat(static_cast<uint16_t>(a));
+    if (std::isnan(fa)) continue;
+    for (uint16_t b : others) {
+      const float fb = Bf16ToFloat(b);
+      if (std::isnan(fb)) continue;
+      const float product = fa * fb;
+      if (std::isnan(product)) continue;  // 0 x inf
+      const double exact = static_cast<double>(fa) * static_cast<double>(fb);
+      ASSERT_EQ(FloatToBf16(product), RoundOnceToBf16(exact))
+          << std::hex << "0x" << a << " x 0x" << b;
+      ++compared;
+      if (exact != 0.0 && std::fabs(exact) < 0x1p-126) ++subnormal;
+    }
+  }
+  EXPECT_GT(compared, 10000000);
+  EXPECT_GT(subnormal, 100000);  // the range where fp32 rounds first
 }
 
 TEST(QkvNormRopeRefTest, ProjectionIsXTimesWTransposedRoundedToBf16) {

@@ -35,7 +35,8 @@ inline constexpr int32_t kMaxFusedChunks = 32;
 /// kCooperativeCluster2Halves the same kernel with the epilogue staging its tile in two
 /// halves of 128 rows (half the shared memory, which leaves the mainloop a stage more);
 /// kPingpongCluster2Registers is kPingpongCluster2 with the epilogue working from the
-/// accumulators in registers, without a shared staging tile; kAuto picks per call between the two ping-pong schedules (EpilogueScheduleFor).
+/// accumulators in registers, without a shared staging tile; kAuto picks per call between
+/// kPingpong and kPingpongCluster2 (EpilogueScheduleFor).
 enum class EpilogueSchedule {
   kAuto,
   kPingpong,
