@@ -156,7 +156,8 @@ __device__ __forceinline__ uint32_t DestRowOffset(const EpilogueParams& p, const
 struct TileOf {
   int m_tile, n_tile;
   bool in_problem;
-  int64_t n;      // first feature column
+  int64_t n;         // first feature column
+  int64_t features;  // 3 * H * D, the projection's row pitch
   int plane;      // 0 Q, 1 K, 2 V
   int32_t head;   // in the plane
 };
@@ -167,6 +168,7 @@ __device__ __forceinline__ TileOf TileAt(const EpilogueParams& p, const BlockCoo
   t.n_tile = static_cast<int>(cute::get<1>(blk));
   t.in_problem = t.n_tile < p.n_tiles && int64_t{t.m_tile} * kTileM < p.rows;
   const int64_t hd = int64_t{p.shape.heads} * kHeadDim;
+  t.features = 3 * hd;
   t.n = int64_t{t.n_tile} * kTileN;
   t.plane = static_cast<int>(t.n / hd);
   t.head = static_cast<int32_t>((t.n % hd) / kHeadDim);
@@ -244,7 +246,7 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
     const TileOf tile = TileAt<kTileM>(p, blk_coord_mnkl);
     if (!tile.in_problem) return;
     const int m_tile = tile.m_tile, plane = tile.plane;
-    const int64_t n = tile.n, features = 3 * int64_t{p.shape.heads} * kHeadDim;
+    const int64_t n = tile.n, features = tile.features;
     const bool only = p.projection_only != 0;  // alike for every thread of the kernel
     const int lane = thread_idx % kHeadLanes, half_warp = thread_idx / kHeadLanes;
     if (thread_idx == 0) {
@@ -373,7 +375,7 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
     const TileOf tile = TileAt<kTileM>(p, blk_coord_mnkl);
     if (!tile.in_problem) return;
     const int m_tile = tile.m_tile, plane = tile.plane;
-    const int64_t n = tile.n, features = 3 * int64_t{p.shape.heads} * kHeadDim;
+    const int64_t n = tile.n, features = tile.features;
     const bool only = p.projection_only != 0;
     const int lane = thread_idx % 32, warp = thread_idx / 32, q = lane % 4;
     const bool norm = plane < 2 && !only;  // alike for every thread of the tile
@@ -441,12 +443,12 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
       if (valid && p.projection != nullptr) {
         CUTLASS_PRAGMA_UNROLL
         for (int g = 0; g < 4; ++g) {
-          *reinterpret_cast<uint4*>(p.projection + row[k] * features + n + (4 * g + q) * kHeadVec) =
-              vec[g];
+          uint16_t* at = p.projection + row[k] * features + n;
+          *reinterpret_cast<uint4*>(at + (4 * g + q) * kHeadVec) = vec[g];
         }
       }
       if (only) continue;
-      if (plane < 2) {
+      if (norm) {
         float part[4];
         CUTLASS_PRAGMA_UNROLL
         for (int g = 0; g < 4; ++g) {
