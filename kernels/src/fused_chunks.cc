@@ -44,6 +44,8 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
       return "cooperative2h";
     case EpilogueSchedule::kPingpongCluster2Registers:
       return "pingpong2r";
+    case EpilogueSchedule::kCooperativeCluster2Registers:
+      return "cooperative2r";
   }
   return "unknown";
 }

@@ -175,6 +175,15 @@ __device__ __forceinline__ TileOf TileAt(const EpilogueParams& p, const BlockCoo
   return t;
 }
 
+// The user named barrier of a tile's epilogue threads: one per consumer warpgroup of the
+// ping-pong kernel (warpgroup 0 is the producer), one for both of the cooperative kernel's;
+// CUTLASS offsets user ids past the ones it reserves.
+template <int kThreads>
+__device__ __forceinline__ uint32_t EpilogueBarrier() {
+  static_assert(kThreads == 128 || kThreads == 256);
+  return kThreads == 128 ? threadIdx.x / kThreads : 1;
+}
+
 // Step 4, readiness, by the tile's thread 0 once a barrier has ordered every thread's stores
 // before it (as a grid barrier does: one system-scope fence per tile, not one per thread).
 // Chunks are whole 128-row units (kEpilogueTileRows), so a 256-row tile may end one chunk and
@@ -239,10 +248,7 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
     const Params& p = *params_;
     if (p.gemm_alone != 0) return;
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
-    // A user named barrier per consumer warpgroup of the ping-pong kernel (warpgroup 0 is the
-    // producer), one for both of the cooperative kernel's; CUTLASS offsets user ids past the
-    // ones it reserves.
-    const uint32_t barrier = kThreads == 128 ? threadIdx.x / kThreads : 1;
+    const uint32_t barrier = EpilogueBarrier<kThreads>();
     const TileOf tile = TileAt<kTileM>(p, blk_coord_mnkl);
     if (!tile.in_problem) return;
     const int m_tile = tile.m_tile, plane = tile.plane;
@@ -335,18 +341,22 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
   Params const* params_;
 };
 
-// The epilogue of one 128-row tile of the ping-pong kernel straight from the accumulators,
-// without shared memory. The MMA leaves each quad of lanes (4k .. 4k + 3) 4 rows of the tile
-// (rows 64m + 16 warp + lane / 4 + 8 v, m and v in {0, 1}), lane q with columns 2q, 2q + 1
-// of each 8-column block. Per row, the quad transposes its blocks in groups of 4
+// The epilogue of one tile straight from the accumulators, without shared memory: a 128-row
+// tile of the ping-pong kernel (one warpgroup) or a 256-row tile of the cooperative kernel
+// (both). A warpgroup's MMA leaves each quad of lanes (4k .. 4k + 3) 4 rows of the tile, two
+// in each of the fragment's two steps along M (in the ping-pong kernel rows
+// 64m + 16 warp + lane / 4 + 8 v, m and v in {0, 1}; the cooperative kernel's warpgroups
+// interleave their 64-row bands, so the rows are read off the MMA's own partition of the
+// tile's coordinates), lane q with columns 2q, 2q + 1 of each 8-column block. Per row, the quad transposes its blocks in groups of 4
 // (QuadSend / QuadReceive), so that lane q holds blocks q, 4 + q, 8 + q and 12 + q whole:
 // 16-byte vectors to store, and 4 of the 16 partials of the head's sum of squares, which the
 // quad then adds in the reference's order (QuadPartialSum and two exchanges). Norm + RoPE
 // per vector is NormRopeVec, as in the other paths, so the bits are theirs.
+template <int kTileRows>
 class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
  public:
-  static constexpr int kTileM = 128;
-  static constexpr int kThreads = 128;
+  static constexpr int kTileM = kTileRows;
+  static constexpr int kThreads = kTileRows;
   static constexpr const char* kForm = " from registers";
 
   struct SharedStorage {
@@ -362,22 +372,26 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
             class FrgLayout, class TiledMma, class ResidueMNK>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL, BlockShapeMNK, BlockCoordMNKL blk_coord_mnkl,
                                  cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
-                                 TiledMma, ResidueMNK, int thread_idx, char*) {
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
-    // One warpgroup's 64 x 128 MMA (values: 2 columns x 2 row halves x 16 blocks), twice
-    // along M.
+    // A warpgroup's 64 x 128 MMA (values: 2 columns x 2 row halves x 16 blocks), twice along
+    // M.
     CUTE_STATIC_ASSERT_V(size<0>(accumulators) == Int<64>{});
     CUTE_STATIC_ASSERT_V(size<1>(accumulators) == Int<2>{});
     CUTE_STATIC_ASSERT_V(size<2>(accumulators) == Int<1>{});
     const Params& p = *params_;
     if (p.gemm_alone != 0) return;
-    const uint32_t barrier = threadIdx.x / kThreads;  // the consumer warpgroup's, as above
+    const uint32_t barrier = EpilogueBarrier<kThreads>();
     const TileOf tile = TileAt<kTileM>(p, blk_coord_mnkl);
     if (!tile.in_problem) return;
     const int m_tile = tile.m_tile, plane = tile.plane;
     const int64_t n = tile.n, features = tile.features;
     const bool only = p.projection_only != 0;
-    const int lane = thread_idx % 32, warp = thread_idx / 32, q = lane % 4;
+    const int lane = thread_idx % 32, q = lane % 4;
+    // The tile's coordinates as the MMA partitions its accumulators: value 2v of step m is
+    // this lane's first column of block 0 in row half v.
+    const Tensor coords = tiled_mma.get_thread_slice(thread_idx)
+                              .partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
     const bool norm = plane < 2 && !only;  // alike for every thread of the tile
     // The cancel word, read once per warp (without a shared tile there is no place to share
     // one read by the whole tile): a cancel that lands during the tile may leave some of its
@@ -391,7 +405,7 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
     int32_t pos[4];
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < 4; ++k) {
-      row[k] = int64_t{m_tile} * kTileM + 64 * (k / 2) + 16 * warp + lane / 4 + 8 * (k % 2);
+      row[k] = int64_t{m_tile} * kTileM + get<0>(coords(2 * (k % 2), k / 2, 0));
       pos[k] = norm && row[k] < p.rows ? p.positions[row[k]] : 0;
     }
     // 1. Accumulators -> bf16 pairs (round to nearest even): u[k][b] is columns 8b + 2q and
@@ -515,11 +529,15 @@ using PingpongKernel = EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpe
 template <int kClusterM>
 using PingpongRegisterKernel =
     EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                   NormRopeRegisterEpilogue>;
+                   NormRopeRegisterEpilogue<128>>;
 template <int kClusterM, int kStagedRows = 256>
 using CooperativeKernel =
     EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                    NormRopeStoreEpilogue<256, kStagedRows>>;
+template <int kClusterM>
+using CooperativeRegisterKernel =
+    EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                   NormRopeRegisterEpilogue<256>>;
 
 template <class K>
 class CutlassEpilogueGemm final : public EpilogueGemm {
@@ -694,6 +712,8 @@ absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t featu
     return Make<CooperativeKernel<2, 128>>(features, hidden, device, sms);
   if (schedule == EpilogueSchedule::kPingpongCluster2Registers)
     return Make<PingpongRegisterKernel<2>>(features, hidden, device, sms);
+  if (schedule == EpilogueSchedule::kCooperativeCluster2Registers)
+    return Make<CooperativeRegisterKernel<2>>(features, hidden, device, sms);
   return Make<PingpongKernel<1>>(features, hidden, device, sms);
 }
 

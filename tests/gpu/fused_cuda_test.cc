@@ -778,7 +778,8 @@ TEST_P(GpuFusedQkvTest, EveryEpilogueScheduleMatchesTheReference) {
               schedule_ == EpilogueSchedule::kCooperativeCluster2Halves)
         << describe;
     EXPECT_EQ(describe.find("from registers") != std::string::npos,
-              schedule_ == EpilogueSchedule::kPingpongCluster2Registers)
+              schedule_ == EpilogueSchedule::kPingpongCluster2Registers ||
+                  schedule_ == EpilogueSchedule::kCooperativeCluster2Registers)
         << describe;
     // Readiness chunks of 128 rows (each 256-row tile of the cooperative kernel ends one and
     // starts the next) and of 256 rows; RunPath checks every chunk's word.

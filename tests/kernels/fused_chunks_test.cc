@@ -293,6 +293,8 @@ TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2Halves),
                "cooperative2h");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kPingpongCluster2Registers), "pingpong2r");
+  EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2Registers),
+               "cooperative2r");
   std::set<std::string> names;
   for (int i = 0; i < kEpilogueSchedules; ++i) {
     names.insert(EpilogueScheduleName(static_cast<EpilogueSchedule>(i + 1)));

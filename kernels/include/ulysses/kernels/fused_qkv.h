@@ -35,7 +35,8 @@ inline constexpr int32_t kMaxFusedChunks = 32;
 /// kCooperativeCluster2Halves the same kernel with the epilogue staging its tile in two
 /// halves of 128 rows (half the shared memory, which leaves the mainloop a stage more);
 /// kPingpongCluster2Registers is kPingpongCluster2 with the epilogue working from the
-/// accumulators in registers, without a shared staging tile; kAuto picks per call between
+/// accumulators in registers, without a shared staging tile, and kCooperativeCluster2Registers
+/// kCooperativeCluster2 with that epilogue; kAuto picks per call between
 /// kPingpong and kPingpongCluster2 (EpilogueScheduleFor).
 enum class EpilogueSchedule {
   kAuto,
@@ -43,14 +44,15 @@ enum class EpilogueSchedule {
   kPingpongCluster2,
   kCooperativeCluster2,
   kCooperativeCluster2Halves,
-  kPingpongCluster2Registers
+  kPingpongCluster2Registers,
+  kCooperativeCluster2Registers
 };
 /// The schedules a plan can be made with (kAuto excluded), in the enum's order.
-inline constexpr int kEpilogueSchedules = 5;
-static_assert(static_cast<int>(EpilogueSchedule::kPingpongCluster2Registers) ==
+inline constexpr int kEpilogueSchedules = 6;
+static_assert(static_cast<int>(EpilogueSchedule::kCooperativeCluster2Registers) ==
               kEpilogueSchedules);
 /// The schedule's name as the benchmark spells it: "pingpong", "pingpong2", "cooperative2",
-/// "cooperative2h", "pingpong2r" ("auto" for kAuto).
+/// "cooperative2h", "pingpong2r", "cooperative2r" ("auto" for kAuto).
 const char* EpilogueScheduleName(EpilogueSchedule schedule);
 
 /// kAuto's rule, from the measurements of docs/benchmarks.md: clusters of 2 from 2048 rows a
