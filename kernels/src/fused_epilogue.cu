@@ -430,15 +430,23 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
     }
     const TileDest dest = DestOf(p, plane, tile.head);
 
-    // 2 and 3, row by row: the quad's transpose, norm + RoPE, the stores.
+    // 2 and 3, row by row: the quad's transpose, norm + RoPE, the stores. Each row's cos/sin
+    // is loaded during the row before it (ahead of that row's stores, which the compiler may
+    // not move loads across), so that no row waits for its own.
+    CosSin next[4] = {};
+    const auto load_cos_sin = [&](int k) {
+      if (!norm) return;
+      const float* cs_row = CosSinRow(p.cos_sin, pos[k], p.shape.max_pos);
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < 4; ++g) next[g] = LoadCosSin(cs_row, 4 * g + q);
+    };
+    load_cos_sin(0);
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < 4; ++k) {
-      CosSin cs[4] = {};
-      if (norm) {
-        const float* cs_row = CosSinRow(p.cos_sin, pos[k], p.shape.max_pos);
-        CUTLASS_PRAGMA_UNROLL
-        for (int g = 0; g < 4; ++g) cs[g] = LoadCosSin(cs_row, 4 * g + q);
-      }
+      CosSin cs[4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < 4; ++g) cs[g] = next[g];
+      if (k + 1 < 4) load_cos_sin(k + 1);
       uint4 vec[4];
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < 4; ++g) {
