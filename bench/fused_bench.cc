@@ -695,11 +695,9 @@ int Main(int argc, char** argv) {
                  "grid cap of the chunked store kernel (0: none)");
   app.add_option("--epilogue-schedule", opt.epilogue_schedule,
                  "the epilogue path's GEMM: auto, pingpong (single CTAs), pingpong2 (clusters of "
-                 "2), pingpong2r (the same, the epilogue from registers), cooperative2 (256-row "
-                 "tiles, clusters of 2), cooperative2h (the same, the epilogue staging 128 "
-                 "rows at a time) or cooperative2r (the same, the epilogue from registers)")
-      ->check(CLI::IsMember({"auto", "pingpong", "pingpong2", "pingpong2r", "cooperative2",
-                             "cooperative2h", "cooperative2r"}));
+                 "2) or cooperative2r (256-row tiles, clusters of 2, the epilogue from "
+                 "registers)")
+      ->check(CLI::IsMember({"auto", "pingpong", "pingpong2", "cooperative2r"}));
   app.add_option("--readiness", opt.readiness,
                  "none: the paths as the daemon runs them; words: each chunk also publishes its "
                  "readiness word per destination")

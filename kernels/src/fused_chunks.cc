@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <bit>
 
+#include "fused_epilogue.h"
 #include "ulysses/kernels/fused_qkv.h"
 #include "ulysses/kernels/gemm.h"
 
@@ -38,12 +39,6 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
       return "pingpong";
     case EpilogueSchedule::kPingpongCluster2:
       return "pingpong2";
-    case EpilogueSchedule::kCooperativeCluster2:
-      return "cooperative2";
-    case EpilogueSchedule::kCooperativeCluster2Halves:
-      return "cooperative2h";
-    case EpilogueSchedule::kPingpongCluster2Registers:
-      return "pingpong2r";
     case EpilogueSchedule::kCooperativeCluster2Registers:
       return "cooperative2r";
   }
@@ -105,4 +100,24 @@ int64_t FusedNumChunks(int64_t rows, int64_t chunk_rows) {
   return (rows + chunk - 1) / chunk;
 }
 
+namespace internal {
+
+int EpilogueSwizzle(int64_t m_tiles, int64_t n_tiles, int cluster_m) {
+  const auto round_up = [](int64_t x, int64_t to) { return (x + to - 1) / to * to; };
+  const int64_t m = round_up(m_tiles, cluster_m), shorter = std::min(m, n_tiles);
+  int best = 1;
+  int64_t best_tiles = m * n_tiles;
+  for (int largest : {2, 4, 8}) {
+    // The swizzle the scheduler takes when allowed `largest`.
+    const int taken = largest >= 8 && shorter >= 6   ? 8
+                      : largest >= 4 && shorter >= 3 ? 4
+                      : shorter >= 2                 ? 2
+                                                     : 1;
+    const int64_t tiles = round_up(m, int64_t{taken} * cluster_m) * round_up(n_tiles, taken);
+    if (tiles <= best_tiles) best = largest, best_tiles = tiles;
+  }
+  return best;
+}
+
+}  // namespace internal
 }  // namespace ulysses::kernels

@@ -6,8 +6,8 @@
 //
 // Per output tile (128 or 256 token rows of one head of one plane):
 //   1. the consumer threads round their accumulators to bf16: into a padded shared-memory
-//      tile (NormRopeStoreEpilogue; in two passes of 128 rows for the cooperative schedule
-//      in halves), or they keep them in registers (NormRopeRegisterEpilogue);
+//      tile (NormRopeStoreEpilogue, ping-pong), or they keep them in registers
+//      (NormRopeRegisterEpilogue, cooperative);
 //   2. whole rows of 16-byte vectors (a half-warp's from the shared tile, or a quad's after
 //      a transpose in registers) get RMSNorm + RoPE (Q and K) through the norm_rope.cu
 //      kernels' device functions, so the step is bit for bit that of the other paths on the
@@ -51,7 +51,6 @@ namespace {
 constexpr int kTileN = kHeadDim;  // one head of one plane per tile
 constexpr int kTileK = 64;
 constexpr int kPitch = kTileN + 8;  // bf16 elements per shared row: 16 bytes of padding
-constexpr int kSwizzle = 8;          // the tile scheduler's swizzle (1, 2, 4 or 8)
 
 // What the epilogue needs on the device; trivially copyable, passed in the kernel's params.
 struct EpilogueParams {
@@ -210,26 +209,20 @@ __device__ __forceinline__ void ArriveTile(const EpilogueParams& p, int m_tile) 
   }
 }
 
-// The epilogue of one tile of kTileRows rows, run by the consumer threads that own it, a
-// warpgroup per 128 rows: in the ping-pong kernel one warpgroup (one warpgroup's epilogue
-// beside the other's mainloop; the kernel orders the two epilogues, so they share one staging
-// tile), in the cooperative kernel both warpgroups on a tile of twice the rows.
-template <int kTileRows, int kStagedRows = kTileRows>
+// The epilogue of one 128-row tile of the ping-pong kernel, run by the consumer warpgroup
+// that owns it (its epilogue beside the other warpgroup's mainloop; the kernel orders the two
+// epilogues, so they share one staging tile): the tile goes through shared memory, from which
+// each half-warp takes whole rows.
 class NormRopeStoreEpilogue : public EpilogueOperatorBase {
  public:
-  static constexpr int kTileM = kTileRows;
-  static constexpr int kThreads = kTileRows;
+  static constexpr int kTileM = 128;
+  static constexpr int kThreads = 128;
   static constexpr int kHalfWarps = kThreads / kHeadLanes;
-  // The tile goes through shared memory kStagedRows rows at a time: one pass, or two halves
-  // of a 256-row tile in a staging tile of 128 rows (which leaves the mainloop a stage more).
-  static constexpr int kPasses = kTileM / kStagedRows;
-  static constexpr int kRowsPerThread = kStagedRows / kHalfWarps;  // per pass
-  static_assert(kTileM % kStagedRows == 0 && kStagedRows % kHalfWarps == 0 &&
-                kStagedRows % kEpilogueTileRows == 0);
-  static constexpr const char* kForm = kPasses > 1 ? " in halves" : "";
+  static constexpr int kRowsPerThread = kTileM / kHalfWarps;
+  static constexpr const char* kForm = "";
 
   struct SharedStorage {
-    alignas(128) uint16_t tile[kStagedRows * kPitch];
+    alignas(128) uint16_t tile[kTileM * kPitch];
     int cancelled;
   };
   using TensorStorage = SharedStorage;
@@ -254,81 +247,60 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
     const int m_tile = tile.m_tile, plane = tile.plane;
     const int64_t n = tile.n, features = tile.features;
     const bool only = p.projection_only != 0;  // alike for every thread of the kernel
+    const bool norm = plane < 2 && !only;      // alike for every thread of the tile
     const int lane = thread_idx % kHeadLanes, half_warp = thread_idx / kHeadLanes;
     if (thread_idx == 0) {
       storage.cancelled =
           p.cancel != nullptr && *static_cast<const volatile uint64_t*>(p.cancel) != 0 ? 1 : 0;
     }
-    // The staging tile seen as the whole tile: row r of the tile at shared row r mod
-    // kStagedRows. A pass writes only the accumulators of its rows: the tiled MMA's steps
-    // along M (mode 1 of the fragment) are equal row bands, kMmaStepsPerPass to a pass.
-    Tensor s_tile = make_tensor(
-        make_smem_ptr(storage.tile),
-        Layout<Shape<Shape<Int<kStagedRows>, Int<kPasses>>, Int<kTileN>>,
-               Stride<Stride<Int<kPitch>, _0>, _1>>{});
-    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
-    Tensor t_s = thr_mma.partition_C(s_tile);
-    CUTE_STATIC_ASSERT_V(size(t_s) == size(accumulators));
-    constexpr int kMmaSteps = decltype(size<1>(accumulators))::value;
-    static_assert(kMmaSteps % kPasses == 0);
-    constexpr int kMmaStepsPerPass = kMmaSteps / kPasses;
-    float w[kHeadVec] = {};
-    const TileDest dest = DestOf(p, plane, tile.head);
-
+    // This thread's rows: the two halves of a warp take rows 2w and 2w+1 (+kHalfWarps j), so
+    // both run the same steps (the norm's shuffles need all 32 lanes). Their positions are
+    // loaded first, and their cos/sin while the tile is written, so that the rows' steps
+    // below wait on no global load.
+    const int64_t first_row = int64_t{m_tile} * kTileM;
+    int32_t pos[kRowsPerThread];
     CUTLASS_PRAGMA_UNROLL
-    for (int pass = 0; pass < kPasses; ++pass) {
-      // This thread's rows of the pass: the two halves of a warp take rows 2w and 2w+1
-      // (+kHalfWarps j), so both run the same steps (the norm's shuffles need all 32 lanes).
-      // Their positions are loaded first, and their cos/sin while the tile is written, so
-      // that the rows' steps below wait on no global load.
-      const int64_t first_row = int64_t{m_tile} * kTileM + pass * kStagedRows;
-      int32_t pos[kRowsPerThread];
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int64_t row = first_row + half_warp + j * kHalfWarps;
+      pos[j] = norm && row < p.rows ? p.positions[row] : 0;
+    }
+    // 1. Accumulators -> bf16 (round to nearest even, as cuBLASLt's bf16 output) -> shared.
+    Tensor s_tile = make_tensor(make_smem_ptr(storage.tile),
+                                Layout<Shape<Int<kTileM>, Int<kTileN>>, Stride<Int<kPitch>, _1>>{});
+    Tensor t_s = tiled_mma.get_thread_slice(thread_idx).partition_C(s_tile);
+    CUTE_STATIC_ASSERT_V(size(t_s) == size(accumulators));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accumulators); ++i) {
+      t_s(i) = __bfloat16_as_ushort(__float2bfloat16_rn(accumulators(i)));
+    }
+    float w[kHeadVec] = {};
+    CosSin cs[kRowsPerThread] = {};
+    if (norm) {
+      LoadNormWeights(plane == 0 ? p.q_norm : p.k_norm, lane, w);
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kRowsPerThread; ++j) {
-        const int64_t row = first_row + half_warp + j * kHalfWarps;
-        pos[j] = plane < 2 && !only && row < p.rows ? p.positions[row] : 0;
+        cs[j] = LoadCosSin(CosSinRow(p.cos_sin, pos[j], p.shape.max_pos), lane);
       }
-      // 1. Accumulators -> bf16 (round to nearest even, as cuBLASLt's bf16 output) -> shared.
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = pass * kMmaStepsPerPass; m < (pass + 1) * kMmaStepsPerPass; ++m) {
-        Tensor acc_m = accumulators(_, m, _);
-        Tensor s_m = t_s(_, m, _);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(acc_m); ++i) {
-          s_m(i) = __bfloat16_as_ushort(__float2bfloat16_rn(acc_m(i)));
-        }
-      }
-      CosSin cs[kRowsPerThread] = {};
-      if (plane < 2 && !only) {
-        if (pass == 0) LoadNormWeights(plane == 0 ? p.q_norm : p.k_norm, lane, w);
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kRowsPerThread; ++j) {
-          cs[j] = LoadCosSin(CosSinRow(p.cos_sin, pos[j], p.shape.max_pos), lane);
-        }
-      }
-      cutlass::arch::NamedBarrier::sync(kThreads, barrier);
+    }
+    const TileDest dest = DestOf(p, plane, tile.head);
+    cutlass::arch::NamedBarrier::sync(kThreads, barrier);
 
-      // 2 and 3. Norm + RoPE and the stores, row by row.
-      const bool cancelled = storage.cancelled != 0;
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kRowsPerThread; ++j) {
-        const int r = half_warp + j * kHalfWarps;
-        const int64_t row = first_row + r;
-        const bool valid = row < p.rows;
-        uint4 raw = *reinterpret_cast<const uint4*>(storage.tile + r * kPitch + lane * kHeadVec);
-        if (valid && p.projection != nullptr) {
-          *reinterpret_cast<uint4*>(p.projection + row * features + n + lane * kHeadVec) = raw;
-        }
-        if (only) continue;
-        if (plane < 2) NormRopeHead(raw, valid, w, cs[j]);  // the same for every lane of the tile
-        if (valid && !cancelled) {
-          *reinterpret_cast<uint4*>(dest.out + DestRowOffset(p, dest, row) + lane * kHeadVec) =
-              raw;
-        }
+    // 2 and 3. Norm + RoPE and the stores, row by row.
+    const bool cancelled = storage.cancelled != 0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int r = half_warp + j * kHalfWarps;
+      const int64_t row = first_row + r;
+      const bool valid = row < p.rows;
+      uint4 raw = *reinterpret_cast<const uint4*>(storage.tile + r * kPitch + lane * kHeadVec);
+      if (valid && p.projection != nullptr) {
+        *reinterpret_cast<uint4*>(p.projection + row * features + n + lane * kHeadVec) = raw;
       }
-      // Every half-warp has read the staging tile before the next pass writes it (the last
-      // pass's barrier is the readiness step's).
-      if (pass + 1 < kPasses) cutlass::arch::NamedBarrier::sync(kThreads, barrier);
+      if (only) continue;
+      if (plane < 2) NormRopeHead(raw, valid, w, cs[j]);  // the same for every lane of the tile
+      if (valid && !cancelled) {
+        *reinterpret_cast<uint4*>(dest.out + DestRowOffset(p, dest, row) + lane * kHeadVec) = raw;
+      }
     }
 
     // 4. Readiness (ArriveTile). The barrier also keeps the shared tile until every half-warp
@@ -341,22 +313,20 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
   Params const* params_;
 };
 
-// The epilogue of one tile straight from the accumulators, without shared memory: a 128-row
-// tile of the ping-pong kernel (one warpgroup) or a 256-row tile of the cooperative kernel
-// (both). A warpgroup's MMA leaves each quad of lanes (4k .. 4k + 3) 4 rows of the tile, two
-// in each of the fragment's two steps along M (in the ping-pong kernel rows
-// 64m + 16 warp + lane / 4 + 8 v, m and v in {0, 1}; the cooperative kernel's warpgroups
-// interleave their 64-row bands, so the rows are read off the MMA's own partition of the
-// tile's coordinates), lane q with columns 2q, 2q + 1 of each 8-column block. Per row, the quad transposes its blocks in groups of 4
-// (QuadSend / QuadReceive), so that lane q holds blocks q, 4 + q, 8 + q and 12 + q whole:
-// 16-byte vectors to store, and 4 of the 16 partials of the head's sum of squares, which the
-// quad then adds in the reference's order (QuadPartialSum and two exchanges). Norm + RoPE
-// per vector is NormRopeVec, as in the other paths, so the bits are theirs.
-template <int kTileRows>
+// The epilogue of one 256-row tile of the cooperative kernel straight from the accumulators,
+// without shared memory, run by both consumer warpgroups together. A warpgroup's MMA leaves
+// each quad of lanes (4k .. 4k + 3) 4 rows of the tile, two in each of the fragment's two
+// steps along M (the two warpgroups interleave their 64-row bands, so the rows are read off
+// the MMA's own partition of the tile's coordinates), lane q with columns 2q, 2q + 1 of each
+// 8-column block. Per row, the quad transposes its blocks in groups of 4 (QuadSend /
+// QuadReceive), so that lane q holds blocks q, 4 + q, 8 + q and 12 + q whole: 16-byte vectors
+// to store, and 4 of the 16 partials of the head's sum of squares, which the quad then adds
+// in the reference's order (QuadPartialSum and two exchanges). Norm + RoPE per vector is
+// NormRopeVec, as in the other paths, so the bits are theirs.
 class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
  public:
-  static constexpr int kTileM = kTileRows;
-  static constexpr int kThreads = kTileRows;
+  static constexpr int kTileM = 256;
+  static constexpr int kThreads = 256;
   static constexpr const char* kForm = " from registers";
 
   struct SharedStorage {
@@ -533,19 +503,11 @@ struct EpilogueKernel {
 };
 template <int kClusterM>
 using PingpongKernel = EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                                      NormRopeStoreEpilogue<128>>;
-template <int kClusterM>
-using PingpongRegisterKernel =
-    EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                   NormRopeRegisterEpilogue<128>>;
-template <int kClusterM, int kStagedRows = 256>
-using CooperativeKernel =
-    EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                   NormRopeStoreEpilogue<256, kStagedRows>>;
+                                      NormRopeStoreEpilogue>;
 template <int kClusterM>
 using CooperativeRegisterKernel =
     EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                   NormRopeRegisterEpilogue<256>>;
+                   NormRopeRegisterEpilogue>;
 
 template <class K>
 class CutlassEpilogueGemm final : public EpilogueGemm {
@@ -595,8 +557,8 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
 
   std::string Description() const override {
     return absl::StrCat("cutlass sm90a tma warp-specialized ", K::kName, ", persistent, tile ",
-                        kTileM, "x", kTileN, "x", kTileK, ", cluster ", K::kCluster, "x1, swizzle ",
-                        kSwizzle, ", ", K::CollectiveMainloop::DispatchPolicy::Stages,
+                        kTileM, "x", kTileN, "x", kTileK, ", cluster ", K::kCluster,
+                        "x1, swizzle up to 8, ", K::CollectiveMainloop::DispatchPolicy::Stages,
                         " stages, epilogue norm_rope_store", K::Epilogue::kForm);
   }
 
@@ -655,9 +617,11 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
                                           cute::make_shape(nf, k, 1))},
         e,
         hw};
-    // Groups of kSwizzle tiles along the raster's minor side: a wave of tiles shares its rows
+    // Groups of up to 8 tiles along the raster's minor side: a wave of tiles shares its rows
     // of x and its columns of w_qkv in L2 (without it, each wave streams a whole operand).
-    args.scheduler.max_swizzle_size = kSwizzle;
+    // Fewer where 8 would pad the tile grid (EpilogueSwizzle).
+    args.scheduler.max_swizzle_size =
+        EpilogueSwizzle((rows + kTileM - 1) / kTileM, features_ / kTileN, K::kCluster);
     if (GemmKernel::get_workspace_size(args) != 0)
       return absl::InternalError("the epilogue GEMM asks for a workspace it was not given");
     if (GemmKernel::can_implement(args) == false)
@@ -714,12 +678,6 @@ absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t featu
         "the epilogue-fused GEMM needs an sm_90 GPU; device ", device, " is sm_", major, minor));
   if (schedule == EpilogueSchedule::kPingpongCluster2)
     return Make<PingpongKernel<2>>(features, hidden, device, sms);
-  if (schedule == EpilogueSchedule::kCooperativeCluster2)
-    return Make<CooperativeKernel<2>>(features, hidden, device, sms);
-  if (schedule == EpilogueSchedule::kCooperativeCluster2Halves)
-    return Make<CooperativeKernel<2, 128>>(features, hidden, device, sms);
-  if (schedule == EpilogueSchedule::kPingpongCluster2Registers)
-    return Make<PingpongRegisterKernel<2>>(features, hidden, device, sms);
   if (schedule == EpilogueSchedule::kCooperativeCluster2Registers)
     return Make<CooperativeRegisterKernel<2>>(features, hidden, device, sms);
   return Make<PingpongKernel<1>>(features, hidden, device, sms);

@@ -28,6 +28,16 @@ namespace ulysses::kernels::internal {
 /// on multiples of it.
 inline constexpr int64_t kEpilogueTileRows = 128;
 
+/// The tile scheduler's largest swizzle (8, 4, 2 or 1) for a call of `m_tiles` x `n_tiles`
+/// output tiles in clusters of `cluster_m` along M. CUTLASS's persistent scheduler rounds the
+/// tile grid up to whole swizzle groups (M to a multiple of swizzle x cluster, N to a multiple
+/// of the swizzle), taking a smaller swizzle than the largest allowed on a short side (below 6
+/// tiles for 8, 3 for 4, 2 for 2), and it runs the mainloop of every tile of the rounded grid,
+/// in the problem or not. So this is the largest swizzle whose rounded grid is the smallest:
+/// 2048 rows of 256-row tiles in clusters of 2 (8 x 72 tiles) take 4, as swizzle 8 would round
+/// them to 16 x 72.
+int EpilogueSwizzle(int64_t m_tiles, int64_t n_tiles, int cluster_m);
+
 /// Where unit `unit` (rows [128 unit, 128 unit + 128)) of a call of `units` units arrives:
 /// its readiness chunk (chunks of `chunk_units` units), and the arrivals that chunk takes
 /// before its word is published (one per unit of the chunk and tile across the features).

@@ -768,18 +768,13 @@ TEST_P(GpuFusedQkvTest, EveryEpilogueScheduleMatchesTheReference) {
     const std::string cluster =
         schedule_ == EpilogueSchedule::kPingpong
             ? "ping-pong, persistent, tile 128x128x64, cluster 1x1"
-        : schedule_ == EpilogueSchedule::kPingpongCluster2 ||
-                schedule_ == EpilogueSchedule::kPingpongCluster2Registers
+        : schedule_ == EpilogueSchedule::kPingpongCluster2
             ? "ping-pong, persistent, tile 128x128x64, cluster 2x1"
             : "cooperative, persistent, tile 256x128x64, cluster 2x1";
     const std::string describe = plan->Describe(Rows());
     EXPECT_NE(describe.find(cluster), std::string::npos) << describe;
-    EXPECT_EQ(describe.find("in halves") != std::string::npos,
-              schedule_ == EpilogueSchedule::kCooperativeCluster2Halves)
-        << describe;
     EXPECT_EQ(describe.find("from registers") != std::string::npos,
-              schedule_ == EpilogueSchedule::kPingpongCluster2Registers ||
-                  schedule_ == EpilogueSchedule::kCooperativeCluster2Registers)
+              schedule_ == EpilogueSchedule::kCooperativeCluster2Registers)
         << describe;
     // Readiness chunks of 128 rows (each 256-row tile of the cooperative kernel ends one and
     // starts the next) and of 256 rows; RunPath checks every chunk's word.

@@ -289,10 +289,6 @@ TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kAuto), "auto");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kPingpong), "pingpong");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kPingpongCluster2), "pingpong2");
-  EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2), "cooperative2");
-  EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2Halves),
-               "cooperative2h");
-  EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kPingpongCluster2Registers), "pingpong2r");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2Registers),
                "cooperative2r");
   std::set<std::string> names;
@@ -300,6 +296,28 @@ TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
     names.insert(EpilogueScheduleName(static_cast<EpilogueSchedule>(i + 1)));
   }
   EXPECT_EQ(names.size(), static_cast<size_t>(kEpilogueSchedules));
+}
+
+// The scheduler rounds the tile grid up to whole swizzle groups and runs every tile of it:
+// the swizzle is the largest one that pads the grid least.
+TEST(FusedChunksTest, TheSwizzleIsTheLargestThatDoesNotPadTheTileGrid) {
+  using internal::EpilogueSwizzle;
+  // 8 tiles of 256 rows in clusters of 2 (2048 rows): 8 rounds them to 16, 4 keeps 8.
+  EXPECT_EQ(EpilogueSwizzle(8, 72, 2), 4);
+  EXPECT_EQ(EpilogueSwizzle(16, 72, 2), 8);
+  // 4 tiles of 128 rows in clusters of 2 (512 rows): 8 and 4 round them to 8.
+  EXPECT_EQ(EpilogueSwizzle(4, 72, 2), 2);
+  // Single CTAs: the scheduler takes 4 for the short side itself, which pads nothing.
+  EXPECT_EQ(EpilogueSwizzle(4, 72, 1), 8);
+  // 12 tiles in clusters of 2 (3072 rows of 256): only 2 keeps 12.
+  EXPECT_EQ(EpilogueSwizzle(12, 72, 2), 2);
+  // Along the features too: 12 tiles across (hidden 512) round to 16 under 8.
+  EXPECT_EQ(EpilogueSwizzle(16, 12, 1), 4);
+  // An odd number of clusters: every swizzle above 1 pads.
+  EXPECT_EQ(EpilogueSwizzle(1, 72, 2), 1);
+  EXPECT_EQ(EpilogueSwizzle(5, 96, 2), 1);
+  // The tail of a cluster is no swizzle's padding: 7 tiles in clusters of 2 are 8 anyway.
+  EXPECT_EQ(EpilogueSwizzle(7, 72, 2), 4);
 }
 
 }  // namespace

@@ -27,32 +27,19 @@ namespace ulysses::kernels {
 /// Most chunks a chunked call is split into.
 inline constexpr int32_t kMaxFusedChunks = 32;
 
-/// The epilogue path's GEMM (CUTLASS's warp-specialized ping-pong kernel: a tile per
-/// consumer warpgroup, one's epilogue beside the other's mainloop): kPingpong launches single
-/// CTAs; kPingpongCluster2 clusters of 2 CTAs along the rows, which share each w_qkv tile
-/// through TMA multicast. kCooperativeCluster2 is CUTLASS's cooperative kernel (both consumer
-/// warpgroups on one tile of 256 rows, then on its epilogue) in clusters of 2 along the rows;
-/// kCooperativeCluster2Halves the same kernel with the epilogue staging its tile in two
-/// halves of 128 rows (half the shared memory, which leaves the mainloop a stage more);
-/// kPingpongCluster2Registers is kPingpongCluster2 with the epilogue working from the
-/// accumulators in registers, without a shared staging tile, and kCooperativeCluster2Registers
-/// kCooperativeCluster2 with that epilogue; kAuto picks per call between
-/// kPingpong and kPingpongCluster2 (EpilogueScheduleFor).
-enum class EpilogueSchedule {
-  kAuto,
-  kPingpong,
-  kPingpongCluster2,
-  kCooperativeCluster2,
-  kCooperativeCluster2Halves,
-  kPingpongCluster2Registers,
-  kCooperativeCluster2Registers
-};
+/// The epilogue path's GEMM: kPingpong and kPingpongCluster2 are CUTLASS's warp-specialized
+/// ping-pong kernel (a 128-row tile per consumer warpgroup, one's epilogue beside the other's
+/// mainloop), in single CTAs or in clusters of 2 CTAs along the rows that share each w_qkv
+/// tile through TMA multicast; kCooperativeCluster2Registers is CUTLASS's cooperative kernel
+/// (both consumer warpgroups on one 256-row tile, then on its epilogue, which works from the
+/// accumulators in registers) in clusters of 2; kAuto picks per call (EpilogueScheduleFor).
+enum class EpilogueSchedule { kAuto, kPingpong, kPingpongCluster2, kCooperativeCluster2Registers };
 /// The schedules a plan can be made with (kAuto excluded), in the enum's order.
-inline constexpr int kEpilogueSchedules = 6;
+inline constexpr int kEpilogueSchedules = 3;
 static_assert(static_cast<int>(EpilogueSchedule::kCooperativeCluster2Registers) ==
               kEpilogueSchedules);
-/// The schedule's name as the benchmark spells it: "pingpong", "pingpong2", "cooperative2",
-/// "cooperative2h", "pingpong2r", "cooperative2r" ("auto" for kAuto).
+/// The schedule's name as the benchmark spells it: "pingpong", "pingpong2", "cooperative2r"
+/// ("auto" for kAuto).
 const char* EpilogueScheduleName(EpilogueSchedule schedule);
 
 /// kAuto's rule, from the measurements of docs/benchmarks.md: clusters of 2 from 2048 rows a
