@@ -46,7 +46,12 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
 }
 
 EpilogueSchedule EpilogueScheduleFor(int64_t rows) {
-  return rows >= 2048 ? EpilogueSchedule::kPingpongCluster2 : EpilogueSchedule::kPingpong;
+  if (rows >= 2048) return EpilogueSchedule::kCooperativeCluster2Registers;
+  // Clusters of 2 round an odd count of 128-row tiles up by one: single CTAs where that tile
+  // would be more than an eighth of the call's.
+  const int64_t tiles = (rows + kChunkAlignRows - 1) / kChunkAlignRows;
+  return tiles % 2 == 0 || tiles > 8 ? EpilogueSchedule::kPingpongCluster2
+                                     : EpilogueSchedule::kPingpong;
 }
 
 int64_t EpilogueChunkRows(int64_t rows, int64_t chunk_rows) {

@@ -192,11 +192,9 @@ absl::StatusOr<std::unique_ptr<FusedQkvPlan>> FusedQkvPlan::Create(const FusedQk
                                  : impl->side.get();
   for (int i = 0; i < kEpilogueSchedules; ++i) {
     const auto schedule = static_cast<EpilogueSchedule>(i + 1);
-    // kAuto makes the two that EpilogueScheduleFor picks from.
-    const bool used = config.epilogue_schedule == EpilogueSchedule::kAuto
-                          ? schedule == EpilogueSchedule::kPingpong ||
-                                schedule == EpilogueSchedule::kPingpongCluster2
-                          : config.epilogue_schedule == schedule;
+    // kAuto makes every schedule: EpilogueScheduleFor picks from all of them.
+    const bool used = config.epilogue_schedule == EpilogueSchedule::kAuto ||
+                      config.epilogue_schedule == schedule;
     if (!used) continue;
     absl::StatusOr<std::unique_ptr<internal::EpilogueGemm>> epilogue =
         internal::EpilogueGemm::Create(impl->features(), impl->hidden(), schedule);

@@ -164,11 +164,15 @@ TEST(FusedChunksTest, EpilogueChunksAreWholeTilesAndAsManyAsTheChunkedPaths) {
   }
 }
 
-TEST(FusedChunksTest, EpilogueScheduleClustersFrom2048Rows) {
-  EXPECT_EQ(EpilogueScheduleFor(1), EpilogueSchedule::kPingpong);
-  EXPECT_EQ(EpilogueScheduleFor(2047), EpilogueSchedule::kPingpong);
-  EXPECT_EQ(EpilogueScheduleFor(2048), EpilogueSchedule::kPingpongCluster2);
-  EXPECT_EQ(EpilogueScheduleFor(65536), EpilogueSchedule::kPingpongCluster2);
+TEST(FusedChunksTest, EpilogueScheduleIsCooperativeFrom2048RowsAndClustersBelow) {
+  EXPECT_EQ(EpilogueScheduleFor(2048), EpilogueSchedule::kCooperativeCluster2Registers);
+  EXPECT_EQ(EpilogueScheduleFor(65536), EpilogueSchedule::kCooperativeCluster2Registers);
+  // Below: clusters of 2 on an even count of 128-row tiles, or on more than 8 ...
+  for (int64_t rows : {129, 256, 512, 1000, 1024, 1025, 1152, 2047})
+    EXPECT_EQ(EpilogueScheduleFor(rows), EpilogueSchedule::kPingpongCluster2) << rows;
+  // ... single CTAs on an odd count of up to 7, which a cluster would pad by a tile.
+  for (int64_t rows : {1, 128, 257, 384, 640, 896})
+    EXPECT_EQ(EpilogueScheduleFor(rows), EpilogueSchedule::kPingpong) << rows;
 }
 
 // The epilogue GEMM's readiness count, played on the host for tiles of 128 rows (ping-pong)

@@ -42,8 +42,10 @@ static_assert(static_cast<int>(EpilogueSchedule::kCooperativeCluster2Registers) 
 /// ("auto" for kAuto).
 const char* EpilogueScheduleName(EpilogueSchedule schedule);
 
-/// kAuto's rule, from the measurements of docs/benchmarks.md: clusters of 2 from 2048 rows a
-/// call up; below, single CTAs (a cluster of 2 over few row tiles measured 2-3x slower).
+/// kAuto's rule, from the measurements of docs/benchmarks.md (one H100, 2026-12-07): the
+/// cooperative kernel from 2048 rows a call (the fastest there on 13 of 14 rows); below,
+/// clusters of 2 of the ping-pong kernel (faster than single CTAs at 512 and 1024 rows),
+/// except on an odd count of up to 7 row tiles, which clusters of 2 would pad by a tile.
 EpilogueSchedule EpilogueScheduleFor(int64_t rows);
 
 /// What a plan is made for. The weights are device pointers the caller keeps alive and
