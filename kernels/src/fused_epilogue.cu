@@ -297,7 +297,7 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
         *reinterpret_cast<uint4*>(p.projection + row * features + n + lane * kHeadVec) = raw;
       }
       if (only) continue;
-      if (plane < 2) NormRopeHead(raw, valid, w, cs[j]);  // the same for every lane of the tile
+      if (norm) NormRopeHead(raw, valid, w, cs[j]);  // the same for every lane of the tile
       if (valid && !cancelled) {
         *reinterpret_cast<uint4*>(dest.out + DestRowOffset(p, dest, row) + lane * kHeadVec) = raw;
       }
