@@ -92,8 +92,7 @@ __device__ __forceinline__ void NormRopeVecWith(uint4& raw, float inv_rms, Weigh
 }
 
 /// NormRopeVecWith, the weights as floats (LoadNormWeights; their conversion back to bf16 is
-/// exact, and the same for every row) ... (The staged epilogues keep the float form: with the
-/// stored form instead, the cooperative kernel's epilogue spills registers.)
+/// exact, and the same for every row), as NormRopeHead's callers load them ...
 __device__ __forceinline__ void NormRopeVec(uint4& raw, float inv_rms,
                                             const float (&w)[kHeadVec], const CosSin& cs) {
   NormRopeVecWith(
