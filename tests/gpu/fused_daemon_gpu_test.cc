@@ -1,6 +1,7 @@
 // The qkv_norm_rope_exchange session on the GPU backends end to end: W ulyssesd processes sharing
 // this GPU, real clients with device buffers (AllocBuffer), B = 2, S_l = 200, hidden in
-// {3072, 4096} (D = 128), W in {1, 2, 4}, both layouts; on nvlink the three GPU paths, on nccl
+// {3072, 4096} (D = 128), W in {1, 2, 4}, and S_l = 1024 (the cooperative epilogue kernel) at
+// hidden 3072, W = 2; both layouts; on nvlink the three GPU paths, on nccl
 // (each daemon its own NCCL_HOSTID, NCCL's socket transport: a test mode) its per-operator
 // path. Every rank's head band is checked
 //  (0) on the per-operator path, bit for bit against the same plan's projection and norm + RoPE
@@ -43,7 +44,7 @@ using kernels::testing::Bf16Diff;
 using kernels::testing::CompareBf16;
 using kernels::testing::QkvProblem;
 
-constexpr int64_t kBatch = 2, kSeqLocal = 200, kRows = kBatch * kSeqLocal;
+constexpr int64_t kBatch = 2;
 constexpr int32_t kMaxPos = 4096;
 
 // Runs fn(begin, end) over [0, n) split across the machine's cores.
@@ -74,7 +75,7 @@ void CountBeyond(const uint16_t* got, const uint16_t* want, int64_t n, int64_t* 
   }
 }
 
-using Param = std::tuple<int32_t, int32_t, std::string>;  // hidden, world, backend
+using Param = std::tuple<int32_t, int32_t, std::string, int64_t>;  // hidden, world, backend, S_l
 
 // The GPU's own results for every rank, from the session's plan run in this process on the
 // same device operands: the raw projection and the per-operator path's norm + RoPE of it.
@@ -87,18 +88,20 @@ class GpuFusedSession : public testing_util::ClusterTest,
  protected:
   void SetUp() override {
     if (ipc::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    const auto& [hidden, world, backend] = GetParam();
+    const auto& [hidden, world, backend, seq_local] = GetParam();
     backend_ = backend;
+    seq_local_ = seq_local;
+    rows_ = kBatch * seq_local_;
     // NCCL refuses two ranks on one GPU: each daemon its own host.
     if (backend_ == "nccl")
       env_ = [](int r) { return std::vector<std::string>{StrCat("NCCL_HOSTID=ulysses-fused-", r)}; };
     shape_ = QkvNormRopeShape{world, hidden / kFusedGpuHeadDim, kFusedGpuHeadDim, kMaxPos, kBatch,
-                              kSeqLocal};
+                              seq_local_};
     problem_ = kernels::testing::MakeQkvProblem(shape_, 4000 + hidden + world);
     const int64_t features = kernels::QkvFeatures(shape_);
     for (int r = 0; r < world; ++r) {
-      proj_ref_.emplace_back(static_cast<size_t>(kRows * features));
-      ParallelRanges(kRows, [&](int64_t b, int64_t e) {
+      proj_ref_.emplace_back(static_cast<size_t>(rows_ * features));
+      ParallelRanges(rows_, [&](int64_t b, int64_t e) {
         kernels::QkvProjectRef(problem_.x[r].data(), problem_.w_qkv.data(), hidden, features, b, e,
                                proj_ref_[r].data());
       });
@@ -110,7 +113,7 @@ class GpuFusedSession : public testing_util::ClusterTest,
   int64_t SlotElems() const { return 3 * kernels::QkvPlaneElems(shape_); }
 
   std::vector<uint16_t> NormRope(std::vector<uint16_t> proj, int r) const {
-    ParallelRanges(kRows, [&](int64_t b, int64_t e) {
+    ParallelRanges(rows_, [&](int64_t b, int64_t e) {
       kernels::NormRopeRef(shape_, problem_.weights(), problem_.positions[r].data(), b, e,
                            proj.data());
     });
@@ -122,9 +125,9 @@ class GpuFusedSession : public testing_util::ClusterTest,
                                int src) const {
     const int64_t hd = kernels::QkvHidden(shape_), hl = kernels::QkvLocalHeads(shape_);
     const int64_t dim = shape_.head_dim;
-    std::vector<uint16_t> out(static_cast<size_t>(kRows * Features()));
-    for (int64_t t = 0; t < kRows; ++t) {
-      const int64_t b = t / kSeqLocal, sg = src * kSeqLocal + t % kSeqLocal;
+    std::vector<uint16_t> out(static_cast<size_t>(rows_ * Features()));
+    for (int64_t t = 0; t < rows_; ++t) {
+      const int64_t b = t / seq_local_, sg = src * seq_local_ + t % seq_local_;
       for (int plane = 0; plane < 3; ++plane)
         for (int64_t g = 0; g < shape_.heads; ++g)
           std::memcpy(out.data() + t * 3 * hd + plane * hd + g * dim,
@@ -145,25 +148,25 @@ class GpuFusedSession : public testing_util::ClusterTest,
     c.heads = shape_.heads;
     c.max_pos = kMaxPos;
     c.layout = QkvLayout::kBshd;
-    c.max_tokens = kRows;
+    c.max_tokens = rows_;
     auto* w = static_cast<uint8_t*>(weights.data);
     c.weights = {w + offsets_[0], w + offsets_[1], w + offsets_[2],
                  reinterpret_cast<const float*>(w + offsets_[3])};
     auto plan = kernels::FusedQkvPlan::Create(c);
     EXPECT_TRUE(plan.ok()) << plan.status();
     if (!plan.ok()) return out;
-    EXPECT_EQ((*plan)->NumChunks(kRows), 1);
-    EXPECT_TRUE((*plan)->Prepare(kRows).ok());
+    EXPECT_EQ((*plan)->NumChunks(rows_), 1);
+    EXPECT_TRUE((*plan)->Prepare(rows_).ok());
     auto read = [&](std::vector<std::vector<uint16_t>>& to) {
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      to.emplace_back(static_cast<size_t>(kRows * Features()));
+      to.emplace_back(static_cast<size_t>(rows_ * Features()));
       EXPECT_TRUE(ipc::cuda::Copy(to.back().data(), (*plan)->projection(), to.back().size() * 2).ok());
     };
     for (size_t r = 0; r < xs.size(); ++r) {
-      EXPECT_TRUE((*plan)->RunProjection(xs[r].data, kRows, nullptr).ok());
+      EXPECT_TRUE((*plan)->RunProjection(xs[r].data, rows_, nullptr).ok());
       read(out.projection);
       EXPECT_TRUE((*plan)->RunNormRope(xs[r].data, static_cast<const int32_t*>(positions[r].data),
-                                       kBatch, kSeqLocal, nullptr).ok());
+                                       kBatch, seq_local_, nullptr).ok());
       read(out.normalized);
     }
     return out;
@@ -175,6 +178,7 @@ class GpuFusedSession : public testing_util::ClusterTest,
     return {FusedPath::kPerOperator, FusedPath::kChunked, FusedPath::kEpilogue};
   }
 
+  int64_t seq_local_ = 0, rows_ = 0;
   QkvNormRopeShape shape_{};
   QkvProblem problem_;
   std::vector<std::vector<uint16_t>> proj_ref_, plain_ref_;
@@ -231,7 +235,7 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
           spec.num_heads = shape_.heads;
           spec.head_dim = shape_.head_dim;
           spec.layout = layout;
-          spec.max_tokens = kRows;
+          spec.max_tokens = rows_;
           spec.max_pos = kMaxPos;
           spec.path = path;
           spec.weights.w_qkv = w->Tensor(DType::kBFloat16, {3 * hidden, hidden}, offsets_[0]);
@@ -242,7 +246,7 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
           auto session = cl.CreateFusedSession(*group, spec);
           if (!session.ok()) return fail(session.status().ToString());
           if (!(*session)->PoisonSlots().ok()) return fail("poison");
-          auto views = (*session)->QkvNormRopeExchange(x->Ref(), pos->Ref(), kBatch, kSeqLocal);
+          auto views = (*session)->QkvNormRopeExchange(x->Ref(), pos->Ref(), kBatch, seq_local_);
           if (!views.ok()) return fail(views.status().ToString());
           slots[r].resize(static_cast<size_t>(SlotElems()));
           size_t at = 0;
@@ -254,11 +258,16 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
           if (at != slots[r].size()) return fail("result size");
           auto described = (*session)->Describe();
           if (!described.ok() ||
-              described->find(StrCat("rows ", kRows, ": ", FusedPathName(path))) == std::string::npos)
+              described->find(StrCat("rows ", rows_, ": ", FusedPathName(path))) == std::string::npos)
             return fail("describe: " + (described.ok() ? *described : described.status().ToString()));
+          // From 2048 rows the epilogue path runs the cooperative kernel's 256-row tiles.
+          const bool cooperative = described->find("cooperative") != std::string::npos &&
+                                   described->find("tile 256x128") != std::string::npos;
+          if (path == FusedPath::kEpilogue && cooperative != (rows_ >= 2048))
+            return fail("epilogue schedule at " + std::to_string(rows_) + " rows: " + *described);
           if (r == 0) std::cout << *described << "\n";
           // out=: the same bytes in a device buffer of the caller, the slot released at once.
-          auto copied = (*session)->QkvNormRopeExchange(x->Ref(), pos->Ref(), kBatch, kSeqLocal,
+          auto copied = (*session)->QkvNormRopeExchange(x->Ref(), pos->Ref(), kBatch, seq_local_,
                                                         out->Ref());
           if (!copied.ok()) return fail(copied.status().ToString());
           std::vector<uint16_t> outh(slots[r].size());
@@ -273,7 +282,7 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
           const uint64_t allocations = State(r).device_allocations();
           const uint64_t host = State(r).call_path_host_allocations();
           for (int i = 0; i < 3; ++i) {
-            auto again = (*session)->QkvNormRopeExchange(x->Ref(), pos->Ref(), kBatch, kSeqLocal,
+            auto again = (*session)->QkvNormRopeExchange(x->Ref(), pos->Ref(), kBatch, seq_local_,
                                                          out->Ref());
             if (!again.ok()) return fail("repeated call: " + again.status().ToString());
           }
@@ -322,12 +331,12 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
       // (2) Against the pure fp32 reference, per source rank and head.
       for (int src = 0; src < world; ++src) {
         const std::vector<uint16_t> got = Gather(slots, layout, src);
-        const Bf16Diff total = CompareBf16(got.data(), plain_ref_[src].data(), kRows * Features());
+        const Bf16Diff total = CompareBf16(got.data(), plain_ref_[src].data(), rows_ * Features());
         // A head beyond the tolerance is explained when its projection differs from the
         // reference's (GEMM rounding carried through the norm), or when it is a two-ulp RoPE
         // cancellation.
         int64_t propagated = 0, near = 0, unexplained = 0;
-        for (int64_t at = 0; at < kRows * Features(); at += dim) {
+        for (int64_t at = 0; at < rows_ * Features(); at += dim) {
           const Bf16Diff head = CompareBf16(got.data() + at, plain_ref_[src].data() + at, dim);
           if (head.mismatches == 0) continue;
           const bool inputs_differ = std::memcmp(gpu_proj[src].data() + at, proj_ref_[src].data() + at,
@@ -347,18 +356,29 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
   }
 }
 
+std::string ParamName(const ::testing::TestParamInfo<Param>& i) {
+  return StrCat(std::get<2>(i.param), "_hidden", std::get<0>(i.param), "_W", std::get<1>(i.param),
+                std::get<3>(i.param) == 200 ? "" : StrCat("_S", std::get<3>(i.param)));
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuFusedSession,
                          ::testing::Combine(::testing::Values(3072, 4096),
                                             ::testing::Values(1, 2, 4),
 #if ULYSSES_TEST_NCCL
-                                            ::testing::Values("nvlink", "nccl")),
+                                            ::testing::Values("nvlink", "nccl"),
 #else
-                                            ::testing::Values("nvlink")),
+                                            ::testing::Values("nvlink"),
 #endif
-                         [](const ::testing::TestParamInfo<Param>& i) {
-                           return StrCat(std::get<2>(i.param), "_hidden", std::get<0>(i.param),
-                                         "_W", std::get<1>(i.param));
-                         });
+                                            ::testing::Values(int64_t{200})),
+                         ParamName);
+
+// 2048 rows a call: the epilogue path on the cooperative kernel (256-row tiles, clusters of 2),
+// which the plan picks from 2048 rows; below, on clusters of 128-row tiles (above).
+INSTANTIATE_TEST_SUITE_P(Rows2048, GpuFusedSession,
+                         ::testing::Combine(::testing::Values(3072), ::testing::Values(2),
+                                            ::testing::Values("nvlink"),
+                                            ::testing::Values(int64_t{1024})),
+                         ParamName);
 
 }  // namespace
 }  // namespace ulysses
