@@ -9,15 +9,16 @@ namespace ulysses::daemon {
 namespace {
 
 // The path rule (FusedPath::kAuto) where the plan stores into the slots, from the measurements
-// of docs/benchmarks.md (1x H200 under MPS, 2026-12-03, 72 rows of the grid): from 2048 rows a
-// call the epilogue path is the fastest of the three on every row (0.80-0.97 of the
-// per-operator path on most rows); below 2048 rows it is slower than both others. Auto never
-// takes the chunked path: under MPS its calls (two streams, ordered by events) were seen to
-// wait on the GPU for another session's call blocked on its peer (H100 2026-12-05, H100
-// 2026-12-06), which the per-operator and epilogue paths never did; the per-operator path is
-// within 0.95-1.08 of it below 2048 rows, and 0.99-1.11 without the epilogue GEMM from 4096
-// rows (2026-12-01). A session may still ask for it.
-constexpr int64_t kEpilogueMinRows = 2048;
+// of docs/benchmarks.md (1x H100 under MPS, 2026-12-07, W = 2, 4, 8, hidden 3072 and 4096, 64
+// to 32768 rows a call): from 512 rows the epilogue path is the faster (0.83-0.94 of the
+// per-operator path from 512 to 2048 rows); at 256 rows it is 0.94-1.09 of it and at 64 and
+// 128 rows 0.96-1.01, so below 512 rows the per-operator path runs. Auto never takes the
+// chunked path: under MPS its calls (two streams, ordered by events) were seen to wait on the
+// GPU for another session's call blocked on its peer (H100 2026-12-05, H100 2026-12-06), which
+// the per-operator and epilogue paths never did; below 512 rows it is at most 7% faster than
+// the per-operator path, and 0.99-1.11 of it without the epilogue GEMM from 4096 rows
+// (2026-12-01). A session may still ask for it.
+constexpr int64_t kEpilogueMinRows = 512;
 // A plan loads cuBLASLt's pick of every row count the per-operator path runs under the rule.
 static_assert(kernels::kFusedEveryRowLoadRows >= kEpilogueMinRows - 1);
 // Where the rule can change path (PathsUpTo looks on either side of each).

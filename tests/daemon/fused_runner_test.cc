@@ -47,18 +47,18 @@ TEST(FusedRunnerTest, ThePerOperatorPathIsNotRefusedForItsPath) {
 }
 
 // What a session loads when it opens: every path its calls of 1 to max_tokens rows take, each
-// up to the most rows it takes (the auto rule switches from per_operator to epilogue at 2048
+// up to the most rows it takes (the auto rule switches from per_operator to epilogue at 512
 // rows with the epilogue GEMM, and takes per_operator alone without it).
 TEST(FusedRunnerTest, PathsUpToAreEveryPathTheRuleGivesWithItsMostRows) {
   using P = std::vector<std::pair<FusedPath, int64_t>>;
   const std::string none, unavailable = "not sm_90";
   const FusedExchange stores = FusedExchange::kPlanStores;
   EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, stores, none, 16384),
-            P({{FusedPath::kPerOperator, 2047}, {FusedPath::kEpilogue, 16384}}));
-  EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, stores, none, 2048),
-            P({{FusedPath::kPerOperator, 2047}, {FusedPath::kEpilogue, 2048}}));
-  EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, stores, none, 1000),
-            P({{FusedPath::kPerOperator, 1000}}));
+            P({{FusedPath::kPerOperator, 511}, {FusedPath::kEpilogue, 16384}}));
+  EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, stores, none, 512),
+            P({{FusedPath::kPerOperator, 511}, {FusedPath::kEpilogue, 512}}));
+  EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, stores, none, 500),
+            P({{FusedPath::kPerOperator, 500}}));
   EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, stores, unavailable, 16384),
             P({{FusedPath::kPerOperator, 16384}}));
   EXPECT_EQ(FusedRunner::PathsUpTo(FusedPath::kAuto, FusedExchange::kTransportMoves, none, 9000),
@@ -69,8 +69,8 @@ TEST(FusedRunnerTest, PathsUpToAreEveryPathTheRuleGivesWithItsMostRows) {
   }
   // The rule itself at each side of its threshold, and where no epilogue GEMM exists.
   EXPECT_EQ(FusedRunner::Rule(FusedPath::kAuto, stores, none, 1).path, FusedPath::kPerOperator);
-  EXPECT_EQ(FusedRunner::Rule(FusedPath::kAuto, stores, none, 2047).path, FusedPath::kPerOperator);
-  EXPECT_EQ(FusedRunner::Rule(FusedPath::kAuto, stores, none, 2048).path, FusedPath::kEpilogue);
+  EXPECT_EQ(FusedRunner::Rule(FusedPath::kAuto, stores, none, 511).path, FusedPath::kPerOperator);
+  EXPECT_EQ(FusedRunner::Rule(FusedPath::kAuto, stores, none, 512).path, FusedPath::kEpilogue);
   EXPECT_EQ(FusedRunner::Rule(FusedPath::kAuto, stores, unavailable, 4095).path,
             FusedPath::kPerOperator);
   const FusedRunner::Prepared large = FusedRunner::Rule(FusedPath::kAuto, stores, unavailable, 32768);
