@@ -1139,9 +1139,12 @@ TEST_F(GpuTwoRankScatter, AFusedSessionOpenedBeforeAnotherCallBlocksCallsBesideI
   const bool in_time = FusedCallsBesideTheWait(**s, in, {kTokens, 333, 777, 1}, early,
                                                "the loaded session's call");
   const std::string plan = PlanOf((*s)->id());
-  for (int64_t rows : {kTokens, int64_t{333}, int64_t{777}, int64_t{1}})
-    EXPECT_NE(plan.find(StrCat("rows ", rows, ": per_operator (auto: ")), std::string::npos)
-        << plan;
+  // The rule's path for each: epilogue from 512 rows where the device has the epilogue GEMM.
+  const bool epilogue = plan.find("(rule: epilogue from 512 rows") != std::string::npos;
+  for (int64_t rows : {kTokens, int64_t{333}, int64_t{777}, int64_t{1}}) {
+    const char* path = epilogue && rows >= 512 ? "epilogue" : "per_operator";
+    EXPECT_NE(plan.find(StrCat("rows ", rows, ": ", path, " (auto: ")), std::string::npos) << plan;
+  }
   // A session that cannot take the chunked path takes no second hardware queue.
   EXPECT_NE(plan.find("no second stream (path not chunked)"), std::string::npos) << plan;
   EXPECT_NE(plan.find("cuBLASLt kernels first launched by calls since: 0;"), std::string::npos)

@@ -138,8 +138,9 @@ class GpuFusedSession : public testing_util::ClusterTest,
     return out;
   }
 
-  // The session's GEMM (m = B*S_l on every path here, the chunked path making a single chunk
-  // of these rows) and the per-operator path's norm + RoPE, run in this process.
+  // The session's GEMM at m = B*S_l and the per-operator path's norm + RoPE, run in this
+  // process. The chunked path makes one chunk of 400 rows and four of 512 from 2048 rows, each
+  // a GEMM of its own, which (1) and (2) below hold to the same tolerance.
   GpuResults GpuOwn(const client::Buffer& weights, const std::vector<client::Buffer>& xs,
                     const std::vector<client::Buffer>& positions) {
     GpuResults out;
@@ -155,7 +156,6 @@ class GpuFusedSession : public testing_util::ClusterTest,
     auto plan = kernels::FusedQkvPlan::Create(c);
     EXPECT_TRUE(plan.ok()) << plan.status();
     if (!plan.ok()) return out;
-    EXPECT_EQ((*plan)->NumChunks(rows_), 1);
     EXPECT_TRUE((*plan)->Prepare(rows_).ok());
     auto read = [&](std::vector<std::vector<uint16_t>>& to) {
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
