@@ -114,8 +114,10 @@ std::vector<int64_t> FusedGemmRowCounts(int64_t rows, int64_t chunk_rows, FusedP
 /// chunk or remainder). Host code; the same with or without CUDA.
 std::vector<int64_t> FusedGemmLoadRowCounts(int64_t rows, int64_t chunk_rows, FusedPath path);
 
-/// The most rows FusedGemmEveryRowLoadRows gives: the rows below the daemon's epilogue path
-/// (its rule runs per_operator below 2048 rows; daemon/src/fused_runner.cc asserts they agree).
+/// The most rows FusedGemmEveryRowLoadRows gives. It covers the rows below the daemon's
+/// epilogue path (its rule runs per_operator below 512 rows; daemon/src/fused_runner.cc asserts
+/// they agree), and up to 2048 rows the per-operator path where it runs at every row count (no
+/// epilogue GEMM, the nccl backend, or a session asking for it).
 inline constexpr int64_t kFusedEveryRowLoadRows = 2048;
 
 /// The row count up to which FusedQkvPlan::LoadKernels also loads cuBLASLt's pick of every row
