@@ -41,6 +41,8 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
       return "pingpong2";
     case EpilogueSchedule::kCooperativeCluster2Registers:
       return "cooperative2r";
+    case EpilogueSchedule::kCooperativeCluster2TwoHeads:
+      return "cooperative2h2";
   }
   return "unknown";
 }

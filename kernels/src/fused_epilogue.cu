@@ -48,9 +48,8 @@
 namespace ulysses::kernels::internal {
 namespace {
 
-constexpr int kTileN = kHeadDim;  // one head of one plane per tile
 constexpr int kTileK = 64;
-constexpr int kPitch = kTileN + 8;  // bf16 elements per shared row: 16 bytes of padding
+constexpr int kPitch = kHeadDim + 8;  // bf16 elements per shared row: 16 bytes of padding
 
 // What the epilogue needs on the device; trivially copyable, passed in the kernel's params.
 struct EpilogueParams {
@@ -157,10 +156,11 @@ struct TileOf {
   bool in_problem;
   int64_t n;         // first feature column
   int64_t features;  // 3 * H * D, the projection's row pitch
-  int plane;      // 0 Q, 1 K, 2 V
+  int plane;      // 0 Q, 1 K, 2 V: of the tile's first head
   int32_t head;   // in the plane
 };
-template <int kTileM, class BlockCoordMNKL>
+// The place of a tile of kTileM rows and kTileN columns (whole heads).
+template <int kTileM, int kTileN, class BlockCoordMNKL>
 __device__ __forceinline__ TileOf TileAt(const EpilogueParams& p, const BlockCoordMNKL& blk) {
   TileOf t{};
   t.m_tile = static_cast<int>(cute::get<0>(blk));
@@ -172,6 +172,22 @@ __device__ __forceinline__ TileOf TileAt(const EpilogueParams& p, const BlockCoo
   t.plane = static_cast<int>(t.n / hd);
   t.head = static_cast<int32_t>((t.n % hd) / kHeadDim);
   return t;
+}
+
+// Head `hh` of a tile of several heads: its plane and head in the plane, and whether it is a
+// head of the problem at all (3H odd leaves the last tile's second head outside). Alike for
+// every thread of the tile.
+struct HeadOf {
+  bool in_problem;
+  int plane;
+  int32_t head;
+  int64_t n;  // first feature column
+};
+__device__ __forceinline__ HeadOf HeadAt(const EpilogueParams& p, const TileOf& t, int hh) {
+  const int64_t global = t.n / kHeadDim + hh;  // 0 .. 3H - 1 across the planes
+  const int64_t heads = p.shape.heads;
+  return {global < 3 * heads, static_cast<int>(global / heads),
+          static_cast<int32_t>(global % heads), global * kHeadDim};
 }
 
 // The user named barrier of a tile's epilogue threads: one per consumer warpgroup of the
@@ -216,6 +232,7 @@ __device__ __forceinline__ void ArriveTile(const EpilogueParams& p, int m_tile) 
 class NormRopeStoreEpilogue : public EpilogueOperatorBase {
  public:
   static constexpr int kTileM = 128;
+  static constexpr int kTileN = kHeadDim;  // one head of one plane
   static constexpr int kThreads = 128;
   static constexpr int kHalfWarps = kThreads / kHeadLanes;
   static constexpr int kRowsPerThread = kTileM / kHalfWarps;
@@ -242,7 +259,7 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
     if (p.gemm_alone != 0) return;
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
     const uint32_t barrier = EpilogueBarrier<kThreads>();
-    const TileOf tile = TileAt<kTileM>(p, blk_coord_mnkl);
+    const TileOf tile = TileAt<kTileM, kTileN>(p, blk_coord_mnkl);
     if (!tile.in_problem) return;
     const int m_tile = tile.m_tile, plane = tile.plane;
     const int64_t n = tile.n, features = tile.features;
@@ -313,21 +330,29 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
   Params const* params_;
 };
 
-// The epilogue of one 256-row tile of the cooperative kernel straight from the accumulators,
-// without shared memory, run by both consumer warpgroups together. A warpgroup's MMA leaves
-// each quad of lanes (4k .. 4k + 3) 4 rows of the tile, two in each of the fragment's two
-// steps along M (the two warpgroups interleave their 64-row bands, so the rows are read off
-// the MMA's own partition of the tile's coordinates), lane q with columns 2q, 2q + 1 of each
-// 8-column block. Per row, the quad transposes its blocks in groups of 4 (QuadSend /
-// QuadReceive), so that lane q holds blocks q, 4 + q, 8 + q and 12 + q whole: 16-byte vectors
-// to store, and 4 of the 16 partials of the head's sum of squares, which the quad then adds
-// in the reference's order (QuadPartialSum and two exchanges). Norm + RoPE per vector is
-// NormRopeVec, as in the other paths, so the bits are theirs.
+// The epilogue of one tile of the cooperative kernel straight from the accumulators, without
+// shared memory, run by both consumer warpgroups together: 256 rows of one head (kHeads 1) or
+// 128 rows of two heads side by side (kHeads 2), which halves the cos/sin each output reads
+// (a row's cos/sin serves both heads). A warpgroup's MMA leaves each quad of lanes
+// (4k .. 4k + 3) 2 rows of each of its steps along M (two of 64 rows for one head, one for
+// two heads; the two warpgroups interleave their 64-row bands, so the rows are read off the
+// MMA's own partition of the tile's coordinates), lane q with columns 2q, 2q + 1 of each
+// 8-column block. Per row and head, the quad transposes its blocks in groups of 4 (QuadSend /
+// QuadReceive), so that lane q holds blocks q, 4 + q, 8 + q and 12 + q of the head whole:
+// 16-byte vectors to store, and 4 of the 16 partials of the head's sum of squares, which the
+// quad then adds in the reference's order (QuadPartialSum and two exchanges). Norm + RoPE per
+// vector is NormRopeVec, as in the other paths, so the bits are theirs.
+template <int kHeads>
 class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
  public:
-  static constexpr int kTileM = 256;
+  static_assert(kHeads == 1 || kHeads == 2);
+  static constexpr int kTileM = 256 / kHeads;
+  static constexpr int kTileN = kHeads * kHeadDim;
   static constexpr int kThreads = 256;
-  static constexpr const char* kForm = " from registers";
+  static constexpr int kSteps = 2 / kHeads;  // the MMA's steps along M
+  static constexpr int kRows = 2 * kSteps;   // rows of each lane
+  static constexpr int kBlocks = kTileN / 8;  // 8-column blocks of a row
+  static constexpr const char* kForm = kHeads == 1 ? " from registers" : " from registers, two heads a tile";
 
   struct SharedStorage {
     int unused;  // no staging: the adapter asks for a type
@@ -344,25 +369,33 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
                                  cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
-    // A warpgroup's 64 x 128 MMA (values: 2 columns x 2 row halves x 16 blocks), twice along
-    // M.
-    CUTE_STATIC_ASSERT_V(size<0>(accumulators) == Int<64>{});
-    CUTE_STATIC_ASSERT_V(size<1>(accumulators) == Int<2>{});
+    // A warpgroup's 64 x kTileN MMA (values: 2 columns x 2 row halves x kBlocks blocks),
+    // kSteps times along M.
+    CUTE_STATIC_ASSERT_V(size<0>(accumulators) == Int<4 * kBlocks>{});
+    CUTE_STATIC_ASSERT_V(size<1>(accumulators) == Int<kSteps>{});
     CUTE_STATIC_ASSERT_V(size<2>(accumulators) == Int<1>{});
     const Params& p = *params_;
     if (p.gemm_alone != 0) return;
     const uint32_t barrier = EpilogueBarrier<kThreads>();
-    const TileOf tile = TileAt<kTileM>(p, blk_coord_mnkl);
+    const TileOf tile = TileAt<kTileM, kTileN>(p, blk_coord_mnkl);
     if (!tile.in_problem) return;
-    const int m_tile = tile.m_tile, plane = tile.plane;
-    const int64_t n = tile.n, features = tile.features;
+    const int m_tile = tile.m_tile;
+    const int64_t features = tile.features;
     const bool only = p.projection_only != 0;
     const int lane = thread_idx % 32, q = lane % 4;
     // The tile's coordinates as the MMA partitions its accumulators: value 2v of step m is
     // this lane's first column of block 0 in row half v.
     const Tensor coords = tiled_mma.get_thread_slice(thread_idx)
                               .partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
-    const bool norm = plane < 2 && !only;  // alike for every thread of the tile
+    HeadOf head[kHeads];
+    bool norm[kHeads];  // alike for every thread of the tile
+    bool any_norm = false;
+    CUTLASS_PRAGMA_UNROLL
+    for (int hh = 0; hh < kHeads; ++hh) {
+      head[hh] = HeadAt(p, tile, hh);
+      norm[hh] = head[hh].in_problem && head[hh].plane < 2 && !only;
+      any_norm = any_norm || norm[hh];
+    }
     // The cancel word, read once per warp (without a shared tile there is no place to share
     // one read by the whole tile): a cancel that lands during the tile may leave some of its
     // rows stored and others not, as it may between the tiles of a call.
@@ -371,96 +404,106 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
       const int word = lane == 0 ? (*static_cast<const volatile uint64_t*>(p.cancel) != 0) : 0;
       cancelled = __shfl_sync(0xffffffffu, word, 0) != 0;
     }
-    int64_t row[4];
-    int32_t pos[4];
+    int64_t row[kRows];
+    int32_t pos[kRows];
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < kRows; ++k) {
       row[k] = int64_t{m_tile} * kTileM + get<0>(coords(2 * (k % 2), k / 2, 0));
-      pos[k] = norm && row[k] < p.rows ? p.positions[row[k]] : 0;
+      pos[k] = any_norm && row[k] < p.rows ? p.positions[row[k]] : 0;
     }
     // 1. Accumulators -> bf16 pairs (round to nearest even): u[k][b] is columns 8b + 2q and
     // 8b + 2q + 1 of row k.
-    uint32_t u[4][16];
+    uint32_t u[kRows][kBlocks];
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < kRows; ++k) {
       CUTLASS_PRAGMA_UNROLL
-      for (int b = 0; b < 16; ++b) {
+      for (int b = 0; b < kBlocks; ++b) {
         const int v = 4 * b + 2 * (k % 2);
         const __nv_bfloat162 pair =
             __floats2bfloat162_rn(accumulators(v, k / 2, 0), accumulators(v + 1, k / 2, 0));
         u[k][b] = *reinterpret_cast<const uint32_t*>(&pair);
       }
     }
+    // The norm weights of one plane at a time: the heads of a tile share theirs unless the
+    // tile straddles Q and K (an odd H), where each head loads its own when its turn comes.
     uint4 w[4] = {};
-    if (norm) {
+    int w_plane = -1;
+    const auto load_weights = [&](int plane) {
+      if (plane == w_plane) return;
       CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < 4; ++g) {
-        w[g] = LoadNormWeightPairs(plane == 0 ? p.q_norm : p.k_norm, 4 * g + q);
-      }
-    }
-    const TileDest dest = DestOf(p, plane, tile.head);
+      for (int g = 0; g < 4; ++g) w[g] = LoadNormWeightPairs(plane == 0 ? p.q_norm : p.k_norm, 4 * g + q);
+      w_plane = plane;
+    };
+    if (any_norm) load_weights(norm[0] ? head[0].plane : head[kHeads - 1].plane);
+    TileDest dest[kHeads];
+    CUTLASS_PRAGMA_UNROLL
+    for (int hh = 0; hh < kHeads; ++hh) dest[hh] = DestOf(p, head[hh].plane, head[hh].head);
 
     // 2 and 3, row by row: the quad's transpose, norm + RoPE, the stores. Each row's cos/sin
     // is loaded during the row before it (ahead of that row's stores, which the compiler may
     // not move loads across), so that no row waits for its own.
     CosSin next[4] = {};
     const auto load_cos_sin = [&](int k) {
-      if (!norm) return;
+      if (!any_norm) return;
       const float* cs_row = CosSinRow(p.cos_sin, pos[k], p.shape.max_pos);
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < 4; ++g) next[g] = LoadCosSin(cs_row, 4 * g + q);
     };
     load_cos_sin(0);
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < kRows; ++k) {
       CosSin cs[4];
       CUTLASS_PRAGMA_UNROLL
       for (int g = 0; g < 4; ++g) cs[g] = next[g];
-      if (k + 1 < 4) load_cos_sin(k + 1);
-      uint4 vec[4];
-      CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < 4; ++g) {
-        uint32_t a[4] = {u[k][4 * g], u[k][4 * g + 1], u[k][4 * g + 2], u[k][4 * g + 3]};
-        CUTLASS_PRAGMA_UNROLL
-        for (int step = 1; step <= 2; ++step) {
-          uint32_t send[2], got[2];
-          QuadSend(a, q, step, send);
-          got[0] = __shfl_xor_sync(0xffffffffu, send[0], step);
-          got[1] = __shfl_xor_sync(0xffffffffu, send[1], step);
-          QuadReceive(a, q, step, got);
-        }
-        vec[g] = make_uint4(a[0], a[1], a[2], a[3]);
-      }
+      if (k + 1 < kRows) load_cos_sin(k + 1);
       const bool valid = row[k] < p.rows;
-      if (valid && p.projection != nullptr) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int hh = 0; hh < kHeads; ++hh) {
+        if (!head[hh].in_problem) continue;
+        uint4 vec[4];
         CUTLASS_PRAGMA_UNROLL
         for (int g = 0; g < 4; ++g) {
-          uint16_t* at = p.projection + row[k] * features + n;
-          *reinterpret_cast<uint4*>(at + (4 * g + q) * kHeadVec) = vec[g];
-        }
-      }
-      if (only) continue;
-      if (norm) {
-        float part[4];
-        CUTLASS_PRAGMA_UNROLL
-        for (int g = 0; g < 4; ++g) {
-          float y[kHeadVec];
-          Unpack(vec[g], y);
-          part[g] = SumSquares(y);
-        }
-        float sum_sq = QuadPartialSum(part);
-        sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 2);
-        sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 1);
-        if (valid) {
-          const float inv_rms = InvRms(sum_sq);
+          const int b0 = 16 * hh + 4 * g;
+          uint32_t a[4] = {u[k][b0], u[k][b0 + 1], u[k][b0 + 2], u[k][b0 + 3]};
           CUTLASS_PRAGMA_UNROLL
-          for (int g = 0; g < 4; ++g) NormRopeVec(vec[g], inv_rms, w[g], cs[g]);
+          for (int step = 1; step <= 2; ++step) {
+            uint32_t send[2], got[2];
+            QuadSend(a, q, step, send);
+            got[0] = __shfl_xor_sync(0xffffffffu, send[0], step);
+            got[1] = __shfl_xor_sync(0xffffffffu, send[1], step);
+            QuadReceive(a, q, step, got);
+          }
+          vec[g] = make_uint4(a[0], a[1], a[2], a[3]);
         }
-      }
-      if (valid && !cancelled) {
-        uint16_t* at = dest.out + DestRowOffset(p, dest, row[k]);
-        CUTLASS_PRAGMA_UNROLL
-        for (int g = 0; g < 4; ++g) *reinterpret_cast<uint4*>(at + (4 * g + q) * kHeadVec) = vec[g];
+        if (valid && p.projection != nullptr) {
+          uint16_t* at = p.projection + row[k] * features + head[hh].n;
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 0; g < 4; ++g) *reinterpret_cast<uint4*>(at + (4 * g + q) * kHeadVec) = vec[g];
+        }
+        if (only) continue;
+        if (norm[hh]) {
+          float part[4];
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 0; g < 4; ++g) {
+            float y[kHeadVec];
+            Unpack(vec[g], y);
+            part[g] = SumSquares(y);
+          }
+          float sum_sq = QuadPartialSum(part);
+          sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 2);
+          sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 1);
+          if (valid) {
+            const float inv_rms = InvRms(sum_sq);
+            load_weights(head[hh].plane);
+            CUTLASS_PRAGMA_UNROLL
+            for (int g = 0; g < 4; ++g) NormRopeVec(vec[g], inv_rms, w[g], cs[g]);
+          }
+        }
+        if (valid && !cancelled) {
+          uint16_t* at = dest[hh].out + DestRowOffset(p, dest[hh], row[k]);
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 0; g < 4; ++g) *reinterpret_cast<uint4*>(at + (4 * g + q) * kHeadVec) = vec[g];
+        }
       }
     }
 
@@ -473,10 +516,10 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
   Params const* params_;
 };
 
-// The GEMM kernel with this epilogue: CUTLASS's ping-pong schedule on 128-row tiles (one per
-// consumer warpgroup) or its cooperative schedule on 256-row tiles (both warpgroups on one
-// tile, 128 rows each, then on its epilogue together); single CTAs (kClusterM 1) or clusters
-// of 2 along M.
+// The GEMM kernel with this epilogue: CUTLASS's ping-pong schedule on 128 x 128 tiles (one
+// per consumer warpgroup) or its cooperative schedule on 256 x 128 or 128 x 256 tiles (both
+// warpgroups on one tile, half its rows each, then on its epilogue together); single CTAs
+// (kClusterM 1) or clusters of 2 along M.
 // x [rows, hidden] row-major is A (M x K, K-major); w_qkv [features, hidden] row-major is B as
 // K x N column-major (also K-major): the TN GEMM that Hopper's TMA + wgmma path wants.
 template <int kClusterM, class Schedule, class EpilogueOp>
@@ -487,8 +530,9 @@ struct EpilogueKernel {
   static constexpr const char* kName = kPingpong ? "ping-pong" : "cooperative";
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
   using Epilogue = EpilogueOp;
-  static_assert(Epilogue::kTileM == (kPingpong ? 128 : 256));
-  using TileShape = cute::Shape<cute::Int<Epilogue::kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
+  static_assert(Epilogue::kTileM * Epilogue::kTileN == (kPingpong ? 128 : 256) * kHeadDim);
+  using TileShape =
+      cute::Shape<cute::Int<Epilogue::kTileM>, cute::Int<Epilogue::kTileN>, cute::Int<kTileK>>;
   using CollectiveEpilogue =
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -504,16 +548,17 @@ struct EpilogueKernel {
 template <int kClusterM>
 using PingpongKernel = EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                                       NormRopeStoreEpilogue>;
-template <int kClusterM>
+template <int kClusterM, int kHeads>
 using CooperativeRegisterKernel =
     EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                   NormRopeRegisterEpilogue>;
+                   NormRopeRegisterEpilogue<kHeads>>;
 
 template <class K>
 class CutlassEpilogueGemm final : public EpilogueGemm {
  public:
   using GemmKernel = typename K::Kernel;
   static constexpr int kTileM = K::Epilogue::kTileM;
+  static constexpr int kTileN = K::Epilogue::kTileN;
   CutlassEpilogueGemm(int64_t features, int64_t hidden, int device, int sms)
       : features_(features), hidden_(hidden), device_(device), sms_(sms) {}
 
@@ -546,7 +591,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
       e.projection_only = 1;
       e.shape = s;  // the projection's row pitch (3*H*D) and the tiles' planes and heads
       e.rows = static_cast<int32_t>(rows);
-      e.n_tiles = static_cast<int32_t>(features_ / kTileN);
+      e.n_tiles = NTiles();
       e.projection = static_cast<uint16_t*>(c.projection);
     } else {
       ULY_RETURN_IF_ERROR(CheckEpilogueArguments(c, rows));
@@ -563,6 +608,10 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
   }
 
  private:
+  // Tiles across the features (the last one half outside where a tile of two heads meets an
+  // odd 3H).
+  int32_t NTiles() const { return static_cast<int32_t>((features_ + kTileN - 1) / kTileN); }
+
   static absl::Status CheckEpilogueArguments(const EpilogueCall& c, int64_t rows) {
     const QkvNormRopeShape& s = c.shape;
     ULY_RETURN_IF_ERROR(CheckWeights(c.weights, c.positions));
@@ -585,7 +634,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
     e.src = c.src;
     e.rows = static_cast<int32_t>(rows);
     e.chunk_units = static_cast<int32_t>(c.chunk_rows / kEpilogueTileRows);
-    e.n_tiles = static_cast<int32_t>(features_ / kTileN);
+    e.n_tiles = NTiles();
     e.positions = c.positions;
     e.q_norm = static_cast<const uint16_t*>(c.weights.q_norm);
     e.k_norm = static_cast<const uint16_t*>(c.weights.k_norm);
@@ -621,7 +670,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
     // of x and its columns of w_qkv in L2 (without it, each wave streams a whole operand).
     // Fewer where 8 would pad the tile grid (EpilogueSwizzle).
     args.scheduler.max_swizzle_size =
-        EpilogueSwizzle((rows + kTileM - 1) / kTileM, features_ / kTileN, K::kCluster);
+        EpilogueSwizzle((rows + kTileM - 1) / kTileM, NTiles(), K::kCluster);
     if (GemmKernel::get_workspace_size(args) != 0)
       return absl::InternalError("the epilogue GEMM asks for a workspace it was not given");
     if (GemmKernel::can_implement(args) == false)
@@ -664,10 +713,10 @@ std::string EpilogueGemm::Unavailable() { return {}; }
 absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t features,
                                                                    int64_t hidden,
                                                                    EpilogueSchedule schedule) {
-  if (features <= 0 || features % kTileN != 0 || hidden <= 0 || hidden % kTileN != 0)
+  if (features <= 0 || features % kHeadDim != 0 || hidden <= 0 || hidden % kHeadDim != 0)
     return absl::InvalidArgumentError(absl::StrCat("features (", features, ") and hidden (",
                                                    hidden, ") must be positive multiples of ",
-                                                   kTileN));
+                                                   kHeadDim));
   int device = 0, major = 0, minor = 0, sms = 0;
   ULY_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   ULY_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -679,7 +728,9 @@ absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t featu
   if (schedule == EpilogueSchedule::kPingpongCluster2)
     return Make<PingpongKernel<2>>(features, hidden, device, sms);
   if (schedule == EpilogueSchedule::kCooperativeCluster2Registers)
-    return Make<CooperativeRegisterKernel<2>>(features, hidden, device, sms);
+    return Make<CooperativeRegisterKernel<2, 1>>(features, hidden, device, sms);
+  if (schedule == EpilogueSchedule::kCooperativeCluster2TwoHeads)
+    return Make<CooperativeRegisterKernel<2, 2>>(features, hidden, device, sms);
   return Make<PingpongKernel<1>>(features, hidden, device, sms);
 }
 

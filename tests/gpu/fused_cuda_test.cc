@@ -770,11 +770,14 @@ TEST_P(GpuFusedQkvTest, EveryEpilogueScheduleMatchesTheReference) {
             ? "ping-pong, persistent, tile 128x128x64, cluster 1x1"
         : schedule_ == EpilogueSchedule::kPingpongCluster2
             ? "ping-pong, persistent, tile 128x128x64, cluster 2x1"
-            : "cooperative, persistent, tile 256x128x64, cluster 2x1";
+        : schedule_ == EpilogueSchedule::kCooperativeCluster2Registers
+            ? "cooperative, persistent, tile 256x128x64, cluster 2x1"
+            : "cooperative, persistent, tile 128x256x64, cluster 2x1";
     const std::string describe = plan->Describe(Rows());
     EXPECT_NE(describe.find(cluster), std::string::npos) << describe;
     EXPECT_EQ(describe.find("from registers") != std::string::npos,
-              schedule_ == EpilogueSchedule::kCooperativeCluster2Registers)
+              schedule_ == EpilogueSchedule::kCooperativeCluster2Registers ||
+                  schedule_ == EpilogueSchedule::kCooperativeCluster2TwoHeads)
         << describe;
     // Readiness chunks of 128 rows (each 256-row tile of the cooperative kernel ends one and
     // starts the next) and of 256 rows; RunPath checks every chunk's word.
