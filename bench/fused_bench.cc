@@ -695,9 +695,9 @@ int Main(int argc, char** argv) {
                  "grid cap of the chunked store kernel (0: none)");
   app.add_option("--epilogue-schedule", opt.epilogue_schedule,
                  "the epilogue path's GEMM: auto, pingpong (single CTAs), pingpong2 (clusters of "
-                 "2), cooperative2r (256 x 128 tiles, clusters of 2, the epilogue from "
-                 "registers) or cooperative2h2 (the same on 128 x 256 tiles, two heads a tile)")
-      ->check(CLI::IsMember({"auto", "pingpong", "pingpong2", "cooperative2r", "cooperative2h2"}));
+                 "2) or cooperative2h2 (128 x 256 tiles of two heads, clusters of 2, the "
+                 "epilogue from registers)")
+      ->check(CLI::IsMember({"auto", "pingpong", "pingpong2", "cooperative2h2"}));
   app.add_option("--readiness", opt.readiness,
                  "none: the paths as the daemon runs them; words: each chunk also publishes its "
                  "readiness word per destination")

@@ -39,8 +39,6 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
       return "pingpong";
     case EpilogueSchedule::kPingpongCluster2:
       return "pingpong2";
-    case EpilogueSchedule::kCooperativeCluster2Registers:
-      return "cooperative2r";
     case EpilogueSchedule::kCooperativeCluster2TwoHeads:
       return "cooperative2h2";
   }
@@ -48,7 +46,7 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
 }
 
 EpilogueSchedule EpilogueScheduleFor(int64_t rows) {
-  if (rows >= 2048) return EpilogueSchedule::kCooperativeCluster2Registers;
+  if (rows >= 2048) return EpilogueSchedule::kCooperativeCluster2TwoHeads;
   // Clusters of 2 round an odd count of 128-row tiles up by one: single CTAs where that tile
   // would be more than an eighth of the call's.
   const int64_t tiles = (rows + kChunkAlignRows - 1) / kChunkAlignRows;

@@ -1,6 +1,6 @@
 // The epilogue-fused GEMM of the fused QKV op (fused_epilogue.h): CUTLASS's sm_90a TMA
 // warp-specialized mainloop, ping-pong (a 128-row tile per consumer warpgroup) or cooperative
-// (a 256-row tile for both), with a persistent swizzled tile scheduler on single CTAs or
+// (a 128-row tile of two heads for both), with a persistent swizzled tile scheduler on single CTAs or
 // clusters of 2, and an epilogue of our own in the operator form that CUTLASS's
 // Sm90TmaWarpSpecializedAdapter runs in place of its TMA epilogues.
 //
@@ -201,27 +201,20 @@ __device__ __forceinline__ uint32_t EpilogueBarrier() {
 
 // Step 4, readiness, by the tile's thread 0 once a barrier has ordered every thread's stores
 // before it (as a grid barrier does: one system-scope fence per tile, not one per thread).
-// Chunks are whole 128-row units (kEpilogueTileRows), so a 256-row tile may end one chunk and
-// start the next: each of its units in the problem arrives on its own chunk. A chunk's last
-// arrival has seen every other (fence after the atomic) and publishes the words with release
-// stores.
-template <int kTileM>
+// Every tile is one 128-row unit (kEpilogueTileRows) of one chunk, on whose counter it
+// arrives. A chunk's last arrival has seen every other (fence after the atomic) and publishes
+// the words with release stores.
 __device__ __forceinline__ void ArriveTile(const EpilogueParams& p, int m_tile) {
   __threadfence_system();
-  constexpr int kUnitsPerTile = kTileM / static_cast<int>(kEpilogueTileRows);
   const auto units = static_cast<int32_t>((p.rows + kEpilogueTileRows - 1) / kEpilogueTileRows);
-  for (int k = 0; k < kUnitsPerTile; ++k) {
-    const int32_t unit = m_tile * kUnitsPerTile + k;
-    if (unit >= units) break;
-    const UnitArrival a = ArrivalOf(unit, units, p.chunk_units, p.n_tiles);
-    const unsigned int arrived = atomicAdd(p.counters + a.chunk, 1u);
-    if (arrived == a.arrivals - 1) {
-      __threadfence_system();
-      for (int d = 0; d < p.shape.world; ++d) {
-        if (p.ready[d] != nullptr) StoreRelease(p.ready[d] + a.chunk, p.epoch);
-      }
-      atomicExch(p.counters + a.chunk, 0u);
+  const UnitArrival a = ArrivalOf(m_tile, units, p.chunk_units, p.n_tiles);
+  const unsigned int arrived = atomicAdd(p.counters + a.chunk, 1u);
+  if (arrived == a.arrivals - 1) {
+    __threadfence_system();
+    for (int d = 0; d < p.shape.world; ++d) {
+      if (p.ready[d] != nullptr) StoreRelease(p.ready[d] + a.chunk, p.epoch);
     }
+    atomicExch(p.counters + a.chunk, 0u);
   }
 }
 
@@ -323,7 +316,7 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
     // 4. Readiness (ArriveTile). The barrier also keeps the shared tile until every half-warp
     // has read it.
     cutlass::arch::NamedBarrier::sync(kThreads, barrier);
-    if (p.counters != nullptr && thread_idx == 0) ArriveTile<kTileM>(p, m_tile);
+    if (p.counters != nullptr && thread_idx == 0) ArriveTile(p, m_tile);
   }
 
  private:
@@ -331,28 +324,25 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
 };
 
 // The epilogue of one tile of the cooperative kernel straight from the accumulators, without
-// shared memory, run by both consumer warpgroups together: 256 rows of one head (kHeads 1) or
-// 128 rows of two heads side by side (kHeads 2), which halves the cos/sin each output reads
-// (a row's cos/sin serves both heads). A warpgroup's MMA leaves each quad of lanes
-// (4k .. 4k + 3) 2 rows of each of its steps along M (two of 64 rows for one head, one for
-// two heads; the two warpgroups interleave their 64-row bands, so the rows are read off the
-// MMA's own partition of the tile's coordinates), lane q with columns 2q, 2q + 1 of each
-// 8-column block. Per row and head, the quad transposes its blocks in groups of 4 (QuadSend /
+// shared memory, run by both consumer warpgroups together: 128 rows of two heads side by side,
+// so that a row's cos/sin serves both heads (on 256 x 128 tiles of one head each output read
+// twice the cos/sin, and the kernel was 2-8% slower: docs/benchmarks.md). A warpgroup's
+// 64 x 256 MMA leaves each quad of lanes (4k .. 4k + 3) 2 rows (the two warpgroups' 64-row
+// bands, so the rows are read off the MMA's own partition of the tile's coordinates), lane q
+// with columns 2q, 2q + 1 of each 8-column block. Per row and head, the quad transposes its blocks in groups of 4 (QuadSend /
 // QuadReceive), so that lane q holds blocks q, 4 + q, 8 + q and 12 + q of the head whole:
 // 16-byte vectors to store, and 4 of the 16 partials of the head's sum of squares, which the
 // quad then adds in the reference's order (QuadPartialSum and two exchanges). Norm + RoPE per
 // vector is NormRopeVec, as in the other paths, so the bits are theirs.
-template <int kHeads>
 class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
  public:
-  static_assert(kHeads == 1 || kHeads == 2);
-  static constexpr int kTileM = 256 / kHeads;
+  static constexpr int kHeads = 2;
+  static constexpr int kTileM = 128;
   static constexpr int kTileN = kHeads * kHeadDim;
   static constexpr int kThreads = 256;
-  static constexpr int kSteps = 2 / kHeads;  // the MMA's steps along M
-  static constexpr int kRows = 2 * kSteps;   // rows of each lane
+  static constexpr int kRows = 2;             // rows of each lane
   static constexpr int kBlocks = kTileN / 8;  // 8-column blocks of a row
-  static constexpr const char* kForm = kHeads == 1 ? " from registers" : " from registers, two heads a tile";
+  static constexpr const char* kForm = " from registers, two heads a tile";
 
   struct SharedStorage {
     int unused;  // no staging: the adapter asks for a type
@@ -369,10 +359,9 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
                                  cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
-    // A warpgroup's 64 x kTileN MMA (values: 2 columns x 2 row halves x kBlocks blocks),
-    // kSteps times along M.
+    // A warpgroup's 64 x 256 MMA (values: 2 columns x 2 row halves x 32 blocks), once along M.
     CUTE_STATIC_ASSERT_V(size<0>(accumulators) == Int<4 * kBlocks>{});
-    CUTE_STATIC_ASSERT_V(size<1>(accumulators) == Int<kSteps>{});
+    CUTE_STATIC_ASSERT_V(size<1>(accumulators) == Int<1>{});
     CUTE_STATIC_ASSERT_V(size<2>(accumulators) == Int<1>{});
     const Params& p = *params_;
     if (p.gemm_alone != 0) return;
@@ -383,8 +372,8 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
     const int64_t features = tile.features;
     const bool only = p.projection_only != 0;
     const int lane = thread_idx % 32, q = lane % 4;
-    // The tile's coordinates as the MMA partitions its accumulators: value 2v of step m is
-    // this lane's first column of block 0 in row half v.
+    // The tile's coordinates as the MMA partitions its accumulators: value 2v is this lane's
+    // first column of block 0 in row half v.
     const Tensor coords = tiled_mma.get_thread_slice(thread_idx)
                               .partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
     HeadOf head[kHeads];
@@ -408,7 +397,7 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
     int32_t pos[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kRows; ++k) {
-      row[k] = int64_t{m_tile} * kTileM + get<0>(coords(2 * (k % 2), k / 2, 0));
+      row[k] = int64_t{m_tile} * kTileM + get<0>(coords(2 * k, 0, 0));
       pos[k] = any_norm && row[k] < p.rows ? p.positions[row[k]] : 0;
     }
     // 1. Accumulators -> bf16 pairs (round to nearest even): u[k][b] is columns 8b + 2q and
@@ -418,9 +407,9 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
     for (int k = 0; k < kRows; ++k) {
       CUTLASS_PRAGMA_UNROLL
       for (int b = 0; b < kBlocks; ++b) {
-        const int v = 4 * b + 2 * (k % 2);
+        const int v = 4 * b + 2 * k;
         const __nv_bfloat162 pair =
-            __floats2bfloat162_rn(accumulators(v, k / 2, 0), accumulators(v + 1, k / 2, 0));
+            __floats2bfloat162_rn(accumulators(v, 0, 0), accumulators(v + 1, 0, 0));
         u[k][b] = *reinterpret_cast<const uint32_t*>(&pair);
       }
     }
@@ -434,7 +423,7 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
       for (int g = 0; g < 4; ++g) w[g] = LoadNormWeightPairs(plane == 0 ? p.q_norm : p.k_norm, 4 * g + q);
       w_plane = plane;
     };
-    if (any_norm) load_weights(norm[0] ? head[0].plane : head[kHeads - 1].plane);
+    if (any_norm) load_weights(norm[0] ? head[0].plane : head[1].plane);
     TileDest dest[kHeads];
     CUTLASS_PRAGMA_UNROLL
     for (int hh = 0; hh < kHeads; ++hh) dest[hh] = DestOf(p, head[hh].plane, head[hh].head);
@@ -509,7 +498,7 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
 
     // 4. Readiness (ArriveTile), after every thread's stores.
     cutlass::arch::NamedBarrier::sync(kThreads, barrier);
-    if (p.counters != nullptr && thread_idx == 0) ArriveTile<kTileM>(p, m_tile);
+    if (p.counters != nullptr && thread_idx == 0) ArriveTile(p, m_tile);
   }
 
  private:
@@ -517,9 +506,9 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
 };
 
 // The GEMM kernel with this epilogue: CUTLASS's ping-pong schedule on 128 x 128 tiles (one
-// per consumer warpgroup) or its cooperative schedule on 256 x 128 or 128 x 256 tiles (both
-// warpgroups on one tile, half its rows each, then on its epilogue together); single CTAs
-// (kClusterM 1) or clusters of 2 along M.
+// per consumer warpgroup) or its cooperative schedule on 128 x 256 tiles (both warpgroups on
+// one tile, 64 rows each, then on its epilogue together); single CTAs (kClusterM 1) or
+// clusters of 2 along M.
 // x [rows, hidden] row-major is A (M x K, K-major); w_qkv [features, hidden] row-major is B as
 // K x N column-major (also K-major): the TN GEMM that Hopper's TMA + wgmma path wants.
 template <int kClusterM, class Schedule, class EpilogueOp>
@@ -530,7 +519,9 @@ struct EpilogueKernel {
   static constexpr const char* kName = kPingpong ? "ping-pong" : "cooperative";
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
   using Epilogue = EpilogueOp;
-  static_assert(Epilogue::kTileM * Epilogue::kTileN == (kPingpong ? 128 : 256) * kHeadDim);
+  // Every tile is one readiness unit (ArriveTile): 128 rows of one head (ping-pong) or two.
+  static_assert(Epilogue::kTileM == kEpilogueTileRows);
+  static_assert(Epilogue::kTileN == (kPingpong ? 1 : 2) * kHeadDim);
   using TileShape =
       cute::Shape<cute::Int<Epilogue::kTileM>, cute::Int<Epilogue::kTileN>, cute::Int<kTileK>>;
   using CollectiveEpilogue =
@@ -548,10 +539,10 @@ struct EpilogueKernel {
 template <int kClusterM>
 using PingpongKernel = EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                                       NormRopeStoreEpilogue>;
-template <int kClusterM, int kHeads>
+template <int kClusterM>
 using CooperativeRegisterKernel =
     EpilogueKernel<kClusterM, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                   NormRopeRegisterEpilogue<kHeads>>;
+                   NormRopeRegisterEpilogue>;
 
 template <class K>
 class CutlassEpilogueGemm final : public EpilogueGemm {
@@ -727,10 +718,8 @@ absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t featu
         "the epilogue-fused GEMM needs an sm_90 GPU; device ", device, " is sm_", major, minor));
   if (schedule == EpilogueSchedule::kPingpongCluster2)
     return Make<PingpongKernel<2>>(features, hidden, device, sms);
-  if (schedule == EpilogueSchedule::kCooperativeCluster2Registers)
-    return Make<CooperativeRegisterKernel<2, 1>>(features, hidden, device, sms);
   if (schedule == EpilogueSchedule::kCooperativeCluster2TwoHeads)
-    return Make<CooperativeRegisterKernel<2, 2>>(features, hidden, device, sms);
+    return Make<CooperativeRegisterKernel<2>>(features, hidden, device, sms);
   return Make<PingpongKernel<1>>(features, hidden, device, sms);
 }
 

@@ -1,6 +1,6 @@
 // The fused QKV op's epilogue-fused GEMM (path 4b of the fused session): a Hopper (sm_90a)
-// CUTLASS GEMM, 128x128 tiles (ping-pong) or 256x128 (cooperative), whose epilogue takes each
-// tile (128 or 256 token rows of one 128-wide head of Q, K or V) from the accumulators, rounds
+// CUTLASS GEMM, 128x128 tiles (ping-pong) or 128x256 (cooperative), whose epilogue takes each
+// tile (128 token rows of one or two 128-wide heads of Q, K or V) from the accumulators, rounds
 // it to bf16, applies RMSNorm + interleaved RoPE to Q and K heads, stores every row straight
 // into its destination rank's slot and counts the tile towards its chunks' readiness words. The projection is not written to
 // memory, except on request (for tests), or alone (EpilogueCall::projection_only: the
@@ -34,8 +34,7 @@ inline constexpr int64_t kEpilogueTileRows = 128;
 /// of the swizzle), taking a smaller swizzle than the largest allowed on a short side (below 6
 /// tiles for 8, 3 for 4, 2 for 2), and it runs the mainloop of every tile of the rounded grid,
 /// in the problem or not. So this is the largest swizzle whose rounded grid is the smallest:
-/// 2048 rows of 256-row tiles in clusters of 2 (8 x 72 tiles) take 4, as swizzle 8 would round
-/// them to 16 x 72.
+/// 8 x 72 tiles in clusters of 2 take 4, as swizzle 8 would round them to 16 x 72.
 int EpilogueSwizzle(int64_t m_tiles, int64_t n_tiles, int cluster_m);
 
 /// Where unit `unit` (rows [128 unit, 128 unit + 128)) of a call of `units` units arrives:

@@ -260,9 +260,9 @@ TEST_P(GpuFusedSession, BothLayoutsAndPathsMatchTheReference) {
           if (!described.ok() ||
               described->find(StrCat("rows ", rows_, ": ", FusedPathName(path))) == std::string::npos)
             return fail("describe: " + (described.ok() ? *described : described.status().ToString()));
-          // From 2048 rows the epilogue path runs the cooperative kernel's 256-row tiles.
+          // From 2048 rows the epilogue path runs the cooperative kernel's tiles of two heads.
           const bool cooperative = described->find("cooperative") != std::string::npos &&
-                                   described->find("tile 256x128") != std::string::npos;
+                                   described->find("tile 128x256") != std::string::npos;
           if (path == FusedPath::kEpilogue && cooperative != (rows_ >= 2048))
             return fail("epilogue schedule at " + std::to_string(rows_) + " rows: " + *described);
           if (r == 0) std::cout << *described << "\n";
@@ -372,7 +372,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GpuFusedSession,
                                             ::testing::Values(int64_t{200})),
                          ParamName);
 
-// 2048 rows a call: the epilogue path on the cooperative kernel (256-row tiles, clusters of 2),
+// 2048 rows a call: the epilogue path on the cooperative kernel (128 x 256 tiles, clusters of 2),
 // which the plan picks from 2048 rows; below, on clusters of 128-row tiles (above).
 INSTANTIATE_TEST_SUITE_P(Rows2048, GpuFusedSession,
                          ::testing::Combine(::testing::Values(3072), ::testing::Values(2),

@@ -165,8 +165,8 @@ TEST(FusedChunksTest, EpilogueChunksAreWholeTilesAndAsManyAsTheChunkedPaths) {
 }
 
 TEST(FusedChunksTest, EpilogueScheduleIsCooperativeFrom2048RowsAndClustersBelow) {
-  EXPECT_EQ(EpilogueScheduleFor(2048), EpilogueSchedule::kCooperativeCluster2Registers);
-  EXPECT_EQ(EpilogueScheduleFor(65536), EpilogueSchedule::kCooperativeCluster2Registers);
+  EXPECT_EQ(EpilogueScheduleFor(2048), EpilogueSchedule::kCooperativeCluster2TwoHeads);
+  EXPECT_EQ(EpilogueScheduleFor(65536), EpilogueSchedule::kCooperativeCluster2TwoHeads);
   // Below: clusters of 2 on an even count of 128-row tiles, or on more than 8 ...
   for (int64_t rows : {129, 256, 512, 1000, 1024, 1025, 1152, 2047})
     EXPECT_EQ(EpilogueScheduleFor(rows), EpilogueSchedule::kPingpongCluster2) << rows;
@@ -293,8 +293,6 @@ TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kAuto), "auto");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kPingpong), "pingpong");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kPingpongCluster2), "pingpong2");
-  EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2Registers),
-               "cooperative2r");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2TwoHeads),
                "cooperative2h2");
   std::set<std::string> names;
@@ -308,14 +306,17 @@ TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
 // the swizzle is the largest one that pads the grid least.
 TEST(FusedChunksTest, TheSwizzleIsTheLargestThatDoesNotPadTheTileGrid) {
   using internal::EpilogueSwizzle;
-  // 8 tiles of 256 rows in clusters of 2 (2048 rows): 8 rounds them to 16, 4 keeps 8.
+  // 8 row tiles in clusters of 2: 8 rounds them to 16, 4 keeps 8.
   EXPECT_EQ(EpilogueSwizzle(8, 72, 2), 4);
   EXPECT_EQ(EpilogueSwizzle(16, 72, 2), 8);
+  // 2048 rows of the cooperative kernel's 128 x 256 tiles at hidden 3072 (16 x 36): 8 would
+  // round the 36 tiles across to 40; 4 pads nothing.
+  EXPECT_EQ(EpilogueSwizzle(16, 36, 2), 4);
   // 4 tiles of 128 rows in clusters of 2 (512 rows): 8 and 4 round them to 8.
   EXPECT_EQ(EpilogueSwizzle(4, 72, 2), 2);
   // Single CTAs: the scheduler takes 4 for the short side itself, which pads nothing.
   EXPECT_EQ(EpilogueSwizzle(4, 72, 1), 8);
-  // 12 tiles in clusters of 2 (3072 rows of 256): only 2 keeps 12.
+  // 12 row tiles in clusters of 2: only 2 keeps 12.
   EXPECT_EQ(EpilogueSwizzle(12, 72, 2), 2);
   // Along the features too: 12 tiles across (hidden 512) round to 16 under 8.
   EXPECT_EQ(EpilogueSwizzle(16, 12, 1), 4);

@@ -30,24 +30,17 @@ inline constexpr int32_t kMaxFusedChunks = 32;
 /// The epilogue path's GEMM: kPingpong and kPingpongCluster2 are CUTLASS's warp-specialized
 /// ping-pong kernel (a 128-row tile per consumer warpgroup, one's epilogue beside the other's
 /// mainloop), in single CTAs or in clusters of 2 CTAs along the rows that share each w_qkv
-/// tile through TMA multicast; kCooperativeCluster2Registers is CUTLASS's cooperative kernel
-/// (both consumer warpgroups on one 256 x 128 tile, then on its epilogue, which works from the
-/// accumulators in registers) in clusters of 2; kCooperativeCluster2TwoHeads the same on
-/// 128 x 256 tiles (two heads a tile: a row's cos/sin serves both); kAuto picks per call
-/// (EpilogueScheduleFor).
-enum class EpilogueSchedule {
-  kAuto,
-  kPingpong,
-  kPingpongCluster2,
-  kCooperativeCluster2Registers,
-  kCooperativeCluster2TwoHeads,
-};
+/// tile through TMA multicast; kCooperativeCluster2TwoHeads is CUTLASS's cooperative kernel
+/// (both consumer warpgroups on one 128 x 256 tile of two heads, then on its epilogue, which
+/// works from the accumulators in registers and reads a row's cos/sin once for both heads) in
+/// clusters of 2; kAuto picks per call (EpilogueScheduleFor).
+enum class EpilogueSchedule { kAuto, kPingpong, kPingpongCluster2, kCooperativeCluster2TwoHeads };
 /// The schedules a plan can be made with (kAuto excluded), in the enum's order.
-inline constexpr int kEpilogueSchedules = 4;
+inline constexpr int kEpilogueSchedules = 3;
 static_assert(static_cast<int>(EpilogueSchedule::kCooperativeCluster2TwoHeads) ==
               kEpilogueSchedules);
-/// The schedule's name as the benchmark spells it: "pingpong", "pingpong2", "cooperative2r",
-/// "cooperative2h2" ("auto" for kAuto).
+/// The schedule's name as the benchmark spells it: "pingpong", "pingpong2", "cooperative2h2"
+/// ("auto" for kAuto).
 const char* EpilogueScheduleName(EpilogueSchedule schedule);
 
 /// kAuto's rule, from the measurements of docs/benchmarks.md (one H100, 2026-12-07): the
