@@ -175,16 +175,16 @@ TEST(FusedChunksTest, EpilogueScheduleIsCooperativeFrom2048RowsAndClustersBelow)
     EXPECT_EQ(EpilogueScheduleFor(rows), EpilogueSchedule::kPingpong) << rows;
 }
 
-// The epilogue GEMM's readiness count, played on the host for tiles of 128 rows (ping-pong)
-// and 256 (cooperative): every tile counts each of its 128-row units in the call on the unit's
-// chunk, as every tile across the features does; each chunk the receivers wait for must reach
-// its arrival count exactly once, after all of its rows' tiles, and no other chunk is counted.
-TEST(FusedChunksTest, EveryChunkIsPublishedOnceAfterEveryTileOfItsRowsForBothTileHeights) {
-  constexpr int32_t kHeadTiles = 3;
-  for (int64_t tile_rows : {128, 256}) {
+// The epilogue GEMM's readiness count, played on the host: every tile (128 rows of one head
+// on the ping-pong kernel, of two on the cooperative one, so 3 or 2 tiles across 3 heads)
+// counts itself on its rows' chunk, as every tile across the features does; each chunk the
+// receivers wait for must reach its arrival count exactly once, after all of its rows'
+// tiles, and no other chunk is counted.
+TEST(FusedChunksTest, EveryChunkIsPublishedOnceAfterEveryTileOfItsRows) {
+  for (int32_t head_tiles : {3, 2}) {
     for (int64_t rows : {1, 100, 128, 129, 255, 256, 257, 400, 640, 1000, 2560, 5000, 40000}) {
       for (int64_t configured : {0, 128, 256, 384, 640}) {
-        SCOPED_TRACE(testing::Message() << "tile " << tile_rows << ", rows " << rows
+        SCOPED_TRACE(testing::Message() << head_tiles << " tiles across, rows " << rows
                                         << ", chunk_rows " << configured);
         const int64_t chunk_rows = EpilogueChunkRows(rows, configured);
         const int64_t chunks = FusedNumChunks(rows, configured);
@@ -192,20 +192,15 @@ TEST(FusedChunksTest, EveryChunkIsPublishedOnceAfterEveryTileOfItsRowsForBothTil
         const auto chunk_units = static_cast<int32_t>(chunk_rows / internal::kEpilogueTileRows);
         std::vector<uint32_t> count(static_cast<size_t>(chunks) + 1, 0);
         std::vector<int> published(static_cast<size_t>(chunks) + 1, 0);
-        const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
-        for (int64_t n = 0; n < kHeadTiles; ++n) {
-          for (int64_t m = 0; m < tiles; ++m) {
-            for (int64_t k = 0; k < tile_rows / 128; ++k) {
-              const auto unit = static_cast<int32_t>(m * (tile_rows / 128) + k);
-              if (unit >= units) break;
-              const internal::UnitArrival a =
-                  internal::ArrivalOf(unit, units, chunk_units, kHeadTiles);
-              ASSERT_LT(a.chunk, chunks);
-              // The chunk holds this unit's rows.
-              EXPECT_LE(a.chunk * chunk_rows, int64_t{unit} * 128);
-              EXPECT_LT(int64_t{unit} * 128, (a.chunk + 1) * chunk_rows);
-              if (++count[a.chunk] == a.arrivals) ++published[a.chunk];
-            }
+        for (int32_t n = 0; n < head_tiles; ++n) {
+          for (int32_t unit = 0; unit < units; ++unit) {
+            const internal::UnitArrival a =
+                internal::ArrivalOf(unit, units, chunk_units, head_tiles);
+            ASSERT_LT(a.chunk, chunks);
+            // The chunk holds this unit's rows.
+            EXPECT_LE(a.chunk * chunk_rows, int64_t{unit} * 128);
+            EXPECT_LT(int64_t{unit} * 128, (a.chunk + 1) * chunk_rows);
+            if (++count[a.chunk] == a.arrivals) ++published[a.chunk];
           }
         }
         for (int64_t c = 0; c < chunks; ++c) {
@@ -213,7 +208,7 @@ TEST(FusedChunksTest, EveryChunkIsPublishedOnceAfterEveryTileOfItsRowsForBothTil
           const int64_t chunk_end = std::min(rows, chunk_first + chunk_rows);
           EXPECT_EQ(published[c], 1) << "chunk " << c;
           EXPECT_EQ(count[c], static_cast<uint32_t>((chunk_end - chunk_first + 127) / 128 *
-                                                    kHeadTiles))
+                                                    head_tiles))
               << "chunk " << c;
         }
         EXPECT_EQ(count[chunks], 0u);
