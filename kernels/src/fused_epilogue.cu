@@ -1,10 +1,10 @@
 // The epilogue-fused GEMM of the fused QKV op (fused_epilogue.h): CUTLASS's sm_90a TMA
-// warp-specialized mainloop, ping-pong (a 128-row tile per consumer warpgroup) or cooperative
-// (a 128-row tile of two heads for both), with a persistent swizzled tile scheduler on single CTAs or
-// clusters of 2, and an epilogue of our own in the operator form that CUTLASS's
-// Sm90TmaWarpSpecializedAdapter runs in place of its TMA epilogues.
+// warp-specialized mainloop, ping-pong (a 128-row tile of one head per consumer warpgroup) or
+// cooperative (a 128-row tile of two heads for both), with a persistent swizzled tile scheduler
+// on single CTAs or clusters of 2, and an epilogue of our own in the operator form that
+// CUTLASS's Sm90TmaWarpSpecializedAdapter runs in place of its TMA epilogues.
 //
-// Per output tile (128 or 256 token rows of one head of one plane):
+// Per output tile (128 token rows of one or two heads):
 //   1. the consumer threads round their accumulators to bf16: into a padded shared-memory
 //      tile (NormRopeStoreEpilogue, ping-pong), or they keep them in registers
 //      (NormRopeRegisterEpilogue, cooperative);
@@ -13,7 +13,7 @@
 //      kernels' device functions, so the step is bit for bit that of the other paths on the
 //      same projection;
 //   3. each row goes straight to its destination's slot (at QkvDestOffset);
-//   4. each 128 rows of the tile count themselves on their chunk's counter; the chunk's last
+//   4. the tile counts itself on its rows' chunk's counter; the chunk's last
 //      arrival publishes the chunk's readiness word in every destination (release order
 //      after every store).
 #include <cuda_bf16.h>
@@ -326,13 +326,14 @@ class NormRopeStoreEpilogue : public EpilogueOperatorBase {
 // The epilogue of one tile of the cooperative kernel straight from the accumulators, without
 // shared memory, run by both consumer warpgroups together: 128 rows of two heads side by side,
 // so that a row's cos/sin serves both heads (on 256 x 128 tiles of one head each output read
-// twice the cos/sin, and the kernel was 2-8% slower: docs/benchmarks.md). A warpgroup's
+// twice the cos/sin, and the kernel was 0.5-7% slower: docs/benchmarks.md). A warpgroup's
 // 64 x 256 MMA leaves each quad of lanes (4k .. 4k + 3) 2 rows (the two warpgroups' 64-row
 // bands, so the rows are read off the MMA's own partition of the tile's coordinates), lane q
-// with columns 2q, 2q + 1 of each 8-column block. Per row and head, the quad transposes its blocks in groups of 4 (QuadSend /
-// QuadReceive), so that lane q holds blocks q, 4 + q, 8 + q and 12 + q of the head whole:
-// 16-byte vectors to store, and 4 of the 16 partials of the head's sum of squares, which the
-// quad then adds in the reference's order (QuadPartialSum and two exchanges). Norm + RoPE per
+// with columns 2q, 2q + 1 of each 8-column block. Per row and head, the quad transposes its
+// blocks in groups of 4 (QuadSend / QuadReceive), so that lane q holds blocks q, 4 + q, 8 + q
+// and 12 + q of the head whole: 16-byte vectors to store, and 4 of the 16 partials of the
+// head's sum of squares, which the quad then adds in the reference's order (QuadPartialSum
+// and two exchanges). Norm + RoPE per
 // vector is NormRopeVec, as in the other paths, so the bits are theirs.
 class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
  public:
@@ -420,7 +421,9 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
     const auto load_weights = [&](int plane) {
       if (plane == w_plane) return;
       CUTLASS_PRAGMA_UNROLL
-      for (int g = 0; g < 4; ++g) w[g] = LoadNormWeightPairs(plane == 0 ? p.q_norm : p.k_norm, 4 * g + q);
+      for (int g = 0; g < 4; ++g) {
+        w[g] = LoadNormWeightPairs(plane == 0 ? p.q_norm : p.k_norm, 4 * g + q);
+      }
       w_plane = plane;
     };
     if (any_norm) load_weights(norm[0] ? head[0].plane : head[1].plane);
@@ -467,7 +470,9 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
         if (valid && p.projection != nullptr) {
           uint16_t* at = p.projection + row[k] * features + head[hh].n;
           CUTLASS_PRAGMA_UNROLL
-          for (int g = 0; g < 4; ++g) *reinterpret_cast<uint4*>(at + (4 * g + q) * kHeadVec) = vec[g];
+          for (int g = 0; g < 4; ++g) {
+            *reinterpret_cast<uint4*>(at + (4 * g + q) * kHeadVec) = vec[g];
+          }
         }
         if (only) continue;
         if (norm[hh]) {
@@ -491,7 +496,9 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
         if (valid && !cancelled) {
           uint16_t* at = dest[hh].out + DestRowOffset(p, dest[hh], row[k]);
           CUTLASS_PRAGMA_UNROLL
-          for (int g = 0; g < 4; ++g) *reinterpret_cast<uint4*>(at + (4 * g + q) * kHeadVec) = vec[g];
+          for (int g = 0; g < 4; ++g) {
+            *reinterpret_cast<uint4*>(at + (4 * g + q) * kHeadVec) = vec[g];
+          }
         }
       }
     }
