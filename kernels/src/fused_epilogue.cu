@@ -476,12 +476,11 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
         }
         if (only) continue;
         if (norm[hh]) {
-          float part[4];
+          float y[4][kHeadVec], part[4];
           CUTLASS_PRAGMA_UNROLL
           for (int g = 0; g < 4; ++g) {
-            float y[kHeadVec];
-            Unpack(vec[g], y);
-            part[g] = SumSquares(y);
+            Unpack(vec[g], y[g]);
+            part[g] = SumSquares(y[g]);
           }
           float sum_sq = QuadPartialSum(part);
           sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 2);
@@ -490,7 +489,7 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
             const float inv_rms = InvRms(sum_sq);
             load_weights(head[hh].plane);
             CUTLASS_PRAGMA_UNROLL
-            for (int g = 0; g < 4; ++g) NormRopeVec(vec[g], inv_rms, w[g], cs[g]);
+            for (int g = 0; g < 4; ++g) NormRopeVec(vec[g], y[g], inv_rms, w[g], cs[g]);
           }
         }
         if (valid && !cancelled) {

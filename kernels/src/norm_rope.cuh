@@ -16,11 +16,18 @@ inline constexpr int kHeadLanes = 16;                   // lanes per head
 inline constexpr int kHeadVec = kHeadDim / kHeadLanes;  // bf16 elements per lane
 static_assert(kHeadVec == 8, "a lane holds one 16-byte vector of its head");
 
+/// A bf16 pair's two values (the low half first) as floats: a bf16 is the high half of its
+/// float, so each is one bit operation (the intrinsic's conversion takes two for the high
+/// half).
+__device__ __forceinline__ float2 UnpackPair(uint32_t pair) {
+  return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+}
+
 __device__ __forceinline__ void Unpack(const uint4& raw, float (&v)[kHeadVec]) {
-  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  const uint32_t pairs[kHeadVec / 2] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < kHeadVec / 2; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
+    const float2 f = UnpackPair(pairs[i]);
     v[2 * i] = f.x;
     v[2 * i + 1] = f.y;
   }
@@ -65,13 +72,12 @@ __device__ __forceinline__ uint4 LoadNormWeightPairs(const uint16_t* norm_w, int
   return *reinterpret_cast<const uint4*>(norm_w + lane * kHeadVec);
 }
 
-/// The norm and RoPE of 8 elements of a head in `raw` (4 pairs), with its weights (pair i
-/// from `weight_pair(i)`) and the cos/sin `cs` of its pairs.
+/// The norm and RoPE of 8 elements of a head, `y` (Unpack of them), into `raw` (4 pairs),
+/// with its weights (pair i from `weight_pair(i)`) and the cos/sin `cs` of its pairs.
 template <class WeightPair>
-__device__ __forceinline__ void NormRopeVecWith(uint4& raw, float inv_rms, WeightPair weight_pair,
+__device__ __forceinline__ void NormRopeVecWith(uint4& raw, const float (&y)[kHeadVec],
+                                                float inv_rms, WeightPair weight_pair,
                                                 const CosSin& cs) {
-  float y[kHeadVec];
-  Unpack(raw, y);
   const float cv[4] = {cs.c.x, cs.c.y, cs.c.z, cs.c.w}, sv[4] = {cs.s.x, cs.s.y, cs.s.z, cs.s.w};
   auto* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
 #pragma unroll
@@ -83,7 +89,8 @@ __device__ __forceinline__ void NormRopeVecWith(uint4& raw, float inv_rms, Weigh
     // midpoint from beside it, which takes a 17th bit.
     const __nv_bfloat162 normed =
         __floats2bfloat162_rn(__fmul_rn(y[2 * i], inv_rms), __fmul_rn(y[2 * i + 1], inv_rms));
-    const float2 ab = __bfloat1622float2(__hmul2_rn(normed, weight_pair(i)));
+    const __nv_bfloat162 product = __hmul2_rn(normed, weight_pair(i));
+    const float2 ab = UnpackPair(*reinterpret_cast<const uint32_t*>(&product));
     // Separate roundings (no FMA contraction), as the reference.
     const float o0 = __fsub_rn(__fmul_rn(cv[i], ab.x), __fmul_rn(sv[i], ab.y));
     const float o1 = __fadd_rn(__fmul_rn(sv[i], ab.x), __fmul_rn(cv[i], ab.y));
@@ -93,17 +100,19 @@ __device__ __forceinline__ void NormRopeVecWith(uint4& raw, float inv_rms, Weigh
 
 /// NormRopeVecWith, the weights as floats (LoadNormWeights; their conversion back to bf16 is
 /// exact, and the same for every row), as NormRopeHead's callers load them ...
-__device__ __forceinline__ void NormRopeVec(uint4& raw, float inv_rms,
-                                            const float (&w)[kHeadVec], const CosSin& cs) {
+__device__ __forceinline__ void NormRopeVec(uint4& raw, const float (&y)[kHeadVec],
+                                            float inv_rms, const float (&w)[kHeadVec],
+                                            const CosSin& cs) {
   NormRopeVecWith(
-      raw, inv_rms, [&](int i) { return __floats2bfloat162_rn(w[2 * i], w[2 * i + 1]); }, cs);
+      raw, y, inv_rms, [&](int i) { return __floats2bfloat162_rn(w[2 * i], w[2 * i + 1]); },
+      cs);
 }
 
 /// ... or as they are stored (LoadNormWeightPairs).
-__device__ __forceinline__ void NormRopeVec(uint4& raw, float inv_rms, const uint4& w,
-                                            const CosSin& cs) {
+__device__ __forceinline__ void NormRopeVec(uint4& raw, const float (&y)[kHeadVec],
+                                            float inv_rms, const uint4& w, const CosSin& cs) {
   NormRopeVecWith(
-      raw, inv_rms,
+      raw, y, inv_rms,
       [&](int i) {
         const uint32_t bits = i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
         return *reinterpret_cast<const __nv_bfloat162*>(&bits);
@@ -129,7 +138,7 @@ __device__ __forceinline__ void NormRopeHead(uint4& raw, bool apply, const float
     sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
   }
   if (!apply) return;
-  NormRopeVec(raw, InvRms(sum_sq), w, cs);
+  NormRopeVec(raw, y, InvRms(sum_sq), w, cs);
 }
 
 /// The cos/sin row of position `pos`, clamped into [0, max_pos).
