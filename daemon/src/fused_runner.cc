@@ -15,7 +15,7 @@ namespace {
 // 128 rows 0.96-1.01, so below 512 rows the per-operator path runs. Auto never takes the
 // chunked path: under MPS its calls (two streams, ordered by events) were seen to wait on the
 // GPU for another session's call blocked on its peer (H100 2026-12-05, H100 2026-12-06), which
-// the per-operator and epilogue paths never did; below 512 rows it is at most 7% faster than
+// the per-operator and epilogue paths never did; below 512 rows it is at most 8% faster than
 // the per-operator path, and 0.99-1.11 of it without the epilogue GEMM from 4096 rows
 // (2026-12-01). A session may still ask for it.
 constexpr int64_t kEpilogueMinRows = 512;
@@ -109,7 +109,7 @@ FusedRunner::Prepared FusedRunner::Rule(FusedPath asked, FusedExchange exchange,
   } else if (no_epilogue.empty()) {
     p.path = FusedPath::kPerOperator;
     p.why = StrCat("auto: under ", kEpilogueMinRows,
-                   " rows per_operator (chunked is at most 7% faster and can wait for another "
+                   " rows per_operator (chunked is at most 8% faster and can wait for another "
                    "session's blocked call under MPS)");
   } else {
     p.path = FusedPath::kPerOperator;
