@@ -44,7 +44,8 @@ static_assert(static_cast<int>(EpilogueSchedule::kCooperativeCluster2TwoHeads) =
 const char* EpilogueScheduleName(EpilogueSchedule schedule);
 
 /// kAuto's rule, from the measurements of docs/benchmarks.md (one H100, 2026-12-07): the
-/// cooperative kernel from 2048 rows a call (the fastest there on 13 of 14 rows); below,
+/// cooperative kernel from 2048 rows a call (on tiles of one head the fastest there on 13 of
+/// 14 rows; on tiles of two heads faster still, on every row); below,
 /// clusters of 2 of the ping-pong kernel (faster than single CTAs at 512 and 1024 rows),
 /// except on an odd count of up to 7 row tiles, which clusters of 2 would pad by a tile.
 EpilogueSchedule EpilogueScheduleFor(int64_t rows);
