@@ -41,6 +41,8 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
       return "pingpong2";
     case EpilogueSchedule::kCooperativeCluster2TwoHeads:
       return "cooperative2h2";
+    case EpilogueSchedule::kCooperativeEpilogueWarpgroup:
+      return "cooperative2ew";
   }
   return "unknown";
 }

@@ -37,6 +37,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/gemm.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/kernel_hardware_info.h"
 #include "cutlass/util/packed_stride.hpp"
 #include "fused_epilogue.h"
@@ -197,6 +198,15 @@ template <int kThreads>
 __device__ __forceinline__ uint32_t EpilogueBarrier() {
   static_assert(kThreads == 128 || kThreads == 256);
   return kThreads == 128 ? threadIdx.x / kThreads : 1;
+}
+
+// Whether the call is cancelled, as its cancel word reads once for the warp (every lane of the
+// warp calls this together).
+__device__ __forceinline__ bool WarpCancelled(const EpilogueParams& p) {
+  if (p.cancel == nullptr) return false;
+  const int word =
+      threadIdx.x % 32 == 0 ? (*static_cast<const volatile uint64_t*>(p.cancel) != 0) : 0;
+  return __shfl_sync(0xffffffffu, word, 0) != 0;
 }
 
 // Step 4, readiness, by the tile's thread 0 once a barrier has ordered every thread's stores
@@ -389,11 +399,7 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
     // The cancel word, read once per warp (without a shared tile there is no place to share
     // one read by the whole tile): a cancel that lands during the tile may leave some of its
     // rows stored and others not, as it may between the tiles of a call.
-    bool cancelled = false;
-    if (!only && p.cancel != nullptr) {
-      const int word = lane == 0 ? (*static_cast<const volatile uint64_t*>(p.cancel) != 0) : 0;
-      cancelled = __shfl_sync(0xffffffffu, word, 0) != 0;
-    }
+    const bool cancelled = !only && WarpCancelled(p);
     int64_t row[kRows];
     int32_t pos[kRows];
     CUTLASS_PRAGMA_UNROLL
@@ -509,6 +515,303 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
 
  private:
   Params const* params_;
+};
+
+// The cooperative kernel with warps of its own for the epilogue (EpilogueWarpgroupKernel):
+// CUTLASS's mainloop collective (the cooperative schedule's two consumer warpgroups on one
+// 128 x 256 tile of two heads, fed by a TMA producer warp) and persistent tile scheduler, in a
+// kernel of our own whose producer warpgroup's other three warps (idle in CUTLASS's kernel) run
+// the epilogue. After its mainloop, a tile's consumers round their accumulators to bf16 into a
+// shared staging tile and go on to the next tile's mainloop at once; the epilogue warps take
+// the tile's rows from the staging tile through steps 2 to 4 beside that mainloop. So the
+// epilogue's time (11% of the cooperative kernel's at 4096 rows, where its consumers ran it
+// between mainloops: docs/benchmarks.md) is hidden but for the staging stores and the last
+// tile's. The staging tile (66 KiB) leaves room for 3 mainloop stages, not 4. (A fourth
+// warpgroup cannot be had: at 512 threads a thread has 128 registers, and a consumer's
+// 64 x 256 MMA needs about 154.)
+//
+// The hand-off is two named barriers of the 352 consumer and epilogue threads: kStagedBarrier
+// (consumers arrive once the tile is staged; the epilogue warps wait) and kFreeBarrier (the
+// epilogue warps arrive once they have read the tile; consumers wait before staging the next).
+// The epilogue warps arrive on kFreeBarrier once before their first tile and the consumers
+// wait on it once after their last, so each side's count of the two is the same. Both sides
+// stage the same tiles: every tile of the scheduler's sequence that is in the problem, none
+// when the epilogue is skipped (gemm_alone).
+struct EpilogueWarpgroupForm {
+  static constexpr int kHeads = 2;
+  static constexpr int kTileM = 128;
+  static constexpr int kTileN = kHeads * kHeadDim;
+  static constexpr int kPitch = kTileN + 8;  // bf16 elements per staged row: no bank conflicts
+  static constexpr const char* kForm = " from a shared tile by warps of its own, two heads a tile";
+  struct Staging {
+    alignas(128) uint16_t tile[kTileM * kPitch];
+  };
+};
+
+template <int kClusterM>
+struct EpilogueWarpgroupKernel {
+  using Form = EpilogueWarpgroupForm;
+  using TileShape =
+      cute::Shape<cute::Int<Form::kTileM>, cute::Int<Form::kTileN>, cute::Int<kTileK>>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+  using ProblemShape = cute::Shape<int, int, int, int>;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, 8,
+      Element, cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(Form::Staging) + 128)>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using TiledMma = typename CollectiveMainloop::TiledMma;
+  using StrideA = typename CollectiveMainloop::StrideA;
+  using StrideB = typename CollectiveMainloop::StrideB;
+  using MainloopPipeline = typename CollectiveMainloop::MainloopPipeline;
+  using PipelineState = typename CollectiveMainloop::PipelineState;
+  using TileScheduler = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+
+  static constexpr uint32_t kMmaThreads = cute::size(TiledMma{});
+  static_assert(kMmaThreads == 256, "two consumer warpgroups on each tile");
+  // Every thread keeps the registers it starts with (168: the consumers' MMA needs about 154,
+  // the epilogue warps fewer), so no warpgroup reconfigures its count.
+  static constexpr uint32_t MaxThreadsPerBlock = kMmaThreads + cutlass::NumThreadsPerWarpGroup;
+  static constexpr uint32_t MinBlocksPerMultiprocessor = 1;
+  static constexpr int kEpilogueThreads = cutlass::NumThreadsPerWarpGroup - 32;  // warps 1 to 3
+  static constexpr uint32_t kHandOffThreads = kMmaThreads + kEpilogueThreads;
+  // User named barriers (CUTLASS offsets them past the ones it reserves).
+  static constexpr uint32_t kStagedBarrier = 0, kFreeBarrier = 1, kEpilogueTileBarrier = 2;
+
+  struct SharedStorage {
+    typename CollectiveMainloop::TensorStorage mainloop;  // first: the most aligned place
+    Form::Staging staging;
+    alignas(16) typename CollectiveMainloop::PipelineStorage pipeline;
+  };
+  static constexpr int SharedStorageSize = sizeof(SharedStorage);
+  static_assert(SharedStorageSize <= cutlass::gemm::collective::detail::sm90_smem_capacity_bytes);
+
+  struct Arguments {
+    cutlass::gemm::GemmUniversalMode mode{};
+    ProblemShape problem_shape{};
+    typename CollectiveMainloop::Arguments mainloop{};
+    EpilogueParams epilogue{};
+    cutlass::KernelHardwareInfo hw_info{};
+    typename TileScheduler::Arguments scheduler{};
+  };
+  struct Params {
+    ProblemShape problem_shape{};
+    typename CollectiveMainloop::Params mainloop{};
+    EpilogueParams epilogue{};
+    cutlass::KernelHardwareInfo hw_info{};
+    typename TileScheduler::Params scheduler{};
+  };
+
+  static Params to_underlying_arguments(const Arguments& args, void*) {
+    const cutlass::KernelHardwareInfo hw{args.hw_info.device_id, args.hw_info.sm_count, 0};
+    return {args.problem_shape,
+            CollectiveMainloop::to_underlying_arguments(args.problem_shape, args.mainloop, nullptr),
+            args.epilogue, hw,
+            TileScheduler::to_underlying_arguments(args.problem_shape, TileShape{}, ClusterShape{},
+                                                   hw, args.scheduler, nullptr)};
+  }
+  static bool can_implement(const Arguments& args) {
+    return args.mode == cutlass::gemm::GemmUniversalMode::kGemm &&
+           CollectiveMainloop::can_implement(args.problem_shape, args.mainloop) &&
+           TileScheduler::can_implement(args.scheduler);
+  }
+  static size_t get_workspace_size(const Arguments&) { return 0; }
+  static dim3 get_grid_shape(const Params& params) {
+    typename TileScheduler::Arguments args{};
+    args.max_swizzle_size = 1 << params.scheduler.log_swizzle_size_;
+    args.raster_order = params.scheduler.raster_order_ == TileScheduler::RasterOrder::AlongN
+                            ? TileScheduler::RasterOrderOptions::AlongN
+                            : TileScheduler::RasterOrderOptions::AlongM;
+    return TileScheduler::get_grid_shape(params.scheduler, params.problem_shape, TileShape{},
+                                         ClusterShape{}, params.hw_info, args);
+  }
+  static dim3 get_block_shape() { return dim3(MaxThreadsPerBlock, 1, 1); }
+
+  // Whether a tile is staged for the epilogue warpgroup: alike on both sides of the hand-off.
+  template <class WorkTile>
+  CUTLASS_DEVICE static bool Staged(const EpilogueParams& p, const WorkTile& work) {
+    return p.gemm_alone == 0 && work.N_idx < p.n_tiles &&
+           int64_t{work.M_idx} * Form::kTileM < p.rows;
+  }
+
+  CUTLASS_DEVICE void operator()(const Params& params, char* smem) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace cute;
+    SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
+    const int warp_group = cutlass::canonical_warp_group_idx();
+    const int warp = cutlass::canonical_warp_idx_sync();
+    const int lane_predicate = cute::elect_one_sync();
+    if (warp == 0 && lane_predicate) CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
+
+    typename MainloopPipeline::Params pipeline_params;
+    if (warp == 0) pipeline_params.role = MainloopPipeline::ThreadCategory::Producer;
+    if (warp_group == 1 || warp_group == 2)
+      pipeline_params.role = MainloopPipeline::ThreadCategory::Consumer;
+    pipeline_params.is_leader = threadIdx.x % cutlass::NumThreadsPerWarpGroup == 0;
+    pipeline_params.num_consumers = kMmaThreads;
+    pipeline_params.num_producers = CollectiveMainloop::NumProducerThreadEvents;
+    pipeline_params.transaction_bytes = params.mainloop.tma_transaction_bytes;
+    MainloopPipeline pipeline(storage.pipeline, pipeline_params, ClusterShape{});
+    // Every CTA of the cluster sees the pipeline's barriers made before any uses them.
+    if constexpr (kClusterM > 1) {
+      cute::cluster_arrive_relaxed();
+      cute::cluster_wait();
+    } else {
+      __syncthreads();
+    }
+
+    const auto problem = params.problem_shape;
+    CollectiveMainloop mainloop;
+    TileScheduler scheduler{params.scheduler};
+    auto work = scheduler.initial_work_tile_info(ClusterShape{});
+    const EpilogueParams& p = params.epilogue;
+
+    if (warp == 0) {  // the producer: loads every tile's operands
+      const auto inputs = mainloop.load_init(problem, params.mainloop);
+      const auto gA = get<0>(inputs);
+      PipelineState write = cutlass::make_producer_start_state<MainloopPipeline>();
+      for (; work.is_valid(); work = get<0>(scheduler.fetch_next_work(work))) {
+        const auto blk = make_coord(work.M_idx, work.N_idx, _, work.L_idx);
+        const int k_tiles = TileScheduler::get_work_k_tile_count(work, problem, TileShape{});
+        const auto k_iter = make_coord_iterator(idx2crd(0, shape<3>(gA)), shape<3>(gA));
+        mainloop.load(params.mainloop, pipeline, write, inputs, blk, k_iter, k_tiles,
+                      cutlass::canonical_lane_idx(), cute::block_rank_in_cluster(),
+                      storage.mainloop);
+        write.advance(k_tiles);
+      }
+      mainloop.load_tail(pipeline, write);
+    } else if (warp_group > 0) {  // the consumers: mainloop, then the staging stores
+      const int mma_thread = static_cast<int>(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
+      TiledMma tiled_mma;
+      PipelineState read;
+      bool staged_any = false;
+      for (; work.is_valid(); work = get<0>(scheduler.fetch_next_work(work))) {
+        auto accumulators = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
+        const int k_tiles = TileScheduler::get_work_k_tile_count(work, problem, TileShape{});
+        mainloop.mma(pipeline, read, accumulators, k_tiles, mma_thread, storage.mainloop,
+                     params.mainloop);
+        mainloop.mma_tail(pipeline, read, k_tiles);
+        read.advance(k_tiles);
+        if (!Staged(p, work)) continue;
+        cutlass::arch::NamedBarrier::sync(kHandOffThreads, kFreeBarrier);
+        StageTile(accumulators, tiled_mma, mma_thread, storage.staging.tile);
+        cutlass::arch::NamedBarrier::arrive(kHandOffThreads, kStagedBarrier);
+        staged_any = true;
+      }
+      if (staged_any) cutlass::arch::NamedBarrier::sync(kHandOffThreads, kFreeBarrier);
+    } else {  // the epilogue warps
+      if (p.gemm_alone != 0) return;
+      const int t = static_cast<int>(threadIdx.x) - 32;
+      bool first = true;
+      for (; work.is_valid(); work = get<0>(scheduler.fetch_next_work(work))) {
+        if (!Staged(p, work)) continue;
+        if (first) cutlass::arch::NamedBarrier::arrive(kHandOffThreads, kFreeBarrier);
+        first = false;
+        EpilogueTile(p, work, storage.staging.tile, t);  // arrives on kFreeBarrier once read
+      }
+    }
+#endif
+  }
+
+ private:
+  // Step 1 (consumer threads): the accumulators, rounded to bf16 pairs (round to nearest even,
+  // as cuBLASLt's bf16 output), into the staging tile at their place in the tile (values v and
+  // v + 1 of the MMA's partition are adjacent columns of a row).
+  template <class Accumulators>
+  CUTLASS_DEVICE static void StageTile(const Accumulators& accumulators, TiledMma tiled_mma,
+                                       int mma_thread, uint16_t* staging) {
+    using namespace cute;
+    const Tensor coords =
+        tiled_mma.get_thread_slice(mma_thread)
+            .partition_C(make_identity_tensor(Shape<Int<Form::kTileM>, Int<Form::kTileN>>{}));
+    CUTE_STATIC_ASSERT_V(size(coords) == size(accumulators));
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < size(accumulators); v += 2) {
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(accumulators(v), accumulators(v + 1));
+      *reinterpret_cast<__nv_bfloat162*>(staging + get<0>(coords(v)) * Form::kPitch +
+                                         get<1>(coords(v))) = pair;
+    }
+  }
+
+  // Steps 2 to 4 of a staged tile (epilogue thread t): each half-warp takes rows half_warp + 6j,
+  // both heads of each, as NormRopeStoreEpilogue takes a row of one head. The weights and the
+  // first row's position and cos/sin are loaded before the tile is staged; each row's cos/sin
+  // during the row before it, and its position during the row before that.
+  template <class WorkTile>
+  CUTLASS_DEVICE static void EpilogueTile(const EpilogueParams& p, const WorkTile& work,
+                                          const uint16_t* staging, int t) {
+    constexpr int kHalfWarps = kEpilogueThreads / kHeadLanes;
+    const TileOf tile = TileAt<Form::kTileM, Form::kTileN>(
+        p, cute::make_coord(work.M_idx, work.N_idx, cute::_, work.L_idx));
+    const bool only = p.projection_only != 0;
+    const int lane = t % kHeadLanes, half_warp = t / kHeadLanes;
+    HeadOf head[Form::kHeads];
+    bool norm[Form::kHeads];
+    bool any_norm = false;
+    uint4 w[Form::kHeads] = {};
+    TileDest dest[Form::kHeads];
+    CUTLASS_PRAGMA_UNROLL
+    for (int hh = 0; hh < Form::kHeads; ++hh) {
+      head[hh] = HeadAt(p, tile, hh);
+      norm[hh] = head[hh].in_problem && head[hh].plane < 2 && !only;
+      any_norm = any_norm || norm[hh];
+      if (norm[hh]) w[hh] = LoadNormWeightPairs(head[hh].plane == 0 ? p.q_norm : p.k_norm, lane);
+      dest[hh] = DestOf(p, head[hh].plane, head[hh].head);
+    }
+    const int64_t first_row = int64_t{tile.m_tile} * Form::kTileM;
+    const auto position = [&](int r) {
+      const int64_t row = first_row + r;
+      return any_norm && r < Form::kTileM && row < p.rows ? p.positions[row] : 0;
+    };
+    const auto cos_sin = [&](int32_t pos) {
+      return any_norm ? LoadCosSin(CosSinRow(p.cos_sin, pos, p.shape.max_pos), lane) : CosSin{};
+    };
+    const bool cancelled = !only && WarpCancelled(p);
+    CosSin next = cos_sin(position(half_warp));
+    int32_t pos_after = position(half_warp + kHalfWarps);
+    cutlass::arch::NamedBarrier::sync(kHandOffThreads, kStagedBarrier);
+    for (int r = half_warp; r < Form::kTileM; r += kHalfWarps) {  // alike for the warp's halves
+      const CosSin cs = next;
+      next = cos_sin(pos_after);
+      pos_after = position(r + 2 * kHalfWarps);
+      const int64_t row = first_row + r;
+      const bool valid = row < p.rows;
+      CUTLASS_PRAGMA_UNROLL
+      for (int hh = 0; hh < Form::kHeads; ++hh) {
+        if (!head[hh].in_problem) continue;
+        uint4 raw = *reinterpret_cast<const uint4*>(staging + r * Form::kPitch + hh * kHeadDim +
+                                                    lane * kHeadVec);
+        if (valid && p.projection != nullptr) {
+          *reinterpret_cast<uint4*>(p.projection + row * tile.features + head[hh].n +
+                                    lane * kHeadVec) = raw;
+        }
+        if (only) continue;
+        if (norm[hh]) NormRopeHead(raw, valid, w[hh], cs);  // alike for every lane of the tile
+        if (valid && !cancelled) {
+          *reinterpret_cast<uint4*>(dest[hh].out + DestRowOffset(p, dest[hh], row) +
+                                    lane * kHeadVec) = raw;
+        }
+      }
+    }
+    // The staging tile is read: the consumers may stage the next (the last tile's arrival is
+    // the caller's). Then readiness (ArriveTile), after every thread's stores.
+    cutlass::arch::NamedBarrier::arrive(kHandOffThreads, kFreeBarrier);
+    if (p.counters != nullptr) {
+      cutlass::arch::NamedBarrier::sync(kEpilogueThreads, kEpilogueTileBarrier);
+      if (t == 0) ArriveTile(p, tile.m_tile);
+    }
+  }
+};
+
+// EpilogueWarpgroupKernel as CutlassEpilogueGemm takes a kernel (EpilogueKernel's members).
+template <int kClusterM>
+struct EpilogueWarpgroupGemm {
+  static constexpr int kCluster = kClusterM;
+  static constexpr const char* kName = "cooperative";
+  using Epilogue = EpilogueWarpgroupForm;
+  using Kernel = EpilogueWarpgroupKernel<kClusterM>;
+  using CollectiveMainloop = typename Kernel::CollectiveMainloop;
 };
 
 // The GEMM kernel with this epilogue: CUTLASS's ping-pong schedule on 128 x 128 tiles (one
@@ -726,6 +1029,8 @@ absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t featu
     return Make<PingpongKernel<2>>(features, hidden, device, sms);
   if (schedule == EpilogueSchedule::kCooperativeCluster2TwoHeads)
     return Make<CooperativeRegisterKernel<2>>(features, hidden, device, sms);
+  if (schedule == EpilogueSchedule::kCooperativeEpilogueWarpgroup)
+    return Make<EpilogueWarpgroupGemm<2>>(features, hidden, device, sms);
   return Make<PingpongKernel<1>>(features, hidden, device, sms);
 }
 

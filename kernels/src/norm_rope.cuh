@@ -122,11 +122,13 @@ __device__ __forceinline__ void NormRopeVec(uint4& raw, const float (&y)[kHeadVe
 
 /// RMSNorm + interleaved RoPE of one head in registers (NormRopeRef's steps 2 and 3). Lane
 /// `lane` (0..15) of a half-warp holds elements [8*lane, 8*lane + 8) of the head in `raw`,
-/// `w` its norm weights (LoadNormWeights) and `cs` the cos/sin of its pairs for the token's
-/// position (LoadCosSin). Every lane of the warp must call this together (the sum of squares
-/// is a half-warp xor butterfly); a lane with `apply` false takes part in the sum and leaves
-/// `raw` as it is (a lane without an item, or a V head); its `w` and `cs` are not read.
-__device__ __forceinline__ void NormRopeHead(uint4& raw, bool apply, const float (&w)[kHeadVec],
+/// `w` its norm weights (LoadNormWeights as floats, or LoadNormWeightPairs as stored) and
+/// `cs` the cos/sin of its pairs for the token's position (LoadCosSin). Every lane of the
+/// warp must call this together (the sum of squares is a half-warp xor butterfly); a lane
+/// with `apply` false takes part in the sum and leaves `raw` as it is (a lane without an
+/// item, or a V head); its `w` and `cs` are not read.
+template <class Weights>
+__device__ __forceinline__ void NormRopeHead(uint4& raw, bool apply, const Weights& w,
                                              const CosSin& cs) {
   float y[kHeadVec];
   Unpack(raw, y);

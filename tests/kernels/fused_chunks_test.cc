@@ -290,6 +290,8 @@ TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kPingpongCluster2), "pingpong2");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2TwoHeads),
                "cooperative2h2");
+  EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeEpilogueWarpgroup),
+               "cooperative2ew");
   std::set<std::string> names;
   for (int i = 0; i < kEpilogueSchedules; ++i) {
     names.insert(EpilogueScheduleName(static_cast<EpilogueSchedule>(i + 1)));
