@@ -535,8 +535,11 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
 // epilogue warps arrive once they have read the tile; consumers wait before staging the next).
 // The epilogue warps arrive on kFreeBarrier once before their first tile and the consumers
 // wait on it once after their last, so each side's count of the two is the same. Both sides
-// stage the same tiles: every tile of the scheduler's sequence that is in the problem, none
-// when the epilogue is skipped (gemm_alone).
+// stage the same tiles (Staged): every tile of the scheduler's sequence that is in the problem
+// but the CTA's last, none when the epilogue is skipped (gemm_alone). The last tile's epilogue
+// the consumers run themselves from their registers (NormRopeRegisterEpilogue), beside the
+// epilogue warps' work on the tile before: on 3 warps a tile's epilogue takes longer than on
+// the consumers' 8, and after the last mainloop there is nothing to hide it behind.
 struct EpilogueWarpgroupForm {
   static constexpr int kHeads = 2;
   static constexpr int kTileM = 128;
@@ -570,14 +573,23 @@ struct EpilogueWarpgroupKernel {
 
   static constexpr uint32_t kMmaThreads = cute::size(TiledMma{});
   static_assert(kMmaThreads == 256, "two consumer warpgroups on each tile");
-  // Every thread keeps the registers it starts with (168: the consumers' MMA needs about 154,
-  // the epilogue warps fewer), so no warpgroup reconfigures its count.
   static constexpr uint32_t MaxThreadsPerBlock = kMmaThreads + cutlass::NumThreadsPerWarpGroup;
   static constexpr uint32_t MinBlocksPerMultiprocessor = 1;
+  // Registers per thread after the start (168 each: the block's pool is 168 x 384, and an
+  // increase waits until the pool has the registers): the producer warpgroup (the TMA warp and
+  // the epilogue warps) gives up 80 of them, and the consumers take them for their last tile's
+  // epilogue from registers.
+  static constexpr uint32_t kStartRegisters = 65536 / MaxThreadsPerBlock / 8 * 8;
+  static constexpr uint32_t kProducerRegisters = 88;
+  static constexpr uint32_t kConsumerRegisters = 208;
+  static_assert(kProducerRegisters * cutlass::NumThreadsPerWarpGroup +
+                    kConsumerRegisters * kMmaThreads <=
+                kStartRegisters * MaxThreadsPerBlock);
   static constexpr int kEpilogueThreads = cutlass::NumThreadsPerWarpGroup - 32;  // warps 1 to 3
   static constexpr uint32_t kHandOffThreads = kMmaThreads + kEpilogueThreads;
-  // User named barriers (CUTLASS offsets them past the ones it reserves).
-  static constexpr uint32_t kStagedBarrier = 0, kFreeBarrier = 1, kEpilogueTileBarrier = 2;
+  // User named barriers (CUTLASS offsets them past the ones it reserves), past the one of
+  // NormRopeRegisterEpilogue (EpilogueBarrier), which the consumers run on their last tile.
+  static constexpr uint32_t kStagedBarrier = 2, kFreeBarrier = 3, kEpilogueTileBarrier = 4;
 
   struct SharedStorage {
     typename CollectiveMainloop::TensorStorage mainloop;  // first: the most aligned place
@@ -628,11 +640,15 @@ struct EpilogueWarpgroupKernel {
   }
   static dim3 get_block_shape() { return dim3(MaxThreadsPerBlock, 1, 1); }
 
-  // Whether a tile is staged for the epilogue warpgroup: alike on both sides of the hand-off.
+  // Whether a tile is staged for the epilogue warps: alike on both sides of the hand-off. The
+  // CTA's last tile is not: its consumers, with nothing left to multiply, run its epilogue
+  // themselves from their registers (NormRopeRegisterEpilogue, twice the threads), beside the
+  // epilogue warps' work on the tile before.
   template <class WorkTile>
-  CUTLASS_DEVICE static bool Staged(const EpilogueParams& p, const WorkTile& work) {
+  CUTLASS_DEVICE static bool Staged(const EpilogueParams& p, const TileScheduler& scheduler,
+                                    WorkTile& work) {
     return p.gemm_alone == 0 && work.N_idx < p.n_tiles &&
-           int64_t{work.M_idx} * Form::kTileM < p.rows;
+           int64_t{work.M_idx} * Form::kTileM < p.rows && !scheduler.is_last_tile(work);
   }
 
   CUTLASS_DEVICE void operator()(const Params& params, char* smem) {
@@ -667,6 +683,7 @@ struct EpilogueWarpgroupKernel {
     auto work = scheduler.initial_work_tile_info(ClusterShape{});
     const EpilogueParams& p = params.epilogue;
 
+    if (warp_group == 0) cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     if (warp == 0) {  // the producer: loads every tile's operands
       const auto inputs = mainloop.load_init(problem, params.mainloop);
       const auto gA = get<0>(inputs);
@@ -682,22 +699,29 @@ struct EpilogueWarpgroupKernel {
       }
       mainloop.load_tail(pipeline, write);
     } else if (warp_group > 0) {  // the consumers: mainloop, then the staging stores
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
       const int mma_thread = static_cast<int>(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
       TiledMma tiled_mma;
       PipelineState read;
       bool staged_any = false;
+      auto accumulators = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
       for (; work.is_valid(); work = get<0>(scheduler.fetch_next_work(work))) {
-        auto accumulators = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
         const int k_tiles = TileScheduler::get_work_k_tile_count(work, problem, TileShape{});
         mainloop.mma(pipeline, read, accumulators, k_tiles, mma_thread, storage.mainloop,
                      params.mainloop);
         mainloop.mma_tail(pipeline, read, k_tiles);
         read.advance(k_tiles);
-        if (!Staged(p, work)) continue;
+        if (scheduler.is_last_tile(work)) break;
+        if (!Staged(p, scheduler, work)) continue;
         cutlass::arch::NamedBarrier::sync(kHandOffThreads, kFreeBarrier);
         StageTile(accumulators, tiled_mma, mma_thread, storage.staging.tile);
         cutlass::arch::NamedBarrier::arrive(kHandOffThreads, kStagedBarrier);
         staged_any = true;
+      }
+      if (work.is_valid()) {  // the last tile: its epilogue here, from the registers
+        NormRopeRegisterEpilogue last(p);
+        last(problem, TileShape{}, make_coord(work.M_idx, work.N_idx, _, work.L_idx),
+             accumulators, tiled_mma, TileShape{}, mma_thread, nullptr);
       }
       if (staged_any) cutlass::arch::NamedBarrier::sync(kHandOffThreads, kFreeBarrier);
     } else {  // the epilogue warps
@@ -705,7 +729,7 @@ struct EpilogueWarpgroupKernel {
       const int t = static_cast<int>(threadIdx.x) - 32;
       bool first = true;
       for (; work.is_valid(); work = get<0>(scheduler.fetch_next_work(work))) {
-        if (!Staged(p, work)) continue;
+        if (!Staged(p, scheduler, work)) continue;
         if (first) cutlass::arch::NamedBarrier::arrive(kHandOffThreads, kFreeBarrier);
         first = false;
         EpilogueTile(p, work, storage.staging.tile, t);  // arrives on kFreeBarrier once read
