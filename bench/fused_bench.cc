@@ -698,7 +698,8 @@ int Main(int argc, char** argv) {
                  "2), cooperative2h2 (128 x 256 tiles of two heads, clusters of 2, the "
                  "epilogue from registers) or cooperative2ew (the same tiles, the epilogue on a "
                  "warpgroup of its own beside the next tile's mainloop)")
-      ->check(CLI::IsMember({"auto", "pingpong", "pingpong2", "cooperative2h2", "cooperative2ew"}));
+      ->check(
+          CLI::IsMember({"auto", "pingpong", "pingpong2", "cooperative2h2", "cooperative2ew"}));
   app.add_option("--readiness", opt.readiness,
                  "none: the paths as the daemon runs them; words: each chunk also publishes its "
                  "readiness word per destination")

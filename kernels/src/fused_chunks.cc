@@ -48,7 +48,7 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
 }
 
 EpilogueSchedule EpilogueScheduleFor(int64_t rows) {
-  if (rows >= 2048) return EpilogueSchedule::kCooperativeCluster2TwoHeads;
+  if (rows >= 2048) return EpilogueSchedule::kCooperativeEpilogueWarpgroup;
   // Clusters of 2 round an odd count of 128-row tiles up by one: single CTAs where that tile
   // would be more than an eighth of the call's.
   const int64_t tiles = (rows + kChunkAlignRows - 1) / kChunkAlignRows;

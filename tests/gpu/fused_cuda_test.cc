@@ -777,7 +777,7 @@ TEST_P(GpuFusedQkvTest, EveryEpilogueScheduleMatchesTheReference) {
     EXPECT_EQ(describe.find("from registers") != std::string::npos,
               schedule_ == EpilogueSchedule::kCooperativeCluster2TwoHeads)
         << describe;
-    EXPECT_EQ(describe.find("by a warpgroup of its own") != std::string::npos,
+    EXPECT_EQ(describe.find("by warps of its own") != std::string::npos,
               schedule_ == EpilogueSchedule::kCooperativeEpilogueWarpgroup)
         << describe;
     // Readiness chunks of 128 rows (a row tile each) and of 256 rows (two row tiles each);

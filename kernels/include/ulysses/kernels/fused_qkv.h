@@ -52,10 +52,11 @@ static_assert(static_cast<int>(EpilogueSchedule::kCooperativeEpilogueWarpgroup) 
 const char* EpilogueScheduleName(EpilogueSchedule schedule);
 
 /// kAuto's rule, from the measurements of docs/benchmarks.md (one H100, 2026-12-07): the
-/// cooperative kernel from 2048 rows a call (on tiles of one head the fastest there on 13 of
-/// 14 rows; on tiles of two heads faster still, on every row); below,
-/// clusters of 2 of the ping-pong kernel (faster than single CTAs at 512 and 1024 rows),
-/// except on an odd count of up to 7 row tiles, which clusters of 2 would pad by a tile.
+/// cooperative kernel with epilogue warps from 2048 rows a call (faster than the cooperative
+/// kernel with its epilogue between mainloops on all 14 rows measured there, which was the
+/// fastest of the others); below, clusters of 2 of the ping-pong kernel (faster than single
+/// CTAs at 512 and 1024 rows), except on an odd count of up to 7 row tiles, which clusters of
+/// 2 would pad by a tile.
 EpilogueSchedule EpilogueScheduleFor(int64_t rows);
 
 /// What a plan is made for. The weights are device pointers the caller keeps alive and
