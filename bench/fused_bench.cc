@@ -696,8 +696,8 @@ int Main(int argc, char** argv) {
   app.add_option("--epilogue-schedule", opt.epilogue_schedule,
                  "the epilogue path's GEMM: auto, pingpong (single CTAs), pingpong2 (clusters of "
                  "2), cooperative2h2 (128 x 256 tiles of two heads, clusters of 2, the "
-                 "epilogue from registers) or cooperative2ew (the same tiles, the epilogue on a "
-                 "warpgroup of its own beside the next tile's mainloop)")
+                 "epilogue from registers) or cooperative2ew (the same tiles, the epilogue on "
+                 "warps of its own beside the next tile's mainloop)")
       ->check(
           CLI::IsMember({"auto", "pingpong", "pingpong2", "cooperative2h2", "cooperative2ew"}));
   app.add_option("--readiness", opt.readiness,

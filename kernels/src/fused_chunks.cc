@@ -41,14 +41,14 @@ const char* EpilogueScheduleName(EpilogueSchedule schedule) {
       return "pingpong2";
     case EpilogueSchedule::kCooperativeCluster2TwoHeads:
       return "cooperative2h2";
-    case EpilogueSchedule::kCooperativeEpilogueWarpgroup:
+    case EpilogueSchedule::kCooperativeEpilogueWarps:
       return "cooperative2ew";
   }
   return "unknown";
 }
 
 EpilogueSchedule EpilogueScheduleFor(int64_t rows) {
-  if (rows >= 2048) return EpilogueSchedule::kCooperativeEpilogueWarpgroup;
+  if (rows >= 2048) return EpilogueSchedule::kCooperativeEpilogueWarps;
   // Clusters of 2 round an odd count of 128-row tiles up by one: single CTAs where that tile
   // would be more than an eighth of the call's.
   const int64_t tiles = (rows + kChunkAlignRows - 1) / kChunkAlignRows;

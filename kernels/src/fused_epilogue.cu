@@ -2,12 +2,14 @@
 // warp-specialized mainloop, ping-pong (a 128-row tile of one head per consumer warpgroup) or
 // cooperative (a 128-row tile of two heads for both), with a persistent swizzled tile scheduler
 // on single CTAs or clusters of 2, and an epilogue of our own in the operator form that
-// CUTLASS's Sm90TmaWarpSpecializedAdapter runs in place of its TMA epilogues.
+// CUTLASS's Sm90TmaWarpSpecializedAdapter runs in place of its TMA epilogues; and the
+// cooperative mainloop in a kernel of our own whose epilogue runs on warps of its own beside
+// the next tile's mainloop (EpilogueWarpsKernel).
 //
 // Per output tile (128 token rows of one or two heads):
 //   1. the consumer threads round their accumulators to bf16: into a padded shared-memory
-//      tile (NormRopeStoreEpilogue, ping-pong), or they keep them in registers
-//      (NormRopeRegisterEpilogue, cooperative);
+//      tile (NormRopeStoreEpilogue, ping-pong; EpilogueWarpsKernel, for its epilogue warps),
+//      or they keep them in registers (NormRopeRegisterEpilogue, cooperative);
 //   2. whole rows of 16-byte vectors (a half-warp's from the shared tile, or a quad's after
 //      a transpose in registers) get RMSNorm + RoPE (Q and K) through the norm_rope.cu
 //      kernels' device functions, so the step is bit for bit that of the other paths on the
@@ -517,7 +519,7 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
   Params const* params_;
 };
 
-// The cooperative kernel with warps of its own for the epilogue (EpilogueWarpgroupKernel):
+// The cooperative kernel with warps of its own for the epilogue (EpilogueWarpsKernel):
 // CUTLASS's mainloop collective (the cooperative schedule's two consumer warpgroups on one
 // 128 x 256 tile of two heads, fed by a TMA producer warp) and persistent tile scheduler, in a
 // kernel of our own whose producer warpgroup's other three warps (idle in CUTLASS's kernel) run
@@ -540,20 +542,21 @@ class NormRopeRegisterEpilogue : public EpilogueOperatorBase {
 // the consumers run themselves from their registers (NormRopeRegisterEpilogue), beside the
 // epilogue warps' work on the tile before: on 3 warps a tile's epilogue takes longer than on
 // the consumers' 8, and after the last mainloop there is nothing to hide it behind.
-struct EpilogueWarpgroupForm {
+struct EpilogueWarpsForm {
   static constexpr int kHeads = 2;
   static constexpr int kTileM = 128;
   static constexpr int kTileN = kHeads * kHeadDim;
   static constexpr int kPitch = kTileN + 8;  // bf16 elements per staged row: no bank conflicts
-  static constexpr const char* kForm = " from a shared tile by warps of its own, two heads a tile";
+  static constexpr const char* kForm =
+      " from a shared tile by warps of its own, two heads a tile";
   struct Staging {
     alignas(128) uint16_t tile[kTileM * kPitch];
   };
 };
 
 template <int kClusterM>
-struct EpilogueWarpgroupKernel {
-  using Form = EpilogueWarpgroupForm;
+struct EpilogueWarpsKernel {
+  using Form = EpilogueWarpsForm;
   using TileShape =
       cute::Shape<cute::Int<Form::kTileM>, cute::Int<Form::kTileN>, cute::Int<kTileK>>;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
@@ -642,7 +645,7 @@ struct EpilogueWarpgroupKernel {
 
   // Whether a tile is staged for the epilogue warps: alike on both sides of the hand-off. The
   // CTA's last tile is not: its consumers, with nothing left to multiply, run its epilogue
-  // themselves from their registers (NormRopeRegisterEpilogue, twice the threads), beside the
+  // themselves from their registers (NormRopeRegisterEpilogue, on 8 warps, not 3), beside the
   // epilogue warps' work on the tile before.
   template <class WorkTile>
   CUTLASS_DEVICE static bool Staged(const EpilogueParams& p, const TileScheduler& scheduler,
@@ -818,8 +821,8 @@ struct EpilogueWarpgroupKernel {
         }
       }
     }
-    // The staging tile is read: the consumers may stage the next (the last tile's arrival is
-    // the caller's). Then readiness (ArriveTile), after every thread's stores.
+    // The staging tile is read: the consumers may stage the next (the caller arrives once more,
+    // before its first tile). Then readiness (ArriveTile), after every thread's stores.
     cutlass::arch::NamedBarrier::arrive(kHandOffThreads, kFreeBarrier);
     if (p.counters != nullptr) {
       cutlass::arch::NamedBarrier::sync(kEpilogueThreads, kEpilogueTileBarrier);
@@ -828,13 +831,13 @@ struct EpilogueWarpgroupKernel {
   }
 };
 
-// EpilogueWarpgroupKernel as CutlassEpilogueGemm takes a kernel (EpilogueKernel's members).
+// EpilogueWarpsKernel as CutlassEpilogueGemm takes a kernel (EpilogueKernel's members).
 template <int kClusterM>
-struct EpilogueWarpgroupGemm {
+struct EpilogueWarpsGemm {
   static constexpr int kCluster = kClusterM;
   static constexpr const char* kName = "cooperative";
-  using Epilogue = EpilogueWarpgroupForm;
-  using Kernel = EpilogueWarpgroupKernel<kClusterM>;
+  using Epilogue = EpilogueWarpsForm;
+  using Kernel = EpilogueWarpsKernel<kClusterM>;
   using CollectiveMainloop = typename Kernel::CollectiveMainloop;
 };
 
@@ -1053,8 +1056,8 @@ absl::StatusOr<std::unique_ptr<EpilogueGemm>> EpilogueGemm::Create(int64_t featu
     return Make<PingpongKernel<2>>(features, hidden, device, sms);
   if (schedule == EpilogueSchedule::kCooperativeCluster2TwoHeads)
     return Make<CooperativeRegisterKernel<2>>(features, hidden, device, sms);
-  if (schedule == EpilogueSchedule::kCooperativeEpilogueWarpgroup)
-    return Make<EpilogueWarpgroupGemm<2>>(features, hidden, device, sms);
+  if (schedule == EpilogueSchedule::kCooperativeEpilogueWarps)
+    return Make<EpilogueWarpsGemm<2>>(features, hidden, device, sms);
   return Make<PingpongKernel<1>>(features, hidden, device, sms);
 }
 

@@ -778,7 +778,7 @@ TEST_P(GpuFusedQkvTest, EveryEpilogueScheduleMatchesTheReference) {
               schedule_ == EpilogueSchedule::kCooperativeCluster2TwoHeads)
         << describe;
     EXPECT_EQ(describe.find("by warps of its own") != std::string::npos,
-              schedule_ == EpilogueSchedule::kCooperativeEpilogueWarpgroup)
+              schedule_ == EpilogueSchedule::kCooperativeEpilogueWarps)
         << describe;
     // Readiness chunks of 128 rows (a row tile each) and of 256 rows (two row tiles each);
     // RunPath checks every chunk's word.

@@ -165,8 +165,8 @@ TEST(FusedChunksTest, EpilogueChunksAreWholeTilesAndAsManyAsTheChunkedPaths) {
 }
 
 TEST(FusedChunksTest, EpilogueScheduleIsCooperativeFrom2048RowsAndClustersBelow) {
-  EXPECT_EQ(EpilogueScheduleFor(2048), EpilogueSchedule::kCooperativeEpilogueWarpgroup);
-  EXPECT_EQ(EpilogueScheduleFor(65536), EpilogueSchedule::kCooperativeEpilogueWarpgroup);
+  EXPECT_EQ(EpilogueScheduleFor(2048), EpilogueSchedule::kCooperativeEpilogueWarps);
+  EXPECT_EQ(EpilogueScheduleFor(65536), EpilogueSchedule::kCooperativeEpilogueWarps);
   // Below: clusters of 2 on an even count of 128-row tiles, or on more than 8 ...
   for (int64_t rows : {129, 256, 512, 1000, 1024, 1025, 1152, 2047})
     EXPECT_EQ(EpilogueScheduleFor(rows), EpilogueSchedule::kPingpongCluster2) << rows;
@@ -290,7 +290,7 @@ TEST(FusedChunksTest, EverySchedulesNameIsItsOwn) {
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kPingpongCluster2), "pingpong2");
   EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeCluster2TwoHeads),
                "cooperative2h2");
-  EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeEpilogueWarpgroup),
+  EXPECT_STREQ(EpilogueScheduleName(EpilogueSchedule::kCooperativeEpilogueWarps),
                "cooperative2ew");
   std::set<std::string> names;
   for (int i = 0; i < kEpilogueSchedules; ++i) {

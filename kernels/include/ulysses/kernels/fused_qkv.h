@@ -33,19 +33,20 @@ inline constexpr int32_t kMaxFusedChunks = 32;
 /// tile through TMA multicast; kCooperativeCluster2TwoHeads is CUTLASS's cooperative kernel
 /// (both consumer warpgroups on one 128 x 256 tile of two heads, then on its epilogue, which
 /// works from the accumulators in registers and reads a row's cos/sin once for both heads) in
-/// clusters of 2; kCooperativeEpilogueWarpgroup is the same mainloop on the same tiles in a
-/// kernel with a fourth warpgroup that runs each tile's epilogue from a shared staging tile
-/// beside the next tile's mainloop; kAuto picks per call (EpilogueScheduleFor).
+/// clusters of 2; kCooperativeEpilogueWarps is the same mainloop on the same tiles in a
+/// kernel of our own whose producer warpgroup's three idle warps run each tile's epilogue from
+/// a shared staging tile beside the next tile's mainloop; kAuto picks per call
+/// (EpilogueScheduleFor).
 enum class EpilogueSchedule {
   kAuto,
   kPingpong,
   kPingpongCluster2,
   kCooperativeCluster2TwoHeads,
-  kCooperativeEpilogueWarpgroup
+  kCooperativeEpilogueWarps
 };
 /// The schedules a plan can be made with (kAuto excluded), in the enum's order.
 inline constexpr int kEpilogueSchedules = 4;
-static_assert(static_cast<int>(EpilogueSchedule::kCooperativeEpilogueWarpgroup) ==
+static_assert(static_cast<int>(EpilogueSchedule::kCooperativeEpilogueWarps) ==
               kEpilogueSchedules);
 /// The schedule's name as the benchmark spells it: "pingpong", "pingpong2", "cooperative2h2",
 /// "cooperative2ew" ("auto" for kAuto).
