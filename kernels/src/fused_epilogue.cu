@@ -886,6 +886,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
   using GemmKernel = typename K::Kernel;
   static constexpr int kTileM = K::Epilogue::kTileM;
   static constexpr int kTileN = K::Epilogue::kTileN;
+  static constexpr int kTileDepth = cute::size<2>(typename GemmKernel::TileShape{});
   CutlassEpilogueGemm(int64_t features, int64_t hidden, int device, int sms)
       : features_(features), hidden_(hidden), device_(device), sms_(sms) {}
 
@@ -929,7 +930,7 @@ class CutlassEpilogueGemm final : public EpilogueGemm {
 
   std::string Description() const override {
     return absl::StrCat("cutlass sm90a tma warp-specialized ", K::kName, ", persistent, tile ",
-                        kTileM, "x", kTileN, "x", kTileK, ", cluster ", K::kCluster,
+                        kTileM, "x", kTileN, "x", kTileDepth, ", cluster ", K::kCluster,
                         "x1, swizzle up to 8, ", K::CollectiveMainloop::DispatchPolicy::Stages,
                         " stages, epilogue norm_rope_store", K::Epilogue::kForm);
   }
