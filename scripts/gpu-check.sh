@@ -129,6 +129,12 @@ stage() {
   [ $rc -eq 0 ] || failed=1
 }
 want() { [[ ",$stages," == *",$1,"* ]]; }
+# What the daemons started from here should report of MPS (GpuCluster.ReportsWhetherItRunsUnderMps).
+expect_mps() {
+  ULYSSES_TEST_EXPECT_MPS=no-mps
+  mps_running && ULYSSES_TEST_EXPECT_MPS=mps
+  export ULYSSES_TEST_EXPECT_MPS
+}
 nccl_filter='*nccl*:NcclCluster.*:*NcclSemantics*'
 
 {
@@ -141,10 +147,12 @@ if want nccl; then
   if mps_running; then
     echo "gpu-check: an MPS server runs already; the nccl stage runs under it" | tee -a "$summary"
   fi
+  expect_mps
   stage nccl "$(program gpu_daemon_test)" --gtest_filter="$nccl_filter"
 fi
 mps_start gpu-check
 if mps_running; then echo "mps on" | tee -a "$summary"; else echo "mps off" | tee -a "$summary"; fi
+expect_mps
 if want tests; then
   stage kernels "$(program gpu_kernels_test)"
   stage daemon "$(program gpu_daemon_test)" --gtest_filter="-$nccl_filter"

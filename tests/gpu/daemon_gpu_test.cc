@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -1347,6 +1348,10 @@ TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
   const std::string ready = dir_ + "/gpu-phase.ready";
   const std::string members = Members(2)[0] + "," + Members(2)[1];
   const std::string program = PhaseClientPath();
+  // Without it rank 1 would only show as a rendezvous that timed out.
+  ASSERT_EQ(::access(program.c_str(), X_OK), 0)
+      << "the phase client " << program << " cannot be run here: " << std::strerror(errno)
+      << "; GPU_PHASE_CLIENT names it where the build was copied to another machine";
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::execl(program.c_str(), program.c_str(), "--members", members.c_str(), "--rank",
