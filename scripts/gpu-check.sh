@@ -5,14 +5,19 @@
 # gathered in one folder (--bin) with the shared libraries they need (--lib).
 #
 #   scripts/gpu-check.sh [--bin DIR] [--lib DIR] [--python PATH] [--stages LIST] [--commit C]
-#                        [--stage-limit SECONDS] OUT
+#                        [--stage-limit SECONDS] [--fused-shards N] OUT
 #
 # --stage-limit: a stage still running after SECONDS is stopped (TERM, then KILL 10 s later)
 # and recorded as FAILED(124); the stages after it still run. Default 0: no limit.
+# --fused-shards: the fused kernel cases run as N processes at once on the GPU, each a gtest
+# shard of them (scripts/lib/gtest-shards.sh). Default 4.
 # Stages, in this order (default: all):
 #   nccl      the nccl backend's GPU cases, each daemon its own NCCL_HOSTID (NCCL's socket
 #             transport: a test mode), without MPS
-#   tests     every other GPU case of gpu_kernels_test and gpu_daemon_test, under MPS
+#   tests     every other GPU case of gpu_kernels_test and gpu_daemon_test, under MPS, as the
+#             stages kernels (the exchange kernels' cases), kernels-fused (the fused kernel
+#             cases, in shards at once), kernels-beside (the cases of work beside a stream
+#             wait, alone on the GPU) and daemon
 #   python    tests/python/test_gpu.py (torch CUDA tensors; skipped without torch)
 #   demo      ulysses-demo --ranks 4 --backend auto (what scripts/demo.sh runs), under MPS
 #   overhead  ulysses-gpu-bench's per-call overhead at W = 1 (64 KiB to 4 MiB), both paths,
@@ -28,7 +33,7 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 
 bin="" lib="" python=python3 stages="nccl,tests,python,demo,overhead,handoff,queues,fused" commit="" out=""
-limit=0
+limit=0 fused_shards=4
 while [ $# -gt 0 ]; do
   case "$1" in
     --bin) bin="$2"; shift 2 ;;
@@ -37,7 +42,8 @@ while [ $# -gt 0 ]; do
     --stages) stages="$2"; shift 2 ;;
     --commit) commit="$2"; shift 2 ;;
     --stage-limit) limit="$2"; shift 2 ;;
-    -h|--help) sed -n 2,25p "$0"; exit 0 ;;
+    --fused-shards) fused_shards="$2"; shift 2 ;;
+    -h|--help) sed -n 2,31p "$0"; exit 0 ;;
     -*) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
     *) out="$1"; shift ;;
   esac
@@ -48,6 +54,10 @@ if [ -z "$out" ]; then
 fi
 if ! [[ "$limit" =~ ^[0-9]+$ ]]; then
   echo "gpu-check: --stage-limit: '$limit' is not a number of seconds" >&2
+  exit 2
+fi
+if ! [[ "$fused_shards" =~ ^[1-9][0-9]*$ ]]; then
+  echo "gpu-check: --fused-shards: '$fused_shards' is not a positive count" >&2
   exit 2
 fi
 for s in ${stages//,/ }; do
@@ -154,7 +164,10 @@ mps_start gpu-check
 if mps_running; then echo "mps on" | tee -a "$summary"; else echo "mps off" | tee -a "$summary"; fi
 expect_mps
 if want tests; then
-  stage kernels "$(program gpu_kernels_test)"
+  stage kernels "$(program gpu_kernels_test)" --gtest_filter='-*Fused*:*BesideAWait*'
+  stage kernels-fused bash "$root/scripts/lib/gtest-shards.sh" --logs "$out/kernels-fused" \
+    "$fused_shards" "$(program gpu_kernels_test)" --gtest_filter='*Fused*:-*BesideAWait*'
+  stage kernels-beside "$(program gpu_kernels_test)" --gtest_filter='*BesideAWait*'
   stage daemon "$(program gpu_daemon_test)" --gtest_filter="-$nccl_filter"
 fi
 if want python; then

@@ -2,9 +2,10 @@
 # gpu_check_test.sh: scripts/gpu-check.sh's plumbing without a GPU. Stand-in programs (each
 # prints its arguments and the environment the stages need) and a stand-in nvidia-smi: every
 # stage runs its program with the right arguments and environment and gets its log and its
-# summary line; a failing stage, or one stopped at --stage-limit, makes the run exit non-zero
-# and says FAILED, and the stages after it still run; bad arguments and a missing program are
-# refused before anything runs.
+# summary line; the fused kernel cases run as --fused-shards gtest shards at once; the daemon
+# tests are told what MPS to expect; a failing stage or shard, or a stage stopped at
+# --stage-limit, makes the run exit non-zero and says FAILED, and the stages after it still
+# run; bad arguments and a missing program are refused before anything runs.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 check="$here/../../scripts/gpu-check.sh"
@@ -17,7 +18,10 @@ for p in ulyssesd gpu_kernels_test gpu_daemon_test gpu_phase_client ulysses-demo
          ulysses-gpu-bench ulysses-fused-bench libulysses_client.so.1; do
   cat > "$dir/bin/$p" <<STUB
 #!/usr/bin/env bash
-echo "$p \$* ULYSSESD=\$ULYSSESD EAGER=\$CUDA_MODULE_LOADING NVLS=\$NCCL_NVLS_ENABLE"
+echo "$p \$* ULYSSESD=\$ULYSSESD EAGER=\$CUDA_MODULE_LOADING NVLS=\$NCCL_NVLS_ENABLE" \
+  "MPS=\${ULYSSES_TEST_EXPECT_MPS:-} SHARD=\${GTEST_SHARD_INDEX:-}/\${GTEST_TOTAL_SHARDS:-}"
+echo "[  PASSED  ] 1 test."
+[ "$p" != gpu_kernels_test ] || [ "\${FUSED_SHARD_FAILS:-x}" != "\${GTEST_SHARD_INDEX:-}" ] || exit 4
 [ "$p" != ulysses-demo ] || [ -z "\${DEMO_FAILS:-}" ] || exit 3
 [ "$p" != ulysses-demo ] || [ -z "\${DEMO_HANGS:-}" ] || exec sleep 600
 STUB
@@ -53,7 +57,7 @@ summary="$dir/out/summary.txt"
 grep -q "^commit c0ffee$" "$summary" || fail "no commit line"
 grep -q "^gpu stand-in GPU, 1.0$" "$summary" || fail "no gpu line"
 grep -q "^mps off$" "$summary" || fail "no mps line"
-for s in nccl kernels daemon demo overhead-grpc overhead-ring overhead-ring-noprobe handoff queues \
+for s in nccl kernels kernels-fused kernels-beside daemon demo overhead-grpc overhead-ring overhead-ring-noprobe handoff queues \
          fused-projection fused-pinning; do
   grep -Eq "^$s +passed" "$summary" || fail "stage $s has no passed line"
   [ -s "$dir/out/$s.log" ] || fail "stage $s wrote no log"
@@ -62,6 +66,16 @@ grep -Eq "^python +skipped" "$summary" || fail "the python stage was not skipped
 grep -q -- "--gtest_filter=\*nccl\*:NcclCluster" "$dir/out/nccl.log" || fail "nccl filter"
 grep -q -- "--gtest_filter=-\*nccl\*" "$dir/out/daemon.log" || fail "daemon filter"
 grep -q "ULYSSESD=$dir/bin/ulyssesd EAGER=EAGER NVLS=0" "$dir/out/daemon.log" || fail "environment"
+grep -q "MPS=no-mps SHARD=/$" "$dir/out/daemon.log" || fail "the MPS the daemon tests expect"
+grep -q -- "--gtest_filter=-\*Fused\*:\*BesideAWait\* .*SHARD=/$" "$dir/out/kernels.log" ||
+  fail "the exchange kernels' filter"
+grep -q -- "--gtest_filter=\*BesideAWait\* .*SHARD=/$" "$dir/out/kernels-beside.log" ||
+  fail "the beside-a-wait filter"
+for i in 0 1 2 3; do
+  grep -q -- "--gtest_filter=\*Fused\*:-\*BesideAWait\* .*SHARD=$i/4$" \
+    "$dir/out/kernels-fused.shard$i.log" || fail "fused shard $i of the default 4"
+done
+grep -q "all 4 shards passed" "$dir/out/kernels-fused.log" || fail "the fused shards' last line"
 grep -q -- "--no-grpc --commit c0ffee --json $dir/out/overhead-ring.json" \
   "$dir/out/overhead-ring.log" || fail "the ring overhead arguments"
 grep -q -- "--no-grpc" "$dir/out/overhead-grpc.log" && fail "the grpc overhead run has --no-grpc"
@@ -87,6 +101,16 @@ grep -Eq "^overhead-ring +passed" "$dir/out2/summary.txt" || fail "the stage aft
 grep -q "a stage FAILED" "$dir/stdout2" || fail "the last line does not say a stage failed"
 [ ! -e "$dir/out2/nccl.log" ] || fail "--stages ran a stage it did not name"
 
+# A failing fused shard fails its stage, and the stage's line names it; --fused-shards counts.
+if FUSED_SHARD_FAILS=1 run --stages tests --fused-shards 2 "$dir/out9" > /dev/null; then
+  fail "a failing fused shard exited 0"
+fi
+grep -Eq "^kernels-fused +FAILED\(1\) .*1 of 2 shards FAILED" "$dir/out9/summary.txt" ||
+  fail "no FAILED line naming the failed shard"
+[ -e "$dir/out9/kernels-fused.shard1.log" ] && [ ! -e "$dir/out9/kernels-fused.shard2.log" ] ||
+  fail "--fused-shards 2 did not run 2 shards"
+grep -Eq "^daemon +passed" "$dir/out9/summary.txt" || fail "the stage after a failed shard"
+
 # A stage past --stage-limit is stopped and recorded as failed; the next stage runs.
 if DEMO_HANGS=1 run --stages demo,overhead --stage-limit 2 "$dir/out5" > "$dir/stdout5"; then
   fail "a stage past the limit exited 0"
@@ -97,6 +121,8 @@ grep -Eq "^overhead-ring +passed" "$dir/out5/summary.txt" || fail "the stage aft
 # Refused before anything runs.
 if run --stage-limit soon "$dir/out6" 2> "$dir/err6"; then fail "a bad --stage-limit ran"; fi
 grep -q "stage-limit: 'soon'" "$dir/err6" || fail "the bad limit is not named"
+if run --fused-shards 0 "$dir/out6" 2> "$dir/err6"; then fail "--fused-shards 0 ran"; fi
+grep -q "fused-shards: '0'" "$dir/err6" || fail "the bad shard count is not named"
 if run --stages demo,bogus "$dir/out3" 2> "$dir/err3"; then fail "an unknown stage ran"; fi
 grep -q "unknown stage 'bogus'" "$dir/err3" || fail "the unknown stage is not named"
 mv "$dir/bin/ulysses-fused-bench" "$dir/fused-bench"
