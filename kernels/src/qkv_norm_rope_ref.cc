@@ -1,5 +1,6 @@
 // CPU reference of the fused QKV op: fp32 math, bf16 rounding exactly where DESIGN.md section 4
 // puts it (projection output, normalized value, weighted value, rotated value).
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -50,6 +51,9 @@ const uint16_t* Bf16(const void* p) { return static_cast<const uint16_t*>(p); }
 
 constexpr int32_t kMaxSumPartials = 16;  // lanes of the kernel's half-warp
 
+// Bytes of bf16 rows in a block of QkvProjectRef's rows, and in a block of its features.
+constexpr int64_t kProjectBlockBytes = 128 << 10;
+
 }  // namespace
 
 float HeadSumSquares(const uint16_t* v, int32_t dim) {
@@ -72,8 +76,19 @@ float HeadSumSquares(const uint16_t* v, int32_t dim) {
 void QkvProjectRef(const void* x, const void* w_qkv, int64_t hidden, int64_t features,
                    int64_t row_begin, int64_t row_end, void* qkv) {
   auto* out = static_cast<uint16_t*>(qkv);
-  for (int64_t t = row_begin; t < row_end; ++t) {
-    ProjectFeatures(Bf16(x) + t * hidden, Bf16(w_qkv), hidden, 0, features, out + t * features);
+  // In blocks of rows and features of kProjectBlockBytes each, so that a block's weight rows
+  // are read from cache by all of its token rows (row by row, each token row streamed the
+  // whole of w_qkv from memory). Each output is still one DotBf16: the same bits.
+  const int64_t block = std::max<int64_t>(1, kProjectBlockBytes / (hidden * 2));
+  for (int64_t t0 = row_begin; t0 < row_end; t0 += block) {
+    const int64_t t1 = std::min(row_end, t0 + block);
+    for (int64_t f = 0; f < features; f += block) {
+      const int64_t count = std::min(block, features - f);
+      for (int64_t t = t0; t < t1; ++t) {
+        ProjectFeatures(Bf16(x) + t * hidden, Bf16(w_qkv), hidden, f, count,
+                        out + t * features + f);
+      }
+    }
   }
 }
 

@@ -118,6 +118,35 @@ TEST(QkvNormRopeRefTest, ProjectionIsXTimesWTransposedRoundedToBf16) {
             std::vector<uint16_t>(qkv.begin() + 3, qkv.end()));
 }
 
+// Past the blocks the projection works in (at hidden 4096, blocks of 16 rows and 16 features):
+// every output is still its own row's and feature's dot product, added in the documented order
+// (eight partial sums, lane i taking the elements k with k % 8 == i, added pairwise), whatever
+// block it falls in and wherever a row range starts and ends.
+TEST(QkvNormRopeRefTest, EveryBlockOfTheProjectionAddsInTheDocumentedOrder) {
+  const int64_t hidden = 4096 + 5, features = 37, rows = 41;  // a tail of 5 past the lanes
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+  std::vector<uint16_t> x(rows * hidden), w(features * hidden);
+  for (auto& v : x) v = FloatToBf16(value(rng));
+  for (auto& v : w) v = FloatToBf16(value(rng));
+  std::vector<uint16_t> whole(rows * features, 0xffff), split(rows * features, 0xffff);
+  QkvProjectRef(x.data(), w.data(), hidden, features, 0, rows, whole.data());
+  QkvProjectRef(x.data(), w.data(), hidden, features, 0, 19, split.data());
+  QkvProjectRef(x.data(), w.data(), hidden, features, 19, rows, split.data());
+  EXPECT_EQ(split, whole);
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t n = 0; n < features; ++n) {
+      float part[8] = {};
+      for (int64_t k = 0; k < hidden; ++k) {
+        part[k % 8] += Bf16ToFloat(x[t * hidden + k]) * Bf16ToFloat(w[n * hidden + k]);
+      }
+      const float sum =
+          ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      ASSERT_EQ(whole[t * features + n], FloatToBf16(sum)) << "row " << t << ", feature " << n;
+    }
+  }
+}
+
 TEST(QkvNormRopeRefTest, NormThenWeightThenRotateByHand) {
   // One token, H = 1, D = 2: q = [3, 4], k = [3, 4], v = [5, 6]; position 1.
   const QkvNormRopeShape shape{1, 1, 2, 2, 1, 1};
