@@ -17,7 +17,7 @@
 #   tests     every other GPU case of gpu_kernels_test and gpu_daemon_test, under MPS, as the
 #             stages kernels (the exchange kernels' cases), kernels-fused (the fused kernel
 #             cases, in shards at once), kernels-beside (the cases of work beside a stream
-#             wait, alone on the GPU) and daemon
+#             wait, alone on the GPU) and daemon, which --stages may also name alone
 #   python    tests/python/test_gpu.py (torch CUDA tensors; skipped without torch)
 #   demo      ulysses-demo --ranks 4 --backend auto (what scripts/demo.sh runs), under MPS
 #   overhead  ulysses-gpu-bench's per-call overhead at W = 1 (64 KiB to 4 MiB), both paths,
@@ -62,7 +62,8 @@ if ! [[ "$fused_shards" =~ ^[1-9][0-9]*$ ]]; then
 fi
 for s in ${stages//,/ }; do
   case "$s" in
-    nccl|tests|python|demo|overhead|handoff|queues|fused) ;;
+    nccl|tests|kernels|kernels-fused|kernels-beside|daemon) ;;
+    python|demo|overhead|handoff|queues|fused) ;;
     *) echo "gpu-check: --stages: unknown stage '$s'" >&2; exit 2 ;;
   esac
 done
@@ -163,11 +164,19 @@ fi
 mps_start gpu-check
 if mps_running; then echo "mps on" | tee -a "$summary"; else echo "mps off" | tee -a "$summary"; fi
 expect_mps
-if want tests; then
+# tests is its four stages; each may also be named alone.
+tests_want() { want tests || want "$1"; }
+if tests_want kernels; then
   stage kernels "$(program gpu_kernels_test)" --gtest_filter='-*Fused*:*BesideAWait*'
+fi
+if tests_want kernels-fused; then
   stage kernels-fused bash "$root/scripts/lib/gtest-shards.sh" --logs "$out/kernels-fused" \
     "$fused_shards" "$(program gpu_kernels_test)" --gtest_filter='*Fused*:-*BesideAWait*'
+fi
+if tests_want kernels-beside; then
   stage kernels-beside "$(program gpu_kernels_test)" --gtest_filter='*BesideAWait*'
+fi
+if tests_want daemon; then
   stage daemon "$(program gpu_daemon_test)" --gtest_filter="-$nccl_filter"
 fi
 if want python; then

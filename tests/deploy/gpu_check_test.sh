@@ -111,6 +111,13 @@ grep -Eq "^kernels-fused +FAILED\(1\) .*1 of 2 shards FAILED" "$dir/out9/summary
   fail "--fused-shards 2 did not run 2 shards"
 grep -Eq "^daemon +passed" "$dir/out9/summary.txt" || fail "the stage after a failed shard"
 
+# One stage of tests named alone runs alone.
+run --stages kernels-fused --fused-shards 1 "$dir/out10" > /dev/null || fail "kernels-fused alone"
+[ -e "$dir/out10/kernels-fused.shard0.log" ] || fail "kernels-fused alone wrote no shard log"
+for s in kernels kernels-beside daemon nccl demo; do
+  [ ! -e "$dir/out10/$s.log" ] || fail "--stages kernels-fused also ran $s"
+done
+
 # A stage past --stage-limit is stopped and recorded as failed; the next stage runs.
 if DEMO_HANGS=1 run --stages demo,overhead --stage-limit 2 "$dir/out5" > "$dir/stdout5"; then
   fail "a stage past the limit exited 0"
