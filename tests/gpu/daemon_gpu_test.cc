@@ -8,8 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -1332,6 +1332,12 @@ std::string PhaseClientPath() {
 
 TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
   const std::string phase = GetParam();
+  // Without it rank 1 would only show as a rendezvous that timed out.
+  const std::string program = PhaseClientPath();
+  const int not_runnable = ::access(program.c_str(), X_OK) == 0 ? 0 : errno;
+  ASSERT_EQ(not_runnable, 0) << "the phase client " << program << " cannot be run here: "
+                             << std::strerror(not_runnable)
+                             << "; GPU_PHASE_CLIENT names it where the build was copied";
   // A call timeout far beyond the test's: ABORTED can only come from the kill.
   Start(2, {"--call-timeout-ms", "600000"});
   const uint64_t baseline0 = State(0).device_bytes();
@@ -1347,11 +1353,6 @@ TEST_P(GpuClientKill, ThePeersCallIsAbortedAndTheDaemonReturnsToBaseline) {
   const size_t free_before = DeviceFreeBytes(victim_device);
   const std::string ready = dir_ + "/gpu-phase.ready";
   const std::string members = Members(2)[0] + "," + Members(2)[1];
-  const std::string program = PhaseClientPath();
-  // Without it rank 1 would only show as a rendezvous that timed out.
-  ASSERT_EQ(::access(program.c_str(), X_OK), 0)
-      << "the phase client " << program << " cannot be run here: " << std::strerror(errno)
-      << "; GPU_PHASE_CLIENT names it where the build was copied to another machine";
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::execl(program.c_str(), program.c_str(), "--members", members.c_str(), "--rank",
