@@ -10,7 +10,8 @@
 # --stage-limit: a stage still running after SECONDS is stopped (TERM, then KILL 10 s later)
 # and recorded as FAILED(124); the stages after it still run. Default 0: no limit.
 # --fused-shards: the fused kernel cases run as N processes at once on the GPU, each a gtest
-# shard of them (scripts/lib/gtest-shards.sh). Default 4.
+# shard of them (scripts/lib/gtest-shards.sh). Default 1: a process computes each shape's fp32
+# reference once, and N shards compute it N times over.
 # Stages, in this order (default: all):
 #   nccl      the nccl backend's GPU cases, each daemon its own NCCL_HOSTID (NCCL's socket
 #             transport: a test mode), without MPS
@@ -33,7 +34,7 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 
 bin="" lib="" python=python3 stages="nccl,tests,python,demo,overhead,handoff,queues,fused" commit="" out=""
-limit=0 fused_shards=4
+limit=0 fused_shards=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --bin) bin="$2"; shift 2 ;;
