@@ -452,14 +452,19 @@ void RendezvousCall::ClientGone() {
   abort_req_.set_reason(StrCat("rank ", rank_, "'s client went away while the ranks met"));
   abort_ctx_.set_deadline(absl::ToChronoTime(absl::Now() + kAbortTimeout));
   std::shared_ptr<RendezvousCall> self = shared_from_this();
-  // The abort goes first, so that rank 0 names the client; only then is this rank's own call
-  // cancelled, in case the verdict has not come (a cancelled call that has its answer ignores it).
+  // Once rank 0 took the abort, this rank's own call ends by itself: the table answered every
+  // rank waiting on the key (this one too) with ABORTED, or the step was already decided and
+  // its verdict is on its way. That verdict must not be lost to a cancel (a cancelled call
+  // ignores an answer that comes after it): a step that succeeded for the other ranks is one
+  // this daemon has to undo for them (a group joined for a client that went away is ended at
+  // rank 0's table, JoinGroup), or they wait at the next step until its timeout. Only an abort
+  // that rank 0 did not take cancels the call, which would otherwise wait for its deadline.
   HappensBefore(&abort_ctx_);
   stub_->async()->AbortRendezvous(&abort_ctx_, &abort_req_, &abort_resp_, [self](grpc::Status s) {
     HappensAfter(&self->abort_ctx_);
-    if (!s.ok())
-      Logger("peer")->warn("rendezvous {}: abort at {}: {}", self->key_, self->address_,
-                           s.error_message());
+    if (s.ok()) return;
+    Logger("peer")->warn("rendezvous {}: abort at {}: {}", self->key_, self->address_,
+                         s.error_message());
     self->ctx_.TryCancel();
   });
 }

@@ -192,9 +192,11 @@ class RendezvousCall : public std::enable_shared_from_this<RendezvousCall> {
 
   /// The client whose request this step serves went away: aborts the key at rank 0 for every
   /// rank (Peer.AbortRendezvous), so the peers get ABORTED at once instead of waiting out the
-  /// timeout; once rank 0 answered the abort (or kAbortTimeout passed), this call is cancelled
-  /// if its verdict has not come by then. Thread-safe; only the first call acts, and none once
-  /// the verdict came (the key may be another step's by then).
+  /// timeout. The verdict still comes to the done callback: ABORTED, or, where the step was
+  /// decided before the abort came, that decision (success included), which the caller must
+  /// undo for the peers. Only when rank 0 did not take the abort (unreachable, or no answer
+  /// within kAbortTimeout) is this call cancelled. Thread-safe; only the first call acts, and
+  /// none once the verdict came (the key may be another step's by then).
   void ClientGone();
 
  private:

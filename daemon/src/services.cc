@@ -192,6 +192,7 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
     std::shared_ptr<RendezvousCall> call;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
       call = call_;
     }
     if (call) call->ClientGone();
@@ -271,14 +272,20 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
         own ? StrCat(verdict.reason, " (", d_->backend_reason(), ")") : verdict.reason;
     g->owner_client = c_->id;
     g->instance = offers[0].instance;
+    // The request cancelled (its client went away, or gave up on it) while the ranks met: the
+    // client will not learn of the group, which the other ranks have.
     bool gone = false;
     {
+      std::lock_guard<std::mutex> lock(mu_);
+      gone = cancelled_;
+    }
+    {
       std::lock_guard<std::mutex> lock(c_->mu);
-      gone = c_->gone;
+      gone = gone || c_->gone;
       if (!gone) c_->groups[g->id] = g;
     }
-    // Reclaimed while the ranks met: the group's end is told here, since the reclaim did not
-    // know of it.
+    // Reclaimed or cancelled while the ranks met: the group's end is told here, since the
+    // reclaim did not know of it.
     if (gone) d_->EndGroup(*g, StrCat("rank ", g->rank, "'s client went away"));
     FillGroupInfo(*g, resp_);
     return absl::OkStatus();
@@ -289,8 +296,9 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
   v1::GroupInfo* resp_;
   std::shared_ptr<ClientRecord> c_;
   std::string requested_;
-  std::mutex mu_;
+  std::mutex mu_;  // guards what follows
   std::shared_ptr<RendezvousCall> call_;
+  bool cancelled_ = false;  // OnCancel came
 };
 
 // CreateSession: Prepare (checks, the slot budget, the segment and transport) on a thread of
@@ -520,6 +528,13 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
       std::vector<std::string> segs = *std::move(names);
       status = StripOk(segs, "could not create its session");
       if (status.ok()) status = Connect(segs);
+    }
+    if (status.ok()) {
+      // A verdict that came after the request was cancelled (RendezvousCall::ClientGone): the
+      // client will not learn of the session, so none is kept for it.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cancelled_)
+        status = absl::CancelledError("session: the request was cancelled while the ranks met");
     }
     if (status.ok()) {
       const ClientSlotMapping slots = session_->transport().ClientMapping();
