@@ -127,21 +127,36 @@ void ParallelRanges(int64_t n, Fn fn) {
 template <typename P>
 class FusedGpuBase : public ::testing::TestWithParam<P> {
  protected:
-  // Uploads the problem of `shape`; skips the test without a device.
-  void Init(const QkvNormRopeShape& shape, uint64_t seed) {
+  // Uploads the problem of `shape`; skips the test without a device. With `keep`, the host
+  // problem is made once per shape and seed in the process and kept: gtest runs a suite test by
+  // test, each over every shape, and making w_qkv of hidden 8192 takes seconds (the shape grid
+  // keeps about 2.4 GB).
+  void Init(const QkvNormRopeShape& shape, uint64_t seed, bool keep = false) {
     const absl::StatusOr<int> devices = CudaDeviceCount();
     ASSERT_TRUE(devices.ok()) << devices.status();
     if (*devices == 0) GTEST_SKIP() << "no CUDA device";
     shape_ = shape;
-    problem_ = testing::MakeQkvProblem(shape_, seed);
+    if (keep) {
+      using Key = std::tuple<int32_t, int32_t, int32_t, int32_t, int64_t, int64_t, uint64_t>;
+      static std::map<Key, std::shared_ptr<const QkvProblem>> kept;
+      const Key key{shape.world, shape.heads, shape.head_dim, shape.max_pos,
+                    shape.batch, shape.seq_local, seed};
+      std::shared_ptr<const QkvProblem>& slot = kept[key];
+      if (slot == nullptr) {
+        slot = std::make_shared<const QkvProblem>(testing::MakeQkvProblem(shape_, seed));
+      }
+      problem_ = slot;
+    } else {
+      problem_ = std::make_shared<const QkvProblem>(testing::MakeQkvProblem(shape_, seed));
+    }
     ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    w_qkv_ = std::make_unique<DeviceBuffer>(problem_.w_qkv);
-    q_norm_ = std::make_unique<DeviceBuffer>(problem_.q_norm);
-    k_norm_ = std::make_unique<DeviceBuffer>(problem_.k_norm);
-    cos_sin_ = std::make_unique<DeviceBuffer>(problem_.cos_sin);
+    w_qkv_ = std::make_unique<DeviceBuffer>(problem_->w_qkv);
+    q_norm_ = std::make_unique<DeviceBuffer>(problem_->q_norm);
+    k_norm_ = std::make_unique<DeviceBuffer>(problem_->k_norm);
+    cos_sin_ = std::make_unique<DeviceBuffer>(problem_->cos_sin);
     for (int r = 0; r < shape_.world; ++r) {
-      x_.push_back(std::make_unique<DeviceBuffer>(problem_.x[r]));
-      positions_.push_back(std::make_unique<DeviceBuffer>(problem_.positions[r]));
+      x_.push_back(std::make_unique<DeviceBuffer>(problem_->x[r]));
+      positions_.push_back(std::make_unique<DeviceBuffer>(problem_->positions[r]));
     }
     // Pageable uploads may still be in flight on the legacy stream; the tests use stream_.
     ASSERT_CUDA_OK(cudaDeviceSynchronize());
@@ -160,7 +175,7 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
   // Reference steps 2 and 3 on a projection of rank r.
   std::vector<uint16_t> NormRope(std::vector<uint16_t> proj, int r) const {
     ParallelRanges(Rows(), [&](int64_t begin, int64_t end) {
-      NormRopeRef(shape_, problem_.weights(), problem_.positions[r].data(), begin, end,
+      NormRopeRef(shape_, problem_->weights(), problem_->positions[r].data(), begin, end,
                   proj.data());
     });
     return proj;
@@ -432,7 +447,7 @@ class FusedGpuBase : public ::testing::TestWithParam<P> {
   }
 
   QkvNormRopeShape shape_{};
-  QkvProblem problem_;
+  std::shared_ptr<const QkvProblem> problem_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<DeviceBuffer> w_qkv_, q_norm_, k_norm_, cos_sin_;
   std::vector<std::unique_ptr<DeviceBuffer>> x_, positions_;
@@ -451,7 +466,7 @@ class GpuFusedQkvTest : public FusedGpuBase<Param> {
     const auto [hidden, world, batch, seq_local] = GetParam();
     Init(QkvNormRopeShape{world, hidden / kFusedGpuHeadDim, kFusedGpuHeadDim, kMaxPos, batch,
                           seq_local},
-         1000 + hidden + world);
+         1000 + hidden + world, /*keep=*/true);
     if (IsSkipped() || HasFatalFailure()) return;
     // The reference, one rank at a time, rows across threads; computed once per shape and
     // process. gtest runs a suite's cases test by test, each over every shape, so a cache of
@@ -465,7 +480,7 @@ class GpuFusedQkvTest : public FusedGpuBase<Param> {
       for (int r = 0; r < world; ++r) {
         proj.emplace_back(static_cast<size_t>(rows * features));
         ParallelRanges(rows, [&](int64_t begin, int64_t end) {
-          QkvProjectRef(problem_.x[r].data(), problem_.w_qkv.data(), QkvHidden(shape_), features,
+          QkvProjectRef(problem_->x[r].data(), problem_->w_qkv.data(), QkvHidden(shape_), features,
                         begin, end, proj[r].data());
         });
         plain.push_back(NormRope(proj[r], r));
