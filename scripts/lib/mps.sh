@@ -4,11 +4,18 @@
 #   mps_start PREFIX: when this machine has a GPU and MPS, starts an MPS control daemon unless
 #     one is running; says so on stdout, prefixed "PREFIX: ". Returns 0 either way.
 #   mps_stop PREFIX: stops the MPS control daemon that mps_start started, if any.
-#   mps_running: whether an MPS control daemon answers at CUDA_MPS_PIPE_DIRECTORY.
+#   mps_running: whether an MPS control daemon answers at CUDA_MPS_PIPE_DIRECTORY (its socket
+#     alone is not enough: it outlives the daemon).
 mps_started=0
 
 mps_running() {
-  [ -S "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ]
+  local pipes="${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}"
+  [ -S "$pipes/control" ] || return 1
+  # A control daemon that quit leaves its socket behind, so ask it. Without the control program
+  # here (a container beside an MPS container), the socket is all there is to go by.
+  command -v nvidia-cuda-mps-control >/dev/null 2>&1 || return 0
+  echo get_server_list | CUDA_MPS_PIPE_DIRECTORY="$pipes" timeout 10 nvidia-cuda-mps-control \
+    >/dev/null 2>&1
 }
 
 mps_start() {

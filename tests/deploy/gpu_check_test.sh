@@ -3,7 +3,8 @@
 # prints its arguments and the environment the stages need) and a stand-in nvidia-smi: every
 # stage runs its program with the right arguments and environment and gets its log and its
 # summary line; the fused kernel cases run as --fused-shards gtest shards at once; the daemon
-# tests are told what MPS to expect; a failing stage or shard, or a stage stopped at
+# tests are told what MPS to expect, and an MPS control socket left by a daemon that quit is
+# not taken for MPS; a failing stage or shard, or a stage stopped at
 # --stage-limit, makes the run exit non-zero and says FAILED, and the stages after it still
 # run; bad arguments and a missing program are refused before anything runs.
 set -euo pipefail
@@ -126,6 +127,48 @@ if DEMO_HANGS=1 run --stages demo,overhead --stage-limit 2 "$dir/out5" > "$dir/s
 fi
 grep -Eq "^demo +FAILED\(124\)" "$dir/out5/summary.txt" || fail "no FAILED(124) line for the demo"
 grep -Eq "^overhead-ring +passed" "$dir/out5/summary.txt" || fail "the stage after a timeout"
+
+# MPS: a control daemon that quit leaves its socket behind (the stand-in does as the real one).
+# A stale socket is no MPS: the run starts its own and stops it at the end. A live one is used
+# by every stage, the nccl stage included, and left running.
+mkdir -p "$dir/mpsbin" "$dir/pipes" "$dir/mpslog"
+cat > "$dir/mpsbin/nvidia-cuda-mps-control" <<'STUB'
+#!/usr/bin/env bash
+pipes=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
+if [ "${1:-}" = -d ]; then
+  [ -S "$pipes/control" ] ||
+    python3 -c 'import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])' "$pipes/control"
+  touch "$pipes/live"
+  echo start >> "$pipes/calls"
+  exit 0
+fi
+read -r cmd
+[ -e "$pipes/live" ] || { echo "Cannot find MPS control daemon process"; exit 1; }
+[ "$cmd" != quit ] || { rm -f "$pipes/live"; echo quit >> "$pipes/calls"; }
+exit 0
+STUB
+chmod +x "$dir/mpsbin/nvidia-cuda-mps-control"
+run_mps() {
+  CUDA_MPS_PIPE_DIRECTORY="$dir/pipes" CUDA_MPS_LOG_DIRECTORY="$dir/mpslog" \
+    PATH="$dir/mpsbin:$dir/path:/usr/bin:/bin" bash "$check" --bin "$dir/bin" "$@"
+}
+python3 -c 'import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])' "$dir/pipes/control"
+run_mps --stages nccl,daemon "$dir/out11" > "$dir/stdout11" || fail "a run beside a stale MPS socket"
+grep -q "started an MPS control daemon" "$dir/stdout11" || fail "a stale MPS socket taken for MPS"
+grep -q "runs already" "$dir/out11/summary.txt" && fail "a stale MPS socket said to run"
+grep -q "^mps on$" "$dir/out11/summary.txt" || fail "no mps on line after starting MPS"
+grep -q "MPS=no-mps" "$dir/out11/nccl.log" || fail "the nccl stage told to expect MPS"
+grep -q "MPS=mps" "$dir/out11/daemon.log" || fail "the daemon tests not told to expect MPS"
+[ "$(cat "$dir/pipes/calls")" = "$(printf 'start\nquit')" ] && [ ! -e "$dir/pipes/live" ] ||
+  fail "the MPS the run started was not stopped: $(cat "$dir/pipes/calls")"
+CUDA_MPS_PIPE_DIRECTORY="$dir/pipes" "$dir/mpsbin/nvidia-cuda-mps-control" -d
+run_mps --stages nccl,daemon "$dir/out12" > "$dir/stdout12" || fail "a run beside a live MPS"
+grep -q "an MPS server runs already; the nccl stage runs under it" "$dir/out12/summary.txt" ||
+  fail "a live MPS not found"
+grep -q "MPS=mps" "$dir/out12/nccl.log" || fail "the nccl stage not told of the live MPS"
+grep -q "started an MPS" "$dir/stdout12" && fail "a second MPS started beside a live one"
+[ -e "$dir/pipes/live" ] && [ "$(grep -c quit "$dir/pipes/calls")" = 1 ] ||
+  fail "an MPS the run did not start was stopped"
 
 # Refused before anything runs.
 if run --stage-limit soon "$dir/out6" 2> "$dir/err6"; then fail "a bad --stage-limit ran"; fi
