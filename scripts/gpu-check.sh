@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance run of a node: the GPU test programs, the Python GPU tests, the demo on the
-# GPU and the quick benchmarks, each stage's log (and JSON) written under OUT, a summary last.
+# GPU and the quick benchmarks, each stage's log (and JSON) written under OUT, a summary last,
+# and every case's outcome in OUT/tests.json (scripts/lib/gpu_check_results.py; needs python3).
 # It builds and installs nothing: it runs a CUDA build (build/ by default), or the programs
 # gathered in one folder (--bin) with the shared libraries they need (--lib).
 #
@@ -114,6 +115,7 @@ trap 'mps_stop gpu-check' EXIT
 
 summary="$out/summary.txt"
 : > "$summary"
+: > "$out/stages.tsv"
 failed=0
 # stage NAME CMD...: runs CMD with its output in OUT/NAME.log, and records the outcome.
 stage() {
@@ -138,6 +140,8 @@ stage() {
   line=$(printf '%-10s %-7s %4ds  %s' "$name" "$([ $rc -eq 0 ] && echo passed || echo "FAILED($rc)")" \
     "$(( $(date +%s) - start ))" "$(tail -n 1 "$out/$name.log")")
   echo "$line" | tee -a "$summary"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" \
+    "${ULYSSES_TEST_EXPECT_MPS:-}" >> "$out/stages.tsv"
   [ $rc -eq 0 ] || failed=1
 }
 want() { [[ ",$stages," == *",$1,"* ]]; }
@@ -219,6 +223,10 @@ if want fused; then
   stage fused-pinning "$(program ulysses-fused-bench)" \
     --pinning-rows 1,100,300,700,1500,3000,6000,12000,16384 --pinning-max-rows 16384 \
     --hidden 3072,8192 --rounds 2 --samples 5 --commit "$commit" --json "$out/fused-pinning.json"
+fi
+# Every case's outcome in OUT/tests.json (where python3 is).
+if command -v python3 >/dev/null 2>&1; then
+  python3 "$root/scripts/lib/gpu_check_results.py" "$out" | tee -a "$summary" || failed=1
 fi
 echo "gpu-check: $([ $failed -eq 0 ] && echo "every stage passed" || echo "a stage FAILED"); logs in $out"
 exit $failed

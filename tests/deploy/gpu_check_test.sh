@@ -4,9 +4,9 @@
 # stage runs its program with the right arguments and environment and gets its log and its
 # summary line; the fused kernel cases run as --fused-shards gtest shards at once; the daemon
 # tests are told what MPS to expect, and an MPS control socket left by a daemon that quit is
-# not taken for MPS; a failing stage or shard, or a stage stopped at
-# --stage-limit, makes the run exit non-zero and says FAILED, and the stages after it still
-# run; bad arguments and a missing program are refused before anything runs.
+# not taken for MPS; a failing stage or shard, or a stage stopped at --stage-limit, makes the
+# run exit non-zero and says FAILED, and the stages after it still run; every case's outcome
+# lands in tests.json; bad arguments and a missing program are refused before anything runs.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 check="$here/../../scripts/gpu-check.sh"
@@ -21,10 +21,18 @@ for p in ulyssesd gpu_kernels_test gpu_daemon_test gpu_phase_client ulysses-demo
 #!/usr/bin/env bash
 echo "$p \$* ULYSSESD=\$ULYSSESD EAGER=\$CUDA_MODULE_LOADING NVLS=\$NCCL_NVLS_ENABLE" \
   "MPS=\${ULYSSES_TEST_EXPECT_MPS:-} SHARD=\${GTEST_SHARD_INDEX:-}/\${GTEST_TOTAL_SHARDS:-}"
+case="Stub.$p\${GTEST_SHARD_INDEX:+_shard\$GTEST_SHARD_INDEX}"
+echo "[ RUN      ] \$case"
+[ "$p" != gpu_kernels_test ] || [ -z "\${KERNELS_HANG:-}" ] || exec sleep 600
+if [ "$p" = gpu_kernels_test ] && [ "\${FUSED_SHARD_FAILS:-x}" = "\${GTEST_SHARD_INDEX:-}" ]; then
+  echo "[  FAILED  ] \$case (3 ms)"
+  exit 4
+fi
+echo "[       OK ] \$case (2 ms)"
 echo "[  PASSED  ] 1 test."
-[ "$p" != gpu_kernels_test ] || [ "\${FUSED_SHARD_FAILS:-x}" != "\${GTEST_SHARD_INDEX:-}" ] || exit 4
 [ "$p" != ulysses-demo ] || [ -z "\${DEMO_FAILS:-}" ] || exit 3
 [ "$p" != ulysses-demo ] || [ -z "\${DEMO_HANGS:-}" ] || exec sleep 600
+[ "$p" != ulysses-demo ] || echo '{"ok": true, "backend": "nvlink", "checks": 7, "mps": "no-mps"}'
 STUB
 done
 # The hand-off bench as handoff_queues.sh calls it: a JSON file per case.
@@ -90,6 +98,26 @@ python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert len(d['rows'
   "$dir/out/queue-probe.json" || fail "the queue probe set's JSON"
 grep -q "across .*1 of 12 streams held back by another process's waits: \[3\]" "$dir/out/queues.log" \
   || fail "the queue probe set's line for the run across two processes"
+# Every case in tests.json: gtest's cases from the test stages' logs (the fused cases from
+# their shard's), the demo's report, a row for each other stage; and the tally in the summary.
+python3 - "$dir/out/tests.json" <<'PY' || fail "tests.json of a passing run"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert (d["gpu"], d["driver"], d["commit"], d["mps"]) == ("stand-in GPU", "1.0", "c0ffee", False), d
+rows = {(r["stage"], r["name"]): r for r in d["rows"]}
+want = {("nccl", "Stub.gpu_daemon_test"), ("kernels", "Stub.gpu_kernels_test"),
+        ("kernels-fused", "Stub.gpu_kernels_test_shard0"),
+        ("kernels-beside", "Stub.gpu_kernels_test"), ("daemon", "Stub.gpu_daemon_test"),
+        ("demo", "demo"), ("handoff", "handoff"), ("fused-pinning", "fused-pinning")}
+assert want <= set(rows), sorted(rows)
+assert all(r["result"] == "passed" and r["mode"] == "no-mps" for r in d["rows"]), d["rows"]
+assert rows[("daemon", "Stub.gpu_daemon_test")]["time_ms"] == 2
+assert rows[("daemon", "Stub.gpu_daemon_test")]["program"] == "gpu_daemon_test"
+demo = rows[("demo", "demo")]
+assert (demo["backend"], demo["checks"], demo["mps_reported"]) == ("nvlink", 7, "no-mps"), demo
+PY
+grep -Eq "^gpu-check: [0-9]+ cases: [0-9]+ passed, 0 failed, 0 skipped, 0 stopped" "$summary" ||
+  fail "no tally line in the summary"
 
 # A failing stage: non-zero exit, FAILED in the summary, later stages still run.
 if DEMO_FAILS=1 run --stages demo,overhead "$dir/out2" > "$dir/stdout2"; then
@@ -109,6 +137,15 @@ grep -Eq "^kernels-fused +FAILED\(1\) .*1 of 2 shards FAILED" "$dir/out9/summary
 [ -e "$dir/out9/kernels-fused.shard1.log" ] && [ ! -e "$dir/out9/kernels-fused.shard2.log" ] ||
   fail "--fused-shards 2 did not run 2 shards"
 grep -Eq "^daemon +passed" "$dir/out9/summary.txt" || fail "the stage after a failed shard"
+python3 - "$dir/out9/tests.json" <<'PY' || fail "tests.json of a failed shard"
+import json, sys
+rows = {r["name"]: r["result"] for r in json.load(open(sys.argv[1]))["rows"]
+        if r["stage"] == "kernels-fused"}
+assert rows == {"Stub.gpu_kernels_test_shard0": "passed",
+                "Stub.gpu_kernels_test_shard1": "failed"}, rows
+PY
+grep -q "cases: [0-9]* passed, 1 failed" "$dir/out9/summary.txt" ||
+  fail "the tally of a failed shard"
 
 # One stage of tests named alone runs alone.
 run --stages kernels-fused --fused-shards 3 "$dir/out10" > /dev/null || fail "kernels-fused alone"
@@ -127,6 +164,15 @@ if DEMO_HANGS=1 run --stages demo,overhead --stage-limit 2 "$dir/out5" > "$dir/s
 fi
 grep -Eq "^demo +FAILED\(124\)" "$dir/out5/summary.txt" || fail "no FAILED(124) line for the demo"
 grep -Eq "^overhead-ring +passed" "$dir/out5/summary.txt" || fail "the stage after a timeout"
+# A test stage stopped in a case: the case is recorded as stopped.
+if KERNELS_HANG=1 run --stages kernels --stage-limit 2 "$dir/out13" > /dev/null; then
+  fail "a test stage past the limit exited 0"
+fi
+python3 - "$dir/out13/tests.json" <<'PY' || fail "the case a stopped stage was in"
+import json, sys
+rows = [(r["name"], r["result"]) for r in json.load(open(sys.argv[1]))["rows"]]
+assert rows == [("Stub.gpu_kernels_test", "stopped")], rows
+PY
 
 # MPS: a control daemon that quit leaves its socket behind (the stand-in does as the real one).
 # A stale socket is no MPS: the run starts its own and stops it at the end. A live one is used
@@ -159,6 +205,12 @@ grep -q "runs already" "$dir/out11/summary.txt" && fail "a stale MPS socket said
 grep -q "^mps on$" "$dir/out11/summary.txt" || fail "no mps on line after starting MPS"
 grep -q "MPS=no-mps" "$dir/out11/nccl.log" || fail "the nccl stage told to expect MPS"
 grep -q "MPS=mps" "$dir/out11/daemon.log" || fail "the daemon tests not told to expect MPS"
+python3 - "$dir/out11/tests.json" <<'PY' || fail "the modes in tests.json"
+import json, sys
+d = json.load(open(sys.argv[1]))
+modes = {r["stage"]: r["mode"] for r in d["rows"]}
+assert d["mps"] and modes == {"nccl": "no-mps", "daemon": "mps"}, modes
+PY
 [ "$(cat "$dir/pipes/calls")" = "$(printf 'start\nquit')" ] && [ ! -e "$dir/pipes/live" ] ||
   fail "the MPS the run started was not stopped: $(cat "$dir/pipes/calls")"
 CUDA_MPS_PIPE_DIRECTORY="$dir/pipes" "$dir/mpsbin/nvidia-cuda-mps-control" -d
