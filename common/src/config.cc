@@ -131,7 +131,8 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
     const json& l = root["limits"];
     DaemonLimits& d = c.limits;
     ULY_RETURN_IF_ERROR(CheckKeys(l, "limits", {"max_clients", "clients_per_uid",
-                                                "buffers_per_client", "buffer_bytes_per_client",
+                                                "buffers_per_client", "buffers_per_uid",
+                                                "buffer_bytes_per_client",
                                                 "buffer_bytes_per_uid", "pending_fds_per_client",
                                                 "calls_in_progress_per_client",
                                                 "calls_in_progress_per_uid",
@@ -139,6 +140,7 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
     ULY_RETURN_IF_ERROR(Read(l, "max_clients", "limits", &d.max_clients));
     ULY_RETURN_IF_ERROR(Read(l, "clients_per_uid", "limits", &d.clients_per_uid));
     ULY_RETURN_IF_ERROR(Read(l, "buffers_per_client", "limits", &d.buffers_per_client));
+    ULY_RETURN_IF_ERROR(Read(l, "buffers_per_uid", "limits", &d.buffers_per_uid));
     ULY_RETURN_IF_ERROR(Read(l, "buffer_bytes_per_client", "limits", &d.buffer_bytes_per_client));
     ULY_RETURN_IF_ERROR(Read(l, "buffer_bytes_per_uid", "limits", &d.buffer_bytes_per_uid));
     ULY_RETURN_IF_ERROR(Read(l, "pending_fds_per_client", "limits", &d.pending_fds_per_client));
@@ -322,6 +324,7 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
        {std::pair<const char*, int64_t>{"limits.max_clients", c.limits.max_clients},
         {"limits.clients_per_uid", c.limits.clients_per_uid},
         {"limits.buffers_per_client", c.limits.buffers_per_client},
+        {"limits.buffers_per_uid", c.limits.buffers_per_uid},
         {"limits.pending_fds_per_client", c.limits.pending_fds_per_client},
         {"limits.calls_in_progress_per_client", c.limits.calls_in_progress_per_client},
         {"limits.calls_in_progress_per_uid", c.limits.calls_in_progress_per_uid},

@@ -170,7 +170,8 @@ class Daemon {
   absl::Status SendToClient(ClientRecord& c, const std::string& header, int fd);
   absl::Status SendToClient(ClientRecord& c, const std::string& header, std::span<const int> fds);
   /// Charges one more buffer of `bytes` to the bound client `c` and to its uid, against
-  /// limits.buffers_per_client, buffer_bytes_per_client and buffer_bytes_per_uid:
+  /// limits.buffers_per_client, buffers_per_uid, buffer_bytes_per_client and
+  /// buffer_bytes_per_uid:
   /// RESOURCE_EXHAUSTED naming the limit; FAILED_PRECONDITION before the client bound its fd
   /// socket (its uid is not known yet).
   absl::Status ChargeBuffer(ClientRecord& c, uint64_t bytes);
@@ -343,8 +344,11 @@ class Daemon {
   struct UidUsage {
     int32_t clients = 0;
     uint64_t buffer_bytes = 0;
+    int32_t buffers = 0;   // limits.buffers_per_uid
     int32_t requests = 0;  // Control requests in progress (limits.calls_in_progress_per_uid)
-    bool Unused() const { return clients == 0 && buffer_bytes == 0 && requests == 0; }
+    bool Unused() const {
+      return clients == 0 && buffer_bytes == 0 && buffers == 0 && requests == 0;
+    }
   };
   std::mutex quota_mu_;
   std::map<uid_t, UidUsage> uid_usage_;

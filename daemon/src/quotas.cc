@@ -22,6 +22,8 @@ constexpr std::array<LimitTraits, kNumLimits> kLimits = {{
      [](const DaemonLimits& l) -> uint64_t { return static_cast<uint64_t>(l.clients_per_uid); }},
     {Limit::kBuffersPerClient, "buffers_per_client",
      [](const DaemonLimits& l) -> uint64_t { return static_cast<uint64_t>(l.buffers_per_client); }},
+    {Limit::kBuffersPerUid, "buffers_per_uid",
+     [](const DaemonLimits& l) -> uint64_t { return static_cast<uint64_t>(l.buffers_per_uid); }},
     {Limit::kBufferBytesPerClient, "buffer_bytes_per_client",
      [](const DaemonLimits& l) -> uint64_t { return l.buffer_bytes_per_client; }},
     {Limit::kBufferBytesPerUid, "buffer_bytes_per_uid",
@@ -43,6 +45,13 @@ constexpr std::array<LimitTraits, kNumLimits> kLimits = {{
        return static_cast<uint64_t>(l.admin_calls_in_progress);
      }},
 }};
+
+constexpr bool InLimitOrder() {
+  for (size_t i = 0; i < kNumLimits; ++i)
+    if (static_cast<size_t>(kLimits[i].limit) != i) return false;
+  return true;
+}
+static_assert(InLimitOrder(), "kLimits lists the limits in the order of enum Limit");
 
 const LimitTraits& Traits(Limit limit) { return kLimits[static_cast<size_t>(limit)]; }
 
@@ -85,6 +94,7 @@ void Daemon::ReleaseQuotaLocked(ClientRecord& c) {
     UidUsage& u = it->second;
     if (c.counted_in_uid && u.clients > 0) --u.clients;
     u.buffer_bytes -= std::min(u.buffer_bytes, c.charged_bytes);
+    u.buffers -= std::min(u.buffers, c.charged_buffers);
     if (u.Unused()) uid_usage_.erase(it);
   }
   c.counted_in_uid = false;
@@ -109,11 +119,15 @@ absl::Status Daemon::ChargeBuffer(ClientRecord& c, uint64_t bytes) {
   {
     std::lock_guard<std::mutex> quota(quota_mu_);
     UidUsage& u = uid_usage_[c.uid];
+    if (u.buffers >= l.buffers_per_uid)
+      return RefuseOverLimit(Limit::kBuffersPerUid,
+                             StrCat("uid ", c.uid, " holds ", u.buffers, " buffers"));
     if (bytes > l.buffer_bytes_per_uid - std::min(u.buffer_bytes, l.buffer_bytes_per_uid))
       return RefuseOverLimit(Limit::kBufferBytesPerUid,
                              StrCat("uid ", c.uid, " holds ", u.buffer_bytes,
                                     " buffer bytes; ", bytes, " more do not fit"));
     u.buffer_bytes += bytes;
+    ++u.buffers;
   }
   c.charged_bytes += bytes;
   ++c.charged_buffers;
@@ -126,11 +140,13 @@ void Daemon::UnchargeBuffer(ClientRecord& c, uint64_t bytes) {
   // still has charged.
   const uint64_t n = std::min(bytes, c.charged_bytes);
   c.charged_bytes -= n;
-  if (c.charged_buffers > 0) --c.charged_buffers;
+  const bool had_buffer = c.charged_buffers > 0;
+  if (had_buffer) --c.charged_buffers;
   std::lock_guard<std::mutex> quota(quota_mu_);
   auto it = uid_usage_.find(c.uid);
   if (it == uid_usage_.end()) return;
   it->second.buffer_bytes -= std::min(it->second.buffer_bytes, n);
+  if (had_buffer && it->second.buffers > 0) --it->second.buffers;
   if (it->second.Unused()) uid_usage_.erase(it);
 }
 
@@ -166,7 +182,7 @@ void Daemon::FillQuotaGauges(GaugeSnapshot& g) {
                         refusals_[static_cast<size_t>(t.limit)].load(std::memory_order_relaxed)});
   std::lock_guard<std::mutex> lock(quota_mu_);
   for (const auto& [uid, u] : uid_usage_)
-    g.uids.push_back({static_cast<uint32_t>(uid), u.clients, u.buffer_bytes});
+    g.uids.push_back({static_cast<uint32_t>(uid), u.clients, u.buffer_bytes, u.buffers});
 }
 
 }  // namespace ulysses::daemon

@@ -25,6 +25,7 @@ enum class Limit : int {
   kMaxClients = 0,
   kClientsPerUid,
   kBuffersPerClient,
+  kBuffersPerUid,
   kBufferBytesPerClient,
   kBufferBytesPerUid,
   kPendingFdsPerClient,
@@ -32,7 +33,7 @@ enum class Limit : int {
   kCallsInProgressPerUid,
   kAdminCallsInProgress,
 };
-inline constexpr size_t kNumLimits = 9;
+inline constexpr size_t kNumLimits = 10;
 
 /// The config key under `limits` ("buffer_bytes_per_uid").
 std::string_view LimitName(Limit limit);

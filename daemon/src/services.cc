@@ -815,6 +815,9 @@ class ControlService final
     ULY_RETURN_IF_ERROR(d_->SendToClient(
         c, StrCat("{\"buffer_id\": ", b->id, ", \"device\": ", b->device ? "true" : "false", "}"),
         b->fd.get()));
+    // The client has its copy; the mapping keeps the memory. Holding the descriptor for the
+    // buffer's life would only count against the daemon's descriptors.
+    b->fd.reset();
     {
       std::lock_guard<std::mutex> lock(c.mu);
       c.buffers[b->id] = b;
@@ -865,12 +868,13 @@ class ControlService final
     } else {
       ULY_ASSIGN_OR_RETURN(ipc::UniqueFd fd, d_->TakeIncomingFd(c, req.tag()));
       // A client could shrink an unsealed memfd under the daemon's mapping (SIGBUS): refuse it.
-      ULY_RETURN_IF_ERROR(ipc::CheckSizeSealed(fd.get()));
+      ULY_RETURN_IF_ERROR(ipc::CheckSealedShmem(fd.get()));
       ULY_ASSIGN_OR_RETURN(size_t size, ipc::FdSize(fd.get()));
       if (size == 0) return absl::InvalidArgumentError("fd: the buffer is empty");
       b->size = size;
-      b->fd = std::move(fd);
-      ULY_ASSIGN_OR_RETURN(ipc::Mapping m, ipc::Mapping::Map(b->fd.get(), size, /*writable=*/true));
+      // The mapping keeps the memory; the descriptor closes here, so that registrations hold
+      // no descriptor of the daemon's each.
+      ULY_ASSIGN_OR_RETURN(ipc::Mapping m, ipc::Mapping::Map(fd.get(), size, /*writable=*/true));
       auto mapping = std::make_shared<ipc::Mapping>(std::move(m));
       b->data = mapping->data();
       b->keep = mapping;

@@ -82,6 +82,7 @@ struct GaugeSnapshot {
     uint32_t uid = 0;
     int64_t clients = 0;
     uint64_t buffer_bytes = 0;
+    int32_t buffers = 0;
   };
   std::vector<UidGauge> uids;
 };

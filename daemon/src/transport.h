@@ -159,7 +159,8 @@ struct Buffer {
   void* data = nullptr; ///< where the daemon addresses it
   /// Keeps the memory mapped (the memfd mapping, the IPC or VMM mapping).
   std::shared_ptr<void> keep;
-  ipc::UniqueFd fd;     ///< memfd / VMM fd when there is one
+  /// AllocBuffer's descriptor (memfd / VMM fd) until it is sent to the client; closed then.
+  ipc::UniqueFd fd;
   uint64_t allocation_id = 0;  ///< CUDA buffer id of a registered allocation (0: none)
 };
 

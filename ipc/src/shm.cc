@@ -1,6 +1,7 @@
 #include "ulysses/ipc/shm.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -128,7 +129,7 @@ absl::Status SealSize(int fd) {
   return absl::OkStatus();
 }
 
-absl::Status CheckSizeSealed(int fd) {
+absl::Status CheckSealedShmem(int fd) {
   const int seals = ::fcntl(fd, F_GET_SEALS);
   if (seals < 0) {
     // EINVAL: not a file that supports seals (only memfds and a few others do).
@@ -141,6 +142,15 @@ absl::Status CheckSizeSealed(int fd) {
   if ((seals & F_SEAL_SHRINK) == 0) {
     return absl::FailedPreconditionError(
         ulysses::StrCat("fd ", fd, " is not sealed against shrinking (F_SEAL_SHRINK missing)"));
+  }
+  // A hugetlbfs memfd can be sealed too, but its owner can still punch a hole in it and use up
+  // the free huge pages: the receiver's next touch of that page is then a SIGBUS.
+  struct statfs fs {};
+  if (::fstatfs(fd, &fs) != 0) return LastError("fstatfs(fd ", fd, ")");
+  if (fs.f_type == HUGETLBFS_MAGIC) {
+    return absl::FailedPreconditionError(ulysses::StrCat(
+        "fd ", fd, " is a hugetlbfs memfd (MFD_HUGETLB), whose pages can fail under a mapping; "
+        "use an ordinary memfd"));
   }
   return absl::OkStatus();
 }
@@ -181,7 +191,7 @@ absl::StatusOr<SharedSegment> SharedSegment::Create(std::string_view debug_name,
 }
 
 absl::StatusOr<SharedSegment> SharedSegment::Adopt(UniqueFd fd, size_t expected_size) {
-  ULY_RETURN_IF_ERROR(CheckSizeSealed(fd.get()));
+  ULY_RETURN_IF_ERROR(CheckSealedShmem(fd.get()));
   ULY_ASSIGN_OR_RETURN(size_t size, FdSize(fd.get()));
   if (size != expected_size) {
     return absl::FailedPreconditionError(ulysses::StrCat(

@@ -355,7 +355,7 @@ namespace {
 TEST(DaemonConfigTest, LimitsParsedDefaultedAndChecked) {
   absl::StatusOr<DaemonConfig> c = ParseDaemonConfig(
       R"({"limits": {"max_clients": 5, "clients_per_uid": 2, "buffers_per_client": 7,
-                     "buffer_bytes_per_client": 4096, "buffer_bytes_per_uid": 8192,
+                     "buffers_per_uid": 9, "buffer_bytes_per_client": 4096, "buffer_bytes_per_uid": 8192,
                      "pending_fds_per_client": 3, "calls_in_progress_per_client": 4,
                      "calls_in_progress_per_uid": 5, "admin_calls_in_progress": 6}})",
       0);
@@ -363,6 +363,7 @@ TEST(DaemonConfigTest, LimitsParsedDefaultedAndChecked) {
   EXPECT_EQ(c->limits.max_clients, 5);
   EXPECT_EQ(c->limits.clients_per_uid, 2);
   EXPECT_EQ(c->limits.buffers_per_client, 7);
+  EXPECT_EQ(c->limits.buffers_per_uid, 9);
   EXPECT_EQ(c->limits.buffer_bytes_per_client, 4096u);
   EXPECT_EQ(c->limits.buffer_bytes_per_uid, 8192u);
   EXPECT_EQ(c->limits.pending_fds_per_client, 3);
@@ -373,6 +374,7 @@ TEST(DaemonConfigTest, LimitsParsedDefaultedAndChecked) {
   EXPECT_EQ(ParseDaemonConfig("{}", 0)->limits.max_clients, defaults.max_clients);
   for (const char* bad : {R"({"limits": {"max_clients": 0}})",
                           R"({"limits": {"buffer_bytes_per_uid": 0}})",
+                          R"({"limits": {"buffers_per_uid": 0}})",
                           R"({"limits": {"pending_fds_per_client": -1}})",
                           R"({"limits": {"calls_in_progress_per_client": 0}})",
                           R"({"limits": {"admin_calls_in_progress": 0}})",

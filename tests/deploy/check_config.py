@@ -39,6 +39,7 @@ FULL = {
     "queues": {"probe_streams": 8, "sharing": "refuse"},
     "fused": {"projection": "cutlass"},
     "limits": {"max_clients": 64, "clients_per_uid": 8, "buffers_per_client": 128,
+               "buffers_per_uid": 512,
                "buffer_bytes_per_client": 1 << 30, "buffer_bytes_per_uid": 1 << 31,
                "pending_fds_per_client": 16, "calls_in_progress_per_client": 16,
                "calls_in_progress_per_uid": 32, "admin_calls_in_progress": 8},

@@ -112,12 +112,24 @@ TEST(MappingTest, MoveTransfersRegion) {
   EXPECT_EQ(m->size(), 0u);
 }
 
+// A hugetlbfs memfd is refused even when sealed: its owner could punch a hole in it while the
+// free huge pages are used up, and the receiver's next touch would fault.
+TEST(MemfdTest, AHugetlbMemfdIsRefusedEvenWhenSealed) {
+  UniqueFd fd(::memfd_create("shm-test-huge", MFD_HUGETLB | MFD_ALLOW_SEALING | MFD_CLOEXEC));
+  if (!fd.valid()) GTEST_SKIP() << "memfd_create(MFD_HUGETLB): " << std::strerror(errno);
+  if (::ftruncate(fd.get(), 2 << 20) != 0 || !SealSize(fd.get()).ok())
+    GTEST_SKIP() << "this kernel does not size or seal a hugetlbfs memfd";
+  const absl::Status st = CheckSealedShmem(fd.get());
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("hugetlbfs"), std::string_view::npos) << st;
+}
+
 TEST(MemfdTest, SizeSealBlocksShrinking) {
   auto fd = CreateMemfd("shm-test", 4096);
   ASSERT_TRUE(fd.ok()) << fd.status();
-  EXPECT_EQ(CheckSizeSealed(fd->get()).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(CheckSealedShmem(fd->get()).code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(SealSize(fd->get()).ok());
-  EXPECT_TRUE(CheckSizeSealed(fd->get()).ok());
+  EXPECT_TRUE(CheckSealedShmem(fd->get()).ok());
   EXPECT_NE(::ftruncate(fd->get(), 1024), 0);
   EXPECT_EQ(errno, EPERM);
   auto size = FdSize(fd->get());
@@ -271,7 +283,7 @@ namespace {
 TEST(SharedSegmentTest, IsSealedOwnerOnlyAndItsReadOnlyFdCannotWriteOrResize) {
   auto seg = SharedSegment::Create("ulysses-test", 1 << 16);
   ASSERT_TRUE(seg.ok()) << seg.status();
-  EXPECT_TRUE(CheckSizeSealed(seg->fd()).ok());
+  EXPECT_TRUE(CheckSealedShmem(seg->fd()).ok());
   struct stat st {};
   ASSERT_EQ(::fstat(seg->fd(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);

@@ -194,6 +194,39 @@ TEST_F(QuotaTest, BuffersPerClientAreBounded) {
   ExpectExhausted(a->AllocBuffer(4096, "x").status(), "buffers_per_client");
 }
 
+// All clients of one uid together hold at most buffers_per_uid buffers (each is a mapping of
+// the daemon's); a freed buffer, and those of a client that went, count again. A buffer the
+// daemon allocated keeps no descriptor of the daemon's once its client has it.
+TEST_F(QuotaTest, BuffersPerUidAreBounded) {
+  StartWithLimits(R"({"buffers_per_uid": 3})");
+  auto a = Connect("a");
+  auto b = Connect("b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const int before = CountFds(daemon_.pid());
+  absl::StatusOr<client::Buffer> a1 = a->AllocBuffer(4096, "a1");
+  ASSERT_TRUE(a1.ok()) << a1.status();
+  ASSERT_TRUE(a->AllocBuffer(4096, "a2").ok());
+  ASSERT_TRUE(b->AllocBuffer(4096, "b1").ok());
+  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) == before; }))
+      << CountFds(daemon_.pid()) << " descriptors, " << before << " before the buffers";
+  ExpectExhausted(b->AllocBuffer(4096, "b2").status(), "buffers_per_uid");
+  absl::StatusOr<ipc::UniqueFd> memfd = ipc::CreateMemfd("m", 4096);
+  ASSERT_TRUE(memfd.ok());
+  ASSERT_TRUE(ipc::SealSize(memfd->get()).ok());
+  ExpectExhausted(b->RegisterBuffer(memfd->get(), "m").status(), "buffers_per_uid");
+  const std::string held = StrCat("ulyssesd_uid_buffers{uid=\"", ::getuid(), "\"} ");
+  EXPECT_NE(Metrics().find(held + "3"), std::string::npos) << Metrics();
+  EXPECT_NE(Metrics().find("ulyssesd_limit_refusals_total{limit=\"buffers_per_uid\"} 2"),
+            std::string::npos);
+  ASSERT_TRUE(a->FreeBuffer(a1->id).ok());
+  EXPECT_TRUE(b->RegisterBuffer(memfd->get(), "m").ok());
+  a.reset();  // its one buffer left goes with it
+  EXPECT_TRUE(Eventually([&] { return Metrics().find(held + "2") != std::string::npos; }));
+  EXPECT_TRUE(b->AllocBuffer(4096, "b3").ok());
+  ExpectExhausted(b->AllocBuffer(4096, "b4").status(), "buffers_per_uid");
+}
+
 TEST_F(QuotaTest, UnclaimedDescriptorsAreBounded) {
   StartWithLimits(R"({"pending_fds_per_client": 8})");
   absl::StatusOr<Attached> a = Attach();

@@ -23,6 +23,11 @@ struct DaemonLimits {
   int32_t max_clients = 1024;            ///< attached clients, bound or not
   int32_t clients_per_uid = 256;         ///< bound clients of one uid
   int32_t buffers_per_client = 4096;     ///< buffers one client holds
+  /// Buffers all clients of one uid hold together. Each holds a mapping of the daemon's (a
+  /// memfd's, or device memory's), and the kernel allows a process only so many
+  /// (vm.max_map_count, 65530 by default): without this, one uid's clients could use them up
+  /// for every client of the daemon.
+  int32_t buffers_per_uid = 16384;
   uint64_t buffer_bytes_per_client = 256ull << 30;  ///< bytes of those buffers
   uint64_t buffer_bytes_per_uid = 512ull << 30;     ///< bytes of all buffers of one uid
   int32_t pending_fds_per_client = 64;   ///< descriptors sent but not yet claimed by RegisterBuffer

@@ -74,8 +74,10 @@ absl::StatusOr<size_t> FdSize(int fd);
 absl::Status SealSize(int fd);
 
 /// FAILED_PRECONDITION unless memfd `fd` carries F_SEAL_SHRINK, i.e. nobody can shrink it under
-/// a mapping. Receivers of untrusted memfds check this before mapping them. Thread-safe.
-absl::Status CheckSizeSealed(int fd);
+/// a mapping, and is not on hugetlbfs (whose pages a hole punched by the owner can leave
+/// unbacked: SIGBUS on the receiver's touch). Receivers of untrusted memfds check this before
+/// mapping them. Thread-safe.
+absl::Status CheckSealedShmem(int fd);
 
 /// Reserves the memory behind the first `size` bytes of `fd` now (fallocate), so that touching
 /// them later cannot fail for want of memory (a page of a full tmpfs or memfd raises SIGBUS in
@@ -104,7 +106,7 @@ class SharedSegment {
   static absl::StatusOr<SharedSegment> Create(std::string_view debug_name, size_t size);
 
   /// Maps a segment another process made (a descriptor received over a socket) read-write,
-  /// after checking that its size is sealed (CheckSizeSealed) and equals `expected_size`:
+  /// after checking that its size is sealed (CheckSealedShmem) and equals `expected_size`:
   /// FAILED_PRECONDITION naming both sizes otherwise.
   static absl::StatusOr<SharedSegment> Adopt(UniqueFd fd, size_t expected_size);
 
