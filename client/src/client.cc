@@ -20,7 +20,7 @@
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/client_segment.h"
 #include "ulysses/ipc/cuda_memory.h"
-#include "ulysses/ipc/eventfd.h"
+#include "ulysses/ipc/doorbell.h"
 #include "ulysses/ipc/fd.h"
 #include "ulysses/ipc/shm.h"
 #include "ulysses/ipc/unix_socket.h"
@@ -92,7 +92,7 @@ class ClientImpl : public BufferResolver {
   ipc::ClientSegmentHeader* header = nullptr;
   ipc::SubmitRing* submit = nullptr;
   ipc::CompletionRing* complete = nullptr;
-  ipc::EventFd submit_bell, complete_bell;
+  ipc::Doorbell submit_bell, complete_bell;  // this client's ends: it rings one, waits on one
   std::mutex submit_mu, complete_mu;
   std::map<std::pair<uint64_t, uint64_t>, ipc::Completion> pending;  // (session, epoch)
   std::set<std::pair<uint64_t, uint64_t>> raised;  // failed completions raised at a Submit
@@ -117,8 +117,8 @@ class ClientImpl : public BufferResolver {
     ULY_ASSIGN_OR_RETURN(complete,
                          ipc::CompletionRing::Attach(base + ipc::ClientSegmentLayout::kComplete,
                                                      sizeof(ipc::CompletionRing)));
-    ULY_ASSIGN_OR_RETURN(submit_bell, ipc::EventFd::Adopt(std::move(ack.fds[1])));
-    ULY_ASSIGN_OR_RETURN(complete_bell, ipc::EventFd::Adopt(std::move(ack.fds[2])));
+    ULY_ASSIGN_OR_RETURN(submit_bell, ipc::Doorbell::Adopt(std::move(ack.fds[1])));
+    ULY_ASSIGN_OR_RETURN(complete_bell, ipc::Doorbell::Adopt(std::move(ack.fds[2])));
     return absl::OkStatus();
   }
 
@@ -152,7 +152,13 @@ class ClientImpl : public BufferResolver {
       if (absl::Now() > deadline) return absl::DeadlineExceededError("submit ring: full");
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    return submit_bell.Signal();
+    const absl::Status rung = submit_bell.Signal();
+    if (!rung.ok()) {  // the daemon's end closed: say why
+      if (header->abort.load(std::memory_order_acquire) != 0)
+        return absl::AbortedError("the daemon dropped this client");
+      ULY_RETURN_IF_ERROR(CheckDaemonAlive());
+    }
+    return rung;
   }
 
   void AddDoneWords(const std::shared_ptr<DoneWords>& words) {
@@ -281,8 +287,12 @@ class ClientImpl : public BufferResolver {
         return absl::DeadlineExceededError(StrCat("no completion for session ", session,
                                                   " epoch ", epoch));
       const int ms = static_cast<int>(std::min<int64_t>(20, absl::ToInt64Milliseconds(deadline - now) + 1));
-      ULY_RETURN_IF_ERROR(complete_bell.Wait(ms).status());
+      const absl::Status waited = complete_bell.Wait(ms).status();
+      // A bell whose daemon end closed: say why, as the checks above and below do.
+      if (!waited.ok() && header->abort.load(std::memory_order_acquire) != 0)
+        return absl::AbortedError("the daemon dropped this client");
       ULY_RETURN_IF_ERROR(CheckDaemonAlive());
+      ULY_RETURN_IF_ERROR(waited);
     }
   }
 

@@ -227,8 +227,13 @@ absl::StatusOr<std::shared_ptr<ClientRings>> Daemon::CreateRings(
   ULY_ASSIGN_OR_RETURN(rings->complete,
                        ipc::CompletionRing::Create(base + ipc::ClientSegmentLayout::kComplete,
                                                    sizeof(ipc::CompletionRing)));
-  ULY_ASSIGN_OR_RETURN(rings->submit_bell, ipc::EventFd::Create());
-  ULY_ASSIGN_OR_RETURN(rings->complete_bell, ipc::EventFd::Create());
+  using Ends = std::pair<ipc::Doorbell, ipc::Doorbell>;  // ringing end, waiting end
+  ULY_ASSIGN_OR_RETURN(Ends submit, ipc::Doorbell::Create());
+  ULY_ASSIGN_OR_RETURN(Ends complete, ipc::Doorbell::Create());
+  rings->submit_bell = std::move(submit.second);
+  rings->submit_ring = std::move(submit.first);
+  rings->complete_bell = std::move(complete.first);
+  rings->complete_wait = std::move(complete.second);
   return rings;
 }
 
@@ -347,7 +352,16 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
     // The client drains completions while it submits or waits; a client that stops doing so
     // stalls only itself, and its worker backs off instead of spinning. Give up when it is
     // reclaimed.
-    if (!ipc::PushBackoff(*rings->complete, done, &rings->header->abort).ok()) return false;
+    const absl::Status pushed = ipc::PushBackoff(*rings->complete, done, &rings->stop);
+    if (!pushed.ok()) {
+      if (pushed.code() != absl::StatusCode::kAborted) {
+        // The client corrupted its own completion ring: it cannot be served any more.
+        log->warn("client {}: completion ring: {}; dropping the client", c->id,
+                  std::string(pushed.message()));
+        Reclaim(c->id, StrCat("corrupted completion ring: ", pushed.message()));
+      }
+      return false;
+    }
     (void)rings->complete_bell.Signal();
     return true;
   };
@@ -418,7 +432,7 @@ void Daemon::RingWorker(std::shared_ptr<ClientRecord> c, std::shared_ptr<ClientR
                                   : now - last_progress < absl::Milliseconds(2) ? absl::Microseconds(20)
                                                                                 : absl::Milliseconds(1);
     absl::StatusOr<bool> got = ipc::PopWait(*rings->submit, &d, rings->submit_bell, now + window,
-                                            &rings->header->abort, spin);
+                                            &rings->stop, spin);
     if (!got.ok()) {
       if (got.status().code() != absl::StatusCode::kAborted) {
         // The client corrupted its own ring: it cannot be served any more.

@@ -524,8 +524,9 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
       // Ends the ring worker and any client wait on the segment. Before the socket closes: a
       // client that finds its socket closed and this word unset takes its daemon for dead and
       // lets its streams go itself (docs/protocol.md section 9.4).
+      c->rings->stop.store(1, std::memory_order_release);
       c->rings->header->abort.store(1, std::memory_order_release);
-      (void)c->rings->submit_bell.Signal();
+      (void)c->rings->submit_ring.Signal();
       (void)c->rings->complete_bell.Signal();
     }
     if (c->watch != nullptr) c->watch->TryCancel();  // ends the Watch stream

@@ -21,6 +21,7 @@
 #include "ulysses/common/config.h"
 #include "ulysses/common/geometry.h"
 #include "ulysses/ipc/client_segment.h"
+#include "ulysses/ipc/doorbell.h"
 #include "ulysses/ipc/eventfd.h"
 #include "ulysses/ipc/fd.h"
 #include "ulysses/ipc/shm.h"
@@ -70,8 +71,20 @@ struct ClientRings {
   ipc::ClientSegmentHeader* header = nullptr;
   ipc::SubmitRing* submit = nullptr;
   ipc::CompletionRing* complete = nullptr;
-  ipc::EventFd submit_bell;    // the client rings it after pushing a descriptor
-  ipc::EventFd complete_bell;  // the daemon rings it after posting a completion
+  // Doorbells (docs/protocol.md section 2.5): the waiting end of the one the client rings
+  // after pushing a descriptor, and the ringing end of the one the daemon rings after posting
+  // a completion. The client's ends go to it in the hello's answer, and the daemon keeps
+  // them too: the submit bell's ringing end wakes the worker at a reclaim, and with both held
+  // neither bell hangs up, whatever the client closes (a client that does not use the rings
+  // closes them), and the daemon's descriptors do not change once the answer is sent.
+  ipc::Doorbell submit_bell;
+  ipc::Doorbell submit_ring;
+  ipc::Doorbell complete_bell;
+  ipc::Doorbell complete_wait;
+  /// Set when the client is reclaimed or the daemon stops: the ring worker's stop word. The
+  /// segment's abort word tells the client; the client can write that one, so the worker does
+  /// not take its orders from it.
+  std::atomic<uint64_t> stop{0};
   /// Whether a ring worker serves these rings now; written under Daemon::workers_mu_. While it
   /// is false, the fd thread watches submit_bell and starts one at the next ring.
   std::atomic<bool> worker_running{false};

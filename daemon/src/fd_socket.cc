@@ -143,8 +143,8 @@ void Daemon::HandleHello(ipc::UniqueFd sock, const std::string& payload) {
     absl::Status sent;
     {
       std::lock_guard<std::mutex> send_lock(c->send_mu);
-      int fds[3] = {(*rings)->memfd.get(), (*rings)->submit_bell.fd(),
-                    (*rings)->complete_bell.fd()};
+      int fds[3] = {(*rings)->memfd.get(), (*rings)->submit_ring.fd(),
+                    (*rings)->complete_wait.fd()};
       int client_sock;
       {
         std::lock_guard<std::mutex> lock(c->mu);

@@ -10,7 +10,7 @@
 #include "nlohmann/json.hpp"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/client_segment.h"
-#include "ulysses/ipc/eventfd.h"
+#include "ulysses/ipc/doorbell.h"
 #include "ulysses/ipc/shm.h"
 #include "ulysses/ipc/unix_socket.h"
 #include "ulysses/v1/control.grpc.pb.h"
@@ -26,7 +26,7 @@ struct RawClient {
   ipc::ClientSegmentHeader* header = nullptr;
   ipc::SubmitRing* submit = nullptr;
   ipc::CompletionRing* complete = nullptr;
-  ipc::EventFd submit_bell, complete_bell;
+  ipc::Doorbell submit_bell, complete_bell;
 
   void Prepare(grpc::ClientContext* ctx) {
     ctx->AddMetadata("ulysses-client-id", std::to_string(id));
@@ -55,8 +55,8 @@ struct RawClient {
     submit = *ipc::SubmitRing::Attach(base + ipc::ClientSegmentLayout::kSubmit, sizeof(ipc::SubmitRing));
     complete = *ipc::CompletionRing::Attach(base + ipc::ClientSegmentLayout::kComplete,
                                             sizeof(ipc::CompletionRing));
-    submit_bell = *ipc::EventFd::Adopt(std::move(ack->fds[1]));
-    complete_bell = *ipc::EventFd::Adopt(std::move(ack->fds[2]));
+    submit_bell = *ipc::Doorbell::Adopt(std::move(ack->fds[1]));
+    complete_bell = *ipc::Doorbell::Adopt(std::move(ack->fds[2]));
     return absl::OkStatus();
   }
   uint64_t Alloc(uint64_t bytes, ipc::Mapping* map) {

@@ -1,15 +1,20 @@
 // The call rings: a client that keeps its completion ring full stalls only itself, and its
 // ring worker waits with a backoff instead of spinning; ring descriptors are checked before
-// they reach a session (epoch 0 means nothing).
+// they reach a session (epoch 0 means nothing); what the client can write (its segment's abort
+// word, its ends of the doorbells) neither stops nor holds its worker or the daemon.
+#include <fcntl.h>
+
+#include <atomic>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "hostile_client.h"
 #include "ulysses/client/client.h"
 #include "ulysses/ipc/client_segment.h"
-#include "ulysses/ipc/eventfd.h"
+#include "ulysses/ipc/doorbell.h"
 #include "ulysses/ipc/shm.h"
 
 namespace ulysses::security {
@@ -37,7 +42,12 @@ struct RingClient {
   ipc::Mapping segment;
   ipc::SubmitRing* submit = nullptr;
   ipc::CompletionRing* complete = nullptr;
-  ipc::UniqueFd submit_bell;
+  ipc::UniqueFd submit_bell, complete_bell;  // this client's ends of the doorbells
+
+  ipc::ClientSegmentHeader* header() {
+    return reinterpret_cast<ipc::ClientSegmentHeader*>(static_cast<uint8_t*>(segment.data()) +
+                                                       ipc::ClientSegmentLayout::kHeader);
+  }
 
   // Pushes `d`, waiting for room, and rings the daemon.
   void Push(const ipc::CallDescriptor& d) {
@@ -76,6 +86,7 @@ class RingTest : public DaemonTest {
     rc->complete = *ipc::CompletionRing::Attach(base + ipc::ClientSegmentLayout::kComplete,
                                                 sizeof(ipc::CompletionRing));
     rc->submit_bell = std::move(ack.fds[1]);
+    rc->complete_bell = std::move(ack.fds[2]);
     return rc;
   }
 };
@@ -189,6 +200,43 @@ TEST_F(RingTest, EpochZeroOnTheRingNamesNoCall) {
   ipc::Completion one = NextCompletion(*rc);
   EXPECT_EQ(one.code, 0) << one.message;
   EXPECT_EQ(one.next_epoch, 2u);
+}
+
+// The segment's abort word is the client's to write: a client that sets it is still served
+// (its worker does not take its orders from that word, so it neither stops nor restarts in a
+// loop), and one that clears it after it hung up does not keep its worker alive: the daemon
+// reclaims it, its worker ends (in PushBackoff here, behind a completion ring kept full) and
+// the daemon stops on time. Its ends of the doorbells made blocking change nothing of the
+// daemon's.
+TEST_F(RingTest, TheAbortWordAndTheBellsAClientWritesNeitherStopNorHoldItsWorker) {
+  auto rc = BindRings();
+  ASSERT_NE(rc, nullptr);
+  const int threads = CountThreadsOutsideTimers(daemon_.pid());  // no ring worker yet
+  for (int fd : {rc->submit_bell.get(), rc->complete_bell.get()})
+    ASSERT_EQ(::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK), 0);
+  rc->header()->abort.store(1, std::memory_order_release);
+  rc->Push(Bogus(1));
+  const ipc::Completion first = NextCompletion(*rc);
+  EXPECT_EQ(first.epoch, 1u);
+  EXPECT_NE(first.code, 0) << "a descriptor of no session was answered OK";
+  // Now a completion ring kept full, so that the worker sits in its backoff.
+  for (uint64_t e = 2; e <= ipc::kRingCapacity + 2; ++e) rc->Push(Bogus(e));
+  ASSERT_TRUE(Eventually([&] {
+    return rc->complete->size() == ipc::kRingCapacity && rc->submit->empty();
+  }));
+  std::atomic<bool> done{false};
+  std::thread clearer([&] {
+    while (!done.load()) rc->header()->abort.store(0, std::memory_order_release);
+  });
+  ::shutdown(rc->sock.get(), SHUT_RDWR);  // hangs up: the daemon reclaims it
+  EXPECT_TRUE(Eventually([&] { return NumClients() == 0; }));
+  EXPECT_TRUE(Eventually([&] { return CountThreadsOutsideTimers(daemon_.pid()) <= threads; }))
+      << CountThreadsOutsideTimers(daemon_.pid()) << " threads, " << threads << " before";
+  done.store(true);
+  clearer.join();
+  auto bystander = client::Client::Connect({daemon_.socket(), "bystander", absl::Seconds(10)});
+  ASSERT_TRUE(bystander.ok()) << bystander.status();
+  EXPECT_TRUE((*bystander)->AllocBuffer(4096, "b").ok());
 }
 
 }  // namespace

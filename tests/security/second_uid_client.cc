@@ -21,7 +21,7 @@
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/client_segment.h"
-#include "ulysses/ipc/eventfd.h"
+#include "ulysses/ipc/doorbell.h"
 #include "ulysses/ipc/frames.h"
 #include "ulysses/ipc/shm.h"
 #include "ulysses/ipc/unix_socket.h"
@@ -58,7 +58,7 @@ struct Rings {
   ipc::Mapping segment;
   ipc::SubmitRing* submit = nullptr;
   ipc::CompletionRing* complete = nullptr;
-  std::optional<ipc::EventFd> submit_bell, complete_bell;
+  std::optional<ipc::Doorbell> submit_bell, complete_bell;
 
   absl::Status Map(ipc::ReceivedMessage& ack) {
     if (ack.fds.size() != 3) return absl::InternalError("the hello's answer has no rings");
@@ -70,8 +70,8 @@ struct Rings {
     ULY_ASSIGN_OR_RETURN(complete,
                          ipc::CompletionRing::Attach(base + ipc::ClientSegmentLayout::kComplete,
                                                      sizeof(ipc::CompletionRing)));
-    ULY_ASSIGN_OR_RETURN(ipc::EventFd s, ipc::EventFd::Adopt(std::move(ack.fds[1])));
-    ULY_ASSIGN_OR_RETURN(ipc::EventFd c, ipc::EventFd::Adopt(std::move(ack.fds[2])));
+    ULY_ASSIGN_OR_RETURN(ipc::Doorbell s, ipc::Doorbell::Adopt(std::move(ack.fds[1])));
+    ULY_ASSIGN_OR_RETURN(ipc::Doorbell c, ipc::Doorbell::Adopt(std::move(ack.fds[2])));
     submit_bell.emplace(std::move(s));
     complete_bell.emplace(std::move(c));
     return absl::OkStatus();

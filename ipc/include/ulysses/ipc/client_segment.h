@@ -3,9 +3,9 @@
 //   [ ClientSegmentHeader | submit ring: CallDescriptor x kRingCapacity |
 //     completion ring: Completion x kRingCapacity ]
 //
-// The daemon creates it (a memfd) when the client's fd socket is bound and passes it with two
-// eventfds: the submit doorbell (client rings after pushing a descriptor) and the completion
-// doorbell (daemon rings after posting a completion). Writers: the client writes only the
+// The daemon creates it (a memfd) when the client's fd socket is bound and passes it with the
+// client's ends of two doorbells (ipc::Doorbell): the submit doorbell (client rings after
+// pushing a descriptor) and the completion doorbell (daemon rings after posting a completion). Writers: the client writes only the
 // submit ring's records and tail and the completion ring's head; the daemon writes everything
 // else, plus its release words. No lock lives here, so a dead client cannot leave anything
 // locked.
@@ -24,7 +24,8 @@ namespace ulysses::ipc {
 
 inline constexpr uint64_t kClientSegmentMagic = 0x554c5953434c4931ull;  // "ULYSCLI1"
 // 4: a GPU session's done words lead its slot mapping (ResultWords), apart from the daemons'.
-inline constexpr uint32_t kClientSegmentVersion = 4;
+// 5: the doorbells that come with it are socket pairs (Doorbell), not eventfds.
+inline constexpr uint32_t kClientSegmentVersion = 5;
 inline constexpr uint32_t kRingCapacity = 64;
 /// Sessions per client that can release slots through the segment (more use the RPC).
 inline constexpr uint32_t kMaxReleaseSessions = 64;

@@ -219,9 +219,10 @@ struct SpscRing {
 /// It first polls the ring for `spin` (at most until the deadline); between rounds after that
 /// it waits on `bell` for at most kMaxDoorbellWaitMs, and re-checks the ring whether or not
 /// the bell rang. Consumes the bell's pending rings. Call it from the consumer
-/// only; `bell` must be the ring's doorbell (its rings are consumed here).
-template <typename Record, uint32_t kCapacity>
-absl::StatusOr<bool> PopWait(SpscRing<Record, kCapacity>& ring, Record* out, EventFd& bell,
+/// only; `bell` must be the ring's doorbell (its rings are consumed here): an EventFd, or the
+/// waiting end of a Doorbell.
+template <typename Record, uint32_t kCapacity, typename Bell>
+absl::StatusOr<bool> PopWait(SpscRing<Record, kCapacity>& ring, Record* out, Bell& bell,
                              absl::Time deadline, const std::atomic<uint64_t>* abort = nullptr,
                              absl::Duration spin = kRingSpin) {
   bool spun = false;
