@@ -4,8 +4,8 @@
 #include <sys/stat.h>
 
 #include <cerrno>
-#include <chrono>
 
+#include "bell_wait.h"
 #include "errno_status.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
@@ -57,42 +57,28 @@ absl::Status Doorbell::Signal() {
 }
 
 absl::StatusOr<bool> Doorbell::Wait(int timeout_ms) {
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms);
-  int wait_ms = timeout_ms;
-  for (;;) {
-    ULY_ASSIGN_OR_RETURN(const bool readable, WaitReadable(fd_.get(), wait_ms));
-    if (!readable) return false;
+  return bell_internal::WaitThenConsume(fd_.get(), timeout_ms, [&]() -> absl::StatusOr<bool> {
     char rings[256];
     const ssize_t n = ::recv(fd_.get(), rings, sizeof rings, MSG_DONTWAIT);
     if (n > 0) {
       // The rest of what is pending; a ring sent meanwhile is consumed too, which the caller's
       // look at its ring after the wait covers.
-      while (::recv(fd_.get(), rings, sizeof rings, MSG_DONTWAIT) ==
-             static_cast<ssize_t>(sizeof rings)) {
+      if (n == static_cast<ssize_t>(sizeof rings)) {
+        while (::recv(fd_.get(), rings, sizeof rings, MSG_DONTWAIT) ==
+               static_cast<ssize_t>(sizeof rings)) {
+        }
       }
       return true;
     }
-    if (n == 0) {
+    const int err = n == 0 ? 0 : errno;
+    if (n == 0 || err == ECONNRESET) {
       return absl::UnavailableError(
           ulysses::StrCat("doorbell ", fd_.get(), ": its ringing end is closed"));
     }
-    const int err = errno;
     // EAGAIN: another waiter consumed the rings between poll and recv; wait for the next one.
-    if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR) {
-      if (err == ECONNRESET) {
-        return absl::UnavailableError(
-            ulysses::StrCat("doorbell ", fd_.get(), ": its ringing end is closed"));
-      }
-      return ErrnoError(ulysses::StrCat("recv(doorbell ", fd_.get(), ")"), err);
-    }
-    if (timeout_ms >= 0) {
-      const auto left =
-          std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
-      if (left <= 0) return false;
-      wait_ms = static_cast<int>(left);
-    }
-  }
+    if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR) return false;
+    return ErrnoError(ulysses::StrCat("recv(doorbell ", fd_.get(), ")"), err);
+  });
 }
 
 }  // namespace ulysses::ipc

@@ -5,10 +5,10 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstdint>
 #include <string>
 
+#include "bell_wait.h"
 #include "errno_status.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
@@ -54,26 +54,14 @@ absl::Status EventFd::Signal() {
 }
 
 absl::StatusOr<bool> EventFd::Wait(int timeout_ms) {
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms);
-  int wait_ms = timeout_ms;
-  for (;;) {
-    ULY_ASSIGN_OR_RETURN(const bool readable, WaitReadable(fd_.get(), wait_ms));
-    if (!readable) return false;
+  return bell_internal::WaitThenConsume(fd_.get(), timeout_ms, [&]() -> absl::StatusOr<bool> {
     uint64_t count = 0;
     if (::read(fd_.get(), &count, sizeof(count)) == sizeof(count)) return true;
     const int err = errno;
     // EAGAIN: another waiter consumed the ring between poll and read; wait for the next one.
-    if (err != EAGAIN && err != EINTR) {
-      return ErrnoError(ulysses::StrCat("read(eventfd ", fd_.get(), ")"), err);
-    }
-    if (timeout_ms >= 0) {
-      const auto left =
-          std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
-      if (left <= 0) return false;
-      wait_ms = static_cast<int>(left);
-    }
-  }
+    if (err == EAGAIN || err == EINTR) return false;
+    return ErrnoError(ulysses::StrCat("read(eventfd ", fd_.get(), ")"), err);
+  });
 }
 
 }  // namespace ulysses::ipc
