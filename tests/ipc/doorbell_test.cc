@@ -23,7 +23,9 @@ std::pair<Doorbell, Doorbell> MakeBell() {
 }
 
 TEST(DoorbellTest, RingsCoalesceAndAreConsumedByOneWait) {
-  auto [ring, wait] = MakeBell();
+  std::pair<Doorbell, Doorbell> bell = MakeBell();
+  Doorbell& ring = bell.first;  // named, not a structured binding: a lambda captures it
+  Doorbell& wait = bell.second;
   for (int fd : {ring.fd(), wait.fd()}) EXPECT_TRUE(::fcntl(fd, F_GETFD) & FD_CLOEXEC);
   EXPECT_FALSE(wait.Wait(0).value());
   ASSERT_TRUE(ring.Signal().ok());
