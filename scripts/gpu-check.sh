@@ -136,11 +136,11 @@ stage() {
   fi
   rc=$?
   [ $rc -ne 124 ] && [ $rc -ne 137 ] || echo "gpu-check: stopped after the stage limit of ${limit} s" >> "$out/$name.log"
-  local line
+  local line seconds=$(( $(date +%s) - start ))
   line=$(printf '%-10s %-7s %4ds  %s' "$name" "$([ $rc -eq 0 ] && echo passed || echo "FAILED($rc)")" \
-    "$(( $(date +%s) - start ))" "$(tail -n 1 "$out/$name.log")")
+    "$seconds" "$(tail -n 1 "$out/$name.log")")
   echo "$line" | tee -a "$summary"
-  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" \
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$seconds" \
     "${ULYSSES_TEST_EXPECT_MPS:-}" >> "$out/stages.tsv"
   [ $rc -eq 0 ] || failed=1
 }

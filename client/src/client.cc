@@ -153,11 +153,8 @@ class ClientImpl : public BufferResolver {
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
     const absl::Status rung = submit_bell.Signal();
-    if (!rung.ok()) {  // the daemon's end closed: say why
-      if (header->abort.load(std::memory_order_acquire) != 0)
-        return absl::AbortedError("the daemon dropped this client");
-      ULY_RETURN_IF_ERROR(CheckDaemonAlive());
-    }
+    // The daemon's end closed: say why (dropped, or gone) where that is known.
+    if (!rung.ok()) ULY_RETURN_IF_ERROR(CheckDaemonAlive());
     return rung;
   }
 
@@ -288,9 +285,7 @@ class ClientImpl : public BufferResolver {
                                                   " epoch ", epoch));
       const int ms = static_cast<int>(std::min<int64_t>(20, absl::ToInt64Milliseconds(deadline - now) + 1));
       const absl::Status waited = complete_bell.Wait(ms).status();
-      // A bell whose daemon end closed: say why, as the checks above and below do.
-      if (!waited.ok() && header->abort.load(std::memory_order_acquire) != 0)
-        return absl::AbortedError("the daemon dropped this client");
+      // Checked first, so that a bell whose daemon end closed says why (dropped, or gone).
       ULY_RETURN_IF_ERROR(CheckDaemonAlive());
       ULY_RETURN_IF_ERROR(waited);
     }

@@ -14,6 +14,7 @@ still has the cases it finished, and the case it was in when stopped ("stopped")
 GPU tests' PASS and FAIL lines; the demo's JSON line (with the MPS mode the demo's daemons
 reported, beside the mode they were to report); and a row for every other stage.
 """
+import collections
 import glob
 import json
 import os
@@ -134,9 +135,7 @@ def main(argv):
     with open(os.path.join(out, "tests.json"), "w") as f:
         json.dump(report, f, indent=1)
         f.write("\n")
-    tally = {}
-    for row in rows:
-        tally[row["result"]] = tally.get(row["result"], 0) + 1
+    tally = collections.Counter(row["result"] for row in rows)
     counts = ", ".join(f"{tally.get(k, 0)} {k}" for k in ("passed", "failed", "skipped",
                                                           "stopped"))
     print(f"gpu-check: {len(rows)} cases: {counts}; each in {os.path.join(out, 'tests.json')}")
