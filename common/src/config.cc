@@ -129,26 +129,14 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
   }
   if (root.contains("limits")) {
     const json& l = root["limits"];
-    DaemonLimits& d = c.limits;
-    ULY_RETURN_IF_ERROR(CheckKeys(l, "limits", {"max_clients", "clients_per_uid",
-                                                "buffers_per_client", "buffers_per_uid",
-                                                "buffer_bytes_per_client",
-                                                "buffer_bytes_per_uid", "pending_fds_per_client",
-                                                "calls_in_progress_per_client",
-                                                "calls_in_progress_per_uid",
-                                                "admin_calls_in_progress"}));
-    ULY_RETURN_IF_ERROR(Read(l, "max_clients", "limits", &d.max_clients));
-    ULY_RETURN_IF_ERROR(Read(l, "clients_per_uid", "limits", &d.clients_per_uid));
-    ULY_RETURN_IF_ERROR(Read(l, "buffers_per_client", "limits", &d.buffers_per_client));
-    ULY_RETURN_IF_ERROR(Read(l, "buffers_per_uid", "limits", &d.buffers_per_uid));
-    ULY_RETURN_IF_ERROR(Read(l, "buffer_bytes_per_client", "limits", &d.buffer_bytes_per_client));
-    ULY_RETURN_IF_ERROR(Read(l, "buffer_bytes_per_uid", "limits", &d.buffer_bytes_per_uid));
-    ULY_RETURN_IF_ERROR(Read(l, "pending_fds_per_client", "limits", &d.pending_fds_per_client));
-    ULY_RETURN_IF_ERROR(Read(l, "calls_in_progress_per_client", "limits",
-                             &d.calls_in_progress_per_client));
-    ULY_RETURN_IF_ERROR(Read(l, "calls_in_progress_per_uid", "limits",
-                             &d.calls_in_progress_per_uid));
-    ULY_RETURN_IF_ERROR(Read(l, "admin_calls_in_progress", "limits", &d.admin_calls_in_progress));
+    std::set<std::string> keys;
+    for (const LimitField& f : kLimitFields) keys.emplace(f.key);
+    ULY_RETURN_IF_ERROR(CheckKeys(l, "limits", keys));
+    for (const LimitField& f : kLimitFields) {
+      const std::string key(f.key);
+      ULY_RETURN_IF_ERROR(f.count != nullptr ? Read(l, key, "limits", &(c.limits.*f.count))
+                                             : Read(l, key, "limits", &(c.limits.*f.bytes)));
+    }
   }
   if (root.contains("rings")) {
     const json& r = root["rings"];
@@ -320,20 +308,11 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
     return Invalid("timeouts.peer_ms", StrCat("must be > 0, got ", c.peer_timeout_ms));
   if (c.drain_timeout_ms < 0)
     return Invalid("timeouts.drain_ms", StrCat("must be >= 0, got ", c.drain_timeout_ms));
-  for (const auto& [key, value] :
-       {std::pair<const char*, int64_t>{"limits.max_clients", c.limits.max_clients},
-        {"limits.clients_per_uid", c.limits.clients_per_uid},
-        {"limits.buffers_per_client", c.limits.buffers_per_client},
-        {"limits.buffers_per_uid", c.limits.buffers_per_uid},
-        {"limits.pending_fds_per_client", c.limits.pending_fds_per_client},
-        {"limits.calls_in_progress_per_client", c.limits.calls_in_progress_per_client},
-        {"limits.calls_in_progress_per_uid", c.limits.calls_in_progress_per_uid},
-        {"limits.admin_calls_in_progress", c.limits.admin_calls_in_progress}})
-    if (value < 1) return Invalid(key, StrCat("must be >= 1, got ", value));
-  if (c.limits.buffer_bytes_per_client == 0)
-    return Invalid("limits.buffer_bytes_per_client", "must be >= 1, got 0");
-  if (c.limits.buffer_bytes_per_uid == 0)
-    return Invalid("limits.buffer_bytes_per_uid", "must be >= 1, got 0");
+  for (const LimitField& f : kLimitFields) {
+    const int64_t value =
+        f.count != nullptr ? c.limits.*f.count : static_cast<int64_t>(c.limits.*f.bytes > 0);
+    if (value < 1) return Invalid(StrCat("limits.", f.key), StrCat("must be >= 1, got ", value));
+  }
   if (c.bind_timeout_ms <= 0 || c.bind_timeout_ms > 3600 * 1000)
     return Invalid("timeouts.bind_ms", StrCat("must be in [1, 3600000], got ", c.bind_timeout_ms));
   if (c.worker_stall_ms < 0 || c.worker_stall_ms > 3600 * 1000)

@@ -516,6 +516,7 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
     sessions.swap(c->sessions);
     buffers.swap(c->buffers);
     groups.swap(c->groups);
+    pending_fds_.fetch_sub(static_cast<int32_t>(c->incoming_fds.size()));
     c->incoming_fds.clear();
     c->gone = true;
     ReleaseQuotaLocked(*c);

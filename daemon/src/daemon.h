@@ -102,7 +102,8 @@ struct ClientRecord {
   uid_t uid = 0;
   absl::Time since;
   std::atomic<uint64_t> calls{0};
-  std::atomic<int32_t> unary_in_progress{0};  // Control requests running (limits.calls_in_progress_per_client)
+  /// Control requests in progress (limits.calls_in_progress_per_client; RequestPlace).
+  std::atomic<int32_t> requests_in_progress{0};
 
   std::mutex mu;  // guards everything below
   bool gone = false;  // reclaimed: nothing may be added any more
@@ -121,6 +122,11 @@ struct ClientRecord {
   uint64_t charged_bytes = 0;
   int32_t charged_buffers = 0;
   bool counted_in_uid = false;
+  int32_t groups_joining = 0;  // JoinGroup requests in progress (limits.groups_per_client)
+  /// Sessions open or being created (limits.sessions_per_client): shared with their charges,
+  /// which end with the sessions themselves.
+  std::shared_ptr<std::atomic<int32_t>> sessions_charged =
+      std::make_shared<std::atomic<int32_t>>(0);
   // Rows of the segment's release words handed out so far; rows are never reused, so a late
   // write for a closed session cannot release a slot of a newer one.
   int32_t release_rows_used = 0;
@@ -190,6 +196,15 @@ class Daemon {
   absl::Status ChargeBuffer(ClientRecord& c, uint64_t bytes);
   /// Gives back one buffer's charge (at most what `c` still has charged).
   void UnchargeBuffer(ClientRecord& c, uint64_t bytes);
+  /// Charges one more session to the bound client `c`, to its uid and to the daemon, against
+  /// limits.sessions_per_client, sessions_per_uid and max_sessions: the charge comes back when
+  /// the returned hold goes (the session keeps it: Session::Hold). RESOURCE_EXHAUSTED naming
+  /// the limit; FAILED_PRECONDITION before the client bound its fd socket.
+  absl::StatusOr<std::shared_ptr<const void>> ChargeSession(ClientRecord& c);
+  /// Counts one more group `c` joins against limits.groups_per_client (those it joined and
+  /// those it is joining); each counted join ends with EndGroupJoin, under c.mu, before the
+  /// group is added to c.groups.
+  absl::Status StartGroupJoin(ClientRecord& c);
   /// Waits (up to `wait`) for the fd the client sent under `tag`, and takes it.
   absl::StatusOr<ipc::UniqueFd> TakeIncomingFd(ClientRecord& c, uint64_t tag,
                                                absl::Duration wait = absl::Seconds(10));
@@ -353,18 +368,32 @@ class Daemon {
 
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<ClientRecord>> clients_;
-  // Per uid: bound clients and the bytes of their buffers. quota_mu_ is the innermost lock.
+  // Per uid: bound clients and the bytes of their buffers.
   struct UidUsage {
     int32_t clients = 0;
     uint64_t buffer_bytes = 0;
     int32_t buffers = 0;   // limits.buffers_per_uid
     int32_t requests = 0;  // Control requests in progress (limits.calls_in_progress_per_uid)
+    int32_t sessions = 0;  // open or being created (limits.sessions_per_uid)
     bool Unused() const {
-      return clients == 0 && buffer_bytes == 0 && buffers == 0 && requests == 0;
+      return clients == 0 && buffer_bytes == 0 && buffers == 0 && requests == 0 &&
+             sessions == 0;
     }
   };
-  std::mutex quota_mu_;
-  std::map<uid_t, UidUsage> uid_usage_;
+  // What clients hold against the limits, per uid and all together. A session's charge
+  // (ChargeSession) shares it, since the session may outlive this object. mu is the innermost
+  // lock.
+  struct QuotaBook {
+    std::mutex mu;
+    std::map<uid_t, UidUsage> uids;
+    int32_t buffers = 0;   // limits.max_buffers
+    int32_t sessions = 0;  // limits.max_sessions
+    void UnchargeSession(uid_t uid);
+  };
+  const std::shared_ptr<QuotaBook> quotas_ = std::make_shared<QuotaBook>();
+  // Descriptors clients sent and did not claim, all together (limits.max_pending_fds); changed
+  // under the client's mu.
+  std::atomic<int32_t> pending_fds_{0};
   std::array<std::atomic<uint64_t>, kNumLimits> refusals_{};
   struct SlotBudget {
     std::mutex mu;

@@ -7,55 +7,6 @@
 #include "ulysses/common/strings.h"
 
 namespace ulysses::daemon {
-namespace {
-
-struct LimitTraits {
-  Limit limit;
-  std::string_view name;
-  uint64_t (*value)(const DaemonLimits&);
-};
-
-constexpr std::array<LimitTraits, kNumLimits> kLimits = {{
-    {Limit::kMaxClients, "max_clients",
-     [](const DaemonLimits& l) -> uint64_t { return static_cast<uint64_t>(l.max_clients); }},
-    {Limit::kClientsPerUid, "clients_per_uid",
-     [](const DaemonLimits& l) -> uint64_t { return static_cast<uint64_t>(l.clients_per_uid); }},
-    {Limit::kBuffersPerClient, "buffers_per_client",
-     [](const DaemonLimits& l) -> uint64_t { return static_cast<uint64_t>(l.buffers_per_client); }},
-    {Limit::kBuffersPerUid, "buffers_per_uid",
-     [](const DaemonLimits& l) -> uint64_t { return static_cast<uint64_t>(l.buffers_per_uid); }},
-    {Limit::kBufferBytesPerClient, "buffer_bytes_per_client",
-     [](const DaemonLimits& l) -> uint64_t { return l.buffer_bytes_per_client; }},
-    {Limit::kBufferBytesPerUid, "buffer_bytes_per_uid",
-     [](const DaemonLimits& l) -> uint64_t { return l.buffer_bytes_per_uid; }},
-    {Limit::kPendingFdsPerClient, "pending_fds_per_client",
-     [](const DaemonLimits& l) -> uint64_t {
-       return static_cast<uint64_t>(l.pending_fds_per_client);
-     }},
-    {Limit::kCallsInProgressPerClient, "calls_in_progress_per_client",
-     [](const DaemonLimits& l) -> uint64_t {
-       return static_cast<uint64_t>(l.calls_in_progress_per_client);
-     }},
-    {Limit::kCallsInProgressPerUid, "calls_in_progress_per_uid",
-     [](const DaemonLimits& l) -> uint64_t {
-       return static_cast<uint64_t>(l.calls_in_progress_per_uid);
-     }},
-    {Limit::kAdminCallsInProgress, "admin_calls_in_progress",
-     [](const DaemonLimits& l) -> uint64_t {
-       return static_cast<uint64_t>(l.admin_calls_in_progress);
-     }},
-}};
-
-constexpr bool InLimitOrder() {
-  for (size_t i = 0; i < kNumLimits; ++i)
-    if (static_cast<size_t>(kLimits[i].limit) != i) return false;
-  return true;
-}
-static_assert(InLimitOrder(), "kLimits lists the limits in the order of enum Limit");
-
-const LimitTraits& Traits(Limit limit) { return kLimits[static_cast<size_t>(limit)]; }
-
-}  // namespace
 
 absl::Status CheckName(std::string_view field, std::string_view value) {
   if (value.size() > kMaxNameBytes)
@@ -64,9 +15,11 @@ absl::Status CheckName(std::string_view field, std::string_view value) {
   return absl::OkStatus();
 }
 
-std::string_view LimitName(Limit limit) { return Traits(limit).name; }
+std::string_view LimitName(Limit limit) { return kLimitFields[static_cast<size_t>(limit)].key; }
 
-uint64_t LimitValue(const DaemonLimits& limits, Limit limit) { return Traits(limit).value(limits); }
+uint64_t LimitValue(const DaemonLimits& limits, Limit limit) {
+  return kLimitFields[static_cast<size_t>(limit)].value(limits);
+}
 
 absl::Status Daemon::RefuseOverLimit(Limit limit, const std::string& what) {
   refusals_[static_cast<size_t>(limit)].fetch_add(1, std::memory_order_relaxed);
@@ -75,10 +28,10 @@ absl::Status Daemon::RefuseOverLimit(Limit limit, const std::string& what) {
 }
 
 absl::Status Daemon::AdmitToUidLocked(ClientRecord& c, uid_t uid) {
-  std::lock_guard<std::mutex> lock(quota_mu_);
-  UidUsage& u = uid_usage_[uid];
+  std::lock_guard<std::mutex> lock(quotas_->mu);
+  UidUsage& u = quotas_->uids[uid];
   if (u.clients >= config_.limits.clients_per_uid) {
-    if (u.Unused()) uid_usage_.erase(uid);
+    if (u.Unused()) quotas_->uids.erase(uid);
     return RefuseOverLimit(Limit::kClientsPerUid,
                            StrCat("uid ", uid, " has ", u.clients, " clients bound already"));
   }
@@ -88,14 +41,15 @@ absl::Status Daemon::AdmitToUidLocked(ClientRecord& c, uid_t uid) {
 }
 
 void Daemon::ReleaseQuotaLocked(ClientRecord& c) {
-  std::lock_guard<std::mutex> lock(quota_mu_);
-  auto it = uid_usage_.find(c.uid);
-  if (it != uid_usage_.end()) {
+  std::lock_guard<std::mutex> lock(quotas_->mu);
+  quotas_->buffers -= std::min(quotas_->buffers, c.charged_buffers);
+  auto it = quotas_->uids.find(c.uid);
+  if (it != quotas_->uids.end()) {
     UidUsage& u = it->second;
     if (c.counted_in_uid && u.clients > 0) --u.clients;
     u.buffer_bytes -= std::min(u.buffer_bytes, c.charged_bytes);
     u.buffers -= std::min(u.buffers, c.charged_buffers);
-    if (u.Unused()) uid_usage_.erase(it);
+    if (u.Unused()) quotas_->uids.erase(it);
   }
   c.counted_in_uid = false;
   c.charged_bytes = 0;
@@ -117,8 +71,11 @@ absl::Status Daemon::ChargeBuffer(ClientRecord& c, uint64_t bytes) {
                            StrCat("client ", c.id, " holds ", c.charged_bytes,
                                   " buffer bytes; ", bytes, " more do not fit"));
   {
-    std::lock_guard<std::mutex> quota(quota_mu_);
-    UidUsage& u = uid_usage_[c.uid];
+    std::lock_guard<std::mutex> quota(quotas_->mu);
+    if (quotas_->buffers >= l.max_buffers)
+      return RefuseOverLimit(Limit::kMaxBuffers,
+                             StrCat("the daemon's clients hold ", quotas_->buffers, " buffers"));
+    UidUsage& u = quotas_->uids[c.uid];
     if (u.buffers >= l.buffers_per_uid)
       return RefuseOverLimit(Limit::kBuffersPerUid,
                              StrCat("uid ", c.uid, " holds ", u.buffers, " buffers"));
@@ -128,6 +85,7 @@ absl::Status Daemon::ChargeBuffer(ClientRecord& c, uint64_t bytes) {
                                     " buffer bytes; ", bytes, " more do not fit"));
     u.buffer_bytes += bytes;
     ++u.buffers;
+    ++quotas_->buffers;
   }
   c.charged_bytes += bytes;
   ++c.charged_buffers;
@@ -142,12 +100,13 @@ void Daemon::UnchargeBuffer(ClientRecord& c, uint64_t bytes) {
   c.charged_bytes -= n;
   const bool had_buffer = c.charged_buffers > 0;
   if (had_buffer) --c.charged_buffers;
-  std::lock_guard<std::mutex> quota(quota_mu_);
-  auto it = uid_usage_.find(c.uid);
-  if (it == uid_usage_.end()) return;
+  std::lock_guard<std::mutex> quota(quotas_->mu);
+  if (had_buffer && quotas_->buffers > 0) --quotas_->buffers;
+  auto it = quotas_->uids.find(c.uid);
+  if (it == quotas_->uids.end()) return;
   it->second.buffer_bytes -= std::min(it->second.buffer_bytes, n);
   if (had_buffer && it->second.buffers > 0) --it->second.buffers;
-  if (it->second.Unused()) uid_usage_.erase(it);
+  if (it->second.Unused()) quotas_->uids.erase(it);
 }
 
 absl::StatusOr<bool> Daemon::EnterUidRequest(ClientRecord& c) {
@@ -157,10 +116,10 @@ absl::StatusOr<bool> Daemon::EnterUidRequest(ClientRecord& c) {
     if (!c.counted_in_uid) return false;  // not bound yet: its uid is not known
     uid = c.uid;
   }
-  std::lock_guard<std::mutex> lock(quota_mu_);
-  UidUsage& u = uid_usage_[uid];
+  std::lock_guard<std::mutex> lock(quotas_->mu);
+  UidUsage& u = quotas_->uids[uid];
   if (u.requests >= config_.limits.calls_in_progress_per_uid) {
-    if (u.Unused()) uid_usage_.erase(uid);
+    if (u.Unused()) quotas_->uids.erase(uid);
     return RefuseOverLimit(Limit::kCallsInProgressPerUid,
                            StrCat("uid ", uid, " has ", u.requests, " requests in progress already"));
   }
@@ -169,20 +128,74 @@ absl::StatusOr<bool> Daemon::EnterUidRequest(ClientRecord& c) {
 }
 
 void Daemon::LeaveUidRequest(uid_t uid) {
-  std::lock_guard<std::mutex> lock(quota_mu_);
-  auto it = uid_usage_.find(uid);
-  if (it == uid_usage_.end()) return;
+  std::lock_guard<std::mutex> lock(quotas_->mu);
+  auto it = quotas_->uids.find(uid);
+  if (it == quotas_->uids.end()) return;
   if (it->second.requests > 0) --it->second.requests;
-  if (it->second.Unused()) uid_usage_.erase(it);
+  if (it->second.Unused()) quotas_->uids.erase(it);
+}
+
+absl::StatusOr<std::shared_ptr<const void>> Daemon::ChargeSession(ClientRecord& c) {
+  std::lock_guard<std::mutex> lock(c.mu);
+  if (c.gone) return absl::UnavailableError(StrCat("client ", c.id, " is gone"));
+  if (!c.fd_socket.valid() || !c.counted_in_uid)
+    return absl::FailedPreconditionError(
+        StrCat("client ", c.id, ": fd socket not connected; connect it right after Attach"));
+  const DaemonLimits& l = config_.limits;
+  const int32_t held = c.sessions_charged->load();
+  if (held >= l.sessions_per_client)
+    return RefuseOverLimit(Limit::kSessionsPerClient,
+                           StrCat("client ", c.id, " has ", held, " sessions open or opening"));
+  {
+    std::lock_guard<std::mutex> quota(quotas_->mu);
+    if (quotas_->sessions >= l.max_sessions)
+      return RefuseOverLimit(Limit::kMaxSessions, StrCat("the daemon's clients have ",
+                                                         quotas_->sessions,
+                                                         " sessions open or opening"));
+    UidUsage& u = quotas_->uids[c.uid];
+    if (u.sessions >= l.sessions_per_uid)
+      return RefuseOverLimit(Limit::kSessionsPerUid,
+                             StrCat("uid ", c.uid, " has ", u.sessions,
+                                    " sessions open or opening"));
+    ++u.sessions;
+    ++quotas_->sessions;
+  }
+  c.sessions_charged->fetch_add(1);
+  return std::shared_ptr<const void>(
+      nullptr, [book = quotas_, client = c.sessions_charged, uid = c.uid](const void*) {
+        client->fetch_sub(1);
+        book->UnchargeSession(uid);
+      });
+}
+
+void Daemon::QuotaBook::UnchargeSession(uid_t uid) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (sessions > 0) --sessions;
+  auto it = uids.find(uid);
+  if (it == uids.end()) return;
+  if (it->second.sessions > 0) --it->second.sessions;
+  if (it->second.Unused()) uids.erase(it);
+}
+
+absl::Status Daemon::StartGroupJoin(ClientRecord& c) {
+  std::lock_guard<std::mutex> lock(c.mu);
+  if (c.gone) return absl::UnavailableError(StrCat("client ", c.id, " is gone"));
+  const size_t held = c.groups.size() + static_cast<size_t>(c.groups_joining);
+  if (held >= static_cast<size_t>(config_.limits.groups_per_client))
+    return RefuseOverLimit(Limit::kGroupsPerClient,
+                           StrCat("client ", c.id, " has ", held, " groups joined or joining"));
+  ++c.groups_joining;
+  return absl::OkStatus();
 }
 
 void Daemon::FillQuotaGauges(GaugeSnapshot& g) {
-  for (const LimitTraits& t : kLimits)
-    g.limits.push_back({std::string(t.name), t.value(config_.limits),
-                        refusals_[static_cast<size_t>(t.limit)].load(std::memory_order_relaxed)});
-  std::lock_guard<std::mutex> lock(quota_mu_);
-  for (const auto& [uid, u] : uid_usage_)
-    g.uids.push_back({static_cast<uint32_t>(uid), u.clients, u.buffer_bytes, u.buffers});
+  for (size_t i = 0; i < kNumLimits; ++i)
+    g.limits.push_back({std::string(kLimitFields[i].key), kLimitFields[i].value(config_.limits),
+                        refusals_[i].load(std::memory_order_relaxed)});
+  std::lock_guard<std::mutex> lock(quotas_->mu);
+  for (const auto& [uid, u] : quotas_->uids)
+    g.uids.push_back(
+        {static_cast<uint32_t>(uid), u.clients, u.buffer_bytes, u.buffers, u.sessions});
 }
 
 }  // namespace ulysses::daemon

@@ -8,6 +8,7 @@
 #include <future>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <thread>
 
 #include "daemon.h"
@@ -166,6 +167,41 @@ class WatchReactor final : public grpc::ServerBidiReactor<v1::WatchRequest, v1::
   v1::WatchRequest req_;
 };
 
+// One Control request's place among those its client, and the bound clients of its uid, have
+// in progress (limits.calls_in_progress_per_client, calls_in_progress_per_uid): a unary
+// request holds a thread of the synchronous server until it returns, a collective one a place
+// in a rendezvous (and CreateSession a thread of its own for a while), so one client, or one
+// uid, may hold only so many. Given back when destroyed.
+class RequestPlace {
+ public:
+  static absl::StatusOr<RequestPlace> Take(Daemon* d, ClientRecord& c) {
+    RequestPlace place(d, c);  // counted from here: given back on every path
+    const int32_t limit = d->config().limits.calls_in_progress_per_client;
+    const int32_t before = c.requests_in_progress.fetch_add(1);
+    if (before >= limit)
+      return d->RefuseOverLimit(
+          Limit::kCallsInProgressPerClient,
+          StrCat("client ", c.id, " has ", before, " requests in progress already"));
+    // Each client is bound for good once counted, so its uid does not change.
+    ULY_ASSIGN_OR_RETURN(place.counted_in_uid_, d->EnterUidRequest(c));
+    return place;
+  }
+  RequestPlace(RequestPlace&& o) noexcept
+      : d_(std::exchange(o.d_, nullptr)), c_(o.c_), counted_in_uid_(o.counted_in_uid_) {}
+  RequestPlace& operator=(RequestPlace&&) = delete;
+  ~RequestPlace() {
+    if (d_ == nullptr) return;
+    if (counted_in_uid_) d_->LeaveUidRequest(c_->uid);
+    c_->requests_in_progress.fetch_sub(1);
+  }
+
+ private:
+  RequestPlace(Daemon* d, ClientRecord& c) : d_(d), c_(&c) {}
+  Daemon* d_;
+  ClientRecord* c_;  // kept alive by whoever holds the place
+  bool counted_in_uid_ = false;
+};
+
 // The collective steps of Control (JoinGroup, CreateSession) are served by the callback API:
 // while the ranks meet at rank 0's table, no thread waits for them. gRPC's callback threads
 // are few and shared by every callback call of the process, so nothing that blocks runs on
@@ -182,7 +218,10 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
       : d_(d), req_(*req), resp_(resp) {
     absl::StatusOr<std::shared_ptr<ClientRecord>> c = d_->Authenticate(ctx);
     absl::Status started = c.ok() ? Start(std::move(*c)) : c.status();
-    if (!started.ok()) Finish(ToGrpcStatus(started));
+    if (!started.ok()) {
+      EndJoin();
+      Finish(ToGrpcStatus(started));
+    }
     HappensBefore(this);
   }
 
@@ -207,6 +246,9 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
  private:
   absl::Status Start(std::shared_ptr<ClientRecord> c) {
     c_ = std::move(c);
+    absl::StatusOr<RequestPlace> place = RequestPlace::Take(d_, *c_);
+    if (!place.ok()) return place.status();
+    place_.emplace(*std::move(place));
     absl::StatusOr<std::string> checked = CheckJoinRequest(req_);
     if (!checked.ok()) return checked.status();
     ULY_RETURN_IF_ERROR(CheckMembers(req_, d_->config().devices));
@@ -227,6 +269,11 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
     // rank reaches the same verdict on the group's backend (ChooseGroupBackend).
     const std::string mine =
         EncodeOffer({d_->backend(), nccl != nullptr, d_->config().device, RandomToken()});
+    ULY_RETURN_IF_ERROR(d_->StartGroupJoin(*c_));
+    {
+      std::lock_guard<std::mutex> lock(c_->mu);
+      joining_ = true;
+    }
     ULY_ASSIGN_OR_RETURN(
         std::shared_ptr<RendezvousCall> call,
         d_->rendezvous_client().Start(req_.members(0), StrCat("join/", req_.name()),
@@ -234,6 +281,7 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
                                       absl::Milliseconds(timeout_ms),
                                       [this](RendezvousTable::Verdict payloads) {
                                         const absl::Status s = Complete(std::move(payloads));
+                                        EndJoin();
                                         HappensBefore(this);
                                         Finish(ToGrpcStatus(s));
                                       }));
@@ -282,6 +330,7 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
     {
       std::lock_guard<std::mutex> lock(c_->mu);
       gone = gone || c_->gone;
+      EndJoinLocked();  // the group counts from here as one joined
       if (!gone) c_->groups[g->id] = g;
     }
     // Reclaimed or cancelled while the ranks met: the group's end is told here, since the
@@ -291,10 +340,23 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
     return absl::OkStatus();
   }
 
+  // The join stops counting against limits.groups_per_client (once; c_->mu held).
+  void EndJoinLocked() {
+    if (joining_) --c_->groups_joining;
+    joining_ = false;
+  }
+  void EndJoin() {
+    if (!c_) return;
+    std::lock_guard<std::mutex> lock(c_->mu);
+    EndJoinLocked();
+  }
+
   Daemon* d_;
   const v1::JoinGroupRequest& req_;
   v1::GroupInfo* resp_;
   std::shared_ptr<ClientRecord> c_;
+  std::optional<RequestPlace> place_;  // after c_, whose record it counts in
+  bool joining_ = false;  // counted in c_->groups_joining; under c_->mu
   std::string requested_;
   std::mutex mu_;  // guards what follows
   std::shared_ptr<RendezvousCall> call_;
@@ -308,7 +370,12 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   CreateSessionReactor(Daemon* d, grpc::CallbackServerContext* ctx,
                        const v1::CreateSessionRequest* req, v1::SessionInfo* resp)
       : d_(d), ctx_(ctx), req_(*req), resp_(resp) {
-    {
+    // The client and its place first, on this thread: a client past its requests in progress
+    // costs no thread.
+    absl::Status admitted = Admit();
+    if (!admitted.ok()) {
+      Finish(ToGrpcStatus(admitted));
+    } else {
       std::lock_guard<std::mutex> lock(mu_);
       prepare_ = std::thread([this] {
         absl::Status s = Prepare();
@@ -351,8 +418,15 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   // Up to the rendezvous. An error before the group is known answers at once; every later one
   // still arrives, with an error payload: every rank gets the same verdict at once, and every
   // rank's session counter (the key) moves on.
-  absl::Status Prepare() {
+  absl::Status Admit() {
     ULY_ASSIGN_OR_RETURN(c_, d_->Authenticate(ctx_));
+    absl::StatusOr<RequestPlace> place = RequestPlace::Take(d_, *c_);
+    if (!place.ok()) return place.status();
+    place_.emplace(*std::move(place));
+    return absl::OkStatus();
+  }
+
+  absl::Status Prepare() {
     ClientRecord& c = *c_;
     {
       std::lock_guard<std::mutex> lock(c.mu);
@@ -393,6 +467,12 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
         local_ = held.status();
       }
     }
+    // Counted from here to the session's end, so that sessions being created count too.
+    if (local_.ok()) {
+      absl::StatusOr<std::shared_ptr<const void>> charged = d_->ChargeSession(c);
+      if (charged.ok()) charge_ = std::move(*charged);
+      else local_ = charged.status();
+    }
     if (local_.ok()) {
       const uint64_t bytes = Session::BytesNeeded(geo, backend, fused ? &fused_setup : nullptr);
       local_ = d_->ReserveSlotMemory(bytes);
@@ -423,7 +503,8 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
         }
         // From here the session holds its share: it gives it back once its device work ended.
         if (session_) {
-          session_->HoldSlotMemory(d_->SlotMemoryHold(needed_));
+          session_->Hold(d_->SlotMemoryHold(needed_));
+          session_->Hold(std::move(charge_));
           needed_ = 0;
         }
       } else {
@@ -575,8 +656,9 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   grpc::CallbackServerContext* ctx_;
   const v1::CreateSessionRequest& req_;
   v1::SessionInfo* resp_;
+  std::shared_ptr<ClientRecord> c_;  // Admit's
+  std::optional<RequestPlace> place_;  // after c_, whose record it counts in
   // Prepare's results, which Complete reads: written before the rendezvous starts.
-  std::shared_ptr<ClientRecord> c_;
   std::shared_ptr<Group> g_;
   absl::Status local_;  // this rank's own verdict on the request
   std::string agreement_;
@@ -584,6 +666,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   uint64_t id_ = 0;
   absl::Duration timeout_;
   uint64_t needed_ = 0;  // reserved against the slot budget, not yet held by the session
+  std::shared_ptr<const void> charge_;  // against the session limits, until the session holds it
   std::unique_ptr<Session> session_;
 
   std::mutex mu_;  // guards what follows
@@ -781,30 +864,8 @@ class ControlService final
     absl::StatusOr<std::shared_ptr<ClientRecord>> c = d_->Authenticate(ctx);
     if (!c.ok()) return ToGrpcStatus(c.status());
     ClientRecord& client = **c;
-    // Each request holds a thread of the synchronous server until it returns: one client may
-    // hold only so many, so that it cannot take the server's threads from the others.
-    const int32_t limit = d_->config().limits.calls_in_progress_per_client;
-    const int32_t before = client.unary_in_progress.fetch_add(1);
-    struct Leave {
-      std::atomic<int32_t>& n;
-      ~Leave() { n.fetch_sub(1); }
-    } leave{client.unary_in_progress};
-    if (before >= limit)
-      return ToGrpcStatus(d_->RefuseOverLimit(
-          Limit::kCallsInProgressPerClient,
-          StrCat("client ", client.id, " has ", before, " requests in progress already")));
-    // And all clients of one uid together (each is bound for good once counted, so its uid
-    // does not change).
-    absl::StatusOr<bool> counted = d_->EnterUidRequest(client);
-    if (!counted.ok()) return ToGrpcStatus(counted.status());
-    struct LeaveUid {
-      Daemon* d;
-      const ClientRecord& c;
-      bool counted;
-      ~LeaveUid() {
-        if (counted) d->LeaveUidRequest(c.uid);
-      }
-    } leave_uid{d_, client, *counted};
+    absl::StatusOr<RequestPlace> place = RequestPlace::Take(d_, client);
+    if (!place.ok()) return ToGrpcStatus(place.status());
     return ToGrpcStatus(f(client));
   }
 

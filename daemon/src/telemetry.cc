@@ -154,6 +154,10 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
   Header(out, "ulyssesd_uid_buffers", "gauge", "Buffers the clients of a uid hold.");
   for (const GaugeSnapshot::UidGauge& u : g.uids)
     out += StrCat("ulyssesd_uid_buffers{uid=\"", u.uid, "\"} ", u.buffers, "\n");
+  Header(out, "ulyssesd_uid_sessions", "gauge",
+         "Sessions the clients of a uid have open or are creating.");
+  for (const GaugeSnapshot::UidGauge& u : g.uids)
+    out += StrCat("ulyssesd_uid_sessions{uid=\"", u.uid, "\"} ", u.sessions, "\n");
   Single(out, "ulyssesd_mps_enabled", "gauge",
          "1 when the daemon and its clients share the GPU through MPS.",
          g.mps ? 1 : 0);

@@ -77,12 +77,13 @@ struct GaugeSnapshot {
     uint64_t refusals = 0;
   };
   std::vector<LimitGauge> limits;
-  /// What each uid with a bound client or a buffer holds.
+  /// What each uid with a bound client, a buffer or a session holds.
   struct UidGauge {
     uint32_t uid = 0;
     int64_t clients = 0;
     uint64_t buffer_bytes = 0;
     int32_t buffers = 0;
+    int32_t sessions = 0;  ///< open or being created
   };
   std::vector<UidGauge> uids;
 };

@@ -386,6 +386,22 @@ TEST(DaemonConfigTest, LimitsParsedDefaultedAndChecked) {
   }
 }
 
+// Every limit of the table is read from its key, and 0 is refused naming it.
+TEST(DaemonConfigTest, EveryLimitIsReadAndZeroIsRefusedNamingIt) {
+  for (const LimitField& f : kLimitFields) {
+    const std::string key(f.key);
+    absl::StatusOr<DaemonConfig> c =
+        ParseDaemonConfig("{\"limits\": {\"" + key + "\": 7}}", 0);
+    ASSERT_TRUE(c.ok()) << key << ": " << c.status();
+    EXPECT_EQ(f.value(c->limits), 7u) << key;
+    EXPECT_NE(f.value(DaemonLimits{}), 7u) << key << ": the default is not what was read";
+    absl::StatusOr<DaemonConfig> zero =
+        ParseDaemonConfig("{\"limits\": {\"" + key + "\": 0}}", 0);
+    EXPECT_EQ(zero.status().code(), absl::StatusCode::kInvalidArgument) << key;
+    EXPECT_NE(zero.status().message().find("limits." + key), std::string::npos) << zero.status();
+  }
+}
+
 }  // namespace
 TEST(DaemonConfig, QueueProbeAndSharingAreReadCheckedAndNamedWithTheirFlags) {
   absl::StatusOr<DaemonConfig> d = ParseDaemonConfig("{}", 0);

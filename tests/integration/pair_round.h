@@ -15,7 +15,8 @@ namespace ulysses::testing_util {
 inline constexpr int32_t kPairTimeoutMs = 2000;
 
 /// Joins the two-rank group `name` as `rank`, makes a session, runs three scatter_heads of `x`
-/// (16 tokens of 4 heads of 8 floats), and closes the session.
+/// (16 tokens of 4 heads of 8 floats), closes the session, and leaves the group (also when a
+/// step after the join failed: a client's groups count against limits.groups_per_client).
 inline absl::Status PairRound(client::Client& c, const std::vector<std::string>& members, int rank,
                               const std::string& name, const client::Buffer& x) {
   auto step = [](const char* what, const absl::Status& st) {
@@ -23,6 +24,11 @@ inline absl::Status PairRound(client::Client& c, const std::vector<std::string>&
   };
   absl::StatusOr<client::Group> g = c.JoinGroup({name, 2, rank, members, "auto", kPairTimeoutMs});
   if (!g.ok()) return step("join", g.status());
+  struct Leave {
+    client::Client& c;
+    const client::Group& g;
+    ~Leave() { (void)c.LeaveGroup(g); }
+  } leave{c, *g};
   absl::StatusOr<std::unique_ptr<client::Session>> s =
       c.CreateSession(*g, {4, 8, DType::kFloat32, 16, 2, {}, kPairTimeoutMs});
   if (!s.ok()) return step("session", s.status());

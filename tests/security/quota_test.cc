@@ -456,5 +456,201 @@ TEST_F(QuotaTest, AdminRequestsInProgressAreBoundedPerSocket) {
   ::unlink(release.c_str());
 }
 
+// Sessions: each holds descriptors and mappings of the daemon's, so one client, the clients
+// of one uid, and all clients together may have only so many open (or being created). A
+// closed session, and every session of a client that goes, gives its place back; the daemon's
+// descriptors return to where they were.
+TEST_F(QuotaTest, SessionsArePerClientPerUidAndInAll) {
+  StartWithLimits(R"({"sessions_per_client": 3, "sessions_per_uid": 4, "max_sessions": 5})");
+  auto a = Connect("a");
+  auto b = Connect("b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  auto solo = [&](client::Client& c, const std::string& name) {
+    return c.JoinGroup({name, 1, 0, {daemon_.socket()}, "auto", 10000});
+  };
+  absl::StatusOr<client::Group> ga = solo(*a, "a"), gb = solo(*b, "b");
+  ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
+  client::SessionSpec spec;
+  spec.num_heads = 1;
+  spec.head_dim = 4;
+  spec.dtype = DType::kFloat32;
+  spec.max_tokens = 4;
+  spec.num_slots = 1;
+  const int baseline = CountFds(daemon_.pid());
+  std::vector<std::unique_ptr<client::Session>> held;
+  for (int i = 0; i < 3; ++i) {
+    auto s = a->CreateSession(*ga, spec);
+    ASSERT_TRUE(s.ok()) << s.status();
+    held.push_back(std::move(*s));
+  }
+  ExpectExhausted(a->CreateSession(*ga, spec).status(), "sessions_per_client");
+  auto b1 = b->CreateSession(*gb, spec);
+  ASSERT_TRUE(b1.ok()) << b1.status();
+  ExpectExhausted(b->CreateSession(*gb, spec).status(), "sessions_per_uid");
+  const std::string sessions = StrCat("ulyssesd_uid_sessions{uid=\"", ::getuid(), "\"} ");
+  EXPECT_NE(Metrics().find(sessions + "4"), std::string::npos) << Metrics();
+  // The daemon-wide bound, with the per-uid one out of the way.
+  held.pop_back();  // closes one of a's
+  EXPECT_TRUE(Eventually([&] { return Metrics().find(sessions + "3") != std::string::npos; }));
+  auto b2 = b->CreateSession(*gb, spec);
+  ASSERT_TRUE(b2.ok()) << b2.status();
+  const std::string m = Metrics();
+  EXPECT_NE(m.find("ulyssesd_limit_refusals_total{limit=\"sessions_per_client\"} 1"),
+            std::string::npos) << m;
+  EXPECT_NE(m.find("ulyssesd_limit_refusals_total{limit=\"sessions_per_uid\"} 1"),
+            std::string::npos) << m;
+  EXPECT_NE(m.find("ulyssesd_limit{limit=\"max_sessions\"} 5"), std::string::npos) << m;
+  // A client that goes gives back every session it had.
+  held.clear();
+  a.reset();
+  EXPECT_TRUE(Eventually([&] { return Metrics().find(sessions + "2") != std::string::npos; }));
+  b1->reset();
+  b2->reset();
+  EXPECT_TRUE(Eventually([&] { return Metrics().find(sessions + "0") != std::string::npos; }))
+      << Metrics();
+  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) <= baseline; }))
+      << CountFds(daemon_.pid()) << " descriptors, " << baseline << " before the sessions\n"
+      << DescribeFds(daemon_.pid());
+  auto again = b->CreateSession(*gb, spec);
+  EXPECT_TRUE(again.ok()) << again.status();
+}
+
+// All clients together: the daemon-wide bound refuses what no per-client or per-uid bound
+// would.
+TEST_F(QuotaTest, SessionsOfAllClientsAreBounded) {
+  StartWithLimits(R"({"max_sessions": 2})");
+  auto a = Connect("a");
+  auto b = Connect("b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  absl::StatusOr<client::Group> ga = a->JoinGroup({"a", 1, 0, {daemon_.socket()}, "auto", 10000});
+  absl::StatusOr<client::Group> gb = b->JoinGroup({"b", 1, 0, {daemon_.socket()}, "auto", 10000});
+  ASSERT_TRUE(ga.ok() && gb.ok());
+  client::SessionSpec spec;
+  spec.num_heads = 1;
+  spec.head_dim = 4;
+  spec.dtype = DType::kFloat32;
+  spec.max_tokens = 4;
+  auto s1 = a->CreateSession(*ga, spec);
+  auto s2 = b->CreateSession(*gb, spec);
+  ASSERT_TRUE(s1.ok() && s2.ok()) << s1.status() << s2.status();
+  ExpectExhausted(a->CreateSession(*ga, spec).status(), "max_sessions");
+  s2->reset();
+  EXPECT_TRUE(Eventually([&] { return a->CreateSession(*ga, spec).ok(); }));
+}
+
+// Groups: each joined group (and each join in progress) is kept for its client; a client may
+// have only so many. Leaving one frees its place.
+TEST_F(QuotaTest, GroupsPerClientAreBounded) {
+  StartWithLimits(R"({"groups_per_client": 2})");
+  auto a = Connect("a");
+  auto b = Connect("b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  auto solo = [&](client::Client& c, const std::string& name) {
+    return c.JoinGroup({name, 1, 0, {daemon_.socket()}, "auto", 10000});
+  };
+  absl::StatusOr<client::Group> g1 = solo(*a, "g1");
+  ASSERT_TRUE(g1.ok()) << g1.status();
+  ASSERT_TRUE(solo(*a, "g2").ok());
+  ExpectExhausted(solo(*a, "g3").status(), "groups_per_client");
+  EXPECT_TRUE(solo(*b, "other").ok());  // another client is not held back
+  ASSERT_TRUE(a->LeaveGroup(*g1).ok());
+  EXPECT_TRUE(solo(*a, "g3").ok());
+  EXPECT_NE(Metrics().find("ulyssesd_limit_refusals_total{limit=\"groups_per_client\"} 1"),
+            std::string::npos);
+}
+
+// JoinGroup and CreateSession count among a client's requests in progress: two joins wait for
+// a rank that never comes, and the client's next request is refused until they end.
+TEST_F(QuotaTest, CollectiveRequestsCountAmongRequestsInProgress) {
+  StartWithLimits(R"({"calls_in_progress_per_client": 2})");
+  auto a = Connect("a");
+  ASSERT_NE(a, nullptr);
+  const std::vector<std::string> members = {daemon_.socket(), daemon_.socket()};
+  absl::StatusOr<client::Group> joined[2];
+  std::thread first([&] { joined[0] = a->JoinGroup({"w1", 2, 0, members, "auto", 4000}); });
+  std::thread second([&] { joined[1] = a->JoinGroup({"w2", 2, 0, members, "auto", 4000}); });
+  absl::Status refused;
+  EXPECT_TRUE(Eventually([&] {
+    refused = a->FreeBuffer(987654321);
+    return refused.code() == absl::StatusCode::kResourceExhausted;
+  })) << refused;
+  EXPECT_NE(refused.message().find("limits.calls_in_progress_per_client"), std::string::npos)
+      << refused;
+  auto bystander = Connect("bystander");
+  ASSERT_NE(bystander, nullptr);
+  EXPECT_TRUE(bystander->AllocBuffer(4096, "b").ok());
+  first.join();
+  second.join();
+  EXPECT_EQ(joined[0].status().code(), absl::StatusCode::kDeadlineExceeded) << joined[0].status();
+  EXPECT_EQ(joined[1].status().code(), absl::StatusCode::kDeadlineExceeded) << joined[1].status();
+  EXPECT_EQ(a->FreeBuffer(987654321).code(), absl::StatusCode::kInvalidArgument);  // served again
+}
+
+// Buffers of all clients together: each is a mapping of the daemon's, whatever uid holds it.
+TEST_F(QuotaTest, BuffersOfAllClientsAreBounded) {
+  StartWithLimits(R"({"max_buffers": 3})");
+  auto a = Connect("a");
+  auto b = Connect("b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  absl::StatusOr<client::Buffer> a1 = a->AllocBuffer(4096, "a1");
+  ASSERT_TRUE(a1.ok()) << a1.status();
+  ASSERT_TRUE(a->AllocBuffer(4096, "a2").ok());
+  ASSERT_TRUE(b->AllocBuffer(4096, "b1").ok());
+  ExpectExhausted(b->AllocBuffer(4096, "b2").status(), "max_buffers");
+  ASSERT_TRUE(a->FreeBuffer(a1->id).ok());
+  EXPECT_TRUE(b->AllocBuffer(4096, "b2").ok());
+  a.reset();  // its buffer left goes with it
+  EXPECT_TRUE(Eventually([&] { return b->AllocBuffer(4096, "b3").ok(); }));
+  ExpectExhausted(b->AllocBuffer(4096, "b4").status(), "max_buffers");
+}
+
+// Descriptors sent and not claimed, of all clients together: past the bound a frame is
+// dropped (and counted), whichever client sent it, until a claim frees a place.
+TEST_F(QuotaTest, UnclaimedDescriptorsOfAllClientsAreBounded) {
+  StartWithLimits(R"({"max_pending_fds": 8})");
+  absl::StatusOr<Attached> a = Attach("a"), b = Attach("b");
+  ASSERT_TRUE(a.ok() && b.ok());
+  absl::StatusOr<ipc::UniqueFd> sock_a = Bind(*a), sock_b = Bind(*b);
+  ASSERT_TRUE(sock_a.ok() && sock_b.ok());
+  const int baseline = CountFds(daemon_.pid());
+  absl::StatusOr<ipc::UniqueFd> memfd = ipc::CreateMemfd("unclaimed", 4096);
+  ASSERT_TRUE(memfd.ok());
+  ASSERT_TRUE(ipc::SealSize(memfd->get()).ok());
+  const int one[1] = {memfd->get()};
+  for (uint64_t tag = 1; tag <= 6; ++tag) {
+    ASSERT_TRUE(ipc::SendMessage(sock_a->get(), ipc::EncodeFdFrame({tag}), one).ok());
+    ASSERT_TRUE(ipc::SendMessage(sock_b->get(), ipc::EncodeFdFrame({tag}), one).ok());
+  }
+  EXPECT_TRUE(Eventually([&] {
+    return Metrics().find("ulyssesd_limit_refusals_total{limit=\"max_pending_fds\"} 4") !=
+           std::string::npos;
+  })) << Metrics();
+  EXPECT_EQ(CountFds(daemon_.pid()), baseline + 8);
+  // A claim frees a place: a's registration of tag 1 takes one of its descriptors.
+  {
+    v1::RegisterBufferRequest req;
+    req.set_tag(1);
+    req.set_name("claimed");
+    v1::BufferInfo info;
+    grpc::ClientContext ctx;
+    Authenticate(&ctx, *a);
+    ASSERT_TRUE(control_->RegisterBuffer(&ctx, req, &info).ok());
+  }
+  ASSERT_TRUE(ipc::SendMessage(sock_b->get(), ipc::EncodeFdFrame({99}), one).ok());
+  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) == baseline + 8; }));
+  EXPECT_NE(Metrics().find("ulyssesd_limit_refusals_total{limit=\"max_pending_fds\"} 4"),
+            std::string::npos);
+  // A client that goes gives its unclaimed descriptors back.
+  sock_a->reset();
+  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) <= baseline + 3; }))
+      << CountFds(daemon_.pid()) << " descriptors, " << baseline << " before\n"
+      << DescribeFds(daemon_.pid());
+}
+
 }  // namespace
 }  // namespace ulysses::security
+

@@ -17,8 +17,9 @@ struct DeviceEntry {
   std::string socket;  ///< control socket path; the fd socket is `socket + ".fd"`
 };
 
-/// What one client, and the clients of one uid, may hold at once (config object `limits`).
-/// Past a limit the request is RESOURCE_EXHAUSTED naming it ("limits.buffer_bytes_per_uid").
+/// What one client, the clients of one uid, and all clients together may hold at once (config
+/// object `limits`). Past a limit the request is RESOURCE_EXHAUSTED naming it
+/// ("limits.buffer_bytes_per_uid").
 struct DaemonLimits {
   int32_t max_clients = 1024;            ///< attached clients, bound or not
   int32_t clients_per_uid = 256;         ///< bound clients of one uid
@@ -28,11 +29,27 @@ struct DaemonLimits {
   /// (vm.max_map_count, 65530 by default): without this, one uid's clients could use them up
   /// for every client of the daemon.
   int32_t buffers_per_uid = 16384;
+  /// Buffers all clients together hold: the daemon's mappings stay below vm.max_map_count
+  /// whatever number of uids its clients run as.
+  int32_t max_buffers = 32768;
   uint64_t buffer_bytes_per_client = 256ull << 30;  ///< bytes of those buffers
   uint64_t buffer_bytes_per_uid = 512ull << 30;     ///< bytes of all buffers of one uid
   int32_t pending_fds_per_client = 64;   ///< descriptors sent but not yet claimed by RegisterBuffer
-  /// Unary Control requests of one client in progress at once: each holds a thread of the
-  /// daemon's synchronous gRPC server while it runs (a Call may wait for its peers).
+  /// The same for all clients together: unclaimed descriptors are the daemon's own.
+  int32_t max_pending_fds = 4096;
+  /// Groups one client has joined, or is joining.
+  int32_t groups_per_client = 64;
+  /// Sessions one client has open, or is creating. Each holds descriptors of the daemon's (its
+  /// segment, its loan to the peers, a link to each peer) and mappings: without a bound, one
+  /// client could use up the daemon's descriptors for every client.
+  int32_t sessions_per_client = 64;
+  /// The same for all clients of one uid together.
+  int32_t sessions_per_uid = 256;
+  /// The same for all clients together.
+  int32_t max_sessions = 1024;
+  /// Unary Control requests of one client in progress at once, and its JoinGroup and
+  /// CreateSession requests: each holds a thread of the daemon's synchronous gRPC server, or a
+  /// place in a rendezvous, while it runs (a Call may wait for its peers).
   int32_t calls_in_progress_per_client = 32;
   /// The same for all bound clients of one uid together.
   int32_t calls_in_progress_per_uid = 128;
@@ -41,6 +58,38 @@ struct DaemonLimits {
   /// and no client identity comes with them.
   int32_t admin_calls_in_progress = 16;
 };
+
+/// One limit of DaemonLimits: its key under `limits` and the field that holds it (one of the
+/// two member pointers is set).
+struct LimitField {
+  std::string_view key;
+  int32_t DaemonLimits::*count = nullptr;
+  uint64_t DaemonLimits::*bytes = nullptr;
+  uint64_t value(const DaemonLimits& l) const {
+    return count != nullptr ? static_cast<uint64_t>(l.*count) : l.*bytes;
+  }
+};
+
+/// Every limit, once: the config reads and checks them from here, and the daemon's refusals
+/// and metrics name them from here (in this order).
+inline constexpr std::array<LimitField, 16> kLimitFields = {{
+    {"max_clients", &DaemonLimits::max_clients},
+    {"clients_per_uid", &DaemonLimits::clients_per_uid},
+    {"buffers_per_client", &DaemonLimits::buffers_per_client},
+    {"buffers_per_uid", &DaemonLimits::buffers_per_uid},
+    {"max_buffers", &DaemonLimits::max_buffers},
+    {"buffer_bytes_per_client", nullptr, &DaemonLimits::buffer_bytes_per_client},
+    {"buffer_bytes_per_uid", nullptr, &DaemonLimits::buffer_bytes_per_uid},
+    {"pending_fds_per_client", &DaemonLimits::pending_fds_per_client},
+    {"max_pending_fds", &DaemonLimits::max_pending_fds},
+    {"groups_per_client", &DaemonLimits::groups_per_client},
+    {"sessions_per_client", &DaemonLimits::sessions_per_client},
+    {"sessions_per_uid", &DaemonLimits::sessions_per_uid},
+    {"max_sessions", &DaemonLimits::max_sessions},
+    {"calls_in_progress_per_client", &DaemonLimits::calls_in_progress_per_client},
+    {"calls_in_progress_per_uid", &DaemonLimits::calls_in_progress_per_uid},
+    {"admin_calls_in_progress", &DaemonLimits::admin_calls_in_progress},
+}};
 
 /// Everything a daemon needs to run. Defaults are usable as is.
 struct DaemonConfig {
