@@ -1,4 +1,5 @@
 #include "daemon.h"
+#include "headroom.h"
 
 #include <dirent.h>
 #include <poll.h>
@@ -156,6 +157,12 @@ Daemon::~Daemon() {
 
 absl::Status Daemon::Start() {
   ULY_RETURN_IF_ERROR(ValidateDaemonConfig(config_));
+  // Every client's state takes descriptors: as many as the hard limit lets the process have.
+  if (absl::StatusOr<std::pair<int64_t, int64_t>> raised = RaiseDescriptorLimit(); !raised.ok())
+    Logger("main")->warn("descriptor limit not raised: {}", std::string(raised.status().message()));
+  else if (raised->first != raised->second)
+    Logger("main")->info("descriptor limit (RLIMIT_NOFILE) raised from {} to {}", raised->first,
+                         raised->second);
   ULY_RETURN_IF_ERROR(ChooseBackend());
   ULY_ASSIGN_OR_RETURN(fd_listener_, ipc::UnixListener::Listen(config_.socket + ".fd", 0660));
   ULY_ASSIGN_OR_RETURN(ipc::EventFd wake, ipc::EventFd::Create());
@@ -441,6 +448,13 @@ GaugeSnapshot Daemon::Gauges() {
   }
   g.sessions_undrained = Session::UndrainedCount();
   g.worker_stalls = worker_stalls_.load();
+  if (absl::StatusOr<ProcessUse> use = ReadProcessUse(); use.ok()) {
+    g.open_fds = use->descriptors;
+    g.max_fds = use->descriptor_limit;
+    g.mappings = use->mappings;
+    g.max_mappings = use->mapping_limit;
+  }
+  g.headroom_refusals = headroom_refusals_.load();
   FillQuotaGauges(g);
   return g;
 }
@@ -463,6 +477,7 @@ absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::st
   c->token = RandomToken();
   c->name = name;
   c->since = absl::Now();
+  ULY_RETURN_IF_ERROR(CheckProcessHeadroom("Attach"));
   std::lock_guard<std::mutex> lock(mu_);
   // Attach needs no proof, so this bounds what anyone who reaches the socket can hold; clients
   // that never bind leave after timeouts.bind_ms.
@@ -471,6 +486,19 @@ absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::st
                            StrCat(clients_.size(), " clients are attached already"));
   clients_[c->id] = c;
   return c;
+}
+
+absl::Status Daemon::CheckProcessHeadroom(std::string_view what) {
+  absl::StatusOr<ProcessUse> use = ReadProcessUse();
+  // A process that cannot read its own /proc entries has no descriptor to spare either.
+  absl::Status s = use.ok() ? CheckHeadroom(*use, what)
+                            : absl::ResourceExhaustedError(
+                                  StrCat(what, ": ", use.status().message()));
+  if (!s.ok()) {
+    headroom_refusals_.fetch_add(1, std::memory_order_relaxed);
+    Logger("main")->warn("{}", std::string(s.message()));
+  }
+  return s;
 }
 
 absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::Authenticate(

@@ -213,6 +213,10 @@ class Daemon {
   /// What this daemon lends the node's other daemons (session segments, device slots).
   FdExports& peer_exports() { return peer_exports_; }
   RendezvousClient& rendezvous_client() { return rendezvous_client_; }
+  /// RESOURCE_EXHAUSTED (counted, logged) when no more than a headroom of the process's
+  /// descriptors or mappings is left (headroom.h), for a request `what` that would add to
+  /// them for long (Attach, CreateSession).
+  absl::Status CheckProcessHeadroom(std::string_view what);
   /// Counts a refusal by `limit` and returns RESOURCE_EXHAUSTED: "<what> (limits.<name> = N)".
   absl::Status RefuseOverLimit(Limit limit, const std::string& what);
   /// Counts one more Control request in progress for the uid of the bound client `c`
@@ -394,6 +398,7 @@ class Daemon {
   // Descriptors clients sent and did not claim, all together (limits.max_pending_fds); changed
   // under the client's mu.
   std::atomic<int32_t> pending_fds_{0};
+  std::atomic<uint64_t> headroom_refusals_{0};  // CheckProcessHeadroom
   std::array<std::atomic<uint64_t>, kNumLimits> refusals_{};
   struct SlotBudget {
     std::mutex mu;

@@ -468,6 +468,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
       }
     }
     // Counted from here to the session's end, so that sessions being created count too.
+    if (local_.ok()) local_ = d_->CheckProcessHeadroom("CreateSession");
     if (local_.ok()) {
       absl::StatusOr<std::shared_ptr<const void>> charged = d_->ChargeSession(c);
       if (charged.ok()) charge_ = std::move(*charged);

@@ -202,6 +202,25 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
          "Ring-worker steps (executing or polling a client's calls) that ran longer than "
          "timeouts.call_ms + timeouts.worker_stall_ms.",
          g.worker_stalls);
+  // The process's two bounds every client's state uses (headroom.h); not written when they
+  // could not be read.
+  const struct {
+    const char* name;
+    const char* help;
+    int64_t value;
+  } process[] = {
+      {"process_open_fds", "Open descriptors of the daemon.", g.open_fds},
+      {"process_max_fds", "The daemon's descriptor limit (RLIMIT_NOFILE, soft).", g.max_fds},
+      {"ulyssesd_mappings", "Memory mappings of the daemon.", g.mappings},
+      {"ulyssesd_mapping_limit", "Memory mappings a process may have (vm.max_map_count).",
+       g.max_mappings},
+  };
+  for (const auto& p : process)
+    if (p.value >= 0) Single(out, p.name, "gauge", p.help, static_cast<uint64_t>(p.value));
+  Single(out, "ulyssesd_headroom_refusals_total", "counter",
+         "Attach and CreateSession requests refused while the daemon had no more than an eighth "
+         "of its descriptors or mappings left.",
+         g.headroom_refusals);
   return out;
 }
 

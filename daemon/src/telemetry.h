@@ -70,6 +70,10 @@ struct GaugeSnapshot {
   uint64_t queue_refusals = 0;        // takes refused past them (queues.sharing refuse)
   uint64_t sessions_undrained = 0;  // sessions whose device work did not end when they went
   uint64_t worker_stalls = 0;       // ring-worker steps past timeouts.worker_stall_ms
+  /// The process's descriptors and mappings and their bounds (-1: unreadable), and the
+  /// requests refused for want of headroom in either (headroom.h).
+  int64_t open_fds = -1, max_fds = -1, mappings = -1, max_mappings = -1;
+  uint64_t headroom_refusals = 0;
   /// Each configured limit (config object `limits`) and how many requests it refused.
   struct LimitGauge {
     std::string name;

@@ -3,11 +3,13 @@
 // limit refuses with RESOURCE_EXHAUSTED naming it, counts the refusal in the metrics, and the
 // daemon keeps serving everyone else.
 #include <grp.h>
+#include <sys/resource.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -649,6 +651,67 @@ TEST_F(QuotaTest, UnclaimedDescriptorsOfAllClientsAreBounded) {
   EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) <= baseline + 3; }))
       << CountFds(daemon_.pid()) << " descriptors, " << baseline << " before\n"
       << DescribeFds(daemon_.pid());
+}
+
+// The process's own bound: sessions of many ranks could take the daemon's descriptors though
+// every limit holds. With the daemon's RLIMIT_NOFILE lowered to 200 more than it holds, one
+// client's sessions stop short of it: the last eighth (at least 64) stays for the work the
+// daemon serves, a client already attached still registers buffers, a new one is refused
+// until the sessions go, and nothing fails with EMFILE.
+TEST_F(QuotaTest, SessionsStopShortOfTheDaemonsDescriptorLimit) {
+  StartWithLimits(R"({"sessions_per_client": 100000, "sessions_per_uid": 100000,
+                      "max_sessions": 100000})");
+  auto a = Connect("a");
+  auto bystander = Connect("bystander");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(bystander, nullptr);
+  absl::StatusOr<client::Group> g = a->JoinGroup({"solo", 1, 0, {daemon_.socket()}, "auto", 10000});
+  ASSERT_TRUE(g.ok()) << g.status();
+  const int open = CountFds(daemon_.pid());
+  const rlimit lowered{static_cast<rlim_t>(open + 200), static_cast<rlim_t>(open + 200)};
+  ASSERT_EQ(::prlimit(daemon_.pid(), RLIMIT_NOFILE, &lowered, nullptr), 0) << std::strerror(errno);
+  client::SessionSpec spec;
+  spec.num_heads = 1;
+  spec.head_dim = 4;
+  spec.dtype = DType::kFloat32;
+  spec.max_tokens = 4;
+  spec.num_slots = 1;
+  std::vector<std::unique_ptr<client::Session>> held;
+  absl::Status refused;
+  while (held.size() < 1000) {
+    auto s = a->CreateSession(*g, spec);
+    if (!s.ok()) {
+      refused = s.status();
+      break;
+    }
+    held.push_back(std::move(*s));
+  }
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("descriptors (RLIMIT_NOFILE); the last 64 are kept"),
+            std::string::npos) << refused;
+  EXPECT_GE(held.size(), 30u);
+  const int limit = open + 200;
+  EXPECT_LE(CountFds(daemon_.pid()), limit - 64 + 3) << held.size() << " sessions";
+  // The one attached already is served: its buffers take descriptors for a moment.
+  for (int i = 0; i < 20; ++i) {
+    absl::StatusOr<client::Buffer> b = bystander->AllocBuffer(4096, "b");
+    ASSERT_TRUE(b.ok()) << i << ": " << b.status();
+    absl::StatusOr<ipc::UniqueFd> memfd = ipc::CreateMemfd("m", 4096);
+    ASSERT_TRUE(memfd.ok());
+    ASSERT_TRUE(ipc::SealSize(memfd->get()).ok());
+    EXPECT_TRUE(bystander->RegisterBuffer(memfd->get(), "m").ok());
+  }
+  absl::StatusOr<std::unique_ptr<client::Client>> late =
+      client::Client::Connect({daemon_.socket(), "late", absl::Seconds(10)});
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kResourceExhausted) << late.status();
+  const std::string m = Metrics();
+  EXPECT_NE(m.find(StrCat("process_max_fds ", limit)), std::string::npos) << m;
+  EXPECT_NE(m.find("ulyssesd_headroom_refusals_total 2"), std::string::npos) << m;
+  held.clear();
+  EXPECT_TRUE(Eventually([&] {
+    return client::Client::Connect({daemon_.socket(), "later", absl::Seconds(10)}).ok();
+  }));
+  EXPECT_TRUE(a->CreateSession(*g, spec).ok());
 }
 
 }  // namespace
