@@ -1,5 +1,4 @@
 #include "daemon.h"
-#include "headroom.h"
 
 #include <dirent.h>
 #include <poll.h>
@@ -115,6 +114,22 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
   }
 };
 
+// A server of `services`, listening on `port` ("unix:PATH") unless it is empty.
+absl::StatusOr<std::unique_ptr<grpc::Server>> BuildServer(
+    const std::string& port, const std::vector<grpc::Service*>& services, bool reflection) {
+  grpc::ServerBuilder builder;
+  int bound_port = 0;
+  if (!port.empty())
+    builder.AddListeningPort(port, grpc::InsecureServerCredentials(), &bound_port);
+  for (grpc::Service* s : services) builder.RegisterService(s);
+  // Every request is small (names are bounded at 256 bytes); this bounds what one can cost.
+  builder.SetMaxReceiveMessageSize(4 << 20);
+  if (!reflection) builder.SetOption(std::make_unique<WithoutReflection>());
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", port));
+  return server;
+}
+
 // gRPC binds a unix socket itself, with the permissions the umask leaves, and serves it at
 // once. So each server binds inside a fresh directory of mode 0700, where nobody else can
 // connect; the socket gets `mode` there and is renamed to `path` only then. No connection is
@@ -123,15 +138,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeStaged(
     const std::string& path, mode_t mode, const std::vector<grpc::Service*>& services,
     gid_t gid = static_cast<gid_t>(-1), bool reflection = false) {
   ULY_ASSIGN_OR_RETURN(StagedSocket staged, StagedSocket::Make(path));
-  grpc::ServerBuilder builder;
-  int bound_port = 0;
-  builder.AddListeningPort("unix:" + staged.path(), grpc::InsecureServerCredentials(), &bound_port);
-  for (grpc::Service* s : services) builder.RegisterService(s);
-  // Every request is small (names are bounded at 256 bytes); this bounds what one can cost.
-  builder.SetMaxReceiveMessageSize(4 << 20);
-  if (!reflection) builder.SetOption(std::make_unique<WithoutReflection>());
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server) return absl::UnavailableError(StrCat("socket: cannot serve gRPC on ", path));
+  ULY_ASSIGN_OR_RETURN(std::unique_ptr<grpc::Server> server,
+                       BuildServer("unix:" + staged.path(), services, reflection));
   ULY_RETURN_IF_ERROR(staged.Publish(mode, gid));
   return server;
 }
@@ -189,8 +197,16 @@ absl::Status Daemon::Start() {
   // Before serving: GetState reads it from the server's threads (ThreadSanitizer saw the write
   // race with them when it came after).
   started_ = absl::Now();
-  ULY_ASSIGN_OR_RETURN(server_, ServeStaged(config_.socket, 0660,
-                                            {control_.get(), admin_.get(), peer_.get()}));
+  // The control socket's connections are accepted by the gate (connection_gate.h), which
+  // bounds them per uid and in all before it hands them to the server.
+  ULY_ASSIGN_OR_RETURN(server_, BuildServer("", {control_.get(), admin_.get(), peer_.get()},
+                                            /*reflection=*/false));
+  ULY_ASSIGN_OR_RETURN(ipc::UnixListener control_listener,
+                       ipc::UnixListener::Listen(config_.socket, 0660));
+  ULY_RETURN_IF_ERROR(control_gate_.Start(
+      std::move(control_listener), server_.get(),
+      [this](uid_t uid) { return AdmitConnection(uid); },
+      [this](uid_t uid) { ConnectionEnded(uid); }));
   // The operators' group, when one is named, may use the operator socket too.
   gid_t operators = static_cast<gid_t>(-1);
   if (!config_.operator_group.empty()) {
@@ -300,6 +316,7 @@ void Daemon::Shutdown() {
       std::lock_guard<std::mutex> lock(c->mu);
       for (auto& [id, s] : c->sessions) s->Abort(kAbortClosed);
     }
+    control_gate_.Stop();  // no new connection
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   }
   for (grpc::Server* other : {operator_server_.get(), node_server_.get()})
@@ -448,13 +465,12 @@ GaugeSnapshot Daemon::Gauges() {
   }
   g.sessions_undrained = Session::UndrainedCount();
   g.worker_stalls = worker_stalls_.load();
-  if (absl::StatusOr<ProcessUse> use = ReadProcessUse(); use.ok()) {
-    g.open_fds = use->descriptors;
-    g.max_fds = use->descriptor_limit;
-    g.mappings = use->mappings;
-    g.max_mappings = use->mapping_limit;
-  }
-  g.headroom_refusals = headroom_refusals_.load();
+  const ProcessUse use = ReadProcessUse();
+  g.open_fds = use.descriptors;
+  g.max_fds = use.descriptor_limit;
+  g.mappings = use.mappings;
+  g.max_mappings = use.mapping_limit;
+  g.headroom_refusals = headroom_.refusals();
   FillQuotaGauges(g);
   return g;
 }
@@ -477,7 +493,7 @@ absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::st
   c->token = RandomToken();
   c->name = name;
   c->since = absl::Now();
-  ULY_RETURN_IF_ERROR(CheckProcessHeadroom("Attach"));
+  ULY_RETURN_IF_ERROR(headroom_.Check("Attach"));
   std::lock_guard<std::mutex> lock(mu_);
   // Attach needs no proof, so this bounds what anyone who reaches the socket can hold; clients
   // that never bind leave after timeouts.bind_ms.
@@ -486,19 +502,6 @@ absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::st
                            StrCat(clients_.size(), " clients are attached already"));
   clients_[c->id] = c;
   return c;
-}
-
-absl::Status Daemon::CheckProcessHeadroom(std::string_view what) {
-  absl::StatusOr<ProcessUse> use = ReadProcessUse();
-  // A process that cannot read its own /proc entries has no descriptor to spare either.
-  absl::Status s = use.ok() ? CheckHeadroom(*use, what)
-                            : absl::ResourceExhaustedError(
-                                  StrCat(what, ": ", use.status().message()));
-  if (!s.ok()) {
-    headroom_refusals_.fetch_add(1, std::memory_order_relaxed);
-    Logger("main")->warn("{}", std::string(s.message()));
-  }
-  return s;
 }
 
 absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::Authenticate(
@@ -544,7 +547,7 @@ void Daemon::Reclaim(uint64_t client_id, const std::string& reason) {
     sessions.swap(c->sessions);
     buffers.swap(c->buffers);
     groups.swap(c->groups);
-    pending_fds_.fetch_sub(static_cast<int32_t>(c->incoming_fds.size()));
+    UnchargePendingFdsLocked(*c, static_cast<int32_t>(c->incoming_fds.size()));
     c->incoming_fds.clear();
     c->gone = true;
     ReleaseQuotaLocked(*c);

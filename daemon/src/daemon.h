@@ -26,7 +26,9 @@
 #include "ulysses/ipc/fd.h"
 #include "ulysses/ipc/shm.h"
 #include "ulysses/ipc/unix_socket.h"
+#include "connection_gate.h"
 #include "fd_exports.h"
+#include "headroom.h"
 #include "quotas.h"
 #include "rendezvous.h"
 #include "session.h"
@@ -202,8 +204,8 @@ class Daemon {
   /// the limit; FAILED_PRECONDITION before the client bound its fd socket.
   absl::StatusOr<std::shared_ptr<const void>> ChargeSession(ClientRecord& c);
   /// Counts one more group `c` joins against limits.groups_per_client (those it joined and
-  /// those it is joining); each counted join ends with EndGroupJoin, under c.mu, before the
-  /// group is added to c.groups.
+  /// those it is joining, ClientRecord::groups_joining); the caller gives a counted join back
+  /// once its verdict came, under c.mu, as the group is added to c.groups.
   absl::Status StartGroupJoin(ClientRecord& c);
   /// Waits (up to `wait`) for the fd the client sent under `tag`, and takes it.
   absl::StatusOr<ipc::UniqueFd> TakeIncomingFd(ClientRecord& c, uint64_t tag,
@@ -213,10 +215,9 @@ class Daemon {
   /// What this daemon lends the node's other daemons (session segments, device slots).
   FdExports& peer_exports() { return peer_exports_; }
   RendezvousClient& rendezvous_client() { return rendezvous_client_; }
-  /// RESOURCE_EXHAUSTED (counted, logged) when no more than a headroom of the process's
-  /// descriptors or mappings is left (headroom.h), for a request `what` that would add to
-  /// them for long (Attach, CreateSession).
-  absl::Status CheckProcessHeadroom(std::string_view what);
+  /// RESOURCE_EXHAUSTED while no more than a headroom of the process's descriptors or
+  /// mappings is left, for a request that would add to them for long (Attach, CreateSession).
+  HeadroomGuard& headroom() { return headroom_; }
   /// Counts a refusal by `limit` and returns RESOURCE_EXHAUSTED: "<what> (limits.<name> = N)".
   absl::Status RefuseOverLimit(Limit limit, const std::string& what);
   /// Counts one more Control request in progress for the uid of the bound client `c`
@@ -303,6 +304,15 @@ class Daemon {
   absl::Status AdmitToUidLocked(ClientRecord& c, uid_t uid);
   /// Takes `c` out of its uid's counts and drops its charges (Reclaim). Caller holds c.mu.
   void ReleaseQuotaLocked(ClientRecord& c);
+  // A descriptor the bound client `c` sent and nobody claimed yet, against
+  // limits.pending_fds_per_client, pending_fds_per_uid and max_pending_fds (c.mu held; only
+  // the fd thread charges); given back n at a time as they are claimed or closed.
+  absl::Status ChargePendingFdLocked(ClientRecord& c);
+  void UnchargePendingFdsLocked(ClientRecord& c, int32_t n);
+  // The control socket's connections (ConnectionGate): counted against
+  // limits.connections_per_uid and max_connections, and given back once they ended.
+  absl::Status AdmitConnection(uid_t uid);
+  void ConnectionEnded(uid_t uid);
   void FillQuotaGauges(GaugeSnapshot& g);
   absl::Status ChooseBackend();
   /// A ring descriptor that cannot become a call: refused as a call that fails validation is,
@@ -362,6 +372,7 @@ class Daemon {
   // On the control socket; peer_ refuses every call there (the node socket's is node_peer_).
   std::unique_ptr<grpc::Service> control_, admin_, peer_;
   std::unique_ptr<grpc::Server> server_;
+  ConnectionGate control_gate_;  // the control socket's connections, handed to server_
   std::unique_ptr<grpc::Service> operator_admin_;  // Admin on the operator socket
   std::unique_ptr<grpc::Server> operator_server_;
   std::unique_ptr<grpc::Service> node_peer_;  // Peer on the node socket
@@ -379,9 +390,11 @@ class Daemon {
     int32_t buffers = 0;   // limits.buffers_per_uid
     int32_t requests = 0;  // Control requests in progress (limits.calls_in_progress_per_uid)
     int32_t sessions = 0;  // open or being created (limits.sessions_per_uid)
+    int32_t connections = 0;  // on the control socket (limits.connections_per_uid)
+    int32_t pending_fds = 0;  // sent and not claimed (limits.pending_fds_per_uid)
     bool Unused() const {
       return clients == 0 && buffer_bytes == 0 && buffers == 0 && requests == 0 &&
-             sessions == 0;
+             sessions == 0 && connections == 0 && pending_fds == 0;
     }
   };
   // What clients hold against the limits, per uid and all together. A session's charge
@@ -392,13 +405,12 @@ class Daemon {
     std::map<uid_t, UidUsage> uids;
     int32_t buffers = 0;   // limits.max_buffers
     int32_t sessions = 0;  // limits.max_sessions
+    int32_t connections = 0;  // limits.max_connections
+    int32_t pending_fds = 0;  // limits.max_pending_fds
     void UnchargeSession(uid_t uid);
   };
   const std::shared_ptr<QuotaBook> quotas_ = std::make_shared<QuotaBook>();
-  // Descriptors clients sent and did not claim, all together (limits.max_pending_fds); changed
-  // under the client's mu.
-  std::atomic<int32_t> pending_fds_{0};
-  std::atomic<uint64_t> headroom_refusals_{0};  // CheckProcessHeadroom
+  HeadroomGuard headroom_;
   std::array<std::atomic<uint64_t>, kNumLimits> refusals_{};
   struct SlotBudget {
     std::mutex mu;

@@ -81,7 +81,7 @@ absl::StatusOr<ipc::UniqueFd> Daemon::TakeIncomingFd(ClientRecord& c, uint64_t t
         StrCat("tag: no fd arrived on the fd socket under tag ", tag));
   ipc::UniqueFd fd = std::move(it->second);
   c.incoming_fds.erase(it);
-  pending_fds_.fetch_sub(1);
+  UnchargePendingFdsLocked(c, 1);
   return fd;
 }
 
@@ -173,26 +173,15 @@ void Daemon::HandleClientFrame(ClientRecord& c, ipc::ReceivedMessage m) {
   }
   std::lock_guard<std::mutex> lock(c.mu);
   if (c.gone) return;
-  if (c.incoming_fds.size() >= static_cast<size_t>(config_.limits.pending_fds_per_client)) {
-    // Descriptors nobody claims would pile up to RLIMIT_NOFILE and starve every client.
-    absl::Status refused = RefuseOverLimit(
-        Limit::kPendingFdsPerClient,
-        StrCat("client ", c.id, " has ", c.incoming_fds.size(), " unclaimed descriptors"));
-    Logger("ipc")->warn("fd frame ignored: {}", std::string(refused.message()));
-    return;
-  }
-  // And all clients' together: every client's descriptors are the daemon's.
-  if (const int32_t all = pending_fds_.load(); all >= config_.limits.max_pending_fds) {
-    absl::Status refused = RefuseOverLimit(
-        Limit::kMaxPendingFds, StrCat("the daemon's clients have ", all, " unclaimed descriptors"));
-    Logger("ipc")->warn("client {}: fd frame ignored: {}", c.id, std::string(refused.message()));
+  if (absl::Status charged = ChargePendingFdLocked(c); !charged.ok()) {
+    Logger("ipc")->warn("client {}: fd frame ignored: {}", c.id, std::string(charged.message()));
     return;
   }
   if (!c.incoming_fds.emplace(f->tag, std::move(m.fds[0])).second) {
+    UnchargePendingFdsLocked(c, 1);
     Logger("ipc")->warn("client {}: fd frame ignored: tag {} is already pending", c.id, f->tag);
     return;
   }
-  pending_fds_.fetch_add(1);
   c.fd_cv.notify_all();
 }
 

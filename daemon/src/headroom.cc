@@ -11,6 +11,7 @@
 #include <fstream>
 #include <utility>
 
+#include "ulysses/common/logging.h"
 #include "ulysses/common/status.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/fd.h"
@@ -22,9 +23,10 @@ absl::Status Errno(std::string_view what) {
   return absl::InternalError(StrCat(what, ": ", std::strerror(errno)));
 }
 
-absl::StatusOr<int64_t> CountDescriptors() {
+// Open descriptors; all of `limit` when none is left to list them with, -1 when unknown.
+int64_t CountDescriptors(int64_t limit) {
   DIR* d = ::opendir("/proc/self/fd");
-  if (d == nullptr) return Errno("/proc/self/fd");
+  if (d == nullptr) return errno == EMFILE || errno == ENFILE ? limit : -1;
   int64_t n = 0;
   while (const dirent* e = ::readdir(d))
     if (e->d_name[0] != '.') ++n;
@@ -32,38 +34,40 @@ absl::StatusOr<int64_t> CountDescriptors() {
   return n - 1;  // the directory's own descriptor
 }
 
-absl::StatusOr<int64_t> CountMappings() {
+int64_t CountMappings() {
   ipc::UniqueFd fd(::open("/proc/self/maps", O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) return Errno("/proc/self/maps");
+  if (!fd.valid()) return -1;
   char buf[1 << 16];
   int64_t lines = 0;
   for (;;) {
     const ssize_t n = ::read(fd.get(), buf, sizeof buf);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return Errno("/proc/self/maps");
+    if (n < 0) return -1;
     if (n == 0) break;
     lines += std::count(buf, buf + n, '\n');
   }
   return lines;
 }
 
-absl::StatusOr<int64_t> MaxMapCount() {
+int64_t MaxMapCount() {
   std::ifstream in("/proc/sys/vm/max_map_count");
   int64_t v = 0;
-  if (!(in >> v) || v <= 0) return absl::InternalError("/proc/sys/vm/max_map_count: unreadable");
-  return v;
+  return in >> v && v > 0 ? v : -1;
 }
 
 }  // namespace
 
-absl::StatusOr<ProcessUse> ReadProcessUse() {
+ProcessUse ReadProcessUse(bool mappings) {
   ProcessUse u;
   rlimit r{};
-  if (::getrlimit(RLIMIT_NOFILE, &r) != 0) return Errno("getrlimit(RLIMIT_NOFILE)");
-  u.descriptor_limit = r.rlim_cur == RLIM_INFINITY ? INT64_MAX : static_cast<int64_t>(r.rlim_cur);
-  ULY_ASSIGN_OR_RETURN(u.descriptors, CountDescriptors());
-  ULY_ASSIGN_OR_RETURN(u.mappings, CountMappings());
-  ULY_ASSIGN_OR_RETURN(u.mapping_limit, MaxMapCount());
+  if (::getrlimit(RLIMIT_NOFILE, &r) == 0)
+    u.descriptor_limit =
+        r.rlim_cur == RLIM_INFINITY ? INT64_MAX : static_cast<int64_t>(r.rlim_cur);
+  u.descriptors = CountDescriptors(u.descriptor_limit);
+  if (mappings) {
+    u.mappings = CountMappings();
+    u.mapping_limit = MaxMapCount();
+  }
   return u;
 }
 
@@ -77,6 +81,7 @@ absl::Status CheckHeadroom(const ProcessUse& use, std::string_view what) {
   } bounds[] = {{use.descriptors, use.descriptor_limit, "descriptors", "RLIMIT_NOFILE"},
                 {use.mappings, use.mapping_limit, "memory mappings", "vm.max_map_count"}};
   for (const auto& b : bounds) {
+    if (b.used < 0 || b.limit < 0) continue;  // not read
     const int64_t kept = Headroom(b.limit);
     if (b.limit - b.used <= kept)
       return absl::ResourceExhaustedError(
@@ -84,6 +89,30 @@ absl::Status CheckHeadroom(const ProcessUse& use, std::string_view what) {
                  b.bound, "); the last ", kept, " are kept for the work it serves"));
   }
   return absl::OkStatus();
+}
+
+absl::Status HeadroomGuard::Check(std::string_view what) {
+  const absl::Time now = absl::Now();
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool read_mappings = now - mappings_read_ >= absl::Milliseconds(100);
+  ProcessUse use = ReadProcessUse(read_mappings);
+  if (read_mappings) {
+    mappings_ = use.mappings;
+    mapping_limit_ = use.mapping_limit;
+    mappings_read_ = now;
+  } else {
+    use.mappings = mappings_;
+    use.mapping_limit = mapping_limit_;
+  }
+  absl::Status s = CheckHeadroom(use, what);
+  if (!s.ok()) refusals_.fetch_add(1, std::memory_order_relaxed);
+  if (!s.ok() && !refusing_)
+    Logger("main")->warn("{}; refusing new clients and sessions until more is free (logged once)",
+                         std::string(s.message()));
+  else if (s.ok() && refusing_)
+    Logger("main")->info("descriptors and mappings free again: new clients and sessions served");
+  refusing_ = !s.ok();
+  return s;
 }
 
 absl::StatusOr<std::pair<int64_t, int64_t>> RaiseDescriptorLimit() {

@@ -177,6 +177,61 @@ void Daemon::QuotaBook::UnchargeSession(uid_t uid) {
   if (it->second.Unused()) uids.erase(it);
 }
 
+absl::Status Daemon::ChargePendingFdLocked(ClientRecord& c) {
+  const DaemonLimits& l = config_.limits;
+  // Descriptors nobody claims would pile up to RLIMIT_NOFILE and starve every client.
+  if (c.incoming_fds.size() >= static_cast<size_t>(l.pending_fds_per_client))
+    return RefuseOverLimit(Limit::kPendingFdsPerClient,
+                           StrCat("client ", c.id, " has ", c.incoming_fds.size(),
+                                  " unclaimed descriptors"));
+  std::lock_guard<std::mutex> quota(quotas_->mu);
+  if (quotas_->pending_fds >= l.max_pending_fds)
+    return RefuseOverLimit(Limit::kMaxPendingFds, StrCat("the daemon's clients have ",
+                                                         quotas_->pending_fds,
+                                                         " unclaimed descriptors"));
+  UidUsage& u = quotas_->uids[c.uid];
+  if (u.pending_fds >= l.pending_fds_per_uid)
+    return RefuseOverLimit(Limit::kPendingFdsPerUid, StrCat("uid ", c.uid, " has ", u.pending_fds,
+                                                            " unclaimed descriptors"));
+  ++u.pending_fds;
+  ++quotas_->pending_fds;
+  return absl::OkStatus();
+}
+
+void Daemon::UnchargePendingFdsLocked(ClientRecord& c, int32_t n) {
+  std::lock_guard<std::mutex> quota(quotas_->mu);
+  quotas_->pending_fds -= std::min(quotas_->pending_fds, n);
+  auto it = quotas_->uids.find(c.uid);
+  if (it == quotas_->uids.end()) return;
+  it->second.pending_fds -= std::min(it->second.pending_fds, n);
+  if (it->second.Unused()) quotas_->uids.erase(it);
+}
+
+absl::Status Daemon::AdmitConnection(uid_t uid) {
+  const DaemonLimits& l = config_.limits;
+  std::lock_guard<std::mutex> lock(quotas_->mu);
+  if (quotas_->connections >= l.max_connections)
+    return RefuseOverLimit(Limit::kMaxConnections,
+                           StrCat(quotas_->connections, " connections are open already"));
+  UidUsage& u = quotas_->uids[uid];
+  if (u.connections >= l.connections_per_uid) {
+    return RefuseOverLimit(Limit::kConnectionsPerUid,
+                           StrCat("uid ", uid, " has ", u.connections, " connections open"));
+  }
+  ++u.connections;
+  ++quotas_->connections;
+  return absl::OkStatus();
+}
+
+void Daemon::ConnectionEnded(uid_t uid) {
+  std::lock_guard<std::mutex> lock(quotas_->mu);
+  if (quotas_->connections > 0) --quotas_->connections;
+  auto it = quotas_->uids.find(uid);
+  if (it == quotas_->uids.end()) return;
+  if (it->second.connections > 0) --it->second.connections;
+  if (it->second.Unused()) quotas_->uids.erase(it);
+}
+
 absl::Status Daemon::StartGroupJoin(ClientRecord& c) {
   std::lock_guard<std::mutex> lock(c.mu);
   if (c.gone) return absl::UnavailableError(StrCat("client ", c.id, " is gone"));
@@ -194,8 +249,8 @@ void Daemon::FillQuotaGauges(GaugeSnapshot& g) {
                         refusals_[i].load(std::memory_order_relaxed)});
   std::lock_guard<std::mutex> lock(quotas_->mu);
   for (const auto& [uid, u] : quotas_->uids)
-    g.uids.push_back(
-        {static_cast<uint32_t>(uid), u.clients, u.buffer_bytes, u.buffers, u.sessions});
+    g.uids.push_back({static_cast<uint32_t>(uid), u.clients, u.buffer_bytes, u.buffers,
+                      u.sessions, u.connections, u.pending_fds});
 }
 
 }  // namespace ulysses::daemon

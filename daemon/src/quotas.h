@@ -31,6 +31,8 @@ constexpr int LimitIndex(std::string_view key) {
 /// One limit of DaemonLimits: its index in kLimitFields.
 enum class Limit : int {
   kMaxClients = LimitIndex("max_clients"),
+  kConnectionsPerUid = LimitIndex("connections_per_uid"),
+  kMaxConnections = LimitIndex("max_connections"),
   kClientsPerUid = LimitIndex("clients_per_uid"),
   kBuffersPerClient = LimitIndex("buffers_per_client"),
   kBuffersPerUid = LimitIndex("buffers_per_uid"),
@@ -38,6 +40,7 @@ enum class Limit : int {
   kBufferBytesPerClient = LimitIndex("buffer_bytes_per_client"),
   kBufferBytesPerUid = LimitIndex("buffer_bytes_per_uid"),
   kPendingFdsPerClient = LimitIndex("pending_fds_per_client"),
+  kPendingFdsPerUid = LimitIndex("pending_fds_per_uid"),
   kMaxPendingFds = LimitIndex("max_pending_fds"),
   kGroupsPerClient = LimitIndex("groups_per_client"),
   kSessionsPerClient = LimitIndex("sessions_per_client"),

@@ -370,8 +370,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   CreateSessionReactor(Daemon* d, grpc::CallbackServerContext* ctx,
                        const v1::CreateSessionRequest* req, v1::SessionInfo* resp)
       : d_(d), ctx_(ctx), req_(*req), resp_(resp) {
-    // The client and its place first, on this thread: a client past its requests in progress
-    // costs no thread.
+    // The client first, on this thread: a caller that is no client costs no thread.
     absl::Status admitted = Admit();
     if (!admitted.ok()) {
       Finish(ToGrpcStatus(admitted));
@@ -418,11 +417,14 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   // Up to the rendezvous. An error before the group is known answers at once; every later one
   // still arrives, with an error payload: every rank gets the same verdict at once, and every
   // rank's session counter (the key) moves on.
+  // The client, and its place among its requests in progress. A refused place is this rank's
+  // verdict on the request (Prepare): the rank still arrives, so that every rank moves its
+  // group's session counter on together.
   absl::Status Admit() {
     ULY_ASSIGN_OR_RETURN(c_, d_->Authenticate(ctx_));
     absl::StatusOr<RequestPlace> place = RequestPlace::Take(d_, *c_);
-    if (!place.ok()) return place.status();
-    place_.emplace(*std::move(place));
+    if (place.ok()) place_.emplace(*std::move(place));
+    else place_refused_ = place.status();
     return absl::OkStatus();
   }
 
@@ -440,6 +442,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
     SessionRequest checked;
     local_ = CheckCreateSessionRequest(req_, g_->world_size, g_->rank, backend.slots_in_segment(),
                                        d_->config().peer_timeout_ms, &checked);
+    if (local_.ok()) local_ = place_refused_;
     const SessionGeometry& geo = checked.geometry;
     const std::optional<FusedSessionArgs>& fused = checked.fused;
     if (d_->draining()) local_ = absl::UnavailableError("daemon is draining; no new sessions");
@@ -468,7 +471,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
       }
     }
     // Counted from here to the session's end, so that sessions being created count too.
-    if (local_.ok()) local_ = d_->CheckProcessHeadroom("CreateSession");
+    if (local_.ok()) local_ = d_->headroom().Check("CreateSession");
     if (local_.ok()) {
       absl::StatusOr<std::shared_ptr<const void>> charged = d_->ChargeSession(c);
       if (charged.ok()) charge_ = std::move(*charged);
@@ -504,8 +507,8 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
         }
         // From here the session holds its share: it gives it back once its device work ended.
         if (session_) {
-          session_->Hold(d_->SlotMemoryHold(needed_));
-          session_->Hold(std::move(charge_));
+          session_->HoldSlotMemory(d_->SlotMemoryHold(needed_));
+          session_->HoldCharge(std::move(charge_));
           needed_ = 0;
         }
       } else {
@@ -514,6 +517,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
         needed_ = 0;
       }
     }
+    if (!local_.ok()) charge_.reset();  // nothing was made: the place is free again
     const std::string payload = local_.ok() ? StrCat("ok:", session_->RendezvousPayload())
                                             : StrCat("error:", local_.message());
     absl::StatusOr<std::shared_ptr<RendezvousCall>> call = d_->rendezvous_client().Start(
@@ -643,9 +647,16 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
       }
     }
     std::shared_ptr<Session> shared(std::move(session_));
+    bool gone = false;
     {
       std::lock_guard<std::mutex> lock(c.mu);
-      c.sessions[id_] = shared;
+      gone = c.gone;
+      if (!gone) c.sessions[id_] = shared;
+    }
+    // Reclaimed since the session was sent: nothing would end it for its peers.
+    if (gone) {
+      shared->Abort(kAbortClosed);
+      return absl::UnavailableError(StrCat("client ", c.id, " is gone"));
     }
     FillSessionInfo(*shared, *g_, resp_);
     Logger("exec")->debug("client {}: session {} on group {} ({})", c.id, id_, g_->name,
@@ -659,6 +670,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   v1::SessionInfo* resp_;
   std::shared_ptr<ClientRecord> c_;  // Admit's
   std::optional<RequestPlace> place_;  // after c_, whose record it counts in
+  absl::Status place_refused_;  // why no place was given (Admit)
   // Prepare's results, which Complete reads: written before the rendezvous starts.
   std::shared_ptr<Group> g_;
   absl::Status local_;  // this rank's own verdict on the request

@@ -224,6 +224,8 @@ Session::~Session() {
     Logger("exec")->error("session {}: its device work did not end; its transport and the "
                           "{} buffers its calls used stay for the daemon's life",
                           id_, buffers.size());
+    // It still holds the daemon's descriptors and mappings: it stays charged to its client.
+    if (charge_) buffers.push_back(std::move(charge_));
     KeepForever(std::move(transport_), std::move(buffers));
     return;
   }

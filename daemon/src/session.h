@@ -160,10 +160,13 @@ class Session {
   /// Its weights as the owner registered them (buffer ids, offsets, shapes).
   const FusedWeightsArgs& fused_weights() const { return fused_weights_; }
   void set_fused_weights(const FusedWeightsArgs& w) { fused_weights_ = w; }
-  /// Keeps `hold` (the session's share of the daemon's slot budget, its charge against the
-  /// session limits) until the session is destroyed: after its transport drained, or was kept
-  /// with UndrainedBytes counting it.
-  void Hold(std::shared_ptr<const void> hold) { holds_.push_back(std::move(hold)); }
+  /// Keeps `hold` (the session's share of the daemon's slot budget) until the session is
+  /// destroyed: after its transport drained, or was kept with UndrainedBytes counting it.
+  void HoldSlotMemory(std::shared_ptr<const void> hold) { slot_memory_hold_ = std::move(hold); }
+  /// Keeps `charge` (against the session limits, Daemon::ChargeSession) until the session is
+  /// destroyed, and for the daemon's life with a transport whose device work did not end: its
+  /// descriptors and mappings stay too.
+  void HoldCharge(std::shared_ptr<const void> charge) { charge_ = std::move(charge); }
   const SegmentLayout& layout() const { return layout_; }
   /// Bytes this session holds against the daemon's slot budget (segment and device slots).
   uint64_t reserved_bytes() const { return layout_.total_bytes + transport_->DeviceBytes(); }
@@ -226,7 +229,8 @@ class Session {
   FusedWeightsArgs fused_weights_;
   // Declared before transport_: the weights stay mapped until the transport is gone.
   std::vector<std::shared_ptr<Buffer>> weight_buffers_;
-  std::vector<std::shared_ptr<const void>> holds_;  // given back after ~Session's drain
+  std::shared_ptr<const void> slot_memory_hold_;  // given back after ~Session's drain
+  std::shared_ptr<const void> charge_;            // the same, or kept with an undrained transport
   std::unique_ptr<Transport> transport_;
   mutable std::mutex call_mu_;            // one call in flight per session
   uint64_t epoch_ = 0;

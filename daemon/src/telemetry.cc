@@ -158,6 +158,14 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
          "Sessions the clients of a uid have open or are creating.");
   for (const GaugeSnapshot::UidGauge& u : g.uids)
     out += StrCat("ulyssesd_uid_sessions{uid=\"", u.uid, "\"} ", u.sessions, "\n");
+  Header(out, "ulyssesd_uid_connections", "gauge",
+         "Connections of a uid to the control socket.");
+  for (const GaugeSnapshot::UidGauge& u : g.uids)
+    out += StrCat("ulyssesd_uid_connections{uid=\"", u.uid, "\"} ", u.connections, "\n");
+  Header(out, "ulyssesd_uid_pending_fds", "gauge",
+         "Descriptors the clients of a uid sent and no RegisterBuffer claimed yet.");
+  for (const GaugeSnapshot::UidGauge& u : g.uids)
+    out += StrCat("ulyssesd_uid_pending_fds{uid=\"", u.uid, "\"} ", u.pending_fds, "\n");
   Single(out, "ulyssesd_mps_enabled", "gauge",
          "1 when the daemon and its clients share the GPU through MPS.",
          g.mps ? 1 : 0);

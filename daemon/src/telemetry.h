@@ -81,13 +81,15 @@ struct GaugeSnapshot {
     uint64_t refusals = 0;
   };
   std::vector<LimitGauge> limits;
-  /// What each uid with a bound client, a buffer or a session holds.
+  /// What each uid with a bound client, a buffer, a session or a connection holds.
   struct UidGauge {
     uint32_t uid = 0;
     int64_t clients = 0;
     uint64_t buffer_bytes = 0;
     int32_t buffers = 0;
     int32_t sessions = 0;  ///< open or being created
+    int32_t connections = 0;  ///< to the control socket
+    int32_t pending_fds = 0;  ///< sent and not claimed
   };
   std::vector<UidGauge> uids;
 };

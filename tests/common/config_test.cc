@@ -400,6 +400,31 @@ TEST(DaemonConfigTest, EveryLimitIsReadAndZeroIsRefusedNamingIt) {
     EXPECT_EQ(zero.status().code(), absl::StatusCode::kInvalidArgument) << key;
     EXPECT_NE(zero.status().message().find("limits." + key), std::string::npos) << zero.status();
   }
+  // Each key has a field of its own.
+  for (size_t i = 0; i < kLimitFields.size(); ++i)
+    for (size_t j = i + 1; j < kLimitFields.size(); ++j) {
+      const LimitField &x = kLimitFields[i], &y = kLimitFields[j];
+      EXPECT_NE(x.key, y.key);
+      EXPECT_FALSE(x.count != nullptr && x.count == y.count) << x.key << " and " << y.key;
+      EXPECT_FALSE(x.bytes != nullptr && x.bytes == y.bytes) << x.key << " and " << y.key;
+    }
+  // And it is the field its name says.
+  absl::StatusOr<DaemonConfig> c = ParseDaemonConfig(
+      R"({"limits": {"max_sessions": 11, "sessions_per_uid": 12, "sessions_per_client": 13,
+                     "groups_per_client": 14, "max_buffers": 15, "max_pending_fds": 16,
+                     "pending_fds_per_uid": 17, "connections_per_uid": 18,
+                     "max_connections": 19}})",
+      0);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->limits.max_sessions, 11);
+  EXPECT_EQ(c->limits.sessions_per_uid, 12);
+  EXPECT_EQ(c->limits.sessions_per_client, 13);
+  EXPECT_EQ(c->limits.groups_per_client, 14);
+  EXPECT_EQ(c->limits.max_buffers, 15);
+  EXPECT_EQ(c->limits.max_pending_fds, 16);
+  EXPECT_EQ(c->limits.pending_fds_per_uid, 17);
+  EXPECT_EQ(c->limits.connections_per_uid, 18);
+  EXPECT_EQ(c->limits.max_connections, 19);
 }
 
 }  // namespace

@@ -37,30 +37,41 @@ TEST(HeadroomTest, AnEighthOfEachBoundAtLeast64IsKeptFree) {
   EXPECT_NE(s.message().find("memory mappings (vm.max_map_count)"), std::string::npos) << s;
   use.mappings = 70000;  // past the bound (a lowered setting)
   EXPECT_EQ(CheckHeadroom(use, "Attach").code(), absl::StatusCode::kResourceExhausted);
+  use.mapping_limit = -1;  // not read (a /proc/sys the daemon cannot see): not checked
+  EXPECT_TRUE(CheckHeadroom(use, "Attach").ok());
+  use.descriptors = 1024;  // none left to list them with (EMFILE): all used
+  EXPECT_EQ(CheckHeadroom(use, "Attach").code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(HeadroomTest, TheGuardCountsItsRefusals) {
+  HeadroomGuard guard;
+  ASSERT_TRUE(guard.Check("Attach").ok());  // a test process is far from its bounds
+  EXPECT_EQ(guard.refusals(), 0u);
 }
 
 TEST(HeadroomTest, ReadsThisProcesssDescriptorsAndMappings) {
-  absl::StatusOr<ProcessUse> before = ReadProcessUse();
-  ASSERT_TRUE(before.ok()) << before.status();
-  EXPECT_GT(before->descriptor_limit, 0);
-  EXPECT_GT(before->mapping_limit, 0);
+  const ProcessUse before = ReadProcessUse();
+  EXPECT_GT(before.descriptors, 2);  // stdin, stdout, stderr
+  EXPECT_GT(before.descriptor_limit, 0);
+  EXPECT_GT(before.mappings, 0);
+  EXPECT_GT(before.mapping_limit, 0);
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
   std::vector<int> fds;
   std::vector<void*> maps;
   for (int i = 0; i < 10; ++i) {
     fds.push_back(::open("/dev/null", O_RDONLY | O_CLOEXEC));
     ASSERT_GE(fds.back(), 0);
     // Every other page unmapped between them, so that no two mappings merge.
-    void* p = ::mmap(nullptr, 2 * 4096, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* p = ::mmap(nullptr, 2 * page, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     ASSERT_NE(p, MAP_FAILED);
-    ASSERT_EQ(::munmap(static_cast<char*>(p) + 4096, 4096), 0);
+    ASSERT_EQ(::munmap(static_cast<char*>(p) + page, page), 0);
     maps.push_back(p);
   }
-  absl::StatusOr<ProcessUse> after = ReadProcessUse();
-  ASSERT_TRUE(after.ok()) << after.status();
-  EXPECT_EQ(after->descriptors, before->descriptors + 10);
-  EXPECT_GE(after->mappings, before->mappings + 10);
+  const ProcessUse after = ReadProcessUse();
+  EXPECT_EQ(after.descriptors, before.descriptors + 10);
+  EXPECT_GE(after.mappings, before.mappings + 10);
   for (int fd : fds) ::close(fd);
-  for (void* p : maps) ::munmap(p, 4096);
+  for (void* p : maps) ::munmap(p, page);
 }
 
 }  // namespace

@@ -23,9 +23,11 @@ namespace ulysses::security {
 namespace {
 
 constexpr int kClients = 1000;
-// Descriptors the daemon holds per client (its connection, fd socket, pidfd, client segment and
-// two doorbells), and the test's own (a connection and an fd socket), with room for the rest.
-constexpr rlim_t kDescriptorsNeeded = 8 * kClients + 1024;
+// Descriptors the daemon holds per client: two for its connection (gRPC's and the connection
+// gate's), its fd socket, pidfd, client segment and four doorbell ends; the daemon keeps an
+// eighth of its limit free (headroom.h), and the test holds two per client of its own (a
+// connection and an fd socket). With room for the rest.
+constexpr rlim_t kDescriptorsNeeded = 11 * kClients + 1024;
 
 // A client's liveness stream, held open by gRPC's callback API (no thread of this process
 // waits on it) until Cancel.
@@ -87,7 +89,9 @@ class ManyClientsTest : public DaemonTest {
     dir_ = *dir;
     const std::string config = dir_ + "/many.json";
     std::ofstream(config) << "{\"limits\": {\"max_clients\": " << kClients + 16
-                          << ", \"clients_per_uid\": " << kClients + 16 << "}}";
+                          << ", \"clients_per_uid\": " << kClients + 16
+                          << ", \"connections_per_uid\": " << kClients + 16
+                          << ", \"max_connections\": " << kClients + 16 << "}}";
     StartDaemon({"--config", config});
   }
   void TearDown() override {

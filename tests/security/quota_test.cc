@@ -3,6 +3,7 @@
 // limit refuses with RESOURCE_EXHAUSTED naming it, counts the refusal in the metrics, and the
 // daemon keeps serving everyone else.
 #include <grp.h>
+#include <poll.h>
 #include <sys/resource.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -43,11 +44,12 @@ class QuotaTest : public DaemonTest {
     return resp.text();
   }
 
-  // Runs phase_client in `phase` as uid and gid 65534, with the daemon's group as a
-  // supplementary one (the control and fd sockets are 0660 of that group), and waits until it
-  // reports the phase done. -1 once it is ready (its pid in *child, for the caller to reap),
-  // else its exit status (77: uid 65534 cannot reach the program). Needs root.
-  int OtherUidClient(const std::string& phase, pid_t* child) {
+  // Runs phase_client in `phase` as uid and gid 65534 (else as this process's uid), with the
+  // daemon's group as a supplementary one (the control and fd sockets are 0660 of that group),
+  // and waits until it reports the phase done. -1 once it is ready (its pid in *child, for the
+  // caller to reap), else its exit status (77: uid 65534 cannot reach the program). As uid
+  // 65534: needs root.
+  int OtherUidClient(const std::string& phase, pid_t* child, bool other_uid = true) {
     EXPECT_EQ(::chmod(dir_.c_str(), 0711), 0);
     const std::string drop = dir_ + "/other-uid-" + phase;  // where it writes its ready file
     EXPECT_EQ(::mkdir(drop.c_str(), 0777), 0);
@@ -57,7 +59,9 @@ class QuotaTest : public DaemonTest {
     if (*child < 0) return 79;
     if (*child == 0) {
       const gid_t groups[] = {::getegid()};
-      if (::setgroups(1, groups) != 0 || ::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(76);
+      if (other_uid &&
+          (::setgroups(1, groups) != 0 || ::setgid(65534) != 0 || ::setuid(65534) != 0))
+        ::_exit(76);
       if (::access(PHASE_CLIENT_PATH, X_OK) != 0) ::_exit(77);
       ::execl(PHASE_CLIENT_PATH, PHASE_CLIENT_PATH, "--socket", socket.c_str(), "--members",
               socket.c_str(), "--rank", "0", "--phase", phase.c_str(), "--ready", ready.c_str(),
@@ -503,10 +507,18 @@ TEST_F(QuotaTest, SessionsArePerClientPerUidAndInAll) {
   EXPECT_NE(m.find("ulyssesd_limit_refusals_total{limit=\"sessions_per_uid\"} 1"),
             std::string::npos) << m;
   EXPECT_NE(m.find("ulyssesd_limit{limit=\"max_sessions\"} 5"), std::string::npos) << m;
-  // A client that goes gives back every session it had.
   held.clear();
   a.reset();
   EXPECT_TRUE(Eventually([&] { return Metrics().find(sessions + "2") != std::string::npos; }));
+  // A client that goes gives back every session it had: a process of this uid with a session
+  // open is killed.
+  pid_t child = -1;
+  ASSERT_EQ(OtherUidClient("session", &child, /*other_uid=*/false), -1);
+  EXPECT_TRUE(Eventually([&] { return Metrics().find(sessions + "3") != std::string::npos; }));
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  EXPECT_TRUE(Eventually([&] { return Metrics().find(sessions + "2") != std::string::npos; }))
+      << Metrics();
   b1->reset();
   b2->reset();
   EXPECT_TRUE(Eventually([&] { return Metrics().find(sessions + "0") != std::string::npos; }))
@@ -565,20 +577,24 @@ TEST_F(QuotaTest, GroupsPerClientAreBounded) {
 }
 
 // JoinGroup and CreateSession count among a client's requests in progress: two joins wait for
-// a rank that never comes, and the client's next request is refused until they end.
+// a rank that never comes, and the client's next request is refused until they end. A join
+// that failed gives its place among the client's groups back.
 TEST_F(QuotaTest, CollectiveRequestsCountAmongRequestsInProgress) {
-  StartWithLimits(R"({"calls_in_progress_per_client": 2})");
+  StartWithLimits(R"({"calls_in_progress_per_client": 2, "groups_per_client": 2})");
   auto a = Connect("a");
   ASSERT_NE(a, nullptr);
   const std::vector<std::string> members = {daemon_.socket(), daemon_.socket()};
   absl::StatusOr<client::Group> joined[2];
   std::thread first([&] { joined[0] = a->JoinGroup({"w1", 2, 0, members, "auto", 4000}); });
   std::thread second([&] { joined[1] = a->JoinGroup({"w2", 2, 0, members, "auto", 4000}); });
-  absl::Status refused;
+  // Both wait in this daemon's rendezvous table (Admin takes none of the client's places).
   EXPECT_TRUE(Eventually([&] {
-    refused = a->FreeBuffer(987654321);
-    return refused.code() == absl::StatusCode::kResourceExhausted;
-  })) << refused;
+    v1::DaemonState st;
+    grpc::ClientContext ctx;
+    return admin_->GetState(&ctx, {}, &st).ok() && st.pending_rendezvous() == 2;
+  }));
+  const absl::Status refused = a->FreeBuffer(987654321);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
   EXPECT_NE(refused.message().find("limits.calls_in_progress_per_client"), std::string::npos)
       << refused;
   auto bystander = Connect("bystander");
@@ -589,6 +605,13 @@ TEST_F(QuotaTest, CollectiveRequestsCountAmongRequestsInProgress) {
   EXPECT_EQ(joined[0].status().code(), absl::StatusCode::kDeadlineExceeded) << joined[0].status();
   EXPECT_EQ(joined[1].status().code(), absl::StatusCode::kDeadlineExceeded) << joined[1].status();
   EXPECT_EQ(a->FreeBuffer(987654321).code(), absl::StatusCode::kInvalidArgument);  // served again
+  // The failed joins hold no group: two more fit, and a third does not.
+  auto solo = [&](const std::string& name) {
+    return a->JoinGroup({name, 1, 0, {daemon_.socket()}, "auto", 10000});
+  };
+  EXPECT_TRUE(solo("s1").ok());
+  EXPECT_TRUE(solo("s2").ok());
+  ExpectExhausted(solo("s3").status(), "groups_per_client");
 }
 
 // Buffers of all clients together: each is a mapping of the daemon's, whatever uid holds it.
@@ -611,7 +634,8 @@ TEST_F(QuotaTest, BuffersOfAllClientsAreBounded) {
 }
 
 // Descriptors sent and not claimed, of all clients together: past the bound a frame is
-// dropped (and counted), whichever client sent it, until a claim frees a place.
+// dropped (and counted), whichever client sent it, until a claim, or a client that goes,
+// frees places.
 TEST_F(QuotaTest, UnclaimedDescriptorsOfAllClientsAreBounded) {
   StartWithLimits(R"({"max_pending_fds": 8})");
   absl::StatusOr<Attached> a = Attach("a"), b = Attach("b");
@@ -623,15 +647,20 @@ TEST_F(QuotaTest, UnclaimedDescriptorsOfAllClientsAreBounded) {
   ASSERT_TRUE(memfd.ok());
   ASSERT_TRUE(ipc::SealSize(memfd->get()).ok());
   const int one[1] = {memfd->get()};
-  for (uint64_t tag = 1; tag <= 6; ++tag) {
-    ASSERT_TRUE(ipc::SendMessage(sock_a->get(), ipc::EncodeFdFrame({tag}), one).ok());
-    ASSERT_TRUE(ipc::SendMessage(sock_b->get(), ipc::EncodeFdFrame({tag}), one).ok());
-  }
-  EXPECT_TRUE(Eventually([&] {
-    return Metrics().find("ulyssesd_limit_refusals_total{limit=\"max_pending_fds\"} 4") !=
-           std::string::npos;
-  })) << Metrics();
-  EXPECT_EQ(CountFds(daemon_.pid()), baseline + 8);
+  auto send = [&](const ipc::UniqueFd& sock, uint64_t first, uint64_t last) {
+    for (uint64_t tag = first; tag <= last; ++tag)
+      ASSERT_TRUE(ipc::SendMessage(sock.get(), ipc::EncodeFdFrame({tag}), one).ok());
+  };
+  auto refusals = [&](int n) {
+    return Metrics().find(StrCat("ulyssesd_limit_refusals_total{limit=\"max_pending_fds\"} ",
+                                 n)) != std::string::npos;
+  };
+  // a's six first, then b's six: b's last four find no place.
+  send(*sock_a, 1, 6);
+  ASSERT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) == baseline + 6; }));
+  send(*sock_b, 1, 6);
+  EXPECT_TRUE(Eventually([&] { return refusals(4); })) << Metrics();
+  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) == baseline + 8; }));
   // A claim frees a place: a's registration of tag 1 takes one of its descriptors.
   {
     v1::RegisterBufferRequest req;
@@ -642,15 +671,19 @@ TEST_F(QuotaTest, UnclaimedDescriptorsOfAllClientsAreBounded) {
     Authenticate(&ctx, *a);
     ASSERT_TRUE(control_->RegisterBuffer(&ctx, req, &info).ok());
   }
-  ASSERT_TRUE(ipc::SendMessage(sock_b->get(), ipc::EncodeFdFrame({99}), one).ok());
-  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) == baseline + 8; }));
-  EXPECT_NE(Metrics().find("ulyssesd_limit_refusals_total{limit=\"max_pending_fds\"} 4"),
-            std::string::npos);
-  // A client that goes gives its unclaimed descriptors back.
+  send(*sock_b, 7, 7);
+  send(*sock_b, 8, 8);  // no place
+  EXPECT_TRUE(Eventually([&] { return refusals(5); })) << Metrics();
+  const std::string pending = StrCat("ulyssesd_uid_pending_fds{uid=\"", ::getuid(), "\"} ");
+  EXPECT_NE(Metrics().find(pending + "8"), std::string::npos) << Metrics();
+  // A client that goes gives its five unclaimed descriptors back: b's next five fit, and the
+  // sixth does not (frames of one socket are taken in order).
   sock_a->reset();
-  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) <= baseline + 3; }))
-      << CountFds(daemon_.pid()) << " descriptors, " << baseline << " before\n"
-      << DescribeFds(daemon_.pid());
+  ASSERT_TRUE(Eventually([&] { return Metrics().find(pending + "3") != std::string::npos; }))
+      << Metrics();
+  send(*sock_b, 9, 14);
+  EXPECT_TRUE(Eventually([&] { return refusals(6); })) << Metrics();
+  EXPECT_NE(Metrics().find(pending + "8"), std::string::npos) << Metrics();
 }
 
 // The process's own bound: sessions of many ranks could take the daemon's descriptors though
@@ -687,11 +720,14 @@ TEST_F(QuotaTest, SessionsStopShortOfTheDaemonsDescriptorLimit) {
     held.push_back(std::move(*s));
   }
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
-  EXPECT_NE(refused.message().find("descriptors (RLIMIT_NOFILE); the last 64 are kept"),
-            std::string::npos) << refused;
-  EXPECT_GE(held.size(), 30u);
   const int limit = open + 200;
-  EXPECT_LE(CountFds(daemon_.pid()), limit - 64 + 3) << held.size() << " sessions";
+  const int kept = std::max(64, limit / 8);
+  EXPECT_NE(refused.message().find(
+                StrCat("descriptors (RLIMIT_NOFILE); the last ", kept, " are kept")),
+            std::string::npos) << refused;
+  EXPECT_GE(held.size(), 10u);
+  // Refused once no more than `kept` were free: the last session took 3 of them.
+  EXPECT_LE(CountFds(daemon_.pid()), limit - kept + 3) << held.size() << " sessions";
   // The one attached already is served: its buffers take descriptors for a moment.
   for (int i = 0; i < 20; ++i) {
     absl::StatusOr<client::Buffer> b = bystander->AllocBuffer(4096, "b");
@@ -712,6 +748,116 @@ TEST_F(QuotaTest, SessionsStopShortOfTheDaemonsDescriptorLimit) {
     return client::Client::Connect({daemon_.socket(), "later", absl::Seconds(10)}).ok();
   }));
   EXPECT_TRUE(a->CreateSession(*g, spec).ok());
+}
+
+// Whether the daemon closes the connection `fd` within `wait` (a refused one: it is closed
+// before anything is sent); what an admitted one receives (gRPC's settings) is read past.
+bool ClosedByDaemon(int fd, absl::Duration wait) {
+  const absl::Time until = absl::Now() + wait;
+  char buf[256];
+  for (;;) {
+    const int ms = static_cast<int>(absl::ToInt64Milliseconds(until - absl::Now()));
+    pollfd p{fd, POLLIN, 0};
+    if (ms <= 0 || ::poll(&p, 1, ms) != 1) return false;
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n == 0) return true;
+    if (n < 0 && errno != EINTR && errno != EAGAIN) return true;
+  }
+}
+
+// A gRPC channel of its own connection (gRPC shares one between channels of a process that
+// name the same target), connected within `wait` or not.
+bool NewConnectionServed(const std::string& socket, absl::Duration wait) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto channel = grpc::CreateCustomChannel("unix://" + socket, grpc::InsecureChannelCredentials(),
+                                           args);
+  return channel->WaitForConnected(absl::ToChronoTime(absl::Now() + wait));
+}
+
+// Connections to the control socket hold descriptors of the daemon's whether they ever attach
+// or not, so the daemon accepts them itself and bounds them per uid and in all. One past the
+// bound is closed at once; one that ends, whether its client hangs up or gRPC drops it (bytes
+// that are not HTTP/2), gives its place back. The operator socket is not counted, and
+// another uid connects while this one is at its bound.
+TEST_F(QuotaTest, ControlConnectionsArePerUidAndInAll) {
+  StartWithLimits(R"({"connections_per_uid": 6})");
+  const std::string prefix = StrCat("ulyssesd_uid_connections{uid=\"", ::getuid(), "\"} ");
+  auto connections = [&] {
+    const std::string m = Metrics();
+    const size_t at = m.find(prefix);
+    return at == std::string::npos ? 0 : std::atoi(m.c_str() + at + prefix.size());
+  };
+  // This fixture's channel alone, once the start-up's health check has hung up.
+  ASSERT_TRUE(Eventually([&] { return connections() == 1; })) << Metrics();
+  std::vector<ipc::UniqueFd> raw;
+  for (int i = 1; i < 6; ++i) {
+    absl::StatusOr<ipc::UniqueFd> fd = ipc::ConnectUnix(daemon_.socket(), absl::Seconds(5));
+    ASSERT_TRUE(fd.ok()) << fd.status();
+    raw.push_back(*std::move(fd));
+  }
+  EXPECT_TRUE(Eventually([&] { return connections() == 6; })) << Metrics();
+  // One more: closed by the daemon at once; a gRPC client's connection too.
+  absl::StatusOr<ipc::UniqueFd> extra = ipc::ConnectUnix(daemon_.socket(), absl::Seconds(5));
+  ASSERT_TRUE(extra.ok()) << extra.status();
+  EXPECT_TRUE(ClosedByDaemon(extra->get(), absl::Seconds(10)));
+  EXPECT_NE(Metrics().find("ulyssesd_limit_refusals_total{limit=\"connections_per_uid\"} 1"),
+            std::string::npos) << Metrics();
+  EXPECT_FALSE(NewConnectionServed(daemon_.socket(), absl::Seconds(2)));
+  EXPECT_EQ(connections(), 6);
+  auto op = v1::Admin::NewStub(grpc::CreateChannel(
+      "unix://" + daemon_.socket() + std::string(kOperatorSocketSuffix),
+      grpc::InsecureChannelCredentials()));
+  {
+    v1::DaemonState st;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(op->GetState(&ctx, {}, &st).ok());
+  }
+  if (::geteuid() == 0) {  // another uid attaches and allocates a buffer meanwhile
+    pid_t child = -1;
+    const int exited = OtherUidClient("buffer", &child);
+    if (child > 0) {
+      ::kill(child, SIGKILL);
+      ::waitpid(child, nullptr, 0);
+    }
+    if (exited != 77) {
+      EXPECT_EQ(exited, -1) << "the other uid's client exited with " << exited;
+    }
+  }
+  // Bytes gRPC cannot take: it drops the connection, and its place is free again.
+  const std::string junk = "GET / HTTP/1.1\r\n\r\n";
+  ASSERT_EQ(::write(raw[0].get(), junk.data(), junk.size()), static_cast<ssize_t>(junk.size()));
+  EXPECT_TRUE(Eventually([&] { return connections() == 5; })) << Metrics();
+  EXPECT_TRUE(NewConnectionServed(daemon_.socket(), absl::Seconds(10)));
+  // A client that hangs up frees its place too (the channel above did).
+  raw.pop_back();
+  EXPECT_TRUE(Eventually([&] { return connections() == 4; })) << Metrics();
+}
+
+// All uids together: the same, with the daemon-wide bound.
+TEST_F(QuotaTest, ControlConnectionsOfAllUidsAreBounded) {
+  StartWithLimits(R"({"max_connections": 4})");
+  const std::string own = StrCat("ulyssesd_uid_connections{uid=\"", ::getuid(), "\"} 1");
+  ASSERT_TRUE(Eventually([&] { return Metrics().find(own) != std::string::npos; })) << Metrics();
+  std::vector<ipc::UniqueFd> raw;
+  absl::Status refused;
+  int kept = 1;  // the fixture's
+  for (int i = 0; i < 8 && refused.ok(); ++i) {
+    absl::StatusOr<ipc::UniqueFd> fd = ipc::ConnectUnix(daemon_.socket(), absl::Seconds(5));
+    ASSERT_TRUE(fd.ok()) << fd.status();
+    if (ClosedByDaemon(fd->get(), absl::Milliseconds(300))) {
+      refused = absl::UnavailableError(StrCat("connection ", i));
+    } else {
+      ++kept;
+    }
+    raw.push_back(*std::move(fd));
+  }
+  EXPECT_EQ(kept, 4);
+  EXPECT_NE(Metrics().find("ulyssesd_limit_refusals_total{limit=\"max_connections\"} 1"),
+            std::string::npos) << Metrics();
+  EXPECT_FALSE(NewConnectionServed(daemon_.socket(), absl::Seconds(2)));
+  raw.clear();
+  EXPECT_TRUE(NewConnectionServed(daemon_.socket(), absl::Seconds(10)));
 }
 
 }  // namespace

@@ -22,6 +22,10 @@ struct DeviceEntry {
 /// ("limits.buffer_bytes_per_uid").
 struct DaemonLimits {
   int32_t max_clients = 1024;            ///< attached clients, bound or not
+  /// Connections to the control socket of one uid (SO_PEERCRED), and of all uids together:
+  /// each holds descriptors of the daemon's, whether it ever attaches or not.
+  int32_t connections_per_uid = 512;
+  int32_t max_connections = 2048;
   int32_t clients_per_uid = 256;         ///< bound clients of one uid
   int32_t buffers_per_client = 4096;     ///< buffers one client holds
   /// Buffers all clients of one uid hold together. Each holds a mapping of the daemon's (a
@@ -35,7 +39,9 @@ struct DaemonLimits {
   uint64_t buffer_bytes_per_client = 256ull << 30;  ///< bytes of those buffers
   uint64_t buffer_bytes_per_uid = 512ull << 30;     ///< bytes of all buffers of one uid
   int32_t pending_fds_per_client = 64;   ///< descriptors sent but not yet claimed by RegisterBuffer
-  /// The same for all clients together: unclaimed descriptors are the daemon's own.
+  /// The same for all clients of one uid together, and for all clients together: unclaimed
+  /// descriptors are the daemon's own.
+  int32_t pending_fds_per_uid = 1024;
   int32_t max_pending_fds = 4096;
   /// Groups one client has joined, or is joining.
   int32_t groups_per_client = 64;
@@ -72,8 +78,10 @@ struct LimitField {
 
 /// Every limit, once: the config reads and checks them from here, and the daemon's refusals
 /// and metrics name them from here (in this order).
-inline constexpr std::array<LimitField, 16> kLimitFields = {{
+inline constexpr std::array<LimitField, 19> kLimitFields = {{
     {"max_clients", &DaemonLimits::max_clients},
+    {"connections_per_uid", &DaemonLimits::connections_per_uid},
+    {"max_connections", &DaemonLimits::max_connections},
     {"clients_per_uid", &DaemonLimits::clients_per_uid},
     {"buffers_per_client", &DaemonLimits::buffers_per_client},
     {"buffers_per_uid", &DaemonLimits::buffers_per_uid},
@@ -81,6 +89,7 @@ inline constexpr std::array<LimitField, 16> kLimitFields = {{
     {"buffer_bytes_per_client", nullptr, &DaemonLimits::buffer_bytes_per_client},
     {"buffer_bytes_per_uid", nullptr, &DaemonLimits::buffer_bytes_per_uid},
     {"pending_fds_per_client", &DaemonLimits::pending_fds_per_client},
+    {"pending_fds_per_uid", &DaemonLimits::pending_fds_per_uid},
     {"max_pending_fds", &DaemonLimits::max_pending_fds},
     {"groups_per_client", &DaemonLimits::groups_per_client},
     {"sessions_per_client", &DaemonLimits::sessions_per_client},
