@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -18,6 +19,7 @@
 #include "hostile_client.h"
 #include "ulysses/client/client.h"
 #include "ulysses/common/sockets.h"
+#include "ulysses/ipc/shm.h"
 
 namespace ulysses::security {
 namespace {
@@ -379,6 +381,110 @@ struct LonelyCall {
   std::thread thread;
   client::Buffer x;
 };
+
+// Daemons of its own: rank 1's with one request in progress per client.
+class GroupPlaceTest : public GroupTest {
+ protected:
+  bool StartsOwnDaemons() const override { return true; }
+};
+
+// A rank whose client has no place left among its requests in progress is refused
+// CreateSession, but still arrives at the rendezvous: the other rank learns why at once, and
+// the group's session counter moves on alike on both ranks, so the next session forms.
+TEST_F(GroupPlaceTest, ARankPastItsRequestsInProgressStillArrivesAndTheCountersStayInStep) {
+  StartDaemon(0);
+  const std::string config = dir_ + "/one-request.json";
+  std::ofstream(config) << R"({"limits": {"calls_in_progress_per_client": 1}})";
+  StartDaemon(1, {"--config", config});
+  RawClient raw;
+  ASSERT_NO_FATAL_FAILURE(raw.Connect(daemons_[1].socket()));
+  auto c0 = client::Client::Connect({daemons_[0].socket(), "rank0", absl::Seconds(10)});
+  ASSERT_TRUE(c0.ok()) << c0.status();
+  absl::StatusOr<client::Group> g0 = absl::UnknownError("not run");
+  v1::GroupInfo g1;
+  std::thread join([&] { g0 = (*c0)->JoinGroup({"place", 2, 0, Members(), "auto", 10000}); });
+  const grpc::Status joined = raw.JoinGroup("place", 1, Members(), &g1);
+  join.join();
+  ASSERT_TRUE(g0.ok()) << g0.status();
+  ASSERT_TRUE(joined.ok()) << joined.error_message();
+
+  // Rank 1's one place: a RegisterBuffer that waits for a descriptor sent later. (A probe
+  // that took the place first refuses it at once; it is then sent again.)
+  auto unary = [&](auto call) {
+    grpc::ClientContext ctx;
+    raw.Prepare(&ctx);
+    return call(ctx);
+  };
+  std::atomic<bool> holder_done{false};
+  grpc::Status held;
+  std::thread holder;
+  auto hold = [&] {
+    holder_done = false;
+    holder = std::thread([&] {
+      held = unary([&](grpc::ClientContext& ctx) {
+        v1::RegisterBufferRequest req;
+        req.set_tag(7);
+        req.set_name("waits");
+        v1::BufferInfo info;
+        return raw.control->RegisterBuffer(&ctx, req, &info);
+      });
+      holder_done = true;
+    });
+  };
+  hold();
+  ASSERT_TRUE(Eventually([&] {
+    const grpc::Status probe = unary([&](grpc::ClientContext& ctx) {
+      v1::FreeBufferRequest req;
+      req.set_buffer_id(987654321);
+      v1::FreeBufferResponse resp;
+      return raw.control->FreeBuffer(&ctx, req, &resp);
+    });
+    if (probe.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) return true;
+    if (holder_done) {  // refused while the probe held the place
+      holder.join();
+      hold();
+    }
+    return false;
+  }));
+
+  absl::StatusOr<std::unique_ptr<client::Session>> s0 = absl::UnknownError("not run");
+  std::thread create([&] { s0 = (*c0)->CreateSession(*g0, SmallSpec(4000)); });
+  v1::CreateSessionRequest req;
+  req.set_group_id(g1.group_id());
+  req.mutable_spec()->set_num_heads(4);
+  req.mutable_spec()->set_head_dim(8);
+  req.mutable_spec()->set_dtype(v1::DTYPE_FLOAT32);
+  req.mutable_spec()->set_max_tokens(16);
+  req.set_timeout_ms(4000);
+  v1::SessionInfo info;
+  const grpc::Status refused = unary([&](grpc::ClientContext& ctx) {
+    return raw.control->CreateSession(&ctx, req, &info);
+  });
+  create.join();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("limits.calls_in_progress_per_client"), std::string::npos)
+      << refused.error_message();
+  ASSERT_FALSE(s0.ok());
+  EXPECT_EQ(s0.status().code(), absl::StatusCode::kFailedPrecondition) << s0.status();
+  EXPECT_NE(s0.status().message().find("calls_in_progress_per_client"), std::string::npos)
+      << s0.status();
+
+  // The descriptor comes: the place is free, and the next session forms on both ranks.
+  absl::StatusOr<ipc::UniqueFd> memfd = ipc::CreateMemfd("late", 4096);
+  ASSERT_TRUE(memfd.ok());
+  ASSERT_TRUE(ipc::SealSize(memfd->get()).ok());
+  const int one[1] = {memfd->get()};
+  ASSERT_TRUE(ipc::SendMessage(raw.fd_socket.get(), ipc::EncodeFdFrame({7}), one).ok());
+  holder.join();
+  EXPECT_TRUE(held.ok()) << held.error_message();
+  std::thread again([&] { s0 = (*c0)->CreateSession(*g0, SmallSpec(4000)); });
+  const grpc::Status formed = unary([&](grpc::ClientContext& ctx) {
+    return raw.control->CreateSession(&ctx, req, &info);
+  });
+  again.join();
+  EXPECT_TRUE(formed.ok()) << formed.error_message();
+  EXPECT_TRUE(s0.ok()) << s0.status();
+}
 
 class PeerFaultTest : public GroupTest {
  protected:
