@@ -145,27 +145,31 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
   Header(out, "ulyssesd_limit_refusals_total", "counter", "Requests refused by a limit.");
   for (const GaugeSnapshot::LimitGauge& l : g.limits)
     out += StrCat("ulyssesd_limit_refusals_total{limit=\"", l.name, "\"} ", l.refusals, "\n");
-  Header(out, "ulyssesd_uid_clients", "gauge", "Bound clients per uid.");
-  for (const GaugeSnapshot::UidGauge& u : g.uids)
-    out += StrCat("ulyssesd_uid_clients{uid=\"", u.uid, "\"} ", u.clients, "\n");
-  Header(out, "ulyssesd_uid_buffer_bytes", "gauge", "Bytes of the buffers the clients of a uid hold.");
-  for (const GaugeSnapshot::UidGauge& u : g.uids)
-    out += StrCat("ulyssesd_uid_buffer_bytes{uid=\"", u.uid, "\"} ", u.buffer_bytes, "\n");
-  Header(out, "ulyssesd_uid_buffers", "gauge", "Buffers the clients of a uid hold.");
-  for (const GaugeSnapshot::UidGauge& u : g.uids)
-    out += StrCat("ulyssesd_uid_buffers{uid=\"", u.uid, "\"} ", u.buffers, "\n");
-  Header(out, "ulyssesd_uid_sessions", "gauge",
-         "Sessions the clients of a uid have open or are creating.");
-  for (const GaugeSnapshot::UidGauge& u : g.uids)
-    out += StrCat("ulyssesd_uid_sessions{uid=\"", u.uid, "\"} ", u.sessions, "\n");
-  Header(out, "ulyssesd_uid_connections", "gauge",
-         "Connections of a uid to the control socket.");
-  for (const GaugeSnapshot::UidGauge& u : g.uids)
-    out += StrCat("ulyssesd_uid_connections{uid=\"", u.uid, "\"} ", u.connections, "\n");
-  Header(out, "ulyssesd_uid_pending_fds", "gauge",
-         "Descriptors the clients of a uid sent and no RegisterBuffer claimed yet.");
-  for (const GaugeSnapshot::UidGauge& u : g.uids)
-    out += StrCat("ulyssesd_uid_pending_fds{uid=\"", u.uid, "\"} ", u.pending_fds, "\n");
+  // What each uid holds, one gauge per kind.
+  using Uid = GaugeSnapshot::UidGauge;
+  const struct {
+    const char* name;
+    const char* help;
+    int64_t (*value)(const Uid&);
+  } per_uid[] = {
+      {"ulyssesd_uid_clients", "Bound clients per uid.", [](const Uid& u) { return u.clients; }},
+      {"ulyssesd_uid_buffer_bytes", "Bytes of the buffers the clients of a uid hold.",
+       [](const Uid& u) { return static_cast<int64_t>(u.buffer_bytes); }},
+      {"ulyssesd_uid_buffers", "Buffers the clients of a uid hold.",
+       [](const Uid& u) -> int64_t { return u.buffers; }},
+      {"ulyssesd_uid_sessions", "Sessions the clients of a uid have open or are creating.",
+       [](const Uid& u) -> int64_t { return u.sessions; }},
+      {"ulyssesd_uid_connections", "Connections of a uid to the control socket.",
+       [](const Uid& u) -> int64_t { return u.connections; }},
+      {"ulyssesd_uid_pending_fds",
+       "Descriptors the clients of a uid sent and no RegisterBuffer claimed yet.",
+       [](const Uid& u) -> int64_t { return u.pending_fds; }},
+  };
+  for (const auto& gauge : per_uid) {
+    Header(out, gauge.name, "gauge", gauge.help);
+    for (const Uid& u : g.uids)
+      out += StrCat(gauge.name, "{uid=\"", u.uid, "\"} ", gauge.value(u), "\n");
+  }
   Single(out, "ulyssesd_mps_enabled", "gauge",
          "1 when the daemon and its clients share the GPU through MPS.",
          g.mps ? 1 : 0);

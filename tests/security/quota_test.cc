@@ -80,6 +80,20 @@ class QuotaTest : public DaemonTest {
     return done ? exited : 80;
   }
 
+  // As root: a client of uid 65534 attaches and allocates a buffer (else nothing).
+  void ExpectAnotherUidServed() {
+    if (::geteuid() != 0) return;
+    pid_t child = -1;
+    const int exited = OtherUidClient("buffer", &child);
+    if (child > 0) {
+      ::kill(child, SIGKILL);
+      ::waitpid(child, nullptr, 0);
+    }
+    if (exited != 77) {
+      EXPECT_EQ(exited, -1) << "the other uid's client exited with " << exited;
+    }
+  }
+
   std::unique_ptr<client::Client> Connect(const std::string& name) {
     auto c = client::Client::Connect({daemon_.socket(), name, absl::Seconds(10)});
     EXPECT_TRUE(c.ok()) << c.status();
@@ -382,17 +396,7 @@ TEST_F(QuotaTest, RequestsInProgressPerUidAreBounded) {
       << refused.error_message();
   EXPECT_EQ(Metrics().find("ulyssesd_limit_refusals_total{limit=\"calls_in_progress_per_uid\"} 0"),
             std::string::npos);
-  if (::geteuid() == 0) {  // another uid attaches and allocates a buffer meanwhile
-    pid_t child = -1;
-    const int exited = OtherUidClient("buffer", &child);
-    if (child > 0) {
-      ::kill(child, SIGKILL);
-      ::waitpid(child, nullptr, 0);
-    }
-    if (exited != 77) {
-      EXPECT_EQ(exited, -1) << "the other uid's client exited with " << exited;
-    }
-  }
+  ExpectAnotherUidServed();
   absl::StatusOr<ipc::UniqueFd> memfd = ipc::CreateMemfd("late", 4096);
   ASSERT_TRUE(memfd.ok());
   ASSERT_TRUE(ipc::SealSize(memfd->get()).ok());
@@ -813,17 +817,7 @@ TEST_F(QuotaTest, ControlConnectionsArePerUidAndInAll) {
     grpc::ClientContext ctx;
     EXPECT_TRUE(op->GetState(&ctx, {}, &st).ok());
   }
-  if (::geteuid() == 0) {  // another uid attaches and allocates a buffer meanwhile
-    pid_t child = -1;
-    const int exited = OtherUidClient("buffer", &child);
-    if (child > 0) {
-      ::kill(child, SIGKILL);
-      ::waitpid(child, nullptr, 0);
-    }
-    if (exited != 77) {
-      EXPECT_EQ(exited, -1) << "the other uid's client exited with " << exited;
-    }
-  }
+  ExpectAnotherUidServed();
   // Bytes gRPC cannot take: it drops the connection, and its place is free again.
   const std::string junk = "GET / HTTP/1.1\r\n\r\n";
   ASSERT_EQ(::write(raw[0].get(), junk.data(), junk.size()), static_cast<ssize_t>(junk.size()));
