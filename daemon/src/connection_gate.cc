@@ -19,8 +19,21 @@ namespace {
 // (EMFILE: the pending connection stays queued).
 constexpr int kAcceptsPerRound = 64;
 constexpr int kAcceptBackoffMs = 100;
+// A refusal, or an accept that failed, is logged at most this often (a client decides how
+// often they happen; the refusals are counted in the metrics).
+constexpr absl::Duration kLogEvery = absl::Seconds(10);
 
 }  // namespace
+
+bool ConnectionGate::ShouldLog() {
+  const absl::Time now = absl::Now();
+  if (now - logged_ < kLogEvery) {
+    ++unlogged_;
+    return false;
+  }
+  logged_ = now;
+  return true;
+}
 
 absl::Status ConnectionGate::Start(ipc::UnixListener listener, grpc::Server* server, Admit admit,
                                    Ended ended) {
@@ -57,9 +70,11 @@ void ConnectionGate::AcceptBurst() {
   for (int k = 0; k < kAcceptsPerRound; ++k) {
     absl::StatusOr<ipc::UniqueFd> sock = listener_.TryAccept();
     if (!sock.ok()) {
-      if (sock.status().code() != absl::StatusCode::kCancelled)
-        log->warn("control socket: accept: {}; pausing accepts for {} ms",
-                  std::string(sock.status().message()), kAcceptBackoffMs);
+      if (sock.status().code() == absl::StatusCode::kCancelled) return;
+      if (ShouldLog())
+        log->warn("control socket: accept: {}; pausing accepts for {} ms ({} more since the "
+                  "last such line)", std::string(sock.status().message()), kAcceptBackoffMs,
+                  std::exchange(unlogged_, 0));
       ::poll(nullptr, 0, kAcceptBackoffMs);
       return;
     }
@@ -67,8 +82,10 @@ void ConnectionGate::AcceptBurst() {
     absl::StatusOr<ipc::PeerCred> cred = ipc::GetPeerCred(sock->get());
     if (!cred.ok()) continue;  // closed: whoever it was is gone
     if (absl::Status admitted = admit_(cred->uid); !admitted.ok()) {
-      log->warn("control socket: connection of uid {} (pid {}) refused: {}", cred->uid, cred->pid,
-                std::string(admitted.message()));
+      if (ShouldLog())
+        log->warn("control socket: connection of uid {} (pid {}) refused: {} ({} more since the "
+                  "last such line)", cred->uid, cred->pid, std::string(admitted.message()),
+                  std::exchange(unlogged_, 0));
       continue;
     }
     ipc::UniqueFd watch(::fcntl(sock->get(), F_DUPFD_CLOEXEC, 0));
@@ -94,7 +111,10 @@ void ConnectionGate::Loop() {
     fds.push_back({listener_.fd(), POLLIN, 0});
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (const Held& h : held_) fds.push_back({h.watch.get(), POLLRDHUP, 0});
+      // No event asked for: POLLHUP comes alone, once both directions are shut down (the
+      // client closed, or gRPC shut the connection down). POLLRDHUP would come at a client's
+      // shutdown(SHUT_WR) already, while gRPC may still hold the socket.
+      for (const Held& h : held_) fds.push_back({h.watch.get(), 0, 0});
     }
     const int n = ::poll(fds.data(), fds.size(), -1);
     if (n < 0) {

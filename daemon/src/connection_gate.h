@@ -5,9 +5,10 @@
 // its uid (SO_PEERCRED) before gRPC sees it, so that they can be bounded per uid and in all.
 //
 // Each admitted connection is handed to the server (grpc::AddInsecureChannelFromFd, which
-// takes a non-blocking socket) and a duplicate of it is kept, watched for the hang-up alone:
-// the client closing its end, or gRPC shutting the connection down (it shuts a socket down
-// both ways before it closes it), ends the connection's place.
+// takes a non-blocking socket) and a duplicate of it is kept, watched for the hang-up alone
+// (POLLHUP: both directions shut down): the client closing its end, or gRPC shutting the
+// connection down (it shuts a socket down both ways before it closes it), ends the
+// connection's place. A client that only shuts down its sending side keeps it.
 #pragma once
 
 #include <sys/types.h>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "ulysses/ipc/eventfd.h"
 #include "ulysses/ipc/fd.h"
@@ -56,6 +58,7 @@ class ConnectionGate {
   };
   void Loop();
   void AcceptBurst();
+  bool ShouldLog();  // rate limit of the gate's warnings (gate thread only)
 
   ipc::UnixListener listener_;
   grpc::Server* server_ = nullptr;
@@ -66,6 +69,8 @@ class ConnectionGate {
   std::atomic<bool> stopping_{false};
   mutable std::mutex mu_;  // guards held_ (read by size())
   std::vector<Held> held_;
+  absl::Time logged_ = absl::InfinitePast();  // gate thread only
+  uint64_t unlogged_ = 0;
 };
 
 }  // namespace ulysses::daemon

@@ -114,10 +114,15 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
   }
 };
 
-// A server of `services`, listening on `port` ("unix:PATH") unless it is empty.
+// A server of `services`, listening on `port` ("unix:PATH") unless it is empty. Where
+// `close_idle`, a connection without a call for 5 minutes is closed (its client reconnects at
+// its next call): one that never says anything gives its place back
+// (limits.connections_per_uid).
 absl::StatusOr<std::unique_ptr<grpc::Server>> BuildServer(
-    const std::string& port, const std::vector<grpc::Service*>& services, bool reflection) {
+    const std::string& port, const std::vector<grpc::Service*>& services, bool reflection,
+    bool close_idle = false) {
   grpc::ServerBuilder builder;
+  if (close_idle) builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 5 * 60 * 1000);
   int bound_port = 0;
   if (!port.empty())
     builder.AddListeningPort(port, grpc::InsecureServerCredentials(), &bound_port);
@@ -161,6 +166,8 @@ Daemon::~Daemon() {
   // ThreadSanitizer does not see it; taking the budget's lock once orders their last use before
   // this daemon's reference goes (the memory itself lives on while a session holds a part).
   std::lock_guard<std::mutex> lock(slot_budget_->mu);
+  // The same for the limits' book, which their requests' places used (RequestPlace).
+  std::lock_guard<std::mutex> quota(quotas_->mu);
 }
 
 absl::Status Daemon::Start() {
@@ -200,7 +207,7 @@ absl::Status Daemon::Start() {
   // The control socket's connections are accepted by the gate (connection_gate.h), which
   // bounds them per uid and in all before it hands them to the server.
   ULY_ASSIGN_OR_RETURN(server_, BuildServer("", {control_.get(), admin_.get(), peer_.get()},
-                                            /*reflection=*/false));
+                                            /*reflection=*/false, /*close_idle=*/true));
   ULY_ASSIGN_OR_RETURN(ipc::UnixListener control_listener,
                        ipc::UnixListener::Listen(config_.socket, 0660));
   ULY_RETURN_IF_ERROR(control_gate_.Start(
@@ -308,6 +315,9 @@ absl::Status Daemon::ChooseBackend() {
 
 void Daemon::Shutdown() {
   if (stopping_.exchange(true)) return;
+  // First, and also when the start failed after the gate began: no new connection, and every
+  // place given back while the limits' book is alive.
+  control_gate_.Stop();
   if (!started_ok_) return;
   if (server_) {
     server_->GetHealthCheckService()->SetServingStatus(false);
@@ -316,7 +326,6 @@ void Daemon::Shutdown() {
       std::lock_guard<std::mutex> lock(c->mu);
       for (auto& [id, s] : c->sessions) s->Abort(kAbortClosed);
     }
-    control_gate_.Stop();  // no new connection
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   }
   for (grpc::Server* other : {operator_server_.get(), node_server_.get()})

@@ -106,6 +106,9 @@ struct ClientRecord {
   std::atomic<uint64_t> calls{0};
   /// Control requests in progress (limits.calls_in_progress_per_client; RequestPlace).
   std::atomic<int32_t> requests_in_progress{0};
+  /// CreateSession requests refused a place that still arrive at the rendezvous (at most
+  /// limits.calls_in_progress_per_client).
+  std::atomic<int32_t> refused_arriving{0};
 
   std::mutex mu;  // guards everything below
   bool gone = false;  // reclaimed: nothing may be added any more

@@ -1,5 +1,7 @@
 #include "quotas.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "daemon.h"
@@ -209,10 +211,18 @@ void Daemon::UnchargePendingFdsLocked(ClientRecord& c, int32_t n) {
 
 absl::Status Daemon::AdmitConnection(uid_t uid) {
   const DaemonLimits& l = config_.limits;
+  // The last eighth of the places is kept for the daemon's own uid: its probes and tools
+  // (ulyssesctl status, health) connect whatever other uids hold.
+  const int32_t others = l.max_connections - std::max(1, l.max_connections / 8);
+  const int32_t bound = uid == ::geteuid() ? l.max_connections : others;
   std::lock_guard<std::mutex> lock(quotas_->mu);
-  if (quotas_->connections >= l.max_connections)
+  if (quotas_->connections >= bound)
     return RefuseOverLimit(Limit::kMaxConnections,
-                           StrCat(quotas_->connections, " connections are open already"));
+                           StrCat(quotas_->connections, " connections are open already",
+                                  bound < l.max_connections
+                                      ? StrCat("; the last ", l.max_connections - bound,
+                                               " are kept for the daemon's uid")
+                                      : ""));
   UidUsage& u = quotas_->uids[uid];
   if (u.connections >= l.connections_per_uid) {
     return RefuseOverLimit(Limit::kConnectionsPerUid,

@@ -370,11 +370,15 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   CreateSessionReactor(Daemon* d, grpc::CallbackServerContext* ctx,
                        const v1::CreateSessionRequest* req, v1::SessionInfo* resp)
       : d_(d), ctx_(ctx), req_(*req), resp_(resp) {
-    // The client first, on this thread: a caller that is no client costs no thread.
+    // The client and its place first, on this thread. A caller that is no client, or a client
+    // past its requests in progress, costs no thread: the latter's refusal makes nothing, so
+    // it arrives from here.
     absl::Status admitted = Admit();
+    if (admitted.ok() && !place_refused_.ok()) admitted = Prepare();
     if (!admitted.ok()) {
+      EndRefusedArrival();  // it never arrived
       Finish(ToGrpcStatus(admitted));
-    } else {
+    } else if (place_refused_.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       prepare_ = std::thread([this] {
         absl::Status s = Prepare();
@@ -414,19 +418,37 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   }
 
  private:
-  // Up to the rendezvous. An error before the group is known answers at once; every later one
-  // still arrives, with an error payload: every rank gets the same verdict at once, and every
-  // rank's session counter (the key) moves on.
   // The client, and its place among its requests in progress. A refused place is this rank's
   // verdict on the request (Prepare): the rank still arrives, so that every rank moves its
-  // group's session counter on together.
+  // group's session counter on together; but only so many refused requests of one client
+  // arrive at once (as many as it may have in progress), and the ones past those are refused
+  // outright, where they would hold a place in rank 0's table each until their timeout.
   absl::Status Admit() {
     ULY_ASSIGN_OR_RETURN(c_, d_->Authenticate(ctx_));
     absl::StatusOr<RequestPlace> place = RequestPlace::Take(d_, *c_);
-    if (place.ok()) place_.emplace(*std::move(place));
-    else place_refused_ = place.status();
+    if (place.ok()) {
+      place_.emplace(*std::move(place));
+      return absl::OkStatus();
+    }
+    place_refused_ = place.status();
+    if (c_->refused_arriving.fetch_add(1) >= d_->config().limits.calls_in_progress_per_client) {
+      c_->refused_arriving.fetch_sub(1);
+      return place_refused_;
+    }
+    refused_arriving_ = true;
     return absl::OkStatus();
   }
+
+  // A refused request that arrived stops counting once its verdict came (or it never
+  // arrived).
+  void EndRefusedArrival() {
+    if (refused_arriving_) c_->refused_arriving.fetch_sub(1);
+    refused_arriving_ = false;
+  }
+
+  // Up to the rendezvous. An error before the group is known answers at once; every later one
+  // still arrives, with an error payload: every rank gets the same verdict at once, and every
+  // rank's session counter (the key) moves on.
 
   absl::Status Prepare() {
     ClientRecord& c = *c_;
@@ -523,12 +545,19 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
     absl::StatusOr<std::shared_ptr<RendezvousCall>> call = d_->rendezvous_client().Start(
         g_->members[0], key_, g_->world_size, g_->rank, agreement_, payload, timeout_,
         [this](RendezvousTable::Verdict names) {
+          // A rank that made nothing has nothing to connect: its verdict is given here.
+          if (!local_.ok()) {
+            EndRefusedArrival();
+            Finish(ToGrpcStatus(Complete(std::move(names))));
+            return;
+          }
           std::lock_guard<std::mutex> lock(mu_);
           complete_ = std::thread([this, names = std::move(names)]() mutable {
             Finish(ToGrpcStatus(Complete(std::move(names))));
           });
         });
     if (!call.ok()) {
+      EndRefusedArrival();
       Finish(ToGrpcStatus(Complete(call.status())));
       return absl::OkStatus();
     }
@@ -671,6 +700,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   std::shared_ptr<ClientRecord> c_;  // Admit's
   std::optional<RequestPlace> place_;  // after c_, whose record it counts in
   absl::Status place_refused_;  // why no place was given (Admit)
+  bool refused_arriving_ = false;  // counted in c_->refused_arriving
   // Prepare's results, which Complete reads: written before the rendezvous starts.
   std::shared_ptr<Group> g_;
   absl::Status local_;  // this rank's own verdict on the request

@@ -187,6 +187,10 @@ absl::StatusOr<UnixListener> UnixListener::Listen(std::string path, mode_t mode)
 
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return LastError("socket() for ", path);
+  // Linux creates the file with the socket's own mode less the umask: set to `mode` first, the
+  // file is never seen with looser permissions, whatever the umask (the chmod below makes it
+  // exactly `mode`).
+  if (::fchmod(fd.get(), mode) != 0) return LastError("fchmod() of the socket for ", path);
   if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
     if (errno == EADDRINUSE) {
       return absl::AlreadyExistsError(

@@ -828,28 +828,44 @@ TEST_F(QuotaTest, ControlConnectionsArePerUidAndInAll) {
   EXPECT_TRUE(Eventually([&] { return connections() == 4; })) << Metrics();
 }
 
-// All uids together: the same, with the daemon-wide bound.
+// All uids together: the same, with the daemon-wide bound, of which the last eighth is kept
+// for the daemon's own uid (its probes and tools).
 TEST_F(QuotaTest, ControlConnectionsOfAllUidsAreBounded) {
-  StartWithLimits(R"({"max_connections": 4})");
-  const std::string own = StrCat("ulyssesd_uid_connections{uid=\"", ::getuid(), "\"} 1");
-  ASSERT_TRUE(Eventually([&] { return Metrics().find(own) != std::string::npos; })) << Metrics();
+  StartWithLimits(R"({"max_connections": 8})");
+  const std::string prefix = StrCat("ulyssesd_uid_connections{uid=\"", ::getuid(), "\"} ");
+  ASSERT_TRUE(Eventually([&] { return Metrics().find(prefix + "1") != std::string::npos; }))
+      << Metrics();
   std::vector<ipc::UniqueFd> raw;
   absl::Status refused;
   int kept = 1;  // the fixture's
-  for (int i = 0; i < 8 && refused.ok(); ++i) {
+  for (int i = 0; i < 12 && refused.ok(); ++i) {
     absl::StatusOr<ipc::UniqueFd> fd = ipc::ConnectUnix(daemon_.socket(), absl::Seconds(5));
     ASSERT_TRUE(fd.ok()) << fd.status();
     if (ClosedByDaemon(fd->get(), absl::Milliseconds(300))) {
       refused = absl::UnavailableError(StrCat("connection ", i));
     } else {
       ++kept;
+      raw.push_back(*std::move(fd));
     }
-    raw.push_back(*std::move(fd));
   }
-  EXPECT_EQ(kept, 4);
+  EXPECT_EQ(kept, 8);  // this process runs as the daemon's uid: every place is open to it
   EXPECT_NE(Metrics().find("ulyssesd_limit_refusals_total{limit=\"max_connections\"} 1"),
             std::string::npos) << Metrics();
   EXPECT_FALSE(NewConnectionServed(daemon_.socket(), absl::Seconds(2)));
+  if (::geteuid() == 0) {
+    // 7 held: another uid finds no place, the daemon's uid finds the last one.
+    raw.pop_back();
+    ASSERT_TRUE(Eventually([&] { return Metrics().find(prefix + "7") != std::string::npos; }))
+        << Metrics();
+    pid_t child = -1;
+    const int exited = OtherUidClient("attach", &child);
+    if (child > 0 && exited == -1) {
+      ::kill(child, SIGKILL);
+      ::waitpid(child, nullptr, 0);
+    }
+    if (exited != 77) EXPECT_NE(exited, -1) << "another uid connected past its bound";
+    EXPECT_TRUE(NewConnectionServed(daemon_.socket(), absl::Seconds(10)));
+  }
   raw.clear();
   EXPECT_TRUE(NewConnectionServed(daemon_.socket(), absl::Seconds(10)));
 }
