@@ -8,8 +8,8 @@
 #include <future>
 #include <memory>
 #include <optional>
-#include <utility>
 #include <thread>
+#include <utility>
 
 #include "daemon.h"
 #include "host_allocations.h"
