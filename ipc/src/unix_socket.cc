@@ -431,6 +431,9 @@ absl::StatusOr<bool> FrameReader::Read(int sock) {
     if (n > 0) {
       CollectFds(msg, frame_.fds);
       if ((msg.msg_flags & MSG_CTRUNC) != 0 || frame_.fds.size() > max_fds_) fds_truncated_ = true;
+      // A frame past its descriptors is dropped once complete; what it carries is closed as it
+      // comes, so that a sender who never completes it holds no more than one read's worth.
+      if (fds_truncated_) frame_.fds.clear();
       got_ += static_cast<size_t>(n);
       if (got_ == kFrameHeaderBytes) {
         std::memcpy(&length_, header_, sizeof(length_));

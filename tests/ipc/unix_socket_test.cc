@@ -17,6 +17,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "../util/fd_count.h"
 #include "test_util.h"
 #include "ulysses/ipc/shm.h"
 
@@ -584,6 +585,53 @@ TEST(FrameReaderTest, NeverReadsIntoTheNextFrameSoDescriptorsStayWithTheirFrame)
   ReceivedMessage second = reader.Take();
   EXPECT_EQ(second.payload, "second");
   EXPECT_EQ(second.fds.size(), 1u);
+}
+
+// A frame whose bytes come one at a time, each carrying descriptors past max_fds, and which
+// never completes: the reader closes them as they come instead of holding them all (a sender
+// could otherwise fill the receiver's descriptor table with one frame).
+TEST(FrameReaderTest, DescriptorsPastTheBoundAreClosedBeforeTheFrameCompletes) {
+  auto [a, b] = NonBlockingPair();
+  auto fd = CreateMemfd("many", 4096);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  const uint32_t length = 64;
+  ASSERT_EQ(::write(a.get(), &length, sizeof(length)), 4);
+  FrameReader reader(/*max_payload=*/4096, /*max_fds=*/1);
+  auto send_byte_with_fds = [&](int n) {
+    char byte = 'x';
+    iovec iov{&byte, 1};
+    alignas(cmsghdr) char control[CMSG_SPACE(8 * sizeof(int))] = {};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(n * sizeof(int));
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(n * sizeof(int));
+    const int raw = fd->get();
+    for (int i = 0; i < n; ++i) std::memcpy(CMSG_DATA(c) + i * sizeof(int), &raw, sizeof(int));
+    return ::sendmsg(a.get(), &msg, 0) == 1;
+  };
+  const int before = CountFdsButPipes(::getpid());
+  for (int i = 0; i < 40; ++i) {
+    ASSERT_TRUE(send_byte_with_fds(8));
+    auto got = reader.Read(b.get());
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_FALSE(*got);
+  }
+  // 320 descriptors came; at most one read's worth stays (the control space of max_fds).
+  EXPECT_LE(CountFdsButPipes(::getpid()), before + 1);
+  // The frame completes and is dropped; the stream stays in step.
+  ASSERT_EQ(::write(a.get(), std::string(24, 'y').data(), 24), 24);
+  EXPECT_EQ(reader.Read(b.get()).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(SendMessage(a.get(), "next").ok());
+  auto next = reader.Read(b.get());
+  ASSERT_TRUE(next.ok()) << next.status();
+  ASSERT_TRUE(*next);
+  EXPECT_EQ(reader.Take().payload, "next");
+  EXPECT_EQ(CountFdsButPipes(::getpid()), before);
 }
 
 TEST(FrameReaderTest, OversizedFrameIsAnErrorEveryTime) {
