@@ -117,12 +117,17 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
 // A server of `services`, listening on `port` ("unix:PATH") unless it is empty. Where
 // `close_idle`, a connection without a call for 5 minutes is closed (its client reconnects at
 // its next call): one that never says anything gives its place back
-// (limits.connections_per_uid).
+// (limits.connections_per_uid); and a connection carries at most 1024 calls at once.
 absl::StatusOr<std::unique_ptr<grpc::Server>> BuildServer(
     const std::string& port, const std::vector<grpc::Service*>& services, bool reflection,
     bool close_idle = false) {
   grpc::ServerBuilder builder;
-  if (close_idle) builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 5 * 60 * 1000);
+  if (close_idle) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 5 * 60 * 1000);
+    // And calls at once on one connection: each stream holds memory of the server's (a
+    // client's own calls are bounded apart, limits.calls_in_progress_per_client).
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 1024);
+  }
   int bound_port = 0;
   if (!port.empty())
     builder.AddListeningPort(port, grpc::InsecureServerCredentials(), &bound_port);
@@ -450,10 +455,13 @@ GaugeSnapshot Daemon::Gauges() {
   auto clients = Clients();
   g.clients = static_cast<int64_t>(clients.size());
   for (auto& c : clients) {
-    std::lock_guard<std::mutex> lock(c->mu);
-    g.sessions += static_cast<int64_t>(c->sessions.size());
-    for (auto& [id, s] : c->sessions)
+    // The slots are read with the client's lock let go: a session's slot lock can be held
+    // for as long as a poison fill of its slots takes, and the fd thread takes every client's
+    // lock at each round.
+    for (const auto& s : c->SessionsNow()) {
+      ++g.sessions;
       for (const Session::SlotView& v : s->Slots()) ++g.slots_by_state[static_cast<int>(v.state)];
+    }
   }
   g.active_calls = active_calls_.load();
   g.draining = draining_.load();
@@ -474,7 +482,7 @@ GaugeSnapshot Daemon::Gauges() {
   }
   g.sessions_undrained = Session::UndrainedCount();
   g.worker_stalls = worker_stalls_.load();
-  const ProcessUse use = ReadProcessUse();
+  const ProcessUse use = headroom_.Use();
   g.open_fds = use.descriptors;
   g.max_fds = use.descriptor_limit;
   g.mappings = use.mappings;
@@ -502,13 +510,22 @@ absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::st
   c->token = RandomToken();
   c->name = name;
   c->since = absl::Now();
+  // Attach needs no proof, so this bounds what anyone who reaches the socket can hold; clients
+  // that never bind leave after timeouts.bind_ms. Checked first (cheap), then the headroom
+  // (which lists the daemon's descriptors), then again when the client is added.
+  auto refuse_if_full = [&]() -> absl::Status {
+    if (clients_.size() >= static_cast<size_t>(config_.limits.max_clients))
+      return RefuseOverLimit(Limit::kMaxClients,
+                             StrCat(clients_.size(), " clients are attached already"));
+    return absl::OkStatus();
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ULY_RETURN_IF_ERROR(refuse_if_full());
+  }
   ULY_RETURN_IF_ERROR(headroom_.Check("Attach"));
   std::lock_guard<std::mutex> lock(mu_);
-  // Attach needs no proof, so this bounds what anyone who reaches the socket can hold; clients
-  // that never bind leave after timeouts.bind_ms.
-  if (clients_.size() >= static_cast<size_t>(config_.limits.max_clients))
-    return RefuseOverLimit(Limit::kMaxClients,
-                           StrCat(clients_.size(), " clients are attached already"));
+  ULY_RETURN_IF_ERROR(refuse_if_full());
   clients_[c->id] = c;
   return c;
 }

@@ -135,6 +135,16 @@ struct ClientRecord {
   // Rows of the segment's release words handed out so far; rows are never reused, so a late
   // write for a closed session cannot release a slot of a newer one.
   int32_t release_rows_used = 0;
+
+  /// The sessions open now, in id order, for a reader that must not hold `mu` while it looks
+  /// into them (takes `mu` for the copy).
+  std::vector<std::shared_ptr<Session>> SessionsNow() {
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<std::shared_ptr<Session>> out;
+    out.reserve(sessions.size());
+    for (const auto& [id, s] : sessions) out.push_back(s);
+    return out;
+  }
 };
 
 /// A fused session's weights resolved against its owner's buffers: the pointers the kernels
@@ -226,9 +236,11 @@ class Daemon {
   /// Counts one more Control request in progress for the uid of the bound client `c`
   /// (limits.calls_in_progress_per_uid): true when counted, false for a client not bound yet
   /// (nothing counted), RESOURCE_EXHAUSTED when its uid has that many in progress. A counted
-  /// request ends with LeaveUidRequest(c.uid).
-  absl::StatusOr<bool> EnterUidRequest(ClientRecord& c);
-  void LeaveUidRequest(uid_t uid);
+  /// request ends with LeaveUidRequest(c.uid). With `refused_arrival`, the same for a
+  /// CreateSession refused its place that still arrives at its rendezvous (counted apart,
+  /// against the same limit).
+  absl::StatusOr<bool> EnterUidRequest(ClientRecord& c, bool refused_arrival = false);
+  void LeaveUidRequest(uid_t uid, bool refused_arrival = false);
   /// A rank of group instance `g` left it (`why`): its session rendezvous fail at once for
   /// every rank, at rank 0's table (RendezvousClient::EndGroup; asynchronous, a failure is
   /// logged). Nothing for a group of one.
@@ -395,9 +407,10 @@ class Daemon {
     int32_t sessions = 0;  // open or being created (limits.sessions_per_uid)
     int32_t connections = 0;  // on the control socket (limits.connections_per_uid)
     int32_t pending_fds = 0;  // sent and not claimed (limits.pending_fds_per_uid)
+    int32_t refused_arriving = 0;  // CreateSession refused a place, arriving all the same
     bool Unused() const {
       return clients == 0 && buffer_bytes == 0 && buffers == 0 && requests == 0 &&
-             sessions == 0 && connections == 0 && pending_fds == 0;
+             sessions == 0 && connections == 0 && pending_fds == 0 && refused_arriving == 0;
     }
   };
   // What clients hold against the limits, per uid and all together. A session's charge

@@ -91,9 +91,13 @@ absl::Status CheckHeadroom(const ProcessUse& use, std::string_view what) {
   return absl::OkStatus();
 }
 
-absl::Status HeadroomGuard::Check(std::string_view what) {
+ProcessUse HeadroomGuard::Use() {
   const absl::Time now = absl::Now();
   std::lock_guard<std::mutex> lock(mu_);
+  return UseLocked(now);
+}
+
+ProcessUse HeadroomGuard::UseLocked(absl::Time now) {
   const bool read_mappings = now - mappings_read_ >= absl::Milliseconds(100);
   ProcessUse use = ReadProcessUse(read_mappings);
   if (read_mappings) {
@@ -104,7 +108,12 @@ absl::Status HeadroomGuard::Check(std::string_view what) {
     use.mappings = mappings_;
     use.mapping_limit = mapping_limit_;
   }
-  absl::Status s = CheckHeadroom(use, what);
+  return use;
+}
+
+absl::Status HeadroomGuard::Check(std::string_view what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::Status s = CheckHeadroom(UseLocked(absl::Now()), what);
   if (!s.ok()) refusals_.fetch_add(1, std::memory_order_relaxed);
   if (!s.ok() && !refusing_)
     Logger("main")->warn("{}; refusing new clients and sessions until more is free (logged once)",

@@ -46,9 +46,14 @@ absl::Status CheckHeadroom(const ProcessUse& use, std::string_view what);
 class HeadroomGuard {
  public:
   absl::Status Check(std::string_view what);
+  /// What Check reads: the descriptors now, the mappings as read at most 100 ms ago (for the
+  /// metrics, which anyone who reaches the Admin socket may ask for).
+  ProcessUse Use();
   uint64_t refusals() const { return refusals_.load(std::memory_order_relaxed); }
 
  private:
+  ProcessUse UseLocked(absl::Time now);
+
   std::mutex mu_;
   absl::Time mappings_read_ = absl::InfinitePast();
   int64_t mappings_ = -1, mapping_limit_ = -1;

@@ -111,29 +111,36 @@ void Daemon::UnchargeBuffer(ClientRecord& c, uint64_t bytes) {
   if (it->second.Unused()) quotas_->uids.erase(it);
 }
 
-absl::StatusOr<bool> Daemon::EnterUidRequest(ClientRecord& c) {
+absl::StatusOr<bool> Daemon::EnterUidRequest(ClientRecord& c, bool refused_arrival) {
   uid_t uid = 0;
   {
     std::lock_guard<std::mutex> lock(c.mu);
     if (!c.counted_in_uid) return false;  // not bound yet: its uid is not known
     uid = c.uid;
   }
+  int32_t UidUsage::*const count =
+      refused_arrival ? &UidUsage::refused_arriving : &UidUsage::requests;
   std::lock_guard<std::mutex> lock(quotas_->mu);
   UidUsage& u = quotas_->uids[uid];
-  if (u.requests >= config_.limits.calls_in_progress_per_uid) {
+  if (u.*count >= config_.limits.calls_in_progress_per_uid) {
+    const int32_t held = u.*count;
     if (u.Unused()) quotas_->uids.erase(uid);
     return RefuseOverLimit(Limit::kCallsInProgressPerUid,
-                           StrCat("uid ", uid, " has ", u.requests, " requests in progress already"));
+                           StrCat("uid ", uid, " has ", held,
+                                  refused_arrival ? " refused requests still arriving"
+                                                  : " requests in progress already"));
   }
-  ++u.requests;
+  ++(u.*count);
   return true;
 }
 
-void Daemon::LeaveUidRequest(uid_t uid) {
+void Daemon::LeaveUidRequest(uid_t uid, bool refused_arrival) {
+  int32_t UidUsage::*const count =
+      refused_arrival ? &UidUsage::refused_arriving : &UidUsage::requests;
   std::lock_guard<std::mutex> lock(quotas_->mu);
   auto it = quotas_->uids.find(uid);
   if (it == quotas_->uids.end()) return;
-  if (it->second.requests > 0) --it->second.requests;
+  if (it->second.*count > 0) --(it->second.*count);
   if (it->second.Unused()) quotas_->uids.erase(it);
 }
 

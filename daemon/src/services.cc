@@ -122,17 +122,25 @@ class WatchReactor final : public grpc::ServerBidiReactor<v1::WatchRequest, v1::
       return;
     }
     c_ = std::move(*c);
-    bool gone = false;
+    bool gone = false, second = false;
     {
       // Reclaim cancels the stream, so a client reclaimed for another reason (it never bound
       // its fd socket, say) does not keep it open; one reclaimed already has nothing to watch.
+      // One stream per client: Reclaim cancels that one, and a second would keep the client's
+      // record (its rings and descriptors) alive past its reclaim.
       std::lock_guard<std::mutex> lock(c_->mu);
       gone = c_->gone;
-      if (!gone) c_->watch = ctx;
+      second = !gone && c_->watch != nullptr;
+      if (!gone && !second) c_->watch = ctx;
     }
     HappensBefore(this);
-    if (gone) {
-      Finish(grpc::Status::OK);
+    if (gone || second) {
+      const grpc::Status s =
+          second ? grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                                StrCat("client ", c_->id, " has its liveness stream open already"))
+                 : grpc::Status::OK;
+      c_.reset();  // OnReadDone never runs: nothing else needs the record
+      Finish(s);
       return;
     }
     StartRead(&req_);
@@ -220,7 +228,7 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
     absl::Status started = c.ok() ? Start(std::move(*c)) : c.status();
     if (!started.ok()) {
       EndJoin();
-      Finish(ToGrpcStatus(started));
+      Done(ToGrpcStatus(started));
     }
     HappensBefore(this);
   }
@@ -283,7 +291,7 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
                                         const absl::Status s = Complete(std::move(payloads));
                                         EndJoin();
                                         HappensBefore(this);
-                                        Finish(ToGrpcStatus(s));
+                                        Done(ToGrpcStatus(s));
                                       }));
     std::lock_guard<std::mutex> lock(mu_);
     call_ = std::move(call);
@@ -350,6 +358,12 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
     std::lock_guard<std::mutex> lock(c_->mu);
     EndJoinLocked();
   }
+  // Finishes the request, its place among the client's requests given back first: the
+  // client may send its next request as soon as it has this one's answer.
+  void Done(const grpc::Status& s) {
+    place_.reset();
+    Finish(s);
+  }
 
   Daemon* d_;
   const v1::JoinGroupRequest& req_;
@@ -377,12 +391,12 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
     if (admitted.ok() && !place_refused_.ok()) admitted = Prepare();
     if (!admitted.ok()) {
       EndRefusedArrival();  // it never arrived
-      Finish(ToGrpcStatus(admitted));
+      Done(ToGrpcStatus(admitted));
     } else if (place_refused_.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       prepare_ = std::thread([this] {
         absl::Status s = Prepare();
-        if (!s.ok()) Finish(ToGrpcStatus(s));
+        if (!s.ok()) Done(ToGrpcStatus(s));
       });
     }
     HappensBefore(this);
@@ -435,14 +449,30 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
       c_->refused_arriving.fetch_sub(1);
       return place_refused_;
     }
+    // And as many of its uid's (limits.calls_in_progress_per_uid).
+    absl::StatusOr<bool> uid_counted = d_->EnterUidRequest(*c_, /*refused_arrival=*/true);
+    if (!uid_counted.ok()) {
+      c_->refused_arriving.fetch_sub(1);
+      return place_refused_;
+    }
     refused_arriving_ = true;
+    refused_counted_in_uid_ = *uid_counted;
     return absl::OkStatus();
+  }
+
+  // Finishes the request, its place among the client's requests given back first: the
+  // client may send its next request as soon as it has this one's answer.
+  void Done(const grpc::Status& s) {
+    place_.reset();
+    Finish(s);
   }
 
   // A refused request that arrived stops counting once its verdict came (or it never
   // arrived).
   void EndRefusedArrival() {
-    if (refused_arriving_) c_->refused_arriving.fetch_sub(1);
+    if (!refused_arriving_) return;
+    c_->refused_arriving.fetch_sub(1);
+    if (refused_counted_in_uid_) d_->LeaveUidRequest(c_->uid, /*refused_arrival=*/true);
     refused_arriving_ = false;
   }
 
@@ -548,17 +578,17 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
           // A rank that made nothing has nothing to connect: its verdict is given here.
           if (!local_.ok()) {
             EndRefusedArrival();
-            Finish(ToGrpcStatus(Complete(std::move(names))));
+            Done(ToGrpcStatus(Complete(std::move(names))));
             return;
           }
           std::lock_guard<std::mutex> lock(mu_);
           complete_ = std::thread([this, names = std::move(names)]() mutable {
-            Finish(ToGrpcStatus(Complete(std::move(names))));
+            Done(ToGrpcStatus(Complete(std::move(names))));
           });
         });
     if (!call.ok()) {
       EndRefusedArrival();
-      Finish(ToGrpcStatus(Complete(call.status())));
+      Done(ToGrpcStatus(Complete(call.status())));
       return absl::OkStatus();
     }
     Track(*call);
@@ -701,6 +731,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   std::optional<RequestPlace> place_;  // after c_, whose record it counts in
   absl::Status place_refused_;  // why no place was given (Admit)
   bool refused_arriving_ = false;  // counted in c_->refused_arriving
+  bool refused_counted_in_uid_ = false;  // and in its uid's
   // Prepare's results, which Complete reads: written before the rendezvous starts.
   std::shared_ptr<Group> g_;
   absl::Status local_;  // this rank's own verdict on the request
@@ -769,9 +800,11 @@ class ControlService final
                               v1::BufferInfo* resp) override {
     return AsClient(ctx, [&](ClientRecord& c) -> absl::Status {
       ULY_RETURN_IF_ERROR(CheckRegisterRequest(*req));
-      ULY_RETURN_IF_ERROR(DoRegister(c, *req, resp));
-      // The size is known only once the descriptor arrived: a buffer over a limit is dropped
-      // again (the memory is the client's; the daemon had only mapped it).
+      bool charged_already = false;
+      ULY_RETURN_IF_ERROR(DoRegister(c, *req, resp, &charged_already));
+      if (charged_already) return absl::OkStatus();
+      // The size of a device buffer is known only once it is open: one over a limit is
+      // dropped again (the memory is the client's; the daemon had only mapped it).
       absl::Status charged = d_->ChargeBuffer(c, resp->size_bytes());
       if (!charged.ok()) {
         std::lock_guard<std::mutex> lock(c.mu);
@@ -960,8 +993,9 @@ class ControlService final
     return b;
   }
 
+  // Sets *charged when it charged the buffer itself (a memfd: before it is mapped).
   absl::Status DoRegister(ClientRecord& c, const v1::RegisterBufferRequest& req,
-                          v1::BufferInfo* resp) {
+                          v1::BufferInfo* resp, bool* charged) {
     auto b = std::make_shared<Buffer>();
     if (req.vmm_mappings_size() > 0) {
       ULY_ASSIGN_OR_RETURN(b, ImportVmm(c, req));
@@ -975,10 +1009,22 @@ class ControlService final
       ULY_RETURN_IF_ERROR(ipc::CheckSealedShmem(fd.get()));
       ULY_ASSIGN_OR_RETURN(size_t size, ipc::FdSize(fd.get()));
       if (size == 0) return absl::InvalidArgumentError("fd: the buffer is empty");
+      if (size > kMaxBufferBytes)
+        return absl::InvalidArgumentError(
+            StrCat("fd: the buffer's ", size, " bytes exceed ", kMaxBufferBytes));
       b->size = size;
+      // Charged before it is mapped: a memfd of any size would take the daemon's address
+      // space for as long as its mapping lasted.
+      ULY_RETURN_IF_ERROR(d_->ChargeBuffer(c, size));
       // The mapping keeps the memory; the descriptor closes here, so that registrations hold
       // no descriptor of the daemon's each.
-      ULY_ASSIGN_OR_RETURN(ipc::Mapping m, ipc::Mapping::Map(fd.get(), size, /*writable=*/true));
+      absl::StatusOr<ipc::Mapping> mapped = ipc::Mapping::Map(fd.get(), size, /*writable=*/true);
+      if (!mapped.ok()) {
+        d_->UnchargeBuffer(c, size);
+        return mapped.status();
+      }
+      *charged = true;
+      ipc::Mapping m = *std::move(mapped);
       auto mapping = std::make_shared<ipc::Mapping>(std::move(m));
       b->data = mapping->data();
       b->keep = mapping;
@@ -1152,11 +1198,10 @@ class AdminService final : public v1::Admin::Service {
     if (!place.admitted()) return place.refusal();
     const absl::Time now = absl::Now();
     for (auto& c : d_->Clients()) {
-      std::lock_guard<std::mutex> lock(c->mu);
-      for (auto& [id, s] : c->sessions) {
+      for (const auto& s : c->SessionsNow()) {  // without the client's lock (Daemon::Gauges)
         for (const Session::SlotView& v : s->Slots()) {
           v1::SlotState* st = resp->add_slots();
-          st->set_session_id(id);
+          st->set_session_id(s->id());
           st->set_slot(v.slot);
           st->set_state(Session::SlotStateName(v.state));
           st->set_owner_client_id(c->id);

@@ -870,6 +870,65 @@ TEST_F(QuotaTest, ControlConnectionsOfAllUidsAreBounded) {
   EXPECT_TRUE(NewConnectionServed(daemon_.socket(), absl::Seconds(10)));
 }
 
+// One liveness stream per client: a second one is refused, so that a client's record (its rings
+// and their descriptors) cannot outlive its reclaim on a stream Reclaim does not cancel.
+TEST_F(QuotaTest, AClientHasOneLivenessStream) {
+  StartWithLimits("{}");
+  ASSERT_EQ(NumClients(), 0);  // this fixture's connection is made (two descriptors of its own)
+  const int baseline = CountFds(daemon_.pid());
+  for (int lap = 0; lap < 3; ++lap) {
+    absl::StatusOr<Attached> a = Attach();
+    ASSERT_TRUE(a.ok()) << a.status();
+    absl::StatusOr<ipc::UniqueFd> sock = Bind(*a);
+    ASSERT_TRUE(sock.ok()) << sock.status();
+    grpc::ClientContext first_ctx, second_ctx;
+    Authenticate(&first_ctx, *a);
+    Authenticate(&second_ctx, *a);
+    auto first = control_->Watch(&first_ctx);
+    auto second = control_->Watch(&second_ctx);
+    second->WritesDone();
+    const grpc::Status refused = second->Finish();
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::ALREADY_EXISTS) << refused.error_message();
+    // Detach: the first stream ends with the client, and nothing of it stays.
+    {
+      grpc::ClientContext ctx;
+      Authenticate(&ctx, *a);
+      v1::DetachResponse resp;
+      ASSERT_TRUE(control_->Detach(&ctx, {}, &resp).ok());
+    }
+    v1::WatchEvent ev;
+    while (first->Read(&ev)) {
+    }
+    (void)first->Finish();  // cancelled by the reclaim
+  }
+  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) <= baseline; }))
+      << CountFds(daemon_.pid()) << " descriptors, " << baseline << " before\n"
+      << DescribeFds(daemon_.pid());
+}
+
+// A registered memfd is sized and charged before the daemon maps it: one past the client's
+// bytes, or past 1 TiB (sparse memfds cost their owner nothing), is refused unmapped.
+TEST_F(QuotaTest, ARegisteredMemfdIsCheckedBeforeItIsMapped) {
+  StartWithLimits(R"({"buffer_bytes_per_client": 1048576})");
+  auto a = Connect("a");
+  ASSERT_NE(a, nullptr);
+  auto sparse = [](uint64_t bytes) {
+    absl::StatusOr<ipc::UniqueFd> fd = ipc::CreateMemfd("sparse", 4096);
+    EXPECT_TRUE(fd.ok());
+    EXPECT_EQ(::ftruncate(fd->get(), static_cast<off_t>(bytes)), 0);
+    EXPECT_TRUE(ipc::SealSize(fd->get()).ok());
+    return *std::move(fd);
+  };
+  ipc::UniqueFd huge = sparse(2ull << 40);
+  absl::StatusOr<client::Buffer> refused = a->RegisterBuffer(huge.get(), "huge");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("exceed"), std::string::npos) << refused.status();
+  ipc::UniqueFd big = sparse(1ull << 30);
+  ExpectExhausted(a->RegisterBuffer(big.get(), "big").status(), "buffer_bytes_per_client");
+  ipc::UniqueFd fits = sparse(1ull << 20);
+  EXPECT_TRUE(a->RegisterBuffer(fits.get(), "fits").ok());
+}
+
 }  // namespace
 }  // namespace ulysses::security
 
