@@ -13,6 +13,7 @@
 #include <string>
 
 #include "absl/time/clock.h"
+#include "../util/peer_close.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "ulysses/ipc/unix_socket.h"
@@ -28,18 +29,6 @@ bool Eventually(const std::function<bool()>& f) {
     absl::SleepFor(absl::Milliseconds(5));
   }
   return f();
-}
-
-// Whether the peer closed `fd` within `wait`, reading past what it sent (gRPC's settings).
-bool Closed(int fd, absl::Duration wait) {
-  const absl::Time until = absl::Now() + wait;
-  char buf[256];
-  for (;;) {
-    const int ms = static_cast<int>(absl::ToInt64Milliseconds(until - absl::Now()));
-    pollfd p{fd, POLLIN, 0};
-    if (ms <= 0 || ::poll(&p, 1, ms) != 1) return false;
-    if (::read(fd, buf, sizeof buf) <= 0) return true;
-  }
 }
 
 class ConnectionGateTest : public ::testing::Test {
@@ -110,11 +99,11 @@ TEST_F(ConnectionGateTest, AdmittedConnectionsAreServedAndTheRestClosed) {
   EXPECT_EQ(admitted(::geteuid()), 1);  // its uid, from the socket
   absl::StatusOr<ipc::UniqueFd> second = ipc::ConnectUnix(path_, absl::Seconds(5));
   ASSERT_TRUE(second.ok());
-  EXPECT_FALSE(Closed(second->get(), absl::Milliseconds(300)));
+  EXPECT_FALSE(ClosedByPeer(second->get(), absl::Milliseconds(300)));
   EXPECT_EQ(held(), 2);
   absl::StatusOr<ipc::UniqueFd> third = ipc::ConnectUnix(path_, absl::Seconds(5));
   ASSERT_TRUE(third.ok());
-  EXPECT_TRUE(Closed(third->get(), absl::Seconds(10)));
+  EXPECT_TRUE(ClosedByPeer(third->get(), absl::Seconds(10)));
   EXPECT_EQ(gate_.size(), 2u);
   // The second hangs up: its place comes back, once.
   second->reset();

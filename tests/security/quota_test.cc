@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "../util/peer_close.h"
 #include "hostile_client.h"
 #include "ulysses/common/sockets.h"
 #include "ulysses/client/client.h"
@@ -92,6 +93,22 @@ class QuotaTest : public DaemonTest {
     if (exited != 77) {
       EXPECT_EQ(exited, -1) << "the other uid's client exited with " << exited;
     }
+  }
+
+  // A one-rank group of `c` on this daemon.
+  absl::StatusOr<client::Group> Solo(client::Client& c, const std::string& name) {
+    return c.JoinGroup({name, 1, 0, {daemon_.socket()}, "auto", 10000});
+  }
+
+  // The smallest session: one head of 4 floats, 4 tokens, one slot.
+  static client::SessionSpec TinySpec() {
+    client::SessionSpec spec;
+    spec.num_heads = 1;
+    spec.head_dim = 4;
+    spec.dtype = DType::kFloat32;
+    spec.max_tokens = 4;
+    spec.num_slots = 1;
+    return spec;
   }
 
   std::unique_ptr<client::Client> Connect(const std::string& name) {
@@ -476,17 +493,9 @@ TEST_F(QuotaTest, SessionsArePerClientPerUidAndInAll) {
   auto b = Connect("b");
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
-  auto solo = [&](client::Client& c, const std::string& name) {
-    return c.JoinGroup({name, 1, 0, {daemon_.socket()}, "auto", 10000});
-  };
-  absl::StatusOr<client::Group> ga = solo(*a, "a"), gb = solo(*b, "b");
+  absl::StatusOr<client::Group> ga = Solo(*a, "a"), gb = Solo(*b, "b");
   ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
-  client::SessionSpec spec;
-  spec.num_heads = 1;
-  spec.head_dim = 4;
-  spec.dtype = DType::kFloat32;
-  spec.max_tokens = 4;
-  spec.num_slots = 1;
+  const client::SessionSpec spec = TinySpec();
   const int baseline = CountFds(daemon_.pid());
   std::vector<std::unique_ptr<client::Session>> held;
   for (int i = 0; i < 3; ++i) {
@@ -542,14 +551,9 @@ TEST_F(QuotaTest, SessionsOfAllClientsAreBounded) {
   auto b = Connect("b");
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
-  absl::StatusOr<client::Group> ga = a->JoinGroup({"a", 1, 0, {daemon_.socket()}, "auto", 10000});
-  absl::StatusOr<client::Group> gb = b->JoinGroup({"b", 1, 0, {daemon_.socket()}, "auto", 10000});
+  absl::StatusOr<client::Group> ga = Solo(*a, "a"), gb = Solo(*b, "b");
   ASSERT_TRUE(ga.ok() && gb.ok());
-  client::SessionSpec spec;
-  spec.num_heads = 1;
-  spec.head_dim = 4;
-  spec.dtype = DType::kFloat32;
-  spec.max_tokens = 4;
+  const client::SessionSpec spec = TinySpec();
   auto s1 = a->CreateSession(*ga, spec);
   auto s2 = b->CreateSession(*gb, spec);
   ASSERT_TRUE(s1.ok() && s2.ok()) << s1.status() << s2.status();
@@ -566,16 +570,13 @@ TEST_F(QuotaTest, GroupsPerClientAreBounded) {
   auto b = Connect("b");
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
-  auto solo = [&](client::Client& c, const std::string& name) {
-    return c.JoinGroup({name, 1, 0, {daemon_.socket()}, "auto", 10000});
-  };
-  absl::StatusOr<client::Group> g1 = solo(*a, "g1");
+  absl::StatusOr<client::Group> g1 = Solo(*a, "g1");
   ASSERT_TRUE(g1.ok()) << g1.status();
-  ASSERT_TRUE(solo(*a, "g2").ok());
-  ExpectExhausted(solo(*a, "g3").status(), "groups_per_client");
-  EXPECT_TRUE(solo(*b, "other").ok());  // another client is not held back
+  ASSERT_TRUE(Solo(*a, "g2").ok());
+  ExpectExhausted(Solo(*a, "g3").status(), "groups_per_client");
+  EXPECT_TRUE(Solo(*b, "other").ok());  // another client is not held back
   ASSERT_TRUE(a->LeaveGroup(*g1).ok());
-  EXPECT_TRUE(solo(*a, "g3").ok());
+  EXPECT_TRUE(Solo(*a, "g3").ok());
   EXPECT_NE(Metrics().find("ulyssesd_limit_refusals_total{limit=\"groups_per_client\"} 1"),
             std::string::npos);
 }
@@ -610,12 +611,9 @@ TEST_F(QuotaTest, CollectiveRequestsCountAmongRequestsInProgress) {
   EXPECT_EQ(joined[1].status().code(), absl::StatusCode::kDeadlineExceeded) << joined[1].status();
   EXPECT_EQ(a->FreeBuffer(987654321).code(), absl::StatusCode::kInvalidArgument);  // served again
   // The failed joins hold no group: two more fit, and a third does not.
-  auto solo = [&](const std::string& name) {
-    return a->JoinGroup({name, 1, 0, {daemon_.socket()}, "auto", 10000});
-  };
-  EXPECT_TRUE(solo("s1").ok());
-  EXPECT_TRUE(solo("s2").ok());
-  ExpectExhausted(solo("s3").status(), "groups_per_client");
+  EXPECT_TRUE(Solo(*a, "s1").ok());
+  EXPECT_TRUE(Solo(*a, "s2").ok());
+  ExpectExhausted(Solo(*a, "s3").status(), "groups_per_client");
 }
 
 // Buffers of all clients together: each is a mapping of the daemon's, whatever uid holds it.
@@ -702,17 +700,12 @@ TEST_F(QuotaTest, SessionsStopShortOfTheDaemonsDescriptorLimit) {
   auto bystander = Connect("bystander");
   ASSERT_NE(a, nullptr);
   ASSERT_NE(bystander, nullptr);
-  absl::StatusOr<client::Group> g = a->JoinGroup({"solo", 1, 0, {daemon_.socket()}, "auto", 10000});
+  absl::StatusOr<client::Group> g = Solo(*a, "solo");
   ASSERT_TRUE(g.ok()) << g.status();
   const int open = CountFds(daemon_.pid());
   const rlimit lowered{static_cast<rlim_t>(open + 200), static_cast<rlim_t>(open + 200)};
   ASSERT_EQ(::prlimit(daemon_.pid(), RLIMIT_NOFILE, &lowered, nullptr), 0) << std::strerror(errno);
-  client::SessionSpec spec;
-  spec.num_heads = 1;
-  spec.head_dim = 4;
-  spec.dtype = DType::kFloat32;
-  spec.max_tokens = 4;
-  spec.num_slots = 1;
+  const client::SessionSpec spec = TinySpec();
   std::vector<std::unique_ptr<client::Session>> held;
   absl::Status refused;
   while (held.size() < 1000) {
@@ -754,21 +747,6 @@ TEST_F(QuotaTest, SessionsStopShortOfTheDaemonsDescriptorLimit) {
   EXPECT_TRUE(a->CreateSession(*g, spec).ok());
 }
 
-// Whether the daemon closes the connection `fd` within `wait` (a refused one: it is closed
-// before anything is sent); what an admitted one receives (gRPC's settings) is read past.
-bool ClosedByDaemon(int fd, absl::Duration wait) {
-  const absl::Time until = absl::Now() + wait;
-  char buf[256];
-  for (;;) {
-    const int ms = static_cast<int>(absl::ToInt64Milliseconds(until - absl::Now()));
-    pollfd p{fd, POLLIN, 0};
-    if (ms <= 0 || ::poll(&p, 1, ms) != 1) return false;
-    const ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n == 0) return true;
-    if (n < 0 && errno != EINTR && errno != EAGAIN) return true;
-  }
-}
-
 // A gRPC channel of its own connection (gRPC shares one between channels of a process that
 // name the same target), connected within `wait` or not.
 bool NewConnectionServed(const std::string& socket, absl::Duration wait) {
@@ -804,7 +782,7 @@ TEST_F(QuotaTest, ControlConnectionsArePerUidAndInAll) {
   // One more: closed by the daemon at once; a gRPC client's connection too.
   absl::StatusOr<ipc::UniqueFd> extra = ipc::ConnectUnix(daemon_.socket(), absl::Seconds(5));
   ASSERT_TRUE(extra.ok()) << extra.status();
-  EXPECT_TRUE(ClosedByDaemon(extra->get(), absl::Seconds(10)));
+  EXPECT_TRUE(ClosedByPeer(extra->get(), absl::Seconds(10)));
   EXPECT_NE(Metrics().find("ulyssesd_limit_refusals_total{limit=\"connections_per_uid\"} 1"),
             std::string::npos) << Metrics();
   EXPECT_FALSE(NewConnectionServed(daemon_.socket(), absl::Seconds(2)));
@@ -841,7 +819,7 @@ TEST_F(QuotaTest, ControlConnectionsOfAllUidsAreBounded) {
   for (int i = 0; i < 12 && refused.ok(); ++i) {
     absl::StatusOr<ipc::UniqueFd> fd = ipc::ConnectUnix(daemon_.socket(), absl::Seconds(5));
     ASSERT_TRUE(fd.ok()) << fd.status();
-    if (ClosedByDaemon(fd->get(), absl::Milliseconds(300))) {
+    if (ClosedByPeer(fd->get(), absl::Milliseconds(300))) {
       refused = absl::UnavailableError(StrCat("connection ", i));
     } else {
       ++kept;
