@@ -591,7 +591,9 @@ TEST(FrameReaderTest, NeverReadsIntoTheNextFrameSoDescriptorsStayWithTheirFrame)
 // never completes: the reader closes them as they come instead of holding them all (a sender
 // could otherwise fill the receiver's descriptor table with one frame).
 TEST(FrameReaderTest, DescriptorsPastTheBoundAreClosedBeforeTheFrameCompletes) {
-  auto [a, b] = NonBlockingPair();
+  std::pair<UniqueFd, UniqueFd> ends = NonBlockingPair();  // named: the lambda below uses one
+  UniqueFd& a = ends.first;
+  UniqueFd& b = ends.second;
   auto fd = CreateMemfd("many", 4096);
   ASSERT_TRUE(fd.ok()) << fd.status();
   const uint32_t length = 64;
