@@ -10,10 +10,13 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -32,6 +35,7 @@
 #include "ulysses/v1/control.grpc.pb.h"
 
 namespace ulysses::security {
+
 
 /// Open descriptors of process `pid` (from /proc), -1 when unreadable.
 inline int CountFds(pid_t pid) {
@@ -138,6 +142,58 @@ struct Attached {
   uint64_t client_id = 0;
   std::string token;
   std::string fd_socket;
+};
+
+/// A client's liveness stream, held open by gRPC's callback API (no thread of this process
+/// waits on it) until Cancel or its end.
+class Watcher final : public grpc::ClientBidiReactor<v1::WatchRequest, v1::WatchEvent> {
+ public:
+  Watcher(v1::Control::Stub& stub, const Attached& a) {
+    ctx_.AddMetadata("ulysses-client-id", std::to_string(a.client_id));
+    ctx_.AddMetadata("ulysses-token", a.token);
+    stub.async()->Watch(&ctx_, this);
+    StartRead(&event_);
+    StartCall();
+  }
+  ~Watcher() {  // gRPC holds this object until the stream's end
+    if (!done()) {
+      Cancel();
+      AwaitEnd();
+    }
+  }
+  void Cancel() { ctx_.TryCancel(); }
+  /// Waits (at most 20 s) for the stream's end.
+  bool AwaitEnd() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(20), [&] { return done_; });
+  }
+
+  void OnReadDone(bool ok) override {
+    if (ok) StartRead(&event_);
+  }
+  void OnDone(const grpc::Status& s) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    status_ = s;
+    cv_.notify_all();
+  }
+  /// Whether the stream ended, and how.
+  bool done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+  grpc::StatusCode code() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_.error_code();
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  v1::WatchEvent event_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  grpc::Status status_;
 };
 
 /// Fixture: one real daemon (host backend) in a fresh run directory.

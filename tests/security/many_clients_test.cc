@@ -29,41 +29,6 @@ constexpr int kClients = 1000;
 // connection and an fd socket). With room for the rest.
 constexpr rlim_t kDescriptorsNeeded = 11 * kClients + 1024;
 
-// A client's liveness stream, held open by gRPC's callback API (no thread of this process
-// waits on it) until Cancel.
-class Watcher final : public grpc::ClientBidiReactor<v1::WatchRequest, v1::WatchEvent> {
- public:
-  Watcher(v1::Control::Stub& stub, const Attached& a) {
-    ctx_.AddMetadata("ulysses-client-id", std::to_string(a.client_id));
-    ctx_.AddMetadata("ulysses-token", a.token);
-    stub.async()->Watch(&ctx_, this);
-    StartRead(&event_);
-    StartCall();
-  }
-  void Cancel() { ctx_.TryCancel(); }
-  /// Waits (at most 20 s) for the stream's end.
-  bool AwaitEnd() {
-    std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, std::chrono::seconds(20), [&] { return done_; });
-  }
-
-  void OnReadDone(bool ok) override {
-    if (ok) StartRead(&event_);
-  }
-  void OnDone(const grpc::Status&) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    done_ = true;
-    cv_.notify_all();
-  }
-
- private:
-  grpc::ClientContext ctx_;
-  v1::WatchEvent event_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-};
-
 // One attached, bound client with its own connection and its Watch stream.
 struct HeldClient {
   std::shared_ptr<grpc::Channel> channel;
