@@ -359,9 +359,11 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
     EndJoinLocked();
   }
   // Finishes the request, its place among the client's requests given back first: the
-  // client may send its next request as soon as it has this one's answer.
+  // client may send its next request as soon as it has this one's answer. (OnDone, which
+  // destroys what is left, comes after Finish.)
   void Done(const grpc::Status& s) {
     place_.reset();
+    HappensBefore(this);
     Finish(s);
   }
 
@@ -461,9 +463,11 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
   }
 
   // Finishes the request, its place among the client's requests given back first: the
-  // client may send its next request as soon as it has this one's answer.
+  // client may send its next request as soon as it has this one's answer. (OnDone, which
+  // destroys what is left, comes after Finish.)
   void Done(const grpc::Status& s) {
     place_.reset();
+    HappensBefore(this);
     Finish(s);
   }
 

@@ -145,7 +145,8 @@ struct Attached {
 };
 
 /// A client's liveness stream, held open by gRPC's callback API (no thread of this process
-/// waits on it) until Cancel or its end.
+/// waits on it) until Cancel or its end. Its end is kept apart from it (OnDone may still be
+/// returning when the stream's owner sees the end and destroys it).
 class Watcher final : public grpc::ClientBidiReactor<v1::WatchRequest, v1::WatchEvent> {
  public:
   Watcher(v1::Control::Stub& stub, const Attached& a) {
@@ -156,44 +157,46 @@ class Watcher final : public grpc::ClientBidiReactor<v1::WatchRequest, v1::Watch
     StartCall();
   }
   ~Watcher() {  // gRPC holds this object until the stream's end
-    if (!done()) {
-      Cancel();
-      AwaitEnd();
-    }
+    if (!done()) Cancel();
+    AwaitEnd();
   }
   void Cancel() { ctx_.TryCancel(); }
   /// Waits (at most 20 s) for the stream's end.
   bool AwaitEnd() {
-    std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, std::chrono::seconds(20), [&] { return done_; });
+    std::unique_lock<std::mutex> lock(end_->mu);
+    return end_->cv.wait_for(lock, std::chrono::seconds(20), [&] { return end_->done; });
+  }
+  /// Whether the stream ended, and how.
+  bool done() {
+    std::lock_guard<std::mutex> lock(end_->mu);
+    return end_->done;
+  }
+  grpc::StatusCode code() {
+    std::lock_guard<std::mutex> lock(end_->mu);
+    return end_->status.error_code();
   }
 
   void OnReadDone(bool ok) override {
     if (ok) StartRead(&event_);
   }
   void OnDone(const grpc::Status& s) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    done_ = true;
-    status_ = s;
-    cv_.notify_all();
-  }
-  /// Whether the stream ended, and how.
-  bool done() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return done_;
-  }
-  grpc::StatusCode code() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_.error_code();
+    const std::shared_ptr<End> end = end_;  // this object may go once `done` is set
+    std::lock_guard<std::mutex> lock(end->mu);
+    end->done = true;
+    end->status = s;
+    end->cv.notify_all();
   }
 
  private:
+  struct End {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    grpc::Status status;
+  };
   grpc::ClientContext ctx_;
   v1::WatchEvent event_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  grpc::Status status_;
+  const std::shared_ptr<End> end_ = std::make_shared<End>();
 };
 
 /// Fixture: one real daemon (host backend) in a fresh run directory.
