@@ -27,6 +27,7 @@
 #include "demo_lib.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "ulysses/common/happens_before.h"
 #include "ulysses/common/strings.h"
 #include "ulysses/ipc/fd.h"
 #include "ulysses/ipc/frames.h"
@@ -154,6 +155,7 @@ class Watcher final : public grpc::ClientBidiReactor<v1::WatchRequest, v1::Watch
     ctx_.AddMetadata("ulysses-token", a.token);
     stub.async()->Watch(&ctx_, this);
     StartRead(&event_);
+    HappensBefore(this);  // gRPC orders its reactions after StartCall, unseen by TSan
     StartCall();
   }
   ~Watcher() {  // gRPC holds this object until the stream's end
@@ -180,6 +182,7 @@ class Watcher final : public grpc::ClientBidiReactor<v1::WatchRequest, v1::Watch
     if (ok) StartRead(&event_);
   }
   void OnDone(const grpc::Status& s) override {
+    HappensAfter(this);
     const std::shared_ptr<End> end = end_;  // this object may go once `done` is set
     std::lock_guard<std::mutex> lock(end->mu);
     end->done = true;

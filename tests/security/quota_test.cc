@@ -853,7 +853,7 @@ TEST_F(QuotaTest, ControlConnectionsOfAllUidsAreBounded) {
 TEST_F(QuotaTest, AClientHasOneLivenessStream) {
   StartWithLimits("{}");
   ASSERT_EQ(NumClients(), 0);  // this fixture's connection is made (two descriptors of its own)
-  const int baseline = CountFds(daemon_.pid());
+  const int baseline = CountFdsButPipes(daemon_.pid());
   for (int lap = 0; lap < 3; ++lap) {
     absl::StatusOr<Attached> a = Attach();
     ASSERT_TRUE(a.ok()) << a.status();
@@ -875,8 +875,8 @@ TEST_F(QuotaTest, AClientHasOneLivenessStream) {
     }
     EXPECT_TRUE(kept.AwaitEnd());
   }
-  EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) <= baseline; }))
-      << CountFds(daemon_.pid()) << " descriptors, " << baseline << " before\n"
+  EXPECT_TRUE(Eventually([&] { return CountFdsButPipes(daemon_.pid()) <= baseline; }))
+      << CountFdsButPipes(daemon_.pid()) << " descriptors, " << baseline << " before\n"
       << DescribeFds(daemon_.pid());
 }
 
