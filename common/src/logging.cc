@@ -1,5 +1,7 @@
 #include "ulysses/common/logging.h"
 
+#include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <string>
 
@@ -13,6 +15,8 @@ std::mutex& LoggingMutex() {
   static std::mutex mu;
   return mu;
 }
+
+std::atomic<uint64_t> g_lines_dropped{0};
 
 spdlog::level::level_enum& CurrentLevel() {
   static spdlog::level::level_enum level = spdlog::level::info;
@@ -41,5 +45,30 @@ std::shared_ptr<spdlog::logger> Logger(std::string_view subsystem) {
   logger->set_level(CurrentLevel());
   return logger;
 }
+
+bool LogBudget::Take(uint64_t* dropped, absl::Time now) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (refilled_ == absl::InfinitePast()) {
+    refilled_ = now;
+  } else if (now > refilled_) {
+    tokens_ = std::min<double>(burst_, tokens_ + absl::FDivDuration(now - refilled_, every_));
+    refilled_ = now;
+  }
+  if (tokens_ < 1) {
+    ++dropped_;
+    g_lines_dropped.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  tokens_ -= 1;
+  if (dropped != nullptr) *dropped = dropped_;
+  dropped_ = 0;
+  return true;
+}
+
+std::string DroppedNote(uint64_t dropped) {
+  return dropped == 0 ? std::string() : StrCat(" (", dropped, " more such lines not logged)");
+}
+
+uint64_t LogLinesDropped() { return g_lines_dropped.load(std::memory_order_relaxed); }
 
 }  // namespace ulysses

@@ -19,21 +19,8 @@ namespace {
 // (EMFILE: the pending connection stays queued).
 constexpr int kAcceptsPerRound = 64;
 constexpr int kAcceptBackoffMs = 100;
-// A refusal, or an accept that failed, is logged at most this often (a client decides how
-// often they happen; the refusals are counted in the metrics).
-constexpr absl::Duration kLogEvery = absl::Seconds(10);
 
 }  // namespace
-
-bool ConnectionGate::ShouldLog() {
-  const absl::Time now = absl::Now();
-  if (now - logged_ < kLogEvery) {
-    ++unlogged_;
-    return false;
-  }
-  logged_ = now;
-  return true;
-}
 
 absl::Status ConnectionGate::Start(ipc::UnixListener listener, grpc::Server* server, Admit admit,
                                    Ended ended) {
@@ -71,10 +58,9 @@ void ConnectionGate::AcceptBurst() {
     absl::StatusOr<ipc::UniqueFd> sock = listener_.TryAccept();
     if (!sock.ok()) {
       if (sock.status().code() == absl::StatusCode::kCancelled) return;
-      if (ShouldLog())
-        log->warn("control socket: accept: {}; pausing accepts for {} ms ({} more since the "
-                  "last such line)", std::string(sock.status().message()), kAcceptBackoffMs,
-                  std::exchange(unlogged_, 0));
+      if (uint64_t dropped = 0; log_budget_.Take(&dropped))
+        log->warn("control socket: accept: {}; pausing accepts for {} ms{}",
+                  std::string(sock.status().message()), kAcceptBackoffMs, DroppedNote(dropped));
       ::poll(nullptr, 0, kAcceptBackoffMs);
       return;
     }
@@ -82,10 +68,9 @@ void ConnectionGate::AcceptBurst() {
     absl::StatusOr<ipc::PeerCred> cred = ipc::GetPeerCred(sock->get());
     if (!cred.ok()) continue;  // closed: whoever it was is gone
     if (absl::Status admitted = admit_(cred->uid); !admitted.ok()) {
-      if (ShouldLog())
-        log->warn("control socket: connection of uid {} (pid {}) refused: {} ({} more since the "
-                  "last such line)", cred->uid, cred->pid, std::string(admitted.message()),
-                  std::exchange(unlogged_, 0));
+      if (uint64_t dropped = 0; log_budget_.Take(&dropped))
+        log->warn("control socket: connection of uid {} (pid {}) refused: {}{}", cred->uid,
+                  cred->pid, std::string(admitted.message()), DroppedNote(dropped));
       continue;
     }
     ipc::UniqueFd watch(::fcntl(sock->get(), F_DUPFD_CLOEXEC, 0));

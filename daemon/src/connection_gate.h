@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "ulysses/common/logging.h"
 #include "ulysses/ipc/eventfd.h"
 #include "ulysses/ipc/fd.h"
 #include "ulysses/ipc/unix_socket.h"
@@ -58,7 +59,6 @@ class ConnectionGate {
   };
   void Loop();
   void AcceptBurst();
-  bool ShouldLog();  // rate limit of the gate's warnings (gate thread only)
 
   ipc::UnixListener listener_;
   grpc::Server* server_ = nullptr;
@@ -69,8 +69,7 @@ class ConnectionGate {
   std::atomic<bool> stopping_{false};
   mutable std::mutex mu_;  // guards held_ (read by size())
   std::vector<Held> held_;
-  absl::Time logged_ = absl::InfinitePast();  // gate thread only
-  uint64_t unlogged_ = 0;
+  LogBudget log_budget_;  // the gate's warnings, which any process that reaches it can cause
 };
 
 }  // namespace ulysses::daemon

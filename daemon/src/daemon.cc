@@ -488,6 +488,7 @@ GaugeSnapshot Daemon::Gauges() {
   g.mappings = use.mappings;
   g.max_mappings = use.mapping_limit;
   g.headroom_refusals = headroom_.refusals();
+  g.log_lines_dropped = LogLinesDropped();
   FillQuotaGauges(g);
   return g;
 }

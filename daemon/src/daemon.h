@@ -20,6 +20,7 @@
 #include "grpcpp/grpcpp.h"
 #include "ulysses/common/config.h"
 #include "ulysses/common/geometry.h"
+#include "ulysses/common/logging.h"
 #include "ulysses/ipc/client_segment.h"
 #include "ulysses/ipc/doorbell.h"
 #include "ulysses/ipc/eventfd.h"
@@ -109,6 +110,8 @@ struct ClientRecord {
   /// CreateSession requests refused a place that still arrive at the rendezvous (at most
   /// limits.calls_in_progress_per_client).
   std::atomic<int32_t> refused_arriving{0};
+  /// The warnings this client can cause at will (bad fd frames), rate-limited.
+  LogBudget log_budget;
 
   std::mutex mu;  // guards everything below
   bool gone = false;  // reclaimed: nothing may be added any more

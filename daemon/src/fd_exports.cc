@@ -224,7 +224,9 @@ void FdExports::Serve() {
     requests.AcceptFrom(listener_, kAcceptsPerRound, [&](int sock) {
       absl::StatusOr<ipc::PeerCred> cred = ipc::GetPeerCred(sock);
       if (cred.ok() && cred->uid == ::geteuid()) return true;
-      log->warn("peer fd socket: refused a connection from uid {}", cred.ok() ? cred->uid : -1);
+      if (uint64_t dropped = 0; requests.log_budget().Take(&dropped))
+        log->warn("peer fd socket: refused a connection from uid {}{}",
+                  cred.ok() ? static_cast<int64_t>(cred->uid) : -1, DroppedNote(dropped));
       return false;
     });
   }

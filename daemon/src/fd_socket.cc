@@ -162,24 +162,27 @@ void Daemon::HandleHello(ipc::UniqueFd sock, const std::string& payload) {
 }
 
 void Daemon::HandleClientFrame(ClientRecord& c, ipc::ReceivedMessage m) {
+  // A frame that is not taken is dropped with its descriptors (they close with `m`); the
+  // stream stays in step (frames are length-prefixed), so the client keeps being served.
+  auto ignored = [&c](const std::string& why) {
+    if (uint64_t dropped = 0; c.log_budget.Take(&dropped))
+      Logger("ipc")->warn("client {}: fd frame ignored: {}{}", c.id, why, DroppedNote(dropped));
+  };
   absl::StatusOr<ipc::FdFrame> f = ipc::DecodeFdFrame(m.payload);
   if (!f.ok() || m.fds.size() != 1) {
-    // The frame's descriptors close with `m`; the stream stays in step (frames are
-    // length-prefixed), so the client keeps being served.
-    Logger("ipc")->warn("client {}: fd frame ignored: {}", c.id,
-                        f.ok() ? StrCat("carries ", m.fds.size(), " descriptors, expected 1")
-                               : std::string(f.status().message()));
+    ignored(f.ok() ? StrCat("carries ", m.fds.size(), " descriptors, expected 1")
+                   : std::string(f.status().message()));
     return;
   }
   std::lock_guard<std::mutex> lock(c.mu);
   if (c.gone) return;
   if (absl::Status charged = ChargePendingFdLocked(c); !charged.ok()) {
-    Logger("ipc")->warn("client {}: fd frame ignored: {}", c.id, std::string(charged.message()));
+    ignored(std::string(charged.message()));
     return;
   }
   if (!c.incoming_fds.emplace(f->tag, std::move(m.fds[0])).second) {
     UnchargePendingFdsLocked(c, 1);
-    Logger("ipc")->warn("client {}: fd frame ignored: tag {} is already pending", c.id, f->tag);
+    ignored(StrCat("tag ", f->tag, " is already pending"));
     return;
   }
   c.fd_cv.notify_all();

@@ -59,16 +59,19 @@ void FirstFrames::AcceptFrom(ipc::UnixListener& listener, int burst,
     absl::StatusOr<ipc::UniqueFd> sock = listener.TryAccept();
     if (!sock.ok()) {
       if (sock.status().code() == absl::StatusCode::kCancelled) return;  // shutting down
-      log->warn("{}: accept: {}; pausing accepts for {}", what_,
-                std::string(sock.status().message()), absl::FormatDuration(kAcceptBackoff));
+      if (uint64_t dropped = 0; log_budget_.Take(&dropped))
+        log->warn("{}: accept: {}; pausing accepts for {}{}", what_,
+                  std::string(sock.status().message()), absl::FormatDuration(kAcceptBackoff),
+                  DroppedNote(dropped));
       accept_paused_until_ = absl::Now() + kAcceptBackoff;
       return;
     }
     if (!sock->valid()) return;  // none left
     if (!admit(sock->get())) continue;
     if (waiting_.size() >= max_waiting_) {
-      log->warn("{}: {} connections wait for their first frame; dropping the oldest", what_,
-                waiting_.size());
+      if (uint64_t dropped = 0; log_budget_.Take(&dropped))
+        log->warn("{}: {} connections wait for their first frame; dropping the oldest{}", what_,
+                  waiting_.size(), DroppedNote(dropped));
       waiting_.pop_front();
     }
     waiting_.push_back(Waiting{std::move(*sock), ipc::FrameReader(max_payload_, /*max_fds=*/0),

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "ulysses/common/logging.h"
 #include "ulysses/ipc/fd.h"
 #include "ulysses/ipc/unix_socket.h"
 
@@ -55,6 +56,9 @@ class FirstFrames {
   /// (EMFILE leaves the connection queued and the listener readable) accepts pause for 100 ms.
   void AcceptFrom(ipc::UnixListener& listener, int burst,
                   const std::function<bool(int sock)>& admit);
+  /// The budget of the warnings about this socket's connections (any process that can
+  /// connect causes them), for `admit`'s too.
+  LogBudget& log_budget() { return log_budget_; }
 
  private:
   struct Waiting {
@@ -70,6 +74,7 @@ class FirstFrames {
   absl::Duration wait_;
   std::deque<Waiting> waiting_;  // in accept order, so also in deadline order
   absl::Time accept_paused_until_ = absl::InfinitePast();
+  LogBudget log_budget_;
 };
 
 }  // namespace ulysses::daemon

@@ -181,7 +181,7 @@ int Session::Poison() {
         !NotHeldLocked(s))
       continue;
     if (absl::Status st = transport_->Poison(s); !st.ok()) {
-      Logger("exec")->warn("session {}: poison slot {}: {}", id_, s, std::string(st.message()));
+      Warn(StrCat("poison slot ", s, ": ", st.message()));
       continue;
     }
     ++n;
@@ -447,8 +447,7 @@ absl::Status Session::Refuse(uint64_t expected_epoch, absl::Status why) {
       std::lock_guard<std::mutex> inflight(inflight_mu_);
       FailInFlightLocked(why);
     }
-    Logger("exec")->warn("session {} epoch {}: descriptor refused: {}", id_, expected_epoch,
-                         std::string(why.message()));
+    Warn(StrCat("epoch ", expected_epoch, ": descriptor refused: ", why.message()));
     return why;
   }
   if (expected_epoch != epoch_ + 1) return why;  // not this session's next call: touch nothing
@@ -459,7 +458,7 @@ absl::Status Session::Refuse(uint64_t expected_epoch, absl::Status why) {
   mine->slots[s].done.store(e, std::memory_order_release);
   broken_.store(true);
   Abort(kAbortCallFailed);
-  Logger("exec")->warn("session {} epoch {}: descriptor refused: {}", id_, e, std::string(why.message()));
+  Warn(StrCat("epoch ", e, ": descriptor refused: ", why.message()));
   return why;
 }
 
@@ -551,7 +550,7 @@ absl::StatusOr<CallOutcome> Session::Execute(const CallPlan& plan, const CallOpe
   SetSlot(s, SlotState::kFree, e);
   broken_.store(true);
   Abort(kAbortCallFailed);
-  Logger("exec")->warn("session {} epoch {}: call failed: {}", id_, e, std::string(status.message()));
+  Warn(StrCat("epoch ", e, ": call failed: ", status.message()));
   return status;
 }
 
@@ -581,6 +580,11 @@ CallOutcome Session::Outcome(const CallPlan& plan, int s, uint64_t e) const {
   return out;
 }
 
+void Session::Warn(const std::string& what) const {
+  if (uint64_t dropped = 0; log_budget_.Take(&dropped))
+    Logger("exec")->warn("session {} {}{}", id_, what, DroppedNote(dropped));
+}
+
 void Session::Break() {
   broken_.store(true);
   Abort(kAbortCallFailed);
@@ -595,8 +599,7 @@ void Session::FailInFlightLocked(const absl::Status& why) {
     SetSlot(f.slot, SlotState::kFree, f.epoch);
     if (f.async) finished_.push_back(FinishedCall{f.epoch, why});
     else PutSyncResultLocked(f.epoch, why);
-    Logger("exec")->warn("session {} epoch {}: call failed: {}", id_, f.epoch,
-                         std::string(why.message()));
+    Warn(StrCat("epoch ", f.epoch, ": call failed: ", why.message()));
     for (const auto& k : f.keep)
       if (k) failed_keep_.push_back(k);
   }
@@ -675,8 +678,8 @@ std::string Session::StuckWords(const InFlightCall& f) const {
     }
     words += StrCat("; ", FormatPeerProgress(f.epoch, peers));
   }
-  Logger("exec")->warn("session {} epoch {} slot {} did not finish; its protocol words: {}", id_,
-                       f.epoch, f.slot, words);
+  Warn(StrCat("epoch ", f.epoch, " slot ", f.slot, " did not finish; its protocol words: ",
+              words));
   return StrCat("; protocol words: ", words);
 }
 
@@ -754,7 +757,7 @@ absl::StatusOr<CallOutcome> Session::ExecuteStream(const CallPlan& plan, const C
       if (claimed) SetSlot(s, SlotState::kFree, e);
       std::lock_guard<std::mutex> inflight(inflight_mu_);
       FailInFlightLocked(why);
-      Logger("exec")->warn("session {} epoch {}: call failed: {}", id_, e, std::string(why.message()));
+      Warn(StrCat("epoch ", e, ": call failed: ", why.message()));
       return why;
     };
     // At most num_slots calls in flight: slot s's previous call must have finished and its

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "ulysses/common/fused.h"
 #include "ulysses/common/geometry.h"
+#include "ulysses/common/logging.h"
 #include "ulysses/common/session_layout.h"
 #include "ulysses/ipc/shm.h"
 #include "fd_exports.h"
@@ -237,6 +238,7 @@ class Session {
   std::atomic<uint64_t> calls_{0};
   std::atomic<uint64_t> last_epoch_{0};
   std::atomic<bool> broken_{false};
+  mutable LogBudget log_budget_;
   struct SlotEntry {
     SlotState state = SlotState::kFree;
     uint64_t epoch = 0;
@@ -255,6 +257,9 @@ class Session {
   void FailInFlightLocked(const absl::Status& why);
   // Marks the session broken and cancels its transport (no stream stays blocked).
   void Break();
+  // Logs "session ID <what>" within this session's budget: its client decides how often its
+  // calls fail or are refused.
+  void Warn(const std::string& what) const;
   // The outcome of a call that finished, with its slot set held or free. `released_on_stream`:
   // the client gives a held result back on its stream (a stream-ordered call).
   CallOutcome FinishCall(const CallPlan& plan, int slot, uint64_t epoch,

@@ -233,6 +233,9 @@ std::string Metrics::Render(const std::string& version, int device, const std::s
          "Attach and CreateSession requests refused while the daemon had no more than an eighth "
          "of its descriptors or mappings left.",
          g.headroom_refusals);
+  Single(out, "ulyssesd_log_lines_dropped_total", "counter",
+         "Warnings a client or a socket caused past its budget of log lines (not written).",
+         g.log_lines_dropped);
   return out;
 }
 

@@ -74,6 +74,7 @@ struct GaugeSnapshot {
   /// requests refused for want of headroom in either (headroom.h).
   int64_t open_fds = -1, max_fds = -1, mappings = -1, max_mappings = -1;
   uint64_t headroom_refusals = 0;
+  uint64_t log_lines_dropped = 0;  // warnings kept from the log by a LogBudget
   /// Each configured limit (config object `limits`) and how many requests it refused.
   struct LimitGauge {
     std::string name;

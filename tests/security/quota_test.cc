@@ -18,6 +18,7 @@
 
 #include "../util/peer_close.h"
 #include "hostile_client.h"
+#include "ulysses/common/logging.h"
 #include "ulysses/common/sockets.h"
 #include "ulysses/client/client.h"
 #include "ulysses/ipc/shm.h"
@@ -281,6 +282,31 @@ TEST_F(QuotaTest, UnclaimedDescriptorsAreBounded) {
            std::string::npos;
   }));
   EXPECT_EQ(CountFds(daemon_.pid()), baseline + 8);
+  auto bystander = Connect("bystander");
+  ASSERT_NE(bystander, nullptr);
+  EXPECT_TRUE(bystander->AllocBuffer(4096, "b").ok());
+}
+
+TEST_F(QuotaTest, AClientsBadFramesCannotFillTheDaemonsLog) {
+  StartWithLimits("{}");
+  absl::StatusOr<Attached> a = Attach();
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::StatusOr<ipc::UniqueFd> sock = Bind(*a);
+  ASSERT_TRUE(sock.ok()) << sock.status();
+  // Each frame is ignored with a warning: it carries no descriptor.
+  constexpr int kFrames = 200;
+  for (uint64_t tag = 1; tag <= kFrames; ++tag)
+    ASSERT_TRUE(ipc::SendMessage(sock->get(), ipc::EncodeFdFrame({tag}), {}).ok());
+  // The client's budget writes 5 lines at once and one more every 10 s: unless the daemon took
+  // more than 15 minutes over the frames, at least 100 of them were dropped.
+  auto dropped = [&]() -> int64_t {
+    const std::string m = Metrics();
+    const std::string key = "\nulyssesd_log_lines_dropped_total ";
+    const size_t at = m.find(key);
+    return at == std::string::npos ? -1 : std::stoll(m.substr(at + key.size()));
+  };
+  EXPECT_TRUE(Eventually([&] { return dropped() >= 100; })) << dropped();
+  EXPECT_LE(dropped(), kFrames - LogBudget::kBurst);
   auto bystander = Connect("bystander");
   ASSERT_NE(bystander, nullptr);
   EXPECT_TRUE(bystander->AllocBuffer(4096, "b").ok());
@@ -841,7 +867,9 @@ TEST_F(QuotaTest, ControlConnectionsOfAllUidsAreBounded) {
       ::kill(child, SIGKILL);
       ::waitpid(child, nullptr, 0);
     }
-    if (exited != 77) EXPECT_NE(exited, -1) << "another uid connected past its bound";
+    if (exited != 77) {
+      EXPECT_NE(exited, -1) << "another uid connected past its bound";
+    }
     EXPECT_TRUE(NewConnectionServed(daemon_.socket(), absl::Seconds(10)));
   }
   raw.clear();
