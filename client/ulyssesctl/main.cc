@@ -44,6 +44,7 @@ struct Options {
   OutputFormat format = OutputFormat::kTable;
   bool headers = true;
   std::int64_t timeout_ms = 5000;
+  std::int32_t page_size = 0;  // entries per page of a listing (0: the daemon's default)
 };
 
 // What one answer prints as: the document for json and yaml, the listing for wide and csv
@@ -97,6 +98,34 @@ class Ctl {
   int Admin(const char* rpc, Method<Request, Response> method,
             const std::function<View(const Response&)>& view) {
     return Admin(rpc, method, Request(), view);
+  }
+
+  // A listing, page after page (one call each), printed as one answer.
+  template <typename Request, typename Response>
+  int AdminList(const char* rpc, Method<Request, Response> method,
+                const std::function<View(const Response&)>& view) {
+    // Keys only grow from page to page; this bounds a listing that keeps growing as it is read.
+    constexpr int kMaxPages = 100000;
+    Response all;
+    Request request;
+    request.set_page_size(options_.page_size);
+    for (int pages = 1;; ++pages) {
+      Response page;
+      const grpc::Status status = Call(method, request, &page);
+      if (!status.ok()) return Fail(rpc, status);
+      std::string next = page.next_page_token();
+      page.clear_next_page_token();
+      all.MergeFrom(page);
+      if (next.empty()) break;
+      if (next == request.page_token() || pages == kMaxPages) {
+        std::cerr << "ulyssesctl: " << rpc << ": the listing did not end after " << pages
+                  << " pages\n";
+        return kExitFailed;
+      }
+      request.set_page_token(std::move(next));
+    }
+    Print(view(all));
+    return kExitOk;
   }
 
   // Drain; with `wait`, then GetState every 100 ms until the daemon is idle, for at most
@@ -351,6 +380,10 @@ int Main(int argc, char** argv) {
           ->default_str("off");
   app.add_option("--timeout-ms", options.timeout_ms, "Deadline of each call in milliseconds")
       ->check(cli::IntIn(1));
+  app.add_option("--page-size", options.page_size,
+                 "Entries per call of a listing (clients, groups, sessions, slots), which is "
+                 "read page after page; 0: the daemon's default (500); at most 1000")
+      ->check(cli::IntIn(0, 1000));
 
   std::function<int(Ctl&)> command;
   std::string command_name;
@@ -372,25 +405,25 @@ int Main(int argc, char** argv) {
             });
       });
   add("clients", "Attached clients", [](Ctl& c) {
-    return c.Admin<v1::ListClientsRequest, v1::ListClientsResponse>(
+    return c.AdminList<v1::ListClientsRequest, v1::ListClientsResponse>(
         "ListClients", &v1::Admin::Stub::ListClients, [](const v1::ListClientsResponse& r) {
           return View{ClientsToJson(r), ClientsListing(r, NowUnixMs()), std::nullopt};
         });
   });
   add("groups", "Groups this daemon's clients joined", [](Ctl& c) {
-    return c.Admin<v1::ListGroupsRequest, v1::ListGroupsResponse>(
+    return c.AdminList<v1::ListGroupsRequest, v1::ListGroupsResponse>(
         "ListGroups", &v1::Admin::Stub::ListGroups, [](const v1::ListGroupsResponse& r) {
           return View{GroupsToJson(r), GroupsListing(r), std::nullopt};
         });
   });
   add("sessions", "Head-exchange sessions", [](Ctl& c) {
-    return c.Admin<v1::ListSessionsRequest, v1::ListSessionsResponse>(
+    return c.AdminList<v1::ListSessionsRequest, v1::ListSessionsResponse>(
         "ListSessions", &v1::Admin::Stub::ListSessions, [](const v1::ListSessionsResponse& r) {
           return View{SessionsToJson(r), SessionsListing(r), std::nullopt};
         });
   });
   add("slots", "Receive slots of every session", [](Ctl& c) {
-    return c.Admin<v1::ListSlotsRequest, v1::ListSlotsResponse>(
+    return c.AdminList<v1::ListSlotsRequest, v1::ListSlotsResponse>(
         "ListSlots", &v1::Admin::Stub::ListSlots, [](const v1::ListSlotsResponse& r) {
           return View{SlotsToJson(r), SlotsListing(r), std::nullopt};
         });

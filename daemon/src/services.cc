@@ -13,6 +13,7 @@
 
 #include "daemon.h"
 #include "host_allocations.h"
+#include "pages.h"
 #include "requests.h"
 #include "ulysses/common/sockets.h"
 #include "ulysses/ipc/cuda_memory.h"
@@ -77,6 +78,23 @@ void FillSessionInfo(const Session& s, const Group& g, v1::SessionInfo* out) {
     FusedSessionToProto(FusedSessionArgs{f->geometry, f->path, s.fused_weights()},
                         out->mutable_fused());
   out->set_plan(s.transport().Describe());
+}
+
+// One page of an Admin listing: `fill` offers the entries to the page, which goes into `out`
+// (the response's repeated field), with the next page's token.
+template <typename Request, typename Response, typename Entry, typename Fill>
+grpc::Status ListPage(const Request& req, Response* resp,
+                      google::protobuf::RepeatedPtrField<Entry>* out, Fill fill) {
+  absl::StatusOr<PageRequest> request = ParsePageRequest(req.page_size(), req.page_token());
+  if (!request.ok()) return ToGrpcStatus(request.status());
+  PageBuilder<Entry> page(*request);
+  fill(page);
+  std::string next;
+  std::vector<Entry> entries = page.Take(&next);
+  out->Reserve(static_cast<int>(entries.size()));
+  for (Entry& e : entries) *out->Add() = std::move(e);
+  resp->set_next_page_token(std::move(next));
+  return grpc::Status::OK;
 }
 
 void FillSessionState(const ClientRecord& c, uint64_t id, const Session& s, v1::SessionState* out) {
@@ -1131,54 +1149,68 @@ class AdminService final : public v1::Admin::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status ListClients(grpc::ServerContext*, const v1::ListClientsRequest*,
+  grpc::Status ListClients(grpc::ServerContext*, const v1::ListClientsRequest* req,
                            v1::ListClientsResponse* resp) override {
     const AdminPlace place(in_progress_, *d_);
     if (!place.admitted()) return place.refusal();
     Failpoint("admin.list_clients");
-    for (auto& c : d_->Clients()) {
-      std::lock_guard<std::mutex> lock(c->mu);
-      v1::ClientState* s = resp->add_clients();
-      s->set_client_id(c->id);
-      s->set_name(c->name);
-      s->set_pid(c->pid);
-      s->set_reported_pid(c->reported_pid);
-      s->set_uid(c->uid);
-      s->set_since_unix_ms(absl::ToUnixMillis(c->since));
-      s->set_num_buffers(static_cast<int>(c->buffers.size()));
-      uint64_t bytes = 0;
-      for (auto& [id, b] : c->buffers) bytes += b->size;
-      s->set_buffer_bytes(bytes);
-      s->set_num_sessions(static_cast<int>(c->sessions.size()));
-      s->set_calls(c->calls.load());
-    }
-    return grpc::Status::OK;
+    return ListPage(*req, resp, resp->mutable_clients(),
+                    [&](PageBuilder<v1::ClientState>& page) {
+      for (auto& c : d_->Clients()) {
+        if (!page.Wants({c->id, 0})) continue;
+        std::lock_guard<std::mutex> lock(c->mu);
+        v1::ClientState s;
+        s.set_client_id(c->id);
+        s.set_name(c->name);
+        s.set_pid(c->pid);
+        s.set_reported_pid(c->reported_pid);
+        s.set_uid(c->uid);
+        s.set_since_unix_ms(absl::ToUnixMillis(c->since));
+        s.set_num_buffers(static_cast<int>(c->buffers.size()));
+        uint64_t bytes = 0;
+        for (auto& [id, b] : c->buffers) bytes += b->size;
+        s.set_buffer_bytes(bytes);
+        s.set_num_sessions(static_cast<int>(c->sessions.size()));
+        s.set_calls(c->calls.load());
+        page.Offer({c->id, 0}, std::move(s));
+      }
+    });
   }
 
-  grpc::Status ListGroups(grpc::ServerContext*, const v1::ListGroupsRequest*,
+  grpc::Status ListGroups(grpc::ServerContext*, const v1::ListGroupsRequest* req,
                           v1::ListGroupsResponse* resp) override {
     const AdminPlace place(in_progress_, *d_);
     if (!place.admitted()) return place.refusal();
-    for (auto& c : d_->Clients()) {
-      std::lock_guard<std::mutex> lock(c->mu);
-      for (auto& [id, g] : c->groups) {
-        v1::GroupState* gs = resp->add_groups();
-        FillGroupInfo(*g, gs->mutable_info());
-        gs->add_client_ids(c->id);
+    return ListPage(*req, resp, resp->mutable_groups(), [&](PageBuilder<v1::GroupState>& page) {
+      for (auto& c : d_->Clients()) {
+        std::lock_guard<std::mutex> lock(c->mu);
+        for (auto& [id, g] : c->groups) {
+          if (!page.Wants({c->id, id})) continue;
+          v1::GroupState gs;
+          FillGroupInfo(*g, gs.mutable_info());
+          gs.add_client_ids(c->id);
+          page.Offer({c->id, id}, std::move(gs));
+        }
       }
-    }
-    return grpc::Status::OK;
+    });
   }
 
-  grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
+  grpc::Status ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest* req,
                             v1::ListSessionsResponse* resp) override {
     const AdminPlace place(in_progress_, *d_);
     if (!place.admitted()) return place.refusal();
-    for (auto& c : d_->Clients()) {
-      std::lock_guard<std::mutex> lock(c->mu);
-      for (auto& [id, s] : c->sessions) FillSessionState(*c, id, *s, resp->add_sessions());
-    }
-    return grpc::Status::OK;
+    return ListPage(*req, resp, resp->mutable_sessions(),
+                    [&](PageBuilder<v1::SessionState>& page) {
+      for (auto& c : d_->Clients()) {
+        std::lock_guard<std::mutex> lock(c->mu);
+        for (auto& [id, s] : c->sessions) {
+          if (!page.Wants({id, 0})) continue;
+          v1::SessionState state;
+          FillSessionState(*c, id, *s, &state);
+          page.Offer({id, 0}, std::move(state));
+        }
+      }
+    });
   }
 
   grpc::Status GetSession(grpc::ServerContext*, const v1::GetSessionRequest* req,
@@ -1196,25 +1228,29 @@ class AdminService final : public v1::Admin::Service {
         absl::NotFoundError(StrCat("session_id: ", req->session_id(), " is not open here")));
   }
 
-  grpc::Status ListSlots(grpc::ServerContext*, const v1::ListSlotsRequest*,
+  grpc::Status ListSlots(grpc::ServerContext*, const v1::ListSlotsRequest* req,
                          v1::ListSlotsResponse* resp) override {
     const AdminPlace place(in_progress_, *d_);
     if (!place.admitted()) return place.refusal();
     const absl::Time now = absl::Now();
-    for (auto& c : d_->Clients()) {
-      for (const auto& s : c->SessionsNow()) {  // without the client's lock (Daemon::Gauges)
-        for (const Session::SlotView& v : s->Slots()) {
-          v1::SlotState* st = resp->add_slots();
-          st->set_session_id(s->id());
-          st->set_slot(v.slot);
-          st->set_state(Session::SlotStateName(v.state));
-          st->set_owner_client_id(c->id);
-          st->set_epoch(v.epoch);
-          st->set_age_ms(absl::ToInt64Milliseconds(now - v.since));
+    return ListPage(*req, resp, resp->mutable_slots(), [&](PageBuilder<v1::SlotState>& page) {
+      for (auto& c : d_->Clients()) {
+        for (const auto& s : c->SessionsNow()) {  // without the client's lock (Daemon::Gauges)
+          for (const Session::SlotView& v : s->Slots()) {
+            const PageKey key{s->id(), static_cast<uint64_t>(v.slot)};
+            if (!page.Wants(key)) continue;
+            v1::SlotState st;
+            st.set_session_id(s->id());
+            st.set_slot(v.slot);
+            st.set_state(Session::SlotStateName(v.state));
+            st.set_owner_client_id(c->id);
+            st.set_epoch(v.epoch);
+            st.set_age_ms(absl::ToInt64Milliseconds(now - v.since));
+            page.Offer(key, std::move(st));
+          }
         }
       }
-    }
-    return grpc::Status::OK;
+    });
   }
 
   grpc::Status ListRecentCalls(grpc::ServerContext*, const v1::ListRecentCallsRequest* req,

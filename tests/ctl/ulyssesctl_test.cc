@@ -117,10 +117,28 @@ class FakeAdmin final : public v1::Admin::Service {
     }
     return grpc::Status::OK;
   }
-  grpc::Status ListClients(grpc::ServerContext*, const v1::ListClientsRequest*,
+  // SampleClients() a page at a time: the token is the index of the page's first client (with
+  // repeat_token, always the same token: a listing that never ends).
+  grpc::Status ListClients(grpc::ServerContext*, const v1::ListClientsRequest* req,
                            v1::ListClientsResponse* out) override {
-    *out = testing::SampleClients();
+    const v1::ListClientsResponse all = testing::SampleClients();
+    const int from = req->page_token().empty() ? 0 : std::stoi(req->page_token());
+    const int size = req->page_size() > 0 ? req->page_size() : all.clients_size();
+    for (int i = from; i < std::min(from + size, all.clients_size()); ++i)
+      *out->add_clients() = all.clients(i);
+    std::lock_guard<std::mutex> lock(mu_);
+    client_page_sizes_.push_back(req->page_size());
+    if (repeat_token_) out->set_next_page_token("1");
+    else if (from + size < all.clients_size()) out->set_next_page_token(std::to_string(from + size));
     return grpc::Status::OK;
+  }
+  std::vector<int> client_page_sizes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return client_page_sizes_;
+  }
+  void set_repeat_token(bool v) {
+    std::lock_guard<std::mutex> lock(mu_);
+    repeat_token_ = v;
   }
   grpc::Status ListGroups(grpc::ServerContext*, const v1::ListGroupsRequest*,
                           v1::ListGroupsResponse* out) override {
@@ -236,6 +254,8 @@ class FakeAdmin final : public v1::Admin::Service {
   int polls_until_idle_ = 0;
   int polls_until_undrained_ = -1;
   int last_limit_ = -1;
+  std::vector<int> client_page_sizes_;
+  bool repeat_token_ = false;
   std::string metrics_text_ = testing::SampleMetricsText();
 };
 
@@ -399,6 +419,33 @@ TEST_F(UlyssesctlTest, Clients) {
   EXPECT_EQ(j["clients"][0]["name"], "trainer-rank0");
   EXPECT_EQ(j["clients"][0]["buffer_bytes"], 13107200);
   EXPECT_EQ(j["clients"][1]["calls"].get<std::uint64_t>(), 18'446'744'073'709'551'615ULL);
+}
+
+TEST_F(UlyssesctlTest, ListingsAreReadPageAfterPage) {
+  StartDaemon();
+  const json j = RunJson("clients", {"--page-size", "1"});
+  EXPECT_EQ(j, ClientsToJson(testing::SampleClients()));
+  EXPECT_EQ(daemon_->admin().client_page_sizes(), (std::vector<int>{1, 1}));
+  const Result table = Run({"clients", "--page-size", "1"});
+  EXPECT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_EQ(std::count(table.out.begin(), table.out.end(), '\n'), 3);
+  // Without --page-size the daemon picks (0 asks for its default).
+  EXPECT_EQ(RunJson("clients"), ClientsToJson(testing::SampleClients()));
+  EXPECT_EQ(daemon_->admin().client_page_sizes().back(), 0);
+  for (const char* bad : {"-1", "1001", "x"}) {
+    const Result r = Run({"clients", "--page-size", bad});
+    EXPECT_NE(r.exit_code, 0) << bad;
+    EXPECT_NE(r.err.find("--page-size"), std::string::npos) << bad << ": " << r.err;
+  }
+}
+
+TEST_F(UlyssesctlTest, AListingThatNeverEndsIsAFailure) {
+  StartDaemon();
+  daemon_->admin().set_repeat_token(true);
+  const Result r = Run({"clients", "--page-size", "1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.out, "");
+  EXPECT_NE(r.err.find("did not end"), std::string::npos) << r.err;
 }
 
 TEST_F(UlyssesctlTest, Groups) {

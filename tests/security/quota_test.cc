@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -507,6 +508,89 @@ TEST_F(QuotaTest, AdminRequestsInProgressAreBoundedPerSocket) {
   EXPECT_TRUE(held[1].ok()) << held[1].error_message();
   EXPECT_TRUE(get_state(*admin_).ok());  // places free again
   ::unlink(release.c_str());
+}
+
+// Admin listings are as long as what the clients hold: they come in pages, each of a bounded
+// size, which together list every entry once, in order.
+TEST_F(QuotaTest, AdminListingsComeInPages) {
+  StartWithLimits("{}");
+  auto a = Connect("a");
+  auto b = Connect("b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  absl::StatusOr<client::Group> ga = Solo(*a, "a"), gb = Solo(*b, "b");
+  ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
+  client::SessionSpec spec = TinySpec();
+  spec.num_slots = 2;
+  std::vector<std::unique_ptr<client::Session>> held;
+  for (int i = 0; i < 5; ++i) {
+    auto s = (i % 2 ? b : a)->CreateSession(i % 2 ? *gb : *ga, spec);
+    ASSERT_TRUE(s.ok()) << s.status();
+    held.push_back(std::move(*s));
+  }
+  std::vector<uint64_t> sessions;
+  std::vector<std::pair<uint64_t, int>> slots;
+  std::string token;
+  int pages = 0;
+  do {
+    v1::ListSessionsRequest req;
+    req.set_page_size(2);
+    req.set_page_token(token);
+    v1::ListSessionsResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(admin_->ListSessions(&ctx, req, &resp).ok());
+    EXPECT_LE(resp.sessions_size(), 2);
+    for (const auto& s : resp.sessions()) sessions.push_back(s.info().session_id());
+    token = resp.next_page_token();
+    ASSERT_LT(++pages, 10);
+  } while (!token.empty());
+  EXPECT_EQ(pages, 3);
+  ASSERT_EQ(sessions.size(), 5u);
+  EXPECT_TRUE(std::is_sorted(sessions.begin(), sessions.end()));
+  EXPECT_EQ(std::adjacent_find(sessions.begin(), sessions.end()), sessions.end());
+  do {
+    v1::ListSlotsRequest req;
+    req.set_page_size(3);
+    req.set_page_token(token);
+    v1::ListSlotsResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(admin_->ListSlots(&ctx, req, &resp).ok());
+    EXPECT_LE(resp.slots_size(), 3);
+    for (const auto& s : resp.slots()) slots.push_back({s.session_id(), s.slot()});
+    token = resp.next_page_token();
+  } while (!token.empty());
+  std::vector<std::pair<uint64_t, int>> want;
+  for (uint64_t id : sessions) want.insert(want.end(), {{id, 0}, {id, 1}});
+  EXPECT_EQ(slots, want);
+  // The default page holds them all; groups and clients page alike.
+  v1::ListGroupsRequest groups_req;
+  groups_req.set_page_size(1);
+  v1::ListGroupsResponse groups;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(admin_->ListGroups(&ctx, groups_req, &groups).ok());
+  }
+  EXPECT_EQ(groups.groups_size(), 1);
+  EXPECT_FALSE(groups.next_page_token().empty());
+  v1::ListClientsResponse clients;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(admin_->ListClients(&ctx, {}, &clients).ok());
+  }
+  EXPECT_EQ(clients.clients_size(), 2);
+  EXPECT_EQ(clients.next_page_token(), "");
+  // A size below zero, or a token the daemon cannot read, names its argument.
+  for (auto [size, bad] : {std::pair<int, const char*>{-1, ""}, {0, "not-a-token"}}) {
+    v1::ListSessionsRequest req;
+    req.set_page_size(size);
+    req.set_page_token(bad);
+    v1::ListSessionsResponse resp;
+    grpc::ClientContext ctx;
+    const grpc::Status st = admin_->ListSessions(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find(size < 0 ? "page_size" : "page_token"), std::string::npos)
+        << st.error_message();
+  }
 }
 
 // Sessions: each holds descriptors and mappings of the daemon's, so one client, the clients
