@@ -124,8 +124,9 @@ absl::StatusOr<DaemonConfig> ParseDaemonConfig(const std::string& json_text, int
   }
   if (root.contains("slots")) {
     const json& s = root["slots"];
-    ULY_RETURN_IF_ERROR(CheckKeys(s, "slots", {"memory_budget_bytes"}));
+    ULY_RETURN_IF_ERROR(CheckKeys(s, "slots", {"memory_budget_bytes", "uid_share_percent"}));
     ULY_RETURN_IF_ERROR(Read(s, "memory_budget_bytes", "slots", &c.slot_memory_budget_bytes));
+    ULY_RETURN_IF_ERROR(Read(s, "uid_share_percent", "slots", &c.slot_uid_share_percent));
   }
   if (root.contains("limits")) {
     const json& l = root["limits"];
@@ -313,6 +314,9 @@ absl::Status ValidateDaemonConfig(const DaemonConfig& c) {
         f.count != nullptr ? c.limits.*f.count : static_cast<int64_t>(c.limits.*f.bytes > 0);
     if (value < 1) return Invalid(StrCat("limits.", f.key), StrCat("must be >= 1, got ", value));
   }
+  if (c.slot_uid_share_percent < 1 || c.slot_uid_share_percent > 100)
+    return Invalid("slots.uid_share_percent",
+                   StrCat("must be in [1, 100], got ", c.slot_uid_share_percent));
   if (c.bind_timeout_ms <= 0 || c.bind_timeout_ms > 3600 * 1000)
     return Invalid("timeouts.bind_ms", StrCat("must be in [1, 3600000], got ", c.bind_timeout_ms));
   if (c.worker_stall_ms < 0 || c.worker_stall_ms > 3600 * 1000)

@@ -629,20 +629,33 @@ void Daemon::EndGroup(const Group& g, const std::string& why) {
 
 // What sessions whose device work never ended hold stays in use: a client that keeps its
 // sessions' streams from draining uses up the budget, not the device behind it.
-absl::Status Daemon::ReserveSlotMemory(uint64_t bytes) {
+absl::Status Daemon::ReserveSlotMemory(uid_t uid, uint64_t bytes) {
   const uint64_t undrained = Session::UndrainedBytes();
+  const uint64_t budget = config_.slot_memory_budget_bytes;
   std::lock_guard<std::mutex> lock(slot_budget_->mu);
   uint64_t& reserved = slot_budget_->reserved;
   const uint64_t used = reserved + undrained;
-  if (used + bytes > config_.slot_memory_budget_bytes)
+  if (used + bytes > budget)
     return absl::ResourceExhaustedError(StrCat(
-        "slot memory: session needs ", bytes, " bytes, ", used, " of the budget ",
-        config_.slot_memory_budget_bytes, " are in use (slots.memory_budget_bytes",
+        "slot memory: session needs ", bytes, " bytes, ", used, " of the budget ", budget,
+        " are in use (slots.memory_budget_bytes",
         undrained > 0 ? StrCat("; ", undrained, " of them kept by sessions whose device work "
                                "did not end, ulyssesd_sessions_undrained_total")
                       : "",
         ")"));
+  auto mine = slot_budget_->by_uid.try_emplace(uid, 0).first;
+  const auto percent = static_cast<uint64_t>(config_.slot_uid_share_percent);
+  const uint64_t share = budget / 100 * percent + budget % 100 * percent / 100;
+  if (mine->second + bytes > share) {
+    const uint64_t held = mine->second;
+    if (held == 0) slot_budget_->by_uid.erase(mine);
+    return absl::ResourceExhaustedError(StrCat(
+        "slot memory: session needs ", bytes, " bytes, and the sessions of uid ", uid,
+        " hold ", held, " of its share ", share, " (slots.uid_share_percent = ",
+        config_.slot_uid_share_percent, " of slots.memory_budget_bytes)"));
+  }
   reserved += bytes;
+  mine->second += bytes;
   return absl::OkStatus();
 }
 
@@ -652,17 +665,22 @@ uint64_t Daemon::slot_memory_reserved() const {
   return slot_budget_->reserved + undrained;
 }
 
-void Daemon::ReleaseSlotMemory(uint64_t bytes) { slot_budget_->Give(bytes); }
+void Daemon::ReleaseSlotMemory(uid_t uid, uint64_t bytes) { slot_budget_->Give(uid, bytes); }
 
-void Daemon::SlotBudget::Give(uint64_t bytes) {
+void Daemon::SlotBudget::Give(uid_t uid, uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mu);
   reserved -= std::min(bytes, reserved);
+  auto it = by_uid.find(uid);
+  if (it == by_uid.end()) return;
+  it->second -= std::min(bytes, it->second);
+  if (it->second == 0) by_uid.erase(it);
 }
 
 // The hold shares the budget, so a session that outlives the daemon object gives back safely.
-std::shared_ptr<const void> Daemon::SlotMemoryHold(uint64_t bytes) {
+std::shared_ptr<const void> Daemon::SlotMemoryHold(uid_t uid, uint64_t bytes) {
   std::shared_ptr<SlotBudget> budget = slot_budget_;
-  return std::shared_ptr<const void>(nullptr, [budget, bytes](const void*) { budget->Give(bytes); });
+  return std::shared_ptr<const void>(
+      nullptr, [budget, uid, bytes](const void*) { budget->Give(uid, bytes); });
 }
 
 }  // namespace ulysses::daemon

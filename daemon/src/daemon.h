@@ -249,13 +249,14 @@ class Daemon {
   /// logged). Nothing for a group of one.
   void EndGroup(const Group& g, const std::string& why);
   std::vector<std::shared_ptr<ClientRecord>> Clients();
-  /// Reserves receive-slot memory against the budget; RESOURCE_EXHAUSTED when over.
-  absl::Status ReserveSlotMemory(uint64_t bytes);
-  void ReleaseSlotMemory(uint64_t bytes);
+  /// Reserves receive-slot memory for a session of a client of `uid`, against the budget and
+  /// against the uid's share of it; RESOURCE_EXHAUSTED naming the one it would pass.
+  absl::Status ReserveSlotMemory(uid_t uid, uint64_t bytes);
+  void ReleaseSlotMemory(uid_t uid, uint64_t bytes);
   /// Takes over `bytes` reserved by ReserveSlotMemory: they are given back when the last copy
   /// of the returned hold goes (a session holds its share until it is destroyed, after its
   /// device work ended, not when it is closed).
-  std::shared_ptr<const void> SlotMemoryHold(uint64_t bytes);
+  std::shared_ptr<const void> SlotMemoryHold(uid_t uid, uint64_t bytes);
   /// What ReserveSlotMemory holds now, with what undrained sessions keep (Session::UndrainedBytes).
   uint64_t slot_memory_reserved() const;
   absl::Time started() const { return started_; }
@@ -434,7 +435,8 @@ class Daemon {
   struct SlotBudget {
     std::mutex mu;
     uint64_t reserved = 0;
-    void Give(uint64_t bytes);
+    std::map<uid_t, uint64_t> by_uid;  // the part of `reserved` each uid's sessions hold
+    void Give(uid_t uid, uint64_t bytes);
   };
   const std::shared_ptr<SlotBudget> slot_budget_ = std::make_shared<SlotBudget>();
 

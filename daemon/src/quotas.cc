@@ -264,10 +264,18 @@ void Daemon::FillQuotaGauges(GaugeSnapshot& g) {
   for (size_t i = 0; i < kNumLimits; ++i)
     g.limits.push_back({std::string(kLimitFields[i].key), kLimitFields[i].value(config_.limits),
                         refusals_[i].load(std::memory_order_relaxed)});
+  std::map<uid_t, uint64_t> slot_bytes;
+  {
+    std::lock_guard<std::mutex> lock(slot_budget_->mu);
+    slot_bytes = slot_budget_->by_uid;
+  }
   std::lock_guard<std::mutex> lock(quotas_->mu);
-  for (const auto& [uid, u] : quotas_->uids)
+  for (const auto& [uid, u] : quotas_->uids) {
+    auto slots = slot_bytes.find(uid);
     g.uids.push_back({static_cast<uint32_t>(uid), u.clients, u.buffer_bytes, u.buffers,
-                      u.sessions, u.connections, u.pending_fds});
+                      u.sessions, u.connections, u.pending_fds,
+                      slots == slot_bytes.end() ? 0 : slots->second});
+  }
 }
 
 }  // namespace ulysses::daemon

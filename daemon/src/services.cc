@@ -553,7 +553,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
     }
     if (local_.ok()) {
       const uint64_t bytes = Session::BytesNeeded(geo, backend, fused ? &fused_setup : nullptr);
-      local_ = d_->ReserveSlotMemory(bytes);
+      local_ = d_->ReserveSlotMemory(c.uid, bytes);
       if (local_.ok()) needed_ = bytes;
     }
     if (local_.ok()) {
@@ -567,27 +567,27 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
         // granularity), so that its close gives back exactly what it took.
         const uint64_t held = session_->reserved_bytes();
         if (held > needed_) {
-          local_ = d_->ReserveSlotMemory(held - needed_);
+          local_ = d_->ReserveSlotMemory(c.uid, held - needed_);
           if (local_.ok()) {
             needed_ = held;
           } else {
             session_.reset();
-            d_->ReleaseSlotMemory(needed_);
+            d_->ReleaseSlotMemory(c.uid, needed_);
             needed_ = 0;
           }
         } else if (held < needed_) {
-          d_->ReleaseSlotMemory(needed_ - held);
+          d_->ReleaseSlotMemory(c.uid, needed_ - held);
           needed_ = held;
         }
         // From here the session holds its share: it gives it back once its device work ended.
         if (session_) {
-          session_->HoldSlotMemory(d_->SlotMemoryHold(needed_));
+          session_->HoldSlotMemory(d_->SlotMemoryHold(c.uid, needed_));
           session_->HoldCharge(std::move(charge_));
           needed_ = 0;
         }
       } else {
         local_ = created.status();
-        d_->ReleaseSlotMemory(needed_);
+        d_->ReleaseSlotMemory(c.uid, needed_);
         needed_ = 0;
       }
     }
@@ -716,7 +716,7 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
     }
     if (!status.ok()) {
       session_.reset();  // gives back its share of the budget
-      d_->ReleaseSlotMemory(needed_);
+      d_->ReleaseSlotMemory(c.uid, needed_);
       return status;
     }
     {

@@ -25,7 +25,7 @@ constexpr const char* kFullConfig = R"json({
   "log_level": "debug",
   "backend": "host",
   "timeouts": {"call_ms": 1500, "peer_ms": 2500},
-  "slots": {"memory_budget_bytes": 1073741824},
+  "slots": {"memory_budget_bytes": 1073741824, "uid_share_percent": 40},
   "metrics": {"address": "127.0.0.1:9400"},
   "ready_file": "/tmp/ulysses-ready",
   "devices": [
@@ -45,6 +45,7 @@ TEST(DaemonConfigTest, FullConfigParsed) {
   EXPECT_EQ(c->call_timeout_ms, 1500);
   EXPECT_EQ(c->peer_timeout_ms, 2500);
   EXPECT_EQ(c->slot_memory_budget_bytes, 1073741824u);
+  EXPECT_EQ(c->slot_uid_share_percent, 40);
   EXPECT_EQ(c->metrics_address, "127.0.0.1:9400");
   EXPECT_EQ(c->ready_file, "/tmp/ulysses-ready");
   ASSERT_EQ(c->devices.size(), 3u);
@@ -123,6 +124,10 @@ TEST(DaemonConfigTest, WrongTypesNamed) {
   EXPECT_THAT(ParseDaemonConfig(R"({"slots": {"memory_budget_bytes": -1}})", 0),
               StatusIs(kInvalid, AllOf(HasSubstr("slots.memory_budget_bytes"),
                                        HasSubstr("negative"))));
+  for (const char* share : {"0", "101", "-5"})
+    EXPECT_THAT(ParseDaemonConfig(StrCat(R"({"slots": {"uid_share_percent": )", share, "}}"), 0),
+                StatusIs(kInvalid, HasSubstr("slots.uid_share_percent")))
+        << share;
   EXPECT_THAT(ParseDaemonConfig(R"({"timeouts": 5})", 0),
               StatusIs(kInvalid, AllOf(HasSubstr("timeouts"), HasSubstr("object"))));
   EXPECT_THAT(ParseDaemonConfig(R"({"devices": {"index": 0}})", 0),

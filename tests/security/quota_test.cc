@@ -32,12 +32,27 @@ class QuotaTest : public DaemonTest {
   void SetUp() override {}
 
   void StartWithLimits(const std::string& limits, const std::vector<std::string>& env = {}) {
-    absl::StatusOr<std::string> dir = demo::MakeRunDir();
-    ASSERT_TRUE(dir.ok()) << dir.status();
-    dir_ = *dir;
+    StartWithConfig(StrCat("{\"limits\": ", limits, "}"), env);
+  }
+
+  // (Re)starts the daemon with the config file `json`.
+  void StartWithConfig(const std::string& json, const std::vector<std::string>& env = {}) {
+    if (dir_.empty()) {
+      absl::StatusOr<std::string> dir = demo::MakeRunDir();
+      ASSERT_TRUE(dir.ok()) << dir.status();
+      dir_ = *dir;
+    }
     const std::string config = dir_ + "/limits.json";
-    std::ofstream(config) << "{\"limits\": " << limits << "}";
+    std::ofstream(config) << json;
     StartDaemon({"--config", config}, env);
+  }
+
+  // Receive-slot memory the daemon's sessions hold (GetState).
+  uint64_t SlotBytesInUse() {
+    v1::DaemonState st;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(admin_->GetState(&ctx, {}, &st).ok());
+    return st.slot_budget_used_bytes();
   }
 
   std::string Metrics() {
@@ -508,6 +523,66 @@ TEST_F(QuotaTest, AdminRequestsInProgressAreBoundedPerSocket) {
   EXPECT_TRUE(held[1].ok()) << held[1].error_message();
   EXPECT_TRUE(get_state(*admin_).ok());  // places free again
   ::unlink(release.c_str());
+}
+
+// The slot memory budget is the daemon's; with slots.uid_share_percent below 100, the sessions
+// of one uid's clients hold at most that part of it, and the rest stays for the other uids.
+TEST_F(QuotaTest, OneUidHoldsNoMoreThanItsShareOfTheSlotBudget) {
+  StartWithLimits("{}");
+  uint64_t one = 0;
+  {
+    auto probe = Connect("probe");
+    ASSERT_NE(probe, nullptr);
+    absl::StatusOr<client::Group> g = Solo(*probe, "probe");
+    ASSERT_TRUE(g.ok()) << g.status();
+    auto s = probe->CreateSession(*g, TinySpec());
+    ASSERT_TRUE(s.ok()) << s.status();
+    one = SlotBytesInUse();
+  }
+  ASSERT_GT(one, 0u);
+  // A budget of 4.5 sessions, of which one uid may hold half: 2 sessions.
+  const uint64_t budget = 4 * one + one / 2;
+  StartWithConfig(StrCat(R"({"slots": {"memory_budget_bytes": )", budget,
+                         R"(, "uid_share_percent": 50}})"));
+  auto a = Connect("a");
+  auto b = Connect("b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  absl::StatusOr<client::Group> ga = Solo(*a, "a"), gb = Solo(*b, "b");
+  ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
+  auto a1 = a->CreateSession(*ga, TinySpec());
+  auto b1 = b->CreateSession(*gb, TinySpec());
+  ASSERT_TRUE(a1.ok() && b1.ok()) << a1.status() << b1.status();
+  // Both clients are of this uid: the third session passes the share, not the budget.
+  absl::StatusOr<std::unique_ptr<client::Session>> a2 = a->CreateSession(*ga, TinySpec());
+  EXPECT_EQ(a2.status().code(), absl::StatusCode::kResourceExhausted) << a2.status();
+  EXPECT_NE(a2.status().message().find("slots.uid_share_percent"), std::string::npos)
+      << a2.status();
+  EXPECT_EQ(SlotBytesInUse(), 2 * one);
+  const std::string gauge = StrCat("ulyssesd_uid_slot_bytes{uid=\"", ::getuid(), "\"} ");
+  EXPECT_NE(Metrics().find(gauge + std::to_string(2 * one)), std::string::npos) << Metrics();
+  // A closed session gives its part back.
+  a1->reset();
+  EXPECT_TRUE(Eventually([&] { return SlotBytesInUse() == one; }));
+  auto a3 = a->CreateSession(*ga, TinySpec());
+  EXPECT_TRUE(a3.ok()) << a3.status();
+  // With the whole budget for one uid (the default), the same three sessions fit.
+  a1->reset();
+  b1->reset();
+  a3->reset();
+  a.reset();
+  b.reset();
+  StartWithConfig(StrCat(R"({"slots": {"memory_budget_bytes": )", budget, "}}"));
+  auto c = Connect("c");
+  ASSERT_NE(c, nullptr);
+  absl::StatusOr<client::Group> gc = Solo(*c, "c");
+  ASSERT_TRUE(gc.ok()) << gc.status();
+  std::vector<std::unique_ptr<client::Session>> held;
+  for (int i = 0; i < 3; ++i) {
+    auto s = c->CreateSession(*gc, TinySpec());
+    ASSERT_TRUE(s.ok()) << i << ": " << s.status();
+    held.push_back(std::move(*s));
+  }
 }
 
 // Admin listings are as long as what the clients hold: they come in pages, each of a bounded

@@ -121,6 +121,9 @@ struct DaemonConfig {
   /// wake-up; the worker's core is busy meanwhile.
   int64_t ring_spin_us = 50;
   uint64_t slot_memory_budget_bytes = 8ull << 30;  ///< receive-slot memory this daemon may hold
+  /// The part of that budget the sessions of one uid's clients may hold together, in percent
+  /// (slots.uid_share_percent): below 100, no uid can take the whole budget from the others.
+  int32_t slot_uid_share_percent = 100;
   /// GPU backends: streams probed at start to learn which share a hardware queue (a wait on
   /// one blocks the others), at the default priority; a quarter as many (at least one) more at
   /// the greatest priority, for fused plans' second streams; past them sessions are refused.
