@@ -299,10 +299,17 @@ json MessageToJson(const Message& message) {
 }
 
 json StateToJson(const v1::DaemonState& state) { return MessageToJson(state); }
-json ClientsToJson(const v1::ListClientsResponse& response) { return MessageToJson(response); }
-json GroupsToJson(const v1::ListGroupsResponse& response) { return MessageToJson(response); }
-json SessionsToJson(const v1::ListSessionsResponse& response) { return MessageToJson(response); }
-json SlotsToJson(const v1::ListSlotsResponse& response) { return MessageToJson(response); }
+// A listing as one document: every page is read, so the paging token says nothing.
+json ListingToJson(const Message& listing) {
+  json out = MessageToJson(listing);
+  out.erase("next_page_token");
+  return out;
+}
+
+json ClientsToJson(const v1::ListClientsResponse& response) { return ListingToJson(response); }
+json GroupsToJson(const v1::ListGroupsResponse& response) { return ListingToJson(response); }
+json SessionsToJson(const v1::ListSessionsResponse& response) { return ListingToJson(response); }
+json SlotsToJson(const v1::ListSlotsResponse& response) { return ListingToJson(response); }
 json RecentCallsToJson(const v1::ListRecentCallsResponse& response) {
   return MessageToJson(response);
 }
