@@ -4,6 +4,7 @@
 #include <poll.h>
 
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <utility>
 
@@ -52,6 +53,21 @@ size_t ConnectionGate::size() const {
   return held_.size();
 }
 
+std::optional<uid_t> ConnectionGate::UidOfPeer(std::string_view peer) const {
+  constexpr std::string_view kPrefix = "fd:";
+  if (peer.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
+  peer.remove_prefix(kPrefix.size());
+  int fd = -1;
+  const auto [end, ec] = std::from_chars(peer.data(), peer.data() + peer.size(), fd);
+  if (ec != std::errc() || end != peer.data() + peer.size()) return std::nullopt;
+  std::lock_guard<std::mutex> lock(mu_);
+  // The newest first: a number gRPC closed and the kernel gave to a newer connection may
+  // still be held for the older one until the gate sees that one's hang-up.
+  for (auto it = held_.rbegin(); it != held_.rend(); ++it)
+    if (it->grpc_fd == fd) return it->uid;
+  return std::nullopt;
+}
+
 void ConnectionGate::AcceptBurst() {
   auto log = Logger("main");
   for (int k = 0; k < kAcceptsPerRound; ++k) {
@@ -80,11 +96,12 @@ void ConnectionGate::AcceptBurst() {
       ended_(cred->uid);
       continue;
     }
+    const int grpc_fd = sock->release();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      held_.push_back(Held{std::move(watch), cred->uid});
+      held_.push_back(Held{std::move(watch), cred->uid, grpc_fd});
     }
-    grpc::AddInsecureChannelFromFd(server_, sock->release());
+    grpc::AddInsecureChannelFromFd(server_, grpc_fd);
   }
 }
 

@@ -17,7 +17,9 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -51,11 +53,16 @@ class ConnectionGate {
   void Stop();
   /// Connections admitted and not ended.
   size_t size() const;
+  /// The uid of the admitted connection a gRPC call came on, from the call's peer
+  /// (grpc::ServerContext::peer(), "fd:N" for a connection handed over by descriptor);
+  /// nullopt for any other peer, or one no longer held.
+  std::optional<uid_t> UidOfPeer(std::string_view peer) const;
 
  private:
   struct Held {
-    ipc::UniqueFd watch;  // the duplicate, polled for POLLRDHUP
+    ipc::UniqueFd watch;  // the duplicate, polled for POLLHUP
     uid_t uid;
+    int grpc_fd;  // the descriptor handed to gRPC (its calls' peer is "fd:<grpc_fd>")
   };
   void Loop();
   void AcceptBurst();

@@ -498,8 +498,8 @@ std::string Daemon::RenderMetrics() {
   return metrics_.Render(ULYSSES_VERSION, config_.device, backend_, identity, Gauges());
 }
 
-absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::string& name,
-                                                                   int64_t reported_pid) {
+absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(
+    const std::string& name, int64_t reported_pid, std::optional<uid_t> connection_uid) {
   ULY_RETURN_IF_ERROR(CheckName("client_name", name));
   // Linux pids are below 2^22 (PID_MAX_LIMIT).
   if (reported_pid < 0 || reported_pid >= (int64_t{1} << 22))
@@ -525,8 +525,13 @@ absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(const std::st
     ULY_RETURN_IF_ERROR(refuse_if_full());
   }
   ULY_RETURN_IF_ERROR(headroom_.Check("Attach"));
+  // Counted against its connection's uid until it binds: c is not shared yet.
+  if (connection_uid) ULY_RETURN_IF_ERROR(ChargeUnboundLocked(*c, *connection_uid));
   std::lock_guard<std::mutex> lock(mu_);
-  ULY_RETURN_IF_ERROR(refuse_if_full());
+  if (absl::Status full = refuse_if_full(); !full.ok()) {
+    ReleaseUnboundLocked(*c);
+    return full;
+  }
   clients_[c->id] = c;
   return c;
 }

@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <array>
 #include <map>
+#include <optional>
 #include <span>
 #include <memory>
 #include <mutex>
@@ -130,6 +131,9 @@ struct ClientRecord {
   uint64_t charged_bytes = 0;
   int32_t charged_buffers = 0;
   bool counted_in_uid = false;
+  /// The uid of the control connection Attach came on, counted among its unbound clients
+  /// (limits.unbound_clients_per_uid) until the client binds or goes; unset when not counted.
+  std::optional<uid_t> unbound_uid;
   int32_t groups_joining = 0;  // JoinGroup requests in progress (limits.groups_per_client)
   /// Sessions open or being created (limits.sessions_per_client): shared with their charges,
   /// which end with the sessions themselves.
@@ -197,8 +201,15 @@ class Daemon {
 
   // --- used by the services ---
   absl::StatusOr<std::shared_ptr<ClientRecord>> Authenticate(const grpc::ServerContextBase* ctx);
-  absl::StatusOr<std::shared_ptr<ClientRecord>> AttachClient(const std::string& name,
-                                                             int64_t reported_pid = 0);
+  /// `connection_uid`: the uid of the control connection Attach came on, when known (the
+  /// gate's), against which the client counts until it binds.
+  absl::StatusOr<std::shared_ptr<ClientRecord>> AttachClient(
+      const std::string& name, int64_t reported_pid = 0,
+      std::optional<uid_t> connection_uid = std::nullopt);
+  /// The uid of the control connection a call came on (ConnectionGate::UidOfPeer).
+  std::optional<uid_t> ConnectionUid(const grpc::ServerContextBase& ctx) const {
+    return control_gate_.UidOfPeer(ctx.peer());
+  }
   /// Forgets a client and releases everything it held. Idempotent; logs one line.
   void Reclaim(uint64_t client_id, const std::string& reason);
   /// Sends a frame (JSON header + optional fd) to the client over its fd socket. Waits at most
@@ -323,6 +334,10 @@ class Daemon {
   absl::Status AdmitToUidLocked(ClientRecord& c, uid_t uid);
   /// Takes `c` out of its uid's counts and drops its charges (Reclaim). Caller holds c.mu.
   void ReleaseQuotaLocked(ClientRecord& c);
+  /// Counts `c` among the unbound clients of `uid` (limits.unbound_clients_per_uid), and takes
+  /// it out of them once it bound or went (c.mu held, or `c` not shared yet).
+  absl::Status ChargeUnboundLocked(ClientRecord& c, uid_t uid);
+  void ReleaseUnboundLocked(ClientRecord& c);
   // A descriptor the bound client `c` sent and nobody claimed yet, against
   // limits.pending_fds_per_client, pending_fds_per_uid and max_pending_fds (c.mu held; only
   // the fd thread charges); given back n at a time as they are claimed or closed.
@@ -412,9 +427,11 @@ class Daemon {
     int32_t connections = 0;  // on the control socket (limits.connections_per_uid)
     int32_t pending_fds = 0;  // sent and not claimed (limits.pending_fds_per_uid)
     int32_t refused_arriving = 0;  // CreateSession refused a place, arriving all the same
+    int32_t unbound = 0;  // attached, fd socket not bound (limits.unbound_clients_per_uid)
     bool Unused() const {
       return clients == 0 && buffer_bytes == 0 && buffers == 0 && requests == 0 &&
-             sessions == 0 && connections == 0 && pending_fds == 0 && refused_arriving == 0;
+             sessions == 0 && connections == 0 && pending_fds == 0 && refused_arriving == 0 &&
+             unbound == 0;
     }
   };
   // What clients hold against the limits, per uid and all together. A session's charge

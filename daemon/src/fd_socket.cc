@@ -114,6 +114,7 @@ void Daemon::HandleHello(ipc::UniqueFd sock, const std::string& payload) {
       admitted = AdmitToUidLocked(*c, cred->uid);
     }
     if (admitted.ok()) {
+      ReleaseUnboundLocked(*c);
       c->pid = cred->pid;
       c->uid = cred->uid;
       c->fd_socket = std::move(sock);

@@ -42,7 +42,34 @@ absl::Status Daemon::AdmitToUidLocked(ClientRecord& c, uid_t uid) {
   return absl::OkStatus();
 }
 
+absl::Status Daemon::ChargeUnboundLocked(ClientRecord& c, uid_t uid) {
+  std::lock_guard<std::mutex> lock(quotas_->mu);
+  UidUsage& u = quotas_->uids[uid];
+  if (u.unbound >= config_.limits.unbound_clients_per_uid) {
+    const int32_t unbound = u.unbound;
+    if (u.Unused()) quotas_->uids.erase(uid);
+    return RefuseOverLimit(Limit::kUnboundClientsPerUid,
+                           StrCat("uid ", uid, " has ", unbound,
+                                  " attached clients that have not bound their fd socket yet"));
+  }
+  ++u.unbound;
+  c.unbound_uid = uid;
+  return absl::OkStatus();
+}
+
+void Daemon::ReleaseUnboundLocked(ClientRecord& c) {
+  if (!c.unbound_uid) return;
+  std::lock_guard<std::mutex> lock(quotas_->mu);
+  auto it = quotas_->uids.find(*c.unbound_uid);
+  if (it != quotas_->uids.end()) {
+    if (it->second.unbound > 0) --it->second.unbound;
+    if (it->second.Unused()) quotas_->uids.erase(it);
+  }
+  c.unbound_uid.reset();
+}
+
 void Daemon::ReleaseQuotaLocked(ClientRecord& c) {
+  ReleaseUnboundLocked(c);
   std::lock_guard<std::mutex> lock(quotas_->mu);
   quotas_->buffers -= std::min(quotas_->buffers, c.charged_buffers);
   auto it = quotas_->uids.find(c.uid);
@@ -274,7 +301,7 @@ void Daemon::FillQuotaGauges(GaugeSnapshot& g) {
     auto slots = slot_bytes.find(uid);
     g.uids.push_back({static_cast<uint32_t>(uid), u.clients, u.buffer_bytes, u.buffers,
                       u.sessions, u.connections, u.pending_fds,
-                      slots == slot_bytes.end() ? 0 : slots->second});
+                      slots == slot_bytes.end() ? 0 : slots->second, u.unbound});
   }
 }
 

@@ -34,6 +34,7 @@ enum class Limit : int {
   kConnectionsPerUid = LimitIndex("connections_per_uid"),
   kMaxConnections = LimitIndex("max_connections"),
   kClientsPerUid = LimitIndex("clients_per_uid"),
+  kUnboundClientsPerUid = LimitIndex("unbound_clients_per_uid"),
   kBuffersPerClient = LimitIndex("buffers_per_client"),
   kBuffersPerUid = LimitIndex("buffers_per_uid"),
   kMaxBuffers = LimitIndex("max_buffers"),

@@ -777,11 +777,11 @@ class ControlService final
  public:
   explicit ControlService(Daemon* d) : d_(d) {}
 
-  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest* req,
+  grpc::Status Attach(grpc::ServerContext* ctx, const v1::AttachRequest* req,
                       v1::AttachResponse* resp) override {
     if (d_->draining()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon is draining");
     absl::StatusOr<std::shared_ptr<ClientRecord>> c =
-        d_->AttachClient(req->client_name(), req->reported_pid());
+        d_->AttachClient(req->client_name(), req->reported_pid(), d_->ConnectionUid(*ctx));
     if (!c.ok()) return ToGrpcStatus(c.status());
     resp->set_client_id((*c)->id);
     resp->set_token((*c)->token);

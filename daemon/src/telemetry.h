@@ -92,6 +92,7 @@ struct GaugeSnapshot {
     int32_t connections = 0;  ///< to the control socket
     int32_t pending_fds = 0;  ///< sent and not claimed
     uint64_t slot_bytes = 0;  ///< receive-slot memory of its sessions (slots.uid_share_percent)
+    int32_t unbound = 0;  ///< attached on its connections, fd socket not bound yet
   };
   std::vector<UidGauge> uids;
 };

@@ -31,6 +31,25 @@ bool Eventually(const std::function<bool()>& f) {
   return f();
 }
 
+// Admin with ListClients alone, which records the peer gRPC names for the call.
+class PeerRecorder final : public v1::Admin::Service {
+ public:
+  grpc::Status ListClients(grpc::ServerContext* ctx, const v1::ListClientsRequest*,
+                           v1::ListClientsResponse*) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    peer_ = ctx->peer();
+    return grpc::Status::OK;
+  }
+  std::string peer() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return peer_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::string peer_;
+};
+
 class ConnectionGateTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -79,7 +98,7 @@ class ConnectionGateTest : public ::testing::Test {
   }
 
   std::string dir_, path_;
-  v1::Admin::Service admin_;  // every method unimplemented: an answer is what is asked for
+  PeerRecorder admin_;  // other methods unimplemented: an answer is what is asked for
   std::unique_ptr<grpc::Server> server_;
   ConnectionGate gate_;
   std::mutex mu_;
@@ -124,6 +143,21 @@ TEST_F(ConnectionGateTest, StopGivesBackEveryPlaceAndRefusesNewConnections) {
   EXPECT_FALSE(ipc::ConnectUnix(path_, absl::Seconds(1)).ok());
   gate_.Stop();  // idempotent
   EXPECT_EQ(ended(), 2);
+}
+
+TEST_F(ConnectionGateTest, ACallsPeerNamesTheUidOfItsConnection) {
+  auto channel = grpc::CreateChannel("unix://" + path_, grpc::InsecureChannelCredentials());
+  auto stub = v1::Admin::NewStub(channel);
+  v1::ListClientsResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  ASSERT_TRUE(stub->ListClients(&ctx, {}, &resp).ok());
+  const std::string peer = admin_.peer();
+  EXPECT_EQ(peer.rfind("fd:", 0), 0u) << peer;
+  EXPECT_EQ(gate_.UidOfPeer(peer), std::optional<uid_t>(::geteuid())) << peer;
+  for (const char* other :
+       {"", "unix:/x", "fd:", "fd:12x", "fd:-1", "fd:999999", "ipv4:1.2.3.4:5"})
+    EXPECT_EQ(gate_.UidOfPeer(other), std::nullopt) << other;
 }
 
 }  // namespace

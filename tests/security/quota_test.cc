@@ -164,6 +164,44 @@ TEST_F(QuotaTest, AttachedClientsAreBounded) {
   EXPECT_NE(m.find("ulyssesd_limit_refusals_total{limit=\"max_clients\"} 1"), std::string::npos);
 }
 
+// Attach needs no proof: the clients attached on one uid's control connections and not bound
+// yet are bounded apart from max_clients, so one uid cannot hold every place of it.
+TEST_F(QuotaTest, UnboundClientsPerUidAreBounded) {
+  StartWithLimits(R"({"unbound_clients_per_uid": 3, "max_clients": 8})");
+  std::vector<Attached> attached;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<Attached> a = Attach();
+    ASSERT_TRUE(a.ok()) << a.status();
+    attached.push_back(*a);
+  }
+  ExpectExhausted(Attach().status(), "unbound_clients_per_uid");
+  const std::string gauge = StrCat("ulyssesd_uid_unbound_clients{uid=\"", ::getuid(), "\"} ");
+  EXPECT_NE(Metrics().find(gauge + "3"), std::string::npos) << Metrics();
+  // A client that binds no longer counts: its place among the unbound is free.
+  absl::StatusOr<ipc::UniqueFd> sock = Bind(attached[0]);
+  ASSERT_TRUE(sock.ok()) << sock.status();
+  EXPECT_TRUE(Eventually([&] { return Metrics().find(gauge + "2") != std::string::npos; }));
+  absl::StatusOr<Attached> again = Attach();
+  EXPECT_TRUE(again.ok()) << again.status();
+  ExpectExhausted(Attach().status(), "unbound_clients_per_uid");
+  // Another uid still attaches (run as root: uid 65534).
+  ExpectAnotherUidServed();
+  const std::string m = Metrics();
+  EXPECT_NE(m.find("ulyssesd_limit_refusals_total{limit=\"unbound_clients_per_uid\"} 2"),
+            std::string::npos) << m;
+  EXPECT_NE(m.find("ulyssesd_limit{limit=\"unbound_clients_per_uid\"} 3"), std::string::npos);
+}
+
+TEST_F(QuotaTest, UnboundClientsAreGivenBackWhenTheyAreReclaimed) {
+  StartWithConfig(R"({"limits": {"unbound_clients_per_uid": 2}, "timeouts": {"bind_ms": 300}})");
+  ASSERT_TRUE(Attach().ok());
+  ASSERT_TRUE(Attach().ok());
+  ExpectExhausted(Attach().status(), "unbound_clients_per_uid");
+  // Neither binds: both are reclaimed after timeouts.bind_ms, and their places come back.
+  EXPECT_TRUE(Eventually([&] { return NumClients() == 0; }));
+  EXPECT_TRUE(Attach().ok());
+}
+
 TEST_F(QuotaTest, BoundClientsPerUidAreBounded) {
   StartWithLimits(R"({"clients_per_uid": 2})");
   auto a = Connect("a");

@@ -27,6 +27,10 @@ struct DaemonLimits {
   int32_t connections_per_uid = 512;
   int32_t max_connections = 2048;
   int32_t clients_per_uid = 256;         ///< bound clients of one uid
+  /// Attached clients of one uid (the uid of the control connection their Attach came on)
+  /// that have not bound their fd socket yet: Attach needs no proof, so without it one uid
+  /// could hold every place of max_clients, again each timeouts.bind_ms.
+  int32_t unbound_clients_per_uid = 128;
   int32_t buffers_per_client = 4096;     ///< buffers one client holds
   /// Buffers all clients of one uid hold together. Each holds a mapping of the daemon's (a
   /// memfd's, or device memory's), and the kernel allows a process only so many
@@ -78,11 +82,12 @@ struct LimitField {
 
 /// Every limit, once: the config reads and checks them from here, and the daemon's refusals
 /// and metrics name them from here (in this order).
-inline constexpr std::array<LimitField, 19> kLimitFields = {{
+inline constexpr std::array<LimitField, 20> kLimitFields = {{
     {"max_clients", &DaemonLimits::max_clients},
     {"connections_per_uid", &DaemonLimits::connections_per_uid},
     {"max_connections", &DaemonLimits::max_connections},
     {"clients_per_uid", &DaemonLimits::clients_per_uid},
+    {"unbound_clients_per_uid", &DaemonLimits::unbound_clients_per_uid},
     {"buffers_per_client", &DaemonLimits::buffers_per_client},
     {"buffers_per_uid", &DaemonLimits::buffers_per_uid},
     {"max_buffers", &DaemonLimits::max_buffers},
