@@ -84,6 +84,11 @@ class ConnectionGateTest : public ::testing::Test {
     server_->Shutdown(std::chrono::system_clock::now());
     ::rmdir(dir_.c_str());
   }
+  // A stub on a channel of its own to the gate's socket.
+  std::unique_ptr<v1::Admin::Stub> NewStub() {
+    return v1::Admin::NewStub(
+        grpc::CreateChannel("unix://" + path_, grpc::InsecureChannelCredentials()));
+  }
   int held() {
     std::lock_guard<std::mutex> lock(mu_);
     return held_;
@@ -107,8 +112,7 @@ class ConnectionGateTest : public ::testing::Test {
 };
 
 TEST_F(ConnectionGateTest, AdmittedConnectionsAreServedAndTheRestClosed) {
-  auto channel = grpc::CreateChannel("unix://" + path_, grpc::InsecureChannelCredentials());
-  auto stub = v1::Admin::NewStub(channel);
+  auto stub = NewStub();
   v1::DaemonState st;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -146,8 +150,7 @@ TEST_F(ConnectionGateTest, StopGivesBackEveryPlaceAndRefusesNewConnections) {
 }
 
 TEST_F(ConnectionGateTest, ACallsPeerNamesTheUidOfItsConnection) {
-  auto channel = grpc::CreateChannel("unix://" + path_, grpc::InsecureChannelCredentials());
-  auto stub = v1::Admin::NewStub(channel);
+  auto stub = NewStub();
   v1::ListClientsResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));

@@ -112,6 +112,24 @@ class QuotaTest : public DaemonTest {
     }
   }
 
+  // Two clients of this uid, "a" and "b", each the one rank of a group of its own.
+  struct SoloPair {
+    std::unique_ptr<client::Client> a, b;
+    absl::StatusOr<client::Group> ga = absl::UnknownError("not joined"), gb = ga;
+    bool ok() const { return ga.ok() && gb.ok(); }
+  };
+  SoloPair TwoSoloClients() {
+    SoloPair p;
+    p.a = Connect("a");
+    p.b = Connect("b");
+    if (p.a != nullptr && p.b != nullptr) {
+      p.ga = Solo(*p.a, "a");
+      p.gb = Solo(*p.b, "b");
+    }
+    EXPECT_TRUE(p.ok()) << p.ga.status() << p.gb.status();
+    return p;
+  }
+
   // A one-rank group of `c` on this daemon.
   absl::StatusOr<client::Group> Solo(client::Client& c, const std::string& name) {
     return c.JoinGroup({name, 1, 0, {daemon_.socket()}, "auto", 10000});
@@ -582,12 +600,12 @@ TEST_F(QuotaTest, OneUidHoldsNoMoreThanItsShareOfTheSlotBudget) {
   const uint64_t budget = 4 * one + one / 2;
   StartWithConfig(StrCat(R"({"slots": {"memory_budget_bytes": )", budget,
                          R"(, "uid_share_percent": 50}})"));
-  auto a = Connect("a");
-  auto b = Connect("b");
-  ASSERT_NE(a, nullptr);
-  ASSERT_NE(b, nullptr);
-  absl::StatusOr<client::Group> ga = Solo(*a, "a"), gb = Solo(*b, "b");
-  ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
+  SoloPair pair = TwoSoloClients();
+  ASSERT_TRUE(pair.ok());
+  std::unique_ptr<client::Client>& a = pair.a;
+  std::unique_ptr<client::Client>& b = pair.b;
+  absl::StatusOr<client::Group>& ga = pair.ga;
+  absl::StatusOr<client::Group>& gb = pair.gb;
   auto a1 = a->CreateSession(*ga, TinySpec());
   auto b1 = b->CreateSession(*gb, TinySpec());
   ASSERT_TRUE(a1.ok() && b1.ok()) << a1.status() << b1.status();
@@ -627,12 +645,12 @@ TEST_F(QuotaTest, OneUidHoldsNoMoreThanItsShareOfTheSlotBudget) {
 // size, which together list every entry once, in order.
 TEST_F(QuotaTest, AdminListingsComeInPages) {
   StartWithLimits("{}");
-  auto a = Connect("a");
-  auto b = Connect("b");
-  ASSERT_NE(a, nullptr);
-  ASSERT_NE(b, nullptr);
-  absl::StatusOr<client::Group> ga = Solo(*a, "a"), gb = Solo(*b, "b");
-  ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
+  SoloPair pair = TwoSoloClients();
+  ASSERT_TRUE(pair.ok());
+  std::unique_ptr<client::Client>& a = pair.a;
+  std::unique_ptr<client::Client>& b = pair.b;
+  absl::StatusOr<client::Group>& ga = pair.ga;
+  absl::StatusOr<client::Group>& gb = pair.gb;
   client::SessionSpec spec = TinySpec();
   spec.num_slots = 2;
   std::vector<std::unique_ptr<client::Session>> held;
@@ -712,12 +730,12 @@ TEST_F(QuotaTest, AdminListingsComeInPages) {
 // descriptors return to where they were.
 TEST_F(QuotaTest, SessionsArePerClientPerUidAndInAll) {
   StartWithLimits(R"({"sessions_per_client": 3, "sessions_per_uid": 4, "max_sessions": 5})");
-  auto a = Connect("a");
-  auto b = Connect("b");
-  ASSERT_NE(a, nullptr);
-  ASSERT_NE(b, nullptr);
-  absl::StatusOr<client::Group> ga = Solo(*a, "a"), gb = Solo(*b, "b");
-  ASSERT_TRUE(ga.ok() && gb.ok()) << ga.status() << gb.status();
+  SoloPair pair = TwoSoloClients();
+  ASSERT_TRUE(pair.ok());
+  std::unique_ptr<client::Client>& a = pair.a;
+  std::unique_ptr<client::Client>& b = pair.b;
+  absl::StatusOr<client::Group>& ga = pair.ga;
+  absl::StatusOr<client::Group>& gb = pair.gb;
   const client::SessionSpec spec = TinySpec();
   const int baseline = CountFds(daemon_.pid());
   std::vector<std::unique_ptr<client::Session>> held;
