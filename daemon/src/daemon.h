@@ -441,6 +441,7 @@ class Daemon {
     std::mutex mu;
     std::map<uid_t, UidUsage> uids;
     int32_t buffers = 0;   // limits.max_buffers
+    uint64_t buffer_bytes = 0;  // limits.max_buffer_bytes
     int32_t sessions = 0;  // limits.max_sessions
     int32_t connections = 0;  // limits.max_connections
     int32_t pending_fds = 0;  // limits.max_pending_fds

@@ -62,19 +62,34 @@ class PageBuilder {
   }
 
   /// The page's entries in key order; `*next_token` is the next page's token, or empty when no
-  /// entry was offered past this page.
-  std::vector<Entry> Take(std::string* next_token) {
+  /// entry was offered past this page. With `max_bytes` > 0 the page ends early, before the
+  /// entry that would take it past `max_bytes` as `bytes(entry)` counts them (it keeps one
+  /// entry at least), so that no answer outgrows what a client may receive.
+  template <typename Bytes>
+  std::vector<Entry> Take(std::string* next_token, Bytes bytes, size_t max_bytes) {
     std::sort_heap(heap_.begin(), heap_.end(), Less);
-    next_token->clear();
-    if (heap_.size() > request_.size) {
-      heap_.pop_back();
-      if (!heap_.empty()) *next_token = PageToken(heap_.back().first);
+    bool more = heap_.size() > request_.size;
+    if (more) heap_.pop_back();
+    size_t keep = 0, total = 0;
+    for (; keep < heap_.size(); ++keep) {
+      const size_t b = max_bytes > 0 ? static_cast<size_t>(bytes(heap_[keep].second)) : 0;
+      if (keep > 0 && max_bytes > 0 && total + b > max_bytes) break;
+      total += b;
     }
+    if (keep < heap_.size()) {
+      heap_.resize(keep);
+      more = true;
+    }
+    next_token->clear();
+    if (more && !heap_.empty()) *next_token = PageToken(heap_.back().first);
     std::vector<Entry> out;
     out.reserve(heap_.size());
     for (auto& [key, entry] : heap_) out.push_back(std::move(entry));
     heap_.clear();
     return out;
+  }
+  std::vector<Entry> Take(std::string* next_token) {
+    return Take(next_token, [](const Entry&) { return size_t{0}; }, 0);
   }
 
  private:

@@ -72,6 +72,7 @@ void Daemon::ReleaseQuotaLocked(ClientRecord& c) {
   ReleaseUnboundLocked(c);
   std::lock_guard<std::mutex> lock(quotas_->mu);
   quotas_->buffers -= std::min(quotas_->buffers, c.charged_buffers);
+  quotas_->buffer_bytes -= std::min(quotas_->buffer_bytes, c.charged_bytes);
   auto it = quotas_->uids.find(c.uid);
   if (it != quotas_->uids.end()) {
     UidUsage& u = it->second;
@@ -104,17 +105,28 @@ absl::Status Daemon::ChargeBuffer(ClientRecord& c, uint64_t bytes) {
     if (quotas_->buffers >= l.max_buffers)
       return RefuseOverLimit(Limit::kMaxBuffers,
                              StrCat("the daemon's clients hold ", quotas_->buffers, " buffers"));
-    UidUsage& u = quotas_->uids[c.uid];
-    if (u.buffers >= l.buffers_per_uid)
-      return RefuseOverLimit(Limit::kBuffersPerUid,
-                             StrCat("uid ", c.uid, " holds ", u.buffers, " buffers"));
-    if (bytes > l.buffer_bytes_per_uid - std::min(u.buffer_bytes, l.buffer_bytes_per_uid))
-      return RefuseOverLimit(Limit::kBufferBytesPerUid,
-                             StrCat("uid ", c.uid, " holds ", u.buffer_bytes,
+    if (bytes > l.max_buffer_bytes - std::min(quotas_->buffer_bytes, l.max_buffer_bytes))
+      return RefuseOverLimit(Limit::kMaxBufferBytes,
+                             StrCat("the daemon's clients hold ", quotas_->buffer_bytes,
                                     " buffer bytes; ", bytes, " more do not fit"));
+    auto it = quotas_->uids.try_emplace(c.uid).first;
+    UidUsage& u = it->second;
+    absl::Status refused;
+    if (u.buffers >= l.buffers_per_uid)
+      refused = RefuseOverLimit(Limit::kBuffersPerUid,
+                                StrCat("uid ", c.uid, " holds ", u.buffers, " buffers"));
+    else if (bytes > l.buffer_bytes_per_uid - std::min(u.buffer_bytes, l.buffer_bytes_per_uid))
+      refused = RefuseOverLimit(Limit::kBufferBytesPerUid,
+                                StrCat("uid ", c.uid, " holds ", u.buffer_bytes,
+                                       " buffer bytes; ", bytes, " more do not fit"));
+    if (!refused.ok()) {
+      if (u.Unused()) quotas_->uids.erase(it);
+      return refused;
+    }
     u.buffer_bytes += bytes;
     ++u.buffers;
     ++quotas_->buffers;
+    quotas_->buffer_bytes += bytes;
   }
   c.charged_bytes += bytes;
   ++c.charged_buffers;
@@ -131,6 +143,7 @@ void Daemon::UnchargeBuffer(ClientRecord& c, uint64_t bytes) {
   if (had_buffer) --c.charged_buffers;
   std::lock_guard<std::mutex> quota(quotas_->mu);
   if (had_buffer && quotas_->buffers > 0) --quotas_->buffers;
+  quotas_->buffer_bytes -= std::min(quotas_->buffer_bytes, n);
   auto it = quotas_->uids.find(c.uid);
   if (it == quotas_->uids.end()) return;
   it->second.buffer_bytes -= std::min(it->second.buffer_bytes, n);

@@ -40,6 +40,7 @@ enum class Limit : int {
   kMaxBuffers = LimitIndex("max_buffers"),
   kBufferBytesPerClient = LimitIndex("buffer_bytes_per_client"),
   kBufferBytesPerUid = LimitIndex("buffer_bytes_per_uid"),
+  kMaxBufferBytes = LimitIndex("max_buffer_bytes"),
   kPendingFdsPerClient = LimitIndex("pending_fds_per_client"),
   kPendingFdsPerUid = LimitIndex("pending_fds_per_uid"),
   kMaxPendingFds = LimitIndex("max_pending_fds"),

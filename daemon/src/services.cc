@@ -81,7 +81,10 @@ void FillSessionInfo(const Session& s, const Group& g, v1::SessionInfo* out) {
 }
 
 // One page of an Admin listing: `fill` offers the entries to the page, which goes into `out`
-// (the response's repeated field), with the next page's token.
+// (the response's repeated field), with the next page's token. A page also ends before 3 MiB
+// of entries (a group's members alone can take 16 KiB), below gRPC's 4 MiB a client receives.
+constexpr size_t kMaxPageBytes = 3 << 20;
+
 template <typename Request, typename Response, typename Entry, typename Fill>
 grpc::Status ListPage(const Request& req, Response* resp,
                       google::protobuf::RepeatedPtrField<Entry>* out, Fill fill) {
@@ -90,7 +93,8 @@ grpc::Status ListPage(const Request& req, Response* resp,
   PageBuilder<Entry> page(*request);
   fill(page);
   std::string next;
-  std::vector<Entry> entries = page.Take(&next);
+  std::vector<Entry> entries =
+      page.Take(&next, [](const Entry& e) { return e.ByteSizeLong(); }, kMaxPageBytes);
   out->Reserve(static_cast<int>(entries.size()));
   for (Entry& e : entries) *out->Add() = std::move(e);
   resp->set_next_page_token(std::move(next));
@@ -780,8 +784,15 @@ class ControlService final
   grpc::Status Attach(grpc::ServerContext* ctx, const v1::AttachRequest* req,
                       v1::AttachResponse* resp) override {
     if (d_->draining()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "daemon is draining");
+    // Every Control call comes through the gate. No uid means the connection already ended
+    // (its caller could not take the answer): nothing is attached uncounted. Looked up before
+    // the cancellation is checked, as gRPC cancels a connection's calls before it closes the
+    // descriptor, which a newer connection may then get.
+    const std::optional<uid_t> uid = d_->ConnectionUid(*ctx);
+    if (!uid || ctx->IsCancelled())
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the connection of this Attach ended");
     absl::StatusOr<std::shared_ptr<ClientRecord>> c =
-        d_->AttachClient(req->client_name(), req->reported_pid(), d_->ConnectionUid(*ctx));
+        d_->AttachClient(req->client_name(), req->reported_pid(), uid);
     if (!c.ok()) return ToGrpcStatus(c.status());
     resp->set_client_id((*c)->id);
     resp->set_token((*c)->token);

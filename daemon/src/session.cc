@@ -181,7 +181,7 @@ int Session::Poison() {
         !NotHeldLocked(s))
       continue;
     if (absl::Status st = transport_->Poison(s); !st.ok()) {
-      Warn(StrCat("poison slot ", s, ": ", st.message()));
+      Warn(StrCat("slot ", s, ": poison: ", st.message()));
       continue;
     }
     ++n;

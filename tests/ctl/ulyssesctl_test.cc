@@ -129,7 +129,8 @@ class FakeAdmin final : public v1::Admin::Service {
     std::lock_guard<std::mutex> lock(mu_);
     client_page_sizes_.push_back(req->page_size());
     if (repeat_token_) out->set_next_page_token("1");
-    else if (from + size < all.clients_size()) out->set_next_page_token(std::to_string(from + size));
+    else if (from + size < all.clients_size())
+      out->set_next_page_token(std::to_string(from + size));
     return grpc::Status::OK;
   }
   std::vector<int> client_page_sizes() {

@@ -86,6 +86,35 @@ TEST(PageBuilder, ItHoldsNoMoreThanOneEntryPastItsPage) {
   EXPECT_EQ(token, "3.0");
 }
 
+TEST(PageBuilder, APageEndsBeforeItsBytesPassTheBound) {
+  // Entries of 10 "bytes" each, 25 a page at most 45 bytes: 4 a page, never an empty one.
+  auto ten = [](const PageKey&) { return size_t{10}; };
+  std::vector<PageKey> seen;
+  std::string token;
+  int pages = 0;
+  do {
+    absl::StatusOr<PageRequest> r = ParsePageRequest(25, token);
+    ASSERT_TRUE(r.ok());
+    PageBuilder<PageKey> page(*r);
+    for (uint64_t k = 0; k < 10; ++k) page.Offer({k, 0}, {k, 0});
+    const std::vector<PageKey> got = page.Take(&token, ten, 45);
+    EXPECT_EQ(got.size(), token.empty() ? 2u : 4u);
+    seen.insert(seen.end(), got.begin(), got.end());
+    ASSERT_LT(++pages, 10);
+  } while (!token.empty());
+  EXPECT_EQ(pages, 3);
+  ASSERT_EQ(seen.size(), 10u);
+  for (uint64_t k = 0; k < 10; ++k) EXPECT_EQ(seen[k], (PageKey{k, 0}));
+  // An entry larger than the bound alone still makes a page.
+  absl::StatusOr<PageRequest> r = ParsePageRequest(5, "");
+  ASSERT_TRUE(r.ok());
+  PageBuilder<PageKey> page(*r);
+  page.Offer({1, 0}, {1, 0});
+  page.Offer({2, 0}, {2, 0});
+  EXPECT_EQ(page.Take(&token, ten, 5), (std::vector<PageKey>{{1, 0}}));
+  EXPECT_EQ(token, "1.0");
+}
+
 TEST(ParsePageRequest, SizesAreDefaultedAndCapped) {
   EXPECT_EQ(ParsePageRequest(0, "")->size, static_cast<size_t>(PageRequest::kDefaultSize));
   EXPECT_EQ(ParsePageRequest(7, "")->size, 7u);

@@ -858,6 +858,27 @@ TEST_F(QuotaTest, CollectiveRequestsCountAmongRequestsInProgress) {
 }
 
 // Buffers of all clients together: each is a mapping of the daemon's, whatever uid holds it.
+TEST_F(QuotaTest, BufferBytesOfAllClientsAreBounded) {
+  StartWithLimits(R"({"max_buffer_bytes": 12288})");
+  auto a = Connect("a");
+  auto b = Connect("b");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  absl::StatusOr<client::Buffer> a1 = a->AllocBuffer(8192, "a1");
+  ASSERT_TRUE(a1.ok()) << a1.status();
+  ASSERT_TRUE(b->AllocBuffer(4096, "b1").ok());
+  ExpectExhausted(b->AllocBuffer(4096, "b2").status(), "max_buffer_bytes");
+  // Freed bytes, and the bytes of a client that goes, come back.
+  ASSERT_TRUE(a->FreeBuffer(a1->id).ok());
+  absl::StatusOr<client::Buffer> b2 = b->AllocBuffer(4096, "b2");
+  ASSERT_TRUE(b2.ok()) << b2.status();
+  ASSERT_TRUE(a->AllocBuffer(4096, "a2").ok());
+  ExpectExhausted(b->AllocBuffer(4096, "b3").status(), "max_buffer_bytes");
+  a.reset();
+  EXPECT_TRUE(Eventually([&] { return b->AllocBuffer(4096, "b3").ok(); }));
+  ExpectExhausted(b->AllocBuffer(1, "b4").status(), "max_buffer_bytes");
+}
+
 TEST_F(QuotaTest, BuffersOfAllClientsAreBounded) {
   StartWithLimits(R"({"max_buffers": 3})");
   auto a = Connect("a");

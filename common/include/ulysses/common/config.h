@@ -42,6 +42,7 @@ struct DaemonLimits {
   int32_t max_buffers = 32768;
   uint64_t buffer_bytes_per_client = 256ull << 30;  ///< bytes of those buffers
   uint64_t buffer_bytes_per_uid = 512ull << 30;     ///< bytes of all buffers of one uid
+  uint64_t max_buffer_bytes = 1ull << 40;           ///< bytes of all buffers of all clients
   int32_t pending_fds_per_client = 64;   ///< descriptors sent but not yet claimed by RegisterBuffer
   /// The same for all clients of one uid together, and for all clients together: unclaimed
   /// descriptors are the daemon's own.
@@ -82,7 +83,7 @@ struct LimitField {
 
 /// Every limit, once: the config reads and checks them from here, and the daemon's refusals
 /// and metrics name them from here (in this order).
-inline constexpr std::array<LimitField, 20> kLimitFields = {{
+inline constexpr std::array<LimitField, 21> kLimitFields = {{
     {"max_clients", &DaemonLimits::max_clients},
     {"connections_per_uid", &DaemonLimits::connections_per_uid},
     {"max_connections", &DaemonLimits::max_connections},
@@ -93,6 +94,7 @@ inline constexpr std::array<LimitField, 20> kLimitFields = {{
     {"max_buffers", &DaemonLimits::max_buffers},
     {"buffer_bytes_per_client", nullptr, &DaemonLimits::buffer_bytes_per_client},
     {"buffer_bytes_per_uid", nullptr, &DaemonLimits::buffer_bytes_per_uid},
+    {"max_buffer_bytes", nullptr, &DaemonLimits::max_buffer_bytes},
     {"pending_fds_per_client", &DaemonLimits::pending_fds_per_client},
     {"pending_fds_per_uid", &DaemonLimits::pending_fds_per_uid},
     {"max_pending_fds", &DaemonLimits::max_pending_fds},
