@@ -1,5 +1,7 @@
 #include "requests.h"
 
+#include <sys/stat.h>
+
 #include "quotas.h"
 #include "rendezvous.h"
 #include "ulysses/common/status.h"
@@ -80,6 +82,19 @@ absl::Status CheckMembers(const v1::JoinGroupRequest& req, const std::vector<Dev
                           : "the socket of a daemon in the node config's devices[]"));
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckOwnRank(const v1::JoinGroupRequest& req, const std::string& own_socket) {
+  const std::string& named = req.members(req.rank());
+  const std::string path = UnixPath(named);
+  struct stat theirs {}, mine {};
+  if (!path.empty() && ::stat(path.c_str(), &theirs) == 0 &&
+      ::stat(own_socket.c_str(), &mine) == 0 && theirs.st_dev == mine.st_dev &&
+      theirs.st_ino == mine.st_ino)
+    return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      StrCat("members[", req.rank(), "]: '", named, "' is not this daemon's socket (", own_socket,
+             "); a client joins as rank r through the daemon of members[r]"));
 }
 
 absl::StatusOr<std::string> CheckJoinRequest(const v1::JoinGroupRequest& req) {

@@ -41,6 +41,12 @@ absl::StatusOr<std::string> CheckJoinRequest(const v1::JoinGroupRequest& req);
 /// INVALID_ARGUMENT naming the first member that is not allowed.
 absl::Status CheckMembers(const v1::JoinGroupRequest& req, const std::vector<DeviceEntry>& devices);
 
+/// A client joins as rank r through the daemon of members[r] only: INVALID_ARGUMENT naming
+/// members[rank] unless it is the socket at `own_socket` (the same file, in any spelling).
+/// Rank 0 takes each arriving daemon as the rank it says (the daemons trust one another), so
+/// without this a client of any daemon could take a rank of another tenant's group.
+absl::Status CheckOwnRank(const v1::JoinGroupRequest& req, const std::string& own_socket);
+
 /// The rendezvous timeout a JoinGroup or CreateSession asks for: `timeout_ms` when > 0 (at most
 /// kMaxRendezvousTimeoutMs, else INVALID_ARGUMENT naming timeout_ms), else `default_ms`.
 absl::StatusOr<int64_t> RendezvousTimeoutMs(int64_t timeout_ms, int64_t default_ms);

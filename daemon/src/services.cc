@@ -282,6 +282,7 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
     absl::StatusOr<std::string> checked = CheckJoinRequest(req_);
     if (!checked.ok()) return checked.status();
     ULY_RETURN_IF_ERROR(CheckMembers(req_, d_->config().devices));
+    ULY_RETURN_IF_ERROR(CheckOwnRank(req_, d_->config().socket));
     requested_ = *checked;
     Backend* const nccl = d_->nccl_backend();
     if (requested_ != "auto" && requested_ != d_->backend() && !(requested_ == "nccl" && nccl))

@@ -271,6 +271,27 @@ TEST_F(GroupTest, ARankThatRefusesASessionStillArrivesAndTheCountersStayInStep) 
 // client that cut it short (ftruncate) made the next call of its daemon, and of the peer daemon
 // writing into it, die with SIGBUS; one that mapped it writable could forge the control words
 // both daemons trust.
+// Rank 0 takes each daemon that arrives as the rank it says. A client therefore joins as rank r
+// only through the daemon of members[r]: a client of daemon 0 cannot take rank 1 of a group
+// whose rank 1 is daemon 1's, and nothing of the group is left at either daemon.
+TEST_F(GroupTest, AClientJoinsAsARankOnlyThroughThatRanksDaemon) {
+  auto c = client::Client::Connect({daemons_[0].socket(), "intruder", absl::Seconds(10)});
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::StatusOr<client::Group> g = (*c)->JoinGroup({"victim", 2, 1, Members(), "auto", 2000});
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument) << g.status();
+  EXPECT_NE(g.status().message().find("members[1]"), std::string::npos) << g.status();
+  for (int r = 0; r < 2; ++r) {
+    v1::DaemonState st;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(Admin(r)->GetState(&ctx, {}, &st).ok());
+    EXPECT_EQ(st.num_groups(), 0) << r;
+  }
+  // Its own daemon, in another spelling of the same socket, is fine.
+  absl::StatusOr<client::Group> own =
+      (*c)->JoinGroup({"own", 1, 0, {"unix://" + daemons_[0].socket()}, "auto", 2000});
+  EXPECT_TRUE(own.ok()) << own.status();
+}
+
 TEST_F(GroupTest, TheSessionSegmentAClientGetsCannotBeResizedOrWritten) {
   RawClient raw;
   ASSERT_NO_FATAL_FAILURE(raw.Connect(daemons_[0].socket()));
