@@ -152,6 +152,12 @@ struct ClientRecord {
     for (const auto& [id, s] : sessions) out.push_back(s);
     return out;
   }
+  /// Its uid once its fd socket is bound (the uid is known only from then on); takes `mu`.
+  std::optional<uint32_t> BoundUid() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!fd_socket.valid()) return std::nullopt;
+    return static_cast<uint32_t>(uid);
+  }
 };
 
 /// A fused session's weights resolved against its owner's buffers: the pointers the kernels

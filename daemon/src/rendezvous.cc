@@ -56,7 +56,7 @@ RendezvousTable::~RendezvousTable() {
 absl::StatusOr<uint64_t> RendezvousTable::Arrive(const std::string& key, int world_size, int rank,
                                                  const std::string& agreement,
                                                  const std::string& payload, absl::Time deadline,
-                                                 Done done) {
+                                                 Done done, std::optional<uint32_t> client_uid) {
   ULY_RETURN_IF_ERROR(ValidateArrival(key, world_size, rank, agreement, payload));
   Answers answers;
   uint64_t id = 0;
@@ -71,8 +71,17 @@ absl::StatusOr<uint64_t> RendezvousTable::Arrive(const std::string& key, int wor
       if (entries_.size() >= kMaxPendingRendezvous)
         return absl::ResourceExhaustedError(StrCat("rendezvous ", key, ": ", entries_.size(),
                                                    " keys are pending already (the limit)"));
+      if (client_uid) {
+        const auto opened = opened_by_uid_.find(*client_uid);
+        if (opened != opened_by_uid_.end() && opened->second >= kMaxPendingRendezvousPerUid)
+          return absl::ResourceExhaustedError(
+              StrCat("rendezvous ", key, ": the clients of uid ", *client_uid, " have ",
+                     opened->second, " steps pending at rank 0's daemon already (the limit)"));
+      }
       // Built whole before it is published: no error path leaves a partial entry behind.
       auto fresh = std::make_shared<Entry>();
+      fresh->opened_by = client_uid;
+      if (client_uid) ++opened_by_uid_[*client_uid];
       fresh->serial = next_id_++;
       fresh->world_size = world_size;
       fresh->payloads.resize(world_size);
@@ -155,7 +164,13 @@ void RendezvousTable::FinishLocked(const std::string& key, Entry& e, const absl:
   deadlines_.erase({e.deadline, e.serial});
   // Every rank that took part has its answer: the key can be used again at once.
   auto it = entries_.find(key);
-  if (it != entries_.end() && it->second.get() == &e) entries_.erase(it);
+  if (it != entries_.end() && it->second.get() == &e) {
+    if (e.opened_by) {
+      auto opened = opened_by_uid_.find(*e.opened_by);
+      if (opened != opened_by_uid_.end() && --opened->second == 0) opened_by_uid_.erase(opened);
+    }
+    entries_.erase(it);
+  }
 }
 
 void RendezvousTable::DeadlineLoop() {
@@ -399,7 +414,7 @@ absl::Status RendezvousClient::EndGroup(const std::string& address, const std::s
 absl::StatusOr<std::shared_ptr<RendezvousCall>> RendezvousClient::Start(
     const std::string& address, const std::string& key, int world_size, int rank,
     const std::string& agreement, const std::string& payload, absl::Duration timeout,
-    RendezvousDone done) {
+    RendezvousDone done, std::optional<uint32_t> client_uid) {
   ULY_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, ChannelFor(address));
   auto call = std::make_shared<RendezvousCall>();
   call->address_ = address;
@@ -414,6 +429,7 @@ absl::StatusOr<std::shared_ptr<RendezvousCall>> RendezvousClient::Start(
   call->req_.set_agreement(agreement);
   call->req_.set_payload(payload);
   call->req_.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
+  if (client_uid) call->req_.set_client_uid(*client_uid);
   // The server enforces the timeout; the channel gets a little more so that the server's verdict
   // (the same on every rank) arrives rather than a local deadline.
   call->ctx_.set_deadline(absl::ToChronoTime(absl::Now() + timeout + absl::Seconds(5)));

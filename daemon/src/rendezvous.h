@@ -36,6 +36,9 @@ inline constexpr size_t kMaxRendezvousPayloadBytes = 64 * 1024;
 inline constexpr size_t kMaxRendezvousReasonBytes = 4096;
 /// Keys with ranks waiting at once; an arrival under a new key beyond it is RESOURCE_EXHAUSTED.
 inline constexpr size_t kMaxPendingRendezvous = 4096;
+/// Of those, the steps the clients of one uid may have opened (been first to arrive at): a
+/// quarter, so that one uid's clients, on however many daemons, cannot fill the table.
+inline constexpr size_t kMaxPendingRendezvousPerUid = kMaxPendingRendezvous / 4;
 /// Longest wait one rank may ask for.
 inline constexpr int64_t kMaxRendezvousTimeoutMs = 3600 * 1000;
 /// Ended groups (RendezvousTable::EndGroup) remembered at once, and for how long: a prefix names
@@ -81,9 +84,13 @@ class RendezvousTable {
   /// under a new key beyond kMaxPendingRendezvous is RESOURCE_EXHAUSTED: an error leaves the
   /// table unchanged and `done` is never called. When this arrival decides the step, every
   /// rank's `done`, this one's included, has run before Arrive returns.
+  /// `client_uid`, when known, is the uid of the client the arrival is for: an arrival that
+  /// would open a new key past kMaxPendingRendezvousPerUid keys opened for that uid is
+  /// RESOURCE_EXHAUSTED too.
   absl::StatusOr<uint64_t> Arrive(const std::string& key, int world_size, int rank,
                                   const std::string& agreement, const std::string& payload,
-                                  absl::Time deadline, Done done);
+                                  absl::Time deadline, Done done,
+                                  std::optional<uint32_t> client_uid = std::nullopt);
   /// The daemon that sent arrival `id` went away (its call was cancelled): its key fails for
   /// every rank with ABORTED naming its rank. Nothing once the key has its verdict.
   void Cancel(uint64_t id);
@@ -116,6 +123,7 @@ class RendezvousTable {
     int arrived = 0;
     std::vector<Waiter> waiters;
     absl::Time deadline = absl::InfiniteFuture();
+    std::optional<uint32_t> opened_by;  // the uid whose arrival made the entry, when known
   };
   struct Arrival {
     std::shared_ptr<Entry> entry;
@@ -142,6 +150,7 @@ class RendezvousTable {
   std::condition_variable deadline_cv_;  // the earliest deadline changed, or stop_
   bool stop_ = false;
   std::map<std::string, std::shared_ptr<Entry>> entries_;
+  std::map<uint32_t, size_t> opened_by_uid_;  // pending keys each uid's arrivals opened
   std::map<std::pair<absl::Time, uint64_t>, std::string> deadlines_;  // (deadline, serial) -> key
   std::map<uint64_t, Arrival> arrivals_;  // waiting arrivals by id
   std::map<std::string, Ended> ended_;    // EndGroup's prefixes
@@ -243,7 +252,9 @@ class RendezvousClient {
                                                         int rank, const std::string& agreement,
                                                         const std::string& payload,
                                                         absl::Duration timeout,
-                                                        RendezvousDone done);
+                                                        RendezvousDone done,
+                                                        std::optional<uint32_t> client_uid =
+                                                            std::nullopt);
   /// Start, then waits for the verdict.
   absl::StatusOr<std::vector<std::string>> Rendezvous(const std::string& address,
                                                       const std::string& key, int world_size,

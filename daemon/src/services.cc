@@ -315,7 +315,8 @@ class JoinGroupReactor final : public grpc::ServerUnaryReactor {
                                         EndJoin();
                                         HappensBefore(this);
                                         Done(ToGrpcStatus(s));
-                                      }));
+                                      },
+                                      c_->BoundUid()));
     std::lock_guard<std::mutex> lock(mu_);
     call_ = std::move(call);
     return absl::OkStatus();
@@ -612,7 +613,8 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
           complete_ = std::thread([this, names = std::move(names)]() mutable {
             Done(ToGrpcStatus(Complete(std::move(names))));
           });
-        });
+        },
+        c_->BoundUid());
     if (!call.ok()) {
       EndRefusedArrival();
       Done(ToGrpcStatus(Complete(call.status())));
@@ -650,7 +652,8 @@ class CreateSessionReactor final : public grpc::ServerUnaryReactor {
                              agreement_, payload, timeout_,
                              [verdict](RendezvousTable::Verdict v) {
                                verdict->set_value(std::move(v));
-                             }));
+                             },
+                             c_->BoundUid()));
     Track(call);
     ULY_ASSIGN_OR_RETURN(std::vector<std::string> payloads, answered.get());
     ULY_RETURN_IF_ERROR(StripOk(payloads, "could not connect its session"));
@@ -1343,7 +1346,8 @@ class RendezvousReactor final : public grpc::ServerUnaryReactor {
       : table_(table) {
     absl::StatusOr<uint64_t> id = table_.Arrive(
         req.key(), req.world_size(), req.rank(), req.agreement(), req.payload(),
-        absl::Now() + absl::Milliseconds(timeout_ms), [this, resp](RendezvousTable::Verdict v) {
+        absl::Now() + absl::Milliseconds(timeout_ms),
+        [this, resp](RendezvousTable::Verdict v) {
           if (!v.ok()) {
             HappensBefore(this);
             return Finish(ToGrpcStatus(v.status()));
@@ -1351,7 +1355,8 @@ class RendezvousReactor final : public grpc::ServerUnaryReactor {
           for (auto& p : *v) resp->add_payloads(std::move(p));
           HappensBefore(this);
           Finish(grpc::Status::OK);
-        });
+        },
+        req.has_client_uid() ? std::optional<uint32_t>(req.client_uid()) : std::nullopt);
     if (!id.ok()) Finish(ToGrpcStatus(id.status()));
     else arrival_ = *id;
     HappensBefore(this);

@@ -6,8 +6,11 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -144,6 +147,32 @@ TEST(RendezvousTableTest, TheArrivalThatCompletesTheStepAnswersEveryRankBeforeIt
   }
   EXPECT_EQ(table.pending(), 0u);
   EXPECT_EQ(table.waiting(), 0u);
+}
+
+// One uid's clients may open a quarter of the keys the table holds pending; other uids, and
+// arrivals at keys already open, are still taken, and a key decided gives its place back.
+TEST(RendezvousTableTest, OneUidOpensNoMoreThanItsShareOfTheTable) {
+  std::vector<std::unique_ptr<Answer>> answers;  // outlives the table, which answers them last
+  RendezvousTable table;
+  const absl::Time hour = absl::Now() + absl::Hours(1);
+  auto arrive = [&](const std::string& key, int rank, std::optional<uint32_t> uid) {
+    answers.push_back(std::make_unique<Answer>());
+    return table.Arrive(key, 2, rank, "a", "p", hour, answers.back()->Callback(), uid);
+  };
+  for (size_t i = 0; i < kMaxPendingRendezvousPerUid; ++i)
+    ASSERT_TRUE(arrive(StrCat("join/a", i), 0, 1000).ok()) << i;
+  absl::StatusOr<uint64_t> past = arrive("join/one-more", 0, 1000);
+  EXPECT_EQ(past.status().code(), absl::StatusCode::kResourceExhausted) << past.status();
+  EXPECT_NE(past.status().message().find("uid 1000"), std::string::npos) << past.status();
+  EXPECT_EQ(table.pending(), kMaxPendingRendezvousPerUid);
+  // Another uid, an arrival of no known uid, and uid 1000 at a key another opened: all taken.
+  EXPECT_TRUE(arrive("join/b", 0, 2000).ok());
+  EXPECT_TRUE(arrive("join/c", 0, std::nullopt).ok());
+  EXPECT_TRUE(arrive("join/b", 1, 1000).ok());  // completes join/b
+  EXPECT_TRUE(arrive("join/a0", 1, 1000).ok());  // completes join/a0: its place comes back
+  EXPECT_TRUE(arrive("join/one-more", 0, 1000).ok());
+  EXPECT_EQ(arrive("join/two-more", 0, 1000).status().code(),
+            absl::StatusCode::kResourceExhausted);
 }
 
 TEST(RendezvousTableTest, AnArrivalWhoseSenderWentAwayAbortsTheKeyForEveryRankNamingIt) {
