@@ -27,6 +27,9 @@
 namespace ulysses::security {
 namespace {
 
+// RESOURCE_EXHAUSTED naming limits.`limit`.
+void ExpectExhausted(const absl::Status& s, const std::string& limit);
+
 class QuotaTest : public DaemonTest {
  protected:
   void SetUp() override {}
@@ -128,6 +131,26 @@ class QuotaTest : public DaemonTest {
     }
     EXPECT_TRUE(p.ok()) << p.ga.status() << p.gb.status();
     return p;
+  }
+
+  // A bound on what all clients hold together that three buffers of `unit` bytes reach: with
+  // two of a's and one of b's, b's next is refused naming `limit`; a buffer a frees, and a's
+  // last one once a goes, come back to b.
+  void ExpectBoundInAll(const std::string& limit, uint64_t unit) {
+    auto a = Connect("a");
+    auto b = Connect("b");
+    ASSERT_NE(a, nullptr);
+    ASSERT_NE(b, nullptr);
+    absl::StatusOr<client::Buffer> a1 = a->AllocBuffer(unit, "a1");
+    ASSERT_TRUE(a1.ok()) << a1.status();
+    ASSERT_TRUE(a->AllocBuffer(unit, "a2").ok());
+    ASSERT_TRUE(b->AllocBuffer(unit, "b1").ok());
+    ExpectExhausted(b->AllocBuffer(unit, "b2").status(), limit);
+    ASSERT_TRUE(a->FreeBuffer(a1->id).ok());
+    EXPECT_TRUE(b->AllocBuffer(unit, "b2").ok());
+    a.reset();  // its buffer left goes with it
+    EXPECT_TRUE(Eventually([&] { return b->AllocBuffer(unit, "b3").ok(); }));
+    ExpectExhausted(b->AllocBuffer(unit, "b4").status(), limit);
   }
 
   // A one-rank group of `c` on this daemon.
@@ -602,15 +625,12 @@ TEST_F(QuotaTest, OneUidHoldsNoMoreThanItsShareOfTheSlotBudget) {
                          R"(, "uid_share_percent": 50}})"));
   SoloPair pair = TwoSoloClients();
   ASSERT_TRUE(pair.ok());
-  std::unique_ptr<client::Client>& a = pair.a;
-  std::unique_ptr<client::Client>& b = pair.b;
-  absl::StatusOr<client::Group>& ga = pair.ga;
-  absl::StatusOr<client::Group>& gb = pair.gb;
-  auto a1 = a->CreateSession(*ga, TinySpec());
-  auto b1 = b->CreateSession(*gb, TinySpec());
+  auto a1 = pair.a->CreateSession(*pair.ga, TinySpec());
+  auto b1 = pair.b->CreateSession(*pair.gb, TinySpec());
   ASSERT_TRUE(a1.ok() && b1.ok()) << a1.status() << b1.status();
   // Both clients are of this uid: the third session passes the share, not the budget.
-  absl::StatusOr<std::unique_ptr<client::Session>> a2 = a->CreateSession(*ga, TinySpec());
+  absl::StatusOr<std::unique_ptr<client::Session>> a2 =
+      pair.a->CreateSession(*pair.ga, TinySpec());
   EXPECT_EQ(a2.status().code(), absl::StatusCode::kResourceExhausted) << a2.status();
   EXPECT_NE(a2.status().message().find("slots.uid_share_percent"), std::string::npos)
       << a2.status();
@@ -620,14 +640,14 @@ TEST_F(QuotaTest, OneUidHoldsNoMoreThanItsShareOfTheSlotBudget) {
   // A closed session gives its part back.
   a1->reset();
   EXPECT_TRUE(Eventually([&] { return SlotBytesInUse() == one; }));
-  auto a3 = a->CreateSession(*ga, TinySpec());
+  auto a3 = pair.a->CreateSession(*pair.ga, TinySpec());
   EXPECT_TRUE(a3.ok()) << a3.status();
   // With the whole budget for one uid (the default), the same three sessions fit.
   a1->reset();
   b1->reset();
   a3->reset();
-  a.reset();
-  b.reset();
+  pair.a.reset();
+  pair.b.reset();
   StartWithConfig(StrCat(R"({"slots": {"memory_budget_bytes": )", budget, "}}"));
   auto c = Connect("c");
   ASSERT_NE(c, nullptr);
@@ -647,15 +667,11 @@ TEST_F(QuotaTest, AdminListingsComeInPages) {
   StartWithLimits("{}");
   SoloPair pair = TwoSoloClients();
   ASSERT_TRUE(pair.ok());
-  std::unique_ptr<client::Client>& a = pair.a;
-  std::unique_ptr<client::Client>& b = pair.b;
-  absl::StatusOr<client::Group>& ga = pair.ga;
-  absl::StatusOr<client::Group>& gb = pair.gb;
   client::SessionSpec spec = TinySpec();
   spec.num_slots = 2;
   std::vector<std::unique_ptr<client::Session>> held;
   for (int i = 0; i < 5; ++i) {
-    auto s = (i % 2 ? b : a)->CreateSession(i % 2 ? *gb : *ga, spec);
+    auto s = (i % 2 ? pair.b : pair.a)->CreateSession(i % 2 ? *pair.gb : *pair.ga, spec);
     ASSERT_TRUE(s.ok()) << s.status();
     held.push_back(std::move(*s));
   }
@@ -732,28 +748,24 @@ TEST_F(QuotaTest, SessionsArePerClientPerUidAndInAll) {
   StartWithLimits(R"({"sessions_per_client": 3, "sessions_per_uid": 4, "max_sessions": 5})");
   SoloPair pair = TwoSoloClients();
   ASSERT_TRUE(pair.ok());
-  std::unique_ptr<client::Client>& a = pair.a;
-  std::unique_ptr<client::Client>& b = pair.b;
-  absl::StatusOr<client::Group>& ga = pair.ga;
-  absl::StatusOr<client::Group>& gb = pair.gb;
   const client::SessionSpec spec = TinySpec();
   const int baseline = CountFds(daemon_.pid());
   std::vector<std::unique_ptr<client::Session>> held;
   for (int i = 0; i < 3; ++i) {
-    auto s = a->CreateSession(*ga, spec);
+    auto s = pair.a->CreateSession(*pair.ga, spec);
     ASSERT_TRUE(s.ok()) << s.status();
     held.push_back(std::move(*s));
   }
-  ExpectExhausted(a->CreateSession(*ga, spec).status(), "sessions_per_client");
-  auto b1 = b->CreateSession(*gb, spec);
+  ExpectExhausted(pair.a->CreateSession(*pair.ga, spec).status(), "sessions_per_client");
+  auto b1 = pair.b->CreateSession(*pair.gb, spec);
   ASSERT_TRUE(b1.ok()) << b1.status();
-  ExpectExhausted(b->CreateSession(*gb, spec).status(), "sessions_per_uid");
+  ExpectExhausted(pair.b->CreateSession(*pair.gb, spec).status(), "sessions_per_uid");
   const std::string sessions = StrCat("ulyssesd_uid_sessions{uid=\"", ::getuid(), "\"} ");
   EXPECT_NE(Metrics().find(sessions + "4"), std::string::npos) << Metrics();
   // The daemon-wide bound, with the per-uid one out of the way.
   held.pop_back();  // closes one of a's
   EXPECT_TRUE(Eventually([&] { return Metrics().find(sessions + "3") != std::string::npos; }));
-  auto b2 = b->CreateSession(*gb, spec);
+  auto b2 = pair.b->CreateSession(*pair.gb, spec);
   ASSERT_TRUE(b2.ok()) << b2.status();
   const std::string m = Metrics();
   EXPECT_NE(m.find("ulyssesd_limit_refusals_total{limit=\"sessions_per_client\"} 1"),
@@ -762,7 +774,7 @@ TEST_F(QuotaTest, SessionsArePerClientPerUidAndInAll) {
             std::string::npos) << m;
   EXPECT_NE(m.find("ulyssesd_limit{limit=\"max_sessions\"} 5"), std::string::npos) << m;
   held.clear();
-  a.reset();
+  pair.a.reset();
   EXPECT_TRUE(Eventually([&] { return Metrics().find(sessions + "2") != std::string::npos; }));
   // A client that goes gives back every session it had: a process of this uid with a session
   // open is killed.
@@ -780,7 +792,7 @@ TEST_F(QuotaTest, SessionsArePerClientPerUidAndInAll) {
   EXPECT_TRUE(Eventually([&] { return CountFds(daemon_.pid()) <= baseline; }))
       << CountFds(daemon_.pid()) << " descriptors, " << baseline << " before the sessions\n"
       << DescribeFds(daemon_.pid());
-  auto again = b->CreateSession(*gb, spec);
+  auto again = pair.b->CreateSession(*pair.gb, spec);
   EXPECT_TRUE(again.ok()) << again.status();
 }
 
@@ -857,44 +869,16 @@ TEST_F(QuotaTest, CollectiveRequestsCountAmongRequestsInProgress) {
   ExpectExhausted(Solo(*a, "s3").status(), "groups_per_client");
 }
 
-// Buffers of all clients together: each is a mapping of the daemon's, whatever uid holds it.
-TEST_F(QuotaTest, BufferBytesOfAllClientsAreBounded) {
-  StartWithLimits(R"({"max_buffer_bytes": 12288})");
-  auto a = Connect("a");
-  auto b = Connect("b");
-  ASSERT_NE(a, nullptr);
-  ASSERT_NE(b, nullptr);
-  absl::StatusOr<client::Buffer> a1 = a->AllocBuffer(8192, "a1");
-  ASSERT_TRUE(a1.ok()) << a1.status();
-  ASSERT_TRUE(b->AllocBuffer(4096, "b1").ok());
-  ExpectExhausted(b->AllocBuffer(4096, "b2").status(), "max_buffer_bytes");
-  // Freed bytes, and the bytes of a client that goes, come back.
-  ASSERT_TRUE(a->FreeBuffer(a1->id).ok());
-  absl::StatusOr<client::Buffer> b2 = b->AllocBuffer(4096, "b2");
-  ASSERT_TRUE(b2.ok()) << b2.status();
-  ASSERT_TRUE(a->AllocBuffer(4096, "a2").ok());
-  ExpectExhausted(b->AllocBuffer(4096, "b3").status(), "max_buffer_bytes");
-  a.reset();
-  EXPECT_TRUE(Eventually([&] { return b->AllocBuffer(4096, "b3").ok(); }));
-  ExpectExhausted(b->AllocBuffer(1, "b4").status(), "max_buffer_bytes");
-}
-
+// Buffers of all clients together: each is a mapping of the daemon's, whatever uid holds it;
+// and their bytes.
 TEST_F(QuotaTest, BuffersOfAllClientsAreBounded) {
   StartWithLimits(R"({"max_buffers": 3})");
-  auto a = Connect("a");
-  auto b = Connect("b");
-  ASSERT_NE(a, nullptr);
-  ASSERT_NE(b, nullptr);
-  absl::StatusOr<client::Buffer> a1 = a->AllocBuffer(4096, "a1");
-  ASSERT_TRUE(a1.ok()) << a1.status();
-  ASSERT_TRUE(a->AllocBuffer(4096, "a2").ok());
-  ASSERT_TRUE(b->AllocBuffer(4096, "b1").ok());
-  ExpectExhausted(b->AllocBuffer(4096, "b2").status(), "max_buffers");
-  ASSERT_TRUE(a->FreeBuffer(a1->id).ok());
-  EXPECT_TRUE(b->AllocBuffer(4096, "b2").ok());
-  a.reset();  // its buffer left goes with it
-  EXPECT_TRUE(Eventually([&] { return b->AllocBuffer(4096, "b3").ok(); }));
-  ExpectExhausted(b->AllocBuffer(4096, "b4").status(), "max_buffers");
+  ExpectBoundInAll("max_buffers", 4096);
+}
+
+TEST_F(QuotaTest, BufferBytesOfAllClientsAreBounded) {
+  StartWithLimits(R"({"max_buffer_bytes": 12288})");
+  ExpectBoundInAll("max_buffer_bytes", 4096);
 }
 
 // Descriptors sent and not claimed, of all clients together: past the bound a frame is
