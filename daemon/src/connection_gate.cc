@@ -74,9 +74,8 @@ void ConnectionGate::AcceptBurst() {
     absl::StatusOr<ipc::UniqueFd> sock = listener_.TryAccept();
     if (!sock.ok()) {
       if (sock.status().code() == absl::StatusCode::kCancelled) return;
-      if (uint64_t dropped = 0; log_budget_.Take(&dropped))
-        log->warn("control socket: accept: {}; pausing accepts for {} ms{}",
-                  std::string(sock.status().message()), kAcceptBackoffMs, DroppedNote(dropped));
+      WarnWithin(log_budget_, *log, "control socket: accept: {}; pausing accepts for {} ms",
+                 std::string(sock.status().message()), kAcceptBackoffMs);
       ::poll(nullptr, 0, kAcceptBackoffMs);
       return;
     }
@@ -84,9 +83,8 @@ void ConnectionGate::AcceptBurst() {
     absl::StatusOr<ipc::PeerCred> cred = ipc::GetPeerCred(sock->get());
     if (!cred.ok()) continue;  // closed: whoever it was is gone
     if (absl::Status admitted = admit_(cred->uid); !admitted.ok()) {
-      if (uint64_t dropped = 0; log_budget_.Take(&dropped))
-        log->warn("control socket: connection of uid {} (pid {}) refused: {}{}", cred->uid,
-                  cred->pid, std::string(admitted.message()), DroppedNote(dropped));
+      WarnWithin(log_budget_, *log, "control socket: connection of uid {} (pid {}) refused: {}",
+                 cred->uid, cred->pid, std::string(admitted.message()));
       continue;
     }
     ipc::UniqueFd watch(::fcntl(sock->get(), F_DUPFD_CLOEXEC, 0));

@@ -499,7 +499,7 @@ std::string Daemon::RenderMetrics() {
 }
 
 absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(
-    const std::string& name, int64_t reported_pid, std::optional<uid_t> connection_uid) {
+    const std::string& name, int64_t reported_pid, uid_t connection_uid) {
   ULY_RETURN_IF_ERROR(CheckName("client_name", name));
   // Linux pids are below 2^22 (PID_MAX_LIMIT).
   if (reported_pid < 0 || reported_pid >= (int64_t{1} << 22))
@@ -526,7 +526,7 @@ absl::StatusOr<std::shared_ptr<ClientRecord>> Daemon::AttachClient(
   }
   ULY_RETURN_IF_ERROR(headroom_.Check("Attach"));
   // Counted against its connection's uid until it binds: c is not shared yet.
-  if (connection_uid) ULY_RETURN_IF_ERROR(ChargeUnboundLocked(*c, *connection_uid));
+  ULY_RETURN_IF_ERROR(ChargeUnboundLocked(*c, connection_uid));
   std::lock_guard<std::mutex> lock(mu_);
   if (absl::Status full = refuse_if_full(); !full.ok()) {
     ReleaseUnboundLocked(*c);

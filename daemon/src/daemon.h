@@ -207,11 +207,11 @@ class Daemon {
 
   // --- used by the services ---
   absl::StatusOr<std::shared_ptr<ClientRecord>> Authenticate(const grpc::ServerContextBase* ctx);
-  /// `connection_uid`: the uid of the control connection Attach came on, when known (the
-  /// gate's), against which the client counts until it binds.
-  absl::StatusOr<std::shared_ptr<ClientRecord>> AttachClient(
-      const std::string& name, int64_t reported_pid = 0,
-      std::optional<uid_t> connection_uid = std::nullopt);
+  /// `connection_uid`: the uid of the control connection Attach came on (the gate's), against
+  /// which the client counts until it binds.
+  absl::StatusOr<std::shared_ptr<ClientRecord>> AttachClient(const std::string& name,
+                                                             int64_t reported_pid,
+                                                             uid_t connection_uid);
   /// The uid of the control connection a call came on (ConnectionGate::UidOfPeer).
   std::optional<uid_t> ConnectionUid(const grpc::ServerContextBase& ctx) const {
     return control_gate_.UidOfPeer(ctx.peer());

@@ -224,9 +224,8 @@ void FdExports::Serve() {
     requests.AcceptFrom(listener_, kAcceptsPerRound, [&](int sock) {
       absl::StatusOr<ipc::PeerCred> cred = ipc::GetPeerCred(sock);
       if (cred.ok() && cred->uid == ::geteuid()) return true;
-      if (uint64_t dropped = 0; requests.log_budget().Take(&dropped))
-        log->warn("peer fd socket: refused a connection from uid {}{}",
-                  cred.ok() ? static_cast<int64_t>(cred->uid) : -1, DroppedNote(dropped));
+      WarnWithin(requests.log_budget(), *log, "peer fd socket: refused a connection from uid {}",
+                 cred.ok() ? static_cast<int64_t>(cred->uid) : -1);
       return false;
     });
   }

@@ -166,8 +166,7 @@ void Daemon::HandleClientFrame(ClientRecord& c, ipc::ReceivedMessage m) {
   // A frame that is not taken is dropped with its descriptors (they close with `m`); the
   // stream stays in step (frames are length-prefixed), so the client keeps being served.
   auto ignored = [&c](const std::string& why) {
-    if (uint64_t dropped = 0; c.log_budget.Take(&dropped))
-      Logger("ipc")->warn("client {}: fd frame ignored: {}{}", c.id, why, DroppedNote(dropped));
+    WarnWithin(c.log_budget, *Logger("ipc"), "client {}: fd frame ignored: {}", c.id, why);
   };
   absl::StatusOr<ipc::FdFrame> f = ipc::DecodeFdFrame(m.payload);
   if (!f.ok() || m.fds.size() != 1) {

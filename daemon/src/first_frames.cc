@@ -59,19 +59,17 @@ void FirstFrames::AcceptFrom(ipc::UnixListener& listener, int burst,
     absl::StatusOr<ipc::UniqueFd> sock = listener.TryAccept();
     if (!sock.ok()) {
       if (sock.status().code() == absl::StatusCode::kCancelled) return;  // shutting down
-      if (uint64_t dropped = 0; log_budget_.Take(&dropped))
-        log->warn("{}: accept: {}; pausing accepts for {}{}", what_,
-                  std::string(sock.status().message()), absl::FormatDuration(kAcceptBackoff),
-                  DroppedNote(dropped));
+      WarnWithin(log_budget_, *log, "{}: accept: {}; pausing accepts for {}", what_,
+                 std::string(sock.status().message()), absl::FormatDuration(kAcceptBackoff));
       accept_paused_until_ = absl::Now() + kAcceptBackoff;
       return;
     }
     if (!sock->valid()) return;  // none left
     if (!admit(sock->get())) continue;
     if (waiting_.size() >= max_waiting_) {
-      if (uint64_t dropped = 0; log_budget_.Take(&dropped))
-        log->warn("{}: {} connections wait for their first frame; dropping the oldest{}", what_,
-                  waiting_.size(), DroppedNote(dropped));
+      WarnWithin(log_budget_, *log,
+                 "{}: {} connections wait for their first frame; dropping the oldest", what_,
+                 waiting_.size());
       waiting_.pop_front();
     }
     waiting_.push_back(Waiting{std::move(*sock), ipc::FrameReader(max_payload_, /*max_fds=*/0),

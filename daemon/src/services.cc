@@ -796,7 +796,7 @@ class ControlService final
     if (!uid || ctx->IsCancelled())
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the connection of this Attach ended");
     absl::StatusOr<std::shared_ptr<ClientRecord>> c =
-        d_->AttachClient(req->client_name(), req->reported_pid(), uid);
+        d_->AttachClient(req->client_name(), req->reported_pid(), *uid);
     if (!c.ok()) return ToGrpcStatus(c.status());
     resp->set_client_id((*c)->id);
     resp->set_token((*c)->token);

@@ -581,8 +581,7 @@ CallOutcome Session::Outcome(const CallPlan& plan, int s, uint64_t e) const {
 }
 
 void Session::Warn(const std::string& what) const {
-  if (uint64_t dropped = 0; log_budget_.Take(&dropped))
-    Logger("exec")->warn("session {} {}{}", id_, what, DroppedNote(dropped));
+  WarnWithin(log_budget_, *Logger("exec"), "session {} {}", id_, what);
 }
 
 void Session::Break() {

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
@@ -49,6 +50,16 @@ class LogBudget {
 /// " (N more such lines not logged)" for N > 0, else "": the tail of a line a LogBudget let
 /// through.
 std::string DroppedNote(uint64_t dropped);
+
+/// A warning through `log` when `budget` lets one more line through (formatted only then),
+/// ending with DroppedNote.
+template <typename... Args>
+void WarnWithin(LogBudget& budget, spdlog::logger& log, spdlog::format_string_t<Args...> format,
+                Args&&... args) {
+  uint64_t dropped = 0;
+  if (!budget.Take(&dropped)) return;
+  log.warn("{}{}", fmt::format(format, std::forward<Args>(args)...), DroppedNote(dropped));
+}
 
 /// Lines every LogBudget of this process kept from the log (the metric
 /// ulyssesd_log_lines_dropped_total).
